@@ -1,0 +1,32 @@
+# splitserve: the two everyday commands are `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test check-long bench clean
+
+install: $(STAMP)
+
+# torch first from its pinned CPU build, then nixl-cu12 (which must not pull its own torch).
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[nixl,test]'
+	touch $(STAMP)
+
+run: install
+	$(BIN)/splitserve serve --model tiny --host 127.0.0.1 --port 8000
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+check-long: install
+	$(BIN)/python -m pytest -q -m long tests
+
+bench: install
+	$(BIN)/python bench/engine.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

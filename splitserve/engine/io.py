@@ -1,0 +1,82 @@
+"""What goes into the engine and what comes out: typed, immutable, shared by the server and router.
+
+A request is validated and tokenized before it gets here (``server/validation.py``); the engine
+only sees token ids and :class:`SamplingParams`. It answers with a stream of
+:class:`RequestOutput` deltas, the last one with ``finished=True``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+DEFAULT_MAX_TOKENS = 256
+"""max_tokens when a request names none (documented in the README and ``--help``)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no limit
+    seed: Optional[int] = None  # None: the engine draws one; randomness is drawn per (seed, position)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    rid: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One delta of a request's answer. ``text`` never ends in the middle of a UTF-8 character
+    nor in what may still become a stop string, so concatenated deltas equal the final text."""
+
+    rid: str
+    token_ids: tuple[int, ...] = ()
+    text: str = ""
+    finished: bool = False
+    finish_reason: Optional[str] = None  # "stop" | "length" on success
+    error: Optional[str] = None  # set when the request failed or was aborted; finish_reason is None
+    error_code: int = 500  # HTTP status the front end should use for ``error``
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class EngineError(Exception):
+    """Raised at submission; ``status`` is the HTTP status the front end answers with."""
+
+    status = 500
+    code = "internal_error"
+
+
+class Overloaded(EngineError):
+    status = 429
+    code = "overloaded"
+
+
+class NotReady(EngineError):
+    status = 503
+    code = "not_ready"
+
+
+class InvalidRequest(EngineError):
+    """Bad input. ``param`` names the offending field, as in OpenAI's error body."""
+
+    status = 400
+    code = "invalid_request_error"
+
+    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
+        super().__init__(message)
+        self.param = param
+        self.status = status
