@@ -1,0 +1,57 @@
+"""Configuration: frozen dataclasses whose field defaults are the CLI defaults (``cli.py`` builds
+its options from them, so ``--help`` and the code never disagree)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"
+    """A Hugging Face checkpoint directory, or `tiny` for the built-in tiny model."""
+    dtype: str = "auto"
+    """float32, bfloat16, float16, or auto (float32 on CPU, the checkpoint's dtype on GPU)."""
+    device: str = "cpu"
+    page_size: int = 16
+    """Tokens per KV page."""
+    max_total_tokens: int = 65536
+    """KV pool size in tokens (rounded up to whole pages)."""
+    max_running_requests: int = 64
+    """Cap on requests in the running batch."""
+    max_waiting_requests: int = 256
+    """Waiting-queue length beyond which new requests get HTTP 429."""
+    max_batch_tokens: int = 2048
+    """Token budget of one engine step (prefill chunks plus decode tokens)."""
+    chunked_prefill: bool = True
+    """Split long prompts into chunks under the step budget; off: a prompt runs in one step."""
+    seed: int = 0
+    """Seed for requests that name none is drawn from this worker's RNG seeded with this."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    role: str = "colocated"
+    served_model_name: Optional[str] = None
+    """Name clients use in `model`; defaults to the checkpoint folder's basename."""
+    drain_timeout_s: float = 30.0
+    """On SIGTERM, how long in-flight requests may take before they are ended with an error."""
+
+
+def field_help(cls) -> dict[str, str]:
+    """Attribute docstrings of a config dataclass, for argparse help (parsed from the source)."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    helps: dict[str, str] = {}
+    body = tree.body[0].body
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            helps[node.target.id] = str(nxt.value.value)
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in helps.items() if k in names}
