@@ -43,8 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run a worker with the OpenAI-compatible HTTP API",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = sub.add_parser("serve", help="run a worker with the OpenAI-compatible HTTP API")
     _add_config_options(serve, ServerConfig)
     _add_config_options(serve, EngineConfig)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

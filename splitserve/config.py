@@ -14,6 +14,7 @@ class EngineConfig:
     dtype: str = "auto"
     """float32, bfloat16, float16, or auto (float32 on CPU, the checkpoint's dtype on GPU)."""
     device: str = "cpu"
+    """Where the model runs: cpu (tested), or cuda (optional, untested here)."""
     page_size: int = 16
     """Tokens per KV page."""
     max_total_tokens: int = 65536
@@ -33,8 +34,11 @@ class EngineConfig:
 @dataclass(frozen=True)
 class ServerConfig:
     host: str = "127.0.0.1"
+    """Address the HTTP API listens on."""
     port: int = 8000
+    """Port of the HTTP API."""
     role: str = "colocated"
+    """colocated (prefill and decode in this worker); prefill and decode come with disaggregation."""
     served_model_name: Optional[str] = None
     """Name clients use in `model`; defaults to the checkpoint folder's basename."""
     drain_timeout_s: float = 30.0
