@@ -1,0 +1,183 @@
+"""The engine loop: one thread that owns the :class:`LLMEngine`, fed through an inbox.
+
+The HTTP front end runs on an asyncio loop in another thread. It never touches request state: it
+posts events (add, abort, drain, stop) to the inbox, and the engine loop posts each step's outputs
+back with ``call_soon_threadsafe`` to one asyncio queue per request (DESIGN §2, rule 1).
+
+Admission is decided on the asyncio side from its own count of requests in flight, so a full
+server refuses at once (429) instead of queueing without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.io import (EngineError, GenerateRequest, InvalidRequest, NotReady, Overloaded,
+                                  RequestOutput)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Add:
+    req: GenerateRequest
+
+
+@dataclass(frozen=True)
+class _Abort:
+    rid: str
+    reason: str
+    code: int
+
+
+@dataclass(frozen=True)
+class _Stop:
+    reason: str
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.engine: Optional[LLMEngine] = None
+        self.ready = False
+        self.draining = False
+        self._inbox: "queue.Queue[object]" = queue.Queue()
+        self._streams: dict[str, asyncio.Queue] = {}  # asyncio thread only
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stats = None  # last EngineStats, published by the engine loop after each step
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Load the model and start the engine thread. Blocking: run it in an executor."""
+        self.engine = LLMEngine(self.config)
+        self._stats = self.engine.stats()
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        self.ready = True
+
+    @property
+    def spec(self):
+        return self.engine.spec
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def begin_drain(self) -> None:
+        self.draining = True
+
+    def shutdown(self, reason: str = "the server is shutting down") -> None:
+        """End every live request with an error and stop the engine thread."""
+        self.ready = False
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(_Stop(reason))
+            self._thread.join(timeout=30)
+
+    # -- requests (asyncio thread) ------------------------------------------------------------
+
+    def submit(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        if not self.ready or self.draining:
+            raise NotReady("the server is not ready" if not self.ready else "the server is draining")
+        if len(self._streams) >= self.config.max_running_requests + self.config.max_waiting_requests:
+            raise Overloaded(f"{len(self._streams)} requests in flight; the waiting queue is full")
+        if req.rid in self._streams:
+            raise InvalidRequest(f"request id {req.rid!r} is already in flight", param="rid")
+        self.engine.check_fits(req)  # reads only immutable sizes
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[req.rid] = stream
+        self._inbox.put(_Add(req))
+        return self._iterate(req.rid, stream)
+
+    async def _iterate(self, rid: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        try:
+            while True:
+                out: RequestOutput = await stream.get()
+                yield out
+                if out.finished:
+                    return
+        finally:
+            if self._streams.pop(rid, None) is not None and not self._finished(stream):
+                self.abort(rid)  # the consumer went away early (client disconnect)
+
+    @staticmethod
+    def _finished(stream: asyncio.Queue) -> bool:
+        return getattr(stream, "_splitserve_done", False)
+
+    def abort(self, rid: str, reason: str = "aborted by the client", code: int = 499) -> None:
+        """Thread-safe and idempotent."""
+        self._inbox.put(_Abort(rid, reason, code))
+
+    def stats(self) -> dict:
+        s = self._stats
+        return {"pages_free": s.pages_free, "pages_total": s.pages_total,
+                "queues": {"waiting": s.waiting, "running": s.running}, "preemptions": s.preemptions}
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Runs on the asyncio thread."""
+        for out in outputs:
+            stream = self._streams.get(out.rid)
+            if stream is None:
+                continue
+            if out.finished:
+                stream._splitserve_done = True
+            stream.put_nowait(out)
+
+    # -- engine thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                events = self._take_events(block=not engine.has_work())
+                outputs: list[RequestOutput] = []
+                for ev in events:
+                    if isinstance(ev, _Stop):
+                        self._post(engine.abort_all(ev.reason, 503))
+                        self._stats = engine.stats()
+                        return
+                    outputs += self._handle(ev)
+                if engine.has_work():
+                    outputs += engine.step()
+                self._stats = engine.stats()
+                self._post(outputs)
+            except Exception:  # never die silently: log, fail what is live, keep serving
+                log.exception("engine loop error; failing all live requests")
+                self._post(engine.abort_all("internal error in the engine loop", 500))
+
+    def _take_events(self, block: bool) -> list[object]:
+        events = []
+        try:
+            events.append(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+            while True:
+                events.append(self._inbox.get_nowait())
+        except queue.Empty:
+            pass
+        return events
+
+    def _handle(self, ev: object) -> list[RequestOutput]:
+        if isinstance(ev, _Add):
+            try:
+                self.engine.add_request(ev.req)
+            except EngineError as exc:
+                return [RequestOutput(rid=ev.req.rid, finished=True, error=str(exc), error_code=exc.status)]
+            return []
+        if isinstance(ev, _Abort):
+            out = self.engine.abort(ev.rid, ev.reason, ev.code)
+            return [out] if out else []
+        raise TypeError(f"unknown engine event {ev!r}")
+
+    def _post(self, outputs: list[RequestOutput]) -> None:
+        if outputs and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._deliver, outputs)

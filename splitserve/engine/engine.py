@@ -1,0 +1,196 @@
+"""The engine: one worker's model, KV pool, scheduler and requests, advanced one step at a time.
+
+``LLMEngine`` is synchronous and single-threaded: the engine loop (``async_engine.py``) owns it and
+is the only caller, so no request state is ever touched by two threads (DESIGN §2, rule 1).
+Offline users (benchmarks, tests) call it directly: ``add_request`` then ``step`` until idle.
+
+Each ``step`` schedules a batch, runs it, samples one token for each sequence whose known tokens
+are all computed, and returns a :class:`RequestOutput` delta for every sequence that produced text
+or finished. A finished or aborted sequence's pages are freed exactly once, in ``Scheduler.finish``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from splitserve.config import EngineConfig
+from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
+from splitserve.engine.kv_pool import KVLayout, KVPool
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.page_allocator import PageAllocator
+from splitserve.engine.sampler import sample_batch
+from splitserve.engine.scheduler import ScheduledSeq, Scheduler
+from splitserve.engine.sequence import Sequence, SeqStatus
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_dir(model: str) -> str:
+    """`tiny` means the built-in tiny model (built once into a cache folder); anything else is a path."""
+    if model == "tiny":
+        from splitserve.models.tiny import tiny_model_path
+
+        return str(tiny_model_path())
+    return model
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        return torch.float32 if device == "cpu" else torch.bfloat16
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of auto, {', '.join(table)}")
+    return table[name]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    pages_free: int
+    pages_total: int
+    waiting: int
+    running: int
+    preemptions: int
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        from splitserve.models.loader import load_model, load_tokenizer
+
+        self.config = config
+        model_dir = resolve_model_dir(config.model)
+        dtype = resolve_dtype(config.dtype, config.device)
+        self.model, self.spec = load_model(model_dir, dtype=dtype, device=config.device)
+        self.tokenizer = load_tokenizer(model_dir)
+        num_pages = -(-config.max_total_tokens // config.page_size)
+        self.layout = KVLayout(num_pages=num_pages, num_layers=self.spec.num_layers, page_size=config.page_size,
+                               num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=dtype)
+        self.kv = KVPool(self.layout, device=config.device)
+        self.allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
+                                   config.max_batch_tokens, config.chunked_prefill)
+        self.runner = ModelRunner(self.model, self.kv)
+        self._seqs: dict[str, Sequence] = {}
+        self._rng = random.Random(config.seed)
+        self._eos = frozenset(self.spec.eos_token_ids)
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def check_fits(self, req: GenerateRequest) -> None:
+        """Refuse a request that could never run: more KV than the whole pool, or than the context."""
+        need = len(req.prompt_ids) + req.sampling.max_tokens
+        if need > self.layout.total_tokens:
+            raise InvalidRequest(
+                f"prompt ({len(req.prompt_ids)} tokens) plus max_tokens ({req.sampling.max_tokens}) needs "
+                f"{need} tokens of KV cache, but this worker's pool holds {self.layout.total_tokens}",
+                param="max_tokens")
+
+    def add_request(self, req: GenerateRequest) -> None:
+        if req.rid in self._seqs:
+            raise InvalidRequest(f"request id {req.rid!r} is already running", param="rid")
+        if not req.prompt_ids:
+            raise InvalidRequest("the prompt is empty", param="prompt")
+        self.check_fits(req)
+        seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(rid=req.rid, token_ids=list(req.prompt_ids), num_prompt_tokens=len(req.prompt_ids),
+                       sampling=req.sampling, seed=seed)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop)
+        self._seqs[req.rid] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, rid: str, reason: str = "aborted by the client", code: int = 499) -> Optional[RequestOutput]:
+        """End a request with an error; a no-op (None) if it is unknown or already over."""
+        seq = self._seqs.pop(rid, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq)
+        log.info("request %s aborted after %d tokens: %s", rid, seq.num_output_tokens, reason)
+        return RequestOutput(rid=rid, finished=True, error=reason, error_code=code,
+                             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens)
+
+    def abort_all(self, reason: str, code: int = 503) -> list[RequestOutput]:
+        return [out for rid in list(self._seqs) if (out := self.abort(rid, reason, code))]
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(pages_free=self.allocator.num_free, pages_total=self.allocator.num_pages,
+                           waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
+                           preemptions=self.scheduler.num_preemptions)
+
+    # -- stepping -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        try:
+            logits = self.runner.run(batch)
+        except Exception as exc:  # a failed forward fails the requests in it, not the worker
+            log.exception("forward pass failed; failing %d requests", len(batch))
+            return [out for item in batch
+                    if (out := self.abort(item.seq.rid, f"internal error: {exc}", 500))]
+        return self._advance(batch, logits)
+
+    def _advance(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[RequestOutput]:
+        sampling = [item for item in batch if item.samples]
+        for item in batch:
+            item.seq.num_computed += item.num_tokens
+        tokens = sample_batch(logits, [i.seq.sampling for i in sampling], [i.seq.seed for i in sampling],
+                              [len(i.seq) for i in sampling])
+        outputs = []
+        for item, token in zip(sampling, tokens):
+            seq = item.seq
+            seq.token_ids.append(token)
+            self._check_finish(seq, token)
+            outputs.append(self._delta(seq, token))
+            if seq.finish_reason is not None:
+                self._seqs.pop(seq.rid, None)
+                self.scheduler.finish(seq)
+        return outputs
+
+    def _check_finish(self, seq: Sequence, token: int) -> None:
+        p = seq.sampling
+        if not p.ignore_eos and token in self._eos:
+            seq.finish_reason = "stop"
+            return
+        if token in p.stop_token_ids:
+            seq.finish_reason = "stop"
+            return
+        seq.detok.add(token)
+        if seq.detok.stopped:
+            seq.finish_reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.spec.max_context:
+            seq.finish_reason = "length"
+
+    def _delta(self, seq: Sequence, token: int) -> RequestOutput:
+        finished = seq.finish_reason is not None
+        return RequestOutput(rid=seq.rid, token_ids=(token,), text=seq.detok.release(final=finished),
+                             finished=finished, finish_reason=seq.finish_reason,
+                             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens)
+
+    # -- offline use --------------------------------------------------------------------------
+
+    def generate(self, requests: list[GenerateRequest]) -> dict[str, RequestOutput]:
+        """Run requests to completion; returns each one's whole answer as one RequestOutput."""
+        for req in requests:
+            self.add_request(req)
+        acc: dict[str, list[RequestOutput]] = {r.rid: [] for r in requests}
+        while self.has_work():
+            for out in self.step():
+                acc[out.rid].append(out)
+        return {rid: merge_outputs(outs) for rid, outs in acc.items()}
+
+
+def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
+    last = outs[-1]
+    return RequestOutput(rid=last.rid, token_ids=tuple(t for o in outs for t in o.token_ids),
+                         text="".join(o.text for o in outs), finished=last.finished,
+                         finish_reason=last.finish_reason, error=last.error, error_code=last.error_code,
+                         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens)

@@ -1,0 +1,125 @@
+"""Continuous batching with chunked prefill and preemption.
+
+Every step the scheduler picks, under a token budget, how many new tokens each sequence computes:
+one for a decoding sequence, a chunk of its prompt for one still in prefill (the whole rest of the
+prompt when chunking is off). Running sequences go first, in arrival order; then waiting ones are
+admitted in order while the running cap, the budget and free pages allow, so requests join the
+batch at any step.
+
+When a running sequence needs a page and none is free, the most recently arrived running sequence
+is preempted: its pages are freed and it goes back to the front of the waiting queue, to recompute
+later. A request is never dropped for lack of pages; one that could never fit the whole pool is
+refused at submission.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from splitserve.engine.page_allocator import PageAllocator
+from splitserve.engine.sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # new tokens computed this step
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last known token, so a new one is sampled."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq)
+
+
+class Scheduler:
+    def __init__(self, allocator: PageAllocator, page_size: int, max_running: int,
+                 max_batch_tokens: int, chunked_prefill: bool):
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_running = max_running
+        self.max_batch_tokens = max_batch_tokens
+        self.chunked_prefill = chunked_prefill
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        budget = self.max_batch_tokens
+        batch: list[ScheduledSeq] = []
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = self._chunk(seq, budget, batch_empty=not batch)
+            if n == 0:
+                continue
+            if not self._reserve(seq, n, batch):
+                continue  # seq itself was preempted
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        while self.waiting and len(self.running) < self.max_running and budget > 0:
+            seq = self.waiting[0]
+            n = self._chunk(seq, budget, batch_empty=not batch)
+            if n == 0 or not self.allocator.can_allocate(self._pages_missing(seq, n)):
+                break
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            self._grow(seq, n)
+            batch.append(ScheduledSeq(seq, n))
+            budget -= n
+        return batch
+
+    def finish(self, seq: Sequence) -> None:
+        """Remove a sequence for good (finished or aborted) and free its pages, exactly once."""
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self._release(seq)
+
+    def _chunk(self, seq: Sequence, budget: int, batch_empty: bool) -> int:
+        need = seq.num_uncomputed
+        if self.chunked_prefill:
+            return min(need, budget)
+        # unchunked: all of it, over budget only when alone in the batch
+        return need if (need <= budget or batch_empty) else 0
+
+    def _pages_missing(self, seq: Sequence, n: int) -> int:
+        need = -(-(seq.num_computed + n) // self.page_size)
+        return max(0, need - len(seq.pages))
+
+    def _grow(self, seq: Sequence, n: int) -> None:
+        missing = self._pages_missing(seq, n)
+        seq.pages += self.allocator.allocate(missing, after=seq.pages[-1] if seq.pages else None)
+
+    def _reserve(self, seq: Sequence, n: int, batch: list[ScheduledSeq]) -> bool:
+        """Make pages for ``n`` more tokens of a running seq, preempting from the tail if needed."""
+        while not self.allocator.can_allocate(self._pages_missing(seq, n)):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+            batch[:] = [s for s in batch if s.seq is not victim]
+        self._grow(seq, n)
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.pages:
+            self.allocator.free(seq.pages)
+            seq.pages = []

@@ -1,0 +1,52 @@
+"""One request inside the engine: its tokens, its pages, and how far its KV has been computed.
+
+States, in order: ``WAITING`` (not admitted, or preempted: holds no pages) → ``RUNNING`` (in the
+batch; holds pages for ``num_computed`` tokens) → ``FINISHED``. A preempted sequence goes back to
+``WAITING`` with its generated tokens kept; it recomputes their KV when admitted again, and since
+sampling randomness is drawn per (seed, position) it continues exactly as it would have.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from splitserve.engine.io import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    rid: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    seed: int
+    arrival: float = field(default_factory=time.monotonic)
+    status: SeqStatus = SeqStatus.WAITING
+    pages: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    finish_reason: Optional[str] = None
+    detok: object = None  # IncrementalDetokenizer, set by the engine
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed

@@ -1,0 +1,258 @@
+"""The decoder of the Llama family, and the one implementation Qwen2 and Qwen3 reuse.
+
+One pre-norm decoder block, repeated::
+
+    h = h + o_proj(paged_attention(rope(q), rope(k), v))     q, k, v = qkv_proj(rmsnorm(h))
+    h = h + down_proj(silu(gate) * up)                        gate, up = gate_up_proj(rmsnorm(h))
+
+The variants differ only in flags of ``DecoderArgs``: Llama may have ``attention_bias`` /
+``mlp_bias`` (both off in released checkpoints), Qwen2 has a bias on q/k/v only (``qwen2.py``),
+Qwen3 normalises q and k per head before rope (``qwen3.py``). Mistral-style checkpoints saved as
+``LlamaForCausalLM`` (explicit ``head_dim``, large ``rope_theta``) are plain Llama here.
+
+The batch is flat: ``T`` new tokens of all scheduled sequences, with ``positions`` [T] and the
+attention metadata describing which sequence each belongs to (``layers/attention.py``). Every
+layer writes its new keys/values into the paged KV pool, then attends over the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.kv_pool import KVPool
+from splitserve.layers.activation import SiluAndMul
+from splitserve.layers.attention import AttentionMetadata, paged_attention, write_kv
+from splitserve.layers.linear import MergedLinear
+from splitserve.layers.norm import RMSNorm
+from splitserve.layers.rotary import RotaryEmbedding
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecoderArgs:
+    """What the decoder needs from ``config.json``, parsed once (see ``parse_config``)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[dict]  # None, or {"rope_type": "llama3" | "linear", ...}
+    max_context: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def _required(config: dict, key: str):
+    if config.get(key) is None:
+        raise ValueError(f"config.json lacks required field {key!r}")
+    return config[key]
+
+
+def parse_rope(config: dict) -> tuple[float, Optional[dict]]:
+    """(theta, scaling) from either spelling of config.json: transformers 4 writes ``rope_theta`` at
+    the top level and ``rope_scaling`` (null or a dict with ``type``/``rope_type``); transformers 5
+    writes one ``rope_parameters`` dict holding ``rope_theta`` and ``rope_type``."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("partial_rotary_factor != 1 is not supported")
+    if rope_type == "default":
+        return theta, None
+    params["rope_type"] = rope_type
+    params.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return theta, params
+
+
+class Attention(nn.Module):
+    def __init__(self, args: DecoderArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.qkv_proj = MergedLinear(args.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias)
+        self.qk_norm = args.qk_norm
+        if args.qk_norm:
+            self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+            self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+        self.scale = args.head_dim ** -0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                kv: KVPool) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [T, H*D], [T, Hkv*D], [T, Hkv*D]
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
+        k_cache, v_cache = kv.layer_kv(self.layer_idx)  # [num_pages, page_size, Hkv, D] each
+        write_kv(k_cache, v_cache, k, v, meta)
+        o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(o.flatten(1))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        inter = args.intermediate_size
+        self.gate_up_proj = MergedLinear(args.hidden_size, {"gate": inter, "up": inter}, bias=args.mlp_bias)
+        self.act = SiluAndMul()
+        self.down_proj = nn.Linear(inter, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: DecoderArgs, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, h, cos, sin, meta, kv):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, layers and final norm; parameter names match the checkpoint's ``model.*``."""
+
+    def __init__(self, args: DecoderArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
+
+    def forward(self, input_ids, positions, meta, kv):
+        h = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D] each, shared by all layers
+        for layer in self.layers:
+            h = layer(h, cos, sin, meta, kv)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama 2/3/3.x. Subclasses change ``parse_config`` only."""
+
+    # checkpoint projection -> (our merged module, its part)
+    packed_modules = {
+        "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up"),
+    }
+
+    def __init__(self, config: dict):
+        """``config``: the checkpoint's ``config.json`` as a dict."""
+        super().__init__()
+        self.args = self.parse_config(config)
+        self.model = DecoderModel(self.args)
+        if not self.args.tie_word_embeddings:
+            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+
+    @classmethod
+    def parse_config(cls, config: dict) -> DecoderArgs:
+        if config.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {config['hidden_act']!r} is not supported (only silu)")
+        if config.get("use_sliding_window"):
+            raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
+        hidden, heads = _required(config, "hidden_size"), _required(config, "num_attention_heads")
+        theta, scaling = parse_rope(config)
+        attention_bias = bool(config.get("attention_bias", False))
+        return DecoderArgs(
+            vocab_size=_required(config, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_required(config, "intermediate_size"),
+            num_layers=_required(config, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or hidden // heads,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_context=_required(config, "max_position_embeddings"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(config.get("mlp_bias", False)),
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: KVPool) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden] (normed, before lm_head)."""
+        return self.model(input_ids, positions, meta, kv)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] float32. Pass only the rows you sample from."""
+        weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def checkpoint_names(self) -> list[str]:
+        """The checkpoint tensors this model needs, by their Hugging Face names."""
+        unpacked: dict[str, list[str]] = {}
+        for name, (merged, _) in self.packed_modules.items():
+            unpacked.setdefault(merged, []).append(name)
+        names = []
+        for pname, _ in self.named_parameters():
+            module_path, kind = pname.rsplit(".", 1)
+            parent, _, leaf = module_path.rpartition(".")
+            for ckpt_leaf in unpacked.get(leaf, [leaf]):
+                names.append(f"{parent}.{ckpt_leaf}.{kind}" if parent else f"{ckpt_leaf}.{kind}")
+        return names
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load checkpoint tensors by their HF names (``model.layers.0.self_attn.q_proj.weight``).
+        Raises ValueError naming every tensor the model needs but did not get; tensors the model
+        has no use for are logged and skipped."""
+        params = dict(self.named_parameters())
+        missing = set(self.checkpoint_names())
+        unused = []
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.args.tie_word_embeddings):
+                continue  # recomputed / shared with the embedding
+            module_path, kind = name.rsplit(".", 1)
+            parent, _, leaf = module_path.rpartition(".")
+            if leaf in self.packed_modules:
+                merged, part = self.packed_modules[leaf]
+                if f"{parent}.{merged}.{kind}" not in params:
+                    unused.append(name)
+                    continue
+                target = self.get_submodule(f"{parent}.{merged}").part(part, kind)
+            elif name in params:
+                target = params[name]
+            else:
+                unused.append(name)
+                continue
+            if target.shape != tensor.shape:
+                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
+                                 f"model expects {tuple(target.shape)}")
+            target.copy_(tensor)
+            missing.discard(name)
+        if unused:
+            log.warning("ignored %d checkpoint tensors the model does not use: %s%s", len(unused),
+                        ", ".join(unused[:10]), " ..." if len(unused) > 10 else "")
+        if missing:
+            shown = sorted(missing)
+            raise ValueError(f"checkpoint is missing {len(shown)} weight tensor(s): {', '.join(shown[:20])}"
+                             + (" ..." if len(shown) > 20 else ""))
