@@ -319,3 +319,38 @@ class Registry:
         with self._lock:
             metrics = list(self._metrics.values())
         return "".join(m.exposition() for m in metrics)
+
+
+def parse_exposition(text: str) -> dict[tuple[str, frozenset], float]:
+    """Parse text-format samples into ``{(name, frozenset(label pairs)): value}`` (for tests and
+    for the router reading its workers; comments are skipped, escapes in label values undone)."""
+    out: dict[tuple[str, frozenset], float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        labels: list[tuple[str, str]] = []
+        if "{" in line:
+            name, rest = line.split("{", 1)
+            i = 0
+            while rest[i] != "}":
+                eq = rest.index("=", i)
+                key = rest[i:eq].strip(", ")
+                j = eq + 2  # past ="
+                val = []
+                while rest[j] != '"':
+                    if rest[j] == "\\":
+                        j += 1
+                        val.append({"n": "\n"}.get(rest[j], rest[j]))
+                    else:
+                        val.append(rest[j])
+                    j += 1
+                labels.append((key, "".join(val)))
+                i = j + 1
+                while rest[i] in ", ":
+                    i += 1
+            value = rest[i + 1:].split()[0]
+        else:
+            name, value = line.split()[:2]
+        out[(name.strip(), frozenset(labels))] = float(value)
+    return out
