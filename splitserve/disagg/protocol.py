@@ -1,0 +1,193 @@
+"""The control protocol between prefill and decode workers: typed messages, one codec.
+
+Every control message is a frozen dataclass registered under a short type tag. On the wire a
+message is one msgpack map ``{"v": PROTOCOL_VERSION, "t": tag, "f": {field: value}}``. Decoding
+is strict, because control-plane input is untrusted: a frame that is too large, not msgpack, of
+another protocol version, of an unknown type, missing a field, carrying an unknown field, or with a
+field of the wrong type raises :class:`ProtocolError` (the listener logs and counts it, and goes
+on). Nothing is dispatched by method-name strings: the receiver matches on the class.
+
+The flows (``docs/protocol.md`` has the full picture):
+
+* decode → prefill: ``GetInfo`` (answered with ``Info``), ``RegisterPeer`` once per prefill
+  incarnation (transfer-agent metadata), ``RegisterRoom`` per request (the page ids it reserved),
+  ``AbortRoom``;
+* prefill → decode: ``RoomFailed``, ``WritesSettled`` (no write of the room can still land), and
+  ``KVDone`` carried as the transfer notification of a room's last write (first token, room check);
+* both ways: ``Heartbeat`` / ``HeartbeatAck``, answered off the engine loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import ClassVar
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 1 << 20  # 1 MiB: a page list of 64k pages, or NIXL metadata, fits with room to spare
+
+_REGISTRY: dict[str, type] = {}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid control message; the message says what is wrong."""
+
+
+def message(tag: str):
+    """Class decorator: register a frozen dataclass as a control message under ``tag``."""
+
+    def wrap(cls):
+        cls = dataclass(frozen=True)(cls)
+        cls.TAG = tag
+        if tag in _REGISTRY:
+            raise RuntimeError(f"duplicate message tag {tag!r}")
+        _REGISTRY[tag] = cls
+        return cls
+
+    return wrap
+
+
+@message("get_info")
+class GetInfo:
+    TAG: ClassVar[str]
+    sender: str  # the asking worker's incarnation id
+
+
+@message("info")
+class Info:
+    """The prefill worker's bootstrap info; decode checks it before sending anything."""
+
+    TAG: ClassVar[str]
+    protocol_version: int
+    incarnation: str
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    backend: str
+
+
+@message("register_peer")
+class RegisterPeer:
+    TAG: ClassVar[str]
+    incarnation: str  # the decode worker's
+    prefill_incarnation: str  # which prefill incarnation this is meant for
+    agent_name: str
+    agent_metadata: bytes
+
+
+@message("register_room")
+class RegisterRoom:
+    TAG: ClassVar[str]
+    room: int
+    incarnation: str  # the decode worker's
+    prefill_incarnation: str
+    rid: str
+    prompt_len: int
+    pages: list[int]
+
+
+@message("abort_room")
+class AbortRoom:
+    TAG: ClassVar[str]
+    room: int
+    incarnation: str  # the sender's
+    reason: str
+
+
+@message("room_failed")
+class RoomFailed:
+    TAG: ClassVar[str]
+    room: int
+    incarnation: str  # the sender's
+    reason: str
+
+
+@message("writes_settled")
+class WritesSettled:
+    """Prefill to decode: no write for this room can still land; quarantined pages may be freed."""
+
+    TAG: ClassVar[str]
+    room: int
+    incarnation: str
+
+
+@message("kv_done")
+class KVDone:
+    """The notification of a room's last write: every byte of its KV has landed."""
+
+    TAG: ClassVar[str]
+    room: int
+    incarnation: str  # the prefill worker's
+    first_token: int
+    num_tokens: int  # tokens whose KV was written (the prompt length)
+
+
+@message("heartbeat")
+class Heartbeat:
+    TAG: ClassVar[str]
+    incarnation: str
+    seq: int
+
+
+@message("heartbeat_ack")
+class HeartbeatAck:
+    TAG: ClassVar[str]
+    incarnation: str
+    seq: int
+
+
+def encode(msg) -> bytes:
+    cls = type(msg)
+    if getattr(cls, "TAG", None) not in _REGISTRY:
+        raise TypeError(f"{cls.__name__} is not a control message")
+    fields = {f.name: getattr(msg, f.name) for f in dataclasses.fields(msg)}
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": cls.TAG, "f": fields}, use_bin_type=True)
+
+
+def decode(frame: bytes):
+    """Parse and validate one frame; raises ProtocolError on anything unexpected."""
+    if not isinstance(frame, (bytes, bytearray, memoryview)):
+        raise ProtocolError(f"frame is {type(frame).__name__}, not bytes")
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        obj = msgpack.unpackb(bytes(frame), raw=False, strict_map_key=True, max_bin_len=MAX_FRAME_BYTES,
+                              max_str_len=MAX_FRAME_BYTES, max_array_len=MAX_FRAME_BYTES,
+                              max_map_len=1024)
+    except Exception as exc:
+        raise ProtocolError(f"not a msgpack frame: {exc}") from None
+    if not isinstance(obj, dict) or set(obj) != {"v", "t", "f"}:
+        raise ProtocolError("frame is not a {v, t, f} map")
+    if obj["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {obj['v']!r}, expected {PROTOCOL_VERSION}")
+    cls = _REGISTRY.get(obj["t"]) if isinstance(obj["t"], str) else None
+    if cls is None:
+        raise ProtocolError(f"unknown message type {obj['t']!r}")
+    fields = obj["f"]
+    if not isinstance(fields, dict):
+        raise ProtocolError(f"{cls.TAG}: fields are not a map")
+    hints = typing.get_type_hints(cls)
+    expected = {f.name for f in dataclasses.fields(cls)}
+    if set(fields) != expected:
+        missing, extra = expected - set(fields), set(fields) - expected
+        raise ProtocolError(f"{cls.TAG}: missing fields {sorted(missing)}, unknown fields {sorted(map(str, extra))}")
+    for name, value in fields.items():
+        _check_type(cls.TAG, name, value, hints[name])
+    return cls(**fields)
+
+
+def _check_type(tag: str, name: str, value, hint) -> None:
+    if hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif typing.get_origin(hint) is list:  # list[int]: page ids
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+    else:
+        ok = isinstance(value, hint)
+    if not ok:
+        raise ProtocolError(f"{tag}.{name}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
