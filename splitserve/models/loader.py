@@ -1,0 +1,181 @@
+"""Read a Hugging Face checkpoint directory into a splitserve model and its ``ModelSpec``.
+
+A directory holds ``config.json``, the weights as ``model.safetensors`` or as shards listed by
+``model.safetensors.index.json``, optionally ``generation_config.json`` (EOS ids, default sampling
+values) and the tokenizer files (``load_tokenizer``). Nothing is fetched from a hub.
+
+The model is built on the meta device (no memory, no random init), cast, materialised on the
+target device and filled from the safetensors files; a tensor the model needs but the checkpoint
+lacks is an error naming it, so no parameter is ever left uninitialised.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Union
+
+import torch
+from torch import nn
+
+from splitserve.models import get_model_class, supported_architectures
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the rest of the server needs to know about a loaded model (the KV pool layout, the
+    compatibility check between peers, EOS handling and sampling defaults)."""
+
+    name: str  # the checkpoint folder's basename
+    path: str
+    architecture: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int  # max_position_embeddings
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]  # generation_config.json's first, then config.json's
+    generation_defaults: dict  # temperature / top_p / top_k, those generation_config.json sets
+    tie_word_embeddings: bool
+
+
+def load_model(model_dir: Union[str, os.PathLike], dtype: Union[str, torch.dtype] = "auto",
+               device: Union[str, torch.device] = "cpu") -> tuple[nn.Module, ModelSpec]:
+    """Load the checkpoint in ``model_dir``. ``dtype``: auto (float32 on CPU, the checkpoint's
+    dtype elsewhere), float32, bfloat16 or float16."""
+    path = Path(model_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    config = read_config(path)
+    architectures = config.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{path / 'config.json'} names no 'architectures'; supported: "
+                         f"{', '.join(supported_architectures())}")
+    model_cls = get_model_class(architectures[0])
+    files = safetensors_files(path)
+    device = torch.device(device)
+    torch_dtype = resolve_dtype(dtype, device, config)
+
+    with torch.device("meta"):
+        model = model_cls(config)
+    model = model.to(dtype=torch_dtype).to_empty(device=device)
+    model.load_weights(iter_weights(files))
+    model.eval().requires_grad_(False)
+
+    generation = read_generation_config(path)
+    args = model.args
+    spec = ModelSpec(
+        name=path.name,
+        path=str(path),
+        architecture=architectures[0],
+        num_layers=args.num_layers,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        hidden_size=args.hidden_size,
+        vocab_size=args.vocab_size,
+        max_context=args.max_context,
+        dtype=torch_dtype,
+        eos_token_ids=_eos_ids(generation.get("eos_token_id"), config.get("eos_token_id")),
+        generation_defaults={k: generation[k] for k in GENERATION_DEFAULT_KEYS if generation.get(k) is not None},
+        tie_word_embeddings=args.tie_word_embeddings,
+    )
+    return model, spec
+
+
+def load_tokenizer(model_dir: Union[str, os.PathLike]):
+    """The checkpoint's tokenizer via ``transformers.AutoTokenizer`` (local files only)."""
+    path = Path(model_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise FileNotFoundError(f"no tokenizer files in {str(path)!r} (looked for {', '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {e}") from e
+
+
+# -- pieces ----------------------------------------------------------------------------------------
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json; is it a Hugging Face checkpoint directory?")
+    with open(config_file) as f:
+        return json.load(f)
+
+
+def read_generation_config(path: Path) -> dict:
+    gen_file = path / "generation_config.json"
+    if not gen_file.is_file():
+        return {}
+    with open(gen_file) as f:
+        return json.load(f)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The weight files: the shards named by the index, else model.safetensors, else any *.safetensors."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index.name} in {str(path)!r} names missing shard(s): {', '.join(missing)}")
+        return [path / s for s in shards]
+    if (path / "model.safetensors").is_file():
+        return [path / "model.safetensors"]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf")]
+        hint = f" (found {', '.join(sorted(other))}: only safetensors weights are supported)" if other else ""
+        raise FileNotFoundError(f"no *.safetensors weight files in {str(path)!r}{hint}")
+    return files
+
+
+def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of every file, one at a time (memory-mapped)."""
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device, config: dict) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"unsupported dtype {dtype}; supported: auto, {', '.join(DTYPES)}")
+        return dtype
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        saved = config.get("dtype") or config.get("torch_dtype")  # transformers 5 / 4 spelling
+        return DTYPES.get(saved, torch.float32)
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _eos_ids(*sources) -> tuple[int, ...]:
+    """Union of EOS ids, in order; each source may be None, an int or a list of ints."""
+    ids: list[int] = []
+    for src in sources:
+        for i in ([] if src is None else [src] if isinstance(src, int) else src):
+            if i not in ids:
+                ids.append(int(i))
+    return tuple(ids)
