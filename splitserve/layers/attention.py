@@ -50,7 +50,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def _gather(cache: torch.Tensor, page_table: torch.Tensor, kv_len: int) -> torch.Tensor:
     """[num_pages, P, Hkv, D] -> [kv_len, Hkv, D] for one sequence."""
-    pages = cache.index_select(0, page_table)  # [n, P, Hkv, D]
+    pages = cache.index_select(0, page_table.to(cache.device))  # [n, P, Hkv, D]
     return pages.reshape(-1, *cache.shape[2:])[:kv_len]
 
 
@@ -73,8 +73,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             mask = None
         else:
             # query i sits at absolute position kv_len - q_len + i and sees keys <= that position
-            qpos = torch.arange(s.kv_len - s.q_len, s.kv_len).unsqueeze(1)
-            mask = torch.arange(s.kv_len).unsqueeze(0) <= qpos  # [q_len, kv_len]
+            qpos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=q.device).unsqueeze(1)
+            mask = torch.arange(s.kv_len, device=q.device).unsqueeze(0) <= qpos  # [q_len, kv_len]
         o = F.scaled_dot_product_attention(qs.to(ks.dtype), ks, vs, attn_mask=mask, scale=scale)
         out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1).to(out.dtype)
     return out
@@ -91,13 +91,14 @@ def _batched_decode(q, k_cache, v_cache, meta, scale, gqa):
     for i, s in enumerate(meta.seqs):
         table[i, :len(s.page_table)] = s.page_table
         lens[i] = s.kv_len
+    table, lens = table.to(k_cache.device), lens.to(k_cache.device)
     ks = k_cache[table].flatten(1, 2)[:, :max_len]  # [B, max_len, Hkv, D]
     vs = v_cache[table].flatten(1, 2)[:, :max_len]
     ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [B, Hkv, L, D]
     if gqa > 1:
         ks = ks.repeat_interleave(gqa, dim=1)
         vs = vs.repeat_interleave(gqa, dim=1)
-    mask = (torch.arange(max_len).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [B,1,1,L]
+    mask = (torch.arange(max_len, device=k_cache.device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [B,1,1,L]
     qb = q.unsqueeze(2).to(ks.dtype)  # q rows are in sequence order: [B, H, 1, D]
     o = F.scaled_dot_product_attention(qb, ks, vs, attn_mask=mask, scale=scale)
     return o.squeeze(2).to(q.dtype)
