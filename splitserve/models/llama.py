@@ -231,6 +231,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.args.tie_word_embeddings):
                 continue  # recomputed / shared with the embedding
+            if "." not in name:
+                unused.append(name)
+                continue
             module_path, kind = name.rsplit(".", 1)
             parent, _, leaf = module_path.rpartition(".")
             if leaf in self.packed_modules:
