@@ -17,7 +17,8 @@ Three metric kinds, each with optional labels::
 A gauge with a ``callback`` is *derived*: the callback runs at scrape time and its answer is the
 value, so the number shown is read from the structure that owns the truth (the engine's pools and
 queues) instead of being kept in step by hand. A labelled callback returns ``{label values: value}``
-(a tuple of values in ``labelnames`` order, or a dict of label name to value). A callback that
+(a tuple of values in ``labelnames`` order, or a dict of label name to value); ``None`` means no
+value now (the metric shows no samples, quietly). A callback that
 raises makes that metric show no samples for this scrape (and is logged once per scrape), it never
 breaks ``/metrics``.
 
@@ -38,7 +39,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 LabelValues = tuple[str, ...]
-CallbackResult = Union[float, int, Mapping[LabelValues, float], Mapping[str, float]]
+CallbackResult = Union[None, float, int, Mapping[LabelValues, float], Mapping[str, float]]
 
 
 def _format_value(v: float) -> str:
@@ -200,6 +201,8 @@ class Gauge(_Metric):
             with self._lock:
                 return {k: c.get() for k, c in self._children.items()}
         result = self.callback()
+        if result is None:
+            return {}
         if not isinstance(result, Mapping):
             if self.labelnames:
                 raise ValueError(f"{self.name} has labels; its callback must return a mapping")

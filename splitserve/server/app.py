@@ -1,0 +1,315 @@
+"""The worker's HTTP front end (aiohttp) and its process lifecycle.
+
+Routes::
+
+    POST /v1/completions, /v1/chat/completions   OpenAI API (streaming with SSE)
+    POST /generate                               SGLang's native API
+    GET  /v1/models, /health, /metrics           model list, readiness (200/503), Prometheus
+    GET  /get_server_info, /get_model_info       what SGLang's gateway asks a worker
+
+:func:`create_app` builds the application around an engine (anything with the ``AsyncEngine``
+interface, so tests can hand in a fake); :func:`run_server` is what ``splitserve serve`` runs:
+
+1. listen first (``/health`` answers 503 while the model loads; a busy port fails at once),
+2. load the model in a thread, print the ready line,
+3. on SIGTERM or SIGINT drain: refuse new requests with 503, let those in flight finish for up to
+   ``drain_timeout_s``, then end the rest with an error (a second signal cuts the wait short),
+4. close the listener and return 0.
+
+All state lives in one :class:`WorkerState` stored on the app (no module-level globals). The
+runner cancels a handler whose client disconnects (``handler_cancellation=True``), which is how a
+non-streaming request waiting for its answer learns that nobody is listening any more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+from aiohttp import web
+
+from splitserve.config import EngineConfig, ServerConfig
+from splitserve.metrics import CONTENT_TYPE, Registry
+from splitserve.server.generation import json_error, serve_generation
+from splitserve.server.worker_metrics import WorkerMetrics
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+END_GRACE_S = 5.0  # after the engine ended the live requests, time for their handlers to answer
+
+
+class WorkerState:
+    """Everything the handlers share: the engine, config, metrics and requests in flight."""
+
+    def __init__(self, engine, config: ServerConfig, registry: Registry):
+        self.engine = engine
+        self.config = config
+        self.registry = registry
+        self.metrics = WorkerMetrics(registry, engine, config.role)
+        self.draining = False
+        self.started_at = int(time.time())
+        self.inflight: set[asyncio.Task] = set()  # generation handlers now running
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+
+    def accepting(self) -> bool:
+        return bool(self.engine.ready) and not self.draining and not self.engine.draining
+
+    @property
+    def model_name(self) -> str:
+        return self.config.served_model_name or self.engine.spec.name
+
+
+STATE = web.AppKey("splitserve_worker", WorkerState)
+
+
+def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None) -> web.Application:
+    app = web.Application(middlewares=[_http_middleware], client_max_size=MAX_BODY_BYTES)
+    state = WorkerState(engine, config, registry or Registry())
+    app[STATE] = state
+    app.on_cleanup.append(_on_cleanup)
+    for path, endpoint in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"),
+                           ("/generate", "generate")):
+        app.router.add_post(path, _generation_handler(endpoint))
+    app.router.add_get("/health", _health)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/get_server_info", _server_info)
+    app.router.add_get("/get_model_info", _model_info)
+    return app
+
+
+async def _on_cleanup(app: web.Application) -> None:
+    app[STATE].tokenize_pool.shutdown(wait=False)
+
+
+def _generation_handler(endpoint: str):
+    async def handler(request: web.Request) -> web.StreamResponse:
+        state = request.app[STATE]
+        task = asyncio.current_task()
+        state.inflight.add(task)
+        try:
+            return await serve_generation(state, request, endpoint)
+        finally:
+            state.inflight.discard(task)
+
+    handler.__name__ = f"{endpoint}_handler"
+    return handler
+
+
+@web.middleware
+async def _http_middleware(request: web.Request, handler):
+    """Count every request by route and status; turn errors into OpenAI error bodies."""
+    state = request.app[STATE]
+    resource = request.match_info.route.resource
+    path = resource.canonical if resource is not None else "unmatched"
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        text = exc.text or ""
+        message = text if text and not text.startswith(f"{exc.status}:") else \
+            f"{exc.reason}: {request.method} {request.path}"
+        return json_error(message, exc.status, headers=headers or None)
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        raise
+    except Exception as exc:  # one request's bug is that request's 500, never the worker's end
+        log.exception("error serving %s %s", request.method, request.path)
+        return json_error(f"internal error: {type(exc).__name__}: {exc}", 500)
+    finally:
+        state.metrics.http_requests.labels(path=path, status=str(status)).inc()
+
+
+# -- small endpoints -------------------------------------------------------------------------------
+
+
+async def _health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.accepting():
+        return web.json_response({"status": "ok"})
+    status = "draining" if state.draining or state.engine.draining else "loading"
+    return web.json_response({"status": status}, status=503)
+
+
+def _require_ready(state: WorkerState) -> None:
+    if not state.engine.ready:
+        raise web.HTTPServiceUnavailable(reason="the model is still loading", text="the model is still loading")
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _require_ready(state)
+    spec = state.engine.spec
+    return web.json_response({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": state.started_at, "owned_by": "splitserve",
+        "root": spec.path, "max_model_len": spec.max_context}]})
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    text = request.app[STATE].registry.exposition()
+    return web.Response(body=text.encode("utf-8"), headers={"Content-Type": CONTENT_TYPE})
+
+
+async def _model_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _require_ready(state)
+    spec = state.engine.spec
+    return web.json_response({
+        "model_path": spec.path, "tokenizer_path": spec.path, "served_model_name": state.model_name,
+        "is_generation": True, "architecture": spec.architecture, "max_context": spec.max_context,
+        "vocab_size": spec.vocab_size, "preferred_sampling_params": dict(spec.generation_defaults or {}),
+        "has_image_understanding": False, "has_audio_understanding": False,
+    })
+
+
+async def _server_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _require_ready(state)
+    engine, spec, cfg = state.engine, state.engine.spec, state.engine.config
+    stats = engine.stats()
+    return web.json_response({
+        "model_path": spec.path, "tokenizer_path": spec.path, "served_model_name": state.model_name,
+        "host": state.config.host, "port": state.config.port, "context_length": spec.max_context,
+        "dtype": str(spec.dtype).replace("torch.", ""), "device": cfg.device, "page_size": cfg.page_size,
+        "max_total_num_tokens": stats["pages_total"] * cfg.page_size,
+        "max_running_requests": cfg.max_running_requests, "max_queued_requests": cfg.max_waiting_requests,
+        "chunked_prefill_size": cfg.max_batch_tokens if cfg.chunked_prefill else -1,
+        "max_prefill_tokens": cfg.max_batch_tokens, "random_seed": cfg.seed,
+        "disaggregation_mode": "null" if state.config.role == "colocated" else state.config.role,
+        "skip_tokenizer_init": False, "version": _version(),
+        "internal_states": [{"pages_free": stats["pages_free"], "pages_total": stats["pages_total"],
+                             "queues": stats["queues"], "draining": state.draining}],
+    })
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("splitserve")
+    except Exception:
+        return "0+unknown"
+
+
+# -- the process -----------------------------------------------------------------------------------
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT, then drain; the exit code (0 after a clean drain, 1 if the
+    port cannot be bound or the model fails to load)."""
+    return asyncio.run(_serve(engine_config, server_config))
+
+
+async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    from splitserve.engine.async_engine import AsyncEngine
+
+    loop = asyncio.get_running_loop()
+    stop, force = asyncio.Event(), asyncio.Event()
+
+    def on_signal(signum: int) -> None:
+        log.info("received %s", signal.Signals(signum).name)
+        (force if stop.is_set() else stop).set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+
+    engine = AsyncEngine(engine_config)
+    app = create_app(engine, server_config)
+    state = app[STATE]
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE_S)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, server_config.host, server_config.port).start()
+    except OSError as exc:
+        print(f"splitserve: cannot listen on {server_config.host}:{server_config.port}: {exc}", file=sys.stderr,
+              flush=True)
+        await runner.cleanup()
+        return 1
+
+    started = _start_in_thread(engine, loop)
+    stop_wait = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({started, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    if not started.done():  # a signal while loading: nothing is in flight, just leave
+        log.info("stopping before the model finished loading")
+        await runner.cleanup()
+        return 0
+    if started.exception() is not None:
+        exc = started.exception()
+        log.error("the engine failed to start", exc_info=exc)
+        print(f"splitserve: the engine failed to start: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        stop_wait.cancel()
+        await runner.cleanup()
+        return 1
+
+    print(_ready_line(runner, server_config, state.model_name), flush=True)
+    await stop_wait
+    await _drain(state, server_config.drain_timeout_s, force)
+    await runner.cleanup()
+    log.info("stopped")
+    return 0
+
+
+def _start_in_thread(engine, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
+    """Run the blocking ``engine.start`` in a daemon thread (a signal during a long load can then
+    end the process without waiting for it)."""
+    future = loop.create_future()
+
+    def settle(exc: Optional[BaseException]) -> None:
+        if not future.done():
+            future.set_result(None) if exc is None else future.set_exception(exc)
+
+    def target() -> None:
+        try:
+            takes_loop = "loop" in inspect.signature(engine.start).parameters
+            engine.start(loop) if takes_loop else engine.start()
+        except BaseException as exc:  # reported to the main loop, which exits 1
+            loop.call_soon_threadsafe(settle, exc)
+        else:
+            loop.call_soon_threadsafe(settle, None)
+
+    threading.Thread(target=target, name="engine-start", daemon=True).start()
+    return future
+
+
+async def _drain(state: WorkerState, timeout_s: float, force: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    state.draining = True
+    state.engine.begin_drain()
+    log.info("draining: %d requests in flight, waiting up to %.1fs", len(state.inflight), timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while state.inflight and time.monotonic() < deadline and not force.is_set():
+        await asyncio.sleep(0.05)
+    if state.inflight:
+        log.warning("drain: ending %d requests still in flight", len(state.inflight))
+    await loop.run_in_executor(None, state.engine.shutdown)  # ends every live request with an error
+    deadline = time.monotonic() + END_GRACE_S
+    while state.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for task in list(state.inflight):  # last resort: a handler that did not end with its request
+        task.cancel()
+
+
+def _ready_line(runner: web.AppRunner, config: ServerConfig, model: str) -> str:
+    port = config.port
+    for addr in runner.addresses:  # the bound port (differs when --port 0)
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            port = addr[1]
+            break
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
+    host = f"[{host}]" if ":" in host else host
+    url = f"http://{host}:{port}"
+    example = ('{"model": "%s", "prompt": "Hello, my name is", "max_tokens": 16}' % model)
+    return (f"splitserve ready: {url} (model {model})  try: curl {url}/v1/completions "
+            f"-H 'Content-Type: application/json' -d '{example}'")

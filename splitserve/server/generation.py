@@ -1,0 +1,212 @@
+"""Serving one generation request (``/v1/completions``, ``/v1/chat/completions``, ``/generate``).
+
+The path of a request: refuse it at once if the worker is not accepting (503); read and validate
+the body off the event loop (tokenizing a long prompt must not stall other streams); submit it
+to the engine (which may refuse: 429 with ``Retry-After``, 503, 400); then either wait for the
+whole answer or stream it as server-sent events.
+
+Every request ends in exactly one of three ways, counted once in ``splitserve_requests_total`` and
+logged in one line: ``finished`` (reason stop/length), ``aborted`` (the client went away), or
+``failed`` (reason from the error). Whatever way the handler is left (normal return, client
+disconnect seen as a failed write or as the handler's cancellation, or a bug) the ``finally``
+aborts the engine request if it has not finished, so its KV pages are freed.
+
+An errored request never looks like a success: without streaming it answers with the error's HTTP
+status and an OpenAI error body; when streaming has begun it sends ``data: {"error": ...}`` and
+then ``data: [DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from aiohttp import web
+
+from splitserve.engine.io import EngineError, NotReady, RequestOutput
+from splitserve.server import openai_protocol as proto
+from splitserve.server.sse import ClientGone, SSEWriter
+from splitserve.server.validation import ValidatedRequest, validate_request
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_S = 1
+REASONS = {400: "bad_request", 404: "model_not_found", 413: "bad_request", 429: "overloaded",
+           499: "client_disconnect", 500: "internal", 503: "not_ready", 504: "timeout"}
+
+
+@dataclass
+class Outcome:
+    outcome: str = "failed"  # finished | aborted | failed
+    reason: str = "internal"
+
+    def failed(self, status: int) -> None:
+        self.outcome, self.reason = "failed", REASONS.get(status, f"http_{status}")
+
+
+def json_error(message: str, status: int, param: Optional[str] = None, code: Optional[str] = None,
+               headers: Optional[dict] = None) -> web.Response:
+    return web.json_response(proto.error_body(message, status, param, code), status=status, headers=headers)
+
+
+def engine_error_response(exc: EngineError) -> web.Response:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.status in (429, 503) else None
+    return web.json_response(proto.engine_error_body(exc), status=exc.status, headers=headers)
+
+
+async def serve_generation(state, request: web.Request, endpoint: str) -> web.StreamResponse:
+    """The handler body for one generation endpoint; ``state`` is the app's WorkerState."""
+    started = time.monotonic()
+    result = Outcome()
+    acc = proto.Accumulator()
+    rid = None
+    state.metrics.http_inflight.inc()
+    try:
+        if not state.accepting():
+            exc = NotReady("the server is draining" if state.draining else "the server is not ready")
+            result.failed(exc.status)
+            return engine_error_response(exc)
+        try:
+            raw = await request.read()
+            engine = state.engine
+            spec = engine.spec
+            check = functools.partial(validate_request, raw, endpoint, served_model_name=state.model_name,
+                                      tokenizer=engine.tokenizer, max_context=spec.max_context,
+                                      vocab_size=spec.vocab_size, generation_defaults=spec.generation_defaults)
+            req: ValidatedRequest = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, check)
+            rid = req.rid or uuid.uuid4().hex
+            stream = engine.submit(req.generate_request(rid))
+        except EngineError as exc:
+            result.failed(exc.status)
+            if exc.status >= 500:
+                log.warning("request %s refused: %s", rid, exc)
+            return engine_error_response(exc)
+        if req.stream:
+            return await _stream(state, request, endpoint, req, rid, stream, acc, result, started)
+        return await _unary(state, endpoint, rid, stream, acc, result, started)
+    except asyncio.CancelledError:
+        result.outcome, result.reason = "aborted", "client_disconnect"
+        raise
+    finally:
+        state.metrics.http_inflight.dec()
+        seconds = time.monotonic() - started
+        ttft = acc.first_token_at - started if acc.first_token_at is not None else None
+        state.metrics.record(endpoint, result.outcome, result.reason, seconds, acc.prompt_tokens,
+                             acc.completion_tokens, ttft)
+        if rid is not None:  # one line per request that reached the engine (refusals are counted only)
+            log.info("request %s %s: %s (%s) prompt=%d completion=%d %.3fs", rid, endpoint, result.outcome,
+                     result.reason, acc.prompt_tokens, acc.completion_tokens, seconds)
+
+
+async def _consume(state, rid: str, stream: AsyncIterator[RequestOutput], acc: proto.Accumulator):
+    """Yield the engine's deltas into ``acc``; if left before the last one, abort the request."""
+    done = False
+    try:
+        async for out in stream:
+            acc.add(out)
+            done = out.finished
+            yield out
+            if done:
+                return
+    finally:
+        if not done:
+            state.engine.abort(rid)
+        await _close(stream)
+
+
+async def _close(stream) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        try:
+            await aclose()
+        except (RuntimeError, StopAsyncIteration):  # already closed or running
+            pass
+
+
+def _finish(result: Outcome, acc: proto.Accumulator) -> Optional[int]:
+    """Set the outcome from the accumulated answer; the HTTP status of a failure, else None."""
+    if acc.error is not None:
+        status = proto.http_status_of(acc.error)
+        if status == 499:
+            result.outcome, result.reason = "aborted", "client_disconnect"
+        else:
+            result.failed(status)
+        return status
+    if acc.finish_reason is None:  # the stream ended without a last delta: a bug, never a success
+        result.failed(500)
+        return 500
+    result.outcome, result.reason = "finished", acc.finish_reason
+    return None
+
+
+async def _unary(state, endpoint: str, rid: str, stream, acc: proto.Accumulator, result: Outcome,
+                 started: float) -> web.Response:
+    deltas = _consume(state, rid, stream, acc)
+    try:
+        async for _ in deltas:
+            pass
+    finally:
+        await deltas.aclose()
+    status = _finish(result, acc)
+    if status is not None:
+        message = acc.error.error if acc.error is not None else "the engine ended the request without an answer"
+        return json_error(message, status)
+    model, created = state.model_name, int(time.time())
+    if endpoint == "completions":
+        body = proto.completion_response(rid, model, created, acc)
+    elif endpoint == "chat":
+        body = proto.chat_response(rid, model, created, acc)
+    else:
+        body = proto.generate_response(rid, acc, started)
+    return web.json_response(body)
+
+
+async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequest, rid: str, stream,
+                  acc: proto.Accumulator, result: Outcome, started: float) -> web.StreamResponse:
+    sse = SSEWriter(request)
+    model, created = state.model_name, int(time.time())
+    deltas = _consume(state, rid, stream, acc)
+    try:
+        await sse.start()
+        if endpoint == "chat":
+            await sse.send(proto.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+        async for out in deltas:
+            if out.finished and out.error is not None:
+                break
+            if endpoint == "generate":
+                if out.token_ids or out.text or out.finished:
+                    await sse.send(proto.generate_chunk(rid, acc, started))
+            elif out.text or out.finished:
+                reason = acc.finish_reason if out.finished else None
+                if endpoint == "chat":
+                    delta = {"content": out.text} if out.text else {}
+                    await sse.send(proto.chat_chunk(rid, model, created, delta, reason))
+                else:
+                    await sse.send(proto.completion_chunk(rid, model, created, out.text, reason))
+        status = _finish(result, acc)
+        if status is not None:
+            message = acc.error.error if acc.error is not None else "the engine ended the request without an answer"
+            await sse.send(proto.error_body(message, status))
+        elif req.include_usage:
+            await sse.send(proto.usage_chunk(endpoint, rid, model, created, acc))
+        await sse.done()
+    except ClientGone:
+        result.outcome, result.reason = "aborted", "client_disconnect"
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a bug while streaming fails this request only
+        log.exception("request %s: error while streaming", rid)
+        result.failed(500)
+        try:
+            await sse.send(proto.error_body(f"internal error: {exc}", 500))
+            await sse.done()
+        except ClientGone:
+            pass
+    finally:
+        await deltas.aclose()
+    return sse.response

@@ -1,0 +1,62 @@
+"""Server-sent events over an aiohttp ``StreamResponse``: ``data: <json>\\n\\n`` per event, then
+``data: [DONE]``, as OpenAI and SGLang stream.
+
+A client that goes away shows up as :class:`ClientGone` on the next write (the transport is gone
+or closing, or the write raises ``ConnectionResetError``), so the caller can abort the request at
+once instead of generating into the void.
+"""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+
+class ClientGone(Exception):
+    """The client closed the connection; nothing more can be sent."""
+
+
+class SSEWriter:
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.response = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream; charset=utf-8",
+            "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no",  # no proxy buffering: deltas must arrive as they are made
+        })
+        self.started = False
+
+    def client_gone(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()
+
+    async def start(self) -> None:
+        if not self.started:
+            if self.client_gone():
+                raise ClientGone()
+            try:
+                await self.response.prepare(self.request)
+            except (ConnectionResetError, ConnectionError) as e:
+                raise ClientGone() from e
+            self.started = True
+
+    async def _write(self, payload: str) -> None:
+        await self.start()
+        if self.client_gone():
+            raise ClientGone()
+        try:
+            await self.response.write(payload.encode("utf-8"))
+        except (ConnectionResetError, ConnectionError) as e:
+            raise ClientGone() from e
+
+    async def send(self, obj: dict) -> None:
+        await self._write("data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n")
+
+    async def done(self) -> None:
+        """``data: [DONE]`` and the end of the body."""
+        await self._write("data: [DONE]\n\n")
+        try:
+            await self.response.write_eof()
+        except (ConnectionResetError, ConnectionError) as e:
+            raise ClientGone() from e

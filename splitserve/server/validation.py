@@ -1,0 +1,444 @@
+"""Request validation: one function, :func:`validate_request`, for every endpoint and every process.
+
+The worker calls it with its tokenizer and model limits and gets token ids back; the router calls
+it without a tokenizer (checks of types, ranges and fields only) before it picks workers. Both
+therefore refuse the same requests with the same messages.
+
+Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending field:
+
+- The body must be a JSON object (:func:`parse_json_body` for raw bytes; NaN/Infinity refused).
+- Types are strict: a bool is not an int, ``1.0`` is not an int, a number may be an int or float.
+- ``max_tokens`` (``max_completion_tokens`` in chat, ``max_new_tokens`` in ``/generate``) is an
+  int >= 1; absent, it is :data:`DEFAULT_MAX_TOKENS`, lowered to what the context leaves when the
+  prompt is long. An explicit value that does not fit the context is an error with both numbers.
+- ``temperature`` >= 0 (0 is greedy; default: the model's generation_config, else 1.0),
+  ``top_p`` in (0, 1], ``top_k`` >= 0 with 0 or -1 meaning no limit (stored as 0).
+- ``stop``: a string or a list of strings (at most 4 for the OpenAI endpoints), none empty.
+  ``stop_token_ids``: token ids. ``seed``: int in [0, 2**63). ``ignore_eos``: bool.
+- Empty prompts and empty ``messages`` are refused; token ids must be ints in the vocabulary.
+- Every field of the OpenAI API that we do not implement is refused with its name (``n`` > 1,
+  ``best_of`` > 1, ``echo``, ``suffix``, ``logprobs``, ``logit_bias``, penalties, ``tools`` ...),
+  except at its no-op value (``n: 1``, ``echo: false``, ``presence_penalty: 0`` ...); ``null``
+  counts as absent. A field nobody knows is refused too: nothing is ignored silently.
+- Known extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM and SGLang), ``rid``
+  (request id), and SGLang's PD fields ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``.
+  ``user`` is accepted and not used.
+- A ``model`` other than the served one is a 404 (``InvalidRequest`` with ``status=404``);
+  a missing ``model`` means the served one.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+from splitserve.engine.io import DEFAULT_MAX_TOKENS, GenerateRequest, InvalidRequest, SamplingParams
+
+ENDPOINTS = ("completions", "chat", "generate")
+MAX_OPENAI_STOP = 4
+MAX_SEED = 2**63
+MAX_ROOM = 2**63
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+_ABSENT = object()
+
+# Fields of the OpenAI API we do not implement, with the value that means "not used".
+_NOOP = {
+    "n": 1, "best_of": 1, "echo": False, "suffix": "", "logprobs": False, "top_logprobs": 0,
+    "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "tools": [], "tool_choice": "none",
+    "functions": [], "function_call": "none", "parallel_tool_calls": _ABSENT, "store": False,
+    "metadata": _ABSENT, "modalities": ["text"], "audio": _ABSENT, "prediction": _ABSENT,
+    "reasoning_effort": _ABSENT, "service_tier": _ABSENT, "web_search_options": _ABSENT,
+    "response_format": {"type": "text"}, "verbosity": _ABSENT,
+    # SGLang /generate sampling_params and request fields
+    "min_p": 0, "repetition_penalty": 1, "min_new_tokens": 0, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "no_stop_trim": False, "return_logprob": False,
+    "regex": _ABSENT, "json_schema": _ABSENT, "ebnf": _ABSENT, "image_data": _ABSENT, "lora_path": _ABSENT,
+}
+
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "stop",
+           "stop_token_ids", "ignore_eos", "seed", "user", "rid", "bootstrap_host", "bootstrap_port",
+           "bootstrap_room"}
+_KNOWN = {
+    "completions": _COMMON | {"prompt", "n", "best_of", "echo", "suffix", "logprobs", "logit_bias",
+                              "presence_penalty", "frequency_penalty"},
+    "chat": _COMMON | {"messages", "max_completion_tokens", "n", "logprobs", "top_logprobs", "logit_bias",
+                       "presence_penalty", "frequency_penalty", "tools", "tool_choice", "functions",
+                       "function_call", "parallel_tool_calls", "response_format", "store", "metadata",
+                       "modalities", "audio", "prediction", "reasoning_effort", "service_tier",
+                       "web_search_options", "verbosity"},
+    "generate": {"text", "input_ids", "sampling_params", "stream", "rid", "bootstrap_host", "bootstrap_port",
+                 "bootstrap_room", "return_logprob", "image_data", "lora_path"},
+}
+_KNOWN_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
+                   "seed", "sampling_seed", "n", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                   "min_new_tokens", "min_p", "skip_special_tokens", "spaces_between_special_tokens",
+                   "no_stop_trim", "regex", "json_schema", "ebnf"}
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    """A request that passed :func:`validate_request`, in the engine's terms."""
+
+    endpoint: str  # "completions" | "chat" | "generate"
+    sampling: SamplingParams
+    model: Optional[str] = None  # the name the client asked for; None if it named none
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage
+    prompt_ids: Optional[tuple[int, ...]] = None  # None: text prompt and no tokenizer given
+    prompt_text: Optional[str] = None  # completions / generate text prompt
+    messages: Optional[tuple[dict, ...]] = None  # chat: [{"role", "content": str}], roles normalised
+    max_tokens_set: bool = False  # the client named max_tokens (else it is the default)
+    rid: Optional[str] = None
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+
+    def generate_request(self, rid: Optional[str] = None) -> GenerateRequest:
+        """The engine request; ``rid`` defaults to the client's ``rid``."""
+        rid = rid if rid is not None else self.rid
+        if rid is None or self.prompt_ids is None:
+            raise ValueError("generate_request needs a rid and tokenized prompt (validate with a tokenizer)")
+        return GenerateRequest(rid=rid, prompt_ids=self.prompt_ids, sampling=self.sampling)
+
+
+def parse_json_body(raw: bytes | str) -> dict:
+    """Decode a request body into a JSON object, or raise InvalidRequest saying what is wrong."""
+    if isinstance(raw, (bytes, bytearray)):
+        try:
+            raw = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise InvalidRequest(f"the request body is not valid UTF-8: {e}") from None
+    if not raw.strip():
+        raise InvalidRequest("the request body is empty; send a JSON object")
+
+    def _no_constants(name: str):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(raw, parse_constant=_no_constants)
+    except (json.JSONDecodeError, ValueError, RecursionError) as e:
+        raise InvalidRequest(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, not {_type_name(body)}")
+    return body
+
+
+def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[str] = None, tokenizer=None,
+                     max_context: Optional[int] = None, vocab_size: Optional[int] = None,
+                     generation_defaults: Optional[Mapping[str, Any]] = None) -> ValidatedRequest:
+    """Check a request body (dict, or raw JSON bytes/str) for ``endpoint`` and return it in the
+    engine's terms. With a ``tokenizer`` the prompt is tokenized (chat through the chat template
+    with the generation prompt) and checked against ``max_context``; ``vocab_size`` bounds token
+    ids. Raises InvalidRequest (400, or 404 for an unknown model) naming the field."""
+    if endpoint not in ENDPOINTS:
+        raise ValueError(f"endpoint must be one of {ENDPOINTS}, not {endpoint!r}")
+    if not isinstance(body, dict):
+        body = parse_json_body(body)
+    _check_fields(body, _KNOWN[endpoint], "")
+    defaults = dict(generation_defaults or {})
+    if endpoint == "generate":
+        sp = body.get("sampling_params")
+        if sp is None:
+            sp = {}
+        if not isinstance(sp, dict):
+            raise InvalidRequest(f"sampling_params must be an object, not {_type_name(sp)}", "sampling_params")
+        _check_fields(sp, _KNOWN_SAMPLING, "sampling_params.")
+        if sp.get("seed") is not None and sp.get("sampling_seed") is not None:
+            raise InvalidRequest("give seed or sampling_seed, not both", "sampling_params.seed")
+        fields, prefix, max_key, max_stop = sp, "sampling_params.", "max_new_tokens", None
+    else:
+        fields, prefix, max_key, max_stop = body, "", "max_tokens", MAX_OPENAI_STOP
+        if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+            if body.get("max_tokens") is not None and body["max_tokens"] != body["max_completion_tokens"]:
+                raise InvalidRequest("max_tokens and max_completion_tokens differ; give one", "max_tokens")
+            max_key = "max_completion_tokens"
+
+    model = _opt_str(body, "model", "")
+    if model is not None and served_model_name is not None and model != served_model_name:
+        err = InvalidRequest(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
+                             "model", status=404)
+        err.code = "model_not_found"
+        raise err
+
+    max_tokens = _opt_int(fields, max_key, prefix, minimum=1)
+    temperature = _opt_number(fields, "temperature", prefix, minimum=0.0)
+    top_p = _opt_number(fields, "top_p", prefix)
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise InvalidRequest(f"{prefix}top_p must be in (0, 1], got {top_p}", prefix + "top_p")
+    top_k = _opt_int(fields, "top_k", prefix, minimum=-1)
+    seed_key = "sampling_seed" if fields.get("sampling_seed") is not None else "seed"
+    seed = _opt_int(fields, seed_key, prefix, minimum=0, maximum=MAX_SEED - 1)
+    ignore_eos = _opt_bool(fields, "ignore_eos", prefix)
+    stop = _stop(fields.get("stop"), prefix + "stop", max_stop)
+    stop_token_ids = _token_ids(fields.get("stop_token_ids"), prefix + "stop_token_ids", vocab_size,
+                                allow_empty=True) or ()
+
+    stream = _opt_bool(body, "stream", "") or False
+    include_usage = False
+    if body.get("stream_options") is not None:
+        if endpoint == "generate":
+            raise InvalidRequest("stream_options is not supported by /generate", "stream_options")
+        include_usage = _stream_options(body["stream_options"], stream)
+
+    rid = _opt_str(body, "rid", "")
+    if rid is not None and (not rid or len(rid) > 256 or not rid.isprintable() or any(c.isspace() for c in rid)):
+        raise InvalidRequest("rid must be 1 to 256 printable characters without spaces", "rid")
+    bootstrap_host = _opt_str(body, "bootstrap_host", "")
+    bootstrap_port = _opt_int(body, "bootstrap_port", "", minimum=1, maximum=65535)
+    bootstrap_room = _opt_int(body, "bootstrap_room", "", minimum=0, maximum=MAX_ROOM - 1)
+
+    prompt_ids, prompt_text, messages = None, None, None
+    if endpoint == "completions":
+        prompt_text, prompt_ids = _completion_prompt(body.get("prompt", _ABSENT), vocab_size)
+    elif endpoint == "generate":
+        prompt_text, prompt_ids = _generate_prompt(body, vocab_size)
+    else:
+        messages = _messages(body.get("messages", _ABSENT))
+    if tokenizer is not None and prompt_ids is None:
+        prompt_ids = _tokenize(tokenizer, prompt_text, messages)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty after tokenization", "messages" if messages else "prompt")
+
+    max_tokens_set = max_tokens is not None
+    if max_tokens is None:
+        max_tokens = DEFAULT_MAX_TOKENS
+    if prompt_ids is not None and max_context is not None:
+        max_tokens = _fit_context(len(prompt_ids), max_tokens, max_tokens_set, max_context, prefix + max_key)
+
+    if top_k is not None and top_k == -1:
+        top_k = 0
+    sampling = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_pick(temperature, defaults.get("temperature"), 1.0),
+        top_p=_pick(top_p, defaults.get("top_p"), 1.0),
+        top_k=int(_pick(top_k, defaults.get("top_k"), 0)),
+        seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=bool(ignore_eos),
+    )
+    return ValidatedRequest(
+        endpoint=endpoint, sampling=sampling, model=model, stream=stream, include_usage=include_usage,
+        prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None, prompt_text=prompt_text,
+        messages=messages, max_tokens_set=max_tokens_set, rid=rid, bootstrap_host=bootstrap_host,
+        bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room,
+    )
+
+
+# -- pieces ----------------------------------------------------------------------------------------
+
+
+def _type_name(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array",
+            dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _check_fields(obj: dict, known: set, prefix: str) -> None:
+    for key, value in obj.items():
+        name = prefix + str(key)
+        if key not in known:
+            raise InvalidRequest(f"unrecognized request field `{name}`", name)
+        if key in _NOOP and value is not None and not _is_noop(value, _NOOP[key]):
+            raise InvalidRequest(f"`{name}` is not supported by this server (got {json.dumps(value)})", name)
+
+
+def _is_noop(value: Any, noop: Any) -> bool:
+    if noop is _ABSENT:
+        return False
+    if isinstance(noop, bool) or isinstance(value, bool):
+        return type(value) is type(noop) and value == noop
+    return value == noop
+
+
+def _pick(value, default, fallback):
+    if value is not None:
+        return value
+    return default if default is not None else fallback
+
+
+def _opt_int(obj: dict, key: str, prefix: str, minimum: Optional[int] = None,
+             maximum: Optional[int] = None) -> Optional[int]:
+    v = obj.get(key)
+    if v is None:
+        return None
+    name = prefix + key
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise InvalidRequest(f"{name} must be an integer, not {_type_name(v)}", name)
+    if minimum is not None and v < minimum:
+        raise InvalidRequest(f"{name} must be at least {minimum}, got {v}", name)
+    if maximum is not None and v > maximum:
+        raise InvalidRequest(f"{name} must be at most {maximum}, got {v}", name)
+    return v
+
+
+def _opt_number(obj: dict, key: str, prefix: str, minimum: Optional[float] = None) -> Optional[float]:
+    v = obj.get(key)
+    if v is None:
+        return None
+    name = prefix + key
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidRequest(f"{name} must be a number, not {_type_name(v)}", name)
+    if not math.isfinite(v):
+        raise InvalidRequest(f"{name} must be a finite number", name)
+    if minimum is not None and v < minimum:
+        raise InvalidRequest(f"{name} must be at least {minimum}, got {v}", name)
+    return float(v)
+
+
+def _opt_bool(obj: dict, key: str, prefix: str) -> Optional[bool]:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, bool):
+        raise InvalidRequest(f"{prefix}{key} must be a boolean, not {_type_name(v)}", prefix + key)
+    return v
+
+
+def _opt_str(obj: dict, key: str, prefix: str) -> Optional[str]:
+    v = obj.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, str):
+        raise InvalidRequest(f"{prefix}{key} must be a string, not {_type_name(v)}", prefix + key)
+    return v
+
+
+def _stop(v: Any, name: str, max_count: Optional[int]) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise InvalidRequest(f"{name} must be a string or a list of strings", name)
+    if max_count is not None and len(stops) > max_count:
+        raise InvalidRequest(f"{name} takes at most {max_count} strings, got {len(stops)}", name)
+    if any(s == "" for s in stops):
+        raise InvalidRequest(f"{name} strings must not be empty", name)
+    return tuple(dict.fromkeys(stops))
+
+
+def _token_ids(v: Any, name: str, vocab_size: Optional[int], allow_empty: bool = False) -> Optional[list[int]]:
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise InvalidRequest(f"{name} must be a list of token ids, not {_type_name(v)}", name)
+    if not v and not allow_empty:
+        raise InvalidRequest(f"{name} is empty", name)
+    for i, t in enumerate(v):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise InvalidRequest(f"{name}[{i}] must be an integer token id, not {_type_name(t)}", name)
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            bound = f" in [0, {vocab_size})" if vocab_size is not None else " >= 0"
+            raise InvalidRequest(f"{name}[{i}] = {t} is not a token id{bound}", name)
+    return list(v)
+
+
+def _stream_options(v: Any, stream: bool) -> bool:
+    if not isinstance(v, dict):
+        raise InvalidRequest(f"stream_options must be an object, not {_type_name(v)}", "stream_options")
+    if not stream:
+        raise InvalidRequest("stream_options is only allowed when stream is true", "stream_options")
+    for key in v:
+        if key != "include_usage":
+            raise InvalidRequest(f"unrecognized request field `stream_options.{key}`", f"stream_options.{key}")
+    return bool(_opt_bool(v, "include_usage", "stream_options."))
+
+
+def _completion_prompt(v: Any, vocab_size: Optional[int]) -> tuple[Optional[str], Optional[list[int]]]:
+    if v is _ABSENT or v is None:
+        raise InvalidRequest("prompt is required", "prompt")
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # a batch of one
+    if isinstance(v, str):
+        if not v:
+            raise InvalidRequest("prompt is empty", "prompt")
+        return v, None
+    if isinstance(v, list) and v and all(isinstance(x, (str, list)) for x in v):
+        raise InvalidRequest(f"batched prompts are not supported: send one prompt per request, got {len(v)}",
+                             "prompt")
+    if isinstance(v, list):
+        return None, _token_ids(v, "prompt", vocab_size)
+    raise InvalidRequest(f"prompt must be a string or a list of token ids, not {_type_name(v)}", "prompt")
+
+
+def _generate_prompt(body: dict, vocab_size: Optional[int]) -> tuple[Optional[str], Optional[list[int]]]:
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise InvalidRequest("give exactly one of text and input_ids", "text")
+    if text is not None:
+        if not isinstance(text, str):
+            raise InvalidRequest(f"text must be a string, not {_type_name(text)} (batches are not supported)",
+                                 "text")
+        if not text:
+            raise InvalidRequest("text is empty", "text")
+        return text, None
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        raise InvalidRequest("input_ids must be one list of token ids (batches are not supported)", "input_ids")
+    return None, _token_ids(ids, "input_ids", vocab_size)
+
+
+def _messages(v: Any) -> tuple[dict, ...]:
+    if v is _ABSENT or v is None:
+        raise InvalidRequest("messages is required", "messages")
+    if not isinstance(v, list):
+        raise InvalidRequest(f"messages must be a list, not {_type_name(v)}", "messages")
+    if not v:
+        raise InvalidRequest("messages is empty", "messages")
+    out = []
+    for i, m in enumerate(v):
+        name = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise InvalidRequest(f"{name} must be an object, not {_type_name(m)}", name)
+        for key in m:
+            if key not in ("role", "content", "name"):
+                raise InvalidRequest(f"`{name}.{key}` is not supported by this server", f"{name}.{key}")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            if isinstance(role, str) and role in ("tool", "function"):
+                raise InvalidRequest(f"{name}.role `{role}` is not supported (no tool calling)", f"{name}.role")
+            raise InvalidRequest(f"{name}.role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}",
+                                 f"{name}.role")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise InvalidRequest(f"{name}.name must be a string", f"{name}.name")
+        out.append({"role": CHAT_ROLES[role], "content": _content(m.get("content"), f"{name}.content")})
+    return tuple(out)
+
+
+def _content(v: Any, name: str) -> str:
+    if isinstance(v, str):
+        return v
+    if isinstance(v, list):
+        texts = []
+        for j, part in enumerate(v):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else _type_name(part)
+                raise InvalidRequest(f"{name}[{j}]: only text parts are supported, got {json.dumps(kind)}", name)
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise InvalidRequest(f"{name} must be a string or a list of text parts, not {_type_name(v)}", name)
+
+
+def _tokenize(tokenizer, text: Optional[str], messages: Optional[tuple[dict, ...]]) -> list[int]:
+    if messages is None:
+        return list(tokenizer.encode(text))
+    try:
+        ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
+    except Exception as e:  # jinja TemplateError raised by the template itself ("roles must alternate")
+        raise InvalidRequest(f"the chat template refused these messages: {e}", "messages") from None
+    if isinstance(ids, Mapping):
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def _fit_context(n_prompt: int, max_tokens: int, explicit: bool, max_context: int, param: str) -> int:
+    if n_prompt + max_tokens <= max_context:
+        return max_tokens
+    if explicit:
+        raise InvalidRequest(f"prompt has {n_prompt} tokens and {param} is {max_tokens}, but the model's "
+                             f"context is {max_context}", param)
+    if n_prompt >= max_context:
+        raise InvalidRequest(f"prompt has {n_prompt} tokens, but the model's context is {max_context} "
+                             f"(at least one token must be left to generate)", "prompt")
+    return max_context - n_prompt

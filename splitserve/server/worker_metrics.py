@@ -1,0 +1,65 @@
+"""The worker's metrics, registered on the app's own :class:`~splitserve.metrics.Registry`.
+
+KV pages and queue sizes are derived gauges: they call ``engine.stats()`` when ``/metrics`` is
+scraped, so they always show what the engine loop last published, never a copy kept in step by
+hand. Counters and histograms are recorded by the HTTP handlers, one per request at its end.
+"""
+
+from __future__ import annotations
+
+from splitserve.metrics import Registry
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: Registry, engine, role: str):
+        self.role = role
+        self._engine = engine
+        self._started = False
+
+        registry.gauge("splitserve_ready", "1 when the worker accepts requests, 0 while loading or draining.",
+                       callback=lambda: 1 if engine.ready and not engine.draining else 0)
+        registry.gauge("splitserve_kv_pages_free", "Free KV cache pages.",
+                       callback=lambda: self._stat("pages_free"))
+        registry.gauge("splitserve_kv_pages_total", "KV cache pages in the pool.",
+                       callback=lambda: self._stat("pages_total"))
+        registry.gauge("splitserve_queue_requests", "Requests in each engine queue.", ["role", "queue"],
+                       callback=lambda: {(role, q): n for q, n in (self._stat("queues") or {}).items()})
+        self.http_inflight = registry.gauge("splitserve_http_inflight_requests",
+                                            "Generation requests the HTTP front end is serving now.")
+        self.requests = registry.counter(
+            "splitserve_requests_total",
+            "Generation requests by terminal outcome (finished, aborted, failed) and reason.",
+            ["role", "outcome", "reason"])
+        self.http_requests = registry.counter("splitserve_http_requests_total", "HTTP requests by route and status.",
+                                              ["path", "status"])
+        self.prompt_tokens = registry.counter("splitserve_prompt_tokens_total", "Prompt tokens of finished requests.",
+                                              ["role"])
+        self.generation_tokens = registry.counter("splitserve_generation_tokens_total",
+                                                  "Tokens generated (all requests, also failed ones).", ["role"])
+        self.request_seconds = registry.histogram("splitserve_request_duration_seconds",
+                                                  "Time from arrival to the end of a generation request.",
+                                                  ["role", "endpoint", "outcome"], buckets=LATENCY_BUCKETS)
+        self.ttft_seconds = registry.histogram("splitserve_time_to_first_token_seconds",
+                                               "Time from arrival to the first generated token.",
+                                               ["role", "endpoint"], buckets=LATENCY_BUCKETS)
+
+    def _stat(self, key: str):
+        """One field of ``engine.stats()``; None (no sample) until the engine has started."""
+        if not self._started:
+            if not self._engine.ready:
+                return None
+            self._started = True
+        return self._engine.stats()[key]
+
+    def record(self, endpoint: str, outcome: str, reason: str, seconds: float, prompt_tokens: int = 0,
+               completion_tokens: int = 0, ttft: float | None = None) -> None:
+        self.requests.labels(role=self.role, outcome=outcome, reason=reason).inc()
+        self.request_seconds.labels(role=self.role, endpoint=endpoint, outcome=outcome).observe(seconds)
+        if outcome == "finished":
+            self.prompt_tokens.labels(role=self.role).inc(prompt_tokens)
+        if completion_tokens:
+            self.generation_tokens.labels(role=self.role).inc(completion_tokens)
+        if ttft is not None:
+            self.ttft_seconds.labels(role=self.role, endpoint=endpoint).observe(ttft)
