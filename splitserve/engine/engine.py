@@ -40,15 +40,6 @@ def resolve_model_dir(model: str) -> str:
     return model
 
 
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    if name == "auto":
-        return torch.float32 if device == "cpu" else torch.bfloat16
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"unsupported dtype {name!r}; choose one of auto, {', '.join(table)}")
-    return table[name]
-
-
 @dataclass(frozen=True)
 class EngineStats:
     pages_free: int
@@ -64,12 +55,11 @@ class LLMEngine:
 
         self.config = config
         model_dir = resolve_model_dir(config.model)
-        dtype = resolve_dtype(config.dtype, config.device)
-        self.model, self.spec = load_model(model_dir, dtype=dtype, device=config.device)
+        self.model, self.spec = load_model(model_dir, dtype=config.dtype, device=config.device)
         self.tokenizer = load_tokenizer(model_dir)
         num_pages = -(-config.max_total_tokens // config.page_size)
         self.layout = KVLayout(num_pages=num_pages, num_layers=self.spec.num_layers, page_size=config.page_size,
-                               num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=dtype)
+                               num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self.spec.dtype)
         self.kv = KVPool(self.layout, device=config.device)
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
