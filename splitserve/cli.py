@@ -11,7 +11,8 @@ import dataclasses
 import sys
 import typing
 
-from splitserve.config import EngineConfig, ServerConfig, field_help
+from splitserve.config import (DEFAULT_BOOTSTRAP_PORT, EngineConfig, RouterConfig, ServerConfig, WorkerAddress,
+                               field_help)
 
 
 def _add_config_options(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
@@ -48,6 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(serve, EngineConfig)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
+    router = sub.add_parser("router", help="run the router: one OpenAI endpoint in front of prefill and decode workers")
+    _add_config_options(router, RouterConfig, skip=("prefill", "decode"))
+    router.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+                        help="a prefill worker's URL and optionally its bootstrap port "
+                             f"(default {DEFAULT_BOOTSTRAP_PORT}); repeat for each worker")
+    router.add_argument("--decode", action="append", default=[], metavar="URL",
+                        help="a decode worker's URL; repeat for each worker")
+    router.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
     tiny = sub.add_parser("tiny-model", help="write a small random checkpoint (for tests and demos)")
     tiny.add_argument("out_dir", help="folder to write the checkpoint into")
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
@@ -64,14 +74,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote a tiny {args.arch} checkpoint to {path}")
         return 0
     if args.command == "serve":
-        import logging
-
         from splitserve.server.app import run_server
 
-        logging.basicConfig(level=args.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        _setup_logging(args.log_level)
         return run_server(_config_from(EngineConfig, args), _config_from(ServerConfig, args))
+    if args.command == "router":
+        _setup_logging(args.log_level)
+        from splitserve.router.app import run_router
+
+        return run_router(router_config_from(args))
     return 2
+
+
+def router_config_from(args: argparse.Namespace) -> RouterConfig:
+    prefill = []
+    for item in args.prefill:
+        if len(item) > 2:
+            raise SystemExit(f"--prefill takes a URL and at most one bootstrap port, got {item}")
+        try:
+            port = int(item[1]) if len(item) == 2 else DEFAULT_BOOTSTRAP_PORT
+        except ValueError:
+            raise SystemExit(f"--prefill {item[0]}: bootstrap port {item[1]!r} is not a number") from None
+        prefill.append(WorkerAddress(item[0].rstrip("/"), port))
+    decode = [WorkerAddress(url.rstrip("/")) for url in args.decode]
+    if not prefill or not decode:
+        raise SystemExit("the router needs at least one --prefill and one --decode worker")
+    config = _config_from(RouterConfig, args)
+    return dataclasses.replace(config, prefill=tuple(prefill), decode=tuple(decode))
+
+
+def _setup_logging(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 if __name__ == "__main__":

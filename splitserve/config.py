@@ -59,3 +59,31 @@ def field_help(cls) -> dict[str, str]:
             helps[node.target.id] = str(nxt.value.value)
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in helps.items() if k in names}
+
+
+@dataclass(frozen=True)
+class WorkerAddress:
+    url: str
+    """The worker's HTTP base URL, e.g. http://127.0.0.1:30001."""
+    bootstrap_port: Optional[int] = None
+    """Prefill workers only: the port of their bootstrap (control) endpoint."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    host: str = "127.0.0.1"
+    """Address the router listens on."""
+    port: int = 8000
+    """Port of the router's OpenAI-compatible API."""
+    policy: str = "round_robin"
+    """How a worker is picked per request: round_robin, random or least_load."""
+    health_interval_s: float = 2.0
+    """Seconds between health checks of each worker."""
+    health_failures: int = 2
+    """Consecutive failed health checks that take a worker out of rotation (one success brings it back)."""
+    request_timeout_s: float = 600.0
+    """Upper bound on one request through the router, end to end."""
+    prefill: tuple[WorkerAddress, ...] = ()
+    decode: tuple[WorkerAddress, ...] = ()
+
+DEFAULT_BOOTSTRAP_PORT = 8998
