@@ -183,6 +183,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
             raise InvalidRequest("stream_options is not supported by /generate", "stream_options")
         include_usage = _stream_options(body["stream_options"], stream)
 
+    _opt_str(body, "user", "")  # accepted (OpenAI's end-user id), not used
     rid = _opt_str(body, "rid", "")
     if rid is not None and (not rid or len(rid) > 256 or not rid.isprintable() or any(c.isspace() for c in rid)):
         raise InvalidRequest("rid must be 1 to 256 printable characters without spaces", "rid")

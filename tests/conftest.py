@@ -1,0 +1,225 @@
+"""Shared test fixtures: real server processes and a small byte-level tokenizer.
+
+``ServerProcess`` runs ``python -m splitserve.cli serve --model tiny --port <free port> ...`` as a
+subprocess, with ``SPLITSERVE_CACHE`` pointed at ``<repo>/.cache/tests`` (gitignored) so the tiny
+model is built once for the whole session and reused by later runs. Its stdout and stderr go to
+files (never a pipe that could fill and block the server), and every failure message carries
+their tail. It is always stopped: by the fixture's teardown, by ``with``, and at interpreter exit
+as a last resort.
+
+Fixtures:
+
+- ``server``: one shared colocated server for the session (tests must leave it as they found it:
+  no requests left running).
+- ``start_server``: a factory for extra servers with their own options
+  (``start_server("--max-waiting-requests", "1")``), stopped at the end of the test.
+- ``byte_tokenizer``: a tokenizer with one token per byte and a chat template, for tests that need
+  tokenization but no model.
+
+Elsewhere: ``from conftest import ServerProcess`` works because pytest puts ``tests/`` on the path.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import requests
+
+REPO = Path(__file__).resolve().parent.parent
+CACHE_DIR = REPO / ".cache" / "tests"
+STARTUP_TIMEOUT_S = 180.0  # first run builds the tiny model; later runs take seconds
+
+_live: set["ServerProcess"] = set()
+
+
+@atexit.register
+def _kill_leftovers() -> None:
+    for proc in list(_live):
+        proc.stop(timeout=5)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """One ``splitserve serve`` subprocess on loopback.
+
+    ``ServerProcess("--max-running-requests", "1").start()`` returns once ``/health`` answers 200
+    (or raises with the server's output). ``url`` is its base URL; ``stop()`` sends SIGTERM, waits,
+    kills if need be and returns the exit code; ``send_signal`` and ``wait`` drive it by hand.
+    """
+
+    def __init__(self, *args: str, model: str = "tiny", cache_dir: Path = CACHE_DIR,
+                 startup_timeout: float = STARTUP_TIMEOUT_S, env: Optional[dict] = None,
+                 subcommand: str = "serve"):
+        self.args = list(args)
+        self.model = model
+        self.cache_dir = Path(cache_dir)
+        self.startup_timeout = startup_timeout
+        self.extra_env = dict(env or {})
+        self.subcommand = subcommand
+        self.port: Optional[int] = None
+        self.proc: Optional[subprocess.Popen] = None
+        self._logdir = Path(tempfile.mkdtemp(prefix="splitserve-server-"))
+        self._out = self._err = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def start(self) -> "ServerProcess":
+        for attempt in range(3):  # a free port can be taken between our probe and the server's bind
+            self._spawn(free_port())
+            try:
+                self.wait_ready()
+                return self
+            except RuntimeError as exc:
+                if "cannot listen" in str(exc) and attempt < 2:
+                    continue
+                self.stop(timeout=5)
+                raise
+        raise AssertionError("unreachable")
+
+    def _spawn(self, port: int) -> None:
+        self.port = port
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, SPLITSERVE_CACHE=str(self.cache_dir), PYTHONUNBUFFERED="1", **self.extra_env)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        cmd = [sys.executable, "-m", "splitserve.cli", self.subcommand, "--model", self.model,
+               "--host", "127.0.0.1", "--port", str(port), *self.args]
+        self._close_logs()
+        self._out = open(self._logdir / "stdout.log", "wb")
+        self._err = open(self._logdir / "stderr.log", "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._out, stderr=self._err,
+                                     stdin=subprocess.DEVNULL)
+        _live.add(self)
+
+    def wait_ready(self, timeout: Optional[float] = None) -> None:
+        deadline = time.monotonic() + (timeout or self.startup_timeout)
+        while time.monotonic() < deadline:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise RuntimeError(f"server exited with {rc} before it was ready\n{self.output_tail()}")
+            try:
+                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready after {timeout or self.startup_timeout:.0f}s\n{self.output_tail()}")
+
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(sig)
+
+    def wait(self, timeout: float) -> int:
+        """The exit code; raises subprocess.TimeoutExpired if it is still running."""
+        return self.proc.wait(timeout)
+
+    def stop(self, timeout: float = 30.0) -> Optional[int]:
+        """SIGTERM, then SIGKILL after ``timeout``; the exit code (None if never started)."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        _live.discard(self)
+        self._close_logs()
+        return self.proc.returncode
+
+    def _close_logs(self) -> None:
+        for f in (self._out, self._err):
+            if f is not None and not f.closed:
+                f.close()
+
+    def stdout(self) -> str:
+        return self._read("stdout.log")
+
+    def stderr(self) -> str:
+        return self._read("stderr.log")
+
+    def _read(self, name: str) -> str:
+        path = self._logdir / name
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def output_tail(self, chars: int = 4000) -> str:
+        return (f"--- stdout of {self.subcommand} on port {self.port} ---\n{self.stdout()[-chars:]}\n"
+                f"--- stderr ---\n{self.stderr()[-chars:]}")
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@pytest.fixture(scope="session")
+def server():
+    """The session's shared tiny-model server."""
+    proc = ServerProcess().start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture
+def start_server():
+    """Start extra servers: ``start_server(*cli_args, **ServerProcess kwargs)``; all are stopped
+    when the test ends, whatever happened."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str, **kwargs) -> ServerProcess:
+        proc = ServerProcess(*args, **kwargs)
+        started.append(proc)
+        return proc.start()
+
+    try:
+        yield start
+    finally:
+        for proc in started:
+            proc.stop(timeout=10)
+
+
+def make_byte_tokenizer():
+    """A fast tokenizer with one token per byte (ids 0-255), ``<s>``=256, ``</s>``=257, and a
+    simple chat template; no files, no model."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["<s>"] = len(vocab)
+    vocab["</s>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                          "{% if add_generation_prompt %}<assistant>{% endif %}")
+    return fast
+
+
+@pytest.fixture(scope="session")
+def byte_tokenizer():
+    return make_byte_tokenizer()

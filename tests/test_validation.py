@@ -1,0 +1,293 @@
+"""validate_request: every rule, no server. The error names the field (``param`` and message)."""
+
+from __future__ import annotations
+
+import pytest
+
+from splitserve.engine.io import DEFAULT_MAX_TOKENS, InvalidRequest
+from splitserve.server.validation import parse_json_body, validate_request
+
+MODEL = "tiny"
+
+
+def ok(body, endpoint="completions", **kw):
+    kw.setdefault("served_model_name", MODEL)
+    return validate_request(body, endpoint, **kw)
+
+
+def bad(body, endpoint="completions", param=None, match=None, status=400, **kw):
+    kw.setdefault("served_model_name", MODEL)
+    with pytest.raises(InvalidRequest) as info:
+        validate_request(body, endpoint, **kw)
+    err = info.value
+    assert err.status == status, str(err)
+    if param is not None:
+        assert err.param == param, str(err)
+        assert param.split(".")[-1].split("[")[0] in str(err), f"message does not name {param}: {err}"
+    if match is not None:
+        assert match in str(err), str(err)
+    return err
+
+
+# -- body --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"", b"   ", b"\xff\xfe", b"[1, 2]", b'"prompt"', b"null",
+                                 b'{"prompt": "x", "temperature": NaN}', b'{"prompt": "x", "top_p": Infinity}'])
+def test_body_must_be_a_json_object(raw):
+    with pytest.raises(InvalidRequest) as info:
+        validate_request(raw, "completions")
+    assert info.value.status == 400
+
+
+def test_raw_bytes_and_dicts_are_the_same():
+    assert ok(b'{"prompt": "hi", "max_tokens": 3}') == ok({"prompt": "hi", "max_tokens": 3})
+    assert parse_json_body('{"a": 1}') == {"a": 1}
+
+
+# -- defaults ----------------------------------------------------------------------------------------
+
+
+def test_defaults():
+    r = ok({"prompt": "hi"})
+    assert r.sampling.max_tokens == DEFAULT_MAX_TOKENS and not r.max_tokens_set
+    assert r.sampling.temperature == 1.0 and r.sampling.top_p == 1.0 and r.sampling.top_k == 0
+    assert r.sampling.stop == () and r.sampling.seed is None and not r.sampling.ignore_eos
+    assert not r.stream and not r.include_usage and r.model is None and r.rid is None
+    assert r.prompt_text == "hi" and r.prompt_ids is None  # no tokenizer given
+
+
+def test_generation_defaults_apply_only_when_not_given():
+    gd = {"temperature": 0.6, "top_p": 0.9, "top_k": 20}
+    r = ok({"prompt": "hi"}, generation_defaults=gd)
+    assert (r.sampling.temperature, r.sampling.top_p, r.sampling.top_k) == (0.6, 0.9, 20)
+    r = ok({"prompt": "hi", "temperature": 0, "top_p": 1, "top_k": -1}, generation_defaults=gd)
+    assert (r.sampling.temperature, r.sampling.top_p, r.sampling.top_k) == (0.0, 1.0, 0)
+    assert r.sampling.greedy
+
+
+def test_missing_model_means_the_served_one_and_unknown_is_404():
+    assert ok({"prompt": "hi"}).model is None
+    assert ok({"prompt": "hi", "model": MODEL}).model == MODEL
+    err = bad({"prompt": "hi", "model": "gpt-4"}, param="model", status=404, match="gpt-4")
+    assert err.code == "model_not_found"
+    assert validate_request({"prompt": "hi", "model": "any"}, "completions").model == "any"  # no name: no check
+
+
+# -- types -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", True), ("max_tokens", 1.0), ("max_tokens", "16"), ("temperature", True),
+    ("temperature", "0.5"), ("top_p", False), ("top_k", 1.5), ("top_k", True), ("seed", True), ("seed", 1.0),
+    ("stream", 1), ("stream", "true"), ("ignore_eos", 0), ("stop", 5), ("stop", [1]), ("stop", {"a": 1}),
+    ("stop_token_ids", 5), ("stop_token_ids", [True]), ("stop_token_ids", ["1"]), ("user", 5),
+    ("rid", 5), ("bootstrap_host", 1), ("bootstrap_port", "80"), ("bootstrap_room", True), ("model", 1),
+])
+def test_wrong_types(field, value):
+    bad({"prompt": "hi", field: value}, param=field)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("max_tokens", 0), ("max_tokens", -5), ("temperature", -0.1), ("top_p", 0), ("top_p", 1.01), ("top_p", -1),
+    ("top_k", -2), ("seed", -1), ("seed", 2**63), ("bootstrap_port", 0), ("bootstrap_port", 70000),
+    ("bootstrap_room", -1), ("bootstrap_room", 2**63), ("stop", ""), ("stop", ["a", ""]),
+    ("stop", ["a", "b", "c", "d", "e"]), ("stop_token_ids", [-1]), ("rid", ""), ("rid", "has space"),
+])
+def test_out_of_range(field, value):
+    bad({"prompt": "hi", field: value}, param=field)
+
+
+def test_accepted_values():
+    r = ok({"prompt": "hi", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "top_k": 3, "seed": 2**63 - 1,
+            "stop": ["a", "b", "a"], "stop_token_ids": [1, 2], "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}, "user": "u1", "rid": "req-1", "bootstrap_host": "10.0.0.1",
+            "bootstrap_port": 8998, "bootstrap_room": 2**63 - 1})
+    s = r.sampling
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (7, 0.0, 0.5, 3, 2**63 - 1)
+    assert s.stop == ("a", "b") and s.stop_token_ids == (1, 2) and s.ignore_eos
+    assert r.stream and r.include_usage and r.max_tokens_set
+    assert (r.rid, r.bootstrap_host, r.bootstrap_port, r.bootstrap_room) == ("req-1", "10.0.0.1", 8998, 2**63 - 1)
+    assert ok({"prompt": "hi", "stop": "x"}).sampling.stop == ("x",)
+    assert ok({"prompt": "hi", "temperature": 2}).sampling.temperature == 2.0  # int is a number
+
+
+def test_null_means_absent():
+    r = ok({"prompt": "hi", "max_tokens": None, "temperature": None, "stop": None, "n": None, "logprobs": None,
+            "echo": None, "stream": None, "seed": None, "suffix": None})
+    assert r.sampling.max_tokens == DEFAULT_MAX_TOKENS and r.sampling.temperature == 1.0
+
+
+def test_stream_options():
+    bad({"prompt": "hi", "stream_options": {"include_usage": True}}, param="stream_options", match="stream")
+    bad({"prompt": "hi", "stream": True, "stream_options": {"include_usage": 1}},
+        param="stream_options.include_usage")
+    bad({"prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        param="stream_options.continuous_usage_stats")
+    bad({"prompt": "hi", "stream": True, "stream_options": "yes"}, param="stream_options")
+    assert not ok({"prompt": "hi", "stream": True, "stream_options": {}}).include_usage
+
+
+# -- unsupported OpenAI fields and unknown fields ----------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 2), ("best_of", 3), ("echo", True), ("suffix", "end"), ("logprobs", 1), ("logprobs", 0),
+    ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
+])
+def test_unsupported_completion_fields_are_named(field, value):
+    bad({"prompt": "hi", field: value}, param=field, match="not supported")
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 2), ("logprobs", True), ("top_logprobs", 2), ("logit_bias", {"1": 1}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("response_format", {"type": "json_object"}),
+    ("presence_penalty", 1), ("frequency_penalty", 0.1), ("parallel_tool_calls", True), ("audio", {}),
+    ("modalities", ["text", "audio"]), ("reasoning_effort", "high"),
+])
+def test_unsupported_chat_fields_are_named(field, value):
+    bad({"messages": [{"role": "user", "content": "hi"}], field: value}, "chat", param=field, match="not supported")
+
+
+def test_noop_values_of_unsupported_fields_are_accepted():
+    ok({"prompt": "hi", "n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0,
+        "logit_bias": {}, "suffix": ""})
+    ok({"messages": [{"role": "user", "content": "hi"}], "n": 1, "logprobs": False, "tools": [],
+        "tool_choice": "none", "response_format": {"type": "text"}, "presence_penalty": 0}, "chat")
+
+
+def test_unknown_fields_are_refused():
+    bad({"prompt": "hi", "max_token": 5}, param="max_token", match="unrecognized")
+    bad({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "chat", param="prompt")
+    bad({"prompt": "hi", "messages": []}, param="messages")
+    bad({"text": "hi", "sampling_params": {"max_tokens": 3}}, "generate", param="sampling_params.max_tokens")
+
+
+# -- prompts -----------------------------------------------------------------------------------------
+
+
+def test_completion_prompts():
+    bad({}, param="prompt", match="required")
+    bad({"prompt": ""}, param="prompt", match="empty")
+    bad({"prompt": []}, param="prompt", match="empty")
+    bad({"prompt": 5}, param="prompt")
+    bad({"prompt": ["a", "b"]}, param="prompt", match="batched")
+    bad({"prompt": [[1], [2]]}, param="prompt", match="batched")
+    bad({"prompt": [1, "a"]}, param="prompt")
+    bad({"prompt": [1, 300]}, param="prompt", vocab_size=258, match="300")
+    assert ok({"prompt": ["single"]}).prompt_text == "single"
+    assert ok({"prompt": [1, 2, 3]}).prompt_ids == (1, 2, 3)
+    assert ok({"prompt": [[4, 5]]}).prompt_ids == (4, 5)
+
+
+def test_chat_messages(byte_tokenizer):
+    bad({}, "chat", param="messages", match="required")
+    bad({"messages": []}, "chat", param="messages", match="empty")
+    bad({"messages": "hi"}, "chat", param="messages")
+    bad({"messages": ["hi"]}, "chat", param="messages[0]")
+    bad({"messages": [{"role": "robot", "content": "hi"}]}, "chat", param="messages[0].role")
+    bad({"messages": [{"role": "tool", "content": "hi"}]}, "chat", param="messages[0].role", match="tool")
+    bad({"messages": [{"role": "user", "content": None}]}, "chat", param="messages[0].content")
+    bad({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "chat",
+        param="messages[0].content", match="image_url")
+    bad({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "chat",
+        param="messages[0].tool_calls")
+    r = ok({"messages": [{"role": "developer", "content": "be brief"},
+                         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]},
+           "chat", tokenizer=byte_tokenizer)
+    assert r.messages == ({"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"})
+    expected = byte_tokenizer.apply_chat_template(list(r.messages), add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False)
+    assert list(r.prompt_ids) == list(expected)
+    assert byte_tokenizer.decode(r.prompt_ids).endswith("<assistant>")
+
+
+def test_chat_max_completion_tokens():
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ok({"messages": msgs, "max_completion_tokens": 9}, "chat").sampling.max_tokens == 9
+    assert ok({"messages": msgs, "max_tokens": 8}, "chat").sampling.max_tokens == 8
+    bad({"messages": msgs, "max_completion_tokens": 0}, "chat", param="max_completion_tokens")
+    bad({"messages": msgs, "max_completion_tokens": 5, "max_tokens": 6}, "chat", param="max_tokens")
+
+
+def test_tokenized_completion_prompt(byte_tokenizer):
+    r = ok({"prompt": "héllo"}, tokenizer=byte_tokenizer)
+    assert list(r.prompt_ids) == byte_tokenizer.encode("héllo")
+    assert r.generate_request("r1").prompt_ids == r.prompt_ids
+
+
+# -- context -----------------------------------------------------------------------------------------
+
+
+def test_context_limit_names_both_numbers():
+    err = bad({"prompt": list(range(100)), "max_tokens": 50}, param="max_tokens", max_context=120)
+    assert "100" in str(err) and "50" in str(err) and "120" in str(err)
+    ok({"prompt": list(range(100)), "max_tokens": 20}, max_context=120)
+
+
+def test_default_max_tokens_shrinks_to_what_the_context_leaves():
+    r = ok({"prompt": list(range(100))}, max_context=120)
+    assert r.sampling.max_tokens == 20 and not r.max_tokens_set
+    err = bad({"prompt": list(range(120))}, param="prompt", max_context=120)
+    assert "120" in str(err)
+
+
+def test_context_check_on_tokenized_text(byte_tokenizer):
+    err = bad({"prompt": "x" * 9000, "max_tokens": 256}, param="max_tokens", tokenizer=byte_tokenizer,
+              max_context=8192)
+    assert str(err) == "prompt has 9000 tokens and max_tokens is 256, but the model's context is 8192"
+
+
+# -- /generate ---------------------------------------------------------------------------------------
+
+
+def test_generate_text_and_input_ids(byte_tokenizer):
+    r = ok({"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0, "top_k": -1,
+                                              "stop": ["x"] * 6, "stop_token_ids": [257], "ignore_eos": True,
+                                              "seed": 5}, "stream": True, "rid": "abc"},
+           "generate", tokenizer=byte_tokenizer)
+    assert r.prompt_ids == tuple(byte_tokenizer.encode("hi")) and r.stream and r.rid == "abc"
+    s = r.sampling
+    assert (s.max_tokens, s.temperature, s.top_k, s.stop, s.stop_token_ids, s.ignore_eos, s.seed) == \
+        (4, 0.0, 0, ("x",), (257,), True, 5)
+    r = ok({"input_ids": [1, 2, 3]}, "generate")
+    assert r.prompt_ids == (1, 2, 3) and r.sampling.max_tokens == DEFAULT_MAX_TOKENS
+    assert ok({"input_ids": [1], "sampling_params": {"sampling_seed": 3}}, "generate").sampling.seed == 3
+
+
+def test_generate_errors():
+    bad({}, "generate", param="text", match="exactly one")
+    bad({"text": "a", "input_ids": [1]}, "generate", param="text", match="exactly one")
+    bad({"text": ""}, "generate", param="text")
+    bad({"text": ["a", "b"]}, "generate", param="text", match="batch")
+    bad({"input_ids": []}, "generate", param="input_ids")
+    bad({"input_ids": [[1], [2]]}, "generate", param="input_ids", match="batch")
+    bad({"input_ids": [1, 99]}, "generate", param="input_ids", vocab_size=50)
+    bad({"input_ids": [1], "sampling_params": []}, "generate", param="sampling_params")
+    bad({"input_ids": [1], "sampling_params": {"max_new_tokens": 0}}, "generate",
+        param="sampling_params.max_new_tokens")
+    bad({"input_ids": [1], "sampling_params": {"temperature": -1}}, "generate", param="sampling_params.temperature")
+    bad({"input_ids": [1], "sampling_params": {"top_p": 0}}, "generate", param="sampling_params.top_p")
+    bad({"input_ids": [1], "sampling_params": {"n": 2}}, "generate", param="sampling_params.n")
+    bad({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}}, "generate",
+        param="sampling_params.repetition_penalty")
+    bad({"input_ids": [1], "sampling_params": {"seed": 1, "sampling_seed": 2}}, "generate",
+        param="sampling_params.seed")
+    bad({"input_ids": [1], "return_logprob": True}, "generate", param="return_logprob")
+    bad({"input_ids": [1], "stream_options": {"include_usage": True}, "stream": True}, "generate",
+        param="stream_options")
+    bad({"input_ids": [1], "model": MODEL}, "generate", param="model")
+    ok({"input_ids": [1], "sampling_params": {"n": 1, "repetition_penalty": 1.0, "skip_special_tokens": True,
+                                              "min_new_tokens": 0}}, "generate")
+
+
+def test_generate_context_limit():
+    err = bad({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": 10}}, "generate",
+              param="sampling_params.max_new_tokens", max_context=15)
+    assert "10 tokens" in str(err) and "15" in str(err)
+
+
+def test_unknown_endpoint_is_a_programming_error():
+    with pytest.raises(ValueError):
+        validate_request({}, "embeddings")
