@@ -1,0 +1,281 @@
+"""The KV transfer interface: one-sided WRITEs of byte spans of a registered pool, with notifications.
+
+A worker's KV pool is ONE page-major tensor (``engine/kv_pool.py``), so a page of all layers is one
+contiguous span and consecutive page ids are one span too. A backend registers that tensor once at
+construction; a transfer is a list of :class:`Span` (local offset, remote offset, length), built by
+:func:`page_spans`, which merges runs of pages that are consecutive on *both* sides so that a
+request's KV crosses in few descriptors (descriptor count, not bytes, sets the speed: DESIGN §3).
+
+Roles. The prefill worker is the writer: it learns the decode worker's :meth:`~TransferBackend.metadata`
+through the handshake, calls :meth:`~TransferBackend.add_peer`, then :meth:`~TransferBackend.write`
+spans into the decode worker's pool and :meth:`~TransferBackend.poll` s the returned handle. The
+decode worker only receives: it reads :meth:`~TransferBackend.notifications` to learn that bytes
+have landed. Peers are named by their agent name, which carries the process incarnation, so a peer
+restarted on the same address is a different peer (DESIGN §3); notifications name the *writer's*
+agent name.
+
+Ordering contract (what every backend guarantees, and no more):
+
+* a write's notification is delivered after that write's bytes have landed (an empty ``notif``
+  sends none);
+* nothing is promised about the order of *different* writes (NIXL may complete them in any order).
+  A room whose KV goes in several writes (one per prefill chunk) therefore either sends a
+  notification with every write and lets the receiver count them (the last one says how many), or
+  sends its final notification with a write issued after every earlier write polled DONE (an empty
+  span list sends a notification alone).
+
+Failure contract. :meth:`~TransferBackend.write` never raises for a bad request (unknown peer, a
+span out of either buffer, a backend error): it returns a handle that polls FAILED with the reason,
+so the caller has one failure path. :meth:`~TransferBackend.poll` never raises for transfer errors
+either. A write that never completes stays PENDING: the caller's deadline (``transfer_timeout``)
+ends it, and :meth:`~TransferBackend.release` drops it. Releasing a pending write stops what has
+not been sent where the backend can, but bytes already on the wire may still land (NIXL's cancel
+does not recall them): the receiver keeps the pages of a failed room quarantined (DESIGN §2 rule 6).
+
+Threading. A backend is driven by ONE transfer thread per worker: its methods are not thread-safe
+among themselves and must all be called from that thread. Backends may run their own internal
+threads (the tcp receiver, NIXL's progress thread); those never call back into the caller.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import itertools
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional
+
+import msgpack
+import torch
+
+METADATA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Span:
+    """``nbytes`` bytes from ``local_offset`` of our pool to ``remote_offset`` of the peer's pool."""
+
+    local_offset: int
+    remote_offset: int
+    nbytes: int
+
+
+def page_spans(local_pages: Sequence[int], remote_pages: Sequence[int], page_nbytes: int) -> list[Span]:
+    """Spans that copy ``local_pages[i]`` to ``remote_pages[i]`` for every i, in order.
+
+    A run of pages becomes one span when its ids are consecutive on BOTH sides; a break on either
+    side starts a new span. ``page_spans([3, 4, 5, 9], [10, 11, 20, 21], P)`` is
+    ``[Span(3P, 10P, 2P), Span(5P, 20P, P), Span(9P, 21P, P)]``.
+    """
+    if len(local_pages) != len(remote_pages):
+        raise ValueError(f"page lists differ in length: {len(local_pages)} local, {len(remote_pages)} remote")
+    if page_nbytes <= 0:
+        raise ValueError(f"page_nbytes must be positive, got {page_nbytes}")
+    spans: list[Span] = []
+    run_local = run_remote = run_len = 0
+    for lp, rp in zip(local_pages, remote_pages):
+        if lp < 0 or rp < 0:
+            raise ValueError(f"negative page id in ({lp}, {rp})")
+        if run_len and lp == run_local + run_len and rp == run_remote + run_len:
+            run_len += 1
+            continue
+        if run_len:
+            spans.append(Span(run_local * page_nbytes, run_remote * page_nbytes, run_len * page_nbytes))
+        run_local, run_remote, run_len = lp, rp, 1
+    if run_len:
+        spans.append(Span(run_local * page_nbytes, run_remote * page_nbytes, run_len * page_nbytes))
+    return spans
+
+
+class Status(enum.Enum):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class TransferState:
+    """What :meth:`TransferBackend.poll` says about a write; ``reason`` is set when FAILED."""
+
+    status: Status
+    reason: str = ""
+
+    @property
+    def pending(self) -> bool:
+        return self.status is Status.PENDING
+
+    @property
+    def done(self) -> bool:
+        return self.status is Status.DONE
+
+    @property
+    def failed(self) -> bool:
+        return self.status is Status.FAILED
+
+    def __str__(self) -> str:
+        return f"FAILED({self.reason})" if self.failed else self.status.name
+
+
+PENDING = TransferState(Status.PENDING)
+DONE = TransferState(Status.DONE)
+
+
+def failed(reason: str) -> TransferState:
+    return TransferState(Status.FAILED, reason)
+
+
+_handle_ids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Handle:
+    """One write in flight. Backends subclass it to keep their own state; callers read these fields
+    (for metrics: KV bytes, descriptors per transfer) and pass the handle back to poll/release."""
+
+    peer: str
+    nbytes: int
+    num_descs: int
+    state: TransferState = PENDING
+    released: bool = False
+    id: int = field(default_factory=lambda: next(_handle_ids))
+
+
+class TransferBackend(ABC):
+    """A registered KV pool that can write spans of itself into peers' pools (see module docstring).
+
+    ``buffer`` is the whole pool tensor, contiguous; it is registered once here and must outlive the
+    backend. Not thread-safe: call every method from one transfer thread.
+    """
+
+    name: ClassVar[str]
+
+    def __init__(self, agent_name: str, buffer: torch.Tensor, **opts: Any):
+        if not agent_name:
+            raise ValueError("agent_name must be non-empty")
+        if not buffer.is_contiguous():
+            raise ValueError("the KV buffer must be one contiguous tensor")
+        self.agent_name = agent_name
+        self.buffer = buffer
+        self.nbytes = buffer.numel() * buffer.element_size()
+
+    @abstractmethod
+    def metadata(self) -> bytes:
+        """What a peer needs to write into us: agent name, backend, pool size, connection info."""
+
+    @abstractmethod
+    def add_peer(self, peer_name: str, metadata: bytes) -> None:
+        """Make ``peer_name`` writable. Idempotent for the same metadata; a different metadata under
+        a known name is refused (ValueError): a new incarnation must use a new name."""
+
+    @abstractmethod
+    def remove_peer(self, peer_name: str) -> None:
+        """Forget a peer; its pending writes become FAILED(peer_removed). Unknown names are a no-op."""
+
+    @abstractmethod
+    def write(self, peer_name: str, spans: Sequence[Span], notif: bytes) -> Handle:
+        """Start writing ``spans`` into the peer, then deliver ``notif`` to it. Never blocks on the
+        network; never raises for a bad request (the handle polls FAILED with the reason)."""
+
+    @abstractmethod
+    def poll(self, handle: Handle) -> TransferState:
+        """PENDING, DONE or FAILED(reason). Terminal states stick. Never raises for transfer errors."""
+
+    @abstractmethod
+    def release(self, handle: Handle) -> None:
+        """Free the handle; a pending write is aborted where the backend allows. Idempotent."""
+
+    @abstractmethod
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """``(writer agent name, notif)`` received since the last call, in arrival order per writer."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every handle, forget every peer, deregister the pool. Idempotent."""
+
+    # -- helpers shared by the backends -------------------------------------------------------
+
+    def _bad_spans(self, spans: Sequence[Span], remote_nbytes: int) -> Optional[str]:
+        """Why ``spans`` cannot be written (a reason string), or None when they are in bounds."""
+        for s in spans:
+            if not isinstance(s, Span):
+                return f"bad_span: {s!r} is not a Span"
+            if s.nbytes <= 0 or s.local_offset < 0 or s.remote_offset < 0:
+                return f"bad_span: {s} has a negative offset or no bytes"
+            if s.local_offset + s.nbytes > self.nbytes:
+                return f"bad_span: {s} ends past the local buffer ({self.nbytes} B)"
+            if s.remote_offset + s.nbytes > remote_nbytes:
+                return f"bad_span: {s} ends past the peer's buffer ({remote_nbytes} B)"
+        return None
+
+    def _check_handle(self, handle: Handle, cls: type[Handle]) -> None:
+        if not isinstance(handle, cls):
+            raise TypeError(f"{type(handle).__name__} is not a handle of the {self.name} backend")
+
+    def __enter__(self) -> "TransferBackend":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.agent_name!r}, {self.nbytes} B)"
+
+
+# -- metadata codec: one msgpack map, common fields checked here, backend fields passed through --
+
+
+def encode_metadata(backend: str, agent_name: str, nbytes: int, **extra: Any) -> bytes:
+    return msgpack.packb(
+        {"version": METADATA_VERSION, "backend": backend, "agent": agent_name, "nbytes": nbytes, **extra},
+        use_bin_type=True,
+    )
+
+
+def decode_metadata(data: bytes, backend: str, peer_name: str) -> dict[str, Any]:
+    """Decode a peer's metadata and check it is for ``backend`` and names ``peer_name``."""
+    try:
+        md = msgpack.unpackb(data, raw=False)
+    except Exception as e:  # msgpack raises several unrelated types
+        raise ValueError(f"peer {peer_name!r}: undecodable transfer metadata ({e})") from e
+    if not isinstance(md, dict):
+        raise ValueError(f"peer {peer_name!r}: transfer metadata is not a map")
+    if md.get("version") != METADATA_VERSION:
+        raise ValueError(f"peer {peer_name!r}: metadata version {md.get('version')!r}, expected {METADATA_VERSION}")
+    if md.get("backend") != backend:
+        raise ValueError(f"peer {peer_name!r}: transfer backend is {md.get('backend')!r}, ours is {backend!r}")
+    if md.get("agent") != peer_name:
+        raise ValueError(f"peer {peer_name!r}: metadata names agent {md.get('agent')!r}")
+    if not isinstance(md.get("nbytes"), int) or md["nbytes"] < 0:
+        raise ValueError(f"peer {peer_name!r}: bad pool size {md.get('nbytes')!r}")
+    return md
+
+
+# -- registry with lazy imports: a machine without nixl can still use tcp -----------------------
+
+_BACKENDS: dict[str, tuple[str, str]] = {
+    "nixl": ("splitserve.disagg.transfer.nixl", "NixlBackend"),
+    "tcp": ("splitserve.disagg.transfer.tcp", "TcpBackend"),
+    "fake": ("splitserve.disagg.transfer.fake", "FakeBackend"),
+}
+
+
+def backend_names() -> list[str]:
+    return list(_BACKENDS)
+
+
+def get_backend(name: str) -> type[TransferBackend]:
+    """The backend class registered as ``name``; importing it only now."""
+    try:
+        module, cls = _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown transfer backend {name!r}; known: {', '.join(_BACKENDS)}") from None
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as e:
+        raise ImportError(f"transfer backend {name!r} is not available here: {e}") from e
+
+
+def create_backend(name: str, agent_name: str, buffer: torch.Tensor, **opts: Any) -> TransferBackend:
+    return get_backend(name)(agent_name, buffer, **opts)
