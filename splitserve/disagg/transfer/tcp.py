@@ -1,0 +1,386 @@
+"""Built-in tcp backend: KV bytes over ZMQ, no dependency beyond pyzmq.
+
+Each backend binds one ROUTER socket (``host:port``; port 0 picks a free port) served by a
+receiver thread, and advertises its address in :meth:`TcpBackend.metadata`. A writer keeps one
+DEALER socket per peer. A write is cut into frames of at most ``max_frame_bytes`` (the smaller of
+ours and the peer's)::
+
+    [header, payload]   header = msgpack {v, to, frm, wid, off, last[, notif]}
+
+``payload`` is a copy of our buffer's bytes, read when the frame is sent; ``off`` is where it goes
+in the peer's buffer; ``last`` marks the write's final frame, which carries the notification.
+Frames of one DEALER arrive in order, so when the receiver handles the last frame every byte of
+the write is in place: it then queues ``(frm, notif)`` for :meth:`~TcpBackend.notifications` and
+answers ``{wid, ok[, reason]}``; that answer makes the writer's handle DONE (or FAILED).
+
+Never blocking: frames are sent with ``NOBLOCK``; what the socket's high-water mark refuses stays
+in the peer's FIFO and is sent by later ``write``/``poll`` calls. Memory is bounded by
+``send_hwm`` frames per peer on each side.
+
+The receiver trusts nothing: messages over the size limit are dropped by ZMQ (``MAXMSGSIZE``);
+a frame that is malformed, addressed to another agent name (a previous incarnation), or whose
+offset falls outside the buffer is refused, counted in ``stats()["bad_frames"]``, logged, and
+fails its whole write (the answer to its last frame says why). An unexpected error in the loop
+is logged and the loop goes on; the thread ends only at :meth:`~TcpBackend.close`.
+
+A peer that dies leaves its writes PENDING: the caller's transfer deadline ends them.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import msgpack
+import numpy as np
+import torch
+import zmq
+
+from .base import DONE, Handle, Span, TransferBackend, TransferState, decode_metadata, encode_metadata, failed
+
+log = logging.getLogger(__name__)
+
+PROTOCOL = 1
+_HEADER_SLACK = 4096  # bytes a header may take beyond its notification
+_BAD_WRITES_KEPT = 4096  # failed (sender, write id) remembered until their last frame
+_ctl_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class TcpHandle(Handle):
+    chunks: collections.deque = field(default_factory=collections.deque)  # (local_off, remote_off, n) unsent
+    notif: bytes = b""
+    last_sent: bool = False
+
+
+@dataclass(eq=False)
+class _Peer:
+    name: str
+    metadata: bytes
+    nbytes: int
+    max_frame: int
+    max_notif: int
+    sock: zmq.Socket
+    outbox: collections.deque = field(default_factory=collections.deque)  # TcpHandle, FIFO
+    inflight: dict = field(default_factory=dict)  # write id -> TcpHandle, last frame sent
+
+
+class TcpBackend(TransferBackend):
+    name = "tcp"
+
+    def __init__(
+        self,
+        agent_name: str,
+        buffer: torch.Tensor,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        advertise_host: Optional[str] = None,
+        max_frame_bytes: int = 4 << 20,
+        max_notif_bytes: int = 64 << 10,
+        send_hwm: int = 16,
+        **opts: Any,
+    ):
+        super().__init__(agent_name, buffer)
+        if buffer.device.type != "cpu":
+            raise ValueError("the tcp backend moves CPU memory only")
+        if max_frame_bytes <= 0 or max_notif_bytes < 0:
+            raise ValueError("max_frame_bytes must be positive and max_notif_bytes non-negative")
+        self.max_frame_bytes = max_frame_bytes
+        self.max_notif_bytes = max_notif_bytes
+        self._send_hwm = send_hwm
+        self._bytes = buffer.view(-1).view(torch.uint8).numpy()  # [nbytes], shares memory
+        self._ctx = zmq.Context(io_threads=1)
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+        self._receiver = _Receiver(
+            self._ctx, agent_name, self._bytes, host, port,
+            max_msg=max(max_frame_bytes, max_notif_bytes + _HEADER_SLACK), hwm=send_hwm,
+        )
+        self._receiver.start()
+        self._receiver.ready.wait()
+        if self._receiver.error is not None:
+            self._ctx.destroy(linger=0)
+            raise OSError(f"tcp transfer backend could not bind {host}:{port}: {self._receiver.error}")
+        bound_port = self._receiver.endpoint.rsplit(":", 1)[1]
+        self.endpoint = f"tcp://{advertise_host}:{bound_port}" if advertise_host else self._receiver.endpoint
+
+    def metadata(self) -> bytes:
+        return encode_metadata(
+            self.name, self.agent_name, self.nbytes, protocol=PROTOCOL, endpoint=self.endpoint,
+            max_frame=self.max_frame_bytes, max_notif=self.max_notif_bytes,
+        )
+
+    def stats(self) -> dict[str, int]:
+        """Receiver counters: frames handled, bad frames refused, bytes written into our buffer."""
+        r = self._receiver
+        return {"frames": r.frames, "bad_frames": r.bad_frames, "bytes_received": r.bytes_received}
+
+    def add_peer(self, peer_name: str, metadata: bytes) -> None:
+        if self._closed:
+            raise RuntimeError(f"transfer backend {self.agent_name!r} is closed")
+        known = self._peers.get(peer_name)
+        if known is not None:
+            if known.metadata != metadata:
+                raise ValueError(f"peer {peer_name!r} is known with other metadata; a new incarnation needs a new name")
+            return
+        md = decode_metadata(metadata, self.name, peer_name)
+        if md.get("protocol") != PROTOCOL:
+            raise ValueError(f"peer {peer_name!r}: tcp transfer protocol {md.get('protocol')!r}, ours is {PROTOCOL}")
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, self._send_hwm)
+        sock.connect(md["endpoint"])
+        self._peers[peer_name] = _Peer(
+            peer_name, metadata, md["nbytes"], min(self.max_frame_bytes, int(md["max_frame"])),
+            int(md["max_notif"]), sock,
+        )
+
+    def remove_peer(self, peer_name: str) -> None:
+        peer = self._peers.pop(peer_name, None)
+        if peer is None:
+            return
+        for h in [*peer.outbox, *peer.inflight.values()]:
+            if h.state.pending:
+                h.state = failed("peer_removed")
+        peer.outbox.clear()
+        peer.inflight.clear()
+        peer.sock.close(linger=0)
+
+    def write(self, peer_name: str, spans: Sequence[Span], notif: bytes) -> TcpHandle:
+        h = TcpHandle(peer_name, sum(s.nbytes for s in spans), len(spans), notif=bytes(notif))
+        peer = self._peers.get(peer_name)
+        if self._closed:
+            h.state = failed("closed")
+        elif peer is None:
+            h.state = failed(f"unknown_peer: {peer_name!r}")
+        elif (reason := self._bad_spans(spans, peer.nbytes)) is not None:
+            h.state = failed(reason)
+        elif len(h.notif) > peer.max_notif:
+            h.state = failed(f"notif_too_large: {len(h.notif)} B, peer takes {peer.max_notif} B")
+        else:
+            for s in spans:
+                for at in range(0, s.nbytes, peer.max_frame):
+                    n = min(peer.max_frame, s.nbytes - at)
+                    h.chunks.append((s.local_offset + at, s.remote_offset + at, n))
+            peer.outbox.append(h)
+            self._flush(peer)
+        return h
+
+    def poll(self, handle: Handle) -> TransferState:
+        self._check_handle(handle, TcpHandle)
+        if handle.state.pending:
+            peer = self._peers.get(handle.peer)
+            if peer is not None:
+                self._flush(peer)
+                self._drain_answers(peer)
+        return handle.state
+
+    def release(self, handle: Handle) -> None:
+        self._check_handle(handle, TcpHandle)
+        assert isinstance(handle, TcpHandle)
+        if handle.state.pending:
+            handle.state = failed("released")  # unsent frames are dropped; sent ones may still land
+        handle.released = True
+        handle.chunks.clear()
+        peer = self._peers.get(handle.peer)
+        if peer is not None:
+            peer.inflight.pop(handle.id, None)
+            if handle in peer.outbox:
+                peer.outbox.remove(handle)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        inbox, out = self._receiver.inbox, []
+        while inbox:
+            out.append(inbox.popleft())
+        return out
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for name in list(self._peers):
+            self.remove_peer(name)
+        self._receiver.stop()
+        if self._receiver.is_alive():
+            log.error("tcp receiver of %r did not stop; destroying its sockets", self.agent_name)
+            self._ctx.destroy(linger=0)
+        else:
+            self._ctx.term()
+
+    # -- writer internals (transfer thread) --------------------------------------------------
+
+    def _flush(self, peer: _Peer) -> None:
+        """Send queued frames to ``peer`` in order until its socket would block."""
+        while peer.outbox:
+            h: TcpHandle = peer.outbox[0]
+            while True:
+                lo, ro, n = h.chunks[0] if h.chunks else (0, 0, 0)
+                last = len(h.chunks) <= 1
+                header: dict[str, Any] = {"v": PROTOCOL, "to": peer.name, "frm": self.agent_name, "wid": h.id,
+                                          "off": ro, "last": last}
+                if last and h.notif:
+                    header["notif"] = h.notif
+                frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
+                if n:
+                    frames.append(self._bytes[lo : lo + n])
+                try:
+                    peer.sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    return
+                except zmq.ZMQError as e:
+                    h.state = failed(f"transfer_error: {e}")
+                    peer.outbox.popleft()
+                    break
+                if h.chunks:
+                    h.chunks.popleft()
+                if last:
+                    h.last_sent = True
+                    peer.outbox.popleft()
+                    peer.inflight[h.id] = h
+                    break
+
+    def _drain_answers(self, peer: _Peer) -> None:
+        while True:
+            try:
+                raw = peer.sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                answer = msgpack.unpackb(raw, raw=False)
+                wid, ok = answer["wid"], answer["ok"]
+            except Exception as e:
+                log.warning("bad answer from tcp peer %r: %s", peer.name, e)
+                continue
+            h = peer.inflight.pop(wid, None)
+            if h is not None and h.state.pending:
+                h.state = DONE if ok is True else failed(f"refused_by_peer: {answer.get('reason', '?')}")
+
+
+class _Receiver(threading.Thread):
+    """Owns the ROUTER socket: writes incoming payloads into the buffer, queues notifications,
+    answers each write's last frame. Survives bad frames; stops at :meth:`stop`."""
+
+    def __init__(self, ctx: zmq.Context, agent_name: str, dst: np.ndarray, host: str, port: int,
+                 max_msg: int, hwm: int):
+        super().__init__(name=f"tcp-transfer-rx-{agent_name}", daemon=True)
+        self._ctx, self._agent_name, self._dst = ctx, agent_name, dst
+        self._bind = f"tcp://{host}:{port if port else '*'}"
+        self._max_msg, self._hwm = max_msg, hwm
+        self._ctl = f"inproc://splitserve-tcp-ctl-{next(_ctl_ids)}-{id(self)}"
+        self._stopping = False
+        self.ready = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.endpoint = ""
+        self.inbox: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._bad_writes: collections.OrderedDict[tuple[bytes, int], str] = collections.OrderedDict()
+        self.frames = self.bad_frames = self.bytes_received = 0
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping = True
+        ctl = self._ctx.socket(zmq.PAIR)
+        ctl.setsockopt(zmq.LINGER, 0)
+        ctl.connect(self._ctl)
+        ctl.send(b"stop", flags=zmq.NOBLOCK)
+        self.join(timeout)
+        ctl.close(linger=0)
+
+    def run(self) -> None:
+        try:
+            sock = self._ctx.socket(zmq.ROUTER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
+            sock.setsockopt(zmq.RCVHWM, self._hwm)
+            sock.bind(self._bind)
+            self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            ctl = self._ctx.socket(zmq.PAIR)
+            ctl.bind(self._ctl)
+        except Exception as e:
+            self.error = e
+            self.ready.set()
+            return
+        self.ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(ctl, zmq.POLLIN)
+        try:
+            while not self._stopping:
+                try:
+                    events = dict(poller.poll())
+                    if ctl in events:
+                        break
+                    self._drain(sock)
+                except zmq.ContextTerminated:
+                    break
+                except Exception:  # never die silently (DESIGN §2 rule 8): log, breathe, go on
+                    log.exception("tcp receiver of %r: unexpected error; continuing", self._agent_name)
+                    time.sleep(0.01)
+        finally:
+            sock.close(linger=0)
+            ctl.close(linger=0)
+
+    def _drain(self, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self.frames += 1
+            try:
+                self._handle(sock, frames)
+            except Exception as e:
+                self._refuse(f"bad frame: {type(e).__name__}: {e}")
+
+    def _refuse(self, reason: str) -> None:
+        self.bad_frames += 1
+        if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:
+            log.warning("tcp receiver of %r refused a frame (%d so far): %s", self._agent_name, self.bad_frames, reason)
+
+    def _handle(self, sock: zmq.Socket, frames: list) -> None:
+        if len(frames) not in (2, 3):
+            raise ValueError(f"{len(frames)} frames")
+        ident = frames[0].bytes
+        header = msgpack.unpackb(frames[1].bytes, raw=False)
+        if not isinstance(header, dict) or header.get("v") != PROTOCOL:
+            raise ValueError(f"header is not a protocol-{PROTOCOL} map")
+        wid, off, last, frm = header.get("wid"), header.get("off"), header.get("last"), header.get("frm")
+        notif = header.get("notif", b"")
+        if not (isinstance(wid, int) and isinstance(off, int) and isinstance(last, bool)
+                and isinstance(frm, str) and isinstance(notif, bytes)):
+            raise ValueError(f"bad header fields {sorted(header)}")
+        payload = frames[2].buffer if len(frames) == 3 else memoryview(b"")
+        key = (ident, wid)
+        reason = self._bad_writes.get(key)
+        if reason is None:
+            if header.get("to") != self._agent_name:
+                reason = f"wrong_peer: addressed to {header.get('to')!r}, this is {self._agent_name!r}"
+            elif off < 0 or off + len(payload) > len(self._dst):
+                reason = f"bad_span: {len(payload)} B at offset {off} outside the {len(self._dst)} B buffer"
+            if reason is not None:
+                self._refuse(f"write {wid} from {frm!r}: {reason}")
+            elif len(payload):
+                self._dst[off : off + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+                self.bytes_received += len(payload)
+        if not last:
+            if reason is not None:
+                self._bad_writes[key] = reason
+                while len(self._bad_writes) > _BAD_WRITES_KEPT:
+                    self._bad_writes.popitem(last=False)
+            return
+        self._bad_writes.pop(key, None)
+        if reason is None and notif:
+            self.inbox.append((frm, notif))
+        answer = {"wid": wid, "ok": reason is None}
+        if reason is not None:
+            answer["reason"] = reason
+        try:
+            sock.send_multipart([ident, msgpack.packb(answer, use_bin_type=True)], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("tcp receiver of %r: could not answer write %d from %r (writer backlogged)",
+                        self._agent_name, wid, frm)
