@@ -1,0 +1,50 @@
+"""The request lifecycle of a disaggregated worker: pure state machines, events in, actions out.
+
+Prefill side, one room (``prefill.py``)::
+
+    BOOTSTRAPPING -> QUEUED -> PREFILLING -> TRANSFERRING -> FINISHED | ABORTED | FAILED(reason)
+
+Decode side, one room (``decode.py``)::
+
+    PREALLOC -> AWAITING_KV -> DECODING -> FINISHED | ABORTED | FAILED(reason)
+
+The engine loop owns one table per role (``PrefillTable`` or ``DecodeTable``) and, each iteration:
+
+    for event in inbox.drain():                  # posted by HTTP, ZMQ listener, transfer thread, engine
+        execute(table.handle(event, now))
+    execute(table.expire(now))                   # deadlines, silent peers, held rooms, tombstones
+
+where ``execute`` carries out the returned actions in order (send a control message, start a
+write, free or quarantine pages, answer the client, log and count the end). Nothing in this
+package reads a clock, sleeps, locks or does I/O: ``now`` is an argument, so tests drive every
+order of events with a fake clock. The rules it enforces (DESIGN §2) and the tests that prove each
+are listed in ``docs/lifecycle.md``.
+"""
+
+from splitserve.disagg.lifecycle.actions import (
+    Action, Cancel, CancelWrites, CountOutcome, DisconnectPeer, Enqueue, FreePages, LogTerminal, Notice,
+    NoticeKind, NotifyClient, ObserveStateTime, QuarantinePages, ReleaseQuarantine, ReservePages,
+    ResetTransfer, SendToPeer, StartDecode, StartWrite,
+)
+from splitserve.disagg.lifecycle.deadlines import DeadlineHeap, Deadlines
+from splitserve.disagg.lifecycle.decode import DecodeTable
+from splitserve.disagg.lifecycle.events import (
+    ChunkDone, ClientAbort, DecodeStep, Finished, ForwardDone, FromPeer, LocalFailure, PagesReserved,
+    PeerHeard, PeerInfo, PeerLost, RequestArrived, Scheduled, WriteDone, WriteFailed,
+)
+from splitserve.disagg.lifecycle.peers import Peer, PeerTable
+from splitserve.disagg.lifecycle.prefill import PrefillTable
+from splitserve.disagg.lifecycle.states import (
+    DecodeState, Ending, Outcome, PrefillState, Reason, Role, is_terminal,
+)
+from splitserve.disagg.lifecycle.table import RoomTable
+
+__all__ = [
+    "Action", "Cancel", "CancelWrites", "ChunkDone", "ClientAbort", "CountOutcome", "DeadlineHeap",
+    "Deadlines", "DecodeState", "DecodeStep", "DecodeTable", "DisconnectPeer", "Ending", "Enqueue",
+    "Finished", "ForwardDone", "FreePages", "FromPeer", "LocalFailure", "LogTerminal", "Notice",
+    "NoticeKind", "NotifyClient", "ObserveStateTime", "Outcome", "PagesReserved", "Peer", "PeerHeard",
+    "PeerInfo", "PeerLost", "PeerTable", "PrefillState", "PrefillTable", "QuarantinePages", "Reason",
+    "ReleaseQuarantine", "RequestArrived", "ReservePages", "ResetTransfer", "Role", "RoomTable",
+    "Scheduled", "SendToPeer", "StartDecode", "StartWrite", "WriteDone", "WriteFailed", "is_terminal",
+]

@@ -1,0 +1,165 @@
+"""Deadlines: how long each non-terminal state may last, and the heap that enforces them.
+
+Every live room has exactly one pending deadline (DESIGN §2, rule 3); so do the things that are
+not rooms but must not live forever: a registration that came before its request, a tombstone, a
+terminal room still holding memory, a peer's heartbeat. They all sit in a :class:`DeadlineHeap`
+keyed by what they guard. Changing a key's deadline pushes a new entry and leaves the old one in
+place (lazy deletion: an entry counts only while it is the key's current one), so set, cancel and
+pop are O(log n) amortised; the heap is rebuilt when stale entries outnumber live ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, fields
+from typing import Generic, Hashable, Optional, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """Time limits, in seconds. The defaults are the CLI defaults."""
+
+    bootstrap_s: float = 60.0
+    """Prefill BOOTSTRAPPING: decode's registration must arrive. -> FAILED(bootstrap_timeout).
+    Longer than ``prealloc_s``: decode registers only once it holds pages."""
+    queue_s: float = 60.0
+    """Prefill QUEUED: the forward pass must start. -> FAILED(overloaded)."""
+    prefill_stall_s: float = 30.0
+    """Prefill PREFILLING: the next chunk must finish. -> FAILED(stalled)."""
+    transfer_floor_s: float = 10.0
+    """Prefill TRANSFERRING: the fixed part of the transfer deadline. -> FAILED(transfer_timeout)."""
+    transfer_s_per_gib: float = 4.0
+    """Prefill TRANSFERRING: seconds added per GiB still to write (4 s/GiB: a floor of 0.25 GiB/s)."""
+    write_drain_s: float = 30.0
+    """A terminal prefill room whose writes have not settled: after this, reset the transfer
+    connection to that peer (and again every ``write_drain_s`` until they settle)."""
+    prealloc_s: float = 45.0
+    """Decode PREALLOC: KV pages and the prefill's info must be in hand. -> FAILED(overloaded) when
+    pages are missing, FAILED(bootstrap_timeout) when the info is."""
+    kv_wait_s: float = 300.0
+    """Decode AWAITING_KV: every write and the first token must arrive; covers the prefill's queue,
+    forward pass and transfer. -> FAILED(transfer_timeout)."""
+    decode_stall_s: float = 30.0
+    """Decode DECODING: the next decode step must happen. -> FAILED(stalled)."""
+    quarantine_resend_s: float = 5.0
+    """A terminal decode room with quarantined pages re-sends its abort this often until the peer
+    says its writes have settled (or the peer is declared lost). Not a deadline on the pages."""
+    pending_registration_s: float = 60.0
+    """Prefill: a registration that came before its request waits this long for it."""
+    heartbeat_interval_s: float = 1.0
+    """Peers send heartbeats this often."""
+    heartbeat_misses: int = 5
+    """A peer not heard from for this many intervals is declared lost; its rooms fail."""
+    tombstone_s: float = 900.0
+    """How long a room id is remembered after it ended or was aborted before it arrived. Must
+    exceed every other deadline (:meth:`validate`)."""
+    request_timeout_s: Optional[float] = None
+    """Optional end-to-end limit per request, on both sides. -> FAILED(request_timeout)."""
+
+    def transfer_s(self, nbytes: int) -> float:
+        """The TRANSFERRING deadline for ``nbytes`` still to write."""
+        return self.transfer_floor_s + self.transfer_s_per_gib * nbytes / 2**30
+
+    @property
+    def peer_silence_s(self) -> float:
+        """How long a peer may stay silent before it is declared lost."""
+        return self.heartbeat_interval_s * self.heartbeat_misses
+
+    def validate(self, max_transfer_bytes: int = 0) -> "Deadlines":
+        """Raise ValueError unless every limit is positive and the tombstone outlives every other
+        deadline (the transfer deadline taken at ``max_transfer_bytes``). Returns self."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ValueError(f"deadline {f.name} must be a positive finite number, got {value!r}")
+        if self.heartbeat_misses < 1 or self.heartbeat_misses != int(self.heartbeat_misses):
+            raise ValueError(f"heartbeat_misses must be a whole number >= 1, got {self.heartbeat_misses!r}")
+        others = {
+            f.name: getattr(self, f.name) for f in fields(self)
+            if f.name.endswith("_s") and f.name not in ("tombstone_s", "transfer_s_per_gib")
+            and getattr(self, f.name) is not None
+        }
+        others["transfer_s(max_transfer_bytes)"] = self.transfer_s(max_transfer_bytes)
+        others["peer_silence_s"] = self.peer_silence_s
+        longest = max(others, key=others.get)
+        if self.tombstone_s <= others[longest]:
+            raise ValueError(
+                f"tombstone_s ({self.tombstone_s}) must exceed every other deadline; "
+                f"{longest} is {others[longest]}")
+        return self
+
+
+class DeadlineHeap(Generic[K]):
+    """At most one pending deadline per key, ordered by time.
+
+    ``set(key, when)`` replaces the key's deadline, ``cancel(key)`` drops it, ``pop_next(now)``
+    returns (and forgets) the earliest key whose deadline is ``<= now``. Popping one key at a time
+    lets the caller act on each with the table as the previous one left it.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, K]] = []
+        self._due: dict[K, tuple[float, int]] = {}
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._due)
+
+    def __contains__(self, key: K) -> bool:
+        return key in self._due
+
+    def when(self, key: K) -> Optional[float]:
+        entry = self._due.get(key)
+        return entry[0] if entry else None
+
+    def set(self, key: K, when: float) -> None:
+        self._seq += 1
+        self._due[key] = (when, self._seq)
+        heapq.heappush(self._heap, (when, self._seq, key))
+        self._compact_if_sparse()
+
+    def cancel(self, key: K) -> None:
+        self._due.pop(key, None)
+        self._compact_if_sparse()
+
+    def next_due(self) -> Optional[float]:
+        """The earliest pending deadline, or None."""
+        self._drop_stale_top()
+        return self._heap[0][0] if self._heap else None
+
+    def pop_next(self, now: float) -> Optional[K]:
+        """The earliest key whose deadline is ``<= now`` (forgotten as it is returned), or None."""
+        self._drop_stale_top()
+        if not self._heap or self._heap[0][0] > now:
+            return None
+        _, _, key = heapq.heappop(self._heap)
+        del self._due[key]
+        return key
+
+    def pop_due(self, now: float) -> list[K]:
+        keys = []
+        while (key := self.pop_next(now)) is not None:
+            keys.append(key)
+        return keys
+
+    def items(self) -> list[tuple[K, float]]:
+        """Pending (key, when) pairs, in no particular order."""
+        return [(k, w) for k, (w, _) in self._due.items()]
+
+    def _is_current(self, entry: tuple[float, int, K]) -> bool:
+        when, seq, key = entry
+        return self._due.get(key) == (when, seq)
+
+    def _drop_stale_top(self) -> None:
+        while self._heap and not self._is_current(self._heap[0]):
+            heapq.heappop(self._heap)
+
+    def _compact_if_sparse(self) -> None:
+        if len(self._heap) > 2 * len(self._due) + 64:
+            self._heap = [(w, s, k) for k, (w, s) in self._due.items()]
+            heapq.heapify(self._heap)

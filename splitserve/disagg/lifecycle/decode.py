@@ -1,0 +1,247 @@
+"""The decode side: one :class:`DecodeTable` per decode worker.
+
+States, in order::
+
+    PREALLOC      the request is here; waiting for KV pages and the prefill's info   (prealloc_s)
+    AWAITING_KV   RegisterRoom sent (prefill may now write into the pages)          (kv_wait_s)
+    DECODING      every write landed (KVDone, checked); generating                   (decode_stall_s per step)
+    FINISHED(stop|length) | ABORTED | FAILED(reason)
+
+The room registers with prefill once it holds both its pages and a compatible prefill's info. From
+that moment prefill may write into those pages, so a room that ends before ``KVDone`` keeps them
+*quarantined* (never freed, never reused) until prefill says ``WritesSettled`` (or fails the room
+with nothing in flight) or is declared lost. While quarantined, the room re-sends its abort every
+``quarantine_resend_s``: prefill answers for a room it has released, so a lost message costs a
+delay, never the pages. There is deliberately no timeout that frees quarantined pages: freeing
+them early is how late writes garble other requests' output (DESIGN §2, rule 6).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from splitserve.disagg import protocol
+from splitserve.disagg.lifecycle.actions import (
+    Action, FreePages, Notice, NoticeKind, QuarantinePages, ReleaseQuarantine, ReservePages, SendToPeer,
+    StartDecode,
+)
+from splitserve.disagg.lifecycle.events import (
+    DecodeStep, Finished, PagesReserved, PeerInfo, RequestArrived,
+)
+from splitserve.disagg.lifecycle.peers import Peer
+from splitserve.disagg.lifecycle.states import (
+    DecodeState, Ending, Outcome, Reason, Role, State, ending_from_peer, is_terminal,
+)
+from splitserve.disagg.lifecycle.table import Room, RoomTable
+
+S = DecodeState
+
+
+@dataclass
+class DecodeRoom(Room):
+    pages: tuple[int, ...] = ()
+    """Every KV page the room holds: the reserved prompt pages, then those decode steps added."""
+    registered: bool = False
+    """RegisterRoom was sent: from now on prefill may write into the prompt pages."""
+    kv_done: bool = False
+    """KVDone came: every write landed."""
+    settled: bool = False
+    """Prefill said no write can still land."""
+    quarantined: bool = False
+    first_token: Optional[int] = None
+
+
+class DecodeTable(RoomTable):
+    role = Role.DECODE
+    _held_label = "quarantined"
+
+    def _live_states(self):
+        return list(DecodeState)
+
+    def _extra_counts(self) -> dict[str, int]:
+        return {"quarantined_pages": sum(len(r.pages) for r in self._rooms.values() if r.quarantined)}
+
+    # == arrival, pages, peer info, registration ================================================
+
+    def _admit(self, ev: RequestArrived, now: float, out: list[Action]) -> None:
+        r = self._new_room(DecodeRoom, ev, S.PREALLOC, now)
+        self._arm(r, self.cfg.prealloc_s, now)
+        out.append(ReservePages(r.room, r.n_pages))
+
+    def _on_event(self, event, now: float, out: list[Action]) -> None:
+        match event:
+            case PagesReserved(room=room, pages=pages):
+                self._on_pages(room, tuple(pages), now, out)
+            case PeerInfo(room=room, peer=peer, mismatch=mismatch):
+                self._on_peer_info(room, peer, mismatch, now, out)
+            case DecodeStep(room=room, new_pages=new_pages):
+                r = self._live_room_in(room, S.DECODING, event, out, tuple(new_pages))
+                if r is not None:
+                    r.pages += tuple(new_pages)
+                    self._arm(r, self.cfg.decode_stall_s, now)
+            case Finished(room=room, reason=reason):
+                r = self._live_room_in(room, S.DECODING, event, out)
+                if r is not None:
+                    self._end(r, Ending(reason), now, out)
+            case _:
+                super()._on_event(event, now, out)
+
+    def _live_room_in(self, room: int, state: S, event, out: list[Action],
+                      pages: tuple[int, ...] = ()) -> Optional[DecodeRoom]:
+        r = self._rooms.get(room)
+        if r is not None and r.state is state:
+            return r
+        self._out_of_order(room, event, out, pages)
+        return None
+
+    def _out_of_order(self, room: int, event, out: list[Action], pages: tuple[int, ...] = ()) -> None:
+        out.append(Notice(self.role, NoticeKind.OUT_OF_ORDER, room, f"{type(event).__name__} in {self.state_of(room)}"))
+        if pages:
+            out.append(FreePages(room, pages))  # never leak what the engine just allocated
+
+    def _on_pages(self, room: int, pages: tuple[int, ...], now: float, out: list[Action]) -> None:
+        r = self._rooms.get(room)
+        if r is None or r.state is not S.PREALLOC or r.pages:
+            self._out_of_order(room, PagesReserved(room, pages), out, pages)
+            return
+        r.pages = pages
+        if len(pages) < r.n_pages:
+            self._end(r, Ending(Reason.INTERNAL_ERROR, f"reserved {len(pages)} pages, needs {r.n_pages}"), now, out)
+            return
+        self._register_if_ready(r, now, out)
+
+    def _on_peer_info(self, room: int, peer: Peer, mismatch: Optional[str], now: float, out: list[Action]) -> None:
+        r = self._rooms.get(room)
+        if r is None or r.state is not S.PREALLOC or r.peer is not None:
+            self._out_of_order(room, PeerInfo(room, peer, mismatch), out)
+            return
+        if self.peers.is_lost(peer):
+            self._end(r, Ending(Reason.PEER_LOST, f"bootstrap info names {peer}, declared lost"), now, out)
+            return
+        # Fetched info is fresh: it proves ``peer`` is what runs under its name now.
+        for lost in self.peers.heard(peer, now, fresh=True):
+            self._peer_lost(lost, f"{lost[0]} restarted as {peer}", now, out)
+        r.peer = peer
+        self.peers.bind(peer, room, now)
+        if mismatch:
+            self._end(r, Ending(Reason.INCOMPATIBLE_PEER, f"{mismatch} differs from {peer}"), now, out)
+            return
+        self._register_if_ready(r, now, out)
+
+    def _register_if_ready(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
+        if not r.pages or r.peer is None:
+            return
+        msg = protocol.RegisterRoom(r.room, self.incarnation, r.peer.incarnation, r.rid, r.prompt_len,
+                                    list(r.pages[: r.n_pages]))
+        out.append(SendToPeer(r.peer, msg))
+        r.registered = True
+        self._enter(r, S.AWAITING_KV, self.cfg.kv_wait_s, now, out)
+
+    # == messages from prefill ==================================================================
+
+    def _on_peer_message(self, peer: Peer, msg, now: float, out: list[Action]) -> None:
+        room = getattr(msg, "room", None)
+        if self.peers.is_lost(peer):
+            out.append(Notice(self.role, NoticeKind.FROM_LOST_PEER, room, f"{type(msg).__name__} from {peer}"))
+            return
+        self.peers.heard(peer, now)
+        if not isinstance(msg, (protocol.KVDone, protocol.RoomFailed, protocol.WritesSettled)):
+            out.append(Notice(self.role, NoticeKind.UNEXPECTED_MESSAGE, room, f"{type(msg).__name__} from {peer}"))
+            return
+        r = self._rooms.get(room)
+        if r is None:
+            self._on_message_for_absent_room(peer, msg, now, out)
+        elif r.peer is not None and r.peer != peer:
+            out.append(Notice(self.role, NoticeKind.WRONG_PEER, room,
+                              f"{type(msg).__name__} from {peer}, owner {r.peer}"))
+        elif isinstance(msg, protocol.KVDone):
+            self._on_kv_done(r, msg, now, out)
+        elif isinstance(msg, protocol.RoomFailed):
+            self._on_room_failed(r, msg, now, out)
+        else:
+            self._on_writes_settled(r, now, out)
+
+    def _on_message_for_absent_room(self, peer: Peer, msg, now: float, out: list[Action]) -> None:
+        if isinstance(msg, protocol.RoomFailed) and msg.room not in self._tombstones:
+            self._abort_unseen(msg.room, ending_from_peer(msg.reason), now, out)
+        else:
+            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, msg.room, f"{type(msg).__name__} from {peer}"))
+
+    def _on_kv_done(self, r: DecodeRoom, msg: protocol.KVDone, now: float, out: list[Action]) -> None:
+        if is_terminal(r.state):  # quarantined: every write has landed after all
+            r.kv_done = True
+            self._release(r, now, out)
+        elif r.state is not S.AWAITING_KV:
+            out.append(Notice(self.role, NoticeKind.OUT_OF_ORDER, r.room, f"KVDone in {r.state.value}"))
+        elif msg.num_tokens != r.prompt_len:
+            r.kv_done = True
+            self._end(r, Ending(Reason.TRANSFER_ERROR,
+                                f"KV of {msg.num_tokens} tokens arrived for a prompt of {r.prompt_len}"), now, out)
+        else:
+            r.kv_done, r.first_token = True, msg.first_token
+            self.peers.unbind(r.peer, r.room)  # prefill's part is over: losing it now costs nothing
+            self._enter(r, S.DECODING, self.cfg.decode_stall_s, now, out)
+            out.append(StartDecode(r.room, r.rid, msg.first_token))
+
+    def _on_room_failed(self, r: DecodeRoom, msg: protocol.RoomFailed, now: float, out: list[Action]) -> None:
+        if is_terminal(r.state):
+            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"RoomFailed({msg.reason}) after {r.ending}"))
+        else:
+            self._end(r, ending_from_peer(msg.reason), now, out)
+
+    def _on_writes_settled(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
+        r.settled = True
+        if is_terminal(r.state):
+            self._release(r, now, out)
+        elif r.state is S.AWAITING_KV:  # its RoomFailed was lost or overtaken
+            self._end(r, Ending(Reason.PEER_FAILED, "prefill settled its writes without sending the KV"), now, out)
+        else:
+            out.append(Notice(self.role, NoticeKind.OUT_OF_ORDER, r.room, f"WritesSettled in {r.state.value}"))
+
+    # == the end of a room ======================================================================
+
+    def _timeout_ending(self, r: DecodeRoom, now: float) -> Ending:
+        waited = f"{now - r.entered:g}s"
+        if r.state is S.PREALLOC:
+            if r.peer is None:
+                missing = "the prefill's bootstrap info" + ("" if r.pages else " and KV pages")
+                return Ending(Reason.BOOTSTRAP_TIMEOUT, f"no {missing} in {waited}")
+            return Ending(Reason.OVERLOADED, f"no KV pages in {waited}")
+        if r.state is S.AWAITING_KV:
+            return Ending(Reason.TRANSFER_TIMEOUT, f"no KV from {r.peer} in {waited}")
+        return Ending(Reason.STALLED, f"no decode step in {waited}")
+
+    def _writes_may_land(self, r: DecodeRoom) -> bool:
+        return r.registered and not r.kv_done and not r.settled and self._reachable(r.peer)
+
+    def _after_end(self, r: DecodeRoom, last: State, now: float, out: list[Action]) -> None:
+        # Tell prefill, unless it told us, is lost, or already finished its part (KVDone).
+        if (r.ending.outcome is not Outcome.FINISHED and not r.ending.from_peer and not r.kv_done
+                and self._reachable(r.peer)):
+            out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, r.ending.reason.value)))
+        if self._writes_may_land(r):
+            r.quarantined = True
+            out.append(QuarantinePages(r.room, r.pages))
+            self._hold(r, self.cfg.quarantine_resend_s, now)
+        else:
+            self._release(r, now, out)
+
+    def _release_memory(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
+        if r.pages:
+            out.append(ReleaseQuarantine(r.room, r.pages) if r.quarantined else FreePages(r.room, r.pages))
+
+    def _on_held_timer(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
+        """Quarantined: ask again (prefill answers WritesSettled for a room it has released)."""
+        if self._reachable(r.peer):
+            out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, r.ending.reason.value)))
+        self._hold(r, self.cfg.quarantine_resend_s, now)
+
+    def _on_peer_lost(self, room: int, peer: Peer, detail: str, now: float, out: list[Action]) -> None:
+        r = self._rooms.get(room)
+        if r is None:
+            return
+        if not is_terminal(r.state):
+            self._end(r, Ending(Reason.PEER_LOST, detail), now, out)
+        else:  # quarantined: the disconnect (emitted just before) fences the peer's writes
+            self._release(r, now, out)

@@ -1,0 +1,162 @@
+"""Events: what the engine loop feeds into a room table, each with the current time beside it.
+
+Other threads never call a table: they post these to the engine loop's inbox (DESIGN §2, rule 1).
+The HTTP front end posts ``RequestArrived`` and ``ClientAbort``; the ZMQ listener posts
+``FromPeer`` (a decoded control message), ``PeerHeard`` (heartbeat answers) and ``PeerLost``; the
+transfer thread posts ``WriteDone`` / ``WriteFailed``; the engine itself posts the rest as its
+scheduler and model make progress. The passage of time is not an event: call
+``table.expire(now)`` every loop iteration.
+
+Pages are KV page ids. ``pages_ready`` counts *pages of the prompt* (0..n_pages), in order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from splitserve.disagg.lifecycle.peers import Peer
+from splitserve.disagg.lifecycle.states import Reason
+
+# -- both sides --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RequestArrived:
+    """The request reached this worker (tokenized) with its ``bootstrap_room``."""
+
+    room: int
+    rid: str
+    prompt_len: int
+
+
+@dataclass(frozen=True)
+class ClientAbort:
+    """The client disconnected or an operator aborted (the router sends it to both workers). May
+    come before the request (a tombstone refuses it later) or after its end (a logged no-op)."""
+
+    room: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class LocalFailure:
+    """This worker cannot go on with the room: ``overloaded`` (admission refused after arrival),
+    ``bad_request``, ``internal_error`` (an engine or transfer-thread exception, rule 8)..."""
+
+    room: int
+    reason: Reason
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class FromPeer:
+    """A control message (``splitserve.disagg.protocol``) received from ``peer``. The engine
+    builds ``peer`` from the socket's peer name and the message's ``incarnation``."""
+
+    peer: Peer
+    msg: Any
+
+
+@dataclass(frozen=True)
+class PeerHeard:
+    """A heartbeat answer from ``peer``. ``fresh``: it answers our own ping, so ``peer`` is the
+    incarnation running now under its name, and any older incarnation is declared lost."""
+
+    peer: Peer
+    fresh: bool = True
+
+
+@dataclass(frozen=True)
+class PeerLost:
+    """The engine knows ``peer`` is gone (its connection broke, a supervisor said so)."""
+
+    peer: Peer
+    detail: str = ""
+
+
+# -- prefill side ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    """The scheduler took the QUEUED room into a batch and allocated ``pages`` (n_pages of them)
+    for its prompt's KV. These pages now belong to the room until it is released."""
+
+    room: int
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ChunkDone:
+    """A prefill chunk finished: the first ``pages_ready`` pages of the prompt are full."""
+
+    room: int
+    pages_ready: int
+
+
+@dataclass(frozen=True)
+class ForwardDone:
+    """The whole prompt ran; ``first_token`` was sampled. Every page may now be written."""
+
+    room: int
+    first_token: int
+
+
+@dataclass(frozen=True)
+class WriteDone:
+    """The transfer thread polled write ``write_id`` DONE: its bytes have landed."""
+
+    room: int
+    write_id: int
+
+
+@dataclass(frozen=True)
+class WriteFailed:
+    """Write ``write_id`` polled FAILED, or was torn down by a ResetTransfer. Post it only once
+    the write can no longer land (a released but unsettled write is not failed)."""
+
+    room: int
+    write_id: int
+    error: str = ""
+
+
+# -- decode side -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PagesReserved:
+    """The engine reserved ``pages`` (at least n_pages) for the room's KV; they now belong to it."""
+
+    room: int
+    pages: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """The prefill worker's bootstrap info is in hand (fetched once per incarnation, cached).
+    ``mismatch`` names the first field that differs from ours, or is None when compatible."""
+
+    room: int
+    peer: Peer
+    mismatch: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """The room produced a token. ``new_pages``: pages the step allocated; they belong to the room."""
+
+    room: int
+    new_pages: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Generation ended normally: ``reason`` is Reason.STOP or Reason.LENGTH."""
+
+    room: int
+    reason: Reason
+
+    def __post_init__(self):
+        if self.reason not in (Reason.STOP, Reason.LENGTH):
+            raise ValueError(f"Finished needs Reason.STOP or Reason.LENGTH, got {self.reason}")

@@ -1,0 +1,349 @@
+"""The prefill side: one :class:`PrefillTable` per prefill worker.
+
+States, in order::
+
+    BOOTSTRAPPING  the request is here, waiting for decode's RegisterRoom    (bootstrap_s)
+    QUEUED         registered, waiting for the forward pass                  (queue_s)
+    PREFILLING     chunks run; each chunk's full pages start a write         (prefill_stall_s per chunk)
+    TRANSFERRING   forward done, waiting for the last write                  (transfer_s(bytes))
+    FINISHED(transferred) | ABORTED | FAILED(reason)
+
+A registration may come before the request (the router sends to both workers at once): it waits
+as a *pending registration* for ``pending_registration_s``; if the request never comes, decode is
+told and the room id is tombstoned so a very late request is refused.
+
+The KV leaves in writes, one per finished chunk plus one at the end. The room finishes when every
+write has completed: it then sends ``KVDone`` (first token, prompt length) and frees its pages.
+A room that ends any other way tells decode (``RoomFailed``), asks for its writes to be cancelled,
+and stays *held* until every write has settled: only then are its source pages freed and decode
+told ``WritesSettled`` (decode keeps its pages quarantined until it hears that). A write that does
+not settle within ``write_drain_s`` gets the transfer connection reset.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from splitserve.disagg import protocol
+from splitserve.disagg.lifecycle.actions import (
+    Action, CancelWrites, Enqueue, FreePages, Notice, NoticeKind, ResetTransfer, SendToPeer, StartWrite,
+)
+from splitserve.disagg.lifecycle.deadlines import Deadlines
+from splitserve.disagg.lifecycle.events import (
+    ChunkDone, ForwardDone, RequestArrived, Scheduled, WriteDone, WriteFailed,
+)
+from splitserve.disagg.lifecycle.peers import Peer
+from splitserve.disagg.lifecycle.states import (
+    Ending, Outcome, PrefillState, Reason, Role, State, ending_from_peer, is_terminal,
+)
+from splitserve.disagg.lifecycle.table import Room, RoomTable
+
+S = PrefillState
+
+
+@dataclass
+class PrefillRoom(Room):
+    dst_pages: tuple[int, ...] = ()
+    """Decode's page ids for the prompt (from its registration)."""
+    src_pages: tuple[int, ...] = ()
+    """Our pages holding the prompt's KV (from Scheduled)."""
+    pages_started: int = 0
+    """Pages [0, pages_started) have had their write started."""
+    writes: dict[int, int] = field(default_factory=dict)
+    """Writes not yet settled: write_id -> pages."""
+    first_token: Optional[int] = None
+    told_settled: bool = False
+    """Decode has been told that no write for this room can still land."""
+
+
+@dataclass(frozen=True)
+class PendingRegistration:
+    peer: Peer
+    msg: protocol.RegisterRoom
+    since: float
+
+
+class PrefillTable(RoomTable):
+    role = Role.PREFILL
+    _held_label = "held_writes"
+
+    def __init__(self, deadlines: Deadlines, incarnation: str, page_size: int, page_nbytes: int = 0):
+        super().__init__(deadlines, incarnation, page_size)
+        self.page_nbytes = page_nbytes
+        self._pending: dict[int, PendingRegistration] = {}
+        self._next_write_id = 1
+
+    def _live_states(self):
+        return list(PrefillState)
+
+    def _extra_counts(self) -> dict[str, int]:
+        return {"pending_registrations": len(self._pending)}
+
+    def _extra_canonical(self) -> tuple:
+        return (tuple(sorted((room, p.peer, p.since, p.msg.prompt_len, tuple(p.msg.pages))
+                             for room, p in self._pending.items())),
+                self._next_write_id)
+
+    # == arrival and registration ===============================================================
+
+    def _admit(self, ev: RequestArrived, now: float, out: list[Action]) -> None:
+        r = self._new_room(PrefillRoom, ev, S.BOOTSTRAPPING, now)
+        pending = self._pending.pop(ev.room, None)
+        if pending is None:
+            self._arm(r, self.cfg.bootstrap_s, now)
+            return
+        self._timers.cancel(("pending", ev.room))
+        self._accept_registration(r, pending.peer, pending.msg, now, out)
+
+    def _on_register(self, peer: Peer, msg: protocol.RegisterRoom, now: float, out: list[Action]) -> None:
+        room = msg.room
+        if msg.prefill_incarnation != self.incarnation:
+            out.append(Notice(self.role, NoticeKind.STALE_INCARNATION, room,
+                              f"{peer} registered for incarnation {msg.prefill_incarnation}"))
+            return
+        r = self._rooms.get(room)
+        pending = self._pending.get(room)
+        owner = r.peer if r is not None else pending.peer if pending is not None else None
+        if r is not None and owner is None:  # BOOTSTRAPPING (a room with no peer is never held)
+            self._accept_registration(r, peer, msg, now, out)
+        elif owner == peer:
+            out.append(Notice(self.role, NoticeKind.DUPLICATE_REGISTRATION, room, str(peer)))
+        elif owner is not None:
+            out.append(Notice(self.role, NoticeKind.WRONG_PEER, room, f"registered by {owner}, refused {peer}"))
+            self._refuse_registration(peer, room, Ending(Reason.BAD_REQUEST, f"room registered by {owner}"), out)
+        elif room in self._tombstones:
+            self._on_late_registration(peer, room, out)
+        else:
+            self._pending[room] = PendingRegistration(peer, msg, now)
+            self.peers.bind(peer, room, now)
+            self._timers.set(("pending", room), now + self.cfg.pending_registration_s)
+
+    def _on_late_registration(self, peer: Peer, room: int, out: list[Action]) -> None:
+        """A registration for a room that already ended here: a failure is told again (the peer
+        may not have been known when it happened); a finished room's is a stray duplicate."""
+        ending = self._tombstones[room].ending
+        out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, room, f"registration from {peer} after {ending}"))
+        if ending.outcome is not Outcome.FINISHED:
+            self._refuse_registration(peer, room, ending, out)
+
+    def _refuse_registration(self, peer: Peer, room: int, ending: Ending, out: list[Action]) -> None:
+        out.append(SendToPeer(peer, protocol.RoomFailed(room, self.incarnation, ending.reason.value)))
+        out.append(SendToPeer(peer, protocol.WritesSettled(room, self.incarnation)))
+
+    def _accept_registration(self, r: PrefillRoom, peer: Peer, msg: protocol.RegisterRoom,
+                             now: float, out: list[Action]) -> None:
+        r.peer = peer
+        self.peers.bind(peer, r.room, now)
+        problem = self._registration_problem(r, msg)
+        if problem:
+            self._end(r, Ending(Reason.BAD_REQUEST, problem), now, out)
+            return
+        r.dst_pages = tuple(msg.pages[: r.n_pages])
+        self._enter(r, S.QUEUED, self.cfg.queue_s, now, out)
+        out.append(Enqueue(r.room, r.rid))
+
+    @staticmethod
+    def _registration_problem(r: PrefillRoom, msg: protocol.RegisterRoom) -> str:
+        if msg.prompt_len != r.prompt_len:
+            return f"prompt length differs: {r.prompt_len} tokens here, {msg.prompt_len} at decode"
+        if len(msg.pages) < r.n_pages:
+            return f"decode registered {len(msg.pages)} pages, the prompt needs {r.n_pages}"
+        return ""
+
+    def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
+        assert kind == "pending", kind
+        pending = self._pending.pop(room)
+        self.peers.unbind(pending.peer, room)
+        ending = Ending(Reason.BOOTSTRAP_TIMEOUT,
+                        f"registration from {pending.peer} waited {now - pending.since:g}s for the request")
+        self._tombstone(room, ending, arrived=False, now=now)
+        out.append(Notice(self.role, NoticeKind.PENDING_EXPIRED, room, ending.detail))
+        if self._reachable(pending.peer):
+            self._refuse_registration(pending.peer, room, ending, out)
+
+    # == messages from decode ===================================================================
+
+    def _on_peer_message(self, peer: Peer, msg, now: float, out: list[Action]) -> None:
+        if self.peers.is_lost(peer):
+            self._on_message_from_lost_peer(peer, msg, out)
+            return
+        self.peers.heard(peer, now)
+        if isinstance(msg, protocol.RegisterRoom):
+            self._on_register(peer, msg, now, out)
+        elif isinstance(msg, protocol.AbortRoom):
+            self._on_peer_abort(peer, msg.room, ending_from_peer(msg.reason), now, out)
+        else:
+            out.append(Notice(self.role, NoticeKind.UNEXPECTED_MESSAGE, getattr(msg, "room", None),
+                              f"{type(msg).__name__} from {peer}"))
+
+    def _on_message_from_lost_peer(self, peer: Peer, msg, out: list[Action]) -> None:
+        """Never act on a lost peer's message; but answer what it may be waiting for, in case it
+        is alive after all (an asymmetric partition): its rooms here are gone."""
+        room = getattr(msg, "room", None)
+        out.append(Notice(self.role, NoticeKind.FROM_LOST_PEER, room, f"{type(msg).__name__} from {peer}"))
+        if isinstance(msg, protocol.RegisterRoom):
+            self._refuse_registration(peer, room, Ending(Reason.PEER_LOST), out)
+        elif isinstance(msg, protocol.AbortRoom) and room not in self._rooms:
+            out.append(SendToPeer(peer, protocol.WritesSettled(room, self.incarnation)))
+
+    def _on_peer_abort(self, peer: Peer, room: int, ending: Ending, now: float, out: list[Action]) -> None:
+        """Decode aborted or failed the room (or re-sends that while its pages are quarantined)."""
+        r = self._rooms.get(room)
+        if r is not None:
+            if r.peer is not None and r.peer != peer:
+                out.append(Notice(self.role, NoticeKind.WRONG_PEER, room, f"abort from {peer}, owner {r.peer}"))
+            elif is_terminal(r.state):
+                pass  # held: WritesSettled goes out when the last write settles
+            elif r.peer is None:  # BOOTSTRAPPING: its registration may still be on the way
+                self._end(r, ending, now, out)
+                out.append(SendToPeer(peer, protocol.WritesSettled(room, self.incarnation)))
+            else:
+                self._end(r, ending, now, out)
+            return
+        pending = self._pending.get(room)
+        if pending is not None and pending.peer != peer:
+            out.append(Notice(self.role, NoticeKind.WRONG_PEER, room, f"abort from {peer}, owner {pending.peer}"))
+            return
+        if pending is not None:
+            del self._pending[room]
+            self._timers.cancel(("pending", room))
+            self.peers.unbind(peer, room)
+        # Not in the table: no write of this room can be in flight.
+        out.append(SendToPeer(peer, protocol.WritesSettled(room, self.incarnation)))
+        if room in self._tombstones:
+            out.append(Notice(self.role, NoticeKind.ABORT_AFTER_END, room, str(ending)))
+        else:
+            self._abort_unseen(room, ending, now, out)
+
+    # == the forward pass and the writes ========================================================
+
+    def _on_event(self, event, now: float, out: list[Action]) -> None:
+        match event:
+            case Scheduled(room=room, pages=pages):
+                self._on_scheduled(room, tuple(pages), now, out)
+            case ChunkDone(room=room, pages_ready=ready):
+                r = self._live_room_in(room, S.PREFILLING, event, out)
+                if r is not None:
+                    self._write_pages(r, min(ready, r.n_pages), out)
+                    self._arm(r, self.cfg.prefill_stall_s, now)
+            case ForwardDone(room=room, first_token=token):
+                r = self._live_room_in(room, S.PREFILLING, event, out)
+                if r is not None:
+                    self._on_forward_done(r, token, now, out)
+            case WriteDone(room=room, write_id=wid):
+                r = self._settle(room, wid, event, out)
+                if r is not None and r.state is S.TRANSFERRING and not r.writes:
+                    self._finish(r, now, out)
+                elif r is not None:
+                    self._release_if_settled(r, now, out)
+            case WriteFailed(room=room, write_id=wid, error=error):
+                r = self._settle(room, wid, event, out)
+                if r is not None and not is_terminal(r.state):
+                    self._end(r, Ending(Reason.TRANSFER_ERROR, error or f"write {wid} failed"), now, out)
+                elif r is not None:
+                    self._release_if_settled(r, now, out)
+            case _:
+                super()._on_event(event, now, out)
+
+    def _live_room_in(self, room: int, state: S, event, out: list[Action]) -> Optional[PrefillRoom]:
+        r = self._rooms.get(room)
+        if r is not None and r.state is state:
+            return r
+        out.append(Notice(self.role, NoticeKind.OUT_OF_ORDER, room, f"{type(event).__name__} in {self.state_of(room)}"))
+        return None
+
+    def _on_scheduled(self, room: int, pages: tuple[int, ...], now: float, out: list[Action]) -> None:
+        r = self._live_room_in(room, S.QUEUED, Scheduled(room, pages), out)
+        if r is None:
+            if pages:
+                out.append(FreePages(room, pages))  # never leak what the engine just allocated
+            return
+        r.src_pages = pages
+        if len(pages) != r.n_pages:
+            self._end(r, Ending(Reason.INTERNAL_ERROR, f"scheduled with {len(pages)} pages, needs {r.n_pages}"),
+                      now, out)
+            return
+        self._enter(r, S.PREFILLING, self.cfg.prefill_stall_s, now, out)
+
+    def _on_forward_done(self, r: PrefillRoom, first_token: int, now: float, out: list[Action]) -> None:
+        r.first_token = first_token
+        self._write_pages(r, r.n_pages, out)
+        if not r.writes:
+            self._finish(r, now, out)
+            return
+        nbytes = sum(r.writes.values()) * self.page_nbytes
+        self._enter(r, S.TRANSFERRING, self.cfg.transfer_s(nbytes), now, out)
+
+    def _write_pages(self, r: PrefillRoom, upto: int, out: list[Action]) -> None:
+        """Start the write of pages [pages_started, upto)."""
+        if upto <= r.pages_started:
+            return
+        wid = self._next_write_id
+        self._next_write_id += 1
+        span = slice(r.pages_started, upto)
+        out.append(StartWrite(r.room, wid, r.peer, r.src_pages[span], r.dst_pages[span]))
+        r.writes[wid] = upto - r.pages_started
+        r.pages_started = upto
+
+    def _settle(self, room: int, wid: int, event, out: list[Action]) -> Optional[PrefillRoom]:
+        r = self._rooms.get(room)
+        if r is None or wid not in r.writes:
+            out.append(Notice(self.role, NoticeKind.DUPLICATE_WRITE_REPORT, room, f"{type(event).__name__} {wid}"))
+            return None
+        del r.writes[wid]
+        return r
+
+    def _finish(self, r: PrefillRoom, now: float, out: list[Action]) -> None:
+        out.append(SendToPeer(r.peer, protocol.KVDone(r.room, self.incarnation, r.first_token, r.prompt_len)))
+        r.told_settled = True  # KVDone: every write has landed
+        self._end(r, Ending(Reason.TRANSFERRED), now, out)
+
+    # == the end of a room ======================================================================
+
+    def _timeout_ending(self, r: PrefillRoom, now: float) -> Ending:
+        waited = f"{now - r.entered:g}s"
+        return {
+            S.BOOTSTRAPPING: Ending(Reason.BOOTSTRAP_TIMEOUT, f"no registration from decode in {waited}"),
+            S.QUEUED: Ending(Reason.OVERLOADED, f"queued {waited} for the forward pass"),
+            S.PREFILLING: Ending(Reason.STALLED, f"no chunk finished in {waited}"),
+            S.TRANSFERRING: Ending(Reason.TRANSFER_TIMEOUT, f"{len(r.writes)} writes unfinished after {waited}"),
+        }[r.state]
+
+    def _after_end(self, r: PrefillRoom, last: State, now: float, out: list[Action]) -> None:
+        if r.ending.outcome is not Outcome.FINISHED and not r.ending.from_peer and self._reachable(r.peer):
+            out.append(SendToPeer(r.peer, protocol.RoomFailed(r.room, self.incarnation, r.ending.reason.value)))
+        if r.writes:
+            out.append(CancelWrites(r.room, tuple(sorted(r.writes))))
+            self._hold(r, self.cfg.write_drain_s, now)
+        else:
+            self._release(r, now, out)
+
+    def _release_if_settled(self, r: PrefillRoom, now: float, out: list[Action]) -> None:
+        if is_terminal(r.state) and not r.writes:
+            self._release(r, now, out)
+
+    def _release_memory(self, r: PrefillRoom, now: float, out: list[Action]) -> None:
+        assert not r.writes
+        if r.src_pages:
+            out.append(FreePages(r.room, r.src_pages))
+        if not r.told_settled and self._reachable(r.peer):
+            out.append(SendToPeer(r.peer, protocol.WritesSettled(r.room, self.incarnation)))
+            r.told_settled = True
+
+    def _on_held_timer(self, r: PrefillRoom, now: float, out: list[Action]) -> None:
+        wids = tuple(sorted(r.writes))
+        out.append(ResetTransfer(r.peer, r.room, wids))
+        out.append(Notice(self.role, NoticeKind.TRANSFER_RESET, r.room,
+                          f"writes {list(wids)} to {r.peer} unsettled {now - r.entered:g}s after {r.ending}"))
+        self._hold(r, self.cfg.write_drain_s, now)
+
+    def _on_peer_lost(self, room: int, peer: Peer, detail: str, now: float, out: list[Action]) -> None:
+        r = self._rooms.get(room)
+        if r is not None and not is_terminal(r.state):
+            self._end(r, Ending(Reason.PEER_LOST, detail), now, out)
+        elif room in self._pending:  # its request is refused when it comes
+            del self._pending[room]
+            self._timers.cancel(("pending", room))
+            self._tombstone(room, Ending(Reason.PEER_LOST, detail), arrived=False, now=now)
+        # A held room keeps waiting: the disconnect makes its writes fail and settle.

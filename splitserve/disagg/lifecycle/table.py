@@ -1,0 +1,353 @@
+"""What both sides share: the room table, its timers, tombstones, the end of a room, the gauges.
+
+A :class:`RoomTable` holds every room of one worker and one role. The engine loop owns it: it is
+the only caller, feeding ``handle(event, now)`` and ``expire(now)`` and executing the actions they
+return. Nothing here reads a clock, sleeps, locks or does I/O.
+
+A room is *live* while its state is a live state; *held* while it is terminal but still holds
+memory a write may touch (prefill: writes in flight; decode: quarantined pages); *released* once
+its memory is returned, when it becomes a tombstone. Every live room has a deadline; every held
+room has a timer (prefill: transfer reset; decode: re-send the abort); every tombstone expires.
+
+Ending a room (:meth:`RoomTable._end`) is the only way into a terminal state. It asserts the
+room is live, so a terminal state is never left and never re-entered; it emits the single
+log line, count and client answer; and it hands over to the side's ``_after_end`` to tell the peer
+and release or hold memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from splitserve.disagg.lifecycle.actions import (
+    Action, Cancel, CountOutcome, DisconnectPeer, LogTerminal, Notice, NoticeKind, NotifyClient,
+    ObserveStateTime,
+)
+from splitserve.disagg.lifecycle.deadlines import DeadlineHeap, Deadlines
+from splitserve.disagg.lifecycle.events import (
+    ClientAbort, FromPeer, LocalFailure, PeerHeard, PeerLost, RequestArrived,
+)
+from splitserve.disagg.lifecycle.peers import Lost, Peer, PeerTable
+from splitserve.disagg.lifecycle.states import Ending, Outcome, Reason, Role, State, is_terminal
+
+
+@dataclass
+class Room:
+    room: int
+    rid: str
+    prompt_len: int
+    n_pages: int
+    born: float
+    state: State
+    entered: float
+    """When the room entered ``state``."""
+    deadline: Optional[float] = None
+    """Live: when the current state times out. Held: when the held timer fires."""
+    peer: Optional[Peer] = None
+    ending: Optional[Ending] = None
+
+
+@dataclass(frozen=True)
+class Tombstone:
+    """A room id that ended, or was aborted before its request came (``arrived`` False)."""
+
+    ending: Ending
+    arrived: bool
+
+
+class RoomTable:
+    role: Role
+
+    def __init__(self, deadlines: Deadlines, incarnation: str, page_size: int):
+        self.cfg = deadlines.validate()
+        self.incarnation = incarnation
+        self.page_size = page_size
+        self.peers = PeerTable(deadlines)
+        self._rooms: dict[int, Room] = {}
+        self._tombstones: dict[int, Tombstone] = {}
+        self._timers: DeadlineHeap[tuple[str, int]] = DeadlineHeap()
+
+    # == the engine loop's API ==================================================================
+
+    def handle(self, event, now: float) -> list[Action]:
+        """Apply one event at time ``now``; return the actions to execute, in order."""
+        out: list[Action] = []
+        match event:
+            case RequestArrived():
+                self._on_arrival(event, now, out)
+            case ClientAbort(room=room, detail=detail):
+                self._abort(room, Ending(Reason.CLIENT_ABORT, detail), now, out)
+            case LocalFailure(room=room, reason=reason, detail=detail):
+                self._abort(room, Ending(reason, detail), now, out)
+            case FromPeer(peer=peer, msg=msg):
+                self._on_peer_message(peer, msg, now, out)
+            case PeerHeard(peer=peer, fresh=fresh):
+                for lost in self.peers.heard(peer, now, fresh):
+                    self._peer_lost(lost, f"{lost[0]} restarted as {peer}", now, out)
+            case PeerLost(peer=peer, detail=detail):
+                lost = self.peers.declare_lost(peer, now)
+                if lost is not None:
+                    self._peer_lost(lost, detail or "connection lost", now, out)
+            case _:
+                self._on_event(event, now, out)
+        return out
+
+    def expire(self, now: float) -> list[Action]:
+        """Act on every deadline ``<= now``: silent peers, live rooms out of time, held rooms'
+        timers, tombstones and pending registrations that ran out. Call every loop iteration,
+        after draining the inbox (so a heartbeat that is waiting there counts)."""
+        out: list[Action] = []
+        for lost in self.peers.expire(now):
+            self._peer_lost(lost, f"silent for {self.cfg.peer_silence_s:g}s", now, out)
+        while (key := self._timers.pop_next(now)) is not None:
+            kind, room = key
+            if kind == "room":
+                r = self._rooms[room]
+                if is_terminal(r.state):
+                    self._on_held_timer(r, now, out)
+                else:
+                    self._on_deadline(r, now, out)
+            elif kind == "tomb":
+                del self._tombstones[room]
+            else:
+                self._on_other_timer(kind, room, now, out)
+        return out
+
+    def next_due(self) -> Optional[float]:
+        """The earliest pending deadline (rooms, tombstones, peers), or None: the engine loop may
+        sleep until then when it has nothing else to do."""
+        due = [d for d in (self._timers.next_due(), self.peers.next_due()) if d is not None]
+        return min(due) if due else None
+
+    # == queries and gauges =====================================================================
+
+    def state_of(self, room: int) -> Optional[State]:
+        """The room's state; its outcome once it ended (while remembered); None if unknown."""
+        r = self._rooms.get(room)
+        if r is not None:
+            return r.state
+        tomb = self._tombstones.get(room)
+        return tomb.ending.outcome if tomb is not None else None
+
+    def ending_of(self, room: int) -> Optional[Ending]:
+        r = self._rooms.get(room)
+        if r is not None:
+            return r.ending
+        tomb = self._tombstones.get(room)
+        return tomb.ending if tomb is not None else None
+
+    def live_rooms(self) -> list[int]:
+        return sorted(room for room, r in self._rooms.items() if not is_terminal(r.state))
+
+    def is_idle(self) -> bool:
+        """Nothing live, held, pending or remembered."""
+        return not self._rooms and not self._tombstones and not len(self._timers) and not len(self.peers)
+
+    def counts_by_state(self) -> dict[str, int]:
+        """Gauges: live rooms by state (every state, zeros included), held rooms, tombstones."""
+        counts = {s.value: 0 for s in self._live_states()}
+        held = 0
+        for r in self._rooms.values():
+            if is_terminal(r.state):
+                held += 1
+            else:
+                counts[r.state.value] += 1
+        counts[self._held_label] = held
+        counts["tombstones"] = len(self._tombstones)
+        counts.update(self._extra_counts())
+        return counts
+
+    def snapshot(self, now: float) -> list[dict]:
+        """The ``/debug/requests`` payload: every live or held room, oldest first."""
+        rows = []
+        for r in sorted(self._rooms.values(), key=lambda r: (r.born, r.room)):
+            given = (r.deadline - r.entered) if r.deadline is not None else math.inf
+            rows.append({
+                "rid": r.rid,
+                "room": r.room,
+                "role": self.role.value,
+                "state": r.state.value,
+                "age_s": now - r.born,
+                "state_age_s": now - r.entered,
+                "deadline_s": (r.deadline - now) if r.deadline is not None else None,
+                "late": (now - r.entered) > given / 2,
+                "peer": str(r.peer) if r.peer is not None else None,
+                "holding": self._held_label if is_terminal(r.state) else None,
+                "ending": str(r.ending) if r.ending is not None else None,
+            })
+        return rows
+
+    def canonical(self) -> tuple:
+        """Everything that decides this table's future, as a hashable value independent of the
+        order things were stored in (the interleaving explorer merges equal states with it)."""
+        return (
+            tuple(sorted((room, _freeze_dataclass(r)) for room, r in self._rooms.items())),
+            tuple(sorted((room, t.ending.reason, t.ending.detail, t.arrived)
+                         for room, t in self._tombstones.items())),
+            tuple(sorted(self._timers.items())),
+            self.peers.canonical(),
+            self._extra_canonical(),
+        )
+
+    # == the shared rules =======================================================================
+
+    def _on_arrival(self, ev: RequestArrived, now: float, out: list[Action]) -> None:
+        if ev.room in self._rooms:
+            self._refuse(ev, Ending(Reason.BAD_REQUEST, f"room {ev.room} is in use by another request"), now, out)
+            return
+        tomb = self._tombstones.get(ev.room)
+        if tomb is not None:
+            ending = tomb.ending if not tomb.arrived else Ending(
+                Reason.BAD_REQUEST, f"room {ev.room} was already used")
+            self._refuse(ev, ending, now, out)
+            self._tombstone(ev.room, tomb.ending, arrived=True, now=now)
+            return
+        self._admit(ev, now, out)
+
+    def _refuse(self, ev: RequestArrived, ending: Ending, now: float, out: list[Action]) -> None:
+        """End a request that never got a room: its one answer, log line and count."""
+        out.append(NotifyClient(ev.rid, ev.room, ending))
+        out.append(LogTerminal(self.role, ev.rid, ev.room, None, 0.0, ending))
+        out.append(CountOutcome(self.role, ending.outcome, ending.reason))
+
+    def _abort(self, room: int, ending: Ending, now: float, out: list[Action]) -> None:
+        """A client abort or a local failure: works in every state and every order (rule 4)."""
+        r = self._rooms.get(room)
+        if r is not None and not is_terminal(r.state):
+            self._end(r, ending, now, out)
+        elif r is not None or room in self._tombstones:
+            out.append(Notice(self.role, NoticeKind.ABORT_AFTER_END, room, str(ending)))
+        else:
+            self._abort_unseen(room, ending, now, out)
+
+    def _abort_unseen(self, room: int, ending: Ending, now: float, out: list[Action]) -> None:
+        self._tombstone(room, ending, arrived=False, now=now)
+        out.append(Notice(self.role, NoticeKind.TOMBSTONE, room, str(ending)))
+
+    def _new_room(self, cls, ev: RequestArrived, state: State, now: float):
+        n_pages = -(-ev.prompt_len // self.page_size)
+        r = cls(room=ev.room, rid=ev.rid, prompt_len=ev.prompt_len, n_pages=n_pages, born=now,
+                state=state, entered=now)
+        self._rooms[ev.room] = r
+        return r
+
+    def _enter(self, r: Room, state: State, limit_s: float, now: float, out: list[Action]) -> None:
+        """Move a live room to live ``state`` with ``limit_s`` to get out of it."""
+        assert not is_terminal(r.state) and not is_terminal(state)
+        out.append(ObserveStateTime(self.role, r.state, now - r.entered))
+        r.state, r.entered = state, now
+        self._arm(r, limit_s, now)
+
+    def _arm(self, r: Room, limit_s: float, now: float) -> None:
+        """(Re)set a live room's deadline: ``limit_s`` from now, or the end-to-end limit if sooner."""
+        r.deadline = now + limit_s
+        if self.cfg.request_timeout_s is not None:
+            r.deadline = min(r.deadline, r.born + self.cfg.request_timeout_s)
+        self._timers.set(("room", r.room), r.deadline)
+
+    def _hold(self, r: Room, seconds: float, now: float) -> None:
+        """Set a held room's timer."""
+        r.deadline = now + seconds
+        self._timers.set(("room", r.room), r.deadline)
+
+    def _on_deadline(self, r: Room, now: float, out: list[Action]) -> None:
+        if self.cfg.request_timeout_s is not None and now >= r.born + self.cfg.request_timeout_s:
+            ending = Ending(Reason.REQUEST_TIMEOUT, f"older than {self.cfg.request_timeout_s:g}s")
+        else:
+            ending = self._timeout_ending(r, now)
+        self._end(r, ending, now, out)
+
+    def _end(self, r: Room, ending: Ending, now: float, out: list[Action]) -> None:
+        """The one way into a terminal state."""
+        assert not is_terminal(r.state), f"room {r.room} is already {r.state}"
+        last = r.state
+        out.append(ObserveStateTime(self.role, last, now - r.entered))
+        r.state, r.entered, r.ending, r.deadline = ending.outcome, now, ending, None
+        self._timers.cancel(("room", r.room))
+        out.append(NotifyClient(r.rid, r.room, ending))
+        out.append(LogTerminal(self.role, r.rid, r.room, last, now - r.born, ending))
+        out.append(CountOutcome(self.role, ending.outcome, ending.reason))
+        if ending.outcome is not Outcome.FINISHED:
+            out.append(Cancel(r.room, r.rid))
+        self._after_end(r, last, now, out)
+
+    def _release(self, r: Room, now: float, out: list[Action]) -> None:
+        """Return a terminal room's memory (once) and keep its id as a tombstone."""
+        assert is_terminal(r.state)
+        self._release_memory(r, now, out)
+        del self._rooms[r.room]
+        self._timers.cancel(("room", r.room))
+        self.peers.unbind(r.peer, r.room)
+        self._tombstone(r.room, r.ending, arrived=True, now=now)
+
+    def _tombstone(self, room: int, ending: Ending, arrived: bool, now: float) -> None:
+        self._tombstones[room] = Tombstone(ending, arrived)
+        self._timers.set(("tomb", room), now + self.cfg.tombstone_s)
+
+    def _reachable(self, peer: Optional[Peer]) -> bool:
+        return peer is not None and not self.peers.is_lost(peer)
+
+    def _peer_lost(self, lost: Lost, detail: str, now: float, out: list[Action]) -> None:
+        """Rule 5: a lost peer fails all its rooms. The disconnect comes first: it is what makes
+        sure none of the peer's writes can still land when their pages are freed."""
+        peer, rooms = lost
+        out.append(DisconnectPeer(peer, detail))
+        out.append(Notice(self.role, NoticeKind.PEER_LOST, None, f"{peer}: {detail}; {len(rooms)} rooms"))
+        for room in sorted(rooms):
+            self._on_peer_lost(room, peer, f"{peer}: {detail}", now, out)
+
+    # == what each side fills in ================================================================
+
+    _held_label = "held"
+
+    def _live_states(self):
+        raise NotImplementedError
+
+    def _admit(self, ev: RequestArrived, now: float, out: list[Action]) -> None:
+        raise NotImplementedError
+
+    def _on_event(self, event, now: float, out: list[Action]) -> None:
+        raise TypeError(f"{type(self).__name__} does not take {type(event).__name__}")
+
+    def _on_peer_message(self, peer: Peer, msg, now: float, out: list[Action]) -> None:
+        raise NotImplementedError
+
+    def _timeout_ending(self, r: Room, now: float) -> Ending:
+        raise NotImplementedError
+
+    def _after_end(self, r: Room, last: State, now: float, out: list[Action]) -> None:
+        raise NotImplementedError
+
+    def _release_memory(self, r: Room, now: float, out: list[Action]) -> None:
+        raise NotImplementedError
+
+    def _on_held_timer(self, r: Room, now: float, out: list[Action]) -> None:
+        raise NotImplementedError
+
+    def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
+        raise KeyError(kind)
+
+    def _on_peer_lost(self, room: int, peer: Peer, detail: str, now: float, out: list[Action]) -> None:
+        raise NotImplementedError
+
+    def _extra_counts(self) -> dict[str, int]:
+        return {}
+
+    def _extra_canonical(self) -> tuple:
+        return ()
+
+
+def _freeze(value):
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(value))
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _freeze_dataclass(obj) -> tuple:
+    return tuple((f.name, _freeze(getattr(obj, f.name))) for f in fields(obj))
