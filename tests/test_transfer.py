@@ -117,7 +117,7 @@ class Pair:
 
 def make(kind: str, name: str, pool: KVPool, **opts) -> TransferBackend:
     if kind == "nixl":
-        pytest.importorskip("splitserve.disagg.transfer.nixl", reason="nixl is not importable")
+        pytest.importorskip("splitserve.disagg.transfer.nixl", reason="nixl is not importable", exc_type=ImportError)
     return get_backend(kind)(name, pool.buffer, **opts)
 
 
@@ -372,7 +372,7 @@ def test_tcp_receiver_refusal_reaches_the_writer():
 
 
 def test_nixl_errors_become_failed_not_exceptions(monkeypatch):
-    nixl = pytest.importorskip("splitserve.disagg.transfer.nixl", reason="nixl is not importable")
+    nixl = pytest.importorskip("splitserve.disagg.transfer.nixl", reason="nixl is not importable", exc_type=ImportError)
     tag = uuid.uuid4().hex[:8]
     src, dst = filled_pool(6), KVPool(LAYOUT)
     a, b = nixl.NixlBackend(f"p-{tag}", src.buffer), nixl.NixlBackend(f"d-{tag}", dst.buffer)
@@ -421,7 +421,7 @@ def _receiver_process(kind: str, name: str, conn) -> None:
 @pytest.mark.parametrize("kind", ["tcp", "nixl"])
 def test_two_processes(kind: str):
     if kind == "nixl":
-        pytest.importorskip("splitserve.disagg.transfer.nixl", reason="nixl is not importable")
+        pytest.importorskip("splitserve.disagg.transfer.nixl", reason="nixl is not importable", exc_type=ImportError)
     tag = uuid.uuid4().hex[:8]
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()

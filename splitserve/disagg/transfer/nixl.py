@@ -50,7 +50,7 @@ def _import_nixl_api() -> Any:
             return importlib.import_module(module)
         except ImportError as e:
             errors.append(f"{module}: {e}")
-    raise ImportError("NIXL is not installed (pip install nixl-cu12): " + "; ".join(errors))
+    raise ModuleNotFoundError("NIXL is not installed (pip install nixl-cu12): " + "; ".join(errors), name="nixl")
 
 
 _api = _import_nixl_api()
