@@ -34,7 +34,9 @@ does not recall them): the receiver keeps the pages of a failed room quarantined
 
 Threading. A backend is driven by ONE transfer thread per worker: its methods are not thread-safe
 among themselves and must all be called from that thread. Backends may run their own internal
-threads (the tcp receiver, NIXL's progress thread); those never call back into the caller.
+threads (the tcp receiver, NIXL's progress thread); those never call back into the caller. The
+receiving side calls :meth:`~TransferBackend.notifications` every few milliseconds even when it
+expects nothing: for NIXL without a progress thread that call is what moves incoming bytes.
 """
 
 from __future__ import annotations

@@ -20,6 +20,11 @@ NIXL facts this relies on (checked with ``tools/nixl_spike.py`` and ``tests/test
   transfers to an agent whose metadata is not loaded — we check bounds before asking anyway;
 * releasing a transfer still in progress returns without error but does NOT stop bytes already
   posted from landing (nor their notification): the receiver must quarantine (base.py);
+* the Python API starts NIXL's progress thread with zero delay, so it spins a whole core even when
+  idle; we turn it off by default (``progress_thread=False``). Then NIXL moves bytes only while
+  one side calls into it — ``poll`` on the writer, ``notifications`` on the receiver — and over
+  UCX's shared-memory/TCP transports a write does not finish unless the RECEIVER calls in too:
+  the receiving transfer thread must call ``notifications()`` every few milliseconds;
 * the wheel installs as ``nixl_cu12``; the ``nixl`` meta package (which would add the ``nixl``
   name) pulls CUDA builds, so both import names are tried.
 
