@@ -212,6 +212,29 @@ def test_fake_engine_client_disconnect_aborts_the_request(byte_tokenizer, stream
     run_app(engine, test)
 
 
+def test_fake_engine_client_gone_before_the_first_event_still_ends_the_request(byte_tokenizer, monkeypatch):
+    """The client leaves between submit and the first write: the engine stream, never iterated,
+    must still be aborted and read to its end (else the engine would keep it forever)."""
+    from splitserve.server import sse
+
+    async def gone(self):
+        raise sse.ClientGone()
+
+    monkeypatch.setattr(sse.SSEWriter, "start", gone)
+    engine = FakeEngine(byte_tokenizer, delay=0.01)
+
+    async def test(client, app):
+        r = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 200, "stream": True,
+                                                       "rid": "early"})
+        r.close()
+        for _ in range(100):
+            if not engine.live:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.aborted == ["early"] and not engine.live
+    run_app(engine, test)
+
+
 def test_fake_engine_unknown_route_and_method_get_json_errors(byte_tokenizer):
     async def test(client, app):
         r = await client.get("/v2/nothing")
@@ -273,7 +296,10 @@ def info(server):
     return types.SimpleNamespace(model=models["data"][0]["id"], max_context=models["data"][0]["max_model_len"])
 
 
-def test_health_models_and_sglang_info(server, info):
+def test_ready_line_health_models_and_sglang_info(server, info):
+    ready = [line for line in server.stdout().splitlines() if line.startswith("splitserve ready:")]
+    assert ready and f"{server.url} (model tiny)" in ready[0] and f"curl {server.url}/v1/completions" in ready[0]
+    assert info.model == "tiny"
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
     models = requests.get(server.url + "/v1/models", timeout=10).json()
     assert models["object"] == "list" and models["data"][0]["object"] == "model"

@@ -64,7 +64,13 @@ class WorkerState:
 
     @property
     def model_name(self) -> str:
-        return self.config.served_model_name or self.engine.spec.name
+        """``--served-model-name``, else ``tiny`` for the built-in model, else the checkpoint
+        folder's basename."""
+        if self.config.served_model_name:
+            return self.config.served_model_name
+        if getattr(self.engine.config, "model", None) == "tiny":
+            return "tiny"
+        return self.engine.spec.name
 
 
 STATE = web.AppKey("splitserve_worker", WorkerState)

@@ -36,6 +36,7 @@ from splitserve.server.validation import ValidatedRequest, validate_request
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+RELEASE_TIMEOUT_S = 5.0
 REASONS = {400: "bad_request", 404: "model_not_found", 413: "bad_request", 429: "overloaded",
            499: "client_disconnect", 500: "internal", 503: "not_ready", 504: "timeout"}
 
@@ -103,28 +104,36 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
                      result.reason, acc.prompt_tokens, acc.completion_tokens, seconds)
 
 
-async def _consume(state, rid: str, stream: AsyncIterator[RequestOutput], acc: proto.Accumulator):
-    """Yield the engine's deltas into ``acc``; if left before the last one, abort the request."""
-    done = False
-    try:
-        async for out in stream:
-            acc.add(out)
-            done = out.finished
-            yield out
-            if done:
-                return
-    finally:
-        if not done:
-            state.engine.abort(rid)
-        await _close(stream)
+async def _consume(stream: AsyncIterator[RequestOutput], acc: proto.Accumulator):
+    """Yield the engine's deltas, adding each to ``acc``, up to the last one."""
+    async for out in stream:
+        acc.add(out)
+        yield out
+        if out.finished:
+            return
 
 
-async def _close(stream) -> None:
+async def _release(state, rid: str, stream, acc: proto.Accumulator) -> None:
+    """Called whenever a handler is left: if the request has not ended, abort it and read its
+    stream to the end (the abort's error delta), so the engine drops it even if we never started
+    iterating; then close the stream."""
+    if acc.error is None and acc.finish_reason is None:
+        state.engine.abort(rid)
+
+        async def to_the_end():
+            async for out in stream:
+                if out.finished:
+                    return
+
+        try:
+            await asyncio.wait_for(to_the_end(), RELEASE_TIMEOUT_S)
+        except (asyncio.TimeoutError, RuntimeError, StopAsyncIteration):
+            log.warning("request %s: no end from the engine %.0fs after its abort", rid, RELEASE_TIMEOUT_S)
     aclose = getattr(stream, "aclose", None)
     if aclose is not None:
         try:
             await aclose()
-        except (RuntimeError, StopAsyncIteration):  # already closed or running
+        except RuntimeError:  # already running or closed
             pass
 
 
@@ -146,12 +155,11 @@ def _finish(result: Outcome, acc: proto.Accumulator) -> Optional[int]:
 
 async def _unary(state, endpoint: str, rid: str, stream, acc: proto.Accumulator, result: Outcome,
                  started: float) -> web.Response:
-    deltas = _consume(state, rid, stream, acc)
     try:
-        async for _ in deltas:
+        async for _ in _consume(stream, acc):
             pass
     finally:
-        await deltas.aclose()
+        await _release(state, rid, stream, acc)
     status = _finish(result, acc)
     if status is not None:
         message = acc.error.error if acc.error is not None else "the engine ended the request without an answer"
@@ -170,12 +178,11 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
                   acc: proto.Accumulator, result: Outcome, started: float) -> web.StreamResponse:
     sse = SSEWriter(request)
     model, created = state.model_name, int(time.time())
-    deltas = _consume(state, rid, stream, acc)
     try:
         await sse.start()
         if endpoint == "chat":
             await sse.send(proto.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
-        async for out in deltas:
+        async for out in _consume(stream, acc):
             if out.finished and out.error is not None:
                 break
             if endpoint == "generate":
@@ -208,5 +215,5 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
         except ClientGone:
             pass
     finally:
-        await deltas.aclose()
+        await _release(state, rid, stream, acc)
     return sse.response
