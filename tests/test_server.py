@@ -25,6 +25,7 @@ import aiohttp
 import pytest
 import requests
 from aiohttp.test_utils import TestClient, TestServer
+from conftest import ServerProcess, free_port
 
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.engine.io import NotReady, Overloaded, RequestOutput
@@ -521,8 +522,6 @@ def test_queue_full_is_429_then_sigterm_drains(start_server):
 
 
 def test_port_in_use_fails_fast():
-    from conftest import ServerProcess
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
@@ -533,3 +532,13 @@ def test_port_in_use_fails_fast():
             assert "cannot listen" in proc.stderr()
         finally:
             proc.stop(timeout=5)
+
+
+def test_a_model_that_fails_to_load_exits_1(tmp_path):
+    proc = ServerProcess(model=str(tmp_path / "no-such-checkpoint"), startup_timeout=60)
+    proc._spawn(free_port())
+    try:
+        assert proc.wait(timeout=120) == 1, proc.output_tail()
+        assert "failed to start" in proc.stderr() and "no-such-checkpoint" in proc.stderr()
+    finally:
+        proc.stop(timeout=5)

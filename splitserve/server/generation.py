@@ -93,6 +93,9 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
     except asyncio.CancelledError:
         result.outcome, result.reason = "aborted", "client_disconnect"
         raise
+    except web.HTTPException as exc:  # e.g. 413 from reading an oversized body
+        result.failed(exc.status)
+        raise
     finally:
         state.metrics.http_inflight.dec()
         seconds = time.monotonic() - started
