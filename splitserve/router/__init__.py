@@ -1,0 +1,18 @@
+"""The router: one OpenAI-compatible endpoint in front of prefill and decode workers.
+
+Per request it validates the body once (the workers' own ``validate_request``, without a
+tokenizer), draws a random 63-bit ``bootstrap_room``, picks a healthy prefill and decode worker by
+policy, sends the body with ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` added to both
+at once, and streams the decode worker's answer back (SGLang's PD convention, so either side can
+be swapped for SGLang's).
+
+- ``workers.py``: the router's view of each worker (health, requests in flight) and the checker.
+- ``policy.py``: round_robin, random, least_load.
+- ``proxy.py``: one request's two legs and the rules for which answer the client gets.
+- ``metrics.py``: ``splitserve_router_*`` Prometheus metrics.
+- ``app.py``: the aiohttp app (``create_app``) and the process (``run_router``).
+"""
+
+from splitserve.router.app import create_app, run_router
+
+__all__ = ["create_app", "run_router"]

@@ -1,0 +1,231 @@
+"""The router's HTTP front end (aiohttp) and its process: ``splitserve router``.
+
+Routes::
+
+    POST /v1/completions, /v1/chat/completions, /generate   to one prefill + one decode worker
+    GET  /v1/models                                         a healthy decode worker's answer
+    GET  /health                                            200 if a prefill and a decode worker are up
+    GET  /metrics                                           Prometheus (``splitserve_router_*``)
+
+:func:`create_app` builds the application from a :class:`~splitserve.config.RouterConfig`; all of
+its state is one :class:`RouterState` on the app (no module-level globals), including the one
+``aiohttp.ClientSession`` every leg and health check uses (no connection limit: the workers'
+own queues decide what they accept). The session and the health checker live as long as the app
+(``cleanup_ctx``); startup runs one round of health checks before the app serves, so a router that
+says it is ready already knows which workers are up.
+
+:func:`run_router` is what the CLI runs: listen (a busy port fails at once, exit 1), print a ready
+line with a curl example, serve until SIGTERM/SIGINT, then stop: requests in flight get
+:data:`SHUTDOWN_GRACE_S` to finish, after which their handlers are cancelled, which closes their
+legs, so the workers abort them. The runner cancels a handler whose client disconnects
+(``handler_cancellation=True``): that is how a waiting non-streaming request notices.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from typing import Optional, Union
+
+import aiohttp
+from aiohttp import web
+
+from splitserve.config import RouterConfig
+from splitserve.metrics import CONTENT_TYPE, Registry
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policy import Policy, make_policy
+from splitserve.router.proxy import ENDPOINTS, describe_error, forward
+from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
+from splitserve.server.openai_protocol import error_body
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+SHUTDOWN_GRACE_S = 5.0
+
+
+class RouterState:
+    """Everything the handlers share."""
+
+    def __init__(self, config: RouterConfig, registry: Registry):
+        self.config = config
+        self.workers = WorkerSet.from_config(config)
+        self.policies: dict[str, Policy] = {PREFILL: make_policy(config.policy), DECODE: make_policy(config.policy)}
+        self.registry = registry
+        self.metrics = RouterMetrics(registry, self.workers)
+        self.session: Optional[aiohttp.ClientSession] = None  # set at startup (needs the running loop)
+        self.background: set[asyncio.Task] = set()
+
+    def pick_workers(self) -> Union[tuple[Worker, Worker], str]:
+        """A (prefill, decode) pair by the policy among healthy workers, or why there is none."""
+        picked = []
+        for role, workers in ((PREFILL, self.workers.prefill), (DECODE, self.workers.decode)):
+            healthy = self.workers.healthy(role)
+            if not healthy:
+                return f"no healthy {role} worker: {describe_all(workers)}"
+            picked.append(self.policies[role].pick(healthy))
+        return picked[0], picked[1]
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Run ``coro`` in the background, owned by the app (cancelled at cleanup)."""
+        task = asyncio.ensure_future(coro)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+
+ROUTER = web.AppKey("splitserve_router", RouterState)
+
+
+def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web.Application:
+    make_policy(config.policy)  # an unknown policy fails here, with the list of known ones
+    if not config.prefill or not config.decode:
+        raise ValueError("the router needs at least one prefill and one decode worker")
+    app = web.Application(middlewares=[_error_middleware], client_max_size=MAX_BODY_BYTES)
+    app[ROUTER] = RouterState(config, registry or Registry())
+    app.cleanup_ctx.append(_session_and_health_checks)
+    for path in ENDPOINTS:
+        app.router.add_post(path, _generation)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app
+
+
+async def _session_and_health_checks(app: web.Application):
+    state = app[ROUTER]
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    state.session = aiohttp.ClientSession(connector=connector)
+    checker = HealthChecker(state.workers, state.session, state.config.health_interval_s,
+                            state.config.health_failures)
+    await checker.check_all()
+    checks = asyncio.ensure_future(_checks_after_first(checker))
+    try:
+        yield
+    finally:
+        checks.cancel()
+        for task in list(state.background):
+            task.cancel()
+        await asyncio.gather(checks, *state.background, return_exceptions=True)
+        await state.session.close()
+
+
+async def _checks_after_first(checker: HealthChecker) -> None:
+    await asyncio.sleep(checker.interval_s)
+    await checker.run()
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler):
+    """Every error the router itself answers is an OpenAI error body."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        headers = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        text = exc.text or ""
+        message = text if text and not text.startswith(f"{exc.status}:") else \
+            f"{exc.reason}: {request.method} {request.path}"
+        return web.json_response(error_body(message, exc.status), status=exc.status, headers=headers or None)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        log.exception("error serving %s %s", request.method, request.path)
+        return web.json_response(error_body(f"internal error in the router: {type(exc).__name__}: {exc}", 500),
+                                 status=500)
+
+
+async def _generation(request: web.Request) -> web.StreamResponse:
+    return await forward(request.app[ROUTER], request)
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[ROUTER]
+    healthy = state.workers.healthy(DECODE)
+    if not healthy:
+        message = f"no healthy decode worker: {describe_all(state.workers.decode)}"
+        return web.json_response(error_body(message, 503, code="no_healthy_workers"), status=503)
+    worker = healthy[0]
+    try:
+        async with state.session.get(worker.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            body = await resp.read()
+            headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
+            return web.Response(status=resp.status, body=body, headers=headers)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        message = f"the decode worker {worker.url} failed: {describe_error(exc)}"
+        return web.json_response(error_body(message, 502, code="worker_unreachable"), status=502)
+
+
+async def _health(request: web.Request) -> web.Response:
+    workers = request.app[ROUTER].workers
+
+    def view(w: Worker) -> dict:
+        return {"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
+                **({"error": w.last_error} if not w.healthy else {})}
+
+    body = {"status": "ok" if workers.ready() else "unavailable", "model": workers.model_name(),
+            "prefill": [view(w) for w in workers.prefill], "decode": [view(w) for w in workers.decode]}
+    return web.json_response(body, status=200 if workers.ready() else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    text = request.app[ROUTER].registry.exposition()
+    return web.Response(body=text.encode("utf-8"), headers={"Content-Type": CONTENT_TYPE})
+
+
+# -- the process -----------------------------------------------------------------------------------
+
+
+def run_router(config: RouterConfig) -> int:
+    """Serve until SIGTERM/SIGINT; the exit code (0 after a clean stop, 1 if it cannot listen,
+    2 for a bad configuration)."""
+    try:
+        app = create_app(config)
+    except ValueError as exc:
+        print(f"splitserve router: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return asyncio.run(_serve(app, config))
+
+
+async def _serve(app: web.Application, config: RouterConfig) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, config.host, config.port).start()
+    except OSError as exc:
+        print(f"splitserve router: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr, flush=True)
+        await runner.cleanup()
+        return 1
+    print(ready_line(runner, config, app[ROUTER].workers), flush=True)
+    await stop.wait()
+    in_flight = sum(w.in_flight for w in app[ROUTER].workers.decode)
+    log.info("stopping: %d requests in flight get up to %.0f s to finish", in_flight, SHUTDOWN_GRACE_S)
+    await runner.cleanup()
+    log.info("stopped")
+    return 0
+
+
+def ready_line(runner: web.AppRunner, config: RouterConfig, workers: WorkerSet) -> str:
+    port = config.port
+    for addr in runner.addresses:  # the bound port (differs when --port 0)
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            port = addr[1]
+            break
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
+    host = f"[{host}]" if ":" in host else host
+    url = f"http://{host}:{port}"
+    up = {role: f"{len(workers.healthy(role))}/{len(ws)}" for role, ws in
+          ((PREFILL, workers.prefill), (DECODE, workers.decode))}
+    model = workers.model_name()
+    example = ('{"model": "%s", "prompt": "Hello, my name is", "max_tokens": 16}' % model if model else
+               '{"prompt": "Hello, my name is", "max_tokens": 16}')
+    return (f"splitserve router ready: {url} (policy {config.policy}; prefill {up[PREFILL]} up, "
+            f"decode {up[DECODE]} up)  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+            f"-d '{example}'")
