@@ -4,8 +4,8 @@
 subprocess, with ``SPLITSERVE_CACHE`` pointed at ``<repo>/.cache/tests`` (gitignored) so the tiny
 model is built once for the whole session and reused by later runs. Its stdout and stderr go to
 files (never a pipe that could fill and block the server), and every failure message carries
-their tail. It is always stopped: by the fixture's teardown, by ``with``, and at interpreter exit
-as a last resort.
+their tail. It is always stopped: by the fixture's teardown, by ``with``, at interpreter exit,
+and by a parent-death signal if the test process itself is killed.
 
 Fixtures:
 
@@ -46,6 +46,16 @@ _live: set["ServerProcess"] = set()
 def _kill_leftovers() -> None:
     for proc in list(_live):
         proc.stop(timeout=5)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec (Linux): SIGTERM it if the test process dies, even by SIGKILL."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:
+        pass
 
 
 def free_port() -> int:
@@ -108,7 +118,8 @@ class ServerProcess:
         self._out = open(self._logdir / "stdout.log", "wb")
         self._err = open(self._logdir / "stderr.log", "wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._out, stderr=self._err,
-                                     stdin=subprocess.DEVNULL)
+                                     stdin=subprocess.DEVNULL,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         _live.add(self)
 
     def wait_ready(self, timeout: Optional[float] = None) -> None:

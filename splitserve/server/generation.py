@@ -102,7 +102,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
         ttft = acc.first_token_at - started if acc.first_token_at is not None else None
         state.metrics.record(endpoint, result.outcome, result.reason, seconds, acc.prompt_tokens,
                              acc.completion_tokens, ttft)
-        if rid is not None:  # one line per request that reached the engine (refusals are counted only)
+        if rid is not None:  # one line per request that passed validation (the others are counted only)
             log.info("request %s %s: %s (%s) prompt=%d completion=%d %.3fs", rid, endpoint, result.outcome,
                      result.reason, acc.prompt_tokens, acc.completion_tokens, seconds)
 
