@@ -108,12 +108,9 @@ class AsyncEngine:
                 if out.finished:
                     return
         finally:
-            if self._streams.pop(rid, None) is not None and not self._finished(stream):
-                self.abort(rid)  # the consumer went away early (client disconnect)
-
-    @staticmethod
-    def _finished(stream: asyncio.Queue) -> bool:
-        return getattr(stream, "_splitserve_done", False)
+            if self._streams.get(rid) is stream:  # the consumer went away before the end
+                del self._streams[rid]
+                self.abort(rid)
 
     def abort(self, rid: str, reason: str = "aborted by the client", code: int = 499) -> None:
         """Thread-safe and idempotent."""
@@ -121,6 +118,8 @@ class AsyncEngine:
 
     def stats(self) -> dict:
         s = self._stats
+        if s is None:  # not started yet
+            return {"pages_free": 0, "pages_total": 0, "queues": {"waiting": 0, "running": 0}, "preemptions": 0}
         return {"pages_free": s.pages_free, "pages_total": s.pages_total,
                 "queues": {"waiting": s.waiting, "running": s.running}, "preemptions": s.preemptions}
 
@@ -130,8 +129,8 @@ class AsyncEngine:
             stream = self._streams.get(out.rid)
             if stream is None:
                 continue
-            if out.finished:
-                stream._splitserve_done = True
+            if out.finished:  # the request is over: it no longer counts as in flight
+                del self._streams[out.rid]
             stream.put_nowait(out)
 
     # -- engine thread ------------------------------------------------------------------------
