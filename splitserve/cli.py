@@ -1,4 +1,4 @@
-"""The `splitserve` command line: `serve`, `tiny-model` (and, later, `router` and `launch`).
+"""The `splitserve` command line: `serve`, `router`, `launch`, `tiny-model`.
 
 Options are generated from the config dataclasses in ``config.py`` so that ``--help`` shows the
 same defaults the code uses.
@@ -13,6 +13,7 @@ import typing
 
 from splitserve.config import (DEFAULT_BOOTSTRAP_PORT, EngineConfig, RouterConfig, ServerConfig, WorkerAddress,
                                field_help)
+from splitserve.launch import LaunchConfig
 
 
 def _add_config_options(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a decode worker's URL; repeat for each worker")
     router.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
+    launch = sub.add_parser("launch", help="start prefill workers, decode workers and a router on this host, "
+                                           "and supervise them (Ctrl-C stops all)")
+    _add_config_options(launch, LaunchConfig)
+
     tiny = sub.add_parser("tiny-model", help="write a small random checkpoint (for tests and demos)")
     tiny.add_argument("out_dir", help="folder to write the checkpoint into")
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
@@ -83,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve.router.app import run_router
 
         return run_router(router_config_from(args))
+    if args.command == "launch":
+        from splitserve.launch import run_launch
+
+        return run_launch(_config_from(LaunchConfig, args))
     return 2
 
 

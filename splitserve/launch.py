@@ -1,0 +1,361 @@
+"""``splitserve launch``: prefill workers, decode workers and a router on this host, supervised.
+
+:func:`build_specs` turns a :class:`LaunchConfig` into one :class:`ChildSpec` per process, each
+``sys.executable -m splitserve.cli ...``: workers on free loopback ports (each prefill worker with a
+free bootstrap port too), the router on ``--port`` pointed at all of them. :class:`Supervisor` runs
+any list of specs (tests hand it plain ``python -c`` children):
+
+1. start every child, each in its own session (process group), its stdout and stderr merged into
+   a pipe that a thread per child echoes with a ``[name]`` prefix and keeps the last lines of;
+2. wait until every child with a ``health_url`` answers 200 there (at most ``ready_timeout_s``; on
+   timeout it names the children that are not healthy, with their last lines, and fails);
+3. print where each child listens and a curl example, then watch: a child that exits is reported
+   (name, pid, exit code or signal, last lines of its output), the others are stopped, and
+   ``run`` returns 1; SIGINT or SIGTERM stops every child and ``run`` returns 0.
+
+Stopping: SIGTERM to each child's process group, then SIGKILL to the groups still alive after
+``stop_timeout_s`` (a second Ctrl-C or SIGTERM skips the wait). Workers drain on SIGTERM.
+
+No orphans, also when launch itself is killed with SIGKILL: on Linux every child is started with
+``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (through ctypes, in the child between fork and exec), so the
+kernel sends it SIGTERM when launch dies; a child whose parent died before the prctl took effect
+exits at once. The death signal is tied to the thread that started the child, which is launch's
+main thread, alive until launch exits. Elsewhere only the process groups are used (an orderly exit
+of launch still stops everything; a SIGKILL of launch may leave children).
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, TextIO
+
+TAIL_LINES = 30
+POLL_S = 0.2
+PR_SET_PDEATHSIG = 1
+TRANSFER_BACKENDS = ("nixl", "tcp")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    model: str = "tiny"
+    """A Hugging Face checkpoint directory, or `tiny` for the built-in tiny model (every worker serves it)."""
+    num_prefill: int = 1
+    """Prefill workers to start."""
+    num_decode: int = 1
+    """Decode workers to start."""
+    host: str = "127.0.0.1"
+    """Address the router listens on (workers listen on 127.0.0.1)."""
+    port: int = 8000
+    """Port of the router, the one endpoint clients use."""
+    transfer_backend: Optional[str] = None
+    """KV transfer backend of the workers: nixl or tcp; unset, each worker uses its own default."""
+    policy: str = "round_robin"
+    """The router's policy: round_robin, random or least_load."""
+    ready_timeout_s: float = 300.0
+    """How long every process may take to become healthy before launch gives up."""
+    stop_timeout_s: float = 40.0
+    """On Ctrl-C or SIGTERM, how long children may take to exit after SIGTERM before SIGKILL."""
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str
+    """Short unique name used in every message (``prefill-0``, ``router``)."""
+    argv: tuple[str, ...]
+    url: Optional[str] = None
+    """Where it serves, for the summary."""
+    health_url: Optional[str] = None
+    """GET answering 200 means ready; None: ready once started."""
+    note: str = ""
+    """Extra words for the summary (``bootstrap port 8998``)."""
+    env: Optional[Mapping[str, str]] = None
+    """Extra environment variables (on top of launch's own)."""
+
+
+def free_ports(n: int, avoid: Sequence[int] = ()) -> list[int]:
+    """``n`` distinct free TCP ports on loopback (held together while picked, so no duplicates;
+    another process can still take one before the child binds it)."""
+    held, ports = [], []
+    try:
+        while len(ports) < n:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            held.append(s)
+            port = s.getsockname()[1]
+            if port not in avoid:
+                ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
+def build_specs(config: LaunchConfig, python: str = sys.executable) -> list[ChildSpec]:
+    """The workers, then the router, as ``python -m splitserve.cli`` command lines."""
+    if config.num_prefill < 1 or config.num_decode < 1:
+        raise ValueError("launch needs at least one prefill and one decode worker")
+    if config.transfer_backend is not None and config.transfer_backend not in TRANSFER_BACKENDS:
+        raise ValueError(f"--transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
+                         f"not {config.transfer_backend!r}")
+    ports = free_ports(2 * config.num_prefill + config.num_decode, avoid=(config.port,))
+    cli = (python, "-m", "splitserve.cli")
+    backend = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
+    specs, router_args = [], []
+    for i in range(config.num_prefill):
+        port, bootstrap = ports.pop(), ports.pop()
+        url = f"http://127.0.0.1:{port}"
+        specs.append(ChildSpec(
+            f"prefill-{i}", cli + ("serve", "--role", "prefill", "--model", config.model, "--host", "127.0.0.1",
+                                   "--port", str(port), "--bootstrap-port", str(bootstrap)) + backend,
+            url=url, health_url=url + "/health", note=f"bootstrap port {bootstrap}"))
+        router_args += ["--prefill", url, str(bootstrap)]
+    for i in range(config.num_decode):
+        port = ports.pop()
+        url = f"http://127.0.0.1:{port}"
+        specs.append(ChildSpec(
+            f"decode-{i}", cli + ("serve", "--role", "decode", "--model", config.model, "--host", "127.0.0.1",
+                                  "--port", str(port)) + backend,
+            url=url, health_url=url + "/health"))
+        router_args += ["--decode", url]
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
+    router_url = f"http://{host}:{config.port}"
+    specs.append(ChildSpec(
+        "router", cli + ("router", "--host", config.host, "--port", str(config.port), "--policy", config.policy,
+                         *router_args),
+        url=router_url, health_url=router_url + "/health", note="the endpoint for clients"))
+    return specs
+
+
+class Child:
+    """One running child: its process, and the thread that echoes and keeps its output."""
+
+    def __init__(self, spec: ChildSpec, proc: subprocess.Popen, echo: Optional[TextIO], echo_lock: threading.Lock):
+        self.spec = spec
+        self.proc = proc
+        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self._echo, self._echo_lock = echo, echo_lock
+        self.reader = threading.Thread(target=self._read, name=f"output-{spec.name}", daemon=True)
+
+    def _read(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode("utf-8", errors="replace").rstrip("\n")
+            self.tail.append(line)
+            if self._echo is not None:
+                with self._echo_lock:
+                    self._echo.write(f"[{self.spec.name}] {line}\n")
+                    self._echo.flush()
+        self.proc.stdout.close()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def how_it_ended(self) -> str:
+        rc = self.proc.returncode
+        if rc is not None and rc < 0:
+            try:
+                return f"was killed by signal {signal.Signals(-rc).name}"
+            except ValueError:
+                return f"was killed by signal {-rc}"
+        return f"exited with code {rc}"
+
+    def last_lines(self) -> str:
+        if self.reader.is_alive():
+            self.reader.join(timeout=1.0)  # the last lines may still be in the pipe
+        lines = list(self.tail)
+        return "\n".join("    " + line for line in lines) if lines else "    (no output)"
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)  # its own session: the group id is its pid
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _die_with_parent(parent_pid: int):
+    """A ``preexec_fn`` (Linux): SIGTERM this child when launch dies; exit if it already has."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        prctl = libc.prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent_pid:
+            os._exit(1)
+
+    return preexec
+
+
+class Supervisor:
+    """Runs, watches and stops a list of children; :meth:`run` returns launch's exit code."""
+
+    def __init__(self, specs: Sequence[ChildSpec], ready_timeout_s: float = 300.0, stop_timeout_s: float = 40.0,
+                 out: TextIO = sys.stdout, echo: Optional[TextIO] = sys.stderr, title: str = "splitserve launch"):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError(f"child names must be unique: {names}")
+        self.specs = list(specs)
+        self.ready_timeout_s = ready_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.out, self.echo = out, echo
+        self.title = title
+        self.children: list[Child] = []
+        self._signals: list[int] = []
+        self._echo_lock = threading.Lock()
+
+    def say(self, text: str) -> None:
+        with self._echo_lock:
+            self.out.write(text + "\n")
+            self.out.flush()
+
+    def run(self) -> int:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            code = self._start_all()
+            if code is None:
+                code = self._wait_ready()
+            if code is None:
+                self._print_summary()
+                code = self._watch()
+            return code
+        finally:
+            self._stop_all()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self._signals.append(signum)
+
+    def _start_all(self) -> Optional[int]:
+        """Start every child (None), or say which could not be started (1)."""
+        preexec = _die_with_parent(os.getpid())
+        try:
+            for spec in self.specs:
+                env = dict(os.environ, PYTHONUNBUFFERED="1", **dict(spec.env or {}))
+                proc = subprocess.Popen(list(spec.argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                        preexec_fn=preexec)
+                self.children.append(Child(spec, proc, self.echo, self._echo_lock))
+        except (OSError, subprocess.SubprocessError) as exc:
+            self.say(f"{self.title}: cannot start {spec.name} ({' '.join(spec.argv)}): {exc}")
+            return 1
+        finally:  # the output threads start once no more forks are to come (preexec_fn and threads)
+            for c in self.children:
+                c.reader.start()
+        return None
+
+    def _wait_ready(self) -> Optional[int]:
+        """None once every child is healthy, else the exit code to return."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        waiting = [c for c in self.children if c.spec.health_url]
+        while waiting:
+            if self._signals:
+                self.say(f"{self.title}: {self._signal_name()} before every process was up: stopping")
+                return 0
+            code = self._check_deaths()
+            if code is not None:
+                return code
+            waiting = [c for c in waiting if not _http_ok(c.spec.health_url)]
+            if waiting and time.monotonic() > deadline:
+                for c in waiting:
+                    self.say(f"{self.title}: {c.spec.name} (pid {c.proc.pid}) is not healthy after "
+                             f"{self.ready_timeout_s:g} s ({c.spec.health_url}); its last lines:\n{c.last_lines()}")
+                names = ", ".join(c.spec.name for c in waiting)
+                self.say(f"{self.title}: gave up waiting for {names}; stopping everything")
+                return 1
+            if waiting:
+                time.sleep(POLL_S)
+        return None
+
+    def _watch(self) -> int:
+        while True:
+            if self._signals:
+                self.say(f"{self.title}: {self._signal_name()}: stopping every process")
+                return 0
+            code = self._check_deaths()
+            if code is not None:
+                return code
+            time.sleep(POLL_S)
+
+    def _check_deaths(self) -> Optional[int]:
+        for c in self.children:
+            if not c.alive():
+                self.say(f"{self.title}: {c.spec.name} (pid {c.proc.pid}) {c.how_it_ended()}; its last lines:\n"
+                         f"{c.last_lines()}\n{self.title}: stopping the other processes")
+                return 1
+        return None
+
+    def _signal_name(self) -> str:
+        return f"received {signal.Signals(self._signals[-1]).name}"
+
+    def _print_summary(self) -> None:
+        width = max(len(c.spec.name) for c in self.children)
+        lines = [f"{self.title}: all {len(self.children)} processes are up"]
+        for c in self.children:
+            where = f"  {c.spec.url}" if c.spec.url else ""
+            note = f"  ({c.spec.note})" if c.spec.note else ""
+            lines.append(f"  {c.spec.name:<{width}}  pid {c.proc.pid}{where}{note}")
+        router = next((c for c in self.children if c.spec.name == "router" and c.spec.url), None)
+        if router is not None:
+            url = router.spec.url
+            lines.append(f"splitserve ready: {url}  try: curl {url}/v1/completions -H 'Content-Type: "
+                         f"application/json' -d '{{\"prompt\": \"Hello, my name is\", \"max_tokens\": 16}}'")
+        lines.append("Ctrl-C stops every process.")
+        self.say("\n".join(lines))
+
+    def _stop_all(self) -> None:
+        for c in self.children:
+            if c.alive():
+                c.signal_group(signal.SIGTERM)
+        seen = len(self._signals)
+        deadline = time.monotonic() + self.stop_timeout_s
+        while any(c.alive() for c in self.children) and time.monotonic() < deadline:
+            if len(self._signals) > seen:
+                self.say(f"{self.title}: {self._signal_name()} again: killing now")
+                break
+            time.sleep(0.05)
+        for c in self.children:
+            if c.alive():
+                self.say(f"{self.title}: {c.spec.name} (pid {c.proc.pid}) still running after SIGTERM: SIGKILL")
+            c.signal_group(signal.SIGKILL)  # also takes down anything it started in its group
+        for c in self.children:
+            try:
+                c.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.say(f"{self.title}: {c.spec.name} (pid {c.proc.pid}) did not exit after SIGKILL")
+            if c.reader.is_alive():
+                c.reader.join(timeout=1.0)
+
+
+def _http_ok(url: str) -> bool:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
+    try:
+        with opener.open(url, timeout=1.0) as resp:
+            return resp.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def run_launch(config: LaunchConfig) -> int:
+    """What ``splitserve launch`` runs: the exit code (0 after Ctrl-C/SIGTERM, 1 if a process
+    died or never became healthy, 2 for a bad configuration)."""
+    try:
+        specs = build_specs(config)
+    except ValueError as exc:
+        print(f"splitserve launch: {exc}", file=sys.stderr, flush=True)
+        return 2
+    return Supervisor(specs, config.ready_timeout_s, config.stop_timeout_s).run()

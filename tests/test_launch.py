@@ -1,0 +1,223 @@
+"""``splitserve launch``: the supervisor with plain ``python -c`` children (death, SIGTERM, SIGKILL
+after the grace period, readiness timeout, no orphans after a kill -9 of launch), and one run
+end to end through the real router and workers.
+
+Every launch runs as its own process (it installs signal handlers, and the test signals it); the
+specs reach it as JSON through ``LAUNCH_SCRIPT``, and the pids come back from its summary lines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import pytest
+import requests
+
+from conftest import CACHE_DIR, REPO, free_port
+from splitserve.launch import ChildSpec, LaunchConfig, build_specs
+
+LAUNCH_SCRIPT = """
+import json, sys
+from splitserve.launch import ChildSpec, Supervisor
+specs = [ChildSpec(**{**s, "argv": tuple(s["argv"])}) for s in json.loads(sys.argv[1])]
+sys.exit(Supervisor(specs, ready_timeout_s=float(sys.argv[2]), stop_timeout_s=float(sys.argv[3])).run())
+"""
+
+
+def py(code: str) -> tuple[str, ...]:
+    return (sys.executable, "-c", code)
+
+
+SLEEPER = py("import time; time.sleep(120)")
+
+
+class Launch:
+    def __init__(self, specs: list[ChildSpec], ready_timeout_s: float = 30.0, stop_timeout_s: float = 5.0):
+        self.logdir = Path(tempfile.mkdtemp(prefix="splitserve-launch-"))
+        env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_CACHE=str(CACHE_DIR))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        with open(self.logdir / "out.log", "wb") as out, open(self.logdir / "err.log", "wb") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", LAUNCH_SCRIPT, json.dumps([asdict(s) for s in specs]), str(ready_timeout_s),
+                 str(stop_timeout_s)], cwd=REPO, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
+
+    def out(self) -> str:
+        return (self.logdir / "out.log").read_text(errors="replace")
+
+    def err(self) -> str:
+        return (self.logdir / "err.log").read_text(errors="replace")
+
+    def wait_for_output(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if text in self.out() or text in self.err():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"launch never said {text!r}\n--- stdout ---\n{self.out()}\n--- stderr ---\n"
+                             f"{self.err()[-4000:]}")
+
+    def pids(self) -> dict[str, int]:
+        """Child name -> pid, from the summary."""
+        return {m[1]: int(m[2]) for m in re.finditer(r"^  (\S+)\s+pid (\d+)", self.out(), re.M)}
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"launch did not exit in {timeout}s\n{self.out()}\n{self.err()[-4000:]}")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@pytest.fixture
+def launch():
+    started: list[Launch] = []
+
+    def start(*args, **kwargs) -> Launch:
+        started.append(Launch(*args, **kwargs))
+        return started[-1]
+
+    yield start
+    for item in started:
+        item.kill()
+
+
+def running(pid: int) -> bool:
+    """True while the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_all_gone(pids, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if running(p)], f"still running: {pids}"
+
+
+@pytest.mark.parametrize("how", ["exit", "signal"])
+def test_child_death_stops_the_rest_and_names_the_child(how, launch):
+    dies = ("import sys, time; time.sleep(0.5); print('boom: the disk is on fire', file=sys.stderr); sys.exit(3)"
+            if how == "exit" else "import os, signal, time; time.sleep(0.5); os.kill(os.getpid(), signal.SIGKILL)")
+    run = launch([ChildSpec("sleeper", SLEEPER), ChildSpec("doomed", py(dies))])
+    assert run.wait(15) == 1
+    out = run.out()
+    pid = run.pids()["doomed"]
+    if how == "exit":
+        assert f"doomed (pid {pid}) exited with code 3" in out
+        assert "boom: the disk is on fire" in out  # its last lines
+        assert "[doomed] boom: the disk is on fire" in run.err()  # children's output, echoed with a prefix
+    else:
+        assert f"doomed (pid {pid}) was killed by signal SIGKILL" in out
+    wait_all_gone(run.pids().values())
+
+
+def test_sigterm_stops_every_child_and_exits_0(launch):
+    port = free_port()
+    stubborn = py("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                  "print('ignoring SIGTERM', flush=True); time.sleep(120)")
+    run = launch([ChildSpec("sleeper", SLEEPER), ChildSpec("stubborn", stubborn),
+                  ChildSpec("web", (sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)),
+                            url=f"http://127.0.0.1:{port}", health_url=f"http://127.0.0.1:{port}/")],
+                 stop_timeout_s=1.0)
+    run.wait_for_output("processes are up", 20)
+    run.wait_for_output("[stubborn] ignoring SIGTERM", 10)
+    pids = run.pids()
+    assert set(pids) == {"sleeper", "stubborn", "web"}
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(15) == 0
+    assert "received SIGTERM" in run.out()
+    assert "stubborn" in run.out() and "SIGKILL" in run.out()  # after the grace period
+    wait_all_gone(pids.values())
+
+
+def test_a_child_that_never_gets_healthy_is_named(launch):
+    port = free_port()  # nothing listens there
+    run = launch([ChildSpec("sleeper", SLEEPER),
+                  ChildSpec("laggard", SLEEPER, health_url=f"http://127.0.0.1:{port}/health")], ready_timeout_s=1.0)
+    assert run.wait(15) == 1
+    assert "laggard" in run.out() and "not healthy" in run.out()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_kill_9_of_launch_takes_the_children_down(launch):
+    run = launch([ChildSpec("a", SLEEPER), ChildSpec("b", SLEEPER)])
+    run.wait_for_output("processes are up", 20)
+    pids = run.pids()
+    assert len(pids) == 2 and all(running(p) for p in pids.values())
+    run.kill()
+    wait_all_gone(pids.values())
+
+
+def test_build_specs_command_lines():
+    specs = build_specs(LaunchConfig(model="/m", num_prefill=2, num_decode=1, port=8123, transfer_backend="tcp"),
+                        python="py")
+    assert [s.name for s in specs] == ["prefill-0", "prefill-1", "decode-0", "router"]
+    p0 = specs[0].argv
+    assert p0[:8] == ("py", "-m", "splitserve.cli", "serve", "--role", "prefill", "--model", "/m")
+    assert p0[-2:] == ("--transfer-backend", "tcp") and "--bootstrap-port" in p0
+    assert specs[2].argv[4:6] == ("--role", "decode") and "--bootstrap-port" not in specs[2].argv
+    router = specs[3].argv
+    assert router[3:5] == ("router", "--host") and "8123" in router
+    prefill_args = [router[i + 1:i + 3] for i, a in enumerate(router) if a == "--prefill"]
+    assert prefill_args == [(s.url, s.argv[s.argv.index("--bootstrap-port") + 1]) for s in specs[:2]]
+    assert [router[i + 1] for i, a in enumerate(router) if a == "--decode"] == [specs[2].url]
+    ports = [s.url.rsplit(":", 1)[1] for s in specs[:3]] + [s.argv[s.argv.index("--bootstrap-port") + 1]
+                                                            for s in specs[:2]]
+    assert len(set(ports)) == 5 and "8123" not in ports
+    with pytest.raises(ValueError, match="transfer-backend"):
+        build_specs(LaunchConfig(transfer_backend="carrier-pigeon"))
+
+
+def _disaggregated_roles_exist() -> bool:
+    from splitserve.cli import build_parser
+
+    args, _ = build_parser().parse_known_args(["serve"])
+    return hasattr(args, "bootstrap_port")
+
+
+def test_launch_end_to_end(launch):
+    """The real router and workers under the supervisor; a request through the router; SIGTERM
+    stops everything. Until ``serve --role prefill|decode`` exist, colocated workers stand in
+    (same command lines, ``--role colocated``, no bootstrap port)."""
+    specs = build_specs(LaunchConfig(port=free_port(), ready_timeout_s=120))
+    if not _disaggregated_roles_exist():
+        stand_ins = []
+        for s in specs:
+            argv = list(s.argv)
+            if "serve" in argv:
+                argv[argv.index("--role") + 1] = "colocated"
+                if "--bootstrap-port" in argv:
+                    del argv[argv.index("--bootstrap-port"):argv.index("--bootstrap-port") + 2]
+            stand_ins.append(replace(s, argv=tuple(argv)))
+        specs = stand_ins
+    run = launch(specs, ready_timeout_s=120, stop_timeout_s=20)
+    run.wait_for_output("processes are up", 150)
+    router_url = specs[-1].url
+    assert f"splitserve ready: {router_url}" in run.out()
+    r = requests.post(router_url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["finish_reason"] == "length"
+    pids = run.pids()
+    assert set(pids) == {"prefill-0", "decode-0", "router"}
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(30) == 0, run.out()
+    wait_all_gone(pids.values())

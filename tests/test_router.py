@@ -1,0 +1,514 @@
+"""The router as a real process (``python -m splitserve.cli router``), in front of:
+
+- two real colocated workers (``serve --role colocated``) standing in for prefill and decode (a
+  colocated worker accepts the bootstrap fields and ignores them): passthrough of answers and
+  streams, byte for byte what the worker itself says;
+- fake workers (:class:`FakeWorker`: a small aiohttp app in a thread of this process) that record
+  what reaches them and answer as told: the bootstrap fields, a failing prefill leg, client
+  disconnects, health rotation and policies, where a real worker could not be told to misbehave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import requests
+from aiohttp import web
+
+from conftest import REPO, ServerProcess, free_port
+from splitserve.metrics import parse_exposition
+
+MODEL = "fake-model"
+STARTUP_S = 20.0
+
+
+# -- fake workers ----------------------------------------------------------------------------------
+
+
+class FakeWorker:
+    """An HTTP server with a worker's routes, in the fake loop's thread. ``behaviour`` is an async
+    function ``(request, body) -> response`` for the generation routes; every request that reaches
+    them is kept in ``requests``; a handler cancelled, or failing to write, because its client (the
+    router) closed the connection sets ``aborted``."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, behaviour=None):
+        self.loop = loop
+        self.behaviour = behaviour or reply(200, {"who": "fake"})
+        self.health_status = 200
+        self.requests: list[tuple[str, dict]] = []
+        self.aborted = threading.Event()
+        self.finished = 0
+        self.release = asyncio.Event()  # set (from the loop) to end `hang` behaviours
+        self.runner: Optional[web.AppRunner] = None
+        self.port = 0
+        self._call(self._start())
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _call(self, coro, timeout: float = 10.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
+            app.router.add_post(path, self._generate)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/v1/models", self._models)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
+        await site.start()
+        self.port = self.runner.addresses[0][1]
+
+    async def _health(self, request):
+        return web.json_response({"status": "ok"}, status=self.health_status)
+
+    async def _models(self, request):
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _generate(self, request):
+        body = await request.json()
+        self.requests.append((request.path, body))
+        try:
+            resp = await self.behaviour(self, request, body)
+            self.finished += 1
+            return resp
+        except (asyncio.CancelledError, ConnectionError):  # the router closed the connection
+            self.aborted.set()
+            raise
+
+    def stop_listening(self) -> None:
+        """Close the listener and connections: the port now refuses connections."""
+        self._call(self.runner.cleanup())
+
+    def end_hangs(self) -> None:
+        self.loop.call_soon_threadsafe(self.release.set)
+
+    def rooms(self) -> list[int]:
+        return [body["bootstrap_room"] for _, body in self.requests]
+
+
+def reply(status: int, body: dict, headers: Optional[dict] = None):
+    async def behaviour(fake, request, _body):
+        return web.json_response(body, status=status, headers=headers)
+    return behaviour
+
+
+def hang():
+    async def behaviour(fake, request, _body):
+        await fake.release.wait()
+        return web.json_response({"who": "released"})
+    return behaviour
+
+
+def sse(events: list[dict], then_hang: bool = False, delay: float = 0.0):
+    async def behaviour(fake, request, _body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        for event in events:
+            await asyncio.sleep(delay)
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        if then_hang:
+            await fake.release.wait()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    return behaviour
+
+
+def drop_connection():
+    async def behaviour(fake, request, _body):
+        request.transport.close()
+        await asyncio.sleep(1)
+        return web.Response()
+    return behaviour
+
+
+@pytest.fixture(scope="module")
+def fake_loop():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="fake-workers", daemon=True)
+    thread.start()
+    yield loop
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(5)
+
+
+@pytest.fixture
+def fakes(fake_loop):
+    """``fakes(behaviour)`` makes a fake worker; all are stopped after the test."""
+    made: list[FakeWorker] = []
+
+    def make(behaviour=None) -> FakeWorker:
+        fake = FakeWorker(fake_loop, behaviour)
+        made.append(fake)
+        return fake
+
+    yield make
+    for fake in made:
+        fake.end_hangs()
+        try:
+            fake.stop_listening()
+        except Exception:
+            pass
+
+
+# -- the router process ----------------------------------------------------------------------------
+
+
+class RouterProcess:
+    """``splitserve router`` on a free port; ``start()`` returns once it printed its ready line."""
+
+    def __init__(self, prefill: list[tuple[str, int]], decode: list[str], *args: str):
+        self.argv = []
+        for url, bootstrap in prefill:
+            self.argv += ["--prefill", url, str(bootstrap)]
+        for url in decode:
+            self.argv += ["--decode", url]
+        self.argv += list(args)
+        self.logdir = Path(tempfile.mkdtemp(prefix="splitserve-router-"))
+        self.proc: Optional[subprocess.Popen] = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> "RouterProcess":
+        for attempt in range(3):
+            self.port = free_port()
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+            with open(self.logdir / "out.log", "wb") as out:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "splitserve.cli", "router", "--port", str(self.port), *self.argv],
+                    cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            deadline = time.monotonic() + STARTUP_S
+            while time.monotonic() < deadline:
+                if "splitserve router ready" in self.output():
+                    return self
+                if self.proc.poll() is not None:
+                    break
+                time.sleep(0.05)
+            self.stop()
+            if "cannot listen" not in self.output() or attempt == 2:
+                raise RuntimeError(f"the router did not start:\n{self.output()}")
+        raise AssertionError("unreachable")
+
+    def output(self) -> str:
+        path = self.logdir / "out.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def metrics(self) -> dict:
+        return parse_exposition(requests.get(self.url + "/metrics", timeout=5).text)
+
+    def metric(self, name: str, **labels) -> float:
+        return self.metrics().get((name, frozenset(labels.items())), 0.0)
+
+    def stop(self) -> Optional[int]:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_router():
+    started: list[RouterProcess] = []
+
+    def start(prefill, decode, *args: str) -> RouterProcess:
+        router = RouterProcess(prefill, decode, *args)
+        started.append(router)
+        return router.start()
+
+    yield start
+    for router in started:
+        router.stop()
+
+
+def wait_for(predicate, timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def assert_openai_error(resp: requests.Response, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert error["message"]
+    return error
+
+
+COMPLETION = {"prompt": "Hello", "max_tokens": 4}
+
+
+# -- against real colocated workers ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_workers():
+    # Started from this thread, one after the other: ServerProcess sets PR_SET_PDEATHSIG, which is
+    # tied to the thread that forks, so a server started from a pool thread dies with that thread.
+    procs = [ServerProcess(), ServerProcess()]
+    try:
+        for p in procs:
+            p.start()
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def sse_events(resp: requests.Response) -> list:
+    events = []
+    for line in resp.iter_lines():
+        if line.startswith(b"data: "):
+            data = line[len(b"data: "):]
+            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
+    return events
+
+
+def test_passthrough_with_real_workers(real_workers, start_router):
+    prefill, decode = real_workers
+    router = start_router([(prefill.url, 9999)], [decode.url])
+    models = requests.get(router.url + "/v1/models", timeout=5)
+    assert models.status_code == 200, models.text + "\n" + router.output()
+    model = models.json()["data"][0]["id"]
+    assert model == requests.get(decode.url + "/v1/models", timeout=5).json()["data"][0]["id"]
+    assert requests.get(router.url + "/health", timeout=5).status_code == 200
+
+    body = {"model": model, "prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    direct = requests.post(decode.url + "/v1/completions", json=body, timeout=60).json()
+    via = requests.post(router.url + "/v1/completions", json=body, timeout=60)
+    assert via.status_code == 200, via.text
+    assert via.json()["choices"][0]["text"] == direct["choices"][0]["text"]
+    assert via.json()["model"] == model
+
+    with requests.post(router.url + "/v1/completions", json={**body, "stream": True}, stream=True, timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == direct["choices"][0]["text"]
+
+    # both workers ran the request (one as "prefill", one as "decode"); nothing left open
+    m = router.metrics()
+    assert m[("splitserve_router_requests_total", frozenset({("outcome", "finished")}))] == 2
+    wait_for(lambda: router.metric("splitserve_router_worker_in_flight", role="prefill", url=prefill.url) == 0,
+             what="the prefill leg to end")
+    assert router.metric("splitserve_router_worker_healthy", role="decode", url=decode.url) == 1
+
+
+# -- against fake workers --------------------------------------------------------------------------
+
+
+def test_bootstrap_fields_reach_both_workers(fakes, start_router):
+    prefill = fakes(reply(200, {"who": "prefill"}))
+    decode = fakes(reply(200, {"who": "decode"}))
+    router = start_router([(prefill.url, 4242)], [decode.url])
+    sent = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "rid": "req-1"}
+    for _ in range(2):
+        r = requests.post(router.url + "/v1/completions", json=sent, timeout=10)
+        assert r.status_code == 200 and r.json() == {"who": "decode"}
+    assert len(prefill.requests) == len(decode.requests) == 2
+    for (p_path, p_body), (d_path, d_body) in zip(prefill.requests, decode.requests):
+        assert p_path == d_path == "/v1/completions"
+        assert p_body == d_body  # the same body to both
+        assert {k: p_body[k] for k in sent} == sent
+        assert p_body["bootstrap_host"] == "127.0.0.1" and p_body["bootstrap_port"] == 4242
+        assert isinstance(p_body["bootstrap_room"], int) and 0 <= p_body["bootstrap_room"] < 2**63
+    assert prefill.rooms()[0] != prefill.rooms()[1]
+
+
+def test_bad_input_is_refused_without_touching_workers(fakes, start_router):
+    prefill, decode = fakes(), fakes()
+    router = start_router([(prefill.url, 1)], [decode.url])
+    url = router.url + "/v1/completions"
+    assert_openai_error(requests.post(url, data=b"{not json", timeout=5), 400)
+    assert assert_openai_error(requests.post(url, json={"prompt": "x", "max_tokens": "4"}, timeout=5),
+                               400)["param"] == "max_tokens"
+    assert assert_openai_error(requests.post(url, json={"prompt": "x", "n": 2}, timeout=5), 400)["param"] == "n"
+    assert_openai_error(requests.post(router.url + "/v1/chat/completions", json={"messages": []}, timeout=5), 400)
+    assert_openai_error(requests.post(router.url + "/generate", json={"text": 1}, timeout=5), 400)
+    error = assert_openai_error(requests.post(url, json={"model": "other", "prompt": "x"}, timeout=5), 404)
+    assert MODEL in error["message"] and error["code"] == "model_not_found"
+    assert prefill.requests == [] and decode.requests == []
+    assert router.metric("splitserve_router_requests_total", outcome="bad_request") == 6
+
+
+@pytest.mark.parametrize("case", ["429", "500", "reset", "refused", "429-stream"])
+def test_prefill_failure_aborts_the_decode_leg(case, fakes, start_router):
+    stream = case.endswith("-stream")
+    if case.startswith("429"):
+        prefill = fakes(reply(429, {"error": {"message": "queue full", "type": "x", "param": None, "code": "busy"}},
+                              headers={"Retry-After": "1"}))
+    elif case == "500":
+        prefill = fakes(reply(500, {"error": {"message": "boom", "type": "x", "param": None, "code": "boom"}}))
+    else:
+        prefill = fakes(drop_connection() if case == "reset" else None)
+    # the decode worker would wait for KV forever; streaming, it has already sent its SSE headers
+    decode = fakes(sse([{"note": "headers sent"}], then_hang=True) if stream else hang())
+    router = start_router([(prefill.url, 1)], [decode.url], "--health-interval-s", "60")
+    if case == "refused":
+        prefill.stop_listening()  # healthy at the router's first check, gone now
+
+    started = time.monotonic()
+    r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
+    assert time.monotonic() - started < 3.0
+    if case.startswith("429"):
+        assert assert_openai_error(r, 429)["message"] == "queue full"
+        assert r.headers.get("Retry-After") == "1"
+    elif case == "500":
+        assert assert_openai_error(r, 500)["message"] == "boom"
+    else:
+        assert prefill.url in assert_openai_error(r, 502)["message"]
+    assert decode.aborted.wait(3.0), "the decode leg was not closed"
+    assert decode.finished == 0
+    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="prefill_failed") == 1,
+             what="the outcome metric")
+
+
+def test_decode_error_passes_through_and_closes_prefill(fakes, start_router):
+    prefill = fakes(hang())
+    decode = fakes(reply(503, {"error": {"message": "draining", "type": "x", "param": None, "code": "d"}}))
+    router = start_router([(prefill.url, 1)], [decode.url])
+    r = requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=10)
+    assert assert_openai_error(r, 503)["message"] == "draining"
+    assert prefill.aborted.wait(3.0)
+
+
+def raw_request(url: str, path: str, body: dict) -> socket.socket:
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_closes_both_legs(stream, fakes, start_router):
+    prefill = fakes(sse([{"prefill": 1}], then_hang=True) if stream else hang())
+    decode = fakes(sse([{"token": "a"}], then_hang=True) if stream else hang())
+    router = start_router([(prefill.url, 1)], [decode.url])
+    sock = raw_request(router.url, "/v1/completions", {**COMPLETION, "stream": stream})
+    if stream:
+        received = b""
+        while b'"token"' not in received:  # the decode worker's first event reached the client
+            received += sock.recv(4096)
+        assert received.startswith(b"HTTP/1.1 200")
+    else:
+        wait_for(lambda: prefill.requests and decode.requests, what="both legs")
+    sock.close()
+    assert decode.aborted.wait(3.0), "the decode leg was not closed"
+    assert prefill.aborted.wait(3.0), "the prefill leg was not closed"
+    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="client_disconnect") == 1,
+             what="the outcome metric")
+    assert router.metric("splitserve_router_requests_in_flight") == 0
+
+
+def test_unhealthy_worker_leaves_rotation_and_comes_back(fakes, start_router):
+    prefill = fakes()
+    a, b = fakes(reply(200, {"who": "a"})), fakes(reply(200, {"who": "b"}))
+    router = start_router([(prefill.url, 1)], [a.url, b.url], "--health-interval-s", "0.1",
+                          "--health-failures", "2")
+
+    def healthy(fake, role="decode") -> float:
+        return router.metric("splitserve_router_worker_healthy", role=role, url=fake.url)
+
+    def whos(n: int) -> list[str]:
+        return [requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=5).json()["who"]
+                for _ in range(n)]
+
+    a.health_status = 503
+    wait_for(lambda: healthy(a) == 0, what="a to leave the rotation")
+    assert whos(3) == ["b"] * 3
+    a.health_status = 200
+    wait_for(lambda: healthy(a) == 1, what="a to come back")
+    assert sorted(whos(2)) == ["a", "b"]
+
+    prefill.health_status = 500  # no prefill worker left: 503 with a reason, and /health says so
+    wait_for(lambda: healthy(prefill, "prefill") == 0, what="the prefill worker to leave")
+    r = requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=5)
+    assert "no healthy prefill worker" in assert_openai_error(r, 503)["message"]
+    assert requests.get(router.url + "/health", timeout=5).status_code == 503
+
+
+def test_round_robin_alternates(fakes, start_router):
+    prefill = fakes()
+    a, b = fakes(reply(200, {"who": "a"})), fakes(reply(200, {"who": "b"}))
+    router = start_router([(prefill.url, 1)], [a.url, b.url], "--policy", "round_robin")
+    whos = [requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=5).json()["who"]
+            for _ in range(4)]
+    assert whos[0] != whos[1] and whos[:2] == whos[2:]
+
+
+def test_least_load_picks_the_idle_worker(fakes, start_router):
+    prefill = fakes()
+    busy, idle = fakes(hang()), fakes(reply(200, {"who": "idle"}))
+    router = start_router([(prefill.url, 1)], [busy.url, idle.url], "--policy", "least_load")
+    with ThreadPoolExecutor(1) as pool:
+        # the first pick is a tie, broken round robin: that is `busy`, which holds the request
+        held = pool.submit(requests.post, router.url + "/v1/completions", json=COMPLETION, timeout=10)
+        wait_for(lambda: busy.requests, what="the held request")
+        for _ in range(3):
+            assert requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=5).json()["who"] == "idle"
+        busy.end_hangs()
+        assert held.result().json() == {"who": "released"}
+
+
+def test_request_timeout_closes_both_legs(fakes, start_router):
+    prefill, decode = fakes(hang()), fakes(hang())
+    router = start_router([(prefill.url, 1)], [decode.url], "--request-timeout-s", "1")
+    started = time.monotonic()
+    r = requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=10)
+    assert assert_openai_error(r, 504)["code"] == "timeout"
+    assert time.monotonic() - started < 3.0
+    assert prefill.aborted.wait(3.0) and decode.aborted.wait(3.0)
+
+
+def test_a_decode_stream_that_breaks_off_ends_with_an_error_event(fakes, start_router):
+    async def break_off(fake, request, _body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"token": "a"}\n\n')
+        await asyncio.sleep(0.1)
+        request.transport.close()  # the worker dies mid-stream
+        await asyncio.sleep(1)
+        return resp
+
+    prefill, decode = fakes(sse([{"prefill": 1}])), fakes(break_off)
+    router = start_router([(prefill.url, 1)], [decode.url])
+    with requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}, stream=True,
+                       timeout=10) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events[0] == {"token": "a"} and events[-1] == "[DONE]"
+    assert decode.url in events[1]["error"]["message"]
+    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="decode_failed") == 1,
+             what="the outcome metric")
