@@ -2,9 +2,9 @@
 
 Per request it validates the body once (the workers' own ``validate_request``, without a
 tokenizer), draws a random 63-bit ``bootstrap_room``, picks a healthy prefill and decode worker by
-policy, sends the body with ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` added to both
-at once, and streams the decode worker's answer back (SGLang's PD convention, so either side can
-be swapped for SGLang's).
+policy, sends the body with ``bootstrap_host``/``bootstrap_port``/``bootstrap_room`` added (any the
+client sent are replaced) to both at once, and streams the decode worker's answer back (SGLang's PD
+convention, so either side can be swapped for SGLang's).
 
 - ``workers.py``: the router's view of each worker (health, requests in flight) and the checker.
 - ``policy.py``: round_robin, random, least_load.

@@ -18,7 +18,7 @@ from splitserve.metrics import Registry
 from splitserve.router.workers import WorkerSet
 
 OUTCOMES = ("finished", "bad_request", "no_workers", "prefill_failed", "decode_failed", "client_disconnect",
-            "timeout")
+            "timeout", "internal")
 
 
 class RouterMetrics:

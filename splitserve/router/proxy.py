@@ -64,6 +64,7 @@ class Leg:
         self.worker = worker
         self.response: Optional[aiohttp.ClientResponse] = None
         self._counted = True
+        self.aborted = False
         worker.in_flight += 1
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, connect=connect_timeout)
         self.task = asyncio.ensure_future(self._post(session, worker.url + path, data, timeout))
@@ -92,6 +93,7 @@ class Leg:
 
     def abort(self) -> None:
         """Close the connection now: the worker sees its client go away and aborts the request."""
+        self.aborted = self.aborted or self._counted  # closed before its end (not after release)
         if not self.task.done():
             self.task.cancel()
             self.task.add_done_callback(lambda t: self._close_response())
@@ -113,7 +115,8 @@ class Leg:
             self.abort()
             raise
         except Exception as exc:
-            log.info("%s: leg ended without its full answer: %s", self.worker.describe(), describe_error(exc))
+            if not self.aborted:  # not closed on purpose by the exchange
+                log.info("%s: leg ended without its full answer: %s", self.worker.describe(), describe_error(exc))
             self.abort()
         else:
             self.release()
@@ -394,6 +397,9 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
                             started + state.config.request_timeout_s)
         try:
             return await exchange.run()
+        except Exception:  # a bug: the middleware answers 500; count it as what it is
+            exchange.outcome, exchange.status = "internal", 500
+            raise
         finally:
             outcome, status = exchange.outcome, exchange.status
     finally:
@@ -401,4 +407,5 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         seconds = time.monotonic() - started
         metrics.record(outcome, seconds)
         if room is not None:
-            log.info("room %d %s: %s (%s)%s %.3fs", room, endpoint, outcome, status, legs, seconds)
+            log.log(logging.ERROR if outcome == "internal" else logging.INFO, "room %d %s: %s (%s)%s %.3fs", room,
+                    endpoint, outcome, status, legs, seconds)

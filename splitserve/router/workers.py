@@ -93,7 +93,12 @@ class HealthChecker:
 
     async def run(self) -> None:
         while True:
-            await self.check_all()
+            try:
+                await self.check_all()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a bug in one round must not end health checking for good
+                log.exception("health check round failed")
             await asyncio.sleep(self.interval_s)
 
     async def check_all(self) -> None:
