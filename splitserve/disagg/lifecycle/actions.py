@@ -193,7 +193,8 @@ class NoticeKind(str, enum.Enum):
     STALE_INCARNATION = "stale_incarnation"
     """A registration meant for an earlier incarnation of this worker: rejected."""
     LATE_MESSAGE = "late_message"
-    """A message for a room that has ended (or is no longer known): nothing to do."""
+    """A message for a room that has ended, is no longer known, or is past the state the message
+    is for (a duplicate): nothing to do."""
     UNEXPECTED_MESSAGE = "unexpected_message"
     """A message type this side never receives."""
     OUT_OF_ORDER = "out_of_order"

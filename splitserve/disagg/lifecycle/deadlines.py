@@ -69,13 +69,15 @@ class Deadlines:
         return self.heartbeat_interval_s * self.heartbeat_misses
 
     def validate(self, max_transfer_bytes: int = 0) -> "Deadlines":
-        """Raise ValueError unless every limit is positive and the tombstone outlives every other
+        """Raise ValueError unless every limit is positive (``transfer_s_per_gib`` may be 0) and
+        the tombstone outlives every other
         deadline (the transfer deadline taken at ``max_transfer_bytes``). Returns self."""
         for f in fields(self):
             value = getattr(self, f.name)
             if value is None:
                 continue
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            least_ok = 0 if f.name == "transfer_s_per_gib" else 1e-9  # 0 s/GiB: a flat transfer deadline
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= least_ok):
                 raise ValueError(f"deadline {f.name} must be a positive finite number, got {value!r}")
         if self.heartbeat_misses < 1 or self.heartbeat_misses != int(self.heartbeat_misses):
             raise ValueError(f"heartbeat_misses must be a whole number >= 1, got {self.heartbeat_misses!r}")

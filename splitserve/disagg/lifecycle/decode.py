@@ -173,7 +173,7 @@ class DecodeTable(RoomTable):
             r.kv_done = True
             self._release(r, now, out)
         elif r.state is not S.AWAITING_KV:
-            out.append(Notice(self.role, NoticeKind.OUT_OF_ORDER, r.room, f"KVDone in {r.state.value}"))
+            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"KVDone in {r.state.value}"))
         elif msg.num_tokens != r.prompt_len:
             r.kv_done = True
             self._end(r, Ending(Reason.TRANSFER_ERROR,
@@ -197,7 +197,7 @@ class DecodeTable(RoomTable):
         elif r.state is S.AWAITING_KV:  # its RoomFailed was lost or overtaken
             self._end(r, Ending(Reason.PEER_FAILED, "prefill settled its writes without sending the KV"), now, out)
         else:
-            out.append(Notice(self.role, NoticeKind.OUT_OF_ORDER, r.room, f"WritesSettled in {r.state.value}"))
+            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"WritesSettled in {r.state.value}"))
 
     # == the end of a room ======================================================================
 
@@ -205,7 +205,7 @@ class DecodeTable(RoomTable):
         waited = f"{now - r.entered:g}s"
         if r.state is S.PREALLOC:
             if r.peer is None:
-                missing = "the prefill's bootstrap info" + ("" if r.pages else " and KV pages")
+                missing = "bootstrap info from prefill" + ("" if r.pages else " nor KV pages")
                 return Ending(Reason.BOOTSTRAP_TIMEOUT, f"no {missing} in {waited}")
             return Ending(Reason.OVERLOADED, f"no KV pages in {waited}")
         if r.state is S.AWAITING_KV:

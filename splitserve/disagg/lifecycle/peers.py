@@ -76,11 +76,12 @@ class PeerTable:
             for e in sorted(self._live.values(), key=lambda e: e.peer)
         ]
 
-    def canonical(self) -> tuple:
+    def canonical(self, now: float = 0.0) -> tuple:
+        """A hashable summary, times relative to ``now`` (for the interleaving explorer)."""
         return (
-            tuple(sorted((p, e.last_heard, tuple(sorted(e.rooms))) for p, e in self._live.items())),
+            tuple(sorted((p, e.last_heard - now, tuple(sorted(e.rooms))) for p, e in self._live.items())),
             tuple(sorted(self._lost)),
-            tuple(sorted(self._timers.items())),
+            tuple(sorted((key, when - now) for key, when in self._timers.items())),
         )
 
     # -- changes ------------------------------------------------------------------------------

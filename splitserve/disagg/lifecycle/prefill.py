@@ -80,8 +80,8 @@ class PrefillTable(RoomTable):
     def _extra_counts(self) -> dict[str, int]:
         return {"pending_registrations": len(self._pending)}
 
-    def _extra_canonical(self) -> tuple:
-        return (tuple(sorted((room, p.peer, p.since, p.msg.prompt_len, tuple(p.msg.pages))
+    def _extra_canonical(self, now: float) -> tuple:
+        return (tuple(sorted((room, p.peer, p.since - now, p.msg.prompt_len, tuple(p.msg.pages))
                              for room, p in self._pending.items())),
                 self._next_write_id)
 
@@ -113,19 +113,37 @@ class PrefillTable(RoomTable):
             out.append(Notice(self.role, NoticeKind.WRONG_PEER, room, f"registered by {owner}, refused {peer}"))
             self._refuse_registration(peer, room, Ending(Reason.BAD_REQUEST, f"room registered by {owner}"), out)
         elif room in self._tombstones:
-            self._on_late_registration(peer, room, out)
+            self._on_late_registration(peer, room, now, out)
         else:
             self._pending[room] = PendingRegistration(peer, msg, now)
             self.peers.bind(peer, room, now)
             self._timers.set(("pending", room), now + self.cfg.pending_registration_s)
 
-    def _on_late_registration(self, peer: Peer, room: int, out: list[Action]) -> None:
+    def _abort_unseen(self, room: int, ending: Ending, now: float, out: list[Action]) -> None:
+        """An abort or failure before the request came; if decode already registered, tell it."""
+        pending = self._pending.pop(room, None)
+        if pending is not None:
+            self._timers.cancel(("pending", room))
+            self.peers.unbind(pending.peer, room)
+            if self._reachable(pending.peer):
+                self._refuse_registration(pending.peer, room, ending, out)
+        super()._abort_unseen(room, ending, now, out)
+
+    def _on_late_registration(self, peer: Peer, room: int, now: float, out: list[Action]) -> None:
         """A registration for a room that already ended here: a failure is told again (the peer
         may not have been known when it happened); a finished room's is a stray duplicate."""
         ending = self._tombstones[room].ending
         out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, room, f"registration from {peer} after {ending}"))
         if ending.outcome is not Outcome.FINISHED:
             self._refuse_registration(peer, room, ending, out)
+            self._refresh_tombstone(room, now)
+
+    def _refresh_tombstone(self, room: int, now: float) -> None:
+        """We just promised a peer that nothing of this room will be written: remember the room
+        a full tombstone lifetime from now, so that a registration sent before the promise and
+        still on its way is refused, never acted on (it would write into pages decode freed)."""
+        tomb = self._tombstones[room]
+        self._tombstone(room, tomb.ending, tomb.arrived, now)
 
     def _refuse_registration(self, peer: Peer, room: int, ending: Ending, out: list[Action]) -> None:
         out.append(SendToPeer(peer, protocol.RoomFailed(room, self.incarnation, ending.reason.value)))
@@ -213,6 +231,7 @@ class PrefillTable(RoomTable):
         out.append(SendToPeer(peer, protocol.WritesSettled(room, self.incarnation)))
         if room in self._tombstones:
             out.append(Notice(self.role, NoticeKind.ABORT_AFTER_END, room, str(ending)))
+            self._refresh_tombstone(room, now)
         else:
             self._abort_unseen(room, ending, now, out)
 

@@ -10,8 +10,9 @@ Decode side, in order::
 
 Terminal, on both sides: ``Outcome.FINISHED``, ``Outcome.ABORTED``, ``Outcome.FAILED`` with a
 :class:`Reason`. Live states and outcomes are different types, so "is it terminal?" is a type test
-(:func:`is_terminal`), never a comparison of numbers: no state here has an order, and nothing may
-take the ``max()`` of two states (DESIGN §2, rule 2).
+(:func:`is_terminal`), never a comparison of numbers. States are plain enums, so they have no
+order at all: ``max()`` of two states raises TypeError instead of quietly letting a later state
+win over a terminal one (DESIGN §2, rule 2).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class Role(str, enum.Enum):
     DECODE = "decode"
 
 
-class PrefillState(str, enum.Enum):
+class PrefillState(enum.Enum):
     BOOTSTRAPPING = "BOOTSTRAPPING"
     """The request is here; waiting for the decode worker's registration (its page ids)."""
     QUEUED = "QUEUED"
@@ -37,7 +38,7 @@ class PrefillState(str, enum.Enum):
     """Forward pass done; waiting for the last write to complete."""
 
 
-class DecodeState(str, enum.Enum):
+class DecodeState(enum.Enum):
     PREALLOC = "PREALLOC"
     """The request is here; waiting for KV pages and the prefill worker's bootstrap info."""
     AWAITING_KV = "AWAITING_KV"
@@ -46,7 +47,7 @@ class DecodeState(str, enum.Enum):
     """The KV has landed; generating tokens."""
 
 
-class Outcome(str, enum.Enum):
+class Outcome(enum.Enum):
     """Terminal. Absorbing: no event moves a room out of it."""
 
     FINISHED = "FINISHED"

@@ -179,16 +179,17 @@ class RoomTable:
             })
         return rows
 
-    def canonical(self) -> tuple:
+    def canonical(self, now: float = 0.0) -> tuple:
         """Everything that decides this table's future, as a hashable value independent of the
-        order things were stored in (the interleaving explorer merges equal states with it)."""
+        order things were stored in, with times relative to ``now`` (nothing here depends on the
+        clock's origin). The interleaving explorer merges equal states with it."""
         return (
-            tuple(sorted((room, _freeze_dataclass(r)) for room, r in self._rooms.items())),
+            tuple(sorted((room, _freeze_dataclass(r, now)) for room, r in self._rooms.items())),
             tuple(sorted((room, t.ending.reason, t.ending.detail, t.arrived)
                          for room, t in self._tombstones.items())),
-            tuple(sorted(self._timers.items())),
-            self.peers.canonical(),
-            self._extra_canonical(),
+            tuple(sorted((key, when - now) for key, when in self._timers.items())),
+            self.peers.canonical(now),
+            self._extra_canonical(now),
         )
 
     # == the shared rules =======================================================================
@@ -335,7 +336,7 @@ class RoomTable:
     def _extra_counts(self) -> dict[str, int]:
         return {}
 
-    def _extra_canonical(self) -> tuple:
+    def _extra_canonical(self, now: float) -> tuple:
         return ()
 
 
@@ -349,5 +350,12 @@ def _freeze(value):
     return value
 
 
-def _freeze_dataclass(obj) -> tuple:
-    return tuple((f.name, _freeze(getattr(obj, f.name))) for f in fields(obj))
+_TIMES = frozenset({"born", "entered", "deadline"})
+
+
+def _freeze_dataclass(obj, now: float) -> tuple:
+    """The fields of a room as a hashable tuple, its times relative to ``now``."""
+    return tuple(
+        (f.name, _freeze(value) if f.name not in _TIMES or value is None else value - now)
+        for f in fields(obj) for value in (getattr(obj, f.name),)
+    )
