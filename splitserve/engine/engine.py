@@ -80,7 +80,33 @@ class LLMEngine:
                 f"{need} tokens of KV cache, but this worker's pool holds {self.layout.total_tokens}",
                 param="max_tokens")
 
-    def add_request(self, req: GenerateRequest) -> None:
+    def add_request(self, req: GenerateRequest, prefill_only: bool = False) -> Sequence:
+        """Queue a request. ``prefill_only`` (prefill worker): run the prompt, sample the first
+        token, then hold the sequence and its pages for the transfer (see ``prefill_results``)."""
+        seq = self._new_sequence(req)
+        seq.prefill_only = prefill_only
+        self._seqs[req.rid] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def start_decoding(self, req: GenerateRequest, pages: list[int], first_token: int) -> list[RequestOutput]:
+        """Decode worker: the prompt's KV is in ``pages`` (written by a prefill worker) and prefill
+        sampled ``first_token``. Emits that token, then the sequence decodes like any other."""
+        seq = self._new_sequence(req)
+        seq.pages = list(pages)
+        seq.num_computed = len(req.prompt_ids)
+        seq.token_ids.append(first_token)
+        self._check_finish(seq, first_token)
+        self._seqs[req.rid] = seq
+        out = self._delta(seq, first_token)
+        if seq.finish_reason is None:
+            self.scheduler.add(seq)
+        else:
+            self._seqs.pop(req.rid)
+            self.scheduler.detach(seq)
+        return [out]
+
+    def _new_sequence(self, req: GenerateRequest) -> Sequence:
         if req.rid in self._seqs:
             raise InvalidRequest(f"request id {req.rid!r} is already running", param="rid")
         if not req.prompt_ids:
@@ -88,10 +114,25 @@ class LLMEngine:
         self.check_fits(req)
         seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(rid=req.rid, token_ids=list(req.prompt_ids), num_prompt_tokens=len(req.prompt_ids),
-                       sampling=req.sampling, seed=seed)
+                       sampling=req.sampling, seed=seed,
+                       room=req.bootstrap.room if req.bootstrap is not None else None)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop)
-        self._seqs[req.rid] = seq
-        self.scheduler.add(seq)
+        return seq
+
+    def sequence(self, rid: str) -> Optional[Sequence]:
+        return self._seqs.get(rid)
+
+    def cancel(self, rid: str) -> Optional[Sequence]:
+        """Drop a request from every queue without a client answer (its room answers); returns the
+        sequence, whose pages — if it belongs to a room — stay until ``release``."""
+        seq = self._seqs.pop(rid, None)
+        if seq is not None:
+            self.scheduler.finish(seq)
+        return seq
+
+    def release(self, seq: Sequence) -> None:
+        """Free the pages a room's sequence holds, exactly once."""
+        self.scheduler.release(seq)
 
     def abort(self, rid: str, reason: str = "aborted by the client", code: int = 499) -> Optional[RequestOutput]:
         """End a request with an error; a no-op (None) if it is unknown or already over."""
@@ -138,6 +179,10 @@ class LLMEngine:
         for item, token in zip(sampling, tokens):
             seq = item.seq
             seq.token_ids.append(token)
+            if seq.prefill_only:  # the first token is the room's; the sequence waits for its transfer
+                self._seqs.pop(seq.rid, None)
+                self.scheduler.detach(seq)
+                continue
             self._check_finish(seq, token)
             outputs.append(self._delta(seq, token))
             if seq.finish_reason is not None:

@@ -31,10 +31,20 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    """Where a disaggregated request meets its peer (the SGLang PD fields the router adds)."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True)
 class GenerateRequest:
     rid: str
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
+    bootstrap: Optional[Bootstrap] = None  # set on prefill and decode workers, None when colocated
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,10 @@ When a running sequence needs a page and none is free, the most recently arrived
 is preempted: its pages are freed and it goes back to the front of the waiting queue, to recompute
 later. A request is never dropped for lack of pages; one that could never fit the whole pool is
 refused at submission.
+
+Disaggregated requests: a prefill-only sequence gets the pages of its whole prompt when admitted
+(its room hands them to the transfer) and is never preempted; a sequence whose pages belong to a
+room is never freed here on finish — ``detach`` takes it out and its room frees the pages.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.admitted: list[Sequence] = []  # admitted by the last schedule()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -53,6 +58,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_batch_tokens
         batch: list[ScheduledSeq] = []
+        self.admitted = []
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -66,24 +72,38 @@ class Scheduler:
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             seq = self.waiting[0]
             n = self._chunk(seq, budget, batch_empty=not batch)
-            if n == 0 or not self.allocator.can_allocate(self._pages_missing(seq, n)):
+            upfront = seq.num_uncomputed if seq.prefill_only else n
+            if n == 0 or not self.allocator.can_allocate(self._pages_missing(seq, upfront)):
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            self._grow(seq, n)
+            self.admitted.append(seq)
+            self._grow(seq, upfront)
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         return batch
 
     def finish(self, seq: Sequence) -> None:
-        """Remove a sequence for good (finished or aborted) and free its pages, exactly once."""
+        """Remove a sequence for good (finished or aborted) and free its pages, exactly once;
+        a room's sequence is only detached (its room frees the pages)."""
+        if seq.room is not None:
+            self.detach(seq)
+            return
+        self._remove(seq)
+        seq.status = SeqStatus.FINISHED
+        self._release(seq)
+
+    def detach(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues and the batch, keeping its pages (state HELD)."""
+        self._remove(seq)
+        seq.status = SeqStatus.HELD
+
+    def _remove(self, seq: Sequence) -> None:
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        seq.status = SeqStatus.FINISHED
-        self._release(seq)
 
     def _chunk(self, seq: Sequence, budget: int, batch_empty: bool) -> int:
         need = seq.num_uncomputed
@@ -103,7 +123,9 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: list[ScheduledSeq]) -> bool:
         """Make pages for ``n`` more tokens of a running seq, preempting from the tail if needed."""
         while not self.allocator.can_allocate(self._pages_missing(seq, n)):
-            victim = self.running[-1]
+            victim = next((s for s in reversed(self.running) if not s.prefill_only), None)
+            if victim is None:
+                return False  # nothing may be preempted: the sequence waits for pages
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -118,6 +140,10 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+
+    def release(self, seq: Sequence) -> None:
+        """Free a held sequence's pages (its room's FreePages), exactly once."""
+        self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         if seq.pages:

@@ -1,7 +1,9 @@
 """One request inside the engine: its tokens, its pages, and how far its KV has been computed.
 
 States, in order: ``WAITING`` (not admitted, or preempted: holds no pages) → ``RUNNING`` (in the
-batch; holds pages for ``num_computed`` tokens) → ``FINISHED``. A preempted sequence goes back to
+batch; holds pages for ``num_computed`` tokens) → ``FINISHED``; or, for a disaggregated request,
+``HELD`` instead of ``FINISHED``: out of the batch, its pages kept for its room, which frees them
+(``disagg/``). A preempted sequence goes back to
 ``WAITING`` with its generated tokens kept; it recomputes their KV when admitted again, and since
 sampling randomness is drawn per (seed, position) it continues exactly as it would have.
 """
@@ -20,6 +22,7 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    HELD = "held"
 
 
 @dataclass(eq=False)
@@ -35,6 +38,8 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the pool
     finish_reason: Optional[str] = None
     detok: object = None  # IncrementalDetokenizer, set by the engine
+    room: Optional[int] = None  # disaggregated: the bootstrap room; its pages belong to the room
+    prefill_only: bool = False  # prefill worker: pages for the whole prompt at admission, no decode
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,210 @@
+"""The transfer thread: the one thread that drives a worker's transfer backend.
+
+The engine loop never touches the backend. It hands commands to this thread (``submit``, a queue
+put) and gets events back in its inbox: ``WriteDone`` / ``WriteFailed`` for every write it
+started (prefill), and ``KVNotification`` for every notification that arrives (decode: the
+``KVDone`` that travels with a room's last write). The thread also keeps the receiving side of
+NIXL progressing by calling ``notifications()`` every few milliseconds.
+
+Supervised (rule 8): if an iteration raises, every write in flight is reported failed (so its room
+ends instead of waiting forever), the exception is logged and counted, and the loop goes on.
+
+Fault injection (off unless configured, read once at start): ``stall_writes`` keeps every new
+write pending until released (to strike "mid-transfer" for real), ``fail_writes`` fails them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from splitserve.disagg.lifecycle import Peer, WriteDone, WriteFailed
+from splitserve.disagg.supervised import SupervisedThread
+from splitserve.disagg.transfer.base import Handle, Span, TransferBackend
+
+log = logging.getLogger(__name__)
+
+IDLE_SLEEP_S = 0.002
+
+
+@dataclass(frozen=True)
+class AddPeer:
+    peer: Peer
+    agent_name: str
+    metadata: bytes
+
+
+@dataclass(frozen=True)
+class Write:
+    room: int
+    write_id: int
+    peer: Peer
+    spans: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class Notify:
+    """A notification alone (an empty write): sent only after the room's writes are DONE."""
+
+    peer: Peer
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class Cancel:
+    write_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ResetPeer:
+    """Tear down the transfer connection to ``peer``: its pending writes fail and nothing in
+    flight can land. ``forget``: the peer is lost, do not reconnect."""
+
+    peer: Peer
+    forget: bool = False
+
+
+@dataclass(frozen=True)
+class KVNotification:
+    """A notification received from the writer ``agent_name`` (decode side)."""
+
+    agent_name: str
+    payload: bytes
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    stall_writes: bool = False
+    fail_writes: bool = False
+
+
+@dataclass
+class _InFlight:
+    room: int
+    write_id: int
+    peer: Peer
+    handle: Optional[Handle]  # None: stalled by fault injection, never handed to the backend
+
+
+class TransferWorker(SupervisedThread):
+    def __init__(self, backend: TransferBackend, post: Callable[[object], None],
+                 faults: Optional[FaultConfig] = None):
+        super().__init__(name="transfer")
+        self.backend = backend
+        self._post = post
+        self._faults = faults or FaultConfig()
+        self._commands: "queue.Queue[object]" = queue.Queue()
+        self._agents: dict[Peer, tuple[str, bytes]] = {}  # peer -> (agent name, metadata)
+        self._inflight: dict[int, _InFlight] = {}
+        self._notifies: list[tuple[Peer, Handle]] = []
+
+    def submit(self, command: object) -> None:
+        """Thread-safe: queue a command for the transfer thread."""
+        self._commands.put(command)
+
+    # -- the thread ---------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        while not self.stopping.is_set():
+            busy = self._run_commands()
+            busy |= self._poll_writes()
+            for agent, payload in self.backend.notifications():
+                self._post(KVNotification(agent, payload))
+                busy = True
+            if not busy:
+                self.stopping.wait(IDLE_SLEEP_S)
+
+    def on_crash(self, exc: BaseException) -> None:
+        for w in list(self._inflight.values()):
+            self._settle(w, WriteFailed(w.room, w.write_id, f"transfer thread error: {exc}"))
+
+    def _run_commands(self) -> bool:
+        busy = False
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return busy
+            busy = True
+            self._run(cmd)
+
+    def _run(self, cmd: object) -> None:
+        if isinstance(cmd, AddPeer):
+            self._agents[cmd.peer] = (cmd.agent_name, cmd.metadata)
+            self.backend.add_peer(cmd.agent_name, cmd.metadata)
+        elif isinstance(cmd, Write):
+            self._start(cmd)
+        elif isinstance(cmd, Notify):
+            agent = self._agents.get(cmd.peer)
+            if agent is None:
+                log.warning("notification for %s dropped: no transfer connection to it", cmd.peer)
+                return
+            self._notifies.append((cmd.peer, self.backend.write(agent[0], [], cmd.payload)))
+        elif isinstance(cmd, Cancel):
+            for wid in cmd.write_ids:
+                w = self._inflight.get(wid)
+                if w is None:
+                    continue
+                if w.handle is None:
+                    self._settle(w, WriteFailed(w.room, w.write_id, "cancelled while stalled"))
+                else:
+                    self.backend.release(w.handle)  # settles as FAILED(released) at the next poll
+        elif isinstance(cmd, ResetPeer):
+            self._reset(cmd.peer, cmd.forget)
+        else:
+            raise TypeError(f"unknown transfer command {cmd!r}")
+
+    def _start(self, cmd: Write) -> None:
+        agent = self._agents.get(cmd.peer)
+        if agent is None:
+            self._post(WriteFailed(cmd.room, cmd.write_id, f"no transfer connection to {cmd.peer}"))
+            return
+        if self._faults.fail_writes:
+            self._post(WriteFailed(cmd.room, cmd.write_id, "injected transfer failure"))
+            return
+        if self._faults.stall_writes:  # pending until cancelled or reset
+            self._inflight[cmd.write_id] = _InFlight(cmd.room, cmd.write_id, cmd.peer, None)
+            return
+        handle = self.backend.write(agent[0], list(cmd.spans), b"")
+        self._inflight[cmd.write_id] = _InFlight(cmd.room, cmd.write_id, cmd.peer, handle)
+
+    def _poll_writes(self) -> bool:
+        busy = False
+        for w in list(self._inflight.values()):
+            if w.handle is None:
+                continue
+            state = self.backend.poll(w.handle)
+            if state.done:
+                self._settle(w, WriteDone(w.room, w.write_id))
+                busy = True
+            elif state.failed:
+                self._settle(w, WriteFailed(w.room, w.write_id, state.reason))
+                busy = True
+        for peer, handle in list(self._notifies):
+            state = self.backend.poll(handle)
+            if not state.pending:
+                if state.failed:
+                    log.warning("notification to %s failed: %s", peer, state.reason)
+                self.backend.release(handle)
+                self._notifies.remove((peer, handle))
+        return busy
+
+    def _settle(self, w: _InFlight, event: object) -> None:
+        self._inflight.pop(w.write_id, None)
+        if w.handle is not None:
+            self.backend.release(w.handle)
+        self._post(event)
+
+    def _reset(self, peer: Peer, forget: bool) -> None:
+        agent = self._agents.get(peer)
+        for w in [w for w in self._inflight.values() if w.peer == peer]:
+            self._settle(w, WriteFailed(w.room, w.write_id, f"transfer connection to {peer} reset"))
+        if agent is None:
+            return
+        self.backend.remove_peer(agent[0])
+        if forget:
+            del self._agents[peer]
+        else:
+            self.backend.add_peer(*agent)
