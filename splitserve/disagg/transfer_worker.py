@@ -143,14 +143,13 @@ class TransferWorker(SupervisedThread):
                 return
             self._notifies.append((cmd.peer, self.backend.write(agent[0], [], cmd.payload)))
         elif isinstance(cmd, Cancel):
+            # A write handed to the backend may still land after a release (NIXL does not recall
+            # bytes on the wire), so it is left to settle, or to a ResetPeer; a stalled write was
+            # never handed over and settles now.
             for wid in cmd.write_ids:
                 w = self._inflight.get(wid)
-                if w is None:
-                    continue
-                if w.handle is None:
+                if w is not None and w.handle is None:
                     self._settle(w, WriteFailed(w.room, w.write_id, "cancelled while stalled"))
-                else:
-                    self.backend.release(w.handle)  # settles as FAILED(released) at the next poll
         elif isinstance(cmd, ResetPeer):
             self._reset(cmd.peer, cmd.forget)
         else:
