@@ -139,31 +139,52 @@ class AsyncEngine:
         engine = self.engine
         while True:
             try:
-                events = self._take_events(block=not engine.has_work())
+                events = self._take_events(self._wait_s())
                 outputs: list[RequestOutput] = []
                 for ev in events:
                     if isinstance(ev, _Stop):
-                        self._post(engine.abort_all(ev.reason, 503))
+                        self._post(self._stop_all(ev.reason))
                         self._stats = engine.stats()
                         return
                     outputs += self._handle(ev)
+                outputs += self._tick()
                 if engine.has_work():
-                    outputs += engine.step()
+                    outputs += self._step()
                 self._stats = engine.stats()
                 self._post(outputs)
             except Exception:  # never die silently: log, fail what is live, keep serving
                 log.exception("engine loop error; failing all live requests")
-                self._post(engine.abort_all("internal error in the engine loop", 500))
+                self._post(self._stop_all("internal error in the engine loop", 500))
 
-    def _take_events(self, block: bool) -> list[object]:
+    # -- hooks for the disaggregated roles (disagg/worker.py) ---------------------------------
+
+    def _wait_s(self) -> Optional[float]:
+        """How long the loop may wait for an event: 0 while there is work."""
+        return 0.0 if self.engine.has_work() else 0.5
+
+    def _tick(self) -> list[RequestOutput]:
+        """Called every iteration, after events and before the step."""
+        return []
+
+    def _step(self) -> list[RequestOutput]:
+        return self.engine.step()
+
+    def _stop_all(self, reason: str, code: int = 503) -> list[RequestOutput]:
+        return self.engine.abort_all(reason, code)
+
+    def _take_events(self, wait_s: Optional[float]) -> list[object]:
         events = []
         try:
-            events.append(self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait())
+            events.append(self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait())
             while True:
                 events.append(self._inbox.get_nowait())
         except queue.Empty:
             pass
         return events
+
+    def post_event(self, event: object) -> None:
+        """Thread-safe: hand an event to the engine loop (used by the disaggregation threads)."""
+        self._inbox.put(event)
 
     def _handle(self, ev: object) -> list[RequestOutput]:
         if isinstance(ev, _Add):
