@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run a worker with the OpenAI-compatible HTTP API")
     _add_config_options(serve, ServerConfig)
     _add_config_options(serve, EngineConfig)
+    from splitserve.disagg.lifecycle.deadlines import Deadlines
+
+    _add_config_options(serve.add_argument_group("lifecycle deadlines (prefill and decode roles)"), Deadlines)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     router = sub.add_parser("router", help="run the router: one OpenAI endpoint in front of prefill and decode workers")
@@ -82,7 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve.server.app import run_server
 
         _setup_logging(args.log_level)
-        return run_server(_config_from(EngineConfig, args), _config_from(ServerConfig, args))
+        from splitserve.disagg.lifecycle.deadlines import Deadlines
+
+        deadlines = _config_from(Deadlines, args)
+        try:
+            deadlines.validate()
+        except ValueError as exc:
+            raise SystemExit(f"splitserve serve: {exc}") from None
+        return run_server(_config_from(EngineConfig, args), _config_from(ServerConfig, args), deadlines)
     if args.command == "router":
         _setup_logging(args.log_level)
         from splitserve.router.app import run_router

@@ -38,11 +38,20 @@ class ServerConfig:
     port: int = 8000
     """Port of the HTTP API."""
     role: str = "colocated"
-    """colocated (prefill and decode in this worker); prefill and decode come with disaggregation."""
+    """colocated (prefill and decode in one worker), prefill, or decode (disaggregated: run behind the router)."""
     served_model_name: Optional[str] = None
     """Name clients use in `model`; defaults to the checkpoint folder's basename."""
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take before they are ended with an error."""
+    bootstrap_port: int = 8998
+    """Prefill role: the port of the bootstrap (control) endpoint decode workers connect to."""
+    advertise_host: Optional[str] = None
+    """The host peers should use to reach this worker (default: --host)."""
+    transfer_backend: str = "nixl"
+    """How KV pages cross between workers: nixl (UCX; shared memory, TCP, RDMA) or tcp (built in)."""
+    inject_faults: str = ""
+    """Testing only, off when empty: comma-separated stall_writes, fail_writes, control_drop=P,
+    control_delay=P, control_delay_s=S, control_duplicate=P, seed=N."""
 
 
 def field_help(cls) -> dict[str, str]:

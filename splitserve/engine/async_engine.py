@@ -59,6 +59,10 @@ class AsyncEngine:
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Load the model and start the engine thread. Blocking: run it in an executor."""
         self.engine = LLMEngine(self.config)
+        self.start_loop(loop)
+
+    def start_loop(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
+        """Start the engine thread over ``self.engine``."""
         self._stats = self.engine.stats()
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)

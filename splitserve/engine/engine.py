@@ -66,6 +66,7 @@ class LLMEngine:
                                    config.max_batch_tokens, config.chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv)
         self._seqs: dict[str, Sequence] = {}
+        self.last_batch: list[ScheduledSeq] = []  # what the last step ran (read by the disagg roles)
         self._rng = random.Random(config.seed)
         self._eos = frozenset(self.spec.eos_token_ids)
 
@@ -83,16 +84,17 @@ class LLMEngine:
     def add_request(self, req: GenerateRequest, prefill_only: bool = False) -> Sequence:
         """Queue a request. ``prefill_only`` (prefill worker): run the prompt, sample the first
         token, then hold the sequence and its pages for the transfer (see ``prefill_results``)."""
-        seq = self._new_sequence(req)
+        seq = self._new_sequence(req, room_owned=prefill_only)
         seq.prefill_only = prefill_only
         self._seqs[req.rid] = seq
         self.scheduler.add(seq)
         return seq
 
-    def start_decoding(self, req: GenerateRequest, pages: list[int], first_token: int) -> list[RequestOutput]:
+    def start_decoding(self, req: GenerateRequest, pages: list[int],
+                       first_token: int) -> tuple[Sequence, list[RequestOutput]]:
         """Decode worker: the prompt's KV is in ``pages`` (written by a prefill worker) and prefill
         sampled ``first_token``. Emits that token, then the sequence decodes like any other."""
-        seq = self._new_sequence(req)
+        seq = self._new_sequence(req, room_owned=True)
         seq.pages = list(pages)
         seq.num_computed = len(req.prompt_ids)
         seq.token_ids.append(first_token)
@@ -104,9 +106,11 @@ class LLMEngine:
         else:
             self._seqs.pop(req.rid)
             self.scheduler.detach(seq)
-        return [out]
+        return seq, [out]
 
-    def _new_sequence(self, req: GenerateRequest) -> Sequence:
+    def _new_sequence(self, req: GenerateRequest, room_owned: bool) -> Sequence:
+        """``room_owned``: the pages belong to the request's bootstrap room (disaggregated roles);
+        a colocated worker ignores bootstrap fields."""
         if req.rid in self._seqs:
             raise InvalidRequest(f"request id {req.rid!r} is already running", param="rid")
         if not req.prompt_ids:
@@ -115,7 +119,7 @@ class LLMEngine:
         seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(rid=req.rid, token_ids=list(req.prompt_ids), num_prompt_tokens=len(req.prompt_ids),
                        sampling=req.sampling, seed=seed,
-                       room=req.bootstrap.room if req.bootstrap is not None else None)
+                       room=req.bootstrap.room if room_owned and req.bootstrap is not None else None)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop)
         return seq
 
@@ -158,7 +162,7 @@ class LLMEngine:
     # -- stepping -----------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        batch = self.scheduler.schedule()
+        batch = self.last_batch = self.scheduler.schedule()
         if not batch:
             return []
         try:

@@ -212,15 +212,26 @@ def _version() -> str:
 # -- the process -----------------------------------------------------------------------------------
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlines=None) -> int:
     """Serve until SIGTERM/SIGINT, then drain; the exit code (0 after a clean drain, 1 if the
-    port cannot be bound or the model fails to load)."""
-    return asyncio.run(_serve(engine_config, server_config))
+    port cannot be bound or the model fails to load). ``deadlines``: the lifecycle limits of a
+    prefill or decode worker (``disagg.lifecycle.Deadlines``; defaults when None)."""
+    return asyncio.run(_serve(make_engine(engine_config, server_config, deadlines), server_config))
 
 
-async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    from splitserve.engine.async_engine import AsyncEngine
+def make_engine(engine_config: EngineConfig, server_config: ServerConfig, deadlines=None):
+    """The engine for the worker's role: colocated, or a prefill / decode worker of a split pair."""
+    if server_config.role == "colocated":
+        from splitserve.engine.async_engine import AsyncEngine
 
+        return AsyncEngine(engine_config)
+    from splitserve.disagg.lifecycle import Deadlines
+    from splitserve.disagg.worker import engine_for_role
+
+    return engine_for_role(engine_config, server_config, deadlines or Deadlines())
+
+
+async def _serve(engine, server_config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -231,7 +242,6 @@ async def _serve(engine_config: EngineConfig, server_config: ServerConfig) -> in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    engine = AsyncEngine(engine_config)
     app = create_app(engine, server_config)
     state = app[STATE]
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE_S)

@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from splitserve.engine.io import DEFAULT_MAX_TOKENS, GenerateRequest, InvalidRequest, SamplingParams
+from splitserve.engine.io import DEFAULT_MAX_TOKENS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams
 
 ENDPOINTS = ("completions", "chat", "generate")
 MAX_OPENAI_STOP = 4
@@ -101,7 +101,10 @@ class ValidatedRequest:
         rid = rid if rid is not None else self.rid
         if rid is None or self.prompt_ids is None:
             raise ValueError("generate_request needs a rid and tokenized prompt (validate with a tokenizer)")
-        return GenerateRequest(rid=rid, prompt_ids=self.prompt_ids, sampling=self.sampling)
+        bootstrap = None
+        if self.bootstrap_room is not None and self.bootstrap_host is not None and self.bootstrap_port is not None:
+            bootstrap = Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+        return GenerateRequest(rid=rid, prompt_ids=self.prompt_ids, sampling=self.sampling, bootstrap=bootstrap)
 
 
 def parse_json_body(raw: bytes | str) -> dict:

@@ -1,0 +1,341 @@
+"""The control plane: ZMQ sockets between prefill and decode workers, one thread on each side.
+
+Prefill binds one ROUTER socket on its bootstrap port. Decode connects one DEALER per prefill
+address, with the identity ``name#incarnation`` (its stable name plus this start's incarnation),
+so prefill can tell a restarted decode worker from the old one and answer on the same connection.
+
+These threads own their sockets and nothing else. They answer ``GetInfo`` and heartbeats
+themselves (so a long forward pass never makes a live peer look dead), send heartbeats every
+``heartbeat_interval_s``, and post everything else to the engine loop's inbox as lifecycle
+events: ``FromPeer``, ``PeerHeard``, ``PeerInfo``. The engine loop sends through ``send``, a
+queue the thread drains. Frames that fail to decode are logged and counted, never fatal
+(control-plane input is untrusted).
+
+Fault injection (off unless configured): drop, delay or duplicate outgoing control messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import zmq
+
+from splitserve.disagg import protocol as p
+from splitserve.disagg.bootstrap import first_mismatch
+from splitserve.disagg.lifecycle import FromPeer, Peer, PeerHeard, PeerInfo
+from splitserve.disagg.supervised import SupervisedThread
+from splitserve.disagg.transfer_worker import AddPeer, TransferWorker
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 5
+
+
+@dataclass(frozen=True)
+class ControlFaults:
+    """Probabilities applied to each outgoing control message (heartbeats included)."""
+
+    drop: float = 0.0
+    duplicate: float = 0.0
+    delay: float = 0.0
+    delay_s: float = 0.5
+    seed: int = 0
+
+
+def identity(peer: Peer) -> bytes:
+    return f"{peer.name}#{peer.incarnation}".encode()
+
+
+def peer_of(ident: bytes) -> Optional[Peer]:
+    name, sep, incarnation = ident.decode(errors="replace").rpartition("#")
+    return Peer(name, incarnation) if sep and name and incarnation else None
+
+
+class _ControlThread(SupervisedThread):
+    """What both sides share: the outbox, fault injection, counters of bad frames."""
+
+    def __init__(self, name: str, incarnation: str, post: Callable[[object], None], heartbeat_s: float,
+                 faults: Optional[ControlFaults]):
+        super().__init__(name=name)
+        self.incarnation = incarnation
+        self._post = post
+        self._heartbeat_s = heartbeat_s
+        self._faults = faults or ControlFaults()
+        self._rng = random.Random(self._faults.seed)
+        self._outbox: "queue.Queue[tuple[Peer, object]]" = queue.Queue()
+        self._delayed: list[tuple[float, Peer, bytes]] = []
+        self._hb_seq = 0
+        self._next_hb = 0.0
+        self.bad_frames = 0
+        self.ctx = zmq.Context.instance()
+
+    def send(self, peer: Peer, msg) -> None:
+        """Thread-safe: queue a control message for ``peer``."""
+        self._outbox.put((peer, msg))
+
+    def _decode(self, frame: bytes, origin: str):
+        try:
+            return p.decode(frame)
+        except p.ProtocolError as exc:
+            self.bad_frames += 1
+            log.warning("bad control frame from %s: %s", origin, exc)
+            return None
+
+    def _flush_outbox(self) -> None:
+        now = time.monotonic()
+        while True:
+            try:
+                peer, msg = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            self._send_faulty(peer, p.encode(msg), now)
+        due = [d for d in self._delayed if d[0] <= now]
+        self._delayed = [d for d in self._delayed if d[0] > now]
+        for _, peer, frame in due:
+            self._send_frame(peer, frame)
+
+    def _send_faulty(self, peer: Peer, frame: bytes, now: float) -> None:
+        f = self._faults
+        if f.drop and self._rng.random() < f.drop:
+            return
+        if f.delay and self._rng.random() < f.delay:
+            self._delayed.append((now + f.delay_s, peer, frame))
+            return
+        self._send_frame(peer, frame)
+        if f.duplicate and self._rng.random() < f.duplicate:
+            self._send_frame(peer, frame)
+
+    def _heartbeat_due(self) -> bool:
+        now = time.monotonic()
+        if now < self._next_hb:
+            return False
+        self._next_hb = now + self._heartbeat_s
+        self._hb_seq += 1
+        return True
+
+    def _send_frame(self, peer: Peer, frame: bytes) -> None:
+        raise NotImplementedError
+
+
+class PrefillControl(_ControlThread):
+    """Prefill side: the ROUTER on the bootstrap port."""
+
+    def __init__(self, host: str, port: int, info: p.Info, transfer: TransferWorker,
+                 post: Callable[[object], None], heartbeat_s: float, faults: Optional[ControlFaults] = None):
+        super().__init__("control-prefill", info.incarnation, post, heartbeat_s, faults)
+        self.info = info
+        self._transfer = transfer
+        self._decoders: set[Peer] = set()  # decode incarnations that registered with us
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        self.sock.bind(f"tcp://{host}:{port}")
+
+    def forget(self, peer: Peer) -> None:
+        """Thread-safe: stop heartbeating a decode incarnation declared lost."""
+        self._outbox.put((peer, None))
+
+    def serve(self) -> None:
+        while not self.stopping.is_set():
+            if self.sock.poll(POLL_MS):
+                self._receive()
+            self._flush_outbox()
+            if self._heartbeat_due():
+                for peer in list(self._decoders):
+                    self._send_faulty(peer, p.encode(p.Heartbeat(self.incarnation, self._hb_seq)), time.monotonic())
+
+    def _flush_outbox(self) -> None:
+        # ``forget`` travels through the outbox as (peer, None), so it is ordered with sends
+        while True:
+            try:
+                peer, msg = self._outbox.get_nowait()
+            except queue.Empty:
+                break
+            if msg is None:
+                self._decoders.discard(peer)
+                continue
+            self._send_faulty(peer, p.encode(msg), time.monotonic())
+        super()._flush_outbox()
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(parts) != 2:
+                self.bad_frames += 1
+                continue
+            ident, frame = parts
+            peer_name = peer_of(ident)
+            msg = self._decode(frame, repr(ident[:64]))
+            if msg is None or peer_name is None:
+                continue
+            self._dispatch(ident, peer_name, msg)
+
+    def _dispatch(self, ident: bytes, sender: Peer, msg) -> None:
+        if isinstance(msg, p.GetInfo):
+            self.sock.send_multipart([ident, p.encode(self.info)])
+        elif isinstance(msg, p.Heartbeat):
+            self.sock.send_multipart([ident, p.encode(p.HeartbeatAck(self.incarnation, msg.seq))])
+            self._post(PeerHeard(sender, fresh=False))
+        elif isinstance(msg, p.HeartbeatAck):
+            self._post(PeerHeard(sender, fresh=True))
+        elif isinstance(msg, p.RegisterPeer):
+            if msg.prefill_incarnation != self.incarnation or msg.incarnation != sender.incarnation:
+                log.warning("registration from %s for incarnation %s ignored (we are %s)", sender,
+                            msg.prefill_incarnation, self.incarnation)
+                return
+            self._decoders.add(sender)
+            self._transfer.submit(AddPeer(sender, msg.agent_name, msg.agent_metadata))
+        else:
+            self._post(FromPeer(Peer(sender.name, getattr(msg, "incarnation", sender.incarnation)), msg))
+
+    def _send_frame(self, peer: Peer, frame: bytes) -> None:
+        self.sock.send_multipart([identity(peer), frame])
+
+    def close(self) -> None:
+        self.stop()
+        self.sock.close(0)
+
+
+@dataclass
+class _Prefill:
+    """What decode knows of one prefill address."""
+
+    sock: zmq.Socket
+    name: str  # host:port
+    info: Optional[p.Info] = None
+    asked_at: float = 0.0
+    waiting_rooms: list = None  # rooms waiting for its info
+
+    @property
+    def peer(self) -> Optional[Peer]:
+        return Peer(self.name, self.info.incarnation) if self.info else None
+
+
+class DecodeControl(_ControlThread):
+    """Decode side: one DEALER per prefill address; fetches and checks bootstrap info."""
+
+    INFO_RETRY_S = 1.0
+
+    def __init__(self, name: str, ours: p.Info, agent_name: str, agent_metadata: bytes,
+                 post: Callable[[object], None], heartbeat_s: float, faults: Optional[ControlFaults] = None):
+        super().__init__("control-decode", ours.incarnation, post, heartbeat_s, faults)
+        self.name = name
+        self.ours = ours
+        self._agent = (agent_name, agent_metadata)
+        self._prefills: dict[str, _Prefill] = {}
+        self._requests: "queue.Queue[tuple[int, str]]" = queue.Queue()
+
+    def want_info(self, room: int, host: str, port: int) -> None:
+        """Thread-safe: post ``PeerInfo`` for ``room`` once the prefill at host:port is known."""
+        self._requests.put((room, f"{host}:{port}"))
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        registered: set[int] = set()
+        while not self.stopping.is_set():
+            self._take_requests()
+            for pf in self._prefills.values():
+                if id(pf.sock) not in registered:
+                    poller.register(pf.sock, zmq.POLLIN)
+                    registered.add(id(pf.sock))
+            for sock, _ in poller.poll(POLL_MS) if self._prefills else []:
+                self._receive(sock)
+            if not self._prefills:
+                self.stopping.wait(POLL_MS / 1000)
+            self._retry_info()
+            self._flush_outbox()
+            if self._heartbeat_due():
+                for pf in self._prefills.values():
+                    if pf.info is not None:
+                        self._send_faulty(pf.peer, p.encode(p.Heartbeat(self.incarnation, self._hb_seq)),
+                                          time.monotonic())
+
+    def _take_requests(self) -> None:
+        while True:
+            try:
+                room, name = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            pf = self._prefills.get(name) or self._connect(name)
+            if pf.info is not None:
+                self._post(PeerInfo(room, pf.peer, first_mismatch(self.ours, pf.info)))
+            else:
+                pf.waiting_rooms.append(room)
+
+    def _connect(self, name: str) -> _Prefill:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        sock.setsockopt(zmq.IDENTITY, f"{self.name}#{self.incarnation}".encode())
+        sock.connect(f"tcp://{name}")
+        pf = self._prefills[name] = _Prefill(sock=sock, name=name, waiting_rooms=[])
+        self._ask_info(pf)
+        return pf
+
+    def _ask_info(self, pf: _Prefill) -> None:
+        pf.asked_at = time.monotonic()
+        pf.sock.send(p.encode(p.GetInfo(self.incarnation)), zmq.NOBLOCK)
+
+    def _retry_info(self) -> None:
+        now = time.monotonic()
+        for pf in self._prefills.values():
+            if pf.waiting_rooms and now - pf.asked_at > self.INFO_RETRY_S:
+                self._ask_info(pf)
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        pf = next(pf for pf in self._prefills.values() if pf.sock is sock)
+        while True:
+            try:
+                frame = sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            msg = self._decode(frame, pf.name)
+            if msg is not None:
+                self._dispatch(pf, msg)
+
+    def _dispatch(self, pf: _Prefill, msg) -> None:
+        if isinstance(msg, p.Info):
+            self._learn(pf, msg)
+        elif isinstance(msg, p.Heartbeat):
+            pf.sock.send(p.encode(p.HeartbeatAck(self.incarnation, msg.seq)), zmq.NOBLOCK)
+            if pf.info is not None and msg.incarnation == pf.info.incarnation:
+                self._post(PeerHeard(pf.peer, fresh=False))
+        elif isinstance(msg, p.HeartbeatAck):
+            if pf.info is not None and msg.incarnation != pf.info.incarnation:
+                self._ask_info(pf)  # restarted: a new incarnation answers on this address
+            elif pf.info is not None:
+                self._post(PeerHeard(pf.peer, fresh=True))
+        elif hasattr(msg, "incarnation"):
+            self._post(FromPeer(Peer(pf.name, msg.incarnation), msg))
+
+    def _learn(self, pf: _Prefill, info: p.Info) -> None:
+        new = pf.info is None or pf.info.incarnation != info.incarnation
+        pf.info = info
+        mismatch = first_mismatch(self.ours, info)
+        if new:
+            self._post(PeerHeard(pf.peer, fresh=True))  # older incarnations of this name are lost
+            if mismatch is None:
+                agent, metadata = self._agent
+                pf.sock.send(p.encode(p.RegisterPeer(self.incarnation, info.incarnation, agent, metadata)), zmq.NOBLOCK)
+        for room in pf.waiting_rooms:
+            self._post(PeerInfo(room, pf.peer, mismatch))
+        pf.waiting_rooms.clear()
+
+    def _send_frame(self, peer: Peer, frame: bytes) -> None:
+        pf = self._prefills.get(peer.name)
+        # never hand a message meant for one incarnation to another
+        if pf is not None and pf.info is not None and pf.info.incarnation == peer.incarnation:
+            pf.sock.send(frame, zmq.NOBLOCK)
+
+    def close(self) -> None:
+        self.stop()
+        for pf in self._prefills.values():
+            pf.sock.close(0)
