@@ -49,7 +49,8 @@ class ReservePages:
 
 @dataclass(frozen=True)
 class Cancel:
-    """Drop the room from every engine queue and batch; a no-op where it is absent."""
+    """Drop the room from every engine queue and batch; a no-op where it is absent. Frees
+    nothing: pages given to a room are its own until ``FreePages`` / ``ReleaseQuarantine``."""
 
     room: int
     rid: str

@@ -142,8 +142,9 @@ class RoomTable:
         return sorted(room for room, r in self._rooms.items() if not is_terminal(r.state))
 
     def is_idle(self) -> bool:
-        """Nothing live, held, pending or remembered."""
-        return not self._rooms and not self._tombstones and not len(self._timers) and not len(self.peers)
+        """Nothing live, held, pending or remembered (rooms, tombstones, peers, lost peers)."""
+        return (not self._rooms and not self._tombstones and not len(self._timers) and not len(self.peers)
+                and self.peers.next_due() is None)
 
     def counts_by_state(self) -> dict[str, int]:
         """Gauges: live rooms by state (every state, zeros included), held rooms, tombstones."""
