@@ -152,14 +152,19 @@ class DisaggEngine(AsyncEngine):
         outs += self.engine.abort_all(reason, code)
         return outs
 
-    def stats(self) -> dict:
-        stats = super().stats()
-        if self.table is not None:
-            stats["queues"] = self.table.counts_by_state()
+    def _collect_stats(self) -> dict:
+        stats = super()._collect_stats()
+        counts = self.table.counts_by_state()
+        live = {state.value for state in self.table._live_states()}
+        stats["queues"] = {name: n for name, n in counts.items() if name in live}
+        stats["lifecycle"] = {name: n for name, n in counts.items() if name not in live}
+        stats["outcomes"] = dict(self.outcomes)
+        stats["notices"] = dict(self.notices)
         return stats
 
     def debug_requests(self) -> list[dict]:
-        return self.table.snapshot(time.monotonic()) if self.table is not None else []
+        """Thread-safe: a snapshot of every live room, taken on the engine loop."""
+        return self.ask_loop(lambda: self.table.snapshot(time.monotonic()))
 
     # -- actions ------------------------------------------------------------------------------
 
@@ -316,9 +321,9 @@ class DecodeEngine(DisaggEngine):
                                      self.post_event, self.deadlines.heartbeat_interval_s, self._control_faults)
         self.control.start()
 
-    def stats(self) -> dict:
-        stats = super().stats()
-        stats["pages_quarantined"] = sum(len(v) for v in getattr(self, "_quarantine", {}).values())
+    def _collect_stats(self) -> dict:
+        stats = super()._collect_stats()
+        stats["pages_quarantined"] = sum(len(v) for v in self._quarantine.values())
         return stats
 
     def _arrive(self, req: GenerateRequest, out: list[RequestOutput]) -> None:

@@ -11,11 +11,13 @@ server refuses at once (429) instead of queueing without bound.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Callable, Optional
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
@@ -42,6 +44,14 @@ class _Stop:
     reason: str
 
 
+@dataclass(frozen=True)
+class _Ask:
+    """Run ``fn`` on the engine loop and hand its result to ``future`` (reads of loop-owned state)."""
+
+    fn: Callable[[], object]
+    future: concurrent.futures.Future
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -52,7 +62,7 @@ class AsyncEngine:
         self._streams: dict[str, asyncio.Queue] = {}  # asyncio thread only
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
-        self._stats = None  # last EngineStats, published by the engine loop after each step
+        self._stats: Optional[dict] = None  # published by the engine loop after each iteration
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -63,7 +73,7 @@ class AsyncEngine:
 
     def start_loop(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Start the engine thread over ``self.engine``."""
-        self._stats = self.engine.stats()
+        self._stats = self._collect_stats()
         self._loop = loop
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -121,9 +131,14 @@ class AsyncEngine:
         self._inbox.put(_Abort(rid, reason, code))
 
     def stats(self) -> dict:
-        s = self._stats
-        if s is None:  # not started yet
+        """What the engine loop last published (any thread may call this)."""
+        if self._stats is None:  # not started yet
             return {"pages_free": 0, "pages_total": 0, "queues": {"waiting": 0, "running": 0}, "preemptions": 0}
+        return self._stats
+
+    def _collect_stats(self) -> dict:
+        """Runs on the engine loop: a fresh dict, never mutated after it is published."""
+        s = self.engine.stats()
         return {"pages_free": s.pages_free, "pages_total": s.pages_total,
                 "queues": {"waiting": s.waiting, "running": s.running}, "preemptions": s.preemptions}
 
@@ -146,15 +161,18 @@ class AsyncEngine:
                 events = self._take_events(self._wait_s())
                 outputs: list[RequestOutput] = []
                 for ev in events:
+                    if isinstance(ev, _Ask):
+                        self._answer_ask(ev)
+                        continue
                     if isinstance(ev, _Stop):
                         self._post(self._stop_all(ev.reason))
-                        self._stats = engine.stats()
+                        self._stats = self._collect_stats()
                         return
                     outputs += self._handle(ev)
                 outputs += self._tick()
                 if engine.has_work():
                     outputs += self._step()
-                self._stats = engine.stats()
+                self._stats = self._collect_stats()
                 self._post(outputs)
             except Exception:  # never die silently: log, fail what is live, keep serving
                 log.exception("engine loop error; failing all live requests")
@@ -185,6 +203,28 @@ class AsyncEngine:
         except queue.Empty:
             pass
         return events
+
+    def ask_loop(self, fn: Callable[[], object], timeout: float = 5.0):
+        """Thread-safe: run ``fn`` on the engine loop and return its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Ask(fn, future))
+        return future.result(timeout)
+
+    @staticmethod
+    def _answer_ask(ask: _Ask) -> None:
+        try:
+            ask.future.set_result(ask.fn())
+        except Exception as exc:  # the asker gets the error; the loop goes on
+            ask.future.set_exception(exc)
+
+    def debug_requests(self) -> list[dict]:
+        """Thread-safe: every live request, as ``/debug/requests`` shows it."""
+        def snapshot() -> list[dict]:
+            now = time.monotonic()
+            return [{"rid": seq.rid, "room": None, "role": "colocated", "state": seq.status.value.upper(),
+                     "age_s": round(now - seq.arrival, 3), "state_age_s": None, "deadline_s": None,
+                     "late": False, "peer": None} for seq in self.engine.live_sequences()]
+        return self.ask_loop(snapshot)
 
     def post_event(self, event: object) -> None:
         """Thread-safe: hand an event to the engine loop (used by the disaggregation threads)."""

@@ -123,6 +123,9 @@ class LLMEngine:
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop)
         return seq
 
+    def live_sequences(self) -> list[Sequence]:
+        return list(self._seqs.values())
+
     def sequence(self, rid: str) -> Optional[Sequence]:
         return self._seqs.get(rid)
 

@@ -89,6 +89,7 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_get("/get_model_info", _model_info)
+    app.router.add_get("/debug/requests", _debug_requests)
     return app
 
 
@@ -147,6 +148,14 @@ async def _health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
     status = "draining" if state.draining or state.engine.draining else "loading"
     return web.json_response({"status": status}, status=503)
+
+
+async def _debug_requests(request: web.Request) -> web.Response:
+    """Every live request: rid, room, role, state, age_s, state_age_s, deadline_s, late, peer."""
+    state = request.app[STATE]
+    _require_ready(state)
+    rows = await asyncio.get_running_loop().run_in_executor(None, state.engine.debug_requests)
+    return web.json_response(rows)
 
 
 def _require_ready(state: WorkerState) -> None:

@@ -26,6 +26,13 @@ class WorkerMetrics:
                        callback=lambda: self._stat("pages_total"))
         registry.gauge("splitserve_queue_requests", "Requests in each engine queue.", ["role", "queue"],
                        callback=lambda: {(role, q): n for q, n in (self._stat("queues") or {}).items()})
+        registry.gauge("splitserve_lifecycle_entries",
+                       "Prefill/decode bookkeeping that is not a live request: tombstones, pending registrations, "
+                       "rooms holding memory after their end (held_writes, quarantined).", ["role", "kind"],
+                       callback=lambda: {(role, k): n for k, n in (self._stat("lifecycle") or {}).items()})
+        registry.gauge("splitserve_kv_pages_quarantined",
+                       "Decode: KV pages kept out of use because a remote write may still land in them.",
+                       callback=lambda: self._stat("pages_quarantined"))
         self.http_inflight = registry.gauge("splitserve_http_inflight_requests",
                                             "Generation requests the HTTP front end is serving now.")
         self.requests = registry.counter(
@@ -51,7 +58,7 @@ class WorkerMetrics:
             if not self._engine.ready:
                 return None
             self._started = True
-        return self._engine.stats()[key]
+        return self._engine.stats().get(key)
 
     def record(self, endpoint: str, outcome: str, reason: str, seconds: float, prompt_tokens: int = 0,
                completion_tokens: int = 0, ttft: float | None = None) -> None:
