@@ -277,9 +277,27 @@ def test_generate_errors():
     bad({"input_ids": [1], "return_logprob": True}, "generate", param="return_logprob")
     bad({"input_ids": [1], "stream_options": {"include_usage": True}, "stream": True}, "generate",
         param="stream_options")
-    bad({"input_ids": [1], "model": MODEL}, "generate", param="model")
+    bad({"input_ids": [1], "model": "other"}, "generate", param="model", status=404)
+    bad({"input_ids": [1], "return_hidden_states": True}, "generate", param="return_hidden_states")
     ok({"input_ids": [1], "sampling_params": {"n": 1, "repetition_penalty": 1.0, "skip_special_tokens": True,
                                               "min_new_tokens": 0}}, "generate")
+
+
+def test_fields_sglang_gateway_adds_are_accepted_at_their_defaults():
+    # what `sglang_router.launch_router --pd-disaggregation` 0.3.2 adds to each request it forwards
+    ok({"model": None, "input_ids": [1], "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
+        "return_text_in_logprobs": False, "stream": False, "log_metrics": True, "return_hidden_states": False,
+        "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False,
+        "bootstrap_host": "127.0.0.1", "bootstrap_port": 31998, "bootstrap_room": 7}, "generate")
+    ok({"model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0.0, "stream": False, "echo": False,
+        "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False},
+       "completions")
+    ok({"messages": [{"role": "user", "content": "Hi"}], "model": MODEL, "logprobs": False,
+        "max_completion_tokens": 8, "stream": True, "temperature": 0.0, "no_stop_trim": False, "ignore_eos": False,
+        "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+        "stream_reasoning": True, "return_hidden_states": False}, "chat")
+    bad({"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True}, "chat",
+        param="continue_final_message")
 
 
 def test_generate_context_limit():

@@ -43,6 +43,7 @@ MAX_ROOM = 2**63
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 _ABSENT = object()
+_ANY_BOOL = object()  # a switch with no effect on the tokens (logging, reasoning display): any boolean
 
 # Fields of the OpenAI API we do not implement, with the value that means "not used".
 _NOOP = {
@@ -52,6 +53,10 @@ _NOOP = {
     "metadata": _ABSENT, "modalities": ["text"], "audio": _ABSENT, "prediction": _ABSENT,
     "reasoning_effort": _ABSENT, "service_tier": _ABSENT, "web_search_options": _ABSENT,
     "response_format": {"type": "text"}, "verbosity": _ABSENT,
+    # fields SGLang's gateway adds to every request it forwards, at their defaults
+    "return_text_in_logprobs": False, "return_hidden_states": False, "background": False,
+    "return_bytes": False, "return_entropy": False, "continue_final_message": False,
+    "log_metrics": _ANY_BOOL, "no_logs": _ANY_BOOL, "separate_reasoning": _ANY_BOOL, "stream_reasoning": _ANY_BOOL,
     # SGLang /generate sampling_params and request fields
     "min_p": 0, "repetition_penalty": 1, "min_new_tokens": 0, "skip_special_tokens": True,
     "spaces_between_special_tokens": True, "no_stop_trim": False, "return_logprob": False,
@@ -61,16 +66,18 @@ _NOOP = {
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "stop",
            "stop_token_ids", "ignore_eos", "seed", "user", "rid", "bootstrap_host", "bootstrap_port",
            "bootstrap_room"}
+_GATEWAY = {"no_stop_trim", "skip_special_tokens", "return_hidden_states"}
 _KNOWN = {
-    "completions": _COMMON | {"prompt", "n", "best_of", "echo", "suffix", "logprobs", "logit_bias",
+    "completions": _COMMON | _GATEWAY | {"prompt", "n", "best_of", "echo", "suffix", "logprobs", "logit_bias",
                               "presence_penalty", "frequency_penalty"},
-    "chat": _COMMON | {"messages", "max_completion_tokens", "n", "logprobs", "top_logprobs", "logit_bias",
+    "chat": _COMMON | _GATEWAY | {"continue_final_message", "separate_reasoning", "stream_reasoning", "messages", "max_completion_tokens", "n", "logprobs", "top_logprobs", "logit_bias",
                        "presence_penalty", "frequency_penalty", "tools", "tool_choice", "functions",
                        "function_call", "parallel_tool_calls", "response_format", "store", "metadata",
                        "modalities", "audio", "prediction", "reasoning_effort", "service_tier",
                        "web_search_options", "verbosity"},
-    "generate": {"text", "input_ids", "sampling_params", "stream", "rid", "bootstrap_host", "bootstrap_port",
-                 "bootstrap_room", "return_logprob", "image_data", "lora_path"},
+    "generate": {"model", "text", "input_ids", "sampling_params", "stream", "rid", "bootstrap_host", "bootstrap_port",
+                 "bootstrap_room", "return_logprob", "image_data", "lora_path", "return_text_in_logprobs",
+                 "log_metrics", "return_hidden_states", "background", "no_logs", "return_bytes", "return_entropy"},
 }
 _KNOWN_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
                    "seed", "sampling_seed", "n", "frequency_penalty", "presence_penalty", "repetition_penalty",
@@ -251,6 +258,8 @@ def _check_fields(obj: dict, known: set, prefix: str) -> None:
 def _is_noop(value: Any, noop: Any) -> bool:
     if noop is _ABSENT:
         return False
+    if noop is _ANY_BOOL:
+        return isinstance(value, bool)
     if isinstance(noop, bool) or isinstance(value, bool):
         return type(value) is type(noop) and value == noop
     return value == noop
