@@ -1,0 +1,102 @@
+"""Our prefill and decode workers behind SGLang's own gateway (`sglang_router.launch_router
+--pd-disaggregation`, the pinned sglang-router 0.3.2): it probes /health, /get_server_info and
+/get_model_info, then posts /generate and /v1/* with the bootstrap fields to both workers. The
+tokens must equal a colocated server's."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from conftest import ServerProcess, free_port
+
+pytest.importorskip("sglang_router")
+
+
+@pytest.fixture(scope="module")
+def gateway():
+    bootstrap = free_port()
+    procs = [ServerProcess("--role", "prefill", "--bootstrap-port", str(bootstrap)),
+             ServerProcess("--role", "decode"), ServerProcess()]
+    router = None
+    try:
+        for proc in procs:
+            proc.start()
+        prefill, decode, colocated = procs
+        port = free_port()
+        router = subprocess.Popen(
+            [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+             "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
+             "--host", "127.0.0.1", "--port", str(port)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                r = requests.post(url + "/generate", json={"input_ids": [11], "sampling_params": {"max_new_tokens": 1}},
+                                  timeout=10)
+                if r.status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert router.poll() is None, "sglang_router exited"
+            time.sleep(0.5)
+        else:
+            pytest.fail("sglang_router never answered")
+        yield url, prefill, decode, colocated
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        for proc in procs:
+            proc.stop()
+
+
+def test_generate_through_sglang_gateway_matches_colocated(gateway):
+    url, prefill, decode, colocated = gateway
+    rng = random.Random(3)
+    for n in (1, 16, 17, 100, 700, 1500):
+        body = {"input_ids": [rng.randint(10, 2047) for _ in range(n)],
+                "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
+        via_gateway = requests.post(url + "/generate", json=body, timeout=60)
+        reference = requests.post(colocated.url + "/generate", json=body, timeout=60)
+        assert via_gateway.status_code == 200, via_gateway.text
+        assert via_gateway.json()["output_ids"] == reference.json()["output_ids"], f"prompt of {n} tokens"
+
+
+@pytest.mark.parametrize("endpoint, body", [
+    ("/v1/completions", {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 12, "temperature": 0}),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hello there"}],
+                              "max_tokens": 12, "temperature": 0}),
+])
+def test_openai_endpoints_through_sglang_gateway_match_colocated(gateway, endpoint, body):
+    url, prefill, decode, colocated = gateway
+    got = requests.post(url + endpoint, json=body, timeout=60)
+    want = requests.post(colocated.url + endpoint, json=body, timeout=60)
+    assert got.status_code == 200, got.text
+
+    def text(r):
+        choice = r.json()["choices"][0]
+        return choice.get("text", choice.get("message", {}).get("content"))
+
+    assert text(got) == text(want)
+    assert got.json()["usage"] == want.json()["usage"]
+
+
+def test_pages_come_back_after_the_gateway_runs(gateway):
+    _, prefill, decode, _ = gateway
+    for worker in (prefill, decode):
+        deadline = time.monotonic() + 10
+        while True:
+            m = requests.get(worker.url + "/metrics", timeout=5).text
+            free = next(float(l.split()[-1]) for l in m.splitlines() if l.startswith("splitserve_kv_pages_free "))
+            total = next(float(l.split()[-1]) for l in m.splitlines() if l.startswith("splitserve_kv_pages_total "))
+            if free == total or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert free == total
