@@ -151,3 +151,16 @@ def test_stop_strings_eos_and_abort_end_requests_and_free_pages(tiny_llama):
     assert out.finished and out.error and out.finish_reason is None
     assert engine.abort("a") is None  # a second abort is a no-op
     assert_pool_full(engine)
+
+
+def test_a_step_of_prompt_chunks_only_samples_nothing(tiny_llama):
+    # a prompt longer than the step budget: the first steps run chunks and sample no token
+    engine = make_engine(tiny_llama, max_batch_tokens=64)
+    prompt = tuple(prompts(2048, [200], seed=4)[0])
+    engine.add_request(GenerateRequest("long", prompt, SamplingParams(temperature=0.0, max_tokens=4)))
+    assert engine.step() == [] and engine.step() == [] and engine.step() == []
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    assert merge_outputs(outs).token_ids == tuple(hf_greedy(tiny_llama, list(prompt), 4))
+    assert_pool_full(engine)

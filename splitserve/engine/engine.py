@@ -180,6 +180,8 @@ class LLMEngine:
         sampling = [item for item in batch if item.samples]
         for item in batch:
             item.seq.num_computed += item.num_tokens
+        if not sampling:  # only prompt chunks ran: nothing to sample
+            return []
         tokens = sample_batch(logits, [i.seq.sampling for i in sampling], [i.seq.seed for i in sampling],
                               [len(i.seq) for i in sampling])
         outputs = []
