@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test check-long bench clean
+.PHONY: install run run-colocated test check-long bench clean
 
 install: $(STAMP)
 
@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[nixl,test]'
 	touch $(STAMP)
 
+# a router on :8000 in front of one prefill and one decode worker (KV over NIXL), on the tiny model
 run: install
+	$(BIN)/splitserve launch --model tiny --port 8000
+
+# one worker doing both prefill and decode
+run-colocated: install
 	$(BIN)/splitserve serve --model tiny --host 127.0.0.1 --port 8000
 
 test: install
