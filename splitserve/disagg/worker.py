@@ -177,7 +177,7 @@ class DisaggEngine(AsyncEngine):
             self._send(a.peer, a.msg)
         elif isinstance(a, Cancel):
             seq = self.engine.cancel(a.rid)
-            if seq is not None:
+            if seq is not None and seq.pages:  # its room frees them (FreePages)
                 self._seqs.setdefault(a.room, seq)
         elif isinstance(a, FreePages):
             self._free(a.room, a.pages)
