@@ -142,7 +142,7 @@ def test_greedy_generate_never_stops_and_depends_on_context(built, arch):
     base, altered = probes[tiny._BASE], probes[tiny._BASE + 1]
     prompts = [tok.encode(t) for t in texts] + [base, altered]
     outputs = []
-    with torch.inference_mode():
+    with torch.inference_mode(), tiny._one_torch_thread():  # decode-sized ops: see the helper
         for ids in prompts:
             out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids),
                                  dtype=torch.long), do_sample=False, max_new_tokens=32)
@@ -153,13 +153,6 @@ def test_greedy_generate_never_stops_and_depends_on_context(built, arch):
     assert outputs[-1] != outputs[-2], "changing one early token did not change the output"
     assert len(set(outputs[-2])) >= 8
     assert len({tuple(o) for o in outputs}) == len(outputs)
-
-
-def test_same_seed_gives_identical_files(built, tmp_path):
-    again = build_tiny_model(tmp_path / "again", arch="llama", seed=0)
-    for name in ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json"):
-        assert (again / name).read_bytes() == (built["llama"] / name).read_bytes(), name
-    assert _report(again)["effective_seed"] == _report(built["llama"])["effective_seed"]
 
 
 def test_candidate_seeds_are_fixed():
@@ -183,23 +176,75 @@ def test_cache_dir_is_read_at_call_time(monkeypatch, tmp_path):
     assert tiny_model_cache_dir() == tmp_path / "home" / ".cache" / "splitserve"
 
 
-def test_cache_builds_once_reuses_and_replaces_a_broken_folder(built, monkeypatch, tmp_path):
-    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
-    path = tiny_model_path("llama", seed=0)
-    assert path.parent == tmp_path and f"v{tiny.FORMAT_VERSION}" in path.name
-    assert (path / "model.safetensors").read_bytes() == \
-        (built["llama"] / "model.safetensors").read_bytes()
+@pytest.fixture(scope="module")
+def llama_cache(tmp_path_factory) -> Path:
+    """A cache folder in which tiny_model_path("llama", 0) has built once."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPLITSERVE_CACHE", str(root))
+        tiny_model_path("llama", seed=0)
+    return root
+
+
+def test_same_seed_gives_identical_files(built, llama_cache):
+    """The cache's build and the fixture's are two independent builds of llama seed 0."""
+    again = llama_cache / f"tiny-llama-seed0-v{tiny.FORMAT_VERSION}"
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "config.json",
+                 "generation_config.json"):
+        assert (again / name).read_bytes() == (built["llama"] / name).read_bytes(), name
+    assert _report(again)["effective_seed"] == _report(built["llama"])["effective_seed"]
+
+
+def test_cache_builds_once_and_reuses(llama_cache, monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(llama_cache))
+    path = llama_cache / f"tiny-llama-seed0-v{tiny.FORMAT_VERSION}"
     stamp = (path / REPORT_NAME).stat()
+    assert tiny_model_path("llama", seed=0) == path
     assert tiny_model_path("llama", seed=0) == path
     assert (path / REPORT_NAME).stat().st_mtime_ns == stamp.st_mtime_ns  # not rebuilt
     assert (path / REPORT_NAME).stat().st_ino == stamp.st_ino
-    assert not list(tmp_path.glob(".*tmp*"))
+    assert [p.name for p in llama_cache.iterdir() if not p.name.endswith(".lock")] == [path.name]
 
-    (path / "model.safetensors").unlink()  # a broken folder is rebuilt, not trusted
-    assert tiny_model_path("llama", seed=0) == path
-    assert (path / "model.safetensors").read_bytes() == \
-        (built["llama"] / "model.safetensors").read_bytes()
-    assert not list(tmp_path.glob(".*tmp*"))
+
+def _fake_build(calls: list):
+    """Stands in for build_tiny_model: writes a complete-looking folder, counts calls."""
+    def build(out_dir, arch="llama", seed=0):
+        calls.append((Path(out_dir), arch, seed))
+        out = Path(out_dir)
+        for name in FILES:
+            (out / name).write_text("{}")
+        (out / REPORT_NAME).write_text(json.dumps({"ok": True,
+                                                   "format_version": tiny.FORMAT_VERSION}))
+        return out
+    return build
+
+
+def test_cache_replaces_broken_folders_and_cleans_up(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
+    calls: list = []
+    monkeypatch.setattr(tiny, "build_tiny_model", _fake_build(calls))
+    final = tmp_path / f"tiny-qwen3-seed5-v{tiny.FORMAT_VERSION}"
+    crashed = tmp_path / f".{final.name}.tmp-abc123"  # left by a build that was killed
+    crashed.mkdir()
+    assert tiny_model_path("qwen3", seed=5) == final
+    assert tiny_model_path("qwen3", seed=5) == final
+    assert len(calls) == 1 and calls[0][1:] == ("qwen3", 5)
+    assert calls[0][0].parent == tmp_path and calls[0][0].name.startswith(f".{final.name}.tmp-")
+    assert not crashed.exists() and not calls[0][0].exists()
+
+    (final / "model.safetensors").unlink()  # broken: rebuilt, never trusted
+    assert tiny_model_path("qwen3", seed=5) == final and len(calls) == 2
+    assert (final / "model.safetensors").is_file()
+    (final / REPORT_NAME).write_text(json.dumps({"ok": False, "format_version": 1}))
+    assert tiny_model_path("qwen3", seed=5) == final and len(calls) == 3
+
+    def failing(out_dir, arch="llama", seed=0):
+        (Path(out_dir) / "partial").write_text("x")
+        raise tiny.TinyModelCheckError("no seed passed")
+    monkeypatch.setattr(tiny, "build_tiny_model", failing)
+    with pytest.raises(tiny.TinyModelCheckError):
+        tiny_model_path("llama", seed=9)
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == [final.name]
 
 
 def test_concurrent_callers_share_one_build(monkeypatch, tmp_path):
