@@ -1,0 +1,256 @@
+"""Disaggregated serving end to end: real prefill and decode workers, KV pages over NIXL (or the
+built-in ``tcp`` backend), the router in front, and a colocated worker as the reference. What the
+client gets through the split path must be token for token what one colocated worker gives, and
+every worker must hand all its KV pages back afterwards.
+
+- 50 prompts of 1 to 3,000 tokens (page boundaries at 16, chunk boundaries at 2,048: the default
+  ``--max-batch-tokens``), greedy, every other one streamed, four at a time: 1 prefill + 1 decode
+  over nixl.
+- About ten prompts each with 2 prefill + 2 decode workers (nixl) and 1 + 1 over tcp.
+- A seeded sampled request (temperature 0.8, top_p 0.9, seed 1234).
+- ``/v1/completions`` and ``/v1/chat/completions``, plain and streamed.
+- Requests that end on the prefill worker (one new token; a stop token id or a stop string that
+  the first token matches) still get their answer from decode.
+
+The clusters are started once (the 1 + 1 nixl cluster per module, the others within their test);
+the colocated reference is the session's shared ``server``. The file's duration is printed at
+the end of the module.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from cluster import Cluster, generate, metric_sum, metrics, pages_back_to_total, post_generate, sse_events
+
+NEW_TOKENS = 8
+CONCURRENCY = 4
+VOCAB_LO, VOCAB_HI = 10, 2047  # ordinary tokens of the tiny model
+# Around page (16) and chunk (2048, the default --max-batch-tokens) boundaries, and the longest.
+BOUNDARY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 255, 256, 257, 2047, 2048, 2049, 3000]
+GREEDY = {"temperature": 0}
+
+
+def random_prompts(n: int, seed: int, fixed=(), max_len: int = 3000) -> list[list[int]]:
+    """``n`` prompts of random ordinary ids: first the ``fixed`` lengths, then lengths drawn
+    log-uniformly from 1..``max_len`` (mostly short ones: long prompts cost two CPU cores dearly,
+    and the boundaries that matter are in ``fixed``)."""
+    rng = random.Random(seed)
+    lengths = list(fixed)[:n]
+    lengths += [min(max_len, int(math.exp(rng.uniform(0, math.log(max_len + 1))))) or 1
+                for _ in range(n - len(lengths))]
+    rng.shuffle(lengths)  # long and short prompts mixed in every batch of concurrent requests
+    return [[rng.randint(VOCAB_LO, VOCAB_HI) for _ in range(length)] for length in lengths]
+
+
+def run_all(url: str, prompts: list[list[int]], stream_every_other: bool, **sampling) -> list[list[int]]:
+    """Every prompt through ``url``, ``CONCURRENCY`` at a time (prompt i streamed when i is odd)."""
+    def one(i: int) -> list[int]:
+        return generate(url, prompts[i], NEW_TOKENS, stream=stream_every_other and i % 2 == 1, **sampling)
+
+    with ThreadPoolExecutor(CONCURRENCY) as pool:
+        return list(pool.map(one, range(len(prompts))))
+
+
+def assert_same(prompts, got, want, what: str) -> None:
+    bad = [(i, len(prompts[i]), got[i], want[i]) for i in range(len(prompts)) if got[i] != want[i]]
+    assert not bad, f"{what}: {len(bad)} of {len(prompts)} differ from colocated " \
+                    f"(index, prompt length, disaggregated, colocated): {bad[:5]}"
+    assert all(len(w) == NEW_TOKENS for w in want), "the reference stopped early: the comparison is weaker"
+
+
+TIMES: dict[str, float] = {}  # what took how long, printed at the end of the module
+
+
+class timer:
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self):
+        self.started = time.monotonic()
+
+    def __exit__(self, *exc):
+        TIMES[self.what] = TIMES.get(self.what, 0.0) + time.monotonic() - self.started
+
+
+@pytest.fixture(scope="module", autouse=True)
+def timed(request):
+    """Print how long this file took (and its main parts), past pytest's output capture."""
+    started = time.monotonic()
+    yield
+    parts = ", ".join(f"{k} {v:.1f}s" for k, v in TIMES.items())
+    line = f"{request.module.__name__}: {time.monotonic() - started:.1f}s ({parts})"
+    capman = request.config.pluginmanager.getplugin("capturemanager")
+    reporter = request.config.pluginmanager.getplugin("terminalreporter")
+    if capman is None or reporter is None:
+        print(line)
+        return
+    with capman.global_and_fixture_disabled():
+        reporter.write_line("\n" + line)
+
+
+@pytest.fixture(scope="module")
+def pd():
+    """One prefill and one decode worker over nixl, with the router in front."""
+    with timer("start 1+1"):
+        cluster = Cluster(prefill=1, decode=1, backend="nixl").start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def colocated(server):
+    return server
+
+
+# -- greedy: token for token the colocated answer ----------------------------------------------------
+
+
+def test_fifty_prompts_match_colocated(pd, colocated):
+    prompts = random_prompts(50, seed=20250101, fixed=BOUNDARY_LENGTHS)
+    assert {1, 15, 16, 17, 2047, 2048, 2049, 3000} <= {len(p) for p in prompts}
+    with timer("50 colocated"):
+        want = run_all(colocated.url, prompts, stream_every_other=False, **GREEDY)
+    with timer("50 disaggregated"):
+        got = run_all(pd.url, prompts, stream_every_other=True, **GREEDY)
+    assert_same(prompts, got, want, "1 prefill + 1 decode over nixl")
+    for worker in pd.workers + [colocated]:
+        pages_back_to_total(worker)
+    prefill, decode = pd.prefill[0], pd.decode[0]
+    assert metric_sum(metrics(prefill), "splitserve_requests_total", outcome="finished") >= 50
+    assert metric_sum(metrics(decode), "splitserve_requests_total", outcome="finished") >= 50
+    assert "ended FINISHED(transferred)" in prefill.stderr()
+
+
+@pytest.fixture(scope="module")
+def ten_prompts(colocated):
+    """Ten prompts and their colocated greedy answers, shared by the other cluster shapes."""
+    prompts = random_prompts(10, seed=7, fixed=[1, 16, 17, 2049, 3000])
+    with timer("10 colocated"):
+        return prompts, run_all(colocated.url, prompts, stream_every_other=False, **GREEDY)
+
+
+@pytest.mark.parametrize("backend, n", [("nixl", 2), ("tcp", 1)], ids=["nixl-2x2", "tcp-1x1"])
+def test_other_shapes_match_colocated(ten_prompts, backend, n):
+    prompts, want = ten_prompts
+    with timer(f"start {backend} {n}+{n}"):
+        cluster = Cluster(prefill=n, decode=n, backend=backend).start()
+    with cluster, timer(f"10 {backend} {n}+{n}"):
+        got = run_all(cluster.url, prompts, stream_every_other=True, **GREEDY)
+        assert_same(prompts, got, want, f"{n} prefill + {n} decode over {backend}")
+        for worker in cluster.workers:
+            pages_back_to_total(worker)
+            served = metric_sum(metrics(worker), "splitserve_requests_total", outcome="finished")
+            assert served >= 1, f"{worker.role} worker {worker.url} served nothing: the router used one only"
+
+
+# -- sampling -----------------------------------------------------------------------------------------
+
+
+def test_seeded_sampling_matches_colocated(pd, colocated):
+    prompt = random_prompts(1, seed=99, fixed=[40])[0]
+    sampling = {"temperature": 0.8, "top_p": 0.9, "seed": 1234}
+    with timer("sampling colocated"):
+        want = generate(colocated.url, prompt, 24, **sampling)
+        greedy = generate(colocated.url, prompt, 24, **GREEDY)
+        again = generate(colocated.url, prompt, 24, **sampling)
+    assert want != greedy, "the sampled answer is the greedy one: this test would prove nothing"
+    assert again == want, "colocated sampling is not reproducible"
+    with timer("sampling disaggregated"):
+        assert generate(pd.url, prompt, 24, **sampling) == want
+        assert generate(pd.url, prompt, 24, stream=True, **sampling) == want
+    pages_back_to_total(pd.decode[0])
+
+
+# -- the OpenAI API through the router ----------------------------------------------------------------
+
+
+def _openai(url: str, path: str, body: dict) -> tuple[str, str]:
+    """(text, finish_reason) of a completion or chat completion, plain or streamed."""
+    resp = requests.post(url + path, json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    chat = path.endswith("chat/completions")
+    if not body.get("stream"):
+        choice = resp.json()["choices"][0]
+        return (choice["message"]["content"] if chat else choice["text"]), choice["finish_reason"]
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]", resp.text
+    assert not any("error" in e for e in events[:-1]), resp.text
+    text, reason = "", None
+    for event in events[:-1]:
+        choice = event["choices"][0]
+        text += (choice["delta"].get("content") or "") if chat else choice["text"]
+        reason = choice.get("finish_reason") or reason
+    return text, reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "The quick brown fox jumps over the lazy dog. Once upon a time", "max_tokens": 12}),
+    ("/v1/chat/completions", {"messages": [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "Tell me about the sea."}],
+                              "max_tokens": 12}),
+], ids=["completions", "chat"])
+def test_openai_api_matches_colocated(pd, colocated, path, body, stream):
+    body = {**body, "temperature": 0, "stream": stream}
+    want = _openai(colocated.url, path, body)
+    assert want[0], "the reference answered no text: the comparison would be empty"
+    assert _openai(pd.url, path, body) == want
+
+
+# -- requests that end on the prefill worker ----------------------------------------------------------
+
+
+def _generate_body(url: str, prompt, stream: bool, **sampling) -> dict:
+    """The final ``/generate`` body (the last SSE chunk when streamed)."""
+    resp = post_generate(url, prompt, sampling.pop("max_new_tokens"), stream, **sampling)
+    assert resp.status_code == 200, resp.text
+    if not stream:
+        return resp.json()
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), resp.text
+    return events[-2]
+
+
+def _first_token(colocated, prompt) -> tuple[int, str]:
+    body = _generate_body(colocated.url, prompt, False, max_new_tokens=1, **GREEDY)
+    return body["output_ids"][0], body["text"]
+
+
+@pytest.fixture(scope="module")
+def prompt_with_text(colocated):
+    """A prompt whose first greedy token decodes to non-empty text not seen again in the answer."""
+    for prompt in random_prompts(20, seed=5, max_len=60):
+        token, text = _first_token(colocated, prompt)
+        rest = generate(colocated.url, prompt, NEW_TOKENS, **GREEDY)
+        if text.strip() and rest[1:].count(token) == 0:
+            return prompt, token, text
+    pytest.fail("no prompt of 20 starts with a token that has text")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("case", ["max_new_tokens_1", "stop_token_id", "stop_string"])
+def test_finished_on_prefill_still_answered_by_decode(pd, colocated, prompt_with_text, case, stream):
+    prompt, token, text = prompt_with_text
+    sampling = {"max_new_tokens": NEW_TOKENS, **GREEDY}
+    if case == "max_new_tokens_1":
+        sampling["max_new_tokens"] = 1
+    elif case == "stop_token_id":
+        sampling["stop_token_ids"] = [token]
+    else:
+        sampling["stop"] = [text]
+    want = _generate_body(colocated.url, prompt, stream, **sampling)
+    got = _generate_body(pd.url, prompt, stream, **sampling)
+    assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"], (got, want)
+    assert got["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+    assert len(want["output_ids"]) <= 1  # the answer ended with the first token: on prefill
+    pages_back_to_total(pd.decode[0])
+    pages_back_to_total(pd.prefill[0])
