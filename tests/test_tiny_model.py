@@ -1,7 +1,8 @@
 """The built-in tiny model: files, loading, tokenizer, chat template, build-time guarantees, cache.
 
-Builds cost ~1-3 s each on two cores; the module builds each arch once (fixture `built`), and
-the cache tests build llama (twice: fresh, then after breaking it) and qwen2 (concurrently).
+Builds cost ~1-3 s each; the module builds five times: each arch once (fixture `built`), llama
+again through the cache (`llama_cache`, also the byte-identity check) and qwen2 by three racing
+processes. Broken folders and crashed builds are exercised with a fake builder.
 """
 
 from __future__ import annotations
