@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Optional
+from typing import Callable, Optional
 
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.disagg import protocol as p
@@ -68,7 +68,9 @@ class DisaggEngine(AsyncEngine):
         self._seqs: dict[int, Sequence] = {}  # room -> its engine sequence (holds the pages)
         self.outcomes: Counter = Counter()  # (outcome, reason) -> count, from CountOutcome
         self.notices: Counter = Counter()
-        self.state_seconds: list[tuple[str, float]] = []
+        # set by the worker's metrics (called on the engine loop; the metric objects are thread-safe)
+        self.on_outcome: Optional[Callable[[str, str], None]] = None
+        self.on_state_time: Optional[Callable[[str, float], None]] = None
 
     @property
     def advertise_host(self) -> str:
@@ -186,10 +188,13 @@ class DisaggEngine(AsyncEngine):
         elif isinstance(a, LogTerminal):
             log.info(a.line())
         elif isinstance(a, CountOutcome):
-            self.outcomes[(a.outcome.value.lower(), a.reason.value)] += 1
+            outcome = a.outcome.value.lower()
+            self.outcomes[(outcome, a.reason.value)] += 1
+            if self.on_outcome is not None:
+                self.on_outcome(outcome, a.reason.value)
         elif isinstance(a, ObserveStateTime):
-            self.state_seconds.append((a.state.value, a.seconds))
-            del self.state_seconds[:-10000]
+            if self.on_state_time is not None:
+                self.on_state_time(a.state.value, a.seconds)
         elif isinstance(a, Notice):
             self.notices[a.kind.value] += 1
             log.info("%s notice %s room=%s %s", a.role.value, a.kind.value, a.room, a.detail)

@@ -48,6 +48,12 @@ class WorkerMetrics:
         self.request_seconds = registry.histogram("splitserve_request_duration_seconds",
                                                   "Time from arrival to the end of a generation request.",
                                                   ["role", "endpoint", "outcome"], buckets=LATENCY_BUCKETS)
+        self.state_seconds = registry.histogram("splitserve_state_seconds",
+                                                "Prefill/decode: time a request spent in each lifecycle state.",
+                                                ["role", "state"], buckets=LATENCY_BUCKETS)
+        if role != "colocated":  # the lifecycle counts its rooms' ends, with the lifecycle's reasons
+            engine.on_outcome = lambda outcome, reason: self.requests.labels(role, outcome, reason).inc()
+            engine.on_state_time = lambda state, s: self.state_seconds.labels(role, state).observe(s)
         self.ttft_seconds = registry.histogram("splitserve_time_to_first_token_seconds",
                                                "Time from arrival to the first generated token.",
                                                ["role", "endpoint"], buckets=LATENCY_BUCKETS)
@@ -62,7 +68,8 @@ class WorkerMetrics:
 
     def record(self, endpoint: str, outcome: str, reason: str, seconds: float, prompt_tokens: int = 0,
                completion_tokens: int = 0, ttft: float | None = None) -> None:
-        self.requests.labels(role=self.role, outcome=outcome, reason=reason).inc()
+        if self.role == "colocated":  # prefill/decode workers count in the lifecycle (above)
+            self.requests.labels(role=self.role, outcome=outcome, reason=reason).inc()
         self.request_seconds.labels(role=self.role, endpoint=endpoint, outcome=outcome).observe(seconds)
         if outcome == "finished":
             self.prompt_tokens.labels(role=self.role).inc(prompt_tokens)
