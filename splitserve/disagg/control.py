@@ -212,7 +212,7 @@ class _Prefill:
     name: str  # host:port
     info: Optional[p.Info] = None
     asked_at: float = 0.0
-    waiting_rooms: list = None  # rooms waiting for its info
+    waiting_rooms: list = None  # (room, since): rooms waiting for its info
 
     @property
     def peer(self) -> Optional[Peer]:
@@ -225,8 +225,10 @@ class DecodeControl(_ControlThread):
     INFO_RETRY_S = 1.0
 
     def __init__(self, name: str, ours: p.Info, agent_name: str, agent_metadata: bytes,
-                 post: Callable[[object], None], heartbeat_s: float, faults: Optional[ControlFaults] = None):
+                 post: Callable[[object], None], heartbeat_s: float, info_wait_s: float,
+                 faults: Optional[ControlFaults] = None):
         super().__init__("control-decode", ours.incarnation, post, heartbeat_s, faults)
+        self._info_wait_s = info_wait_s  # a room waits this long for an address's info (its PREALLOC limit)
         self.name = name
         self.ours = ours
         self._agent = (agent_name, agent_metadata)
@@ -238,14 +240,11 @@ class DecodeControl(_ControlThread):
         self._requests.put((room, f"{host}:{port}"))
 
     def serve(self) -> None:
-        poller = zmq.Poller()
-        registered: set[int] = set()
         while not self.stopping.is_set():
             self._take_requests()
+            poller = zmq.Poller()
             for pf in self._prefills.values():
-                if id(pf.sock) not in registered:
-                    poller.register(pf.sock, zmq.POLLIN)
-                    registered.add(id(pf.sock))
+                poller.register(pf.sock, zmq.POLLIN)
             for sock, _ in poller.poll(POLL_MS) if self._prefills else []:
                 self._receive(sock)
             if not self._prefills:
@@ -268,7 +267,7 @@ class DecodeControl(_ControlThread):
             if pf.info is not None:
                 self._post(PeerInfo(room, pf.peer, first_mismatch(self.ours, pf.info)))
             else:
-                pf.waiting_rooms.append(room)
+                pf.waiting_rooms.append((room, time.monotonic()))
 
     def _connect(self, name: str) -> _Prefill:
         sock = self.ctx.socket(zmq.DEALER)
@@ -282,12 +281,25 @@ class DecodeControl(_ControlThread):
 
     def _ask_info(self, pf: _Prefill) -> None:
         pf.asked_at = time.monotonic()
-        pf.sock.send(p.encode(p.GetInfo(self.incarnation)), zmq.NOBLOCK)
+        self._try_send(pf, p.encode(p.GetInfo(self.incarnation)))
+
+    def _try_send(self, pf: _Prefill, frame: bytes) -> None:
+        try:
+            pf.sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:  # nobody there and the queue is full: the rooms' deadlines handle it
+            log.debug("control message to %s dropped: its queue is full", pf.name)
 
     def _retry_info(self) -> None:
+        """Ask again for info that has not come; give up on an address whose rooms have all
+        waited their limit (the room table has failed them by then) and close its socket."""
         now = time.monotonic()
-        for pf in self._prefills.values():
-            if pf.waiting_rooms and now - pf.asked_at > self.INFO_RETRY_S:
+        for name, pf in list(self._prefills.items()):
+            pf.waiting_rooms = [(room, since) for room, since in pf.waiting_rooms
+                                if now - since <= self._info_wait_s]
+            if pf.info is None and not pf.waiting_rooms:
+                pf.sock.close(0)
+                del self._prefills[name]
+            elif pf.waiting_rooms and now - pf.asked_at > self.INFO_RETRY_S:
                 self._ask_info(pf)
 
     def _receive(self, sock: zmq.Socket) -> None:
@@ -305,7 +317,7 @@ class DecodeControl(_ControlThread):
         if isinstance(msg, p.Info):
             self._learn(pf, msg)
         elif isinstance(msg, p.Heartbeat):
-            pf.sock.send(p.encode(p.HeartbeatAck(self.incarnation, msg.seq)), zmq.NOBLOCK)
+            self._try_send(pf, p.encode(p.HeartbeatAck(self.incarnation, msg.seq)))
             if pf.info is not None and msg.incarnation == pf.info.incarnation:
                 self._post(PeerHeard(pf.peer, fresh=False))
         elif isinstance(msg, p.HeartbeatAck):
@@ -324,8 +336,8 @@ class DecodeControl(_ControlThread):
             self._post(PeerHeard(pf.peer, fresh=True))  # older incarnations of this name are lost
             if mismatch is None:
                 agent, metadata = self._agent
-                pf.sock.send(p.encode(p.RegisterPeer(self.incarnation, info.incarnation, agent, metadata)), zmq.NOBLOCK)
-        for room in pf.waiting_rooms:
+                self._try_send(pf, p.encode(p.RegisterPeer(self.incarnation, info.incarnation, agent, metadata)))
+        for room, _ in pf.waiting_rooms:
             self._post(PeerInfo(room, pf.peer, mismatch))
         pf.waiting_rooms.clear()
 
@@ -333,7 +345,7 @@ class DecodeControl(_ControlThread):
         pf = self._prefills.get(peer.name)
         # never hand a message meant for one incarnation to another
         if pf is not None and pf.info is not None and pf.info.incarnation == peer.incarnation:
-            pf.sock.send(frame, zmq.NOBLOCK)
+            self._try_send(pf, frame)
 
     def close(self) -> None:
         self.stop()

@@ -135,6 +135,8 @@ class DisaggEngine(AsyncEngine):
         if room in self._requests:
             out.append(RequestOutput(rid=req.rid, finished=True, error_code=400,
                                      error=f"bootstrap_room {room} is already in use on this worker"))
+            if self.on_outcome is not None:  # never reached the lifecycle, which counts the rest
+                self.on_outcome("failed", Reason.BAD_REQUEST.value)
             return
         self._requests[room] = req
         self._rooms_of[req.rid] = room
@@ -323,7 +325,8 @@ class DecodeEngine(DisaggEngine):
         self._peers: dict[str, Peer] = {}  # prefill incarnation -> peer
         name = f"{self.advertise_host}:{self.server.port}"
         self.control = DecodeControl(name, self.info, self.backend.agent_name, self.backend.metadata(),
-                                     self.post_event, self.deadlines.heartbeat_interval_s, self._control_faults)
+                                     self.post_event, self.deadlines.heartbeat_interval_s,
+                                     self.deadlines.prealloc_s, self._control_faults)
         self.control.start()
 
     def _collect_stats(self) -> dict:

@@ -66,6 +66,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
     result = Outcome()
     acc = proto.Accumulator()
     rid = None
+    submitted = False  # the engine took the request (a prefill/decode worker's lifecycle counts it)
     state.metrics.http_inflight.inc()
     try:
         if not state.accepting():
@@ -82,6 +83,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             req: ValidatedRequest = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, check)
             rid = req.rid or uuid.uuid4().hex
             stream = engine.submit(req.generate_request(rid))
+            submitted = True
         except EngineError as exc:
             result.failed(exc.status)
             if exc.status >= 500:
@@ -101,7 +103,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
         seconds = time.monotonic() - started
         ttft = acc.first_token_at - started if acc.first_token_at is not None else None
         state.metrics.record(endpoint, result.outcome, result.reason, seconds, acc.prompt_tokens,
-                             acc.completion_tokens, ttft)
+                             acc.completion_tokens, ttft, submitted=submitted)
         if rid is not None:  # one line per request that passed validation (the others are counted only)
             log.info("request %s %s: %s (%s) prompt=%d completion=%d %.3fs", rid, endpoint, result.outcome,
                      result.reason, acc.prompt_tokens, acc.completion_tokens, seconds)

@@ -67,8 +67,9 @@ class WorkerMetrics:
         return self._engine.stats().get(key)
 
     def record(self, endpoint: str, outcome: str, reason: str, seconds: float, prompt_tokens: int = 0,
-               completion_tokens: int = 0, ttft: float | None = None) -> None:
-        if self.role == "colocated":  # prefill/decode workers count in the lifecycle (above)
+               completion_tokens: int = 0, ttft: float | None = None, submitted: bool = False) -> None:
+        # a prefill/decode worker's lifecycle counts every request its engine took (above)
+        if self.role == "colocated" or not submitted:
             self.requests.labels(role=self.role, outcome=outcome, reason=reason).inc()
         self.request_seconds.labels(role=self.role, endpoint=endpoint, outcome=outcome).observe(seconds)
         if outcome == "finished":
