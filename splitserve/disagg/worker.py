@@ -277,6 +277,9 @@ class PrefillEngine(DisaggEngine):
                 out.append(o)
         return out
 
+    def _check_fits(self, req: GenerateRequest) -> None:
+        self.engine.check_fits(req, prompt_only=True)  # the generated tokens live on decode
+
     def _do_role(self, a, out: list[RequestOutput]) -> None:
         if isinstance(a, Enqueue):
             req = self._requests[a.room]

@@ -106,13 +106,16 @@ class AsyncEngine:
             raise Overloaded(f"{len(self._streams)} requests in flight; the waiting queue is full")
         if req.rid in self._streams:
             raise InvalidRequest(f"request id {req.rid!r} is already in flight", param="rid")
-        self.engine.check_fits(req)  # reads only immutable sizes
+        self._check_fits(req)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[req.rid] = stream
         self._inbox.put(_Add(req))
         return self._iterate(req.rid, stream)
+
+    def _check_fits(self, req: GenerateRequest) -> None:
+        self.engine.check_fits(req)  # reads only immutable sizes
 
     async def _iterate(self, rid: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
         try:

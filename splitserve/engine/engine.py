@@ -72,19 +72,24 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def check_fits(self, req: GenerateRequest) -> None:
-        """Refuse a request that could never run: more KV than the whole pool, or than the context."""
+    def check_fits(self, req: GenerateRequest, prompt_only: bool = False) -> None:
+        """Refuse a request that could never run: more KV than the whole pool. ``prompt_only``: a
+        prefill worker holds the prompt's KV only."""
+        pool = self.layout.total_tokens
+        if prompt_only and len(req.prompt_ids) > pool:
+            raise InvalidRequest(f"the prompt ({len(req.prompt_ids)} tokens) needs more KV cache than this "
+                                 f"worker's pool holds ({pool} tokens)", param="prompt")
         need = len(req.prompt_ids) + req.sampling.max_tokens
-        if need > self.layout.total_tokens:
+        if not prompt_only and need > pool:
             raise InvalidRequest(
                 f"prompt ({len(req.prompt_ids)} tokens) plus max_tokens ({req.sampling.max_tokens}) needs "
-                f"{need} tokens of KV cache, but this worker's pool holds {self.layout.total_tokens}",
-                param="max_tokens")
+                f"{need} tokens of KV cache, but this worker's pool holds {pool}", param="max_tokens")
 
     def add_request(self, req: GenerateRequest, prefill_only: bool = False) -> Sequence:
         """Queue a request. ``prefill_only`` (prefill worker): run the prompt, sample the first
-        token, then hold the sequence and its pages for the transfer (see ``prefill_results``)."""
-        seq = self._new_sequence(req, room_owned=prefill_only)
+        token, then hold the sequence and its pages for the transfer (the prefill worker reads
+        ``last_batch`` after each step)."""
+        seq = self._new_sequence(req, room_owned=prefill_only, prefill_only=prefill_only)
         seq.prefill_only = prefill_only
         self._seqs[req.rid] = seq
         self.scheduler.add(seq)
@@ -108,14 +113,14 @@ class LLMEngine:
             self.scheduler.detach(seq)
         return seq, [out]
 
-    def _new_sequence(self, req: GenerateRequest, room_owned: bool) -> Sequence:
+    def _new_sequence(self, req: GenerateRequest, room_owned: bool, prefill_only: bool = False) -> Sequence:
         """``room_owned``: the pages belong to the request's bootstrap room (disaggregated roles);
         a colocated worker ignores bootstrap fields."""
         if req.rid in self._seqs:
             raise InvalidRequest(f"request id {req.rid!r} is already running", param="rid")
         if not req.prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
-        self.check_fits(req)
+        self.check_fits(req, prompt_only=prefill_only)
         seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(rid=req.rid, token_ids=list(req.prompt_ids), num_prompt_tokens=len(req.prompt_ids),
                        sampling=req.sampling, seed=seed,
