@@ -33,6 +33,7 @@ import aiohttp
 from aiohttp import web
 
 from splitserve.config import RouterConfig
+from splitserve.http_util import bound_url
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Policy, make_policy
@@ -213,14 +214,7 @@ async def _serve(app: web.Application, config: RouterConfig) -> int:
 
 
 def ready_line(runner: web.AppRunner, config: RouterConfig, workers: WorkerSet) -> str:
-    port = config.port
-    for addr in runner.addresses:  # the bound port (differs when --port 0)
-        if isinstance(addr, tuple) and len(addr) >= 2:
-            port = addr[1]
-            break
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
-    host = f"[{host}]" if ":" in host else host
-    url = f"http://{host}:{port}"
+    url = bound_url(runner, config.host, config.port)
     up = {role: f"{len(workers.healthy(role))}/{len(ws)}" for role, ws in
           ((PREFILL, workers.prefill), (DECODE, workers.decode))}
     model = workers.model_name()

@@ -36,6 +36,7 @@ from typing import Optional
 from aiohttp import web
 
 from splitserve.config import EngineConfig, ServerConfig
+from splitserve.http_util import bound_url
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.server.generation import json_error, serve_generation
 from splitserve.server.worker_metrics import WorkerMetrics
@@ -327,14 +328,7 @@ async def _drain(state: WorkerState, timeout_s: float, force: asyncio.Event) -> 
 
 
 def _ready_line(runner: web.AppRunner, config: ServerConfig, model: str) -> str:
-    port = config.port
-    for addr in runner.addresses:  # the bound port (differs when --port 0)
-        if isinstance(addr, tuple) and len(addr) >= 2:
-            port = addr[1]
-            break
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
-    host = f"[{host}]" if ":" in host else host
-    url = f"http://{host}:{port}"
+    url = bound_url(runner, config.host, config.port)
     example = ('{"model": "%s", "prompt": "Hello, my name is", "max_tokens": 16}' % model)
     return (f"splitserve ready: {url} (model {model})  try: curl {url}/v1/completions "
             f"-H 'Content-Type: application/json' -d '{example}'")
