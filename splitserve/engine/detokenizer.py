@@ -41,11 +41,22 @@ class IncrementalDetokenizer:
             self._check_stop(start)
 
     def release(self, final: bool) -> str:
-        """The text not yet handed out that is safe to hand out now (all of it when ``final``)."""
+        """The text not yet handed out that is safe to hand out now (all of it when ``final``:
+        then bytes still waiting for the rest of their character come out as U+FFFD, exactly as a
+        one-shot decode of the whole output shows them)."""
+        if final and not self.stopped:
+            self._flush()
         end = len(self.text) if (final or self.stopped) else len(self.text) - self._holdback()
         delta = self.text[self._released:end]
         self._released = max(self._released, end)
         return delta
+
+    def _flush(self) -> None:
+        if self._read_offset < len(self._ids):
+            prefix = self._decode(self._ids[self._prefix_offset:self._read_offset])
+            full = self._decode(self._ids[self._prefix_offset:])
+            self.text += full[len(prefix):]
+            self._prefix_offset = self._read_offset = len(self._ids)
 
     def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
