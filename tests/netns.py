@@ -1,17 +1,19 @@
 """Network namespaces for tests: two namespaces joined by a veth link that a test can cut.
 
-    with NetnsPair() as net:                     # skipped unless root with `ip netns` (see ``unavailable``)
+    with NetnsPair(tag="x") as net:              # tests skip unless root with `ip netns` (``unavailable``)
         p = NetnsServer(net.a, net.addr_a, "--role", "prefill", ...).start()
         ...
         net.cut()                                # both ends of the link down
         net.restore()
 
-- :class:`NetnsPair` creates namespaces ``<prefix>a`` and ``<prefix>b`` (the prefix carries this
-  process's pid, so concurrent test runs never share one), each with ``lo`` up, and a veth pair
+- :class:`NetnsPair` creates namespaces ``sstf<pid>-<tag>a`` and ``...b`` (this process's pid, so
+  concurrent test runs never share one; the tag sets apart pairs of one process), each with ``lo``
+  up, and a veth pair
   between them with ``addr_a`` / ``addr_b`` (a /30 of 10.x addresses that exist only inside these
   namespaces). ``close()`` (also on ``with`` exit) deletes both namespaces, which deletes the veth
   pair; it runs whatever happened, and is idempotent. Namespaces left by a test process that died
-  (its pid is gone) are removed when the next one starts.
+  (its pid is gone) are removed when the next one starts. ``throttle(rate)`` shapes the traffic
+  leaving ``a`` (``tc`` token bucket) so that a transfer takes seconds (``shaping_unavailable``).
 - :class:`NetnsServer` is a :class:`conftest.ServerProcess` run inside a namespace (``ip netns
   exec``, which execs: the pid is the server's own, so ``kill -9`` kills the server), listening on
   that namespace's address.
@@ -38,7 +40,7 @@ from conftest import REPO, ServerProcess, _die_with_parent, _live
 
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/var/run/netns")
-PREFIX = "sstf"  # splitserve test faults; names are <PREFIX><pid><a|b>, interfaces v<pid><a|b>
+PREFIX = "sstf"  # splitserve test faults; names are <PREFIX><pid>-<tag><a|b>, interfaces v<pid><tag><a|b>
 
 
 def unavailable() -> Optional[str]:
@@ -52,6 +54,22 @@ def unavailable() -> Optional[str]:
     probe = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
     if probe.returncode != 0:
         return f"`ip netns` does not work here: {probe.stderr.strip()}"
+    return None
+
+
+def shaping_unavailable() -> Optional[str]:
+    """Why :meth:`NetnsPair.throttle` cannot work here (None if it can): ``tc`` and the kernel's
+    token bucket qdisc (``sch_tbf``), tried on a scratch pair."""
+    why = unavailable()
+    if why:
+        return why
+    if shutil.which("tc") is None:
+        return "the `tc` command (iproute2) is not installed"
+    with NetnsPair(tag="tc") as scratch:
+        try:
+            scratch.throttle("1mbit")
+        except RuntimeError as exc:
+            return f"traffic shaping (tc tbf) is not available: {exc}"
     return None
 
 
@@ -110,7 +128,7 @@ def remove_stale() -> list[str]:
     """Delete namespaces of ours whose test process is gone; their names."""
     removed = []
     for line in ip("netns", "list", check=False).stdout.splitlines():
-        m = re.match(rf"({PREFIX}(\d+)[ab])\b", line.strip())
+        m = re.match(rf"({PREFIX}(\d+)-\w*[ab])\b", line.strip())
         if m and not _pid_alive(int(m[2])):
             ip("netns", "del", m[1], check=False)
             removed.append(m[1])
@@ -120,10 +138,12 @@ def remove_stale() -> list[str]:
 class NetnsPair:
     """Two namespaces joined by a veth link (see the module docstring)."""
 
-    def __init__(self, subnet: str = "10.77.0"):
+    def __init__(self, tag: str = "", subnet: str = "10.77.0"):
+        """``tag``: a few letters that set this pair apart from others of the same process."""
         pid = os.getpid()
-        self.a, self.b = f"{PREFIX}{pid}a", f"{PREFIX}{pid}b"
-        self.if_a, self.if_b = f"v{pid}a"[:15], f"v{pid}b"[:15]
+        self.a, self.b = f"{PREFIX}{pid}-{tag}a", f"{PREFIX}{pid}-{tag}b"
+        self.if_a, self.if_b = f"v{pid}{tag}a", f"v{pid}{tag}b"
+        assert len(self.if_a) <= 15, "interface names are at most 15 characters"
         self.addr_a, self.addr_b = f"{subnet}.1", f"{subnet}.2"
         self._created: list[str] = []
 
@@ -147,6 +167,15 @@ class NetnsPair:
         """Both ends of the link down: nothing crosses, no connection is told (no reset)."""
         ip("-n", self.a, "link", "set", self.if_a, "down")
         ip("-n", self.b, "link", "set", self.if_b, "down")
+
+    def throttle(self, rate: str) -> None:
+        """Shape what leaves namespace ``a`` over the link to ``rate`` (``tc`` token bucket), so that
+        a transfer takes seconds; :meth:`unthrottle` undoes it."""
+        ip("netns", "exec", self.a, "tc", "qdisc", "replace", "dev", self.if_a, "root", "tbf", "rate", rate,
+           "burst", "32kbit", "latency", "400ms")
+
+    def unthrottle(self) -> None:
+        ip("netns", "exec", self.a, "tc", "qdisc", "del", "dev", self.if_a, "root", check=False)
 
     def restore(self) -> None:
         ip("-n", self.a, "link", "set", self.if_a, "up")
