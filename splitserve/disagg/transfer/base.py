@@ -171,6 +171,18 @@ class TransferBackend(ABC):
         """Make ``peer_name`` writable. Idempotent for the same metadata; a different metadata under
         a known name is refused (ValueError): a new incarnation must use a new name."""
 
+    def _check_new_peer(self, peer_name: str, metadata: bytes, known: Optional[bytes]) -> Optional[dict]:
+        """The checks every ``add_peer`` starts with: the backend is open, and one name is one
+        incarnation (``known``: the metadata the name was added with; the same again is a no-op and
+        gives None). Returns the decoded metadata of a new peer."""
+        if self._closed:
+            raise RuntimeError(f"transfer backend {self.agent_name!r} is closed")
+        if known is not None:
+            if known != metadata:
+                raise ValueError(f"peer {peer_name!r} is known with other metadata; a new incarnation needs a new name")
+            return None
+        return decode_metadata(metadata, self.name, peer_name)
+
     @abstractmethod
     def remove_peer(self, peer_name: str) -> None:
         """Forget a peer; its pending writes become FAILED(peer_removed). Unknown names are a no-op."""

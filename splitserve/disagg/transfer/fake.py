@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .base import DONE, Handle, Span, TransferBackend, TransferState, decode_metadata, encode_metadata, failed
+from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed
 
 _AGENTS: dict[str, "FakeBackend"] = {}
 _AGENTS_LOCK = threading.Lock()
@@ -69,13 +69,9 @@ class FakeBackend(TransferBackend):
         return encode_metadata(self.name, self.agent_name, self.nbytes)
 
     def add_peer(self, peer_name: str, metadata: bytes) -> None:
-        if self._closed:
-            raise RuntimeError(f"transfer backend {self.agent_name!r} is closed")
-        if peer_name in self._peers:
-            if self._peers[peer_name] != metadata:
-                raise ValueError(f"peer {peer_name!r} is known with other metadata; a new incarnation needs a new name")
+        md = self._check_new_peer(peer_name, metadata, self._peers.get(peer_name))
+        if md is None:
             return
-        md = decode_metadata(metadata, self.name, peer_name)
         self._peers[peer_name] = metadata
         self._peer_nbytes[peer_name] = md["nbytes"]
 

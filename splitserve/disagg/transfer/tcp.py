@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import zmq
 
-from .base import DONE, Handle, Span, TransferBackend, TransferState, decode_metadata, encode_metadata, failed
+from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed
 
 log = logging.getLogger(__name__)
 
@@ -123,14 +123,10 @@ class TcpBackend(TransferBackend):
         return {"frames": r.frames, "bad_frames": r.bad_frames, "bytes_received": r.bytes_received}
 
     def add_peer(self, peer_name: str, metadata: bytes) -> None:
-        if self._closed:
-            raise RuntimeError(f"transfer backend {self.agent_name!r} is closed")
         known = self._peers.get(peer_name)
-        if known is not None:
-            if known.metadata != metadata:
-                raise ValueError(f"peer {peer_name!r} is known with other metadata; a new incarnation needs a new name")
+        md = self._check_new_peer(peer_name, metadata, known.metadata if known is not None else None)
+        if md is None:
             return
-        md = decode_metadata(metadata, self.name, peer_name)
         if md.get("protocol") != PROTOCOL:
             raise ValueError(f"peer {peer_name!r}: tcp transfer protocol {md.get('protocol')!r}, ours is {PROTOCOL}")
         sock = self._ctx.socket(zmq.DEALER)
