@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from cluster import Cluster, generate, metric_sum, metrics, pages_back_to_total, post_generate, sse_events
+from cluster import Cluster, generate, metric, metric_sum, metrics, pages_back_to_total, post_generate, sse_events
 
 NEW_TOKENS = 8
 CONCURRENCY = 4
@@ -49,20 +49,21 @@ def random_prompts(n: int, seed: int, fixed=(), max_len: int = 3000) -> list[lis
     return [[rng.randint(VOCAB_LO, VOCAB_HI) for _ in range(length)] for length in lengths]
 
 
-def run_all(url: str, prompts: list[list[int]], stream_every_other: bool, **sampling) -> list[list[int]]:
+def run_all(url: str, prompts: list[list[int]], stream_every_other: bool, new_tokens: int = NEW_TOKENS,
+            **sampling) -> list[list[int]]:
     """Every prompt through ``url``, ``CONCURRENCY`` at a time (prompt i streamed when i is odd)."""
     def one(i: int) -> list[int]:
-        return generate(url, prompts[i], NEW_TOKENS, stream=stream_every_other and i % 2 == 1, **sampling)
+        return generate(url, prompts[i], new_tokens, stream=stream_every_other and i % 2 == 1, **sampling)
 
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         return list(pool.map(one, range(len(prompts))))
 
 
-def assert_same(prompts, got, want, what: str) -> None:
+def assert_same(prompts, got, want, what: str, new_tokens: int = NEW_TOKENS) -> None:
     bad = [(i, len(prompts[i]), got[i], want[i]) for i in range(len(prompts)) if got[i] != want[i]]
     assert not bad, f"{what}: {len(bad)} of {len(prompts)} differ from colocated " \
                     f"(index, prompt length, disaggregated, colocated): {bad[:5]}"
-    assert all(len(w) == NEW_TOKENS for w in want), "the reference stopped early: the comparison is weaker"
+    assert all(len(w) == new_tokens for w in want), "the reference stopped early: the comparison is weaker"
 
 
 TIMES: dict[str, float] = {}  # what took how long, printed at the end of the module
@@ -150,6 +151,20 @@ def test_other_shapes_match_colocated(ten_prompts, backend, n):
             pages_back_to_total(worker)
             served = metric_sum(metrics(worker), "splitserve_requests_total", outcome="finished")
             assert served >= 1, f"{worker.role} worker {worker.url} served nothing: the router used one only"
+
+
+def test_decode_preempts_and_recomputes_locally(colocated):
+    """A decode pool too small for every request's generated tokens at once (20 pages of 16): decode
+    preempts decoding rooms and recomputes their KV itself; the tokens still equal colocated."""
+    prompts = random_prompts(6, seed=31, fixed=[60, 61, 62, 63, 64, 65])
+    want = run_all(colocated.url, prompts, stream_every_other=False, new_tokens=60, **GREEDY)
+    with Cluster(prefill=1, decode=1, decode_args=["--max-total-tokens", "320"]).start() as cluster:
+        got = run_all(cluster.url, prompts, stream_every_other=True, new_tokens=60, **GREEDY)
+        assert_same(prompts, got, want, "decode with a 320-token pool", new_tokens=60)
+        decode = cluster.decode[0]
+        assert metric(metrics(decode), "splitserve_preemptions") > 0, "the pool was big enough: nothing tested"
+        for worker in cluster.workers:
+            pages_back_to_total(worker)
 
 
 # -- sampling -----------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ class WorkerMetrics:
                        "Prefill/decode bookkeeping that is not a live request: tombstones, pending registrations, "
                        "rooms holding memory after their end (held_writes, quarantined).", ["role", "kind"],
                        callback=lambda: {(role, k): n for k, n in (self._stat("lifecycle") or {}).items()})
+        registry.gauge("splitserve_preemptions", "Sequences preempted for lack of KV pages since start (each "
+                       "recomputes its KV when it runs again).", callback=lambda: self._stat("preemptions"))
         registry.gauge("splitserve_kv_pages_quarantined",
                        "Decode: KV pages kept out of use because a remote write may still land in them.",
                        callback=lambda: self._stat("pages_quarantined"))
