@@ -110,19 +110,24 @@ def room() -> int:
     return random.getrandbits(63)
 
 
-def error_of(resp: requests.Response, stream: bool) -> tuple[int, str]:
-    """(HTTP status, error message): the JSON error body, or for a stream the ``data: {"error"}``
-    event that must come before ``[DONE]`` (the status of a stream may be 200)."""
+def error_body_of(resp: requests.Response, stream: bool) -> dict:
+    """The OpenAI-style error object: from the JSON error body, or for a stream from the
+    ``data: {"error"}`` event that must come before ``[DONE]`` (the status of a stream may be 200)."""
     if not stream or not resp.headers.get("Content-Type", "").startswith("text/event-stream"):
         error = resp.json()["error"]
         assert error["message"], resp.text
-        return resp.status_code, error["message"]
+        return error
     events = sse_events(resp.text)
     assert events and events[-1] == "[DONE]", f"a stream ended without [DONE]: {resp.text[-1000:]}"
     errors = [e["error"] for e in events[:-1] if "error" in e]
     assert errors, f"a failed stream carried no error event: {resp.text[-1000:]}"
     assert "output_ids" not in errors[-1]
-    return resp.status_code, errors[-1]["message"]
+    return errors[-1]
+
+
+def error_of(resp: requests.Response, stream: bool) -> tuple[int, str]:
+    """(HTTP status, error message) of a failed request (see ``error_body_of``)."""
+    return resp.status_code, error_body_of(resp, stream)["message"]
 
 
 def timed_post(*args, **kwargs) -> tuple[requests.Response, float]:
@@ -188,6 +193,7 @@ def test_incompatible_peer_named_by_field(split, stream):
     if not stream:
         assert 500 <= status < 600, resp.text
     assert "incompatible_peer" in message and "page_size" in message, message
+    assert error_body_of(resp, stream)["code"] == "incompatible_peer"  # machine-readable, not internal_error
     assert seconds <= SLACK_S
     pages_back_to_total(split.X)
     pages_back_to_total(split.P)

@@ -226,7 +226,7 @@ class DisaggEngine(AsyncEngine):
             return
         detail = f": {a.ending.detail}" if a.ending.detail else ""
         out.append(RequestOutput(rid=a.rid, finished=True, error=f"{a.ending.reason.value}{detail}",
-                                 error_code=HTTP_STATUS.get(a.ending.reason, 500)))
+                                 error_code=HTTP_STATUS.get(a.ending.reason, 500), error_kind=a.ending.reason.value))
 
     def _success(self, a: NotifyClient, req: Optional[GenerateRequest]) -> list[RequestOutput]:
         return []

@@ -59,6 +59,7 @@ class RequestOutput:
     finish_reason: Optional[str] = None  # "stop" | "length" on success
     error: Optional[str] = None  # set when the request failed or was aborted; finish_reason is None
     error_code: int = 500  # HTTP status the front end should use for ``error``
+    error_kind: Optional[str] = None  # a machine-readable reason (e.g. "peer_lost"): the error body's code
     prompt_tokens: int = 0
     completion_tokens: int = 0
 

@@ -168,7 +168,7 @@ async def _unary(state, endpoint: str, rid: str, stream, acc: proto.Accumulator,
     status = _finish(result, acc)
     if status is not None:
         message = acc.error.error if acc.error is not None else "the engine ended the request without an answer"
-        return json_error(message, status)
+        return json_error(message, status, code=acc.error.error_kind if acc.error is not None else None)
     model, created = state.model_name, int(time.time())
     if endpoint == "completions":
         body = proto.completion_response(rid, model, created, acc)
@@ -203,7 +203,8 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
         status = _finish(result, acc)
         if status is not None:
             message = acc.error.error if acc.error is not None else "the engine ended the request without an answer"
-            await sse.send(proto.error_body(message, status))
+            await sse.send(proto.error_body(message, status,
+                                            code=acc.error.error_kind if acc.error is not None else None))
         elif req.include_usage:
             await sse.send(proto.usage_chunk(endpoint, rid, model, created, acc))
         await sse.done()
