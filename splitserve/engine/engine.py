@@ -26,7 +26,7 @@ from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.page_allocator import PageAllocator
 from splitserve.engine.sampler import sample_batch
 from splitserve.engine.scheduler import ScheduledSeq, Scheduler
-from splitserve.engine.sequence import Sequence, SeqStatus
+from splitserve.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
