@@ -93,11 +93,17 @@ class _ControlThread(SupervisedThread):
                 peer, msg = self._outbox.get_nowait()
             except queue.Empty:
                 break
-            self._send_faulty(peer, p.encode(msg), now)
+            if msg is None:  # a ``forget`` marker, kept in order with the sends around it
+                self._forget(peer)
+            else:
+                self._send_faulty(peer, p.encode(msg), now)
         due = [d for d in self._delayed if d[0] <= now]
         self._delayed = [d for d in self._delayed if d[0] > now]
         for _, peer, frame in due:
             self._send_frame(peer, frame)
+
+    def _forget(self, peer: Peer) -> None:
+        """Stop heartbeating ``peer`` (see ``PrefillControl.forget``)."""
 
     def _send_faulty(self, peer: Peer, frame: bytes, now: float) -> None:
         f = self._faults
@@ -149,18 +155,8 @@ class PrefillControl(_ControlThread):
                 for peer in list(self._decoders):
                     self._send_faulty(peer, p.encode(p.Heartbeat(self.incarnation, self._hb_seq)), time.monotonic())
 
-    def _flush_outbox(self) -> None:
-        # ``forget`` travels through the outbox as (peer, None), so it is ordered with sends
-        while True:
-            try:
-                peer, msg = self._outbox.get_nowait()
-            except queue.Empty:
-                break
-            if msg is None:
-                self._decoders.discard(peer)
-                continue
-            self._send_faulty(peer, p.encode(msg), time.monotonic())
-        super()._flush_outbox()
+    def _forget(self, peer: Peer) -> None:
+        self._decoders.discard(peer)
 
     def _receive(self) -> None:
         while True:
