@@ -15,8 +15,9 @@ hang) within the bound its deadlines give, and on every live worker the live lif
   veth link between them cut mid-transfer (``tests/netns.py``; skipped unless root with
   ``ip netns``); ``test_same_pair_serves_again_after_the_partition_heals`` (xfail: a healed
   partition leaves the pair failing every request until the lost-peer memory expires);
-  ``test_no_late_write_lands_after_the_partition_heals`` (xfail: a real transfer cut mid-way by
-  the partition lands in the decode pool once the link is back, in pages another request holds).
+  ``test_no_late_write_lands_after_the_partition_heals`` (``long``): a real transfer cut mid-way by
+  the partition must not land in the decode pool once the link is back, in pages another request
+  holds (decode fences the lost prefill by closing its receiving link before it frees a page).
 
 Known bugs are ``xfail(strict=True, raises=KnownBug)``: only the failure the marker names counts
 as expected; any other failure of such a test (setup, a broken precondition) is a real failure.
@@ -722,8 +723,8 @@ def test_link_cut_mid_transfer(partitioned):
     - Both sides fail ``X`` with ``peer_lost`` within the heartbeat bound (``PEER_SILENCE_S`` +
       slack), and each leg's client gets a 502 naming it.
     - While the link is still down, both free everything: ``Ps`` its source pages (the stalled
-      writes are torn down with the peer), ``D`` its pages (released from quarantine once the
-      peer is lost and disconnected).
+      writes are torn down with the peer), ``D`` its pages (released once the peer is lost and
+      its receiving link closed: the fence).
     - The link comes back; a new request on ``Pok`` + ``D`` (a pair that had nothing in flight
       during the cut) succeeds; every worker ends clean.
     """
@@ -747,6 +748,9 @@ def test_link_cut_mid_transfer(partitioned):
         for server in (s.Ps, s.D):
             samples = assert_clean(server)
             assert counted(samples, server.role, "failed", "peer_lost") >= 1, f"{server.name}: peer_lost not counted"
+        # D freed X's pages only after fencing Ps: its receiving link is closed (rule 6)
+        assert re.search(r"receiving link \S+ for \S+ closed: its writes are fenced", s.D.stderr()), \
+            s.D.output_tail(3000)
     finally:
         s.net.restore()
     p_end, d_end = ending_of(s.Ps, x_room), ending_of(s.D, x_room)
@@ -818,14 +822,7 @@ LATE_DEADLINES = [  # long enough that only the cut ends the transfer; peers los
 ]
 
 
-@pytest.mark.long  # a timing-dependent repro (40 s): `make check-long`, never a flaky everyday run
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason=(
-    "rule 6 broken across a partition: bytes of a write that was in flight when the link went down "
-    "land in the decode worker's KV pool once the link is back, after both sides declared each other "
-    "lost and decode gave the pages to another request, whose output is then silently wrong. On "
-    "decode, DisconnectPeer -> ResetPeer(forget) finds no transfer agent for the prefill (decode never "
-    "AddPeer's its writers), so nothing fences incoming writes; the prefill's release/remove_peer does "
-    "not recall bytes already handed to UCX/the kernel (transfer/nixl.py says so)"))
+@pytest.mark.long  # 35 s and timing-dependent set-up: `make check-long`; test_receive_links.py shows the fence every day
 def test_no_late_write_lands_after_the_partition_heals():
     """A real transfer cut in the middle, not a stalled one: prefill ``P`` in namespace ``a``; decode
     ``D`` and a second prefill ``PL`` in namespace ``b`` (``PL`` reaches ``D`` without the link, over
@@ -833,7 +830,8 @@ def test_no_late_write_lands_after_the_partition_heals():
     4,000-token prompt take seconds to cross.
 
     - ``A`` (4,000 tokens) on ``P`` + ``D``: 1 s into its transfer the link is cut; both sides
-      fail ``A`` with ``peer_lost`` and free its pages (``D`` at once: the peer is lost).
+      fail ``A`` with ``peer_lost`` and free its pages (``D`` once it has closed ``P``'s receiving
+      link: the fence, ``transfer/links.py``).
     - ``C`` (another 4,000-token prompt, 600 new tokens, greedy) on ``PL`` + ``D`` gets the pages
       ``A`` had (the allocator hands out the lowest run). While ``C`` decodes, the link comes back.
     - ``C``'s answer must be what the same request gives afterwards on a quiet pair: nothing of
@@ -882,10 +880,10 @@ def test_no_late_write_lands_after_the_partition_heals():
         for server in s.servers:
             assert_clean(server)
         got, want = during.json()["output_ids"], ref.json()["output_ids"]
-        if got != want:
+        if got != want:  # without the fence (decode not closing P's link) this is what happens
             at = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
-            raise KnownBug(f"C's answer while the link came back differs from the same request's afterwards "
-                           f"from token {at} of {len(want)}: bytes of A's write landed in C's pages")
+            raise AssertionError(f"C's answer while the link came back differs from the same request's afterwards "
+                                 f"from token {at} of {len(want)}: bytes of A's write landed in C's pages")
     finally:
         s.stop()
         print(f"\n(e) late write after a partition: {time.monotonic() - started:.1f}s")

@@ -29,6 +29,7 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.bootstrap import first_mismatch
 from splitserve.disagg.lifecycle import FromPeer, Peer, PeerHeard, PeerInfo
 from splitserve.disagg.supervised import SupervisedThread
+from splitserve.disagg.transfer.links import ReceiveLinks
 from splitserve.disagg.transfer_worker import AddPeer, TransferWorker
 
 log = logging.getLogger(__name__)
@@ -216,18 +217,19 @@ class _Prefill:
 
 
 class DecodeControl(_ControlThread):
-    """Decode side: one DEALER per prefill address; fetches and checks bootstrap info."""
+    """Decode side: one DEALER per prefill address; fetches and checks bootstrap info, and opens a
+    receiving link (``transfer/links.py``) for each compatible prefill incarnation it meets."""
 
     INFO_RETRY_S = 1.0
 
-    def __init__(self, name: str, ours: p.Info, agent_name: str, agent_metadata: bytes,
+    def __init__(self, name: str, ours: p.Info, links: ReceiveLinks,
                  post: Callable[[object], None], heartbeat_s: float, info_wait_s: float,
                  faults: Optional[ControlFaults] = None):
         super().__init__("control-decode", ours.incarnation, post, heartbeat_s, faults)
         self._info_wait_s = info_wait_s  # a room waits this long for an address's info (its PREALLOC limit)
         self.name = name
         self.ours = ours
-        self._agent = (agent_name, agent_metadata)
+        self._links = links
         self._prefills: dict[str, _Prefill] = {}
         self._requests: "queue.Queue[tuple[int, str]]" = queue.Queue()
 
@@ -325,13 +327,16 @@ class DecodeControl(_ControlThread):
             self._post(FromPeer(Peer(pf.name, msg.incarnation), msg))
 
     def _learn(self, pf: _Prefill, info: p.Info) -> None:
-        new = pf.info is None or pf.info.incarnation != info.incarnation
+        old = pf.peer
+        new = old is None or old.incarnation != info.incarnation
         pf.info = info
         mismatch = first_mismatch(self.ours, info)
         if new:
+            if old is not None:  # that process is gone: fence whatever it still had on the wire
+                self._links.close(old)
             self._post(PeerHeard(pf.peer, fresh=True))  # older incarnations of this name are lost
             if mismatch is None:
-                agent, metadata = self._agent
+                agent, metadata = self._links.open(pf.peer)
                 self._try_send(pf, p.encode(p.RegisterPeer(self.incarnation, info.incarnation, agent, metadata)))
         for room, _ in pf.waiting_rooms:
             self._post(PeerInfo(room, pf.peer, mismatch))

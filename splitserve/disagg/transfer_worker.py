@@ -2,9 +2,10 @@
 
 The engine loop never touches the backend. It hands commands to this thread (``submit``, a queue
 put) and gets events back in its inbox: ``WriteDone`` / ``WriteFailed`` for every write it
-started (prefill), and ``KVNotification`` for every notification that arrives (decode: the
-``KVDone`` that travels with a room's last write). The thread also keeps the receiving side of
-NIXL progressing by calling ``notifications()`` every few milliseconds.
+started (prefill, the writer: ``backend``), and ``KVNotification`` for every notification that
+arrives on a receiving link (decode: ``links``; the ``KVDone`` that travels with a room's last
+write). The thread also keeps the receiving side of NIXL progressing by calling
+``notifications()`` every few milliseconds.
 
 Supervised (rule 8): if an iteration raises, every write in flight is reported failed (so its room
 ends instead of waiting forever), the exception is logged and counted, and the loop goes on.
@@ -23,6 +24,7 @@ from typing import Callable, Optional
 from splitserve.disagg.lifecycle import Peer, WriteDone, WriteFailed
 from splitserve.disagg.supervised import SupervisedThread
 from splitserve.disagg.transfer.base import Handle, Span, TransferBackend
+from splitserve.disagg.transfer.links import ReceiveLinks
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +70,10 @@ class ResetPeer:
 
 @dataclass(frozen=True)
 class KVNotification:
-    """A notification received from the writer ``agent_name`` (decode side)."""
+    """A notification that arrived on the receiving link of ``peer`` (decode side), sent by the
+    transfer agent ``agent_name``."""
 
+    peer: Peer
     agent_name: str
     payload: bytes
 
@@ -89,10 +93,11 @@ class _InFlight:
 
 
 class TransferWorker(SupervisedThread):
-    def __init__(self, backend: TransferBackend, post: Callable[[object], None],
-                 faults: Optional[FaultConfig] = None):
+    def __init__(self, backend: Optional[TransferBackend], post: Callable[[object], None],
+                 faults: Optional[FaultConfig] = None, links: Optional[ReceiveLinks] = None):
         super().__init__(name="transfer")
-        self.backend = backend
+        self.backend = backend  # writes (prefill)
+        self.links = links  # receives (decode)
         self._post = post
         self._faults = faults or FaultConfig()
         self._commands: "queue.Queue[object]" = queue.Queue()
@@ -110,8 +115,8 @@ class TransferWorker(SupervisedThread):
         while not self.stopping.is_set():
             busy = self._run_commands()
             busy |= self._poll_writes()
-            for agent, payload in self.backend.notifications():
-                self._post(KVNotification(agent, payload))
+            for peer, agent, payload in self.links.notifications() if self.links is not None else ():
+                self._post(KVNotification(peer, agent, payload))
                 busy = True
             if not busy:
                 self.stopping.wait(IDLE_SLEEP_S)
@@ -157,7 +162,7 @@ class TransferWorker(SupervisedThread):
 
     def _start(self, cmd: Write) -> None:
         agent = self._agents.get(cmd.peer)
-        if agent is None:
+        if agent is None or self.backend is None:
             self._post(WriteFailed(cmd.room, cmd.write_id, f"no transfer connection to {cmd.peer}"))
             return
         if self._faults.fail_writes:

@@ -26,11 +26,12 @@ from splitserve.disagg.control import ControlFaults, DecodeControl, PrefillContr
 from splitserve.disagg.lifecycle import (
     Cancel, CancelWrites, ChunkDone, ClientAbort, CountOutcome, DecodeStep, DecodeTable, Deadlines,
     DisconnectPeer, Enqueue, Finished, ForwardDone, FreePages, FromPeer, LocalFailure, LogTerminal, Notice,
-    NotifyClient, ObserveStateTime, Outcome, PagesReserved, Peer, PeerInfo, PrefillTable, QuarantinePages,
+    NotifyClient, ObserveStateTime, Outcome, PagesReserved, Peer, PrefillTable, QuarantinePages,
     Reason, ReleaseQuarantine, RequestArrived, ReservePages, ResetTransfer, Scheduled, SendToPeer,
     StartDecode, StartWrite,
 )
 from splitserve.disagg.transfer.base import create_backend, page_spans
+from splitserve.disagg.transfer.links import ReceiveLinks
 from splitserve.disagg.transfer_worker import (
     Cancel as CancelTransfer, FaultConfig, KVNotification, Notify, ResetPeer, TransferWorker, Write,
 )
@@ -82,9 +83,7 @@ class DisaggEngine(AsyncEngine):
         from splitserve.engine.engine import LLMEngine
 
         self.engine = LLMEngine(self.config)
-        self.backend = create_backend(self.server.transfer_backend, f"{self.role}-{self.incarnation}",
-                                      self.engine.kv.buffer, **self._backend_opts())
-        self.transfer = TransferWorker(self.backend, self.post_event, self._transfer_faults)
+        self._open_transfer(f"{self.role}-{self.incarnation}", self.engine.kv.buffer)
         self.info = local_info(self.engine.spec, self.engine.layout, self.server.transfer_backend, self.incarnation)
         self._setup()
         self.transfer.start()
@@ -93,13 +92,16 @@ class DisaggEngine(AsyncEngine):
     def _backend_opts(self) -> dict:
         return {"host": self.advertise_host} if self.server.transfer_backend == "tcp" else {}
 
+    def _open_transfer(self, agent_name: str, pool) -> None:
+        """Set ``self.transfer``: the writer's backend (prefill) or the receiving links (decode)."""
+        raise NotImplementedError
+
     def shutdown(self, reason: str = "the server is shutting down") -> None:
         super().shutdown(reason)
         for thread in (self.control, self.transfer):
             if thread is not None:
                 thread.stop()
-        if getattr(self, "backend", None) is not None:
-            self.backend.close()
+        self._close_transfer()
 
     def submit(self, req: GenerateRequest):
         if req.bootstrap is None:
@@ -234,6 +236,9 @@ class DisaggEngine(AsyncEngine):
     def _forget_peer(self, peer: Peer) -> None:
         pass
 
+    def _close_transfer(self) -> None:
+        pass
+
     def _setup(self) -> None:
         raise NotImplementedError
 
@@ -245,6 +250,15 @@ class PrefillEngine(DisaggEngine):
     """Runs prompts and writes their KV into the decode worker's pages, chunk by chunk."""
 
     role = "prefill"
+    backend = None
+
+    def _open_transfer(self, agent_name: str, pool) -> None:
+        self.backend = create_backend(self.server.transfer_backend, agent_name, pool, **self._backend_opts())
+        self.transfer = TransferWorker(self.backend, self.post_event, self._transfer_faults)
+
+    def _close_transfer(self) -> None:
+        if self.backend is not None:
+            self.backend.close()
 
     def _setup(self) -> None:
         layout = self.engine.layout
@@ -319,22 +333,30 @@ class DecodeEngine(DisaggEngine):
     """Reserves pages, registers them with the prefill worker, and decodes once the KV landed."""
 
     role = "decode"
+    links = None
+
+    def _open_transfer(self, agent_name: str, pool) -> None:
+        self.links = ReceiveLinks(self.server.transfer_backend, agent_name, pool, **self._backend_opts())
+        self.transfer = TransferWorker(None, self.post_event, self._transfer_faults, links=self.links)
+
+    def _close_transfer(self) -> None:
+        if self.links is not None:
+            self.links.close_all()
 
     def _setup(self) -> None:
         self.table = DecodeTable(self.deadlines, self.incarnation, self.engine.layout.page_size)
         self._reserved: dict[int, list[int]] = {}  # room -> pages, until StartDecode
         self._quarantine: dict[int, list[int]] = {}
         self._want_pages: dict[int, int] = {}  # room -> pages asked for, waiting for free pages
-        self._peers: dict[str, Peer] = {}  # prefill incarnation -> peer
         name = f"{self.advertise_host}:{self.server.port}"
-        self.control = DecodeControl(name, self.info, self.backend.agent_name, self.backend.metadata(),
-                                     self.post_event, self.deadlines.heartbeat_interval_s,
+        self.control = DecodeControl(name, self.info, self.links, self.post_event, self.deadlines.heartbeat_interval_s,
                                      self.deadlines.prealloc_s, self._control_faults)
         self.control.start()
 
     def _collect_stats(self) -> dict:
         stats = super()._collect_stats()
         stats["pages_quarantined"] = sum(len(v) for v in self._quarantine.values())
+        stats["links_fenced"] = self.links.fenced
         return stats
 
     def _arrive(self, req: GenerateRequest, out: list[RequestOutput]) -> None:
@@ -355,11 +377,6 @@ class DecodeEngine(DisaggEngine):
             self._reserve(room, n, out)
         return out
 
-    def _feed(self, event: object, out: list[RequestOutput]) -> None:
-        if isinstance(event, PeerInfo):
-            self._peers[event.peer.incarnation] = event.peer
-        super()._feed(event, out)
-
     def _on_notification(self, ev: KVNotification, out: list[RequestOutput]) -> None:
         try:
             msg = p.decode(ev.payload)
@@ -367,12 +384,12 @@ class DecodeEngine(DisaggEngine):
             self.notices["bad_notification"] += 1
             log.warning("bad transfer notification from %s: %s", ev.agent_name, exc)
             return
-        peer = self._peers.get(getattr(msg, "incarnation", ""))
-        if peer is None:
+        if getattr(msg, "incarnation", None) != ev.peer.incarnation:
             self.notices["notification_from_unknown_peer"] += 1
-            log.warning("notification %s from unknown writer %s", type(msg).__name__, ev.agent_name)
+            log.warning("notification %s from %s arrived on the link of %s", type(msg).__name__, ev.agent_name,
+                        ev.peer)
             return
-        self._feed(FromPeer(peer, msg), out)
+        self._feed(FromPeer(ev.peer, msg), out)
 
     def _step(self) -> list[RequestOutput]:
         outputs = self.engine.step()
@@ -423,6 +440,10 @@ class DecodeEngine(DisaggEngine):
             return
         self._reserved[room] = pages
         self._feed(PagesReserved(room, tuple(pages)), out)
+
+    def _forget_peer(self, peer: Peer) -> None:
+        # The fence, before any page of the peer's rooms is freed by the actions that follow.
+        self.links.close(peer)
 
     def _take_pages(self, room: int) -> list[int]:
         """Every page the room holds now (reserved, or its sequence's), no longer held by it."""

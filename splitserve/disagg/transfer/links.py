@@ -1,0 +1,88 @@
+"""Receiving links: the decode worker's KV pool opened to each writer separately, so that one
+writer can be *fenced* without touching the others.
+
+Why. A write already handed to the transport cannot be recalled by its writer: NIXL's release does
+not stop bytes on the wire, and a network partition can hold them for as long as it lasts, then
+deliver them when the link heals. Only the receiver can make sure nothing more lands: it closes
+its end. A decode worker therefore opens one link (a backend instance of its own, registering the
+same pool tensor) per writer incarnation, and gives that writer the link's metadata
+(``RegisterPeer``). Closing the link is the fence: for NIXL it destroys the UCX worker of that
+link (its sockets close, so bytes still on the wire are refused by the kernel; the writer sees
+``NIXL_ERR_REMOTE_DISCONNECT``); for tcp it stops the link's receiver thread and closes its socket.
+When :meth:`ReceiveLinks.close` returns, nothing written through that link can land any more, and
+the pages it could reach may be reused (DESIGN §2 rule 6). ``tests/test_receive_links.py`` shows it
+for each backend with a writer that keeps writing while the link closes.
+
+Intra-host shared-memory transports (UCX ``sm``/``cma``) write from the writer's process directly
+and are not fenced by closing the receiver's end; a lost peer on the same host is a dead or frozen
+process there, never a partition.
+
+Thread-safe: the control thread opens links, the engine loop closes them (synchronously, before it
+reuses a page), the transfer thread polls their notifications.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any, Hashable
+
+import torch
+
+from .base import TransferBackend, create_backend
+
+log = logging.getLogger(__name__)
+
+
+class ReceiveLinks:
+    def __init__(self, backend: str, agent_prefix: str, buffer: torch.Tensor, **opts: Any):
+        self._backend, self._prefix, self._buffer, self._opts = backend, agent_prefix, buffer, opts
+        self._links: dict[Hashable, TransferBackend] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._closed = False
+        self.fenced = 0
+        """Links closed so far (for metrics and tests)."""
+
+    def open(self, writer: Hashable) -> tuple[str, bytes]:
+        """The agent name and metadata ``writer`` uses to write into our pool (a new link, or the one
+        it has)."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the receiving links are closed")
+            link = self._links.get(writer)
+            if link is None:
+                name = f"{self._prefix}-link{next(self._ids)}"
+                link = self._links[writer] = create_backend(self._backend, name, self._buffer, **self._opts)
+                log.info("receiving link %s opened for %s", name, writer)
+            return link.agent_name, link.metadata()
+
+    def close(self, writer: Hashable) -> bool:
+        """Fence ``writer``: when this returns, nothing it wrote can land any more. False if it had
+        no link."""
+        with self._lock:
+            link = self._links.pop(writer, None)
+            if link is None:
+                return False
+            link.close()
+            self.fenced += 1
+        log.info("receiving link %s for %s closed: its writes are fenced", link.agent_name, writer)
+        return True
+
+    def notifications(self) -> list[tuple[Hashable, str, bytes]]:
+        """``(writer, writer's agent name, notif)`` received on any link since the last call."""
+        with self._lock:
+            return [(writer, agent, msg) for writer, link in self._links.items()
+                    for agent, msg in link.notifications()]
+
+    def writers(self) -> list[Hashable]:
+        with self._lock:
+            return list(self._links)
+
+    def close_all(self) -> None:
+        with self._lock:
+            self._closed = True
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
