@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -177,9 +178,17 @@ class NetnsPair:
     def unthrottle(self) -> None:
         ip("netns", "exec", self.a, "tc", "qdisc", "del", "dev", self.if_a, "root", check=False)
 
-    def restore(self) -> None:
+    def restore(self, timeout: float = 10.0) -> None:
+        """Bring both ends up and wait for their carrier: a process that looks at its interfaces
+        before then (UCX lists them when a worker is created) would not see the link at all."""
         ip("-n", self.a, "link", "set", self.if_a, "up")
         ip("-n", self.b, "link", "set", self.if_b, "up")
+        deadline = time.monotonic() + timeout
+        for ns, ifname in ((self.a, self.if_a), (self.b, self.if_b)):
+            while "LOWER_UP" not in ip("-n", ns, "link", "show", ifname).stdout:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{ifname} in {ns} has no carrier {timeout}s after the restore")
+                time.sleep(0.01)
 
     def close(self) -> None:
         """Delete both namespaces (and with them the veth pair, which never lives in the root
