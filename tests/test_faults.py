@@ -13,14 +13,11 @@ hang) within the bound its deadlines give, and on every live worker the live lif
 - (d) ``test_control_messages_dropped_delayed_duplicated``: control-plane faults on both sides.
 - (e) ``test_link_cut_mid_transfer``: prefill and decode in network namespaces of their own, the
   veth link between them cut mid-transfer (``tests/netns.py``; skipped unless root with
-  ``ip netns``); ``test_same_pair_serves_again_after_the_partition_heals`` (xfail: a healed
-  partition leaves the pair failing every request until the lost-peer memory expires);
+  ``ip netns``); ``test_same_pair_serves_again_after_the_partition_heals``: once the link is
+  back, the same pair serves the next request (a new session; the lost one stays lost);
   ``test_no_late_write_lands_after_the_partition_heals`` (``long``): a real transfer cut mid-way by
   the partition must not land in the decode pool once the link is back, in pages another request
   holds (decode fences the lost prefill by closing its receiving link before it frees a page).
-
-Known bugs are ``xfail(strict=True, raises=KnownBug)``: only the failure the marker names counts
-as expected; any other failure of such a test (setup, a broken precondition) is a real failure.
 
 "Mid-transfer" is made true, not hoped for: the prefill worker runs with
 ``--inject-faults stall_writes`` (every KV write stays pending until cancelled or reset), and the
@@ -694,11 +691,6 @@ class Partitioned:
         return "\n".join(s.output_tail(3000) for s in self.servers)
 
 
-class KnownBug(AssertionError):
-    """The failure an xfail marker names (``raises=KnownBug``): any other failure of the same test
-    (a setup problem, a broken precondition) still fails it."""
-
-
 @pytest.fixture(scope="module")
 def partitioned():
     import netns
@@ -745,10 +737,13 @@ def test_link_cut_mid_transfer(partitioned):
             assert "peer_lost" in error_message(resp), resp.text
             assert ended - cut <= PEER_SILENCE_S + SLACK_S, \
                 f"{who} failed the room {ended - cut:.1f}s after the cut (bound {PEER_SILENCE_S}s)"
+        samples = {}
         for server in (s.Ps, s.D):
-            samples = assert_clean(server)
-            assert counted(samples, server.role, "failed", "peer_lost") >= 1, f"{server.name}: peer_lost not counted"
+            samples[server.name] = got = assert_clean(server)
+            assert counted(got, server.role, "failed", "peer_lost") >= 1, f"{server.name}: peer_lost not counted"
+            assert metric(got, "splitserve_peers", role=server.role, state="lost") >= 1, f"{server.name}: {got}"
         # D freed X's pages only after fencing Ps: its receiving link is closed (rule 6)
+        assert metric(samples["D"], "splitserve_receive_links_fenced") >= 1, samples["D"]
         assert re.search(r"receiving link \S+ for \S+ closed: its writes are fenced", s.D.stderr()), \
             s.D.output_tail(3000)
     finally:
@@ -769,19 +764,13 @@ def test_link_cut_mid_transfer(partitioned):
           f"(peer_lost), their clients answered {answered['prefill']:.2f}s / {answered['decode']:.2f}s after the cut")
 
 
-@pytest.mark.long  # its setup (prefill declaring decode lost over a pending registration) is timing-dependent
-@pytest.mark.xfail(strict=True, raises=KnownBug, reason=(
-    "a healed partition leaves the pair broken for tombstone_s (900 s by default): both sides "
-    "declared the other's incarnation lost and remember it; decode keeps the prefill's cached "
-    "bootstrap info (DecodeControl._prefills[...].info, same incarnation) and fails every new room "
-    "at once with 'peer_lost: bootstrap info names <prefill>, declared lost' (DecodeTable, PeerInfo "
-    "for a lost peer), while both workers stay healthy for the router"))
 def test_same_pair_serves_again_after_the_partition_heals(partitioned):
     """``Pheal`` + ``D`` serve a request. Then ``D`` gets a request for ``Pheal`` whose prefill leg
     never comes (``Pheal`` holds the registration, ``D`` waits in ``AWAITING_KV``), and the link is
     cut: both declare the other lost, ``D`` fails the room with ``peer_lost`` within the heartbeat
-    bound. The link comes back; 2 s later (heartbeats flow again) a new request on the same pair
-    must succeed, as it would after any transient network fault."""
+    bound. As soon as the link is back, a new request on the same pair must succeed, as it would
+    after any transient network fault: ``D`` opens a new session with ``Pheal`` (new control
+    socket, fresh info, new receiving link) while the lost session stays lost on both sides."""
     s = partitioned
     ok_p, ok_d = direct_pair(s.Pheal, s.D, prompt(40, 9), 8, new_room(), 60)
     assert ok_d.outcome(90)[0].status_code == 200 and ok_p.outcome(90)[0].status_code == 200
@@ -802,7 +791,6 @@ def test_same_pair_serves_again_after_the_partition_heals(partitioned):
                  PEER_SILENCE_S + SLACK_S)
     finally:
         s.net.restore()
-    time.sleep(2.0)
     Np, Nd = direct_pair(s.Pheal, s.D, prompt(50, 11), 8, new_room(), 60)
     dresp, _ = Nd.outcome(90)
     presp, _ = Np.outcome(90)
@@ -810,8 +798,8 @@ def test_same_pair_serves_again_after_the_partition_heals(partitioned):
         assert_clean(server)
     assert isinstance(dresp, requests.Response), dresp
     prefill_said = f"{getattr(presp, 'status_code', presp)} {getattr(presp, 'text', '')[:300]}"
-    if dresp.status_code != 200:
-        raise KnownBug(f"decode: {dresp.status_code} {error_message(dresp)}; prefill: {prefill_said}")
+    assert dresp.status_code == 200, f"decode: {dresp.status_code} {error_message(dresp)}; prefill: {prefill_said}"
+    assert len(dresp.json()["output_ids"]) == 8, dresp.text
 
 
 LATE_DEADLINES = [  # long enough that only the cut ends the transfer; peers lost after 3 s

@@ -559,6 +559,48 @@ def test_rule5_a_lost_peer_is_never_recomputed_against():
     assert table.state_of(8) is PrefillState.BOOTSTRAPPING  # not registered
 
 
+def test_rule5_a_prefill_that_lost_us_ends_the_session_and_the_next_one_serves():
+    """An asymmetric partition healed: prefill declared our session lost and refuses its rooms with
+    peer_lost. Decode ends that session (the fence first) and a room on the next session registers."""
+    dec = decode_in(DecodeState.AWAITING_KV)
+    actions = dec.handle(FromPeer(PP, protocol.RoomFailed(ROOM, "p1", "peer_lost")), 1)
+    assert_one_ending(actions, Reason.PEER_FAILED)  # the peer's failure, as it said
+    kinds = [type(a) for a in actions if isinstance(a, (DisconnectPeer, FreePages, ReleaseQuarantine))]
+    assert kinds[0] is DisconnectPeer and of(actions, DisconnectPeer)[0].peer == PP
+    assert sorted(freed(actions)) == list(DST)
+    assert dec.peers.is_lost(PP)
+    nxt = Peer(PP.name, PP.incarnation, PP.session + 1)
+    dec.handle(RequestArrived(8, "r8", PROMPT), 2)
+    dec.handle(PagesReserved(8, (20, 21)), 2)
+    actions = dec.handle(PeerInfo(8, nxt), 2)
+    assert [m.room for m in sent(actions, protocol.RegisterRoom, to=nxt)] == [8]
+    assert dec.state_of(8) is DecodeState.AWAITING_KV
+    assert notices(dec.handle(FromPeer(PP, protocol.WritesSettled(8, "p1")), 3), NoticeKind.FROM_LOST_PEER)
+
+
+def test_rule5_a_new_decode_session_is_a_new_peer_and_the_lost_one_stays_lost():
+    table = new_prefill()
+    table.handle(RequestArrived(ROOM, RID, PROMPT), 0)
+    table.handle(FromPeer(DP, register()), 0)
+    table.handle(PeerLost(DP, "silent"), 1)
+    nxt = Peer(DP.name, DP.incarnation, DP.session + 1)
+    table.handle(PeerHeard(nxt, fresh=True), 2)
+    table.handle(RequestArrived(8, "r8", PROMPT), 2)
+    assert not notices(table.handle(FromPeer(nxt, register(room=8)), 2), NoticeKind.FROM_LOST_PEER)
+    assert table.state_of(8) is PrefillState.QUEUED
+    table.handle(RequestArrived(9, "r9", PROMPT), 3)
+    assert notices(table.handle(FromPeer(DP, register(room=9)), 3), NoticeKind.FROM_LOST_PEER)
+
+
+def test_rule5_a_new_session_declares_the_older_one_lost():
+    table = new_prefill()
+    table.handle(RequestArrived(ROOM, RID, PROMPT), 0)
+    table.handle(FromPeer(DP, register()), 0)
+    actions = table.handle(PeerHeard(Peer(DP.name, DP.incarnation, DP.session + 1), fresh=True), 1)
+    assert of(actions, DisconnectPeer)[0].peer == DP
+    assert_one_ending(actions, Reason.PEER_LOST)
+
+
 def test_rule5_a_registration_meant_for_an_earlier_incarnation_is_rejected():
     table = new_prefill()
     table.handle(RequestArrived(ROOM, RID, PROMPT), 0)

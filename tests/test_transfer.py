@@ -456,3 +456,32 @@ def test_two_processes(kind: str):
         a.close()
         if proc.is_alive():
             proc.kill()
+
+
+def test_transfer_thread_declares_a_session_lost_when_its_link_cannot_be_loaded():
+    """A decode session whose link metadata we cannot use (here: not even decodable) is useless:
+    the transfer thread posts PeerLost for it, stays alive, and a good link still connects."""
+    import queue
+
+    from splitserve.disagg.lifecycle import Peer, PeerLost, WriteDone
+    from splitserve.disagg.transfer_worker import AddPeer, TransferWorker, Write
+
+    tag = uuid.uuid4().hex[:8]
+    src, dst = filled_pool(5), KVPool(LAYOUT)
+    events: "queue.Queue[object]" = queue.Queue()
+    writer, receiver = FakeBackend(f"w-{tag}", src.buffer), FakeBackend(f"r-{tag}", dst.buffer)
+    worker = TransferWorker(writer, events.put)
+    worker.start()
+    try:
+        bad, good = Peer("decode:1", "d1", 1), Peer("decode:1", "d1", 2)
+        worker.submit(AddPeer(bad, receiver.agent_name, b"\xc1 not metadata"))
+        lost = events.get(timeout=TIMEOUT_S)
+        assert isinstance(lost, PeerLost) and lost.peer == bad and "cannot be reached" in lost.detail
+        worker.submit(AddPeer(good, receiver.agent_name, receiver.metadata()))
+        worker.submit(Write(7, 1, good, tuple(page_spans([0], [3], P))))
+        assert events.get(timeout=TIMEOUT_S) == WriteDone(7, 1)
+        assert_pages(dst, src, [0], [3])
+    finally:
+        worker.stop()
+        writer.close()
+        receiver.close()

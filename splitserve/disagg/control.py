@@ -1,12 +1,20 @@
 """The control plane: ZMQ sockets between prefill and decode workers, one thread on each side.
 
 Prefill binds one ROUTER socket on its bootstrap port. Decode connects one DEALER per prefill
-address, with the identity ``name#incarnation`` (its stable name plus this start's incarnation),
-so prefill can tell a restarted decode worker from the old one and answer on the same connection.
+address and *session*, with the identity ``name#incarnation#session`` (its stable name, this
+start's incarnation, the session number), so prefill can tell a restarted decode worker, or a new
+session of the same one, from the old, and answer on the same connection. Decode ends a session
+when the engine declares that prefill lost (``DecodeControl.forget``): the socket closes, and the
+next room for that address opens session n+1 (new socket, fresh bootstrap info, a new receiving
+link). That is how a pair serves again after a healed partition while nothing of the lost session
+is ever acted on: the lost peer is ``(name, incarnation, n)``; ``n+1`` is another peer.
 
 These threads own their sockets and nothing else. They answer ``GetInfo`` and heartbeats
 themselves (so a long forward pass never makes a live peer look dead), send heartbeats every
-``heartbeat_interval_s``, and post everything else to the engine loop's inbox as lifecycle
+``heartbeat_interval_s``, and stop doing both while the engine loop has not begun an iteration
+for longer than its stall deadline (``loop_alive``): a wedged loop would otherwise hold the peer's
+rooms, and its quarantined pages, forever behind heartbeats that say all is well. The peer then
+declares us lost, fences us and frees what it held. They and post everything else to the engine loop's inbox as lifecycle
 events: ``FromPeer``, ``PeerHeard``, ``PeerInfo``. The engine loop sends through ``send``, a
 queue the thread drains. Frames that fail to decode are logged and counted, never fatal
 (control-plane input is untrusted).
@@ -30,7 +38,7 @@ from splitserve.disagg.bootstrap import first_mismatch
 from splitserve.disagg.lifecycle import FromPeer, Peer, PeerHeard, PeerInfo
 from splitserve.disagg.supervised import SupervisedThread
 from splitserve.disagg.transfer.links import ReceiveLinks
-from splitserve.disagg.transfer_worker import AddPeer, TransferWorker
+from splitserve.disagg.transfer_worker import AddPeer, ResetPeer, TransferWorker
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +57,25 @@ class ControlFaults:
 
 
 def identity(peer: Peer) -> bytes:
-    return f"{peer.name}#{peer.incarnation}".encode()
+    return f"{peer.name}#{peer.incarnation}#{peer.session}".encode()
 
 
 def peer_of(ident: bytes) -> Optional[Peer]:
-    name, sep, incarnation = ident.decode(errors="replace").rpartition("#")
-    return Peer(name, incarnation) if sep and name and incarnation else None
+    parts = ident.decode(errors="replace").rsplit("#", 2)
+    if len(parts) != 3 or not all(parts) or not parts[2].isdigit():
+        return None
+    return Peer(parts[0], parts[1], int(parts[2]))
 
 
 class _ControlThread(SupervisedThread):
     """What both sides share: the outbox, fault injection, counters of bad frames."""
 
     def __init__(self, name: str, incarnation: str, post: Callable[[object], None], heartbeat_s: float,
-                 faults: Optional[ControlFaults]):
+                 faults: Optional[ControlFaults], loop_alive: Optional[Callable[[], bool]] = None):
         super().__init__(name=name)
         self.incarnation = incarnation
+        self._loop_alive = loop_alive or (lambda: True)
+        self._wedged = False
         self._post = post
         self._heartbeat_s = heartbeat_s
         self._faults = faults or ControlFaults()
@@ -103,8 +115,12 @@ class _ControlThread(SupervisedThread):
         for _, peer, frame in due:
             self._send_frame(peer, frame)
 
+    def forget(self, peer: Peer) -> None:
+        """Thread-safe: ``peer`` was declared lost; see ``_forget`` of each side."""
+        self._outbox.put((peer, None))
+
     def _forget(self, peer: Peer) -> None:
-        """Stop heartbeating ``peer`` (see ``PrefillControl.forget``)."""
+        raise NotImplementedError
 
     def _send_faulty(self, peer: Peer, frame: bytes, now: float) -> None:
         f = self._faults
@@ -123,7 +139,19 @@ class _ControlThread(SupervisedThread):
             return False
         self._next_hb = now + self._heartbeat_s
         self._hb_seq += 1
-        return True
+        return self._loop_ok()
+
+    def _loop_ok(self) -> bool:
+        """False while the engine loop is wedged: then we neither send nor answer heartbeats."""
+        alive = self._loop_alive()
+        if alive == self._wedged:
+            self._wedged = not alive
+            if self._wedged:
+                log.error("the engine loop has made no iteration within its stall deadline: heartbeats withheld, "
+                          "so that peers declare this worker lost and free what they hold for it")
+            else:
+                log.warning("the engine loop is iterating again: heartbeats resume")
+        return alive
 
     def _send_frame(self, peer: Peer, frame: bytes) -> None:
         raise NotImplementedError
@@ -133,8 +161,9 @@ class PrefillControl(_ControlThread):
     """Prefill side: the ROUTER on the bootstrap port."""
 
     def __init__(self, host: str, port: int, info: p.Info, transfer: TransferWorker,
-                 post: Callable[[object], None], heartbeat_s: float, faults: Optional[ControlFaults] = None):
-        super().__init__("control-prefill", info.incarnation, post, heartbeat_s, faults)
+                 post: Callable[[object], None], heartbeat_s: float, faults: Optional[ControlFaults] = None,
+                 loop_alive: Optional[Callable[[], bool]] = None):
+        super().__init__("control-prefill", info.incarnation, post, heartbeat_s, faults, loop_alive)
         self.info = info
         self._transfer = transfer
         self._decoders: set[Peer] = set()  # decode incarnations that registered with us
@@ -142,10 +171,6 @@ class PrefillControl(_ControlThread):
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
         self.sock.bind(f"tcp://{host}:{port}")
-
-    def forget(self, peer: Peer) -> None:
-        """Thread-safe: stop heartbeating a decode incarnation declared lost."""
-        self._outbox.put((peer, None))
 
     def serve(self) -> None:
         while not self.stopping.is_set():
@@ -157,6 +182,7 @@ class PrefillControl(_ControlThread):
                     self._send_faulty(peer, p.encode(p.Heartbeat(self.incarnation, self._hb_seq)), time.monotonic())
 
     def _forget(self, peer: Peer) -> None:
+        """Stop heartbeating a decode session declared lost."""
         self._decoders.discard(peer)
 
     def _receive(self) -> None:
@@ -179,7 +205,8 @@ class PrefillControl(_ControlThread):
         if isinstance(msg, p.GetInfo):
             self.sock.send_multipart([ident, p.encode(self.info)])
         elif isinstance(msg, p.Heartbeat):
-            self.sock.send_multipart([ident, p.encode(p.HeartbeatAck(self.incarnation, msg.seq))])
+            if self._loop_ok():
+                self.sock.send_multipart([ident, p.encode(p.HeartbeatAck(self.incarnation, msg.seq))])
             self._post(PeerHeard(sender, fresh=False))
         elif isinstance(msg, p.HeartbeatAck):
             self._post(PeerHeard(sender, fresh=True))
@@ -188,10 +215,26 @@ class PrefillControl(_ControlThread):
                 log.warning("registration from %s for incarnation %s ignored (we are %s)", sender,
                             msg.prefill_incarnation, self.incarnation)
                 return
-            self._decoders.add(sender)
-            self._transfer.submit(AddPeer(sender, msg.agent_name, msg.agent_metadata))
+            self._register(sender, msg)
+        elif getattr(msg, "incarnation", None) != sender.incarnation:
+            self.bad_frames += 1
+            log.warning("%s from %s names incarnation %r; dropped", type(msg).__name__, sender,
+                        getattr(msg, "incarnation", None))
         else:
-            self._post(FromPeer(Peer(sender.name, getattr(msg, "incarnation", sender.incarnation)), msg))
+            self._post(FromPeer(sender, msg))
+
+    def _register(self, sender: Peer, msg: p.RegisterPeer) -> None:
+        """A decode session registered its receiving link. Decode opens session n+1 only after it
+        ended n, so older sessions of that name are over: stop heartbeating them and drop their
+        transfer connections (the engine fails any room still bound to them)."""
+        if sender in self._decoders:
+            return  # a duplicate
+        for old in [d for d in self._decoders if d.name == sender.name]:
+            self._decoders.discard(old)
+            self._transfer.submit(ResetPeer(old, forget=True))
+        self._decoders.add(sender)
+        self._transfer.submit(AddPeer(sender, msg.agent_name, msg.agent_metadata))
+        self._post(PeerHeard(sender, fresh=True))
 
     def _send_frame(self, peer: Peer, frame: bytes) -> None:
         self.sock.send_multipart([identity(peer), frame])
@@ -207,13 +250,14 @@ class _Prefill:
 
     sock: zmq.Socket
     name: str  # host:port
+    session: int
     info: Optional[p.Info] = None
     asked_at: float = 0.0
     waiting_rooms: list = None  # (room, since): rooms waiting for its info
 
     @property
     def peer(self) -> Optional[Peer]:
-        return Peer(self.name, self.info.incarnation) if self.info else None
+        return Peer(self.name, self.info.incarnation, self.session) if self.info else None
 
 
 class DecodeControl(_ControlThread):
@@ -224,13 +268,14 @@ class DecodeControl(_ControlThread):
 
     def __init__(self, name: str, ours: p.Info, links: ReceiveLinks,
                  post: Callable[[object], None], heartbeat_s: float, info_wait_s: float,
-                 faults: Optional[ControlFaults] = None):
-        super().__init__("control-decode", ours.incarnation, post, heartbeat_s, faults)
+                 faults: Optional[ControlFaults] = None, loop_alive: Optional[Callable[[], bool]] = None):
+        super().__init__("control-decode", ours.incarnation, post, heartbeat_s, faults, loop_alive)
         self._info_wait_s = info_wait_s  # a room waits this long for an address's info (its PREALLOC limit)
         self.name = name
         self.ours = ours
         self._links = links
         self._prefills: dict[str, _Prefill] = {}
+        self._sessions: dict[str, int] = {}  # address -> its last session number
         self._requests: "queue.Queue[tuple[int, str]]" = queue.Queue()
 
     def want_info(self, room: int, host: str, port: int) -> None:
@@ -267,15 +312,28 @@ class DecodeControl(_ControlThread):
             else:
                 pf.waiting_rooms.append((room, time.monotonic()))
 
-    def _connect(self, name: str) -> _Prefill:
+    def _connect(self, name: str, waiting_rooms: Optional[list] = None) -> _Prefill:
+        session = self._sessions[name] = self._sessions.get(name, 0) + 1
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
-        sock.setsockopt(zmq.IDENTITY, f"{self.name}#{self.incarnation}".encode())
+        sock.setsockopt(zmq.IDENTITY, identity(Peer(self.name, self.incarnation, session)))
         sock.connect(f"tcp://{name}")
-        pf = self._prefills[name] = _Prefill(sock=sock, name=name, waiting_rooms=[])
+        pf = self._prefills[name] = _Prefill(sock=sock, name=name, session=session, waiting_rooms=waiting_rooms or [])
         self._ask_info(pf)
         return pf
+
+    def _forget(self, peer: Peer) -> None:
+        """End the session with a prefill declared lost (the engine has closed its receiving link
+        already). Rooms still waiting for that address's info move to a new session."""
+        pf = self._prefills.get(peer.name)
+        if pf is None or pf.session != peer.session:
+            return
+        pf.sock.close(0)
+        del self._prefills[peer.name]
+        self._links.close(peer)  # idempotent: the engine closed it before any page was freed
+        if pf.waiting_rooms:
+            self._connect(peer.name, pf.waiting_rooms)
 
     def _ask_info(self, pf: _Prefill) -> None:
         pf.asked_at = time.monotonic()
@@ -315,7 +373,8 @@ class DecodeControl(_ControlThread):
         if isinstance(msg, p.Info):
             self._learn(pf, msg)
         elif isinstance(msg, p.Heartbeat):
-            self._try_send(pf, p.encode(p.HeartbeatAck(self.incarnation, msg.seq)))
+            if self._loop_ok():
+                self._try_send(pf, p.encode(p.HeartbeatAck(self.incarnation, msg.seq)))
             if pf.info is not None and msg.incarnation == pf.info.incarnation:
                 self._post(PeerHeard(pf.peer, fresh=False))
         elif isinstance(msg, p.HeartbeatAck):
@@ -324,7 +383,7 @@ class DecodeControl(_ControlThread):
             elif pf.info is not None:
                 self._post(PeerHeard(pf.peer, fresh=True))
         elif hasattr(msg, "incarnation"):
-            self._post(FromPeer(Peer(pf.name, msg.incarnation), msg))
+            self._post(FromPeer(Peer(pf.name, msg.incarnation, pf.session), msg))
 
     def _learn(self, pf: _Prefill, info: p.Info) -> None:
         old = pf.peer
@@ -344,8 +403,8 @@ class DecodeControl(_ControlThread):
 
     def _send_frame(self, peer: Peer, frame: bytes) -> None:
         pf = self._prefills.get(peer.name)
-        # never hand a message meant for one incarnation to another
-        if pf is not None and pf.info is not None and pf.info.incarnation == peer.incarnation:
+        # never hand a message meant for one incarnation or session to another
+        if pf is not None and pf.peer == peer:
             self._try_send(pf, frame)
 
     def close(self) -> None:

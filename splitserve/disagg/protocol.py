@@ -9,9 +9,9 @@ on). Nothing is dispatched by method-name strings: the receiver matches on the c
 
 The flows (``docs/protocol.md`` has the full picture):
 
-* decode → prefill: ``GetInfo`` (answered with ``Info``), ``RegisterPeer`` once per prefill
-  incarnation (transfer-agent metadata), ``RegisterRoom`` per request (the page ids it reserved),
-  ``AbortRoom``;
+* decode → prefill: ``GetInfo`` (answered with ``Info``), ``RegisterPeer`` once per session with
+  a prefill incarnation (the metadata of the receiving link decode opened for it),
+  ``RegisterRoom`` per request (the page ids it reserved), ``AbortRoom``;
 * prefill → decode: ``RoomFailed``, ``WritesSettled`` (no write of the room can still land), and
   ``KVDone`` carried as the transfer notification of a room's last write (first token, room check);
 * both ways: ``Heartbeat`` / ``HeartbeatAck``, answered off the engine loop.
@@ -26,7 +26,7 @@ from typing import ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: decode's control identity names its session
 MAX_FRAME_BYTES = 1 << 20  # 1 MiB: a page list of 64k pages, or NIXL metadata, fits with room to spare
 
 _REGISTRY: dict[str, type] = {}

@@ -21,7 +21,7 @@ import queue
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from splitserve.disagg.lifecycle import Peer, WriteDone, WriteFailed
+from splitserve.disagg.lifecycle import Peer, PeerLost, WriteDone, WriteFailed
 from splitserve.disagg.supervised import SupervisedThread
 from splitserve.disagg.transfer.base import Handle, Span, TransferBackend
 from splitserve.disagg.transfer.links import ReceiveLinks
@@ -137,8 +137,7 @@ class TransferWorker(SupervisedThread):
 
     def _run(self, cmd: object) -> None:
         if isinstance(cmd, AddPeer):
-            self._agents[cmd.peer] = (cmd.agent_name, cmd.metadata)
-            self.backend.add_peer(cmd.agent_name, cmd.metadata)
+            self._add(cmd)
         elif isinstance(cmd, Write):
             self._start(cmd)
         elif isinstance(cmd, Notify):
@@ -159,6 +158,18 @@ class TransferWorker(SupervisedThread):
             self._reset(cmd.peer, cmd.forget)
         else:
             raise TypeError(f"unknown transfer command {cmd!r}")
+
+    def _add(self, cmd: AddPeer) -> None:
+        """Connect to a decode session's receiving link. If that fails (its metadata names no
+        interface we can reach, say), the session is useless: the engine declares it lost, which
+        fails its rooms and makes decode open a new session (it is refused with peer_lost)."""
+        try:
+            self.backend.add_peer(cmd.agent_name, cmd.metadata)
+        except Exception as exc:
+            log.error("cannot connect to the transfer link %s of %s: %s", cmd.agent_name, cmd.peer, exc)
+            self._post(PeerLost(cmd.peer, f"its transfer link {cmd.agent_name} cannot be reached: {exc}"))
+            return
+        self._agents[cmd.peer] = (cmd.agent_name, cmd.metadata)
 
     def _start(self, cmd: Write) -> None:
         agent = self._agents.get(cmd.peer)

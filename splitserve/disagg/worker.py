@@ -166,6 +166,9 @@ class DisaggEngine(AsyncEngine):
         stats["lifecycle"] = {name: n for name, n in counts.items() if name not in live}
         stats["outcomes"] = dict(self.outcomes)
         stats["notices"] = dict(self.notices)
+        now = time.monotonic()
+        stats["peers"] = self.table.peers.counts()
+        stats["peer_silence"] = {row["peer"]: round(row["silent_s"], 3) for row in self.table.peers.snapshot(now)}
         return stats
 
     def debug_requests(self) -> list[dict]:
@@ -234,7 +237,12 @@ class DisaggEngine(AsyncEngine):
         return []
 
     def _forget_peer(self, peer: Peer) -> None:
-        pass
+        self.control.forget(peer)
+
+    def _loop_alive(self, stall_s: float) -> Callable[[], bool]:
+        """For the control thread: has the engine loop begun an iteration within ``stall_s``? (A
+        forward pass may take up to the stall deadline; a loop stuck longer is wedged.)"""
+        return lambda: time.monotonic() - self.last_iteration < stall_s
 
     def _close_transfer(self) -> None:
         pass
@@ -264,7 +272,8 @@ class PrefillEngine(DisaggEngine):
         layout = self.engine.layout
         self.table = PrefillTable(self.deadlines, self.incarnation, layout.page_size, layout.page_nbytes)
         self.control = PrefillControl(self.server.host, self.server.bootstrap_port, self.info, self.transfer,
-                                      self.post_event, self.deadlines.heartbeat_interval_s, self._control_faults)
+                                      self.post_event, self.deadlines.heartbeat_interval_s, self._control_faults,
+                                      self._loop_alive(self.deadlines.prefill_stall_s))
         self.control.start()
 
     def _step(self) -> list[RequestOutput]:
@@ -325,9 +334,6 @@ class PrefillEngine(DisaggEngine):
         return [RequestOutput(rid=a.rid, token_ids=(first,) if first is not None else (), finished=True,
                               finish_reason="prefill_done", prompt_tokens=n, completion_tokens=0)]
 
-    def _forget_peer(self, peer: Peer) -> None:
-        self.control.forget(peer)
-
 
 class DecodeEngine(DisaggEngine):
     """Reserves pages, registers them with the prefill worker, and decodes once the KV landed."""
@@ -350,12 +356,14 @@ class DecodeEngine(DisaggEngine):
         self._want_pages: dict[int, int] = {}  # room -> pages asked for, waiting for free pages
         name = f"{self.advertise_host}:{self.server.port}"
         self.control = DecodeControl(name, self.info, self.links, self.post_event, self.deadlines.heartbeat_interval_s,
-                                     self.deadlines.prealloc_s, self._control_faults)
+                                     self.deadlines.prealloc_s, self._control_faults,
+                                     self._loop_alive(self.deadlines.decode_stall_s))
         self.control.start()
 
     def _collect_stats(self) -> dict:
         stats = super()._collect_stats()
         stats["pages_quarantined"] = sum(len(v) for v in self._quarantine.values())
+        stats["links_open"] = len(self.links.writers())
         stats["links_fenced"] = self.links.fenced
         return stats
 
@@ -442,8 +450,10 @@ class DecodeEngine(DisaggEngine):
         self._feed(PagesReserved(room, tuple(pages)), out)
 
     def _forget_peer(self, peer: Peer) -> None:
-        # The fence, before any page of the peer's rooms is freed by the actions that follow.
+        # The fence, before any page of the peer's rooms is freed by the actions that follow;
+        # then the control thread ends the session (the next room for that address opens a new one).
         self.links.close(peer)
+        super()._forget_peer(peer)
 
     def _take_pages(self, room: int) -> list[int]:
         """Every page the room holds now (reserved, or its sequence's), no longer held by it."""

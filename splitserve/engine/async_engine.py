@@ -63,6 +63,8 @@ class AsyncEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self._stats: Optional[dict] = None  # published by the engine loop after each iteration
+        self.last_iteration = time.monotonic()
+        """When the engine loop last began an iteration (monotonic); a wedged loop stops moving it."""
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -75,6 +77,7 @@ class AsyncEngine:
         """Start the engine thread over ``self.engine``."""
         self._stats = self._collect_stats()
         self._loop = loop
+        self.last_iteration = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self.ready = True
@@ -160,6 +163,7 @@ class AsyncEngine:
     def _run(self) -> None:
         engine = self.engine
         while True:
+            self.last_iteration = time.monotonic()
             try:
                 events = self._take_events(self._wait_s())
                 outputs: list[RequestOutput] = []

@@ -35,6 +35,20 @@ class WorkerMetrics:
         registry.gauge("splitserve_kv_pages_quarantined",
                        "Decode: KV pages kept out of use because a remote write may still land in them.",
                        callback=lambda: self._stat("pages_quarantined"))
+        if role != "colocated":
+            registry.gauge("splitserve_peers", "Prefill/decode: peers that live rooms depend on (live), and peers "
+                           "declared lost and still remembered (lost).", ["role", "state"],
+                           callback=lambda: {(role, k): n for k, n in (self._stat("peers") or {}).items()})
+            registry.gauge("splitserve_peer_silence_seconds",
+                           "Prefill/decode: seconds since each live peer was last heard from (declared lost after "
+                           "heartbeat_interval_s x heartbeat_misses).", ["role", "peer"],
+                           callback=lambda: {(role, k): v for k, v in (self._stat("peer_silence") or {}).items()})
+        if role == "decode":
+            registry.gauge("splitserve_receive_links_open", "Decode: receiving links open, one per prefill session.",
+                           callback=lambda: self._stat("links_open"))
+            registry.gauge("splitserve_receive_links_fenced",
+                           "Decode: receiving links closed since start to fence a lost prefill session.",
+                           callback=lambda: self._stat("links_fenced"))
         self.http_inflight = registry.gauge("splitserve_http_inflight_requests",
                                             "Generation requests the HTTP front end is serving now.")
         self.requests = registry.counter(

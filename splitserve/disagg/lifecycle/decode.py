@@ -161,6 +161,12 @@ class DecodeTable(RoomTable):
             self._on_room_failed(r, msg, now, out)
         else:
             self._on_writes_settled(r, now, out)
+        if isinstance(msg, protocol.RoomFailed) and msg.reason == Reason.PEER_LOST.value:
+            # Prefill declared this session lost and will refuse all of it: end it here too, so
+            # that the next room opens a new session (a healed asymmetric partition serves again).
+            lost = self.peers.declare_lost(peer, now)
+            if lost is not None:
+                self._peer_lost(lost, "it declared this session lost", now, out)
 
     def _on_message_for_absent_room(self, peer: Peer, msg, now: float, out: list[Action]) -> None:
         if isinstance(msg, protocol.RoomFailed) and msg.room not in self._tombstones:

@@ -1,8 +1,9 @@
 """Peers and their liveness.
 
-A :class:`Peer` is one *incarnation* of a worker: its stable name (address or transfer-agent name)
-plus the incarnation id it drew at start. A worker restarted on the same address is a new peer
-(DESIGN §3).
+A :class:`Peer` is one *session* with one *incarnation* of a worker: its stable name (address or
+transfer-agent name), the incarnation id it drew at start, and the session number of the
+connection. A worker restarted on the same address is a new peer (DESIGN §3); so is the same
+worker reached over a new session after the last one was declared lost (a healed partition).
 
 The :class:`PeerTable` tracks the peers that rooms are bound to. Any sign of life refreshes
 ``last_heard``; a peer silent for ``heartbeat_misses`` intervals is declared lost by
@@ -31,9 +32,13 @@ class Peer:
     """Stable across restarts: host:port of its control socket, or its transfer-agent name."""
     incarnation: str
     """Fresh at every process start."""
+    session: int = 0
+    """Which connection between the two processes: decode numbers them per prefill address and
+    starts a new one (new control socket, new receiving link) after declaring the last one lost,
+    so a healed pair serves again while the lost session stays lost."""
 
     def __str__(self) -> str:
-        return f"{self.name}#{self.incarnation}"
+        return f"{self.name}#{self.incarnation}/{self.session}"
 
 
 @dataclass
@@ -67,6 +72,10 @@ class PeerTable:
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def counts(self) -> dict[str, int]:
+        """Peers rooms depend on now (``live``), and lost ones still remembered (``lost``)."""
+        return {"live": len(self._live), "lost": len(self._lost)}
 
     def snapshot(self, now: float) -> list[dict]:
         interval = self._cfg.heartbeat_interval_s

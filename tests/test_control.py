@@ -1,0 +1,89 @@
+"""The control plane's threads (``splitserve/disagg/control.py``) against a raw ZMQ socket playing
+the other side: who a sender is (incarnation and session in its identity), and heartbeats withheld
+while the engine loop is wedged, so that the peer declares us lost instead of waiting forever."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from conftest import free_port
+from splitserve.disagg import protocol as p
+from splitserve.disagg.control import PrefillControl, identity, peer_of
+from splitserve.disagg.lifecycle import FromPeer, Peer, PeerHeard
+from splitserve.disagg.transfer_worker import AddPeer
+
+INFO = p.Info(p.PROTOCOL_VERSION, "pf1", "tiny", 2, 2, 8, "float32", 16, "tcp")
+
+
+def test_identity_names_incarnation_and_session_and_bad_ones_are_refused():
+    peer = Peer("10.0.0.2:8100", "d1", 3)
+    assert peer_of(identity(peer)) == peer
+    for bad in (b"", b"x", b"host#inc", b"#inc#1", b"host##1", b"host#inc#", b"host#inc#one", b"host#inc#-1"):
+        assert peer_of(bad) is None, bad
+
+
+class _Transfer:
+    def __init__(self):
+        self.commands = []
+
+    def submit(self, cmd):
+        self.commands.append(cmd)
+
+
+def _recv_all(sock: zmq.Socket, seconds: float) -> list:
+    got, until = [], time.monotonic() + seconds
+    while time.monotonic() < until:
+        if sock.poll(20):
+            got.append(p.decode(sock.recv()))
+    return got
+
+
+def test_prefill_withholds_heartbeats_while_its_engine_loop_is_wedged():
+    alive = [True]
+    events, transfer = [], _Transfer()
+    port = free_port()
+    control = PrefillControl("127.0.0.1", port, INFO, transfer, events.append, heartbeat_s=0.05,
+                             loop_alive=lambda: alive[0])
+    control.start()
+    ctx = zmq.Context()
+    decode = ctx.socket(zmq.DEALER)
+    decode.setsockopt(zmq.LINGER, 0)
+    me = Peer("decode:1", "d1", 1)
+    decode.setsockopt(zmq.IDENTITY, identity(me))
+    decode.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        decode.send(p.encode(p.RegisterPeer("d1", "pf1", "decode-link1", b"md")))
+        decode.send(p.encode(p.Heartbeat("d1", 1)))
+        got = _recv_all(decode, 0.5)
+        assert p.HeartbeatAck("pf1", 1) in got, got
+        assert any(isinstance(m, p.Heartbeat) for m in got), got  # it pings a registered decode
+        assert [c for c in transfer.commands if isinstance(c, AddPeer)] == [AddPeer(me, "decode-link1", b"md")]
+        assert PeerHeard(me, fresh=True) in events
+
+        alive[0] = False  # the engine loop wedges
+        _recv_all(decode, 0.1)  # what was already on its way
+        decode.send(p.encode(p.Heartbeat("d1", 2)))
+        silent = _recv_all(decode, 0.5)
+        assert silent == [], f"a wedged worker still said it is alive: {silent}"
+
+        alive[0] = True
+        decode.send(p.encode(p.Heartbeat("d1", 3)))
+        got = _recv_all(decode, 0.5)
+        assert p.HeartbeatAck("pf1", 3) in got and any(isinstance(m, p.Heartbeat) for m in got), got
+
+        # a message whose incarnation is not its sender's is dropped, not posted
+        before = control.bad_frames
+        decode.send(p.encode(p.AbortRoom(7, "d0", "client_abort")))
+        decode.send(p.encode(p.AbortRoom(8, "d1", "client_abort")))
+        deadline = time.monotonic() + 2
+        while not any(isinstance(e, FromPeer) for e in events) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [e.msg.room for e in events if isinstance(e, FromPeer)] == [8]
+        assert all(e.peer == me for e in events if isinstance(e, FromPeer))
+        assert control.bad_frames == before + 1
+    finally:
+        decode.close(0)
+        ctx.term()
+        control.close()
