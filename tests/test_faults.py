@@ -67,7 +67,8 @@ DEADLINES = [
     "--transfer-floor-s", str(TRANSFER_FLOOR_S), "--kv-wait-s", str(KV_WAIT_S),
     "--prealloc-s", str(PREALLOC_S), "--bootstrap-s", str(BOOTSTRAP_S), "--queue-s", "8",
     "--pending-registration-s", "8", "--prefill-stall-s", "5", "--decode-stall-s", "5",
-    "--write-drain-s", "3", "--quarantine-resend-s", "0.5", "--tombstone-s", str(TOMBSTONE_S),
+    "--write-drain-s", "3", "--quarantine-resend-s", "0.5", "--register-resend-s", "1",
+    "--tombstone-s", str(TOMBSTONE_S),
 ]
 STALL = ["--inject-faults", "stall_writes"]
 
@@ -443,9 +444,9 @@ def test_control_messages_dropped_delayed_duplicated():
     missed heartbeats (2 s), so that drops alone rarely take a live peer down. 30 requests (10
     prompts, 3 times each, greedy) through the router, all at once:
 
-    - each ends within its bound (a dropped registration: prefill's BOOTSTRAPPING deadline; a
-      lost failure message: decode's PREALLOC + AWAITING_KV) with a success or a clear error that
-      names the lifecycle reason;
+    - each ends within its bound (a dropped registration is re-sent every second, within
+      prefill's BOOTSTRAPPING deadline; a lost failure message: decode's PREALLOC + AWAITING_KV)
+      with a success or a clear error that names the lifecycle reason;
     - most succeed, and the answers to one prompt are all the same (no KV garbled by a write into
       the wrong pages);
     - afterwards every page is back on both workers (a dropped abort is re-sent while decode

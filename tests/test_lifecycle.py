@@ -246,8 +246,21 @@ def test_rule3_every_decode_state_has_a_deadline(name, state, with_pages, limit,
     table = decode_in(state, with_pages=with_pages)
     [row] = table.snapshot(0)
     assert row["deadline_s"] == pytest.approx(limit)
-    assert tick(table, limit - 0.001) == []
+    assert [a for a in tick(table, limit - 0.001) if not sent([a], protocol.RegisterRoom)] == []  # resends aside
     assert_one_ending(tick(table, limit), reason)
+
+
+def test_rule3_a_registration_is_resent_until_the_kv_comes_so_a_lost_one_costs_a_delay():
+    table = decode_in(DecodeState.AWAITING_KV)
+    every = D.register_resend_s
+    for k in (1, 2):
+        assert sent(tick(table, k * every), protocol.RegisterRoom, to=PP) == [register()]
+    assert not sent(tick(table, 2.5 * every), protocol.RegisterRoom)
+    table.handle(FromPeer(PP, protocol.KVDone(ROOM, PP.incarnation, 42, PROMPT)), 2.5 * every)
+    assert not sent(tick(table, 3 * every) + tick(table, 4 * every), protocol.RegisterRoom)
+    ended = decode_in(DecodeState.AWAITING_KV)
+    ended.handle(LocalFailure(ROOM, Reason.INTERNAL_ERROR, "boom"), 1)
+    assert not sent(ended.expire(every) + ended.expire(2 * every), protocol.RegisterRoom)
 
 
 def test_rule3_decode_waiting_for_pages_with_info_in_hand_is_overloaded():
@@ -691,15 +704,29 @@ def test_rule6_prefill_settles_its_writes_before_freeing_its_pages_and_telling_d
     assert pre.counts_by_state()["held_writes"] == 0 and pre.live_rooms() == []
 
 
-def test_rule6_unsettled_writes_get_the_transfer_reset_until_they_settle():
+def test_rule6_unsettled_writes_end_the_session_so_that_decode_fences_it():
+    """Writes that do not settle after the end cannot be vouched for: prefill never says
+    WritesSettled for them. It declares the session lost (disconnect, which fails the writes),
+    then keeps nudging the transport until they settle, and answers decode's re-sent abort with
+    peer_lost, on which decode ends the session and fences it before freeing its pages."""
     pre = prefill_in(PrefillState.TRANSFERRING)
     pre.handle(ClientAbort(ROOM), 0)
-    for k in (1, 2):
-        actions = tick(pre, k * D.write_drain_s)
-        assert of(actions, ResetTransfer)[0].write_ids == (1, 2) and notices(actions, NoticeKind.TRANSFER_RESET)
-        assert not freed(actions)
+    actions = tick(pre, D.write_drain_s)
+    assert of(actions, DisconnectPeer)[0].peer == DP and notices(actions, NoticeKind.TRANSFER_RESET)
+    assert pre.peers.is_lost(DP) and not freed(actions)
+    actions = pre.expire(2 * D.write_drain_s)
+    assert of(actions, ResetTransfer)[0].write_ids == (1, 2) and not freed(actions)
+    answer = pre.handle(FromPeer(DP, protocol.AbortRoom(ROOM, DP.incarnation, "client_abort")), 61)
+    assert [m.reason for m in sent(answer, protocol.RoomFailed, to=DP)] == ["peer_lost"]
     pre.handle(WriteFailed(ROOM, 1, "reset"), 61)
-    assert freed(pre.handle(WriteFailed(ROOM, 2, "reset"), 61)) == list(SRC)
+    actions = pre.handle(WriteFailed(ROOM, 2, "reset"), 61)
+    assert freed(actions) == list(SRC) and not sent(actions, protocol.WritesSettled)
+
+    dec = decode_in(DecodeState.AWAITING_KV)  # decode's side of it: quarantined until the fence
+    dec.handle(ClientAbort(ROOM), 0)
+    actions = dec.handle(FromPeer(PP, sent(answer, protocol.RoomFailed)[0]), 1)
+    kinds = [type(a) for a in actions if isinstance(a, (DisconnectPeer, ReleaseQuarantine))]
+    assert kinds == [DisconnectPeer, ReleaseQuarantine]
 
 
 def test_rule6_every_page_is_freed_exactly_once_on_the_happy_path():

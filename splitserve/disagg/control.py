@@ -166,7 +166,8 @@ class PrefillControl(_ControlThread):
         super().__init__("control-prefill", info.incarnation, post, heartbeat_s, faults, loop_alive)
         self.info = info
         self._transfer = transfer
-        self._decoders: set[Peer] = set()  # decode incarnations that registered with us
+        self._decoders: set[Peer] = set()  # decode sessions that registered with us
+        self._ended: set[Peer] = set()  # decode sessions declared lost: never answered again
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
@@ -182,8 +183,10 @@ class PrefillControl(_ControlThread):
                     self._send_faulty(peer, p.encode(p.Heartbeat(self.incarnation, self._hb_seq)), time.monotonic())
 
     def _forget(self, peer: Peer) -> None:
-        """Stop heartbeating a decode session declared lost."""
+        """A decode session declared lost: stop heartbeating it and answering its heartbeats, so
+        that decode, if alive, declares us lost too and fences the session."""
         self._decoders.discard(peer)
+        self._ended.add(peer)
 
     def _receive(self) -> None:
         while True:
@@ -205,7 +208,7 @@ class PrefillControl(_ControlThread):
         if isinstance(msg, p.GetInfo):
             self.sock.send_multipart([ident, p.encode(self.info)])
         elif isinstance(msg, p.Heartbeat):
-            if self._loop_ok():
+            if sender not in self._ended and self._loop_ok():
                 self.sock.send_multipart([ident, p.encode(p.HeartbeatAck(self.incarnation, msg.seq))])
             self._post(PeerHeard(sender, fresh=False))
         elif isinstance(msg, p.HeartbeatAck):
@@ -227,8 +230,8 @@ class PrefillControl(_ControlThread):
         """A decode session registered its receiving link. Decode opens session n+1 only after it
         ended n, so older sessions of that name are over: stop heartbeating them and drop their
         transfer connections (the engine fails any room still bound to them)."""
-        if sender in self._decoders:
-            return  # a duplicate
+        if sender in self._decoders or sender in self._ended:
+            return  # a duplicate, or a late one from a session that is over
         for old in [d for d in self._decoders if d.name == sender.name]:
             self._decoders.discard(old)
             self._transfer.submit(ResetPeer(old, forget=True))

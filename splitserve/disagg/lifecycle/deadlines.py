@@ -44,6 +44,9 @@ class Deadlines:
     forward pass and transfer. -> FAILED(transfer_timeout)."""
     decode_stall_s: float = 30.0
     """Decode DECODING: the next decode step must happen. -> FAILED(stalled)."""
+    register_resend_s: float = 5.0
+    """Decode AWAITING_KV: the registration is sent again this often until the KV comes (prefill
+    takes a duplicate as a no-op), so a lost one costs a delay, not the request. Not a deadline."""
     quarantine_resend_s: float = 5.0
     """A terminal decode room with quarantined pages re-sends its abort this often until the peer
     says its writes have settled (or the peer is declared lost). Not a deadline on the pages."""

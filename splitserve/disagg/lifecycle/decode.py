@@ -132,11 +132,24 @@ class DecodeTable(RoomTable):
     def _register_if_ready(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         if not r.pages or r.peer is None:
             return
-        msg = protocol.RegisterRoom(r.room, self.incarnation, r.peer.incarnation, r.rid, r.prompt_len,
-                                    list(r.pages[: r.n_pages]))
-        out.append(SendToPeer(r.peer, msg))
+        out.append(SendToPeer(r.peer, self._registration(r)))
         r.registered = True
         self._enter(r, S.AWAITING_KV, self.cfg.kv_wait_s, now, out)
+        self._timers.set(("resend", r.room), now + self.cfg.register_resend_s)
+
+    def _registration(self, r: DecodeRoom) -> protocol.RegisterRoom:
+        return protocol.RegisterRoom(r.room, self.incarnation, r.peer.incarnation, r.rid, r.prompt_len,
+                                     list(r.pages[: r.n_pages]))
+
+    def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
+        """AWAITING_KV: send the registration again (a lost one would cost the request; prefill
+        takes a duplicate from the same peer as a no-op), until the KV or the end comes."""
+        assert kind == "resend", kind
+        r = self._rooms.get(room)
+        if r is None or r.state is not S.AWAITING_KV or not self._reachable(r.peer):
+            return
+        out.append(SendToPeer(r.peer, self._registration(r)))
+        self._timers.set(("resend", r.room), now + self.cfg.register_resend_s)
 
     # == messages from prefill ==================================================================
 
@@ -186,6 +199,7 @@ class DecodeTable(RoomTable):
                                 f"KV of {msg.num_tokens} tokens arrived for a prompt of {r.prompt_len}"), now, out)
         else:
             r.kv_done, r.first_token = True, msg.first_token
+            self._timers.cancel(("resend", r.room))
             self.peers.unbind(r.peer, r.room)  # prefill's part is over: losing it now costs nothing
             self._enter(r, S.DECODING, self.cfg.decode_stall_s, now, out)
             out.append(StartDecode(r.room, r.rid, msg.first_token))
@@ -222,6 +236,7 @@ class DecodeTable(RoomTable):
         return r.registered and not r.kv_done and not r.settled and self._reachable(r.peer)
 
     def _after_end(self, r: DecodeRoom, last: State, now: float, out: list[Action]) -> None:
+        self._timers.cancel(("resend", r.room))
         # Tell prefill, unless it told us, is lost, or already finished its part (KVDone).
         if (r.ending.outcome is not Outcome.FINISHED and not r.ending.from_peer and not r.kv_done
                 and self._reachable(r.peer)):

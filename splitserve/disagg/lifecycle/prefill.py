@@ -197,13 +197,15 @@ class PrefillTable(RoomTable):
 
     def _on_message_from_lost_peer(self, peer: Peer, msg, out: list[Action]) -> None:
         """Never act on a lost peer's message; but answer what it may be waiting for, in case it
-        is alive after all (an asymmetric partition): its rooms here are gone."""
+        is alive after all (an asymmetric partition): ``peer_lost``, which makes decode end the
+        session and fence it. Never ``WritesSettled``: our teardown of the session's transfer
+        does not stop bytes already on the wire; only decode's fence does."""
         room = getattr(msg, "room", None)
         out.append(Notice(self.role, NoticeKind.FROM_LOST_PEER, room, f"{type(msg).__name__} from {peer}"))
         if isinstance(msg, protocol.RegisterRoom):
             self._refuse_registration(peer, room, Ending(Reason.PEER_LOST), out)
-        elif isinstance(msg, protocol.AbortRoom) and room not in self._rooms:
-            out.append(SendToPeer(peer, protocol.WritesSettled(room, self.incarnation)))
+        elif isinstance(msg, protocol.AbortRoom):
+            out.append(SendToPeer(peer, protocol.RoomFailed(room, self.incarnation, Reason.PEER_LOST.value)))
 
     def _on_peer_abort(self, peer: Peer, room: int, ending: Ending, now: float, out: list[Action]) -> None:
         """Decode aborted or failed the room (or re-sends that while its pages are quarantined)."""
@@ -351,10 +353,19 @@ class PrefillTable(RoomTable):
             r.told_settled = True
 
     def _on_held_timer(self, r: PrefillRoom, now: float, out: list[Action]) -> None:
+        """Writes still unsettled ``write_drain_s`` after the end. Tearing our side of the transfer
+        down does not stop bytes already on the wire, so we must not tell decode they settled:
+        the session is declared lost instead. That fails its rooms here, stops our heartbeats to
+        it, and answers its aborts with ``peer_lost``, so decode ends the session too and fences
+        it (closes its receiving link) before it frees a page."""
         wids = tuple(sorted(r.writes))
-        out.append(ResetTransfer(r.peer, r.room, wids))
-        out.append(Notice(self.role, NoticeKind.TRANSFER_RESET, r.room,
-                          f"writes {list(wids)} to {r.peer} unsettled {now - r.entered:g}s after {r.ending}"))
+        detail = f"writes {list(wids)} to {r.peer} unsettled {now - r.entered:g}s after {r.ending}"
+        out.append(Notice(self.role, NoticeKind.TRANSFER_RESET, r.room, detail))
+        lost = self.peers.declare_lost(r.peer, now) if r.peer is not None else None
+        if lost is not None:
+            self._peer_lost(lost, f"{detail}: session ended so that decode fences it", now, out)
+        else:  # lost already: its disconnect is under way; nudge the transport again
+            out.append(ResetTransfer(r.peer, r.room, wids))
         self._hold(r, self.cfg.write_drain_s, now)
 
     def _on_peer_lost(self, room: int, peer: Peer, detail: str, now: float, out: list[Action]) -> None:
