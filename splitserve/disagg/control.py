@@ -19,7 +19,9 @@ events: ``FromPeer``, ``PeerHeard``, ``PeerInfo``. The engine loop sends through
 queue the thread drains. Frames that fail to decode are logged and counted, never fatal
 (control-plane input is untrusted).
 
-Fault injection (off unless configured): drop, delay or duplicate outgoing control messages.
+Fault injection (off unless configured): drop, delay or duplicate any outgoing control message,
+answers and heartbeats included. Whatever may be lost is sent again: ``GetInfo`` and
+``RegisterPeer`` until answered, ``RegisterRoom`` and ``AbortRoom`` by the lifecycle.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class _ControlThread(SupervisedThread):
         self._faults = faults or ControlFaults()
         self._rng = random.Random(self._faults.seed)
         self._outbox: "queue.Queue[tuple[Peer, object]]" = queue.Queue()
-        self._delayed: list[tuple[float, Peer, bytes]] = []
+        self._delayed: list[tuple[float, Callable[[bytes], None], bytes]] = []
         self._hb_seq = 0
         self._next_hb = 0.0
         self.bad_frames = 0
@@ -109,11 +111,11 @@ class _ControlThread(SupervisedThread):
             if msg is None:  # a ``forget`` marker, kept in order with the sends around it
                 self._forget(peer)
             else:
-                self._send_faulty(peer, p.encode(msg), now)
+                self._send_faulty(self._to(peer), p.encode(msg))
         due = [d for d in self._delayed if d[0] <= now]
         self._delayed = [d for d in self._delayed if d[0] > now]
-        for _, peer, frame in due:
-            self._send_frame(peer, frame)
+        for _, send, frame in due:
+            send(frame)
 
     def forget(self, peer: Peer) -> None:
         """Thread-safe: ``peer`` was declared lost; see ``_forget`` of each side."""
@@ -122,16 +124,21 @@ class _ControlThread(SupervisedThread):
     def _forget(self, peer: Peer) -> None:
         raise NotImplementedError
 
-    def _send_faulty(self, peer: Peer, frame: bytes, now: float) -> None:
+    def _to(self, peer: Peer) -> Callable[[bytes], None]:
+        return lambda frame: self._send_frame(peer, frame)
+
+    def _send_faulty(self, send: Callable[[bytes], None], frame: bytes) -> None:
+        """Every outgoing frame goes through here: ``send`` it, or (fault injection) drop, delay or
+        duplicate it."""
         f = self._faults
         if f.drop and self._rng.random() < f.drop:
             return
         if f.delay and self._rng.random() < f.delay:
-            self._delayed.append((now + f.delay_s, peer, frame))
+            self._delayed.append((time.monotonic() + f.delay_s, send, frame))
             return
-        self._send_frame(peer, frame)
+        send(frame)
         if f.duplicate and self._rng.random() < f.duplicate:
-            self._send_frame(peer, frame)
+            send(frame)
 
     def _heartbeat_due(self) -> bool:
         now = time.monotonic()
@@ -168,6 +175,7 @@ class PrefillControl(_ControlThread):
         self._transfer = transfer
         self._decoders: set[Peer] = set()  # decode sessions that registered with us
         self._ended: set[Peer] = set()  # decode sessions declared lost: never answered again
+        self.early_registrations = 0
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
@@ -180,7 +188,7 @@ class PrefillControl(_ControlThread):
             self._flush_outbox()
             if self._heartbeat_due():
                 for peer in list(self._decoders):
-                    self._send_faulty(peer, p.encode(p.Heartbeat(self.incarnation, self._hb_seq)), time.monotonic())
+                    self._send_faulty(self._to(peer), p.encode(p.Heartbeat(self.incarnation, self._hb_seq)))
 
     def _forget(self, peer: Peer) -> None:
         """A decode session declared lost: stop heartbeating it and answering its heartbeats, so
@@ -206,13 +214,19 @@ class PrefillControl(_ControlThread):
 
     def _dispatch(self, ident: bytes, sender: Peer, msg) -> None:
         if isinstance(msg, p.GetInfo):
-            self.sock.send_multipart([ident, p.encode(self.info)])
+            self._send_faulty(self._to(sender), p.encode(self.info))
         elif isinstance(msg, p.Heartbeat):
             if sender not in self._ended and self._loop_ok():
-                self.sock.send_multipart([ident, p.encode(p.HeartbeatAck(self.incarnation, msg.seq))])
+                self._send_faulty(self._to(sender), p.encode(p.HeartbeatAck(self.incarnation, msg.seq)))
             self._post(PeerHeard(sender, fresh=False))
         elif isinstance(msg, p.HeartbeatAck):
             self._post(PeerHeard(sender, fresh=True))
+        elif isinstance(msg, p.RegisterRoom) and sender not in self._decoders and sender not in self._ended:
+            # its link is not here yet (a delayed RegisterPeer): writing would fail, so wait for
+            # decode to send the registration again (every register_resend_s) once it is
+            self.early_registrations += 1
+            log.info("registration of room %s from %s came before its transfer link; dropped until it is "
+                     "sent again", msg.room, sender)
         elif isinstance(msg, p.RegisterPeer):
             if msg.prefill_incarnation != self.incarnation or msg.incarnation != sender.incarnation:
                 log.warning("registration from %s for incarnation %s ignored (we are %s)", sender,
@@ -227,17 +241,20 @@ class PrefillControl(_ControlThread):
             self._post(FromPeer(sender, msg))
 
     def _register(self, sender: Peer, msg: p.RegisterPeer) -> None:
-        """A decode session registered its receiving link. Decode opens session n+1 only after it
-        ended n, so older sessions of that name are over: stop heartbeating them and drop their
-        transfer connections (the engine fails any room still bound to them)."""
-        if sender in self._decoders or sender in self._ended:
-            return  # a duplicate, or a late one from a session that is over
-        for old in [d for d in self._decoders if d.name == sender.name]:
-            self._decoders.discard(old)
-            self._transfer.submit(ResetPeer(old, forget=True))
-        self._decoders.add(sender)
-        self._transfer.submit(AddPeer(sender, msg.agent_name, msg.agent_metadata))
-        self._post(PeerHeard(sender, fresh=True))
+        """A decode session registered its receiving link (answered, also when it is a duplicate:
+        decode re-sends until answered). Decode opens session n+1 only after it ended n, so older
+        sessions of that name are over: stop heartbeating them and drop their transfer connections
+        (the engine fails any room still bound to them)."""
+        if sender in self._ended:
+            return  # a late one from a session that is over
+        if sender not in self._decoders:
+            for old in [d for d in self._decoders if d.name == sender.name]:
+                self._decoders.discard(old)
+                self._transfer.submit(ResetPeer(old, forget=True))
+            self._decoders.add(sender)
+            self._transfer.submit(AddPeer(sender, msg.agent_name, msg.agent_metadata))
+            self._post(PeerHeard(sender, fresh=True))
+        self._send_faulty(self._to(sender), p.encode(p.PeerRegistered(self.incarnation, msg.agent_name)))
 
     def _send_frame(self, peer: Peer, frame: bytes) -> None:
         self.sock.send_multipart([identity(peer), frame])
@@ -257,6 +274,9 @@ class _Prefill:
     info: Optional[p.Info] = None
     asked_at: float = 0.0
     waiting_rooms: list = None  # (room, since): rooms waiting for its info
+    link: Optional[p.RegisterPeer] = None  # our receiving link for this session, until prefill answers
+    link_since: float = 0.0
+    link_sent_at: float = 0.0
 
     @property
     def peer(self) -> Optional[Peer]:
@@ -297,11 +317,11 @@ class DecodeControl(_ControlThread):
                 self.stopping.wait(POLL_MS / 1000)
             self._retry_info()
             self._flush_outbox()
+            self._retry_link()
             if self._heartbeat_due():
                 for pf in self._prefills.values():
                     if pf.info is not None:
-                        self._send_faulty(pf.peer, p.encode(p.Heartbeat(self.incarnation, self._hb_seq)),
-                                          time.monotonic())
+                        self._send_faulty(self._to(pf.peer), p.encode(p.Heartbeat(self.incarnation, self._hb_seq)))
 
     def _take_requests(self) -> None:
         while True:
@@ -340,9 +360,14 @@ class DecodeControl(_ControlThread):
 
     def _ask_info(self, pf: _Prefill) -> None:
         pf.asked_at = time.monotonic()
-        self._try_send(pf, p.encode(p.GetInfo(self.incarnation)))
+        self._send_faulty(self._on_socket(pf), p.encode(p.GetInfo(self.incarnation)))
+
+    def _on_socket(self, pf: _Prefill) -> Callable[[bytes], None]:
+        return lambda frame: self._try_send(pf, frame)
 
     def _try_send(self, pf: _Prefill, frame: bytes) -> None:
+        if pf.sock.closed:  # the session ended while this frame was delayed
+            return
         try:
             pf.sock.send(frame, zmq.NOBLOCK)
         except zmq.Again:  # nobody there and the queue is full: the rooms' deadlines handle it
@@ -361,6 +386,24 @@ class DecodeControl(_ControlThread):
             elif pf.waiting_rooms and now - pf.asked_at > self.INFO_RETRY_S:
                 self._ask_info(pf)
 
+    def _retry_link(self) -> None:
+        """Send ``RegisterPeer`` again until prefill answers, for at most the info wait (then the
+        session's rooms have failed, and prefill declares a session it never registered lost the
+        first time it has to write to it)."""
+        now = time.monotonic()
+        for pf in self._prefills.values():
+            if pf.link is None or now - pf.link_sent_at <= self.INFO_RETRY_S:
+                continue
+            if now - pf.link_since > self._info_wait_s:
+                log.warning("prefill %s never answered the registration of link %s", pf.name, pf.link.agent_name)
+                pf.link = None
+            else:
+                self._send_link(pf, now)
+
+    def _send_link(self, pf: _Prefill, now: float) -> None:
+        pf.link_sent_at = now
+        self._send_faulty(self._on_socket(pf), p.encode(pf.link))
+
     def _receive(self, sock: zmq.Socket) -> None:
         pf = next(pf for pf in self._prefills.values() if pf.sock is sock)
         while True:
@@ -377,7 +420,7 @@ class DecodeControl(_ControlThread):
             self._learn(pf, msg)
         elif isinstance(msg, p.Heartbeat):
             if self._loop_ok():
-                self._try_send(pf, p.encode(p.HeartbeatAck(self.incarnation, msg.seq)))
+                self._send_faulty(self._on_socket(pf), p.encode(p.HeartbeatAck(self.incarnation, msg.seq)))
             if pf.info is not None and msg.incarnation == pf.info.incarnation:
                 self._post(PeerHeard(pf.peer, fresh=False))
         elif isinstance(msg, p.HeartbeatAck):
@@ -385,6 +428,10 @@ class DecodeControl(_ControlThread):
                 self._ask_info(pf)  # restarted: a new incarnation answers on this address
             elif pf.info is not None:
                 self._post(PeerHeard(pf.peer, fresh=True))
+        elif isinstance(msg, p.PeerRegistered):
+            if pf.link is not None and pf.info is not None and (msg.incarnation, msg.agent_name) == (
+                    pf.info.incarnation, pf.link.agent_name):
+                pf.link = None  # answered
         elif hasattr(msg, "incarnation"):
             self._post(FromPeer(Peer(pf.name, msg.incarnation, pf.session), msg))
 
@@ -399,7 +446,8 @@ class DecodeControl(_ControlThread):
             self._post(PeerHeard(pf.peer, fresh=True))  # older incarnations of this name are lost
             if mismatch is None:
                 agent, metadata = self._links.open(pf.peer)
-                self._try_send(pf, p.encode(p.RegisterPeer(self.incarnation, info.incarnation, agent, metadata)))
+                pf.link, pf.link_since = p.RegisterPeer(self.incarnation, info.incarnation, agent, metadata), time.monotonic()
+                self._send_link(pf, pf.link_since)
         for room, _ in pf.waiting_rooms:
             self._post(PeerInfo(room, pf.peer, mismatch))
         pf.waiting_rooms.clear()

@@ -10,7 +10,8 @@ on). Nothing is dispatched by method-name strings: the receiver matches on the c
 The flows (``docs/protocol.md`` has the full picture):
 
 * decode → prefill: ``GetInfo`` (answered with ``Info``), ``RegisterPeer`` once per session with
-  a prefill incarnation (the metadata of the receiving link decode opened for it),
+  a prefill incarnation (the metadata of the receiving link decode opened for it; answered with
+  ``PeerRegistered``, re-sent until then),
   ``RegisterRoom`` per request (the page ids it reserved), ``AbortRoom``;
 * prefill → decode: ``RoomFailed``, ``WritesSettled`` (no write of the room can still land), and
   ``KVDone`` carried as the transfer notification of a room's last write (first token, room check);
@@ -79,6 +80,15 @@ class RegisterPeer:
     prefill_incarnation: str  # which prefill incarnation this is meant for
     agent_name: str
     agent_metadata: bytes
+
+
+@message("peer_registered")
+class PeerRegistered:
+    """Prefill's answer to ``RegisterPeer``: it holds that link now (decode re-sends until then)."""
+
+    TAG: ClassVar[str]
+    incarnation: str  # the prefill worker's
+    agent_name: str
 
 
 @message("register_room")

@@ -175,6 +175,9 @@ class TransferWorker(SupervisedThread):
         agent = self._agents.get(cmd.peer)
         if agent is None or self.backend is None:
             self._post(WriteFailed(cmd.room, cmd.write_id, f"no transfer connection to {cmd.peer}"))
+            # a session whose link never registered (or was dropped) is useless: ending it makes
+            # decode open a new one (a no-op for a session declared lost already)
+            self._post(PeerLost(cmd.peer, "no transfer link registered for this session"))
             return
         if self._faults.fail_writes:
             self._post(WriteFailed(cmd.room, cmd.write_id, "injected transfer failure"))
