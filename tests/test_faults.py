@@ -447,8 +447,8 @@ def test_control_messages_dropped_delayed_duplicated():
     - each ends within its bound (a dropped registration is re-sent every second, within
       prefill's BOOTSTRAPPING deadline; a lost failure message: decode's PREALLOC + AWAITING_KV)
       with a success or a clear error that names the lifecycle reason;
-    - most succeed, and the answers to one prompt are all the same (no KV garbled by a write into
-      the wrong pages);
+    - nearly all succeed (every message that may be lost is sent again), and the answers to one
+      prompt are all the same (no KV garbled by a write into the wrong pages);
     - afterwards every page is back on both workers (a dropped abort is re-sent while decode
       keeps its pages quarantined).
     """
@@ -485,7 +485,8 @@ def test_control_messages_dropped_delayed_duplicated():
                 assert resp.status_code >= 500 and reason, f"request {i}: unclear error {resp.status_code} {message}"
                 failures[reason] += 1
         successes = 30 - sum(failures.values())
-        assert successes > 15, f"only {successes}/30 succeeded; failures {dict(failures)}\n{c.output()}"
+        # a lost message costs a delay (everything lost is sent again), hardly ever a request
+        assert successes >= 27, f"only {successes}/30 succeeded; failures {dict(failures)}\n{c.output()}"
         for k, seen in answers.items():
             assert len(seen) == 1, f"prompt {k} got {len(seen)} different greedy answers: {seen}"
         for w in c.workers:
