@@ -3,7 +3,8 @@
 States, in order::
 
     PREALLOC      the request is here; waiting for KV pages and the prefill's info   (prealloc_s)
-    AWAITING_KV   RegisterRoom sent (prefill may now write into the pages)          (kv_wait_s)
+    AWAITING_KV   RegisterRoom sent, and again every register_resend_s (prefill may
+                  now write into the pages)                                          (kv_wait_s)
     DECODING      every write landed (KVDone, checked); generating                   (decode_stall_s per step)
     FINISHED(stop|length) | ABORTED | FAILED(reason)
 
@@ -13,7 +14,10 @@ that moment prefill may write into those pages, so a room that ends before ``KVD
 with nothing in flight) or is declared lost. While quarantined, the room re-sends its abort every
 ``quarantine_resend_s``: prefill answers for a room it has released, so a lost message costs a
 delay, never the pages. There is deliberately no timeout that frees quarantined pages: freeing
-them early is how late writes garble other requests' output (DESIGN §2, rule 6).
+them early is how late writes garble other requests' output (DESIGN §2, rule 6). "Declared lost"
+is safe because the engine closes the lost session's receiving link (the fence) before it frees
+anything; a prefill that answers ``peer_lost`` (it declared our session lost, and will never vouch
+for its writes) gets the session declared lost here too.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ write has completed: it then sends ``KVDone`` (first token, prompt length) and f
 A room that ends any other way tells decode (``RoomFailed``), asks for its writes to be cancelled,
 and stays *held* until every write has settled: only then are its source pages freed and decode
 told ``WritesSettled`` (decode keeps its pages quarantined until it hears that). A write that does
-not settle within ``write_drain_s`` gets the transfer connection reset.
+not settle within ``write_drain_s`` cannot be vouched for (tearing our side down does not stop
+bytes on the wire): the decode session is declared lost instead, so that decode fences it.
 """
 
 from __future__ import annotations
