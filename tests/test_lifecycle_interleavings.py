@@ -140,6 +140,9 @@ class World:
         self.faults = bound.faults
         self.partitioned = False
         self.fenced: set[Role] = set()  # a side that disconnected its peer: no write of that peer lands
+        self.ghosts: dict[int, tuple[int, ...]] = {}
+        """Writes torn down on prefill's side (reset, or its peer declared lost) whose bytes may still
+        be on the wire: they can land in decode's pages at any moment until decode fences."""
         self.sides = {PREFILL: Side(), DECODE: Side()}
         self.rooms = [7 + i for i in range(bound.rooms)]
 
@@ -155,7 +158,8 @@ class World:
             tuple((to, m, d, t - now) for to, m, _, d, t in self.wire),
             tuple(sorted((w, x.room, x.src, x.dst, x.status) for w, x in self.writes.items())),
             tuple(sorted(self.landed)), tuple(sorted(self.done.items())), self.faults, self.partitioned,
-            tuple(sorted(self.fenced)), self.sides[PREFILL].key(), self.sides[DECODE].key(),
+            tuple(sorted(self.fenced)), tuple(sorted(self.ghosts.items())),
+            self.sides[PREFILL].key(), self.sides[DECODE].key(),
         )
 
     def frozen(self) -> bytes:
@@ -193,6 +197,8 @@ class World:
                     out.append((f"write {wid} stalls", lambda w, wid=wid: w._fault(lambda: w._stall(wid))))
             elif wr.status == "dead":
                 out.append((f"write {wid} reported dead", lambda w, wid=wid: w._report(wid, "torn down")))
+        for wid in sorted(self.ghosts):
+            out.append((f"late bytes of write {wid} land", lambda w, wid=wid: w._ghost_lands(wid)))
         if self.faults and not self.partitioned:
             out.append(("partition", lambda w: w._fault(w._partition)))
         if self._settled() and self._next_deadline() is not None:
@@ -301,17 +307,38 @@ class World:
         self.landed |= set(w.dst)
         self._feed(PREFILL, WriteDone(w.room, wid))
 
+    def _ghost_lands(self, wid: int) -> None:
+        dc = self.sides[DECODE]
+        for p in self.ghosts.pop(wid):
+            if p in dc.freed:
+                raise Violation(f"late bytes of write {wid} landed in decode page {p}, freed since")
+
+    def _tear_down(self, wids) -> None:
+        """Prefill's side of writes torn down: each is reported failed, but its bytes may still land."""
+        for wid in wids:
+            w = self.writes.get(wid)
+            if w is not None and w.status != "dead":
+                w.status = "dead"
+                if DECODE not in self.fenced:
+                    self.ghosts[wid] = w.dst
+
     def _report(self, wid: int, error: str) -> None:
         w = self.writes.pop(wid)
         self._feed(PREFILL, WriteFailed(w.room, wid, error))
 
+    def _heard_by(self, table) -> bool:
+        """Heartbeats reach ``table``: the link is up and its peer has not declared it lost (a
+        side stops heartbeating, and answering, a peer it declared lost)."""
+        other, me = (self.dc, PP) if table is self.pf else (self.pf, DP)
+        return not self.partitioned and not other.peers.is_lost(me)
+
     def _next_deadline(self) -> Optional[float]:
-        tables = (self.pf, self.dc)
-        if self.partitioned:
-            due = [t.next_due() for t in tables]
-        else:  # heartbeats flow: a peer's silence deadline never comes
-            due = [t._timers.next_due() for t in tables] + [t.peers._timers.when(("forget", p))
-                                                            for t in tables for p in (PP, DP)]
+        due = []
+        for t in (self.pf, self.dc):
+            if self._heard_by(t):  # a peer's silence deadline never comes
+                due += [t._timers.next_due()] + [t.peers._timers.when(("forget", p)) for p in (PP, DP)]
+            else:
+                due.append(t.next_due())
         due = [d for d in due if d is not None]
         return min(due) if due else None
 
@@ -330,9 +357,10 @@ class World:
         self.now = self._next_deadline()
         too_old = self.now - self.bound.deadlines().tombstone_s
         self.wire = [e for e in self.wire if e[4] > too_old]
-        if not self.partitioned:
-            self._feed(PREFILL, PeerHeard(DP))
-            self._feed(DECODE, PeerHeard(PP))
+        heard = [(role, self._heard_by(table)) for role, table in ((PREFILL, self.pf), (DECODE, self.dc))]
+        for role, yes in heard:
+            if yes:
+                self._feed(role, PeerHeard(DP if role is PREFILL else PP))
         for role, table in ((PREFILL, self.pf), (DECODE, self.dc)):
             peers = self._peers_known(table)
             self._execute(role, table.expire(self.now), peers)
@@ -365,13 +393,15 @@ class World:
                 case StartWrite(room=room, write_id=wid, src_pages=src, dst_pages=dst):
                     self._start_write(room, wid, src, dst)
                 case ResetTransfer(write_ids=wids):
-                    for wid in wids:
-                        if wid in self.writes:
-                            self.writes[wid].status = "dead"
-                case DisconnectPeer():
+                    self._tear_down(wids)
+                case DisconnectPeer() if role is PREFILL:
+                    self.fenced.add(role)
+                    self._tear_down(list(self.writes))
+                case DisconnectPeer():  # decode closes the receiving link: the fence
                     self.fenced.add(role)
                     for w in self.writes.values():
                         w.status = "dead"
+                    self.ghosts.clear()
                 case FreePages(room=room, pages=pages):
                     self._free(role, room, pages, quarantined=False)
                 case QuarantinePages(room=room, pages=pages):
@@ -428,6 +458,9 @@ class World:
                 raise Violation(f"decode freed pages {pages} while write {w} may still land in them")
             if role is PREFILL and set(w.src) & set(pages):
                 raise Violation(f"prefill freed pages {pages} while write {w} is unsettled")
+        for wid, dst in self.ghosts.items():
+            if role is DECODE and set(dst) & set(pages):
+                raise Violation(f"decode freed pages {pages} while late bytes of write {wid} may still land")
         side.freed |= set(pages)
 
     def _check_decode_may_start(self, room: int, token: int) -> None:
@@ -630,7 +663,15 @@ def _no_deadline_in_queued(original):
     return enter
 
 
+def _prefill_vouches_for_writes_it_reset(original):
+    def on_held_timer(self, r, now, out):  # the old way: reset our side, then say WritesSettled
+        out.append(ResetTransfer(r.peer, r.room, tuple(sorted(r.writes))))
+        self._hold(r, self.cfg.write_drain_s, now)
+    return on_held_timer
+
+
 PLANTED = {
+    "prefill vouches for writes it only reset": (PrefillTable, "_on_held_timer", _prefill_vouches_for_writes_it_reset),
     "decode frees pages a write may land in": (DecodeTable, "_writes_may_land", lambda orig: _no_quarantine),
     "prefill frees pages under unsettled writes": (PrefillTable, "_after_end", _free_source_pages_at_once),
     "decode does not tell prefill it failed": (DecodeTable, "_after_end", _decode_keeps_failures_to_itself),
