@@ -485,3 +485,43 @@ def test_transfer_thread_declares_a_session_lost_when_its_link_cannot_be_loaded(
         worker.stop()
         writer.close()
         receiver.close()
+
+
+def test_transfer_thread_crash_ends_the_sessions_of_writes_in_flight_before_reporting_them():
+    """Rule 8 without breaking rule 6: a crash reports every write in flight failed, but their bytes
+    may still land, so their session is declared lost first (prefill then never says WritesSettled;
+    decode fences the session) and the thread goes on."""
+    import queue
+
+    from splitserve.disagg.lifecycle import Peer, PeerLost, WriteFailed
+    from splitserve.disagg.transfer_worker import AddPeer, TransferWorker, Write
+
+    class Crashing(FakeBackend):
+        crash = True
+
+        def poll(self, handle):
+            if self.crash:
+                self.crash = False
+                raise RuntimeError("boom")
+            return super().poll(handle)
+
+    tag = uuid.uuid4().hex[:8]
+    src, dst = filled_pool(6), KVPool(LAYOUT)
+    events: "queue.Queue[object]" = queue.Queue()
+    writer, receiver = Crashing(f"w-{tag}", src.buffer), FakeBackend(f"r-{tag}", dst.buffer)
+    writer.stall_next()
+    worker = TransferWorker(writer, events.put)
+    worker.start()
+    try:
+        peer = Peer("decode:1", "d1", 1)
+        worker.submit(AddPeer(peer, receiver.agent_name, receiver.metadata()))
+        worker.submit(Write(7, 1, peer, tuple(page_spans([0], [3], P))))
+        first, second = events.get(timeout=TIMEOUT_S), events.get(timeout=TIMEOUT_S)
+        assert isinstance(first, PeerLost) and first.peer == peer and "boom" in first.detail
+        assert isinstance(second, WriteFailed) and second.write_id == 1
+        worker.submit(Write(8, 2, peer, tuple(page_spans([1], [4], P))))  # still serving
+        assert events.get(timeout=TIMEOUT_S).write_id == 2
+    finally:
+        worker.stop()
+        writer.close()
+        receiver.close()

@@ -122,6 +122,10 @@ class TransferWorker(SupervisedThread):
                 self.stopping.wait(IDLE_SLEEP_S)
 
     def on_crash(self, exc: BaseException) -> None:
+        """Every write in flight is reported failed, but what became of its bytes is unknown: their
+        sessions are declared lost first, so that prefill never vouches for them (decode fences)."""
+        for peer in sorted({w.peer for w in self._inflight.values() if w.handle is not None}):
+            self._post(PeerLost(peer, f"transfer thread error with writes in flight: {exc}"))
         for w in list(self._inflight.values()):
             self._settle(w, WriteFailed(w.room, w.write_id, f"transfer thread error: {exc}"))
 
