@@ -569,6 +569,7 @@ def test_rule5_a_lost_peer_is_never_recomputed_against():
     actions = table.handle(FromPeer(DP, register(room=8)), 2)  # the lost peer is back
     assert notices(actions, NoticeKind.FROM_LOST_PEER)
     assert sent(actions, protocol.RoomFailed, to=DP)[0].reason == "peer_lost"
+    assert not sent(actions, protocol.WritesSettled)  # a lost peer is never vouched to: only its fence is safe
     assert table.state_of(8) is PrefillState.BOOTSTRAPPING  # not registered
 
 

@@ -203,9 +203,7 @@ class PrefillTable(RoomTable):
         does not stop bytes already on the wire; only decode's fence does."""
         room = getattr(msg, "room", None)
         out.append(Notice(self.role, NoticeKind.FROM_LOST_PEER, room, f"{type(msg).__name__} from {peer}"))
-        if isinstance(msg, protocol.RegisterRoom):
-            self._refuse_registration(peer, room, Ending(Reason.PEER_LOST), out)
-        elif isinstance(msg, protocol.AbortRoom):
+        if isinstance(msg, (protocol.RegisterRoom, protocol.AbortRoom)):
             out.append(SendToPeer(peer, protocol.RoomFailed(room, self.incarnation, Reason.PEER_LOST.value)))
 
     def _on_peer_abort(self, peer: Peer, room: int, ending: Ending, now: float, out: list[Action]) -> None:
