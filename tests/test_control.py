@@ -6,6 +6,7 @@ there; a forgotten session making way for the next one."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import zmq
@@ -34,6 +35,30 @@ class _Transfer:
         self.commands.append(cmd)
 
 
+ME = Peer("decode:1", "d1", 1)
+
+
+@contextlib.contextmanager
+def prefill_control(**options):
+    """A running PrefillControl, and a DEALER socket speaking for decode session ``ME``:
+    yields (control, decode socket, events posted to the engine, transfer commands)."""
+    events, transfer = [], _Transfer()
+    port = free_port()
+    control = PrefillControl("127.0.0.1", port, INFO, transfer, events.append, **options)
+    control.start()
+    ctx = zmq.Context()
+    decode = ctx.socket(zmq.DEALER)
+    decode.setsockopt(zmq.LINGER, 0)
+    decode.setsockopt(zmq.IDENTITY, identity(ME))
+    decode.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        yield control, decode, events, transfer
+    finally:
+        decode.close(0)
+        ctx.term()
+        control.close()
+
+
 def _recv_all(sock: zmq.Socket, seconds: float) -> list:
     got, until = [], time.monotonic() + seconds
     while time.monotonic() < until:
@@ -44,25 +69,14 @@ def _recv_all(sock: zmq.Socket, seconds: float) -> list:
 
 def test_prefill_withholds_heartbeats_while_its_engine_loop_is_wedged():
     alive = [True]
-    events, transfer = [], _Transfer()
-    port = free_port()
-    control = PrefillControl("127.0.0.1", port, INFO, transfer, events.append, heartbeat_s=0.05,
-                             loop_alive=lambda: alive[0])
-    control.start()
-    ctx = zmq.Context()
-    decode = ctx.socket(zmq.DEALER)
-    decode.setsockopt(zmq.LINGER, 0)
-    me = Peer("decode:1", "d1", 1)
-    decode.setsockopt(zmq.IDENTITY, identity(me))
-    decode.connect(f"tcp://127.0.0.1:{port}")
-    try:
+    with prefill_control(heartbeat_s=0.05, loop_alive=lambda: alive[0]) as (control, decode, events, transfer):
         decode.send(p.encode(p.RegisterPeer("d1", "pf1", "decode-link1", b"md")))
         decode.send(p.encode(p.Heartbeat("d1", 1)))
         got = _recv_all(decode, 0.5)
         assert p.HeartbeatAck("pf1", 1) in got, got
         assert any(isinstance(m, p.Heartbeat) for m in got), got  # it pings a registered decode
-        assert [c for c in transfer.commands if isinstance(c, AddPeer)] == [AddPeer(me, "decode-link1", b"md")]
-        assert PeerHeard(me, fresh=True) in events
+        assert [c for c in transfer.commands if isinstance(c, AddPeer)] == [AddPeer(ME, "decode-link1", b"md")]
+        assert PeerHeard(ME, fresh=True) in events
 
         alive[0] = False  # the engine loop wedges
         _recv_all(decode, 0.1)  # what was already on its way
@@ -83,27 +97,13 @@ def test_prefill_withholds_heartbeats_while_its_engine_loop_is_wedged():
         while not any(isinstance(e, FromPeer) for e in events) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert [e.msg.room for e in events if isinstance(e, FromPeer)] == [8]
-        assert all(e.peer == me for e in events if isinstance(e, FromPeer))
+        assert all(e.peer == ME for e in events if isinstance(e, FromPeer))
         assert control.bad_frames == before + 1
-    finally:
-        decode.close(0)
-        ctx.term()
-        control.close()
 
 
 def test_prefill_answers_link_registrations_and_holds_back_rooms_that_come_before_their_link():
-    events, transfer = [], _Transfer()
-    port = free_port()
-    control = PrefillControl("127.0.0.1", port, INFO, transfer, events.append, heartbeat_s=10)
-    control.start()
-    ctx = zmq.Context()
-    decode = ctx.socket(zmq.DEALER)
-    decode.setsockopt(zmq.LINGER, 0)
-    me = Peer("decode:1", "d1", 1)
-    decode.setsockopt(zmq.IDENTITY, identity(me))
-    decode.connect(f"tcp://127.0.0.1:{port}")
     early = p.RegisterRoom(5, "d1", "pf1", "r5", 8, [1, 2])
-    try:
+    with prefill_control(heartbeat_s=10) as (control, decode, events, transfer):
         decode.send(p.encode(early))  # before the link: dropped, decode sends it again
         time.sleep(0.3)
         assert not [e for e in events if isinstance(e, FromPeer)] and control.early_registrations == 1
@@ -117,10 +117,6 @@ def test_prefill_answers_link_registrations_and_holds_back_rooms_that_come_befor
         while not [e for e in events if isinstance(e, FromPeer)] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert [e.msg for e in events if isinstance(e, FromPeer)] == [early]
-    finally:
-        decode.close(0)
-        ctx.term()
-        control.close()
 
 
 def test_decode_resends_its_link_until_answered_and_a_forgotten_session_makes_way_for_the_next():
