@@ -8,7 +8,8 @@ write). The thread also keeps the receiving side of NIXL progressing by calling
 ``notifications()`` every few milliseconds.
 
 Supervised (rule 8): if an iteration raises, every write in flight is reported failed (so its room
-ends instead of waiting forever), the exception is logged and counted, and the loop goes on.
+ends instead of waiting forever) after its session is declared lost (its bytes may still land, so
+prefill must not vouch for them), the exception is logged and counted, and the loop goes on.
 
 Fault injection (off unless configured, read once at start): ``stall_writes`` keeps every new
 write pending until released (to strike "mid-transfer" for real), ``fail_writes`` fails them.
@@ -61,8 +62,10 @@ class Cancel:
 
 @dataclass(frozen=True)
 class ResetPeer:
-    """Tear down the transfer connection to ``peer``: its pending writes fail and nothing in
-    flight can land. ``forget``: the peer is lost, do not reconnect."""
+    """Tear down our side of the transfer connection to ``peer``: its pending writes are reported
+    failed. Bytes already on the wire may still land (only decode closing its receiving link
+    fences them), so the lifecycle never vouches for writes torn down this way. ``forget``: the
+    peer is lost, do not reconnect."""
 
     peer: Peer
     forget: bool = False
