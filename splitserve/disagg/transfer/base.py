@@ -30,7 +30,9 @@ so the caller has one failure path. :meth:`~TransferBackend.poll` never raises f
 either. A write that never completes stays PENDING: the caller's deadline (``transfer_timeout``)
 ends it, and :meth:`~TransferBackend.release` drops it. Releasing a pending write stops what has
 not been sent where the backend can, but bytes already on the wire may still land (NIXL's cancel
-does not recall them): the receiver keeps the pages of a failed room quarantined (DESIGN §2 rule 6).
+does not recall them): the receiver keeps the pages of a failed room quarantined (DESIGN §2 rule 6)
+until the writer says its writes settled or the receiver fences it by closing the writer's
+receiving link (``links.py``: closing a backend is what fences).
 
 Threading. A backend is driven by ONE transfer thread per worker: its methods are not thread-safe
 among themselves and must all be called from that thread. Backends may run their own internal
@@ -206,7 +208,9 @@ class TransferBackend(ABC):
 
     @abstractmethod
     def close(self) -> None:
-        """Release every handle, forget every peer, deregister the pool. Idempotent."""
+        """Release every handle, forget every peer, deregister the pool. Idempotent. When it
+        returns, nothing any peer writes to this backend lands in the pool (the fence that
+        ``links.py`` relies on)."""
 
     # -- helpers shared by the backends -------------------------------------------------------
 
