@@ -35,7 +35,7 @@ from splitserve.disagg.transfer.links import ReceiveLinks
 from splitserve.disagg.transfer_worker import (
     Cancel as CancelTransfer, FaultConfig, KVNotification, Notify, ResetPeer, TransferWorker, Write,
 )
-from splitserve.engine.async_engine import AsyncEngine, _Abort, _Add
+from splitserve.engine.async_engine import AbortRequest, AddRequest, AsyncEngine
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
 from splitserve.engine.sequence import Sequence, SeqStatus
 
@@ -120,9 +120,9 @@ class DisaggEngine(AsyncEngine):
 
     def _handle(self, ev: object) -> list[RequestOutput]:
         out: list[RequestOutput] = []
-        if isinstance(ev, _Add):
+        if isinstance(ev, AddRequest):
             self._arrive(ev.req, out)
-        elif isinstance(ev, _Abort):
+        elif isinstance(ev, AbortRequest):
             room = self._rooms_of.get(ev.rid)
             if room is not None:
                 self._feed(ClientAbort(room, ev.reason), out)

@@ -28,12 +28,16 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class _Add:
+class AddRequest:
+    """Inbox event: a request to run (the roles' ``_handle`` hooks see it too)."""
+
     req: GenerateRequest
 
 
 @dataclass(frozen=True)
-class _Abort:
+class AbortRequest:
+    """Inbox event: the client went away, or an operator aborted ``rid``."""
+
     rid: str
     reason: str
     code: int
@@ -114,7 +118,7 @@ class AsyncEngine:
             self._loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[req.rid] = stream
-        self._inbox.put(_Add(req))
+        self._inbox.put(AddRequest(req))
         return self._iterate(req.rid, stream)
 
     def _check_fits(self, req: GenerateRequest) -> None:
@@ -134,7 +138,7 @@ class AsyncEngine:
 
     def abort(self, rid: str, reason: str = "aborted by the client", code: int = 499) -> None:
         """Thread-safe and idempotent."""
-        self._inbox.put(_Abort(rid, reason, code))
+        self._inbox.put(AbortRequest(rid, reason, code))
 
     def stats(self) -> dict:
         """What the engine loop last published (any thread may call this)."""
@@ -238,13 +242,13 @@ class AsyncEngine:
         self._inbox.put(event)
 
     def _handle(self, ev: object) -> list[RequestOutput]:
-        if isinstance(ev, _Add):
+        if isinstance(ev, AddRequest):
             try:
                 self.engine.add_request(ev.req)
             except EngineError as exc:
                 return [RequestOutput(rid=ev.req.rid, finished=True, error=str(exc), error_code=exc.status)]
             return []
-        if isinstance(ev, _Abort):
+        if isinstance(ev, AbortRequest):
             out = self.engine.abort(ev.rid, ev.reason, ev.code)
             return [out] if out else []
         raise TypeError(f"unknown engine event {ev!r}")
