@@ -45,11 +45,12 @@ HTTP_TIMEOUT_S = 120.0
 
 
 class RouterProcess:
-    """``splitserve router`` on a free port; ``start()`` returns once it printed its ready line and
-    ``/health`` answers 200 (a prefill and a decode worker are up)."""
+    """``splitserve router`` on a free port; ``start()`` returns once it printed its ready line and,
+    with ``wait_healthy`` (the default), ``/health`` answers 200 (a prefill and a decode worker are
+    up). ``wait_healthy=False`` is for tests of a router whose workers are down or fake."""
 
     def __init__(self, prefill: Sequence[tuple[str, int]], decode: Sequence[str], *args: str,
-                 startup_timeout: float = 60.0):
+                 startup_timeout: float = 60.0, wait_healthy: bool = True):
         self.argv: list[str] = []
         for url, bootstrap in prefill:
             self.argv += ["--prefill", url, str(bootstrap)]
@@ -57,6 +58,7 @@ class RouterProcess:
             self.argv += ["--decode", url]
         self.argv += list(args)
         self.startup_timeout = startup_timeout
+        self.wait_healthy = wait_healthy
         self.logdir = Path(tempfile.mkdtemp(prefix="splitserve-router-"))
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
@@ -80,7 +82,7 @@ class RouterProcess:
                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             deadline = time.monotonic() + self.startup_timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
-                if "splitserve router ready" in self.output() and self._healthy():
+                if "splitserve router ready" in self.output() and (not self.wait_healthy or self._healthy()):
                     return self
                 time.sleep(0.1)
             self.stop()
@@ -100,6 +102,12 @@ class RouterProcess:
 
     def output_tail(self, chars: int = 4000) -> str:
         return f"--- router on port {self.port} ---\n{self.output()[-chars:]}"
+
+    def metrics(self) -> dict:
+        return metrics(self)
+
+    def metric(self, name: str, **labels) -> float:
+        return metric(self.metrics(), name, **labels)
 
     def stop(self) -> Optional[int]:
         if self.proc is None:

@@ -12,27 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Optional
 
 import pytest
 import requests
 from aiohttp import web
 
-from conftest import REPO, ServerProcess, free_port
-from splitserve.metrics import parse_exposition
+from cluster import RouterProcess
+from conftest import ServerProcess
 
 MODEL = "fake-model"
-STARTUP_S = 20.0
 
 
 # -- fake workers ----------------------------------------------------------------------------------
@@ -171,74 +164,12 @@ def fakes(fake_loop):
 # -- the router process ----------------------------------------------------------------------------
 
 
-class RouterProcess:
-    """``splitserve router`` on a free port; ``start()`` returns once it printed its ready line."""
-
-    def __init__(self, prefill: list[tuple[str, int]], decode: list[str], *args: str):
-        self.argv = []
-        for url, bootstrap in prefill:
-            self.argv += ["--prefill", url, str(bootstrap)]
-        for url in decode:
-            self.argv += ["--decode", url]
-        self.argv += list(args)
-        self.logdir = Path(tempfile.mkdtemp(prefix="splitserve-router-"))
-        self.proc: Optional[subprocess.Popen] = None
-        self.port = 0
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> "RouterProcess":
-        for attempt in range(3):
-            self.port = free_port()
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-            with open(self.logdir / "out.log", "wb") as out:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "splitserve.cli", "router", "--port", str(self.port), *self.argv],
-                    cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            deadline = time.monotonic() + STARTUP_S
-            while time.monotonic() < deadline:
-                if "splitserve router ready" in self.output():
-                    return self
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.05)
-            self.stop()
-            if "cannot listen" not in self.output() or attempt == 2:
-                raise RuntimeError(f"the router did not start:\n{self.output()}")
-        raise AssertionError("unreachable")
-
-    def output(self) -> str:
-        path = self.logdir / "out.log"
-        return path.read_text(errors="replace") if path.exists() else ""
-
-    def metrics(self) -> dict:
-        return parse_exposition(requests.get(self.url + "/metrics", timeout=5).text)
-
-    def metric(self, name: str, **labels) -> float:
-        return self.metrics().get((name, frozenset(labels.items())), 0.0)
-
-    def stop(self) -> Optional[int]:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        return self.proc.returncode
-
-
 @pytest.fixture
 def start_router():
     started: list[RouterProcess] = []
 
     def start(prefill, decode, *args: str) -> RouterProcess:
-        router = RouterProcess(prefill, decode, *args)
+        router = RouterProcess(prefill, decode, *args, wait_healthy=False)
         started.append(router)
         return router.start()
 
