@@ -27,8 +27,10 @@ answers and heartbeats included. Whatever may be lost is sent again: ``GetInfo``
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -44,7 +46,7 @@ from splitserve.disagg.transfer_worker import AddPeer, ResetPeer, TransferWorker
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 5
+POLL_MS = 5  # the longest a control thread sleeps: heartbeats, retries and delayed frames are due on it
 
 
 @dataclass(frozen=True)
@@ -88,10 +90,51 @@ class _ControlThread(SupervisedThread):
         self._next_hb = 0.0
         self.bad_frames = 0
         self.ctx = zmq.Context.instance()
+        # Another thread that hands us work writes a byte here, so the poll wakes at once
+        # instead of at its next timeout (it is on the path of every request).
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_lock = threading.Lock()  # no write to the pipe once it is closed (its fd may be reused)
+        self._wake_closed = False
 
     def send(self, peer: Peer, msg) -> None:
         """Thread-safe: queue a control message for ``peer``."""
         self._outbox.put((peer, msg))
+        self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_closed:
+                return
+            try:
+                os.write(self._wake_w, b"!")
+            except BlockingIOError:  # full: a wake-up is pending anyway
+                pass
+
+    def _poll(self, sockets) -> list:
+        """Wait up to ``POLL_MS`` for any of ``sockets`` to be readable or for a wake-up; the
+        readable sockets."""
+        poller = zmq.Poller()
+        for sock in sockets:
+            poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        ready = [sock for sock, _ in poller.poll(POLL_MS)]
+        if self._wake_r in ready:
+            try:
+                while os.read(self._wake_r, 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        return [sock for sock in ready if sock is not self._wake_r]
+
+    def _close_wake(self) -> None:
+        """After the thread has stopped."""
+        with self._wake_lock:
+            if not self._wake_closed:
+                self._wake_closed = True
+                os.close(self._wake_r)
+                os.close(self._wake_w)
 
     def _decode(self, frame: bytes, origin: str):
         try:
@@ -120,6 +163,7 @@ class _ControlThread(SupervisedThread):
     def forget(self, peer: Peer) -> None:
         """Thread-safe: ``peer`` was declared lost; see ``_forget`` of each side."""
         self._outbox.put((peer, None))
+        self._wake()
 
     def _forget(self, peer: Peer) -> None:
         raise NotImplementedError
@@ -183,7 +227,7 @@ class PrefillControl(_ControlThread):
 
     def serve(self) -> None:
         while not self.stopping.is_set():
-            if self.sock.poll(POLL_MS):
+            if self._poll([self.sock]):
                 self._receive()
             self._flush_outbox()
             if self._heartbeat_due():
@@ -262,6 +306,7 @@ class PrefillControl(_ControlThread):
     def close(self) -> None:
         self.stop()
         self.sock.close(0)
+        self._close_wake()
 
 
 @dataclass
@@ -304,17 +349,14 @@ class DecodeControl(_ControlThread):
     def want_info(self, room: int, host: str, port: int) -> None:
         """Thread-safe: post ``PeerInfo`` for ``room`` once the prefill at host:port is known."""
         self._requests.put((room, f"{host}:{port}"))
+        self._wake()
 
     def serve(self) -> None:
         while not self.stopping.is_set():
+            ready = self._poll([pf.sock for pf in self._prefills.values()])
             self._take_requests()
-            poller = zmq.Poller()
-            for pf in self._prefills.values():
-                poller.register(pf.sock, zmq.POLLIN)
-            for sock, _ in poller.poll(POLL_MS) if self._prefills else []:
+            for sock in ready:
                 self._receive(sock)
-            if not self._prefills:
-                self.stopping.wait(POLL_MS / 1000)
             self._retry_info()
             self._flush_outbox()
             self._retry_link()
@@ -462,3 +504,4 @@ class DecodeControl(_ControlThread):
         self.stop()
         for pf in self._prefills.values():
             pf.sock.close(0)
+        self._close_wake()

@@ -121,8 +121,11 @@ class TransferWorker(SupervisedThread):
             for peer, agent, payload in self.links.notifications() if self.links is not None else ():
                 self._post(KVNotification(peer, agent, payload))
                 busy = True
-            if not busy:
-                self.stopping.wait(IDLE_SLEEP_S)
+            if not busy:  # sleep until a command comes, or the receiving side is due for progress
+                try:
+                    self._run(self._commands.get(timeout=IDLE_SLEEP_S))
+                except queue.Empty:
+                    pass
 
     def on_crash(self, exc: BaseException) -> None:
         """Every write in flight is reported failed, but what became of its bytes is unknown: their
