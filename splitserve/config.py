@@ -51,7 +51,8 @@ class ServerConfig:
     """How KV pages cross between workers: nixl (UCX; shared memory, TCP, RDMA) or tcp (built in)."""
     inject_faults: str = ""
     """Testing only, off when empty: comma-separated stall_writes, fail_writes, control_drop=P,
-    control_delay=P, control_delay_s=S, control_duplicate=P, seed=N."""
+    control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop
+    blocks for good once it holds a request, until shutdown)."""
 
 
 def field_help(cls) -> dict[str, str]:

@@ -11,6 +11,8 @@ hang) within the bound its deadlines give, and on every live worker the live lif
   (stalled) write is in flight, then a new decode worker on the same port.
 - (c) ``test_prefill_killed_mid_transfer``: ``kill -9`` of the prefill worker mid-transfer.
 - (d) ``test_control_messages_dropped_delayed_duplicated``: control-plane faults on both sides.
+- ``test_wedged_prefill_engine_loop_is_declared_lost``: a prefill whose engine loop hangs while its
+  control thread lives on stops heartbeating, so decode declares it lost and frees what it held.
 - (e) ``test_link_cut_mid_transfer``: prefill and decode in network namespaces of their own, the
   veth link between them cut mid-transfer (``tests/netns.py``; skipped unless root with
   ``ip netns``); ``test_same_pair_serves_again_after_the_partition_heals``: once the link is
@@ -429,6 +431,38 @@ def test_decode_killed_mid_transfer_then_restarted():
           f"R and S ended {r_end.outcome}({r_end.reason}) / {s_end.outcome}({s_end.reason}) on prefill, "
           f"X's prefill leg answered "
           f"{pended - killed:.2f}s after the kill")
+
+
+# -- a wedged engine loop behind a live control thread ----------------------------------------------
+
+PREFILL_STALL_S = 5.0  # --prefill-stall-s in DEADLINES
+
+
+def test_wedged_prefill_engine_loop_is_declared_lost():
+    """Prefill ``P``'s engine loop wedges (``--inject-faults wedge_loop``: it blocks for good once it
+    holds a room) while its control thread lives on and could keep answering heartbeats. Those
+    stop once the loop has not iterated for ``--prefill-stall-s``, so decode ``D`` declares ``P``
+    lost: the room fails with ``peer_lost`` within ``PREFILL_STALL_S + PEER_SILENCE_S`` (+ slack),
+    ``D`` fences the session and frees every page, instead of waiting out ``--kv-wait-s`` or, for
+    quarantined pages, forever."""
+    with Cluster(1, 1, "nixl", worker_args=DEADLINES, prefill_args=["--inject-faults", "wedge_loop"],
+                 router=False) as c:
+        P, D = c.prefill[0], c.decode[0]
+        room = new_room()
+        _, Xd = direct_pair(P, D, prompt(60, 3), 8, room, 60)
+        wait_for("X awaiting KV on D", lambda: any(r["room"] == room and r["state"] == "AWAITING_KV"
+                                                  for r in debug_rows(D)), 20, on_fail=c.output)
+        wedged = time.monotonic()  # at the latest: P wedged when the request reached its loop
+        resp, ended = Xd.outcome(60)
+        assert isinstance(resp, requests.Response) and resp.status_code == 502, f"{resp!r}"
+        assert "peer_lost" in error_message(resp), resp.text
+        bound = PREFILL_STALL_S + PEER_SILENCE_S + SLACK_S
+        assert ended - wedged <= bound, f"D failed the room {ended - wedged:.1f}s after the wedge (bound {bound}s)"
+        samples = assert_clean(D)
+        assert metric(samples, "splitserve_receive_links_fenced") >= 1, samples
+        assert "heartbeats withheld" in P.stderr(), P.output_tail(3000)
+        kill9(P)  # a wedged loop never finishes its requests, so a graceful stop would wait out the drain
+    print(f"\nwedged prefill loop: D failed the room {ended - wedged:.1f}s after P wedged (bound {bound:g}s)")
 
 
 # -- (d) control messages dropped, delayed and duplicated ----------------------------------------------

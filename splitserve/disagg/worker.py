@@ -15,6 +15,7 @@ Pages of a room belong to the room, not to the engine: the engine never frees th
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from typing import Callable, Optional
@@ -54,13 +55,16 @@ class DisaggEngine(AsyncEngine):
     MAX_WAIT_S = 0.05  # the loop wakes at least this often while anything is pending
 
     def __init__(self, config: EngineConfig, server: ServerConfig, deadlines: Deadlines,
-                 transfer_faults: Optional[FaultConfig] = None, control_faults: Optional[ControlFaults] = None):
+                 transfer_faults: Optional[FaultConfig] = None, control_faults: Optional[ControlFaults] = None,
+                 wedge_loop: bool = False):
         super().__init__(config)
         self.server = server
         self.deadlines = deadlines
         self.incarnation = new_incarnation()
         self._transfer_faults = transfer_faults
         self._control_faults = control_faults
+        self._wedge_loop = wedge_loop
+        self._unwedge = threading.Event()
         self.table = None
         self.transfer: Optional[TransferWorker] = None
         self.control = None
@@ -97,6 +101,7 @@ class DisaggEngine(AsyncEngine):
         raise NotImplementedError
 
     def shutdown(self, reason: str = "the server is shutting down") -> None:
+        self._unwedge.set()
         super().shutdown(reason)
         for thread in (self.control, self.transfer):
             if thread is not None:
@@ -145,9 +150,18 @@ class DisaggEngine(AsyncEngine):
         self._feed(RequestArrived(room, req.rid, len(req.prompt_ids)), out)
 
     def _tick(self) -> list[RequestOutput]:
+        if self._wedge_loop and self.table.live_rooms():
+            self._wedge()
         out: list[RequestOutput] = []
         self._execute(self.table.expire(time.monotonic()), out)
         return out
+
+    def _wedge(self) -> None:
+        """Fault injection (``wedge_loop``): the loop blocks until shutdown, as if a forward pass
+        never returned, while the control and transfer threads live on."""
+        log.error("injected fault: the engine loop wedges now (until shutdown)")
+        self._wedge_loop = False
+        self._unwedge.wait()
 
     def _feed(self, event: object, out: list[RequestOutput]) -> None:
         self._execute(self.table.handle(event, time.monotonic()), out)
@@ -468,22 +482,25 @@ class DecodeEngine(DisaggEngine):
         self.engine.allocator.free(self._take_pages(room))
 
 
-def parse_faults(spec: str) -> tuple[FaultConfig, ControlFaults]:
+def parse_faults(spec: str) -> tuple[FaultConfig, ControlFaults, bool]:
     """``--inject-faults`` (off when empty; read once at start), comma-separated:
     ``stall_writes``, ``fail_writes``, ``control_drop=P``, ``control_delay=P``, ``control_delay_s=S``,
-    ``control_duplicate=P``, ``seed=N``."""
-    transfer, control = {}, {}
+    ``control_duplicate=P``, ``seed=N``, ``wedge_loop``. Returns the transfer faults, the control
+    faults, and whether the engine loop wedges (as soon as it holds a room, until shutdown)."""
+    transfer, control, wedge = {}, {}, False
     for item in filter(None, (x.strip() for x in spec.split(","))):
         key, _, value = item.partition("=")
         if key in ("stall_writes", "fail_writes") and not value:
             transfer[key] = True
+        elif key == "wedge_loop" and not value:
+            wedge = True
         elif key in ("control_drop", "control_delay", "control_duplicate", "control_delay_s"):
             control[key.removeprefix("control_")] = float(value)
         elif key == "seed":
             control["seed"] = int(value)
         else:
             raise ValueError(f"unknown fault {item!r}; see `splitserve serve --help`")
-    return FaultConfig(**transfer), ControlFaults(**control)
+    return FaultConfig(**transfer), ControlFaults(**control), wedge
 
 
 def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadlines) -> DisaggEngine:
@@ -492,7 +509,7 @@ def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadl
     cls = {"prefill": PrefillEngine, "decode": DecodeEngine}.get(server.role)
     if cls is None:
         raise ValueError(f"--role must be colocated, prefill or decode, got {server.role!r}")
-    transfer_faults, control_faults = parse_faults(server.inject_faults)
+    transfer_faults, control_faults, wedge_loop = parse_faults(server.inject_faults)
     if server.inject_faults:
         log.warning("fault injection is ON: %s", server.inject_faults)
-    return cls(config, server, deadlines.validate(), transfer_faults, control_faults)
+    return cls(config, server, deadlines.validate(), transfer_faults, control_faults, wedge_loop)
