@@ -60,6 +60,7 @@ PEER_SILENCE_S = HEARTBEAT_S * HEARTBEAT_MISSES  # a silent peer is declared los
 TRANSFER_FLOOR_S = 6.0  # > PEER_SILENCE_S + SLACK_S: a lost peer is seen before the transfer times out
 KV_WAIT_S = 10.0
 PREALLOC_S = 5.0
+PREFILL_STALL_S = 5.0
 BOOTSTRAP_S = 8.0
 TOMBSTONE_S = 40.0
 SLACK_S = 3.0  # on top of a bound, for two busy shared cores
@@ -68,7 +69,7 @@ DEADLINES = [
     "--heartbeat-interval-s", str(HEARTBEAT_S), "--heartbeat-misses", str(HEARTBEAT_MISSES),
     "--transfer-floor-s", str(TRANSFER_FLOOR_S), "--kv-wait-s", str(KV_WAIT_S),
     "--prealloc-s", str(PREALLOC_S), "--bootstrap-s", str(BOOTSTRAP_S), "--queue-s", "8",
-    "--pending-registration-s", "8", "--prefill-stall-s", "5", "--decode-stall-s", "5",
+    "--pending-registration-s", "8", "--prefill-stall-s", str(PREFILL_STALL_S), "--decode-stall-s", "5",
     "--write-drain-s", "3", "--quarantine-resend-s", "0.5", "--register-resend-s", "1",
     "--tombstone-s", str(TOMBSTONE_S),
 ]
@@ -434,9 +435,6 @@ def test_decode_killed_mid_transfer_then_restarted():
 
 
 # -- a wedged engine loop behind a live control thread ----------------------------------------------
-
-PREFILL_STALL_S = 5.0  # --prefill-stall-s in DEADLINES
-
 
 def test_wedged_prefill_engine_loop_is_declared_lost():
     """Prefill ``P``'s engine loop wedges (``--inject-faults wedge_loop``: it blocks for good once it

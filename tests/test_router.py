@@ -324,6 +324,28 @@ def test_prefill_failure_aborts_the_decode_leg(case, fakes, start_router):
              what="the outcome metric")
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_prefill_error_that_echoes_decode_gives_way_to_decode_s_own(stream, fakes, start_router):
+    """Decode failed the room first (say, incompatible_peer) and told prefill, whose leg then fails
+    with ``peer_failed`` a little before decode's own answer arrives: the client gets decode's
+    error, which names the cause, not prefill's echo of it."""
+    echo = {"error": {"message": "peer_failed: peer: incompatible_peer", "type": "server_error", "param": None,
+                      "code": "peer_failed"}}
+    cause = {"error": {"message": "incompatible_peer: page_size (ours 16, peer's 32)", "type": "server_error",
+                       "param": None, "code": "incompatible_peer"}}
+
+    async def late_cause(fake, request, _body):
+        await asyncio.sleep(0.3)
+        return web.json_response(cause, status=502)
+
+    prefill, decode = fakes(reply(502, echo)), fakes(late_cause)
+    router = start_router([(prefill.url, 1)], [decode.url])
+    r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
+    assert assert_openai_error(r, 502)["code"] == "incompatible_peer", r.text
+    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="decode_failed") == 1,
+             what="the outcome metric")
+
+
 def test_decode_error_passes_through_and_closes_prefill(fakes, start_router):
     prefill = fakes(hang())
     decode = fakes(reply(503, {"error": {"message": "draining", "type": "x", "param": None, "code": "d"}}))

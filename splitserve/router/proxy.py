@@ -6,7 +6,9 @@ answers the client with the decode worker's response. The prefill leg's body is 
 client, but its status is: a prefill worker that refuses the request (429 queue full, 503
 draining, 400) or cannot be reached means the decode worker would only wait for KV that never
 comes, so the router closes the decode leg at once (a closed connection is a client abort to a
-worker) and returns prefill's error.
+worker) and returns prefill's error. Unless prefill's error only echoes decode's: a room that
+decode failed or aborted first fails on prefill with ``peer_failed`` / ``peer_abort``; then the
+decode worker's own answer, which names the cause, is awaited (briefly) and returned instead.
 
 When may the router commit to the decode worker's answer (send the client a status)?
 
@@ -53,6 +55,8 @@ log = logging.getLogger(__name__)
 
 PASS_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering", "Retry-After")
 CONNECT_TIMEOUT_S = 10.0
+ECHO_CODES = ("peer_failed", "peer_abort")  # a prefill error that only repeats what decode said
+ECHO_WAIT_S = 2.0  # how long the router then waits for decode's own answer
 ROOM_BITS = 63
 
 
@@ -194,7 +198,7 @@ class Exchange:
         while True:
             await self._wait({leg.task for leg in (p, d) if not leg.answered}, asyncio.FIRST_COMPLETED)
             if p.answered and not self.prefill_handed_off:  # prefill first: its failure is the cause
-                if not p.ok:
+                if not p.ok and not await self._decode_has_the_cause():
                     return await self._prefill_failed()
                 self._hand_off_prefill()
             if d.answered:
@@ -214,6 +218,24 @@ class Exchange:
             raise Deadline()
 
     # -- failures before the commit ----------------------------------------------------------------
+
+    async def _decode_has_the_cause(self) -> bool:
+        """Prefill failed because decode told it so (its error code says the peer failed or
+        aborted): wait up to ``ECHO_WAIT_S`` for decode's own answer. True if it came."""
+        if self.prefill.error is not None or await self._error_code(self.prefill) not in ECHO_CODES:
+            return False
+        if not self.decode.answered:
+            await asyncio.wait({self.decode.task}, timeout=min(self.remaining(), ECHO_WAIT_S))
+        return self.decode.answered
+
+    async def _error_code(self, leg: "Leg") -> Optional[str]:
+        """The OpenAI-style ``error.code`` of a leg's error body (read once; aiohttp keeps it)."""
+        try:
+            payload = await asyncio.wait_for(leg.response.read(), min(self.remaining(), CONNECT_TIMEOUT_S))
+            code = json.loads(payload).get("error", {}).get("code")
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            return None
+        return code if isinstance(code, str) else None
 
     async def _prefill_failed(self) -> web.Response:
         self.decode.abort()  # at once: the decode worker must not wait for KV that will not come
