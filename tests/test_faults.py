@@ -814,6 +814,12 @@ def test_same_pair_serves_again_after_the_partition_heals(partitioned):
     Y = Call(s.D.post_generate, s.D.url, prompt(40, 10), 8, timeout=60, extra=extra, **GREEDY)
     wait_for("Y awaiting KV on D", lambda: any(r["room"] == y_room and r["state"] == "AWAITING_KV"
                                                for r in debug_rows(s.D)), 20)
+
+    def pheal_holds_the_registration() -> bool:
+        samples = s.Pheal.call(metrics, s.Pheal)
+        return metric(samples, "splitserve_lifecycle_entries", role="prefill", kind="pending_registrations") >= 1
+
+    wait_for("Pheal holds Y's registration (so it depends on D)", pheal_holds_the_registration, 10)
     s.net.cut()
     cut = time.monotonic()
     try:
