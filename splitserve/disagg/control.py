@@ -14,8 +14,8 @@ themselves (so a long forward pass never makes a live peer look dead), send hear
 ``heartbeat_interval_s``, and stop doing both while the engine loop has not begun an iteration
 for longer than its stall deadline (``loop_alive``): a wedged loop would otherwise hold the peer's
 rooms, and its quarantined pages, forever behind heartbeats that say all is well. The peer then
-declares us lost, fences us and frees what it held. They and post everything else to the engine loop's inbox as lifecycle
-events: ``FromPeer``, ``PeerHeard``, ``PeerInfo``. The engine loop sends through ``send``, a
+declares us lost, fences us and frees what it held. They post everything else to the engine
+loop's inbox as lifecycle events: ``FromPeer``, ``PeerHeard``, ``PeerInfo``. The engine loop sends through ``send``, a
 queue the thread drains. Frames that fail to decode are logged and counted, never fatal
 (control-plane input is untrusted).
 
@@ -488,7 +488,8 @@ class DecodeControl(_ControlThread):
             self._post(PeerHeard(pf.peer, fresh=True))  # older incarnations of this name are lost
             if mismatch is None:
                 agent, metadata = self._links.open(pf.peer)
-                pf.link, pf.link_since = p.RegisterPeer(self.incarnation, info.incarnation, agent, metadata), time.monotonic()
+                pf.link = p.RegisterPeer(self.incarnation, info.incarnation, agent, metadata)
+                pf.link_since = time.monotonic()
                 self._send_link(pf, pf.link_since)
         for room, _ in pf.waiting_rooms:
             self._post(PeerInfo(room, pf.peer, mismatch))

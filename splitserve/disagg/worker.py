@@ -221,7 +221,6 @@ class DisaggEngine(AsyncEngine):
             log.info("%s notice %s room=%s %s", a.role.value, a.kind.value, a.room, a.detail)
         elif isinstance(a, DisconnectPeer):
             log.warning("peer %s lost: %s", a.peer, a.detail)
-            self.transfer.submit(ResetPeer(a.peer, forget=True))
             self._forget_peer(a.peer)
         else:
             self._do_role(a, out)
@@ -347,6 +346,11 @@ class PrefillEngine(DisaggEngine):
         n = len(req.prompt_ids) if req is not None else 0
         return [RequestOutput(rid=a.rid, token_ids=(first,) if first is not None else (), finished=True,
                               finish_reason="prefill_done", prompt_tokens=n, completion_tokens=0)]
+
+    def _forget_peer(self, peer: Peer) -> None:
+        # our side of its transfer: its writes are reported failed (not a fence: decode's is)
+        self.transfer.submit(ResetPeer(peer, forget=True))
+        super()._forget_peer(peer)
 
 
 class DecodeEngine(DisaggEngine):

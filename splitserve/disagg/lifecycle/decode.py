@@ -136,24 +136,23 @@ class DecodeTable(RoomTable):
     def _register_if_ready(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         if not r.pages or r.peer is None:
             return
-        out.append(SendToPeer(r.peer, self._registration(r)))
+        self._send_registration(r, now, out)
         r.registered = True
         self._enter(r, S.AWAITING_KV, self.cfg.kv_wait_s, now, out)
-        self._timers.set(("resend", r.room), now + self.cfg.register_resend_s)
 
-    def _registration(self, r: DecodeRoom) -> protocol.RegisterRoom:
-        return protocol.RegisterRoom(r.room, self.incarnation, r.peer.incarnation, r.rid, r.prompt_len,
-                                     list(r.pages[: r.n_pages]))
+    def _send_registration(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
+        """Send RegisterRoom, and again after ``register_resend_s`` unless the KV or the end comes."""
+        out.append(SendToPeer(r.peer, protocol.RegisterRoom(r.room, self.incarnation, r.peer.incarnation, r.rid,
+                                                            r.prompt_len, list(r.pages[: r.n_pages]))))
+        self._timers.set(("resend", r.room), now + self.cfg.register_resend_s)
 
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
         """AWAITING_KV: send the registration again (a lost one would cost the request; prefill
         takes a duplicate from the same peer as a no-op), until the KV or the end comes."""
         assert kind == "resend", kind
         r = self._rooms.get(room)
-        if r is None or r.state is not S.AWAITING_KV or not self._reachable(r.peer):
-            return
-        out.append(SendToPeer(r.peer, self._registration(r)))
-        self._timers.set(("resend", r.room), now + self.cfg.register_resend_s)
+        if r is not None and r.state is S.AWAITING_KV and self._reachable(r.peer):
+            self._send_registration(r, now, out)
 
     # == messages from prefill ==================================================================
 
