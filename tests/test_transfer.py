@@ -6,7 +6,9 @@ Two tests move KV between two real processes (spawn), one over tcp and one over 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
+import queue
 import time
 import uuid
 from collections.abc import Iterator
@@ -458,21 +460,34 @@ def test_two_processes(kind: str):
             proc.kill()
 
 
+
+@contextlib.contextmanager
+def transfer_thread(writer_cls=FakeBackend, seed: int = 5):
+    """A running TransferWorker over a fake writer (``writer_cls``) and a fake receiving pool:
+    yields (worker, the events it posts, writer, receiver, source pool, destination pool)."""
+    from splitserve.disagg.transfer_worker import TransferWorker
+
+    tag = uuid.uuid4().hex[:8]
+    src, dst = filled_pool(seed), KVPool(LAYOUT)
+    events: "queue.Queue[object]" = queue.Queue()
+    writer, receiver = writer_cls(f"w-{tag}", src.buffer), FakeBackend(f"r-{tag}", dst.buffer)
+    worker = TransferWorker(writer, events.put)
+    try:
+        yield worker, events, writer, receiver, src, dst
+    finally:
+        worker.stop()
+        writer.close()
+        receiver.close()
+
+
 def test_transfer_thread_declares_a_session_lost_when_its_link_cannot_be_loaded():
     """A decode session whose link metadata we cannot use (here: not even decodable) is useless:
     the transfer thread posts PeerLost for it, stays alive, and a good link still connects."""
-    import queue
-
     from splitserve.disagg.lifecycle import Peer, PeerLost, WriteDone
-    from splitserve.disagg.transfer_worker import AddPeer, TransferWorker, Write
+    from splitserve.disagg.transfer_worker import AddPeer, Write
 
-    tag = uuid.uuid4().hex[:8]
-    src, dst = filled_pool(5), KVPool(LAYOUT)
-    events: "queue.Queue[object]" = queue.Queue()
-    writer, receiver = FakeBackend(f"w-{tag}", src.buffer), FakeBackend(f"r-{tag}", dst.buffer)
-    worker = TransferWorker(writer, events.put)
-    worker.start()
-    try:
+    with transfer_thread() as (worker, events, _, receiver, src, dst):
+        worker.start()
         bad, good = Peer("decode:1", "d1", 1), Peer("decode:1", "d1", 2)
         worker.submit(AddPeer(bad, receiver.agent_name, b"\xc1 not metadata"))
         lost = events.get(timeout=TIMEOUT_S)
@@ -481,20 +496,14 @@ def test_transfer_thread_declares_a_session_lost_when_its_link_cannot_be_loaded(
         worker.submit(Write(7, 1, good, tuple(page_spans([0], [3], P))))
         assert events.get(timeout=TIMEOUT_S) == WriteDone(7, 1)
         assert_pages(dst, src, [0], [3])
-    finally:
-        worker.stop()
-        writer.close()
-        receiver.close()
 
 
 def test_transfer_thread_crash_ends_the_sessions_of_writes_in_flight_before_reporting_them():
     """Rule 8 without breaking rule 6: a crash reports every write in flight failed, but their bytes
     may still land, so their session is declared lost first (prefill then never says WritesSettled;
     decode fences the session) and the thread goes on."""
-    import queue
-
     from splitserve.disagg.lifecycle import Peer, PeerLost, WriteFailed
-    from splitserve.disagg.transfer_worker import AddPeer, TransferWorker, Write
+    from splitserve.disagg.transfer_worker import AddPeer, Write
 
     class Crashing(FakeBackend):
         crash = True
@@ -505,14 +514,9 @@ def test_transfer_thread_crash_ends_the_sessions_of_writes_in_flight_before_repo
                 raise RuntimeError("boom")
             return super().poll(handle)
 
-    tag = uuid.uuid4().hex[:8]
-    src, dst = filled_pool(6), KVPool(LAYOUT)
-    events: "queue.Queue[object]" = queue.Queue()
-    writer, receiver = Crashing(f"w-{tag}", src.buffer), FakeBackend(f"r-{tag}", dst.buffer)
-    writer.stall_next()
-    worker = TransferWorker(writer, events.put)
-    worker.start()
-    try:
+    with transfer_thread(Crashing, seed=6) as (worker, events, writer, receiver, _, _):
+        writer.stall_next()
+        worker.start()
         peer = Peer("decode:1", "d1", 1)
         worker.submit(AddPeer(peer, receiver.agent_name, receiver.metadata()))
         worker.submit(Write(7, 1, peer, tuple(page_spans([0], [3], P))))
@@ -521,7 +525,3 @@ def test_transfer_thread_crash_ends_the_sessions_of_writes_in_flight_before_repo
         assert isinstance(second, WriteFailed) and second.write_id == 1
         worker.submit(Write(8, 2, peer, tuple(page_spans([1], [4], P))))  # still serving
         assert events.get(timeout=TIMEOUT_S).write_id == 2
-    finally:
-        worker.stop()
-        writer.close()
-        receiver.close()

@@ -85,7 +85,7 @@ def test_missing_model_means_the_served_one_and_unknown_is_404():
     ("rid", 5), ("bootstrap_host", 1), ("bootstrap_port", "80"), ("bootstrap_room", True), ("model", 1),
 ])
 def test_wrong_types(field, value):
-    bad({"prompt": "hi", field: value}, param=field)
+    assert bad({"prompt": "hi", field: value}, param=field).status == 400
 
 
 @pytest.mark.parametrize("field,value", [
@@ -95,7 +95,7 @@ def test_wrong_types(field, value):
     ("stop", ["a", "b", "c", "d", "e"]), ("stop_token_ids", [-1]), ("rid", ""), ("rid", "has space"),
 ])
 def test_out_of_range(field, value):
-    bad({"prompt": "hi", field: value}, param=field)
+    assert bad({"prompt": "hi", field: value}, param=field).status == 400
 
 
 def test_accepted_values():
@@ -136,7 +136,7 @@ def test_stream_options():
     ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
 ])
 def test_unsupported_completion_fields_are_named(field, value):
-    bad({"prompt": "hi", field: value}, param=field, match="not supported")
+    assert bad({"prompt": "hi", field: value}, param=field, match="not supported").param == field
 
 
 @pytest.mark.parametrize("field,value", [
@@ -147,18 +147,23 @@ def test_unsupported_completion_fields_are_named(field, value):
     ("modalities", ["text", "audio"]), ("reasoning_effort", "high"),
 ])
 def test_unsupported_chat_fields_are_named(field, value):
-    bad({"messages": [{"role": "user", "content": "hi"}], field: value}, "chat", param=field, match="not supported")
+    err = bad({"messages": [{"role": "user", "content": "hi"}], field: value}, "chat", param=field,
+              match="not supported")
+    assert err.param == field
 
 
 def test_noop_values_of_unsupported_fields_are_accepted():
-    ok({"prompt": "hi", "n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0,
-        "logit_bias": {}, "suffix": ""})
-    ok({"messages": [{"role": "user", "content": "hi"}], "n": 1, "logprobs": False, "tools": [],
-        "tool_choice": "none", "response_format": {"type": "text"}, "presence_penalty": 0}, "chat")
+    # accepted, and they change nothing: the same request as without them
+    assert ok({"prompt": "hi", "n": 1, "best_of": 1, "echo": False, "presence_penalty": 0, "frequency_penalty": 0.0,
+               "logit_bias": {}, "suffix": ""}) == ok({"prompt": "hi"})
+    messages = [{"role": "user", "content": "hi"}]
+    plain = ok({"messages": messages}, "chat")
+    assert ok({"messages": messages, "n": 1, "logprobs": False, "tools": [], "tool_choice": "none",
+               "response_format": {"type": "text"}, "presence_penalty": 0}, "chat") == plain
 
 
 def test_unknown_fields_are_refused():
-    bad({"prompt": "hi", "max_token": 5}, param="max_token", match="unrecognized")
+    assert bad({"prompt": "hi", "max_token": 5}, param="max_token", match="unrecognized").status == 400
     bad({"messages": [{"role": "user", "content": "hi"}], "prompt": "x"}, "chat", param="prompt")
     bad({"prompt": "hi", "messages": []}, param="messages")
     bad({"text": "hi", "sampling_params": {"max_tokens": 3}}, "generate", param="sampling_params.max_tokens")
@@ -257,7 +262,7 @@ def test_generate_text_and_input_ids(byte_tokenizer):
 
 
 def test_generate_errors():
-    bad({}, "generate", param="text", match="exactly one")
+    assert bad({}, "generate", param="text", match="exactly one").status == 400
     bad({"text": "a", "input_ids": [1]}, "generate", param="text", match="exactly one")
     bad({"text": ""}, "generate", param="text")
     bad({"text": ["a", "b"]}, "generate", param="text", match="batch")
@@ -279,23 +284,26 @@ def test_generate_errors():
         param="stream_options")
     bad({"input_ids": [1], "model": "other"}, "generate", param="model", status=404)
     bad({"input_ids": [1], "return_hidden_states": True}, "generate", param="return_hidden_states")
-    ok({"input_ids": [1], "sampling_params": {"n": 1, "repetition_penalty": 1.0, "skip_special_tokens": True,
-                                              "min_new_tokens": 0}}, "generate")
+    noops = {"n": 1, "repetition_penalty": 1.0, "skip_special_tokens": True, "min_new_tokens": 0}
+    assert ok({"input_ids": [1], "sampling_params": noops}, "generate") == ok({"input_ids": [1]}, "generate")
 
 
 def test_fields_sglang_gateway_adds_are_accepted_at_their_defaults():
     # what `sglang_router.launch_router --pd-disaggregation` 0.3.2 adds to each request it forwards
-    ok({"model": None, "input_ids": [1], "sampling_params": {"temperature": 0.0, "max_new_tokens": 8},
-        "return_text_in_logprobs": False, "stream": False, "log_metrics": True, "return_hidden_states": False,
-        "background": False, "no_logs": False, "return_bytes": False, "return_entropy": False,
-        "bootstrap_host": "127.0.0.1", "bootstrap_port": 31998, "bootstrap_room": 7}, "generate")
-    ok({"model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0.0, "stream": False, "echo": False,
-        "no_stop_trim": False, "ignore_eos": False, "skip_special_tokens": True, "return_hidden_states": False},
-       "completions")
-    ok({"messages": [{"role": "user", "content": "Hi"}], "model": MODEL, "logprobs": False,
-        "max_completion_tokens": 8, "stream": True, "temperature": 0.0, "no_stop_trim": False, "ignore_eos": False,
-        "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
-        "stream_reasoning": True, "return_hidden_states": False}, "chat")
+    # accepted, and at these values they change nothing: the same request as without them
+    bootstrap = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 31998, "bootstrap_room": 7}
+    generate = {"input_ids": [1], "sampling_params": {"temperature": 0.0, "max_new_tokens": 8}, **bootstrap}
+    assert ok({**generate, "model": None, "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
+               "return_hidden_states": False, "background": False, "no_logs": False, "return_bytes": False,
+               "return_entropy": False}, "generate") == ok(generate, "generate")
+    completion = {"model": MODEL, "prompt": "hi", "max_tokens": 8, "temperature": 0.0}
+    assert ok({**completion, "stream": False, "echo": False, "no_stop_trim": False, "ignore_eos": False,
+               "skip_special_tokens": True, "return_hidden_states": False}, "completions") == ok(completion)
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "model": MODEL, "max_completion_tokens": 8,
+            "stream": True, "temperature": 0.0}
+    assert ok({**chat, "logprobs": False, "no_stop_trim": False, "ignore_eos": False,
+               "continue_final_message": False, "skip_special_tokens": True, "separate_reasoning": True,
+               "stream_reasoning": True, "return_hidden_states": False}, "chat") == ok(chat, "chat")
     bad({"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True}, "chat",
         param="continue_final_message")
 
