@@ -49,6 +49,11 @@ class ServerConfig:
     """The host peers should use to reach this worker (default: --host)."""
     transfer_backend: str = "nixl"
     """How KV pages cross between workers: nixl (UCX; shared memory, TCP, RDMA) or tcp (built in)."""
+    cpus: Optional[str] = None
+    """CPUs the worker runs on, a list like 0-3,6 (as `taskset -c`), applied at start; unset: the
+    CPUs this process is allowed now (its affinity). `splitserve launch` gives each worker its own."""
+    threads: Optional[int] = None
+    """torch intra-op threads; unset: one per CPU the worker runs on (--cpus, else its affinity)."""
     inject_faults: str = ""
     """Testing only, off when empty: comma-separated stall_writes, fail_writes, control_drop=P,
     control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop

@@ -5,6 +5,13 @@
 free bootstrap port too), the router on ``--port`` pointed at all of them. :class:`Supervisor` runs
 any list of specs (tests hand it plain ``python -c`` children):
 
+CPUs: by default every worker gets its own CPUs (``--cpus``) out of those launch may run on, an
+equal share each, and as many torch threads (``--threads``), so that a prefill and a decode
+worker never spin threads on the same core (:func:`worker_cpus`; ``--prefill-cpus`` and
+``--decode-cpus`` choose the split, ``--no-split-cpus`` lets every worker use every CPU). With
+fewer CPUs than workers they share, one CPU each in turn, and launch warns. The router only moves
+bytes: it runs on every CPU.
+
 1. start every child, each in its own session (process group), its stdout and stderr merged into
    a pipe that a thread per child echoes with a ``[name]`` prefix and keeps the last lines of;
 2. wait until every child with a ``health_url`` answers 200 there (at most ``ready_timeout_s``; on
@@ -38,7 +45,9 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, TextIO
+from typing import Callable, Mapping, Optional, Sequence, TextIO
+
+from splitserve.cpus import allowed_cpus, check_cpus, format_cpu_list, split_between_workers
 
 TAIL_LINES = 30
 POLL_S = 0.2
@@ -66,6 +75,15 @@ class LaunchConfig:
     """How long every process may take to become healthy before launch gives up."""
     stop_timeout_s: float = 40.0
     """On Ctrl-C or SIGTERM, how long children may take to exit after SIGTERM before SIGKILL."""
+    split_cpus: bool = True
+    """Give each worker its own CPUs out of those launch may run on (an equal share each, one torch
+    thread per CPU), so workers do not oversubscribe cores; --no-split-cpus: every worker uses every CPU."""
+    prefill_cpus: Optional[str] = None
+    """CPUs of the prefill workers, e.g. 0-5, split evenly between them; unset: their equal share
+    (or, with --decode-cpus, the CPUs it leaves)."""
+    decode_cpus: Optional[str] = None
+    """CPUs of the decode workers, e.g. 6-7, split evenly between them; unset: their equal share
+    (or, with --prefill-cpus, the CPUs it leaves)."""
 
 
 @dataclass(frozen=True)
@@ -101,13 +119,58 @@ def free_ports(n: int, avoid: Sequence[int] = ()) -> list[int]:
     return ports
 
 
-def build_specs(config: LaunchConfig, python: str = sys.executable) -> list[ChildSpec]:
-    """The workers, then the router, as ``python -m splitserve.cli`` command lines."""
+def worker_cpus(config: LaunchConfig, allowed: Sequence[int]
+                ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[str]]:
+    """The CPU set of each prefill and each decode worker out of ``allowed``, and warnings
+    (workers sharing CPUs). ValueError for a CPU list that is malformed, outside ``allowed``, or
+    leaves the other role no CPU."""
+    allowed = tuple(sorted(allowed))
+    chosen = {role: None if text is None else check_cpus(text, allowed, f"--{role}-cpus")
+              for role, text in (("prefill", config.prefill_cpus), ("decode", config.decode_cpus))}
+    counts = {"prefill": config.num_prefill, "decode": config.num_decode}
+    warnings: list[str] = []
+    if chosen["prefill"] is None and chosen["decode"] is None:
+        sets, note = split_between_workers(allowed, config.num_prefill + config.num_decode)
+        warnings += [note] if note else []
+        return sets[:config.num_prefill], sets[config.num_prefill:], warnings
+    for role, other in (("prefill", "decode"), ("decode", "prefill")):
+        if chosen[role] is None:
+            chosen[role] = tuple(c for c in allowed if c not in chosen[other])
+            if not chosen[role]:
+                raise ValueError(f"--{other}-cpus {getattr(config, other + '_cpus')} leaves no CPU for the {role} "
+                                 f"workers: set --{role}-cpus too")
+    shared = sorted(set(chosen["prefill"]) & set(chosen["decode"]))
+    if shared:
+        warnings.append(f"--prefill-cpus and --decode-cpus overlap: CPUs {format_cpu_list(shared)} are shared")
+    result = []
+    for role in ("prefill", "decode"):
+        sets, note = split_between_workers(chosen[role], counts[role])
+        warnings += [f"{role}: {note}"] if note else []
+        result.append(sets)
+    return result[0], result[1], warnings
+
+
+def _warn(text: str) -> None:
+    print(f"splitserve launch: warning: {text}", file=sys.stderr, flush=True)
+
+
+def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Optional[Sequence[int]] = None,
+                warn: Callable[[str], None] = _warn) -> list[ChildSpec]:
+    """The workers, then the router, as ``python -m splitserve.cli`` command lines. ``allowed``:
+    the CPUs to split between the workers (default: launch's own); ``warn`` gets the warnings."""
     if config.num_prefill < 1 or config.num_decode < 1:
         raise ValueError("launch needs at least one prefill and one decode worker")
     if config.transfer_backend is not None and config.transfer_backend not in TRANSFER_BACKENDS:
         raise ValueError(f"--transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
                          f"not {config.transfer_backend!r}")
+    if config.split_cpus:
+        prefill_cpus, decode_cpus, warnings = worker_cpus(config, allowed_cpus() if allowed is None else allowed)
+        for text in warnings:
+            warn(text)
+    elif config.prefill_cpus is not None or config.decode_cpus is not None:
+        raise ValueError("--prefill-cpus and --decode-cpus choose how CPUs are split: not with --no-split-cpus")
+    else:
+        prefill_cpus = decode_cpus = None
     ports = free_ports(2 * config.num_prefill + config.num_decode, avoid=(config.port,))
     cli = (python, "-m", "splitserve.cli")
     backend = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
@@ -115,18 +178,20 @@ def build_specs(config: LaunchConfig, python: str = sys.executable) -> list[Chil
     for i in range(config.num_prefill):
         port, bootstrap = ports.pop(), ports.pop()
         url = f"http://127.0.0.1:{port}"
+        cpus, where = _placement(prefill_cpus, i)
         specs.append(ChildSpec(
             f"prefill-{i}", cli + ("serve", "--role", "prefill", "--model", config.model, "--host", "127.0.0.1",
-                                   "--port", str(port), "--bootstrap-port", str(bootstrap)) + backend,
-            url=url, health_url=url + "/health", note=f"bootstrap port {bootstrap}"))
+                                   "--port", str(port), "--bootstrap-port", str(bootstrap)) + backend + cpus,
+            url=url, health_url=url + "/health", note=f"bootstrap port {bootstrap}{where}"))
         router_args += ["--prefill", url, str(bootstrap)]
     for i in range(config.num_decode):
         port = ports.pop()
         url = f"http://127.0.0.1:{port}"
+        cpus, where = _placement(decode_cpus, i)
         specs.append(ChildSpec(
             f"decode-{i}", cli + ("serve", "--role", "decode", "--model", config.model, "--host", "127.0.0.1",
-                                  "--port", str(port)) + backend,
-            url=url, health_url=url + "/health"))
+                                  "--port", str(port)) + backend + cpus,
+            url=url, health_url=url + "/health", note=where.lstrip("; ")))
         router_args += ["--decode", url]
     host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
     router_url = f"http://{host}:{config.port}"
@@ -135,6 +200,15 @@ def build_specs(config: LaunchConfig, python: str = sys.executable) -> list[Chil
                          *router_args),
         url=router_url, health_url=router_url + "/health", note="the endpoint for clients"))
     return specs
+
+
+def _placement(sets: Optional[list[tuple[int, ...]]], i: int) -> tuple[tuple[str, ...], str]:
+    """The ``--cpus``/``--threads`` arguments of a role's worker ``i`` and words for the summary."""
+    if sets is None:
+        return (), ""
+    cpus = format_cpu_list(sets[i])
+    threads = len(sets[i])
+    return ("--cpus", cpus, "--threads", str(threads)), f"; CPUs {cpus}, {threads} thread{'s' * (threads > 1)}"
 
 
 class Child:

@@ -36,6 +36,7 @@ from typing import Optional
 from aiohttp import web
 
 from splitserve.config import EngineConfig, ServerConfig
+from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.http_util import bound_url
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.server.generation import json_error, serve_generation
@@ -195,6 +196,7 @@ async def _server_info(request: web.Request) -> web.Response:
     _require_ready(state)
     engine, spec, cfg = state.engine, state.engine.spec, state.engine.config
     stats = engine.stats()
+    placement = current_placement()
     return web.json_response({
         "model_path": spec.path, "tokenizer_path": spec.path, "served_model_name": state.model_name,
         "host": state.config.host, "port": state.config.port, "context_length": spec.max_context,
@@ -205,6 +207,7 @@ async def _server_info(request: web.Request) -> web.Response:
         "max_prefill_tokens": cfg.max_batch_tokens, "random_seed": cfg.seed,
         "disaggregation_mode": "null" if state.config.role == "colocated" else state.config.role,
         "skip_tokenizer_init": False, "version": _version(),
+        "cpus": format_cpu_list(placement.cpus), "threads": placement.threads,
         "internal_states": [{"pages_free": stats["pages_free"], "pages_total": stats["pages_total"],
                              "queues": stats["queues"], "draining": state.draining}],
     })
@@ -225,7 +228,15 @@ def _version() -> str:
 def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlines=None) -> int:
     """Serve until SIGTERM/SIGINT, then drain; the exit code (0 after a clean drain, 1 if the
     port cannot be bound or the model fails to load). ``deadlines``: the lifecycle limits of a
-    prefill or decode worker (``disagg.lifecycle.Deadlines``; defaults when None)."""
+    prefill or decode worker (``disagg.lifecycle.Deadlines``; defaults when None). The CPU
+    placement (``--cpus``, ``--threads``) is applied first, before any thread of ours starts; a bad
+    one exits 2."""
+    try:
+        placement = place_process(server_config.cpus, server_config.threads)
+    except ValueError as exc:
+        print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
+        return 2
+    log.info("CPU placement: %s", placement.describe())
     return asyncio.run(_serve(make_engine(engine_config, server_config, deadlines), server_config))
 
 
