@@ -1,6 +1,7 @@
 """``splitserve launch``: the supervisor with plain ``python -c`` children (death, SIGTERM, SIGKILL
-after the grace period, readiness timeout, no orphans after a kill -9 of launch), and one run
-end to end through the real router and workers.
+after the grace period, readiness timeout, no orphans after a kill -9 of launch), the CPUs each
+worker is given, and one run end to end through the real router and workers (which also checks
+the CPUs and threads the launched workers really run with).
 
 Every launch runs as its own process (it installs signal handlers, and the test signals it); the
 specs reach it as JSON through ``LAUNCH_SCRIPT``, and the pids come back from its summary lines.
@@ -23,6 +24,7 @@ import pytest
 import requests
 
 from conftest import CACHE_DIR, REPO, free_port
+from splitserve.cpus import format_cpu_list, parse_cpu_list
 from splitserve.launch import ChildSpec, LaunchConfig, build_specs
 
 LAUNCH_SCRIPT = """
@@ -168,8 +170,8 @@ def test_kill_9_of_launch_takes_the_children_down(launch):
 
 
 def test_build_specs_command_lines():
-    specs = build_specs(LaunchConfig(model="/m", num_prefill=2, num_decode=1, port=8123, transfer_backend="tcp"),
-                        python="py")
+    specs = build_specs(LaunchConfig(model="/m", num_prefill=2, num_decode=1, port=8123, transfer_backend="tcp",
+                                     split_cpus=False), python="py")
     assert [s.name for s in specs] == ["prefill-0", "prefill-1", "decode-0", "router"]
     p0 = specs[0].argv
     assert p0[:8] == ("py", "-m", "splitserve.cli", "serve", "--role", "prefill", "--model", "/m")
@@ -187,6 +189,61 @@ def test_build_specs_command_lines():
         build_specs(LaunchConfig(transfer_backend="carrier-pigeon"))
 
 
+def _placement(spec: ChildSpec) -> tuple[str, str] | None:
+    argv = spec.argv
+    if "--cpus" not in argv:
+        assert "--threads" not in argv
+        return None
+    return argv[argv.index("--cpus") + 1], argv[argv.index("--threads") + 1]
+
+
+@pytest.mark.parametrize("config, allowed, want, warning", [
+    (LaunchConfig(), (0, 1), [("0", "1"), ("1", "1"), None], None),
+    (LaunchConfig(num_prefill=2), tuple(range(8)), [("0-2", "3"), ("3-5", "3"), ("6-7", "2"), None], None),
+    (LaunchConfig(), (0,), [("0", "1"), ("0", "1"), None], "1 CPU (0) for 2 workers: workers share CPUs"),
+    (LaunchConfig(num_prefill=2, num_decode=2), (0, 1, 2), [("0", "1"), ("1", "1"), ("2", "1"), ("0", "1"), None],
+     "3 CPUs (0-2) for 4 workers"),
+    (LaunchConfig(prefill_cpus="0-5"), tuple(range(8)), [("0-5", "6"), ("6-7", "2"), None], None),
+    (LaunchConfig(num_decode=2, decode_cpus="4,6"), tuple(range(8)), [("0-3,5,7", "6"), ("4", "1"), ("6", "1"), None],
+     None),
+    (LaunchConfig(prefill_cpus="0-1", decode_cpus="1-2"), (0, 1, 2), [("0-1", "2"), ("1-2", "2"), None],
+     "overlap: CPUs 1 are shared"),
+    (LaunchConfig(split_cpus=False), (0, 1), [None, None, None], None),
+])
+def test_build_specs_gives_each_worker_its_cpus(config, allowed, want, warning):
+    warnings: list[str] = []
+    specs = build_specs(config, python="py", allowed=allowed, warn=warnings.append)
+    assert [_placement(s) for s in specs] == want  # the router (last) shares every CPU
+    if warning:
+        assert len(warnings) == 1 and warning in warnings[0], warnings
+    else:
+        assert warnings == []
+    assert specs[-1].name == "router"
+
+
+@pytest.mark.parametrize("config, words", [
+    (LaunchConfig(prefill_cpus="0-9"), "--prefill-cpus 0-9: CPUs 2-9 are not available to this process"),
+    (LaunchConfig(decode_cpus="zero"), "--decode-cpus 'zero': 'zero' is not a CPU number"),
+    (LaunchConfig(prefill_cpus="0-1"), "--prefill-cpus 0-1 leaves no CPU for the decode workers"),
+    (LaunchConfig(split_cpus=False, decode_cpus="1"), "not with --no-split-cpus"),
+])
+def test_build_specs_refuses_bad_cpu_choices(config, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        build_specs(config, python="py", allowed=(0, 1))
+
+
+def test_launch_refuses_bad_cpus_with_exit_2():
+    out = subprocess.run([sys.executable, "-m", "splitserve.cli", "launch", "--prefill-cpus", "0,99999"], cwd=REPO,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "splitserve launch: --prefill-cpus 0,99999: CPU 99999 is not available" \
+        in out.stderr, out.stderr
+
+
+def _cpus_allowed(pid: int) -> str:
+    with open(f"/proc/{pid}/status") as f:
+        return re.search(r"^Cpus_allowed_list:\s*(\S+)", f.read(), re.M)[1]
+
+
 def _disaggregated_roles_exist() -> bool:
     from splitserve.cli import build_parser
 
@@ -195,9 +252,11 @@ def _disaggregated_roles_exist() -> bool:
 
 
 def test_launch_end_to_end(launch):
-    """The real router and workers under the supervisor; a request through the router; SIGTERM
-    stops everything. Until ``serve --role prefill|decode`` exist, colocated workers stand in
-    (same command lines, ``--role colocated``, no bootstrap port)."""
+    """The real router and workers under the supervisor; a request through the router; each
+    worker runs on the CPUs and with the torch threads launch gave it (seen by the kernel and in
+    its ``/get_server_info``), disjoint when there are CPUs enough, the router on every CPU;
+    SIGTERM stops everything. Until ``serve --role prefill|decode`` exist, colocated workers
+    stand in (same command lines, ``--role colocated``, no bootstrap port)."""
     specs = build_specs(LaunchConfig(port=free_port(), ready_timeout_s=120))
     if not _disaggregated_roles_exist():
         stand_ins = []
@@ -218,6 +277,18 @@ def test_launch_end_to_end(launch):
     assert r.json()["choices"][0]["finish_reason"] == "length"
     pids = run.pids()
     assert set(pids) == {"prefill-0", "decode-0", "router"}
+    allowed = format_cpu_list(sorted(os.sched_getaffinity(0)))
+    placed = {}
+    for spec in specs[:2]:
+        cpus, threads = _placement(spec)
+        assert _cpus_allowed(pids[spec.name]) == cpus
+        info = requests.get(spec.url + "/get_server_info", timeout=10).json()
+        assert (info["cpus"], info["threads"]) == (cpus, int(threads)), spec.name
+        placed[spec.name] = set(parse_cpu_list(cpus))
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert not placed["prefill-0"] & placed["decode-0"]
+        assert placed["prefill-0"] | placed["decode-0"] == set(os.sched_getaffinity(0))
+    assert _cpus_allowed(pids["router"]) == allowed
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(30) == 0, run.out()
     wait_all_gone(pids.values())
