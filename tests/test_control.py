@@ -7,14 +7,16 @@ there; a forgotten session making way for the next one."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 
+import pytest
 import zmq
 
 from conftest import free_port
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl, identity, peer_of
-from splitserve.disagg.lifecycle import FromPeer, Peer, PeerHeard
+from splitserve.disagg.lifecycle import FromPeer, Peer, PeerHeard, PeerInfo
 from splitserve.disagg.transfer_worker import AddPeer
 
 INFO = p.Info(p.PROTOCOL_VERSION, "pf1", "tiny", 2, 2, 8, "float32", 16, "tcp")
@@ -172,3 +174,207 @@ def test_decode_resends_its_link_until_answered_and_a_forgotten_session_makes_wa
         links.close_all()
         prefill.close(0)
         ctx.term()
+
+
+# -- the edges of sessions (issue 8) ------------------------------------------------------------------
+
+
+class _FakePrefillSocket:
+    """A raw ROUTER socket playing a prefill worker for a DecodeControl under test."""
+
+    def __init__(self):
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+
+    def receive(self, seconds: float) -> list:
+        got, until = [], time.monotonic() + seconds
+        while time.monotonic() < until:
+            if self.sock.poll(20):
+                ident, frame = self.sock.recv_multipart()
+                got.append((peer_of(ident), p.decode(frame)))
+        return got
+
+    def send(self, peer: Peer, msg) -> None:
+        self.sock.send_multipart([identity(peer), p.encode(msg)])
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@contextlib.contextmanager
+def decode_control(silence_s: float = 10.0, links=None):
+    """A running DecodeControl (its links over the fake backend) and a raw prefill socket: yields
+    (control, prefill socket, posted events, links)."""
+    import torch
+
+    from splitserve.disagg.control import DecodeControl
+    from splitserve.disagg.transfer.links import ReceiveLinks
+
+    prefill = _FakePrefillSocket()
+    links = links or ReceiveLinks("fake", f"decode-test-{prefill.port}", torch.zeros(1024, dtype=torch.uint8))
+    events = []
+    ours = p.Info(p.PROTOCOL_VERSION, "d1", "tiny", 2, 2, 8, "float32", 16, "tcp")
+    control = DecodeControl("decode:1", ours, links, events.append, heartbeat_s=silence_s / 5, info_wait_s=30)
+    control.start()
+    try:
+        yield control, prefill, events, links
+    finally:
+        control.close()
+        links.close_all()
+        prefill.close()
+
+
+def _wait(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+    return value
+
+
+def _serve_session(prefill: _FakePrefillSocket, info: p.Info, seconds: float = 1.0) -> Peer:
+    """Answer one session's GetInfo and RegisterPeer; the decode session (its socket identity)."""
+    sender = None
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        for who, msg in prefill.receive(0.05):
+            sender = who
+            if isinstance(msg, p.GetInfo):
+                prefill.send(who, info)
+            elif isinstance(msg, p.RegisterPeer):
+                prefill.send(who, p.PeerRegistered(info.incarnation, msg.agent_name))
+                return who
+    raise AssertionError(f"no registered session within {seconds}s (last sender {sender})")
+
+
+@pytest.mark.xfail(strict=True, reason="finding 5: forgetting a session by number closes the new incarnation's")
+def test_forgetting_an_old_incarnation_leaves_the_new_one_serving():
+    """Finding 5: prefill restarts on the same address; decode learns the new incarnation from a
+    heartbeat answer; then the engine declares the old incarnation lost. That must end the old
+    incarnation's session only: the new one keeps serving, and exactly one receiving link (the
+    new incarnation's) stays open."""
+    with decode_control() as (control, prefill, events, links):
+        control.want_info(7, "127.0.0.1", prefill.port)
+        first = _serve_session(prefill, INFO)
+        old = Peer(f"127.0.0.1:{prefill.port}", "pf1", first.session)
+        _wait(lambda: PeerInfo(7, old, None) in events, 2, "the room gets the first incarnation's info")
+        restarted = dataclasses.replace(INFO, incarnation="pf2")
+        # the restarted prefill answers decode's next heartbeat, then its GetInfo and RegisterPeer
+        deadline = time.monotonic() + 5
+        while not any(isinstance(e, PeerHeard) and e.peer.incarnation == "pf2" for e in events):
+            assert time.monotonic() < deadline, f"decode never learned the new incarnation: {events}"
+            for who, msg in prefill.receive(0.05):
+                if isinstance(msg, p.Heartbeat):
+                    prefill.send(who, p.HeartbeatAck("pf2", msg.seq))
+                elif isinstance(msg, p.GetInfo):
+                    prefill.send(who, restarted)
+                elif isinstance(msg, p.RegisterPeer):
+                    prefill.send(who, p.PeerRegistered("pf2", msg.agent_name))
+        control.forget(old)  # what the engine does once the new incarnation declared the old one lost
+        control.want_info(8, "127.0.0.1", prefill.port)
+        info = _serve_until(prefill, restarted, lambda: [e for e in events if isinstance(e, PeerInfo) and e.room == 8],
+                            3, "room 8 gets the new incarnation's info")
+        _serve_until(prefill, restarted, lambda: False, 0.5, "")  # let anything still due happen
+        assert info[0].peer.incarnation == "pf2", info
+        assert links.writers() == [info[0].peer], (links.writers(), info)
+
+
+def _serve_until(prefill: _FakePrefillSocket, info: p.Info, check, timeout: float, what: str):
+    """Play prefill ``info`` (answer GetInfo, RegisterPeer and heartbeats) until ``check()``."""
+    deadline = time.monotonic() + timeout
+    while not (value := check()):
+        if time.monotonic() >= deadline:
+            assert not what, what
+            return value
+        for who, msg in prefill.receive(0.02):
+            if isinstance(msg, p.GetInfo):
+                prefill.send(who, info)
+            elif isinstance(msg, p.RegisterPeer):
+                prefill.send(who, p.PeerRegistered(info.incarnation, msg.agent_name))
+            elif isinstance(msg, p.Heartbeat):
+                prefill.send(who, p.HeartbeatAck(info.incarnation, msg.seq))
+    return value
+
+
+@pytest.mark.xfail(strict=True, reason="finding 2: a session whose link registration is never answered is never torn down")
+def test_a_session_whose_link_is_never_registered_is_replaced():
+    """Finding 2: prefill answers GetInfo but never the link registration. Decode must not hand
+    that session to rooms (prefill would drop their registrations forever): within its bound
+    (the peer-silence limit) it ends the session and opens the next one, which serves."""
+    with decode_control(silence_s=1.0) as (control, prefill, events, links):
+        control.want_info(7, "127.0.0.1", prefill.port)
+        first = None
+        until = time.monotonic() + 4
+        second = None
+        while time.monotonic() < until and second is None:
+            for who, msg in prefill.receive(0.05):
+                if isinstance(msg, p.GetInfo) and first is None:
+                    first = who
+                    prefill.send(who, INFO)
+                elif isinstance(msg, p.GetInfo) and who != first:
+                    second = who
+        assert first is not None and second is not None, "decode never opened a new session"
+        assert second.session > first.session
+        assert not [e for e in events if isinstance(e, PeerInfo) and e.peer.session == first.session], events
+        prefill.send(second, INFO)
+        reg = _wait(lambda: [m for w, m in prefill.receive(0.05) if isinstance(m, p.RegisterPeer) and w == second],
+                    2, "the second session registers its link")
+        prefill.send(second, p.PeerRegistered("pf1", reg[0].agent_name))
+        _wait(lambda: PeerInfo(7, Peer(f"127.0.0.1:{prefill.port}", "pf1", second.session), None) in events, 2,
+              "the room gets the second session")
+        assert [w.session for w in links.writers()] == [second.session], links.writers()
+
+
+@pytest.mark.xfail(strict=True, reason="finding 2: a link that cannot be opened leaves a session with info and no link")
+def test_a_link_that_cannot_be_opened_fails_the_waiting_rooms_at_once_and_the_next_session_serves():
+    """Finding 2: the receiving link cannot be opened (here: the first ``open`` raises, as a tcp
+    backend that cannot bind its address or fd exhaustion would). The rooms waiting for that
+    prefill fail at once with a clear error; the next room starts a new session, which serves."""
+    import torch
+
+    from splitserve.disagg.lifecycle import LocalFailure
+    from splitserve.disagg.transfer.links import ReceiveLinks
+
+    class FailingOnce(ReceiveLinks):
+        failed = False
+
+        def open(self, writer):
+            if not self.failed:
+                self.failed = True
+                raise OSError("Too many open files")
+            return super().open(writer)
+
+    links = FailingOnce("fake", "decode-test-failing", torch.zeros(1024, dtype=torch.uint8))
+    with decode_control(links=links) as (control, prefill, events, _):
+        control.want_info(7, "127.0.0.1", prefill.port)
+        [(first, ask)] = prefill.receive(0.5)
+        prefill.send(first, INFO)
+        failed = _wait(lambda: [e for e in events if isinstance(e, LocalFailure) and e.room == 7], 2,
+                       f"room 7 failed at once: {events}")
+        assert "Too many open files" in failed[0].detail, failed
+        assert not [e for e in events if isinstance(e, PeerInfo)], events
+        control.want_info(8, "127.0.0.1", prefill.port)
+        second = _serve_session(prefill, INFO, 2.0)
+        assert second.session > first.session
+        _wait(lambda: PeerInfo(8, Peer(f"127.0.0.1:{prefill.port}", "pf1", second.session), None) in events, 2,
+              "room 8 gets the new session")
+
+
+@pytest.mark.xfail(strict=True, reason="finding 2: prefill drops registrations of a linkless session forever")
+def test_prefill_ends_a_session_that_registers_rooms_but_never_its_link():
+    """Finding 2, prefill's side: registrations from a decode session whose link never came are
+    dropped (decode re-sends them) — but not forever: after the peer-silence bound they are
+    answered ``room_failed(peer_lost)``, so that decode ends the session and opens the next."""
+    reg = p.RegisterRoom(5, "d1", "pf1", "r5", 8, [1, 2])
+    with prefill_control(heartbeat_s=0.2) as (control, decode, events, transfer):
+        deadline = time.monotonic() + 4
+        refused = []
+        while not refused:
+            assert time.monotonic() < deadline, "registrations of a linkless session dropped forever"
+            decode.send(p.encode(reg))
+            refused = [m for m in _recv_all(decode, 0.2) if isinstance(m, p.RoomFailed)]
+        assert refused[0] == p.RoomFailed(5, "pf1", "peer_lost"), refused
+        assert not [e for e in events if isinstance(e, FromPeer)], events
