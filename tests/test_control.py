@@ -274,6 +274,7 @@ def test_forgetting_an_old_incarnation_leaves_the_new_one_serving():
                 elif isinstance(msg, p.RegisterPeer):
                     prefill.send(who, p.PeerRegistered("pf2", msg.agent_name))
         control.forget(old)  # what the engine does once the new incarnation declared the old one lost
+        _serve_until(prefill, restarted, lambda: False, 0.3, "")  # the control thread has acted on it
         control.want_info(8, "127.0.0.1", prefill.port)
         info = _serve_until(prefill, restarted, lambda: [e for e in events if isinstance(e, PeerInfo) and e.room == 8],
                             3, "room 8 gets the new incarnation's info")
