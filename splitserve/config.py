@@ -55,7 +55,7 @@ class ServerConfig:
     threads: Optional[int] = None
     """torch intra-op threads; unset: one per CPU the worker runs on (--cpus, else its affinity)."""
     inject_faults: str = ""
-    """Testing only, off when empty: comma-separated stall_writes, fail_writes, control_drop=P,
+    """Testing only, off when empty: comma-separated stall_writes, fail_writes, notify_drop=P, control_drop=P,
     control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop
     blocks for good once it holds a request, until shutdown)."""
 

@@ -12,13 +12,15 @@ ends instead of waiting forever) after its session is declared lost (its bytes m
 prefill must not vouch for them), the exception is logged and counted, and the loop goes on.
 
 Fault injection (off unless configured, read once at start): ``stall_writes`` keeps every new
-write pending until released (to strike "mid-transfer" for real), ``fail_writes`` fails them.
+write pending until released (to strike "mid-transfer" for real), ``fail_writes`` fails them,
+``notify_drop=P`` drops that fraction of notifications (a ``KVDone`` lost on its way).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import random
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -85,6 +87,8 @@ class KVNotification:
 class FaultConfig:
     stall_writes: bool = False
     fail_writes: bool = False
+    notify_drop: float = 0.0
+    seed: int = 0
 
 
 @dataclass
@@ -103,6 +107,7 @@ class TransferWorker(SupervisedThread):
         self.links = links  # receives (decode)
         self._post = post
         self._faults = faults or FaultConfig()
+        self._rng = random.Random(self._faults.seed)
         self._commands: "queue.Queue[object]" = queue.Queue()
         self._agents: dict[Peer, tuple[str, bytes]] = {}  # peer -> (agent name, metadata)
         self._inflight: dict[int, _InFlight] = {}
@@ -154,6 +159,9 @@ class TransferWorker(SupervisedThread):
             agent = self._agents.get(cmd.peer)
             if agent is None:
                 log.warning("notification for %s dropped: no transfer connection to it", cmd.peer)
+                return
+            if self._faults.notify_drop and self._rng.random() < self._faults.notify_drop:
+                log.warning("injected fault: notification to %s dropped", cmd.peer)
                 return
             self._notifies.append((cmd.peer, self.backend.write(agent[0], [], cmd.payload)))
         elif isinstance(cmd, Cancel):

@@ -488,8 +488,8 @@ class DecodeEngine(DisaggEngine):
 
 def parse_faults(spec: str) -> tuple[FaultConfig, ControlFaults, bool]:
     """``--inject-faults`` (off when empty; read once at start), comma-separated:
-    ``stall_writes``, ``fail_writes``, ``control_drop=P``, ``control_delay=P``, ``control_delay_s=S``,
-    ``control_duplicate=P``, ``seed=N``, ``wedge_loop``. Returns the transfer faults, the control
+    ``stall_writes``, ``fail_writes``, ``notify_drop=P``, ``control_drop=P``, ``control_delay=P``,
+    ``control_delay_s=S``, ``control_duplicate=P``, ``seed=N``, ``wedge_loop``. Returns the transfer faults, the control
     faults, and whether the engine loop wedges (as soon as it holds a room, until shutdown)."""
     transfer, control, wedge = {}, {}, False
     for item in filter(None, (x.strip() for x in spec.split(","))):
@@ -500,8 +500,10 @@ def parse_faults(spec: str) -> tuple[FaultConfig, ControlFaults, bool]:
             wedge = True
         elif key in ("control_drop", "control_delay", "control_duplicate", "control_delay_s"):
             control[key.removeprefix("control_")] = float(value)
+        elif key == "notify_drop":
+            transfer["notify_drop"] = float(value)
         elif key == "seed":
-            control["seed"] = int(value)
+            control["seed"] = transfer["seed"] = int(value)
         else:
             raise ValueError(f"unknown fault {item!r}; see `splitserve serve --help`")
     return FaultConfig(**transfer), ControlFaults(**control), wedge
