@@ -1,0 +1,94 @@
+"""Peers that come and go (issue 8, finding 8): pods restart on the same address and new ones
+appear at new addresses; a worker that outlives them must forget them, so that nothing it keeps per
+peer grows without bound.
+
+A prefill ``P`` and a decode ``D`` live through the whole test. Each round starts a new decode
+``Dk`` and a new prefill ``Pk`` (every other round on the previous one's ports: a restart; else on
+new ports: a new pod), serves one request ``P`` + ``Dk`` and one ``Pk`` + ``D``, then kills both
+(``kill -9``: no goodbye). Once they have been silent past the peer-silence bound, ``P``'s and
+``D``'s open file descriptors, threads, peer tables, receiving links and transfer agents (their
+``/metrics``) must be no larger than they were after the second round: 3 rounds every day, 20
+under ``make check-long``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from cluster import metric_sum, metrics, pages_back_to_total
+from conftest import ServerProcess, free_port
+from test_faults import DEADLINES, PEER_SILENCE_S, SLACK_S, direct_pair, kill9, prompt
+
+SIZES = ("splitserve_control_sessions", "splitserve_transfer_peers", "splitserve_receive_links_open",
+         "splitserve_peers", "splitserve_control_ended_sessions")
+
+
+def sizes(worker) -> dict:
+    pid = worker.pid
+    samples = metrics(worker)
+    got = {"fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": len(os.listdir(f"/proc/{pid}/task"))}
+    for name in SIZES:
+        got[name] = metric_sum(samples, name)
+    got["thread_restarts"] = metric_sum(samples, "splitserve_thread_restarts_total")
+    return got
+
+
+def churn(rounds: int) -> None:
+    P = ServerProcess("--role", "prefill", "--bootstrap-port", str(free_port()), *DEADLINES)
+    P.bootstrap_port = int(P.args[P.args.index("--bootstrap-port") + 1])
+    D = ServerProcess("--role", "decode", *DEADLINES)
+    for w in (P, D):
+        w._spawn(free_port())
+    gone: list[ServerProcess] = []
+    try:
+        P.wait_ready()
+        D.wait_ready()
+        ports = None
+        after = []
+        for k in range(rounds):
+            if ports is None or k % 2 == 0:
+                ports = (free_port(), free_port(), free_port())  # Dk http, Pk http, Pk bootstrap
+            Dk = ServerProcess("--role", "decode", *DEADLINES)
+            Pk = ServerProcess("--role", "prefill", "--bootstrap-port", str(ports[2]), *DEADLINES)
+            Pk.bootstrap_port = ports[2]
+            Dk._spawn(ports[0])
+            Pk._spawn(ports[1])
+            gone += [Dk, Pk]
+            Dk.wait_ready()
+            Pk.wait_ready()
+            for pre, dec in ((P, Dk), (Pk, D)):
+                a, b = direct_pair(pre, dec, prompt(30, k), 4, random.getrandbits(63), 60)
+                for call in (a, b):
+                    resp, _ = call.outcome(60)
+                    assert getattr(resp, "status_code", None) == 200, (resp, getattr(resp, "text", ""))
+            kill9(Dk)
+            kill9(Pk)
+            time.sleep(PEER_SILENCE_S + SLACK_S)
+            for w in (P, D):
+                pages_back_to_total(w)
+            after.append({"P": sizes(P), "D": sizes(D)})
+        second = after[1]
+        for k, seen in enumerate(after[2:], start=3):
+            for who in ("P", "D"):
+                grown = {key: (second[who][key], seen[who][key]) for key in seen[who]
+                         if seen[who][key] > second[who][key]}
+                assert not grown, f"after round {k}, {who} grew since round 2 (round 2, now): {grown}\n{after}"
+        print(f"\n{rounds} rounds of churn; after round 2: {second}; after the last: {after[-1]}")
+    finally:
+        for w in gone + [P, D]:
+            if w.proc is not None and w.proc.poll() is None:
+                w.stop(timeout=10)
+
+
+@pytest.mark.xfail(strict=True, reason="finding 8: peer tables only grow")
+def test_peers_that_come_and_go_are_forgotten():
+    churn(3)
+
+
+@pytest.mark.long
+def test_twenty_rounds_of_churn():
+    churn(20)
