@@ -915,3 +915,47 @@ def test_no_late_write_lands_after_the_partition_heals():
     finally:
         s.stop()
         print(f"\n(e) late write after a partition: {time.monotonic() - started:.1f}s")
+
+
+@pytest.mark.xfail(strict=True, reason="finding 1: two decodes that advertise the same address share one identity")
+def test_two_decodes_on_two_hosts_with_the_same_address_are_two_peers():
+    """Finding 1: two decode workers on two hosts, both started with ``--host 0.0.0.0 --port N``
+    (namespaces ``a`` and ``b``), advertise the same address. They are two peers all the same: a
+    peer's identity is its incarnation, never an address. Requests through both, in flight at the
+    same time, all succeed on one prefill."""
+    import netns
+
+    why = netns.unavailable()
+    if why:
+        pytest.skip(why)
+    port = free_port()
+    deadlines = DEADLINES + ["--transfer-backend", "nixl"]
+    with netns.NetnsPair(tag="id", subnet="10.78.0") as net:
+        P = netns.NetnsServer(net.a, net.addr_a, "--role", "prefill", "--bootstrap-port", str(free_port()),
+                              *deadlines, env={"UCX_TLS": "tcp"})
+        P.bootstrap_port = int(P.args[P.args.index("--bootstrap-port") + 1])
+        decodes = [netns.NetnsServer(ns, "0.0.0.0", "--role", "decode", *deadlines, env={"UCX_TLS": "tcp"})
+                   for ns in (net.a, net.b)]
+        servers = [P, *decodes]
+        try:
+            P._spawn(free_port())
+            for d in decodes:
+                d._spawn(port)
+            for s in servers:
+                s.wait_ready()
+            P.host = net.addr_a  # what the decodes dial (bootstrap_host)
+            calls = []
+            for i in range(6):
+                calls.append(direct_pair(P, decodes[i % 2], prompt(30 + i, 500 + i), 4, new_room(), 60))
+                time.sleep(0.2)
+            for i, (pc, dc) in enumerate(calls):
+                for who, call in (("prefill", pc), ("decode", dc)):
+                    resp, _ = call.outcome(60)
+                    assert getattr(resp, "status_code", None) == 200, \
+                        f"request {i} ({who} leg, decode {i % 2}): {resp!r} {getattr(resp, 'text', '')[:300]}"
+            for s in servers:
+                assert_clean(s)
+            assert not re.search(r"peer \S+ lost", P.stderr()), P.output_tail(3000)
+        finally:
+            for s in servers:
+                s.stop(timeout=15)
