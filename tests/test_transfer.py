@@ -347,6 +347,44 @@ def test_tcp_receiver_refuses_bad_frames_and_survives():
         b.close()
 
 
+@pytest.mark.xfail(strict=True, reason="issue 8: the tcp receiver takes the last frame for the whole write")
+def test_tcp_a_write_that_lost_a_frame_is_not_complete():
+    """Frames of one write can be lost in the middle (a connection that breaks and reconnects
+    loses what was in flight, and the later frames arrive on the new one). The receiver must not
+    take the last frame for the whole write: the write fails, and its notification (a ``KVDone``
+    would say every byte landed) is never delivered."""
+    tag = uuid.uuid4().hex[:8]
+    src, dst = filled_pool(6), KVPool(LAYOUT)
+    a = TcpBackend(f"p-{tag}", src.buffer, max_frame_bytes=1000)
+    b = TcpBackend(f"d-{tag}", dst.buffer, max_frame_bytes=1000)
+    try:
+        a.add_peer(b.agent_name, b.metadata())
+        peer = a._peers[b.agent_name]
+
+        class LosesTheThirdFrame:
+            sent = 0
+
+            def __getattr__(self, name):
+                return getattr(sock, name)
+
+            def send_multipart(self, frames, **kw):
+                self.sent += 1
+                if self.sent != 3:
+                    return sock.send_multipart(frames, **kw)
+
+        sock = peer.sock
+        peer.sock = LosesTheThirdFrame()
+        h = a.write(b.agent_name, page_spans(range(0, 10), range(10, 20), P), b"all-landed")  # frames of 1000 B
+        state = wait_state(a, h)
+        time.sleep(0.2)
+        assert b.notifications() == [], "the notification of an incomplete write was delivered"
+        assert state.failed, state
+        peer.sock = sock
+    finally:
+        a.close()
+        b.close()
+
+
 def answer_reason_bad_span(b: TcpBackend) -> str:
     return f"bad_span: 64 B at offset {LAYOUT.num_pages * P - 8} outside the {b.nbytes} B buffer"
 
