@@ -7,7 +7,9 @@ streaming clients, 512-token random prompts, 48-token answers (``ignore_eos``), 
 
 one after the other in one run (only one is up at a time), ``--rounds`` times. Prints requests/s,
 output tokens/s, TTFT p50/p90 and ITL p50 of each (median over rounds, with min-max), and the
-ratios split / shared and split / colocated of each round. Usage::
+ratios split / shared and split / colocated of each round (median, min-max). Each round's line
+also shows the load average: on a machine shared with other work, a worker whose threads span
+every core slows down most when something else runs, so read the spread, not one figure. Usage::
 
     .venv/bin/python bench/serving.py [--model tiny|DIR] [--rounds 3] [--concurrency 8]
         [--requests 64] [--prompt-tokens 512] [--output-tokens 48] [--backend nixl|tcp]
@@ -125,7 +127,7 @@ def main() -> None:
             s = measure(name, args, load, f"{name}-{r}")
             results[name].append(s)
             print(f"  round {r + 1} {name:<9} {s.request_throughput:6.2f} req/s  TTFT p50 {s.ttft_ms(50):7.0f} ms  "
-                  f"ITL p50 {s.itl_ms(50):6.1f} ms", flush=True)
+                  f"ITL p50 {s.itl_ms(50):6.1f} ms  load average {os.getloadavg()[0]:.1f}", flush=True)
 
     print(f"\n{'set-up':<10} {'requests/s':>20} {'output tokens/s':>20} {'TTFT p50 ms':>20} "
           f"{'TTFT p90 ms':>20} {'ITL p50 ms':>18}")
