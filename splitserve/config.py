@@ -98,6 +98,20 @@ class RouterConfig:
     """Consecutive failed health checks that take a worker out of rotation (one success brings it back)."""
     request_timeout_s: float = 600.0
     """Upper bound on one request through the router, end to end."""
+    client_header_timeout_s: float = 60.0
+    """A client connection that has not sent a whole request head this long after connecting (or
+    after its previous answer, when kept alive) is closed."""
+    client_body_timeout_s: float = 30.0
+    """The whole request body must arrive within this many seconds, else 408 (before any worker is asked)."""
+    client_write_timeout_s: float = 30.0
+    """A write to the client that cannot complete this long (the client stopped reading) ends the
+    request: the connection is dropped and both workers' legs are closed."""
+    worker_connect_timeout_s: float = 10.0
+    """Bound on opening a connection to a worker (502 when it passes)."""
+    worker_header_timeout_s: float = 30.0
+    """Streaming requests: a worker answers its status as soon as it accepts or refuses one; a leg
+    whose response headers have not come this long after it was sent fails with 504 (without
+    streaming the headers come with the whole answer: request_timeout_s bounds them)."""
     prefill: tuple[WorkerAddress, ...] = ()
     decode: tuple[WorkerAddress, ...] = ()
 
