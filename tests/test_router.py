@@ -465,3 +465,274 @@ def test_a_decode_stream_that_breaks_off_ends_with_an_error_event(fakes, start_r
     assert decode.url in events[1]["error"]["message"]
     wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="decode_failed") == 1,
              what="the outcome metric")
+
+
+# -- bounds on both legs and on the client (docs/router.md) -----------------------------------------
+
+
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}
+DECODE_ERROR = {"error": {"message": "kv_timeout: no KV within kv_wait_s", "type": "server_error", "param": None,
+                          "code": "kv_timeout"}}
+
+
+def failing_stream(kind: str, wait: float = 0.0):
+    """SSE headers at once, then after ``wait`` seconds one token and a failure: ``error`` (an
+    error event and ``[DONE]``, as a worker ends a failed stream), ``reset`` (the connection
+    breaks) or ``no_done`` (the body ends cleanly without ``[DONE]``: a truncated answer)."""
+    async def behaviour(fake, request, _body):
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        await asyncio.sleep(wait)
+        await resp.write(b'data: {"token": "a"}\n\n')
+        if kind == "error":
+            await resp.write(f"data: {json.dumps(DECODE_ERROR)}\n\ndata: [DONE]\n\n".encode())
+        elif kind == "reset":
+            await asyncio.sleep(0.05)
+            request.transport.close()
+            await asyncio.sleep(1)
+            return resp
+        await resp.write_eof()
+        return resp
+    return behaviour
+
+
+def endless_stream(event_bytes: int = 16384):
+    """SSE events of ``event_bytes`` each, as fast as the reader takes them, until released."""
+    payload = b"data: " + json.dumps({"token": "x" * event_bytes}).encode() + b"\n\n"
+
+    async def behaviour(fake, request, _body):
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        while not fake.release.is_set():
+            await resp.write(payload)
+            await asyncio.sleep(0)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    return behaviour
+
+
+def legs_closed(router, prefill, decode, timeout: float = 5.0) -> None:
+    """Both workers saw their leg closed, and the router counts nothing in flight any more."""
+    assert prefill.aborted.wait(timeout), "the prefill leg was not closed"
+    assert decode.aborted.wait(timeout), "the decode leg was not closed"
+    in_flight_is_zero(router, prefill, decode)
+
+
+def in_flight_is_zero(router, prefill, decode) -> None:
+    def zero() -> bool:
+        m = router.metrics()
+        return (m.get(("splitserve_router_requests_in_flight", frozenset()), -1) == 0
+                and all(m.get(("splitserve_router_worker_in_flight", frozenset({("role", role), ("url", w.url)})), -1)
+                        == 0 for role, w in (("prefill", prefill), ("decode", decode))))
+    wait_for(zero, what="no request and no leg in flight")
+
+
+def outcome_is(router, outcome: str, timeout: float = 5.0) -> None:
+    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome=outcome) == 1, timeout,
+             what=f"outcome {outcome}")
+
+
+NOT_YET = pytest.mark.xfail(strict=True, reason="finding 10: the router waits on the wrong leg")
+
+
+@pytest.mark.parametrize("when,kind", [
+    pytest.param("before_prefill_answers", "error", marks=NOT_YET),
+    pytest.param("before_prefill_answers", "reset", marks=NOT_YET),
+    pytest.param("before_prefill_answers", "no_done", marks=NOT_YET),
+    ("after_prefill_answered", "error"),
+    ("after_prefill_answered", "reset"),
+    pytest.param("after_prefill_answered", "no_done", marks=NOT_YET),
+])
+def test_a_decode_failure_reaches_the_client_at_once_and_closes_prefill(when, kind, fakes, start_router):
+    """Decode's stream fails while the prefill leg is open: its headers not yet sent (a slow or
+    queued prefill), or sent and its stream still running. The client gets decode's failure at
+    once (not when prefill answers: here, never), as an error event and ``[DONE]``; the prefill
+    leg is closed; nothing stays in flight."""
+    before = when == "before_prefill_answers"
+    prefill = fakes(hang() if before else sse([{"prefill": 1}], then_hang=True))
+    decode = fakes(failing_stream(kind, wait=0.0 if before else 0.5))
+    router = start_router([(prefill.url, 1)], [decode.url])
+    started = time.monotonic()
+    with requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}, stream=True,
+                       timeout=6) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert time.monotonic() - started < 5.0
+    assert events[0] == {"token": "a"} and events[-1] == "[DONE]", events
+    error = events[1]["error"]
+    if kind == "error":
+        assert events[1] == DECODE_ERROR and len(events) == 3  # decode's own bytes, unchanged
+    else:
+        assert decode.url in error["message"], error
+    assert prefill.aborted.wait(3.0), "the prefill leg was not closed"
+    outcome_is(router, "decode_failed")
+    in_flight_is_zero(router, prefill, decode)
+
+
+@pytest.mark.parametrize("kind", ["reset", "error"])
+def test_a_prefill_failure_after_its_headers_leaves_decode_s_stream_alone(kind, fakes, start_router):
+    """The contract (proxy.py): once prefill has accepted, its leg's later failures are the
+    workers' business (decode learns of them over the control channel and ends its own stream
+    with the cause). The router passes decode's stream through untouched and does not cut it."""
+    async def accept_then_fail(fake, request, _body):
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        await asyncio.sleep(0.1)
+        if kind == "reset":
+            request.transport.close()
+            await asyncio.sleep(1)
+            return resp
+        echo = {"error": {"message": "peer_failed", "type": "server_error", "param": None, "code": "peer_failed"}}
+        await resp.write(f"data: {json.dumps(echo)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
+        return resp
+
+    tokens = [{"token": t} for t in "abcde"]
+    prefill, decode = fakes(accept_then_fail), fakes(sse(tokens, delay=0.1))
+    router = start_router([(prefill.url, 1)], [decode.url])
+    with requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}, stream=True,
+                       timeout=10) as r:
+        assert r.status_code == 200
+        assert sse_events(r) == tokens + ["[DONE]"]
+    assert decode.finished == 1 and not decode.aborted.is_set()
+    outcome_is(router, "finished")
+    in_flight_is_zero(router, prefill, decode)
+
+
+def silent_client(url: str, path: str, body: dict) -> socket.socket:
+    """A client that sends its request and never reads: a tiny receive buffer, set before
+    connecting so the window stays small."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    data = json.dumps(body).encode()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.settimeout(5)
+    sock.connect((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+WRITE_BOUND_S = 1.0
+
+
+@NOT_YET
+def test_a_client_that_stops_reading_a_stream_is_cut_off(fakes, start_router):
+    prefill, decode = fakes(sse([{"prefill": 1}], then_hang=True)), fakes(endless_stream())
+    router = start_router([(prefill.url, 1)], [decode.url], "--client-write-timeout-s", str(WRITE_BOUND_S))
+    sock = silent_client(router.url, "/v1/completions", {**COMPLETION, "stream": True})
+    try:
+        legs_closed(router, prefill, decode, timeout=WRITE_BOUND_S + 5)
+        outcome_is(router, "client_timeout")
+    finally:
+        sock.close()
+
+
+@NOT_YET
+def test_a_client_that_never_reads_a_large_answer_is_cut_off(fakes, start_router):
+    size = 16 * 1024 * 1024  # far more than the kernel buffers on both sides hold
+
+    async def large(fake, request, _body):
+        return web.Response(body=b'{"text": "' + b"a" * size + b'"}', content_type="application/json")
+
+    prefill, decode = fakes(), fakes(large)
+    router = start_router([(prefill.url, 1)], [decode.url], "--client-write-timeout-s", str(WRITE_BOUND_S))
+    sock = silent_client(router.url, "/v1/completions", COMPLETION)
+    try:
+        outcome_is(router, "client_timeout", timeout=WRITE_BOUND_S + 5)
+        received = 0
+        try:
+            while chunk := sock.recv(1 << 20):
+                received += len(chunk)
+        except (ConnectionError, socket.timeout):
+            pass
+        assert received < size  # the router dropped the connection, it did not keep the answer for us
+    finally:
+        sock.close()
+    in_flight_is_zero(router, prefill, decode)
+
+
+def trickle(url: str, head: bytes, then: bytes, bound: float, answered=lambda received: False) -> tuple[bytes, float]:
+    """Send ``head``, then ``then`` a byte every 0.2 s (over and over, never finishing), reading
+    what the router answers; stop when it closes the connection, when ``answered(received)``, or
+    after ``bound + 5`` seconds. What was received, and the seconds until the stop (inf if the
+    time ran out)."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    started = time.monotonic()
+    received = b""
+    try:
+        sock.sendall(head)
+        sock.settimeout(0.2)
+        i = 0
+        while time.monotonic() - started < bound + 5:
+            try:
+                sock.send(then[i % len(then):i % len(then) + 1])
+                i += 1
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                continue
+            except ConnectionError:
+                chunk = b""
+            received += chunk
+            if not chunk or answered(received):
+                return received, time.monotonic() - started
+    finally:
+        sock.close()
+    return received, float("inf")
+
+
+def whole_answer(received: bytes) -> bool:
+    head, sep, body = received.partition(b"\r\n\r\n")
+    lengths = [int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:")]
+    length = lengths[0] if lengths else None
+    return bool(sep) and length is not None and len(body) >= length
+
+
+BODY_BOUND_S = 1.0
+
+
+@NOT_YET
+def test_a_slow_request_body_is_refused_before_any_leg_opens(fakes, start_router):
+    """Slowloris on the body: the router answers 408 once ``client_body_timeout_s`` has passed
+    (aiohttp then closes the connection after its lingering read); no worker hears of it."""
+    prefill, decode = fakes(), fakes()
+    router = start_router([(prefill.url, 1)], [decode.url], "--client-body-timeout-s", str(BODY_BOUND_S))
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 1000\r\n\r\n{\"prompt\": \"")
+    received, seconds = trickle(router.url, head, b"x", BODY_BOUND_S, answered=whole_answer)
+    assert seconds < BODY_BOUND_S + 5 and received.startswith(b"HTTP/1.1 408"), received[:300]
+    assert json.loads(received.partition(b"\r\n\r\n")[2])["error"]["code"] == "client_timeout"
+    outcome_is(router, "client_timeout")
+    assert prefill.requests == [] and decode.requests == []
+    assert router.metric("splitserve_router_requests_in_flight") == 0
+
+
+@NOT_YET
+def test_slow_request_headers_are_cut_off(fakes, start_router):
+    prefill, decode = fakes(), fakes()
+    router = start_router([(prefill.url, 1)], [decode.url], "--client-header-timeout-s", "1")
+    received, seconds = trickle(router.url, b"POST /v1/completions HTTP/1.1\r\n", b"X-Slow: 1\r\n", 1.0)
+    assert seconds < 1.0 + 5, "the connection was still open"
+    assert not received.startswith(b"HTTP/1.1 2")
+    assert prefill.requests == [] and decode.requests == []
+
+
+@NOT_YET
+@pytest.mark.parametrize("silent", ["prefill", "decode"])
+def test_a_worker_that_never_sends_its_headers_is_bounded(silent, fakes, start_router):
+    """A worker that accepts a streaming request and never answers its headers (a worker answers
+    them as soon as it accepts or refuses) fails that leg after ``worker_header_timeout_s`` with
+    504; the other leg is closed."""
+    open_stream = sse([{"note": "headers sent"}], then_hang=True)
+    prefill = fakes(hang() if silent == "prefill" else open_stream)
+    decode = fakes(hang() if silent == "decode" else open_stream)
+    router = start_router([(prefill.url, 1)], [decode.url], "--worker-header-timeout-s", "1")
+    started = time.monotonic()
+    r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=6)
+    assert time.monotonic() - started < 1 + 5
+    error = assert_openai_error(r, 504)
+    assert error["code"] == "worker_timeout" and (prefill if silent == "prefill" else decode).url in error["message"]
+    legs_closed(router, prefill, decode)
+    outcome_is(router, f"{silent}_failed")
