@@ -107,7 +107,7 @@ class RouterConfig:
     """A write to the client that cannot complete this long (the client stopped reading) ends the
     request: the connection is dropped and both workers' legs are closed."""
     worker_connect_timeout_s: float = 10.0
-    """Bound on opening a connection to a worker (502 when it passes)."""
+    """Bound on opening a connection to a worker (504 when it passes)."""
     worker_header_timeout_s: float = 30.0
     """Streaming requests: a worker answers its status as soon as it accepts or refuses one; a leg
     whose response headers have not come this long after it was sent fails with 504 (without

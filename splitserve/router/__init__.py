@@ -8,7 +8,9 @@ convention, so either side can be swapped for SGLang's).
 
 - ``workers.py``: the router's view of each worker (health, requests in flight) and the checker.
 - ``policy.py``: round_robin, random, least_load.
-- ``proxy.py``: one request's two legs and the rules for which answer the client gets.
+- ``proxy.py``: one request's exchange: its two legs and the rules for which answer the client gets.
+- ``legs.py``: one leg (one POST to one worker) and its bounds; ``stream.py``: decode's SSE stream,
+  read ahead before the commit; ``client.py``: the client's side, bounded (body, writes).
 - ``metrics.py``: ``splitserve_router_*`` Prometheus metrics.
 - ``app.py``: the aiohttp app (``create_app``) and the process (``run_router``).
 """

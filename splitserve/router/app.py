@@ -19,6 +19,12 @@ line with a curl example, serve until SIGTERM/SIGINT, then stop: requests in fli
 :data:`SHUTDOWN_GRACE_S` to finish, after which their handlers are cancelled, which closes their
 legs, so the workers abort them. The runner cancels a handler whose client disconnects
 (``handler_cancellation=True``): that is how a waiting non-streaming request notices.
+
+Nothing the router does waits without a bound (``docs/router.md``): its keep-alive timer closes a
+connection that sends no whole request head within ``client_header_timeout_s``; every answer is
+written with each write bounded by ``client_write_timeout_s`` (``_bounded_send``, or the
+exchange itself for generation); a request's legs, its body and its deadline are bounded in
+``proxy.py``; health checks and ``/v1/models`` have timeouts of their own.
 """
 
 from __future__ import annotations
@@ -35,9 +41,11 @@ from aiohttp import web
 from splitserve.config import RouterConfig
 from splitserve.http_util import bound_url
 from splitserve.metrics import CONTENT_TYPE, Registry
+from splitserve.router.client import send
+from splitserve.router.legs import describe_error
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Policy, make_policy
-from splitserve.router.proxy import ENDPOINTS, describe_error, forward
+from splitserve.router.proxy import ENDPOINTS, forward
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
 from splitserve.server.openai_protocol import error_body
 
@@ -45,6 +53,9 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 SHUTDOWN_GRACE_S = 5.0
+MODELS_TIMEOUT_S = 10.0  # GET /v1/models from a decode worker, end to end
+BOUNDS = ("request_timeout_s", "client_header_timeout_s", "client_body_timeout_s", "client_write_timeout_s",
+          "worker_connect_timeout_s", "worker_header_timeout_s", "health_interval_s")
 
 
 class RouterState:
@@ -84,7 +95,11 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     make_policy(config.policy)  # an unknown policy fails here, with the list of known ones
     if not config.prefill or not config.decode:
         raise ValueError("the router needs at least one prefill and one decode worker")
-    app = web.Application(middlewares=[_error_middleware], client_max_size=MAX_BODY_BYTES)
+    for name in BOUNDS:
+        value = getattr(config, name)
+        if not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, not {value}")
+    app = web.Application(middlewares=[_bounded_send, _error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ROUTER] = RouterState(config, registry or Registry())
     app.cleanup_ctx.append(_session_and_health_checks)
     for path in ENDPOINTS:
@@ -119,6 +134,15 @@ async def _checks_after_first(checker: HealthChecker) -> None:
 
 
 @web.middleware
+async def _bounded_send(request: web.Request, handler):
+    """Every answer not already sent by its handler is sent here, each write bounded by
+    ``client_write_timeout_s`` (aiohttp would otherwise wait for a client that does not read)."""
+    response = await handler(request)
+    await send(request, response, request.app[ROUTER].config.client_write_timeout_s)
+    return response
+
+
+@web.middleware
 async def _error_middleware(request: web.Request, handler):
     """Every error the router itself answers is an OpenAI error body."""
     try:
@@ -150,8 +174,9 @@ async def _models(request: web.Request) -> web.Response:
         message = f"no healthy decode worker: {describe_all(state.workers.decode)}"
         return web.json_response(error_body(message, 503, code="no_healthy_workers"), status=503)
     worker = healthy[0]
+    timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
     try:
-        async with state.session.get(worker.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+        async with state.session.get(worker.url + "/v1/models", timeout=timeout) as resp:
             body = await resp.read()
             headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
             return web.Response(status=resp.status, body=body, headers=headers)
@@ -196,7 +221,9 @@ async def _serve(app: web.Application, config: RouterConfig) -> int:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
+    # keepalive_timeout also closes a connection whose request head has not all come by then
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
+                           keepalive_timeout=config.client_header_timeout_s)
     await runner.setup()
     try:
         await web.TCPSite(runner, config.host, config.port).start()

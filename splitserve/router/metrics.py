@@ -5,7 +5,9 @@
   by the router's validation: 400/404), ``no_workers`` (503: no healthy prefill or decode worker),
   ``prefill_failed`` (the prefill leg failed first: its error was returned and the decode leg
   closed), ``decode_failed`` (the decode worker answered an error, could not be reached, or broke
-  off its stream), ``client_disconnect``, ``timeout`` (``request_timeout_s`` passed).
+  off its stream, or ended it without ``[DONE]``), ``client_disconnect``, ``client_timeout`` (the
+  client did not send its body within ``client_body_timeout_s``, 408, or stopped reading for
+  ``client_write_timeout_s``), ``timeout`` (``request_timeout_s`` passed), ``internal`` (a bug).
 - ``requests_in_flight``: generation requests now inside the router.
 - ``request_seconds{outcome}``: time from receipt to the end of the answer.
 - ``worker_healthy{role,url}`` and ``worker_in_flight{role,url}``: derived at scrape time from the
@@ -18,7 +20,7 @@ from splitserve.metrics import Registry
 from splitserve.router.workers import WorkerSet
 
 OUTCOMES = ("finished", "bad_request", "no_workers", "prefill_failed", "decode_failed", "client_disconnect",
-            "timeout", "internal")
+            "client_timeout", "timeout", "internal")
 
 
 class RouterMetrics:

@@ -19,24 +19,42 @@ When may the router commit to the decode worker's answer (send the client a stat
 - Streaming: a worker sends its SSE headers before the first token, so a 200 from decode says
   little. The router holds the client's headers until the prefill leg's status is known as well
   (a prefill worker answers its status when it accepts or refuses the request, so this costs no
-  more than the time to first token). Then it copies decode's bytes through unchanged.
+  more than the time to first token), reading decode's stream ahead meanwhile. If that stream
+  decides the exchange first — an error event, its end (with ``[DONE]`` or without), a broken
+  connection, or more than ``stream.LOOKAHEAD_BYTES`` (decode is generating, so prefill did its
+  part) — the router commits to it at once, and closes the prefill leg if decode failed. Then it
+  copies decode's bytes through unchanged.
+
+The exchange never waits on one thing alone while another can end it. Until the commit it waits
+on both legs' headers, on decode's stream once its headers came, and on the deadline; after the
+commit on decode's stream and the deadline (prefill's leg can no longer end it, see below); and
+always on the client, whose disconnect cancels the handler and whose every write is bounded.
 
 Once the prefill worker has accepted (2xx), its leg is read to its end and dropped in the
-background (bounded by the request's deadline), so that the prefill worker records a normal end
-rather than an abort, and its in-flight count drops when its work is done. Failures of the prefill
-leg after that are the workers' business (each side learns of the other's failures over their
-control channel; DESIGN.md rule 5), unless the exchange itself fails: then it is aborted too.
+background, so that the prefill worker records a normal end rather than an abort, and its
+in-flight count drops when its work is done; that drain is bounded by the request's deadline and,
+once the exchange has finished, by :data:`LINGER_S` more (prefill's answer normally ends before
+decode's first token). Failures of the prefill leg after that are the workers' business (each side
+learns of the other's failures over their control channel, ``docs/lifecycle.md``), unless the
+exchange itself fails: then it is aborted too.
 
 Whatever ends the exchange early — the client disconnecting (seen as the handler's cancellation or
-as a failed write), ``request_timeout_s`` passing, the decode stream breaking off — every leg still
-open is closed in the ``finally``, so both workers abort. A stream that breaks after its headers
-were sent ends with ``data: {"error": ...}`` and ``data: [DONE]``, as the workers themselves do, so
-that a truncated answer never looks complete.
+as a failed write), the client not reading for ``client_write_timeout_s``, ``request_timeout_s``
+passing, the decode stream breaking off — every leg still open is closed in the ``finally``, so
+both workers abort. A stream that breaks after its headers were sent, or ends without
+``data: [DONE]``, ends with ``data: {"error": ...}`` and ``data: [DONE]``, as the workers
+themselves do, so that a truncated answer never looks complete.
+
+The bounds (options of ``splitserve router``; ``docs/router.md`` has the table and the reasons):
+``client_header_timeout_s`` and ``client_body_timeout_s`` before any leg opens (408 for a slow
+body), ``worker_connect_timeout_s`` and, streaming, ``worker_header_timeout_s`` per leg (504),
+``client_write_timeout_s`` per write to the client, ``request_timeout_s`` end to end (504).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -47,6 +65,9 @@ import aiohttp
 from aiohttp import web
 
 from splitserve.engine.io import InvalidRequest
+from splitserve.router.client import ClientLost, ClientWriter, read_body, send
+from splitserve.router.legs import Leg, NoHeaders, describe_error
+from splitserve.router.stream import DecodeStream
 from splitserve.router.workers import DECODE, PREFILL, Worker
 from splitserve.server.openai_protocol import engine_error_body, error_body
 from splitserve.server.validation import parse_json_body, validate_request
@@ -54,103 +75,11 @@ from splitserve.server.validation import parse_json_body, validate_request
 log = logging.getLogger(__name__)
 
 PASS_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering", "Retry-After")
-CONNECT_TIMEOUT_S = 10.0
+ERROR_BODY_S = 10.0  # reading a worker's error body
 ECHO_CODES = ("peer_failed", "peer_abort")  # a prefill error that only repeats what decode said
 ECHO_WAIT_S = 2.0  # how long the router then waits for decode's own answer
+LINGER_S = 5.0  # a prefill leg still open this long after its exchange finished is closed
 ROOM_BITS = 63
-
-
-class Leg:
-    """One POST to one worker, started at once; ``task`` resolves when its headers arrive."""
-
-    def __init__(self, worker: Worker, session: aiohttp.ClientSession, path: str, data: bytes,
-                 connect_timeout: float):
-        self.worker = worker
-        self.response: Optional[aiohttp.ClientResponse] = None
-        self._counted = True
-        self.aborted = False
-        worker.in_flight += 1
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, connect=connect_timeout)
-        self.task = asyncio.ensure_future(self._post(session, worker.url + path, data, timeout))
-        self.task.add_done_callback(_retrieve)
-
-    async def _post(self, session, url: str, data: bytes, timeout) -> aiohttp.ClientResponse:
-        resp = await session.post(url, data=data, headers={"Content-Type": "application/json"}, timeout=timeout,
-                                  allow_redirects=False)
-        self.response = resp
-        return resp
-
-    @property
-    def answered(self) -> bool:
-        return self.task.done()
-
-    @property
-    def error(self) -> Optional[BaseException]:
-        """The exception that ended the leg before its headers (connection refused, reset ...)."""
-        if not self.task.done():
-            return None
-        return asyncio.CancelledError() if self.task.cancelled() else self.task.exception()
-
-    @property
-    def ok(self) -> bool:
-        return self.task.done() and self.error is None and 200 <= self.response.status < 300
-
-    def abort(self) -> None:
-        """Close the connection now: the worker sees its client go away and aborts the request."""
-        self.aborted = self.aborted or self._counted  # closed before its end (not after release)
-        if not self.task.done():
-            self.task.cancel()
-            self.task.add_done_callback(lambda t: self._close_response())
-        self._close_response()
-        self._uncount()
-
-    def release(self) -> None:
-        """The body was read to the end: give the connection back to the pool."""
-        if self.response is not None:
-            self.response.release()
-        self._uncount()
-
-    async def drain(self, timeout: float) -> None:
-        """Wait for the headers and read the body to its end (dropped); abort if it takes longer than
-        ``timeout``. Never raises, except for the caller's own cancellation (which aborts first)."""
-        try:
-            await asyncio.wait_for(self._read_all(), timeout)
-        except asyncio.CancelledError:
-            self.abort()
-            raise
-        except Exception as exc:
-            if not self.aborted:  # not closed on purpose by the exchange
-                log.info("%s: leg ended without its full answer: %s", self.worker.describe(), describe_error(exc))
-            self.abort()
-        else:
-            self.release()
-
-    async def _read_all(self) -> None:
-        resp = await asyncio.shield(self.task)
-        await resp.read()
-
-    def _close_response(self) -> None:
-        if self.response is not None:
-            self.response.close()
-
-    def _uncount(self) -> None:
-        if self._counted:
-            self._counted = False
-            self.worker.in_flight -= 1
-
-
-def _retrieve(task: asyncio.Task) -> None:
-    if not task.cancelled():
-        task.exception()  # marks it retrieved: a failed leg is reported by the exchange, not by asyncio
-
-
-def describe_error(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timed out"
-    if isinstance(exc, asyncio.CancelledError):
-        return "cancelled"
-    text = str(exc)
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 class Deadline(Exception):
@@ -163,6 +92,7 @@ class Exchange:
     def __init__(self, state, request: web.Request, body: dict, stream: bool, prefill: Worker, decode: Worker,
                  room: int, deadline: float):
         self.state = state
+        self.config = state.config
         self.request = request
         self.body = body
         self.stream = stream
@@ -174,7 +104,9 @@ class Exchange:
         self.outcome = "client_disconnect"  # until known better: a cancellation is the client leaving
         self.status = 499
         self.prefill_handed_off = False
+        self.client = ClientWriter(request, self.config.client_write_timeout_s)
         self.response: Optional[web.StreamResponse] = None  # the client's response, once prepared
+        self.decode_stream: Optional[DecodeStream] = None  # decode's SSE body, once its headers came (streaming)
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
@@ -182,39 +114,54 @@ class Exchange:
     async def run(self) -> web.StreamResponse:
         data = json.dumps(self.body, ensure_ascii=False).encode("utf-8")
         path = self.request.path
-        connect = min(CONNECT_TIMEOUT_S, self.state.config.request_timeout_s)
+        bounds = dict(connect_timeout=min(self.config.worker_connect_timeout_s, self.config.request_timeout_s),
+                      header_timeout=self.config.worker_header_timeout_s if self.stream else None)
         session = self.state.session
-        self.prefill = Leg(self.prefill_worker, session, path, data, connect)
-        self.decode = Leg(self.decode_worker, session, path, data, connect)
+        self.prefill = Leg(self.prefill_worker, session, path, data, **bounds)
+        self.decode = Leg(self.decode_worker, session, path, data, **bounds)
         try:
             return await self._run()
         except Deadline:
             return await self._timed_out()
+        except ClientLost as exc:
+            self.outcome = exc.outcome
+            log.info("room %d: %s", self.room, exc)
+            return self.response or web.Response(status=499)
         finally:
             self._close_legs()
 
     async def _run(self) -> web.StreamResponse:
         p, d = self.prefill, self.decode
-        while True:
-            await self._wait({leg.task for leg in (p, d) if not leg.answered}, asyncio.FIRST_COMPLETED)
+        while not self._may_commit():
+            waiting = {leg.task for leg in (p, d) if not leg.answered}
+            if self.stream and d.ok and not p.answered:  # read decode's stream ahead meanwhile
+                if self.decode_stream is None:
+                    self.decode_stream = DecodeStream(d.response, self._wait)
+                waiting.add(self.decode_stream.read())
+            await self._wait(waiting)
             if p.answered and not self.prefill_handed_off:  # prefill first: its failure is the cause
                 if not p.ok and not await self._decode_has_the_cause():
                     return await self._prefill_failed()
                 self._hand_off_prefill()
-            if d.answered:
-                if not d.ok:
-                    return await self._decode_failed()
-                if p.answered or not self.stream:  # streaming: decode's SSE headers say little yet
-                    break
-        if not self.prefill_handed_off:
-            self._hand_off_prefill()
+            if d.answered and not d.ok:
+                return await self._decode_failed()
+            if self.decode_stream is not None:
+                self.decode_stream.keep()
         if self.stream:
             return await self._stream_decode()
+        if not self.prefill_handed_off:
+            self._hand_off_prefill()
         return await self._unary_decode()
 
-    async def _wait(self, tasks: set, when=asyncio.ALL_COMPLETED) -> None:
-        done, _ = await asyncio.wait(tasks, timeout=self.remaining(), return_when=when)
-        if not done or (when == asyncio.ALL_COMPLETED and len(done) < len(tasks)):
+    def _may_commit(self) -> bool:
+        if not self.decode.ok:
+            return False
+        ahead = self.decode_stream
+        return not self.stream or self.prefill.answered or (ahead is not None and ahead.decided)
+
+    async def _wait(self, tasks: set) -> None:
+        done, _ = await asyncio.wait(tasks, timeout=self.remaining(), return_when=asyncio.FIRST_COMPLETED)
+        if not done:
             raise Deadline()
 
     # -- failures before the commit ----------------------------------------------------------------
@@ -228,10 +175,10 @@ class Exchange:
             await asyncio.wait({self.decode.task}, timeout=min(self.remaining(), ECHO_WAIT_S))
         return self.decode.answered
 
-    async def _error_code(self, leg: "Leg") -> Optional[str]:
+    async def _error_code(self, leg: Leg) -> Optional[str]:
         """The OpenAI-style ``error.code`` of a leg's error body (read once; aiohttp keeps it)."""
         try:
-            payload = await asyncio.wait_for(leg.response.read(), min(self.remaining(), CONNECT_TIMEOUT_S))
+            payload = await asyncio.wait_for(leg.response.read(), min(self.remaining(), ERROR_BODY_S))
             code = json.loads(payload).get("error", {}).get("code")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             return None
@@ -250,15 +197,17 @@ class Exchange:
     async def _leg_error(self, leg: Leg, role: str) -> web.Response:
         exc = leg.error
         if exc is not None:
-            status = 504 if isinstance(exc, asyncio.TimeoutError) else 502
+            timed_out = isinstance(exc, (asyncio.TimeoutError, NoHeaders))
+            status = 504 if timed_out else 502
             message = f"the {role} worker {leg.worker.url} failed: {describe_error(exc)}"
             log.warning("room %d: %s", self.room, message)
             self.status = status
-            return web.json_response(error_body(message, status, code="worker_unreachable"), status=status)
+            code = "worker_timeout" if isinstance(exc, NoHeaders) else "worker_unreachable"
+            return web.json_response(error_body(message, status, code=code), status=status)
         resp = leg.response
         self.status = resp.status
         try:
-            payload = await asyncio.wait_for(resp.read(), min(self.remaining(), CONNECT_TIMEOUT_S))
+            payload = await asyncio.wait_for(resp.read(), min(self.remaining(), ERROR_BODY_S))
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             message = f"the {role} worker {leg.worker.url} answered {resp.status} and then failed: {describe_error(e)}"
             return web.json_response(error_body(message, resp.status), status=resp.status)
@@ -269,7 +218,7 @@ class Exchange:
     async def _timed_out(self) -> web.StreamResponse:
         self.outcome, self.status = "timeout", 504
         message = f"the request took longer than the router's request_timeout_s " \
-                  f"({self.state.config.request_timeout_s:g} s)"
+                  f"({self.config.request_timeout_s:g} s)"
         self._close_legs()
         if self.response is None:
             return web.json_response(error_body(message, 504, code="timeout"), status=504)
@@ -301,87 +250,63 @@ class Exchange:
 
     async def _stream_decode(self) -> web.StreamResponse:
         resp = self.decode.response
+        if self.decode_stream is None:
+            self.decode_stream = DecodeStream(resp, self._wait)
+        decode_in = self.decode_stream
+        if decode_in.failed:
+            self.prefill.abort()  # decode decided first, and failed: nobody will come for prefill's KV
+        elif not self.prefill_handed_off:
+            self._hand_off_prefill()
         self.status = resp.status
         out = web.StreamResponse(status=resp.status, headers=_pass_headers(resp))
         self.response = out
-        sniffer = ErrorSniffer()
-        if not await self._write(None):
-            return out
-        while True:
-            try:
-                chunk = await asyncio.wait_for(resp.content.readany(), self.remaining())
-            except asyncio.TimeoutError:
-                raise Deadline() from None
-            except aiohttp.ClientError as exc:
-                self.outcome = "decode_failed"
-                message = f"the decode worker {self.decode.worker.url} broke off its stream: {describe_error(exc)}"
-                log.warning("room %d: %s", self.room, message)
-                self.decode.abort()
-                await self._end_stream_with_error(message, 502)
-                return out
-            if not chunk:
-                break
-            sniffer.feed(chunk)
-            if not await self._write(chunk):
-                return out
-        self.decode.release()
-        self.outcome = "decode_failed" if sniffer.saw_error else "finished"
+        await self.client.prepare(out)
         try:
-            await out.write_eof()
-        except ConnectionError:
-            self.outcome = "client_disconnect"
+            async with contextlib.aclosing(decode_in.chunks()) as chunks:
+                async for chunk in chunks:
+                    if decode_in.watch.saw_error:
+                        self.prefill.abort()  # decode failed: nobody will come for prefill's KV
+                    await self.client.write(out, chunk)
+        except aiohttp.ClientError as exc:
+            return await self._decode_broke_off(describe_error(exc))
+        self.decode.release()
+        if not decode_in.watch.saw_done:
+            return await self._decode_broke_off("its stream ended without data: [DONE]")
+        self.outcome = "decode_failed" if decode_in.watch.saw_error else "finished"
+        await self.client.finish(out)
         return out
 
-    async def _write(self, chunk: Optional[bytes]) -> bool:
-        """Prepare (``chunk`` None) or write to the client; False if the client has gone."""
-        transport = self.request.transport
-        try:
-            if transport is None or transport.is_closing():
-                raise ConnectionResetError("the client closed the connection")
-            if chunk is None:
-                await self.response.prepare(self.request)
-            else:
-                await self.response.write(chunk)
-            return True
-        except ConnectionError:
-            self.outcome = "client_disconnect"
-            self._close_legs()
-            return False
+    async def _decode_broke_off(self, why: str) -> web.StreamResponse:
+        self.outcome = "decode_failed"
+        message = f"the decode worker {self.decode.worker.url} broke off its stream: {why}"
+        log.warning("room %d: %s", self.room, message)
+        self._close_legs()
+        await self._end_stream_with_error(message, 502)
+        return self.response
 
     async def _end_stream_with_error(self, message: str, status: int) -> None:
         event = "data: " + json.dumps(error_body(message, status), separators=(",", ":")) + "\n\n"
         try:
             if not self.response.prepared:
-                await self.response.prepare(self.request)
-            await self.response.write(event.encode("utf-8") + b"data: [DONE]\n\n")
-            await self.response.write_eof()
-        except ConnectionError:
-            pass
+                await self.client.prepare(self.response)
+            await self.client.write(self.response, event.encode("utf-8") + b"data: [DONE]\n\n")
+            await self.client.finish(self.response)
+        except ClientLost as exc:
+            log.info("room %d: the error event did not reach the client: %s", self.room, exc)
 
     def _close_legs(self) -> None:
         """Abort every leg not finished (and the prefill leg unless it was handed off after a
-        normal answer). Idempotent; never awaits, so it also runs on cancellation."""
+        normal answer, which then gets :data:`LINGER_S` to end). Idempotent; never awaits, so it
+        also runs on cancellation."""
+        if self.decode_stream is not None:
+            self.decode_stream.cancel()
         if self.decode is not None:
             self.decode.abort()  # a no-op after release()
-        if self.prefill is not None and (not self.prefill_handed_off or self.outcome != "finished"):
-            self.prefill.abort()
-
-
-class ErrorSniffer:
-    """Notices an SSE ``data: {"error": ...}`` event in a byte stream cut at arbitrary points (so
-    that a stream the worker ended with an error is not counted as finished)."""
-
-    def __init__(self):
-        self._tail = b""
-        self.saw_error = False
-
-    def feed(self, chunk: bytes) -> None:
-        if self.saw_error:
-            return
-        data = self._tail + chunk
-        lines = data.split(b"\n")
-        self._tail = lines.pop()[:64]  # only a line's start matters
-        self.saw_error = any(line.startswith(b'data: {"error"') for line in lines)
+        if self.prefill is not None:
+            if self.prefill_handed_off and self.outcome == "finished":
+                self.prefill.abort_after(LINGER_S)
+            else:
+                self.prefill.abort()
 
 
 def _pass_headers(resp: aiohttp.ClientResponse) -> dict:
@@ -392,14 +317,26 @@ ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "
 
 
 async def forward(state, request: web.Request) -> web.StreamResponse:
-    """The handler body of every generation endpoint (``state`` is the app's RouterState)."""
+    """The handler body of every generation endpoint (``state`` is the app's RouterState). A
+    refusal is returned unsent (the app's middleware sends it, bounded); the exchange's answer is
+    sent here, so that a client that does not take it is counted as what it is."""
     started = time.monotonic()
     endpoint = ENDPOINTS[request.path]
+    config = state.config
     metrics = state.metrics
     metrics.in_flight.inc()
     outcome, status, room, legs = "client_disconnect", 499, None, ""
     try:
-        raw = await request.read()
+        try:
+            raw = await read_body(request, config.client_body_timeout_s)
+        except ClientLost as exc:
+            outcome, status = exc.outcome, 408
+            response = web.json_response(error_body(str(exc), 408, code="client_timeout"), status=408)
+            response.force_close()
+            return response
+        except web.HTTPException as exc:  # 413: over the size limit
+            outcome, status = "bad_request", exc.status
+            raise
         try:
             body = parse_json_body(raw)
             validated = validate_request(body, endpoint, served_model_name=state.workers.model_name())
@@ -416,14 +353,16 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         legs = f" prefill={prefill.url} decode={decode.url}"
         body.update(bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
         exchange = Exchange(state, request, body, validated.stream, prefill, decode, room,
-                            started + state.config.request_timeout_s)
+                            started + config.request_timeout_s)
         try:
-            return await exchange.run()
+            response = await exchange.run()
         except Exception:  # a bug: the middleware answers 500; count it as what it is
             exchange.outcome, exchange.status = "internal", 500
             raise
         finally:
             outcome, status = exchange.outcome, exchange.status
+        outcome = await send(request, response, config.client_write_timeout_s) or outcome
+        return response
     finally:
         metrics.in_flight.dec()
         seconds = time.monotonic() - started
