@@ -45,6 +45,7 @@ class FakeWorker:
         self.loop = loop
         self.behaviour = behaviour or reply(200, {"who": "fake"})
         self.health_status = 200
+        self.models_hang = False  # /v1/models accepts and never answers (until end_hangs)
         self.requests: list[tuple[str, dict]] = []
         self.aborted = threading.Event()
         self.finished = 0
@@ -76,6 +77,8 @@ class FakeWorker:
         return web.json_response({"status": "ok"}, status=self.health_status)
 
     async def _models(self, request):
+        if self.models_hang:
+            await self.release.wait()
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def _generate(self, request):
@@ -745,3 +748,16 @@ def test_the_bounds_are_options_with_defaults_and_must_be_positive(capsys):
     workers = dict(prefill=(WorkerAddress("http://127.0.0.1:1", 1),), decode=(WorkerAddress("http://127.0.0.1:2"),))
     with pytest.raises(ValueError, match="--client-write-timeout-s must be a positive"):
         create_app(RouterConfig(client_write_timeout_s=0, **workers))
+
+
+@pytest.mark.xfail(strict=True, reason="/v1/models waits on the first healthy decode worker alone")
+def test_models_is_answered_by_any_healthy_decode_worker(fakes, start_router):
+    """The first decode worker in rotation accepts ``/v1/models`` and never answers (a wedged
+    worker that health checks have not caught yet): another healthy one answers instead, at once."""
+    prefill, wedged, fine = fakes(), fakes(), fakes()
+    wedged.models_hang = True
+    router = start_router([(prefill.url, 1)], [wedged.url, fine.url])
+    started = time.monotonic()
+    r = requests.get(router.url + "/v1/models", timeout=8)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL, r.text
+    assert time.monotonic() - started < 5.0
