@@ -750,7 +750,6 @@ def test_the_bounds_are_options_with_defaults_and_must_be_positive(capsys):
         create_app(RouterConfig(client_write_timeout_s=0, **workers))
 
 
-@pytest.mark.xfail(strict=True, reason="/v1/models waits on the first healthy decode worker alone")
 def test_models_is_answered_by_any_healthy_decode_worker(fakes, start_router):
     """The first decode worker in rotation accepts ``/v1/models`` and never answers (a wedged
     worker that health checks have not caught yet): another healthy one answers instead, at once."""

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 SHUTDOWN_GRACE_S = 5.0
-MODELS_TIMEOUT_S = 10.0  # GET /v1/models from a decode worker, end to end
+MODELS_TIMEOUT_S = 10.0  # GET /v1/models from the decode workers, end to end
 BOUNDS = ("request_timeout_s", "client_header_timeout_s", "client_body_timeout_s", "client_write_timeout_s",
           "worker_connect_timeout_s", "worker_header_timeout_s", "health_interval_s")
 
@@ -168,19 +168,39 @@ async def _generation(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
+    """Every healthy decode worker is asked at once; the first 2xx answer is passed on (they all
+    serve the same model), so one that does not answer costs nothing while another does. Else the
+    last answer or failure, within ``MODELS_TIMEOUT_S``."""
     state = request.app[ROUTER]
     healthy = state.workers.healthy(DECODE)
     if not healthy:
         message = f"no healthy decode worker: {describe_all(state.workers.decode)}"
         return web.json_response(error_body(message, 503, code="no_healthy_workers"), status=503)
-    worker = healthy[0]
-    timeout = aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S)
+    asks = [asyncio.ensure_future(_models_of(state.session, w)) for w in healthy]
+    answer = None
     try:
-        async with state.session.get(worker.url + "/v1/models", timeout=timeout) as resp:
+        for next_answer in asyncio.as_completed(asks, timeout=MODELS_TIMEOUT_S):
+            answer = await next_answer
+            if 200 <= answer.status < 300:
+                return answer
+    except asyncio.TimeoutError:
+        if answer is None:
+            message = f"no decode worker answered /v1/models within {MODELS_TIMEOUT_S:g} s"
+            return web.json_response(error_body(message, 504, code="worker_timeout"), status=504)
+    finally:
+        for ask in asks:
+            ask.cancel()
+    return answer
+
+
+async def _models_of(session: aiohttp.ClientSession, worker: Worker) -> web.Response:
+    """One worker's ``/v1/models`` answer, or a 502 naming it (the caller bounds the time)."""
+    try:
+        async with session.get(worker.url + "/v1/models") as resp:
             body = await resp.read()
             headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
             return web.Response(status=resp.status, body=body, headers=headers)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+    except aiohttp.ClientError as exc:
         message = f"the decode worker {worker.url} failed: {describe_error(exc)}"
         return web.json_response(error_body(message, 502, code="worker_unreachable"), status=502)
 
