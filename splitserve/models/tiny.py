@@ -79,24 +79,24 @@ this holds: compare in float32.
 FORMAT_VERSION) into `$SPLITSERVE_CACHE` or `~/.cache/splitserve` (read at call time), under an
 fcntl lock, into a temporary directory beside the final one that is renamed into place: callers
 racing for the same model wait and reuse it, a half-written folder is never visible, and a
-folder that is incomplete or whose report is not `ok` is rebuilt rather than trusted. Bump
-FORMAT_VERSION whenever what the builder writes changes.
+folder that is incomplete or whose report is not `ok` is rebuilt rather than trusted
+(`splitserve.models.cache.build_once`). Bump FORMAT_VERSION whenever what the builder writes
+changes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import math
 import os
 import random
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from splitserve.models.cache import build_once, cache_root
 
 FORMAT_VERSION = 2
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -542,45 +542,19 @@ def build_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int 
 
 def tiny_model_cache_dir() -> Path:
     """Where `tiny_model_path` keeps its builds: $SPLITSERVE_CACHE, else ~/.cache/splitserve."""
-    root = os.environ.get("SPLITSERVE_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "splitserve"
+    return cache_root()
 
 
 def tiny_model_path(arch: str = "llama", seed: int = 0) -> Path:
     """The tiny model `--model tiny` means: built once per (arch, seed, FORMAT_VERSION) into the
     cache folder and reused. Safe to call from many processes at once: one builds under an
-    fcntl lock into a temporary folder renamed into place; the others wait, then reuse it."""
+    fcntl lock into a temporary folder renamed into place; the others wait, then reuse it
+    (`splitserve.models.cache.build_once`)."""
     if arch not in _ARCHS:
         raise ValueError(f"unknown tiny model arch {arch!r}; choose one of {', '.join(ARCHS)}")
-    root = tiny_model_cache_dir()
-    name = f"tiny-{arch}-seed{seed}-v{FORMAT_VERSION}"
-    final = root / name
-    if _is_complete(final):
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f".{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we die
-        try:
-            if _is_complete(final):  # someone else built it while we waited
-                return final
-            # We hold the lock: leftovers of a crashed build, or a broken folder, are garbage.
-            for stale in root.glob(f".{name}.tmp-*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            if final.exists():
-                broken = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-broken-"))
-                os.rename(final, broken / "old")
-                shutil.rmtree(broken, ignore_errors=True)
-            tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{name}.tmp-"))
-            try:
-                build_tiny_model(tmp, arch=arch, seed=seed)
-                os.chmod(tmp, 0o755)  # mkdtemp made it private; the cache is an ordinary folder
-                os.rename(tmp, final)
-            except BaseException:
-                shutil.rmtree(tmp, ignore_errors=True)
-                raise
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return final
+    final = tiny_model_cache_dir() / f"tiny-{arch}-seed{seed}-v{FORMAT_VERSION}"
+    # build_tiny_model looked up at call time: tests replace it
+    return build_once(final, lambda tmp: build_tiny_model(tmp, arch=arch, seed=seed), _is_complete)
 
 
 def _is_complete(path: Path) -> bool:
