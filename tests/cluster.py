@@ -123,16 +123,18 @@ class RouterProcess:
 
 
 class Cluster:
-    """``prefill`` prefill workers and ``decode`` decode workers of the tiny model over ``backend``
-    (``nixl`` or ``tcp``), and a router in front (``router=False``: none). Extra command-line
-    options: ``worker_args`` for every worker, ``prefill_args`` / ``decode_args`` per role (a list of
-    option lists, one per worker, to set them apart), ``router_args`` for the router."""
+    """``prefill`` prefill workers and ``decode`` decode workers of ``model`` (default the tiny
+    model) over ``backend`` (``nixl`` or ``tcp``), and a router in front (``router=False``: none).
+    Extra command-line options: ``worker_args`` for every worker, ``prefill_args`` /
+    ``decode_args`` per role (a list of option lists, one per worker, to set them apart),
+    ``router_args`` for the router."""
 
     def __init__(self, prefill: int = 1, decode: int = 1, backend: str = "nixl", *,
                  worker_args: Sequence[str] = (), prefill_args=(), decode_args=(),
                  router_args: Sequence[str] = (), router: bool = True,
-                 startup_timeout: float = STARTUP_TIMEOUT_S):
+                 startup_timeout: float = STARTUP_TIMEOUT_S, model: str = "tiny"):
         self.n_prefill, self.n_decode = prefill, decode
+        self.model = model
         self.backend = backend
         self.worker_args = list(worker_args)
         self.prefill_args = _per_worker(prefill_args, prefill)
@@ -180,7 +182,7 @@ class Cluster:
         if role == "prefill":
             bootstrap = free_port()
             args += ["--bootstrap-port", str(bootstrap)]
-        proc = ServerProcess(*args, startup_timeout=self.startup_timeout)
+        proc = ServerProcess(*args, model=self.model, startup_timeout=self.startup_timeout)
         proc.role, proc.bootstrap_port = role, bootstrap
         proc._spawn(free_port())
         return proc

@@ -1,11 +1,12 @@
 """Shared test fixtures: real server processes and a small byte-level tokenizer.
 
 ``ServerProcess`` runs ``python -m splitserve.cli serve --model tiny --port <free port> ...`` as a
-subprocess, with ``SPLITSERVE_CACHE`` pointed at ``<repo>/.cache/tests`` (gitignored) so the tiny
-model is built once for the whole session and reused by later runs. Its stdout and stderr go to
-files (never a pipe that could fill and block the server), and every failure message carries
-their tail. It is always stopped: by the fixture's teardown, by ``with``, at interpreter exit,
-and by a parent-death signal if the test process itself is killed.
+subprocess, with ``SPLITSERVE_CACHE`` pointed at ``CACHE_DIR``: the caller's ``$SPLITSERVE_CACHE``
+if set (``.ci/run`` sets a fresh one), else ``<repo>/.cache/tests`` (gitignored), so models are
+built or converted once for the whole session. Its stdout and stderr go to files (never a pipe
+that could fill and block the server), and every failure message carries their tail. It is
+always stopped: by the fixture's teardown, by ``with``, at interpreter exit, and by a
+parent-death signal if the test process itself is killed.
 
 Fixtures:
 
@@ -36,7 +37,7 @@ import pytest
 import requests
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE_DIR = REPO / ".cache" / "tests"
+CACHE_DIR = Path(os.environ.get("SPLITSERVE_CACHE") or REPO / ".cache" / "tests")
 STARTUP_TIMEOUT_S = 180.0  # first run builds the tiny model; later runs take seconds
 
 _live: set["ServerProcess"] = set()

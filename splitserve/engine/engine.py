@@ -31,15 +31,6 @@ from splitserve.engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 
-def resolve_model_dir(model: str) -> str:
-    """`tiny` means the built-in tiny model (built once into a cache folder); anything else is a path."""
-    if model == "tiny":
-        from splitserve.models.tiny import tiny_model_path
-
-        return str(tiny_model_path())
-    return model
-
-
 @dataclass(frozen=True)
 class EngineStats:
     pages_free: int
@@ -52,6 +43,7 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from splitserve.models.loader import load_model, load_tokenizer
+        from splitserve.models.resolve import resolve_model_dir
 
         self.config = config
         model_dir = resolve_model_dir(config.model)

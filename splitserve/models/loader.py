@@ -2,7 +2,9 @@
 
 A directory holds ``config.json``, the weights as ``model.safetensors`` or as shards listed by
 ``model.safetensors.index.json``, optionally ``generation_config.json`` (EOS ids, default sampling
-values) and the tokenizer files (``load_tokenizer``). Nothing is fetched from a hub.
+values) and the tokenizer files (``load_tokenizer``). Nothing is fetched from a hub. A GGUF file
+reaches this loader as such a directory, converted once by ``gguf.py``; ``resolve.py`` turns
+``--model`` into the directory.
 
 The model is built on the meta device (no memory, no random init), cast, materialised on the
 target device and filled from the safetensors files; a tensor the model needs but the checkpoint
@@ -140,8 +142,10 @@ def safetensors_files(path: Path) -> list[Path]:
         return [path / "model.safetensors"]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".gguf")]
-        hint = f" (found {', '.join(sorted(other))}: only safetensors weights are supported)" if other else ""
+        other = [p.name for p in path.iterdir() if p.suffix in (".bin", ".pt", ".pth")]
+        gguf = [p.name for p in path.iterdir() if p.suffix == ".gguf"]
+        hint = (f" (found {', '.join(sorted(other))}: only safetensors and GGUF weights are supported)" if other
+                else f" (found {', '.join(sorted(gguf))}: pass the .gguf file itself as --model)" if gguf else "")
         raise FileNotFoundError(f"no *.safetensors weight files in {str(path)!r}{hint}")
     return files
 

@@ -66,12 +66,14 @@ class WorkerState:
 
     @property
     def model_name(self) -> str:
-        """``--served-model-name``, else ``tiny`` for the built-in model, else the checkpoint
-        folder's basename."""
+        """``--served-model-name``, else the built-in model's name (``tiny``, ``smollm2``), else the
+        checkpoint folder's basename (a GGUF file's stem)."""
+        from splitserve.models.resolve import BUILTIN_MODELS
+
         if self.config.served_model_name:
             return self.config.served_model_name
-        if getattr(self.engine.config, "model", None) == "tiny":
-            return "tiny"
+        if getattr(self.engine.config, "model", None) in BUILTIN_MODELS:
+            return self.engine.config.model
         return self.engine.spec.name
 
 
