@@ -11,12 +11,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 import uuid
 from pathlib import Path
 from typing import Optional
 
 from splitserve.disagg.protocol import PROTOCOL_VERSION, Info
 from splitserve.engine.kv_pool import KVLayout
+
+# what a checkpoint folder's tokenizer may consist of (all that are present count)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "chat_template.jinja",
+                   "chat_template.json", "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt")
+SAMPLE_BYTES = 1024
 
 COMPARED_FIELDS = ("protocol_version", "model", "num_layers", "num_kv_heads", "head_dim", "dtype", "page_size",
                    "backend")
@@ -28,13 +34,43 @@ def new_incarnation() -> str:
 
 
 def model_identity(spec) -> str:
-    """The architecture plus a fingerprint of config.json: same checkpoint, same identity."""
-    config = Path(spec.path) / "config.json"
+    """``architecture:fingerprint`` of the checkpoint folder: config.json (parsed, so formatting does
+    not count), every tokenizer file present (a different vocabulary or chat template turns the same
+    text into different tokens), and the weights (two quantizations of one model share a config).
+    Bit-identical checkpoints get the same identity wherever they live."""
+    path = Path(spec.path)
+    digest = hashlib.sha256()
     try:
-        digest = hashlib.sha256(json.dumps(json.loads(config.read_text()), sort_keys=True).encode()).hexdigest()[:12]
-    except OSError:
-        digest = "unknown"
-    return f"{spec.architecture}:{digest}"
+        digest.update(json.dumps(json.loads((path / "config.json").read_text()), sort_keys=True).encode())
+        for name in TOKENIZER_FILES:
+            if (path / name).is_file():
+                digest.update(f"\0{name}\0".encode() + (path / name).read_bytes())
+        digest.update(weights_fingerprint(path).encode())
+    except (OSError, ValueError):
+        return f"{spec.architecture}:unknown"
+    return f"{spec.architecture}:{digest.hexdigest()[:12]}"
+
+
+def weights_fingerprint(path: Path) -> str:
+    """A fingerprint of the safetensors weights in ``path`` that reads ~KiB per tensor, not the whole
+    checkpoint: every tensor's name, dtype and shape, and SAMPLE_BYTES from the start, middle and
+    end of its data. Another quantization, fine-tune or conversion changes nearly every value of
+    the tensors it touches, so it changes these samples."""
+    digest = hashlib.sha256()
+    for file in sorted(path.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+            base = 8 + header_len
+            for name in sorted(k for k in header if k != "__metadata__"):
+                info = header[name]
+                start, end = info["data_offsets"]
+                digest.update(json.dumps([file.name, name, info["dtype"], info["shape"]]).encode())
+                middle = (start + end - SAMPLE_BYTES) // 2
+                for at in sorted({start, max(start, middle), max(start, end - SAMPLE_BYTES)}):
+                    f.seek(base + at)
+                    digest.update(f.read(min(SAMPLE_BYTES, end - at)))
+    return digest.hexdigest()
 
 
 def local_info(spec, layout: KVLayout, backend: str, incarnation: str) -> Info:
