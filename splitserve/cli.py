@@ -40,8 +40,8 @@ def _config_from(cls, args: argparse.Namespace):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="splitserve",
-        description="LLM server with disaggregated prefill and decode. `splitserve serve --model tiny` "
-                    "serves the built-in tiny model with the OpenAI API.",
+        description="LLM server with disaggregated prefill and decode. `splitserve launch --model smollm2` "
+                    "serves the demo model (SmolLM2-135M-Instruct) behind a router with the OpenAI API.",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -10,7 +10,8 @@ from typing import Optional
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"
-    """A Hugging Face checkpoint directory, or `tiny` for the built-in tiny model."""
+    """smollm2 (the demo model, SmolLM2-135M-Instruct), tiny (random, for tests), a .gguf file (or a
+    folder holding one: converted once into the model cache), or a Hugging Face checkpoint folder."""
     dtype: str = "auto"
     """float32, bfloat16, float16, or auto (float32 on CPU, the checkpoint's dtype on GPU)."""
     device: str = "cpu"

@@ -58,7 +58,8 @@ TRANSFER_BACKENDS = ("nixl", "tcp")
 @dataclass(frozen=True)
 class LaunchConfig:
     model: str = "tiny"
-    """A Hugging Face checkpoint directory, or `tiny` for the built-in tiny model (every worker serves it)."""
+    """What every worker serves: smollm2 (the demo model), tiny (random, for tests), a .gguf file, or a
+    Hugging Face checkpoint folder (as `serve --model`)."""
     num_prefill: int = 1
     """Prefill workers to start."""
     num_decode: int = 1
