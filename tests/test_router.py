@@ -362,10 +362,16 @@ def test_decode_error_passes_through_and_closes_prefill(fakes, start_router):
     assert prefill.aborted.wait(3.0)
 
 
-def raw_request(url: str, path: str, body: dict) -> socket.socket:
+def raw_request(url: str, path: str, body: dict, rcvbuf: Optional[int] = None) -> socket.socket:
+    """A socket that has sent one request. ``rcvbuf``: its receive buffer, set before connecting
+    so that the window stays that small (a client that never reads then fills it at once)."""
     host, port = url.rsplit("/", 1)[-1].split(":")
     data = json.dumps(body).encode()
-    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.settimeout(5)
+    sock.connect((host, int(port)))
     sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
     return sock
@@ -598,27 +604,13 @@ def test_a_prefill_failure_after_its_headers_leaves_decode_s_stream_alone(kind, 
     in_flight_is_zero(router, prefill, decode)
 
 
-def silent_client(url: str, path: str, body: dict) -> socket.socket:
-    """A client that sends its request and never reads: a tiny receive buffer, set before
-    connecting so the window stays small."""
-    host, port = url.rsplit("/", 1)[-1].split(":")
-    data = json.dumps(body).encode()
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.settimeout(5)
-    sock.connect((host, int(port)))
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-    return sock
-
-
 WRITE_BOUND_S = 1.0
 
 
 def test_a_client_that_stops_reading_a_stream_is_cut_off(fakes, start_router):
     prefill, decode = fakes(sse([{"prefill": 1}], then_hang=True)), fakes(endless_stream())
     router = start_router([(prefill.url, 1)], [decode.url], "--client-write-timeout-s", str(WRITE_BOUND_S))
-    sock = silent_client(router.url, "/v1/completions", {**COMPLETION, "stream": True})
+    sock = raw_request(router.url, "/v1/completions", {**COMPLETION, "stream": True}, rcvbuf=4096)  # never read
     try:
         legs_closed(router, prefill, decode, timeout=WRITE_BOUND_S + 5)
         outcome_is(router, "client_timeout")
@@ -634,7 +626,7 @@ def test_a_client_that_never_reads_a_large_answer_is_cut_off(fakes, start_router
 
     prefill, decode = fakes(), fakes(large)
     router = start_router([(prefill.url, 1)], [decode.url], "--client-write-timeout-s", str(WRITE_BOUND_S))
-    sock = silent_client(router.url, "/v1/completions", COMPLETION)
+    sock = raw_request(router.url, "/v1/completions", COMPLETION, rcvbuf=4096)  # never read
     try:
         outcome_is(router, "client_timeout", timeout=WRITE_BOUND_S + 5)
         received = 0
