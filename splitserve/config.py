@@ -54,7 +54,7 @@ class ServerConfig:
     """CPUs the worker runs on, a list like 0-3,6 (as `taskset -c`), applied at start; unset: the
     CPUs this process is allowed now (its affinity). `splitserve launch` gives each worker its own."""
     threads: Optional[int] = None
-    """torch intra-op threads; unset: one per CPU the worker runs on (--cpus, else its affinity)."""
+    """torch intra-op threads; unset: one per physical core among the CPUs it runs on (SMT siblings count once)."""
     inject_faults: str = ""
     """Testing only, off when empty: comma-separated stall_writes, fail_writes, notify_drop=P, control_drop=P,
     control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop

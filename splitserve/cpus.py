@@ -1,15 +1,18 @@
 """CPU placement: which CPUs a worker process runs on and how many threads torch uses there.
 
 A worker takes ``--cpus 0-3,6`` (its CPU affinity) and ``--threads N`` (torch intra-op threads);
-unset, it keeps the CPUs it was started with and uses one thread per CPU. :func:`place_process`
+unset, it keeps the CPUs it was started with and uses one thread per physical core among them
+(SMT siblings, as the kernel lists them in ``topology/thread_siblings_list``, count once: torch's
+own default is also one thread per physical core). :func:`place_process`
 applies both once, at the start of ``splitserve serve``, before the engine, the event loop or
 torch's thread pool exist: the affinity is set on every thread of the process (Linux affinity is
 per thread, and a thread inherits its creator's), so every thread started later inherits it.
 
 Two workers on one host that each spin one thread per core fight over every core (OpenMP threads
 spin-wait, so an oversubscribed core wastes time on both). :func:`split_between_workers` gives each
-worker of ``splitserve launch`` its own CPUs out of those launch may use, an equal share each; when
-there are fewer CPUs than workers they share, one CPU each in turn, and the caller says so.
+worker of ``splitserve launch`` its own physical cores out of the CPUs launch may use (a core's SMT
+siblings go to the same worker), an equal share each; with fewer cores than workers they share
+cores (then CPUs, one each in turn), and the caller says so.
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 log = logging.getLogger(__name__)
+
+SYSFS_CPU = "/sys/devices/system/cpu"
 
 
 @dataclass(frozen=True)
@@ -79,9 +84,28 @@ def check_cpus(text: str, allowed: Sequence[int], option: str = "--cpus") -> tup
     return cpus
 
 
+def cpu_cores(cpus: Sequence[int], sysfs: str = SYSFS_CPU) -> list[tuple[int, ...]]:
+    """``cpus`` grouped by physical core (SMT siblings together, from the kernel's
+    ``topology/thread_siblings_list``), ordered by their first CPU; a CPU whose topology cannot
+    be read is a core of its own."""
+    wanted, seen, cores = set(cpus), set(), []
+    for cpu in sorted(wanted):
+        if cpu in seen:
+            continue
+        try:
+            with open(f"{sysfs}/cpu{cpu}/topology/thread_siblings_list") as f:
+                siblings = set(parse_cpu_list(f.read().strip()))
+        except (OSError, ValueError):
+            siblings = set()
+        core = tuple(sorted((siblings & wanted) | {cpu}))
+        seen.update(core)
+        cores.append(core)
+    return cores
+
+
 def place_process(cpus: Optional[str] = None, threads: Optional[int] = None) -> Placement:
     """Pin this process to ``cpus`` (None: keep its CPUs) and give torch ``threads`` threads
-    (None: one per CPU). Call it before the process starts threads of its own. ValueError for a
+    (None: one per physical core among them). Call it before the process starts threads of its own. ValueError for a
     bad list, CPUs outside the process's affinity, or ``threads`` < 1."""
     allowed = allowed_cpus()
     chosen = allowed if cpus is None else check_cpus(cpus, allowed)
@@ -91,7 +115,7 @@ def place_process(cpus: Optional[str] = None, threads: Optional[int] = None) -> 
         if not hasattr(os, "sched_setaffinity"):
             raise ValueError("--cpus: this platform has no CPU affinity (os.sched_setaffinity)")
         _set_affinity_of_every_thread(chosen)
-    n = threads if threads is not None else len(chosen)
+    n = threads if threads is not None else len(cpu_cores(chosen))
     if n > len(chosen):
         log.warning("--threads %d on %d CPU%s: threads will share cores", n, len(chosen), "s" * (len(chosen) > 1))
     import torch
@@ -119,21 +143,36 @@ def _set_affinity_of_every_thread(cpus: Sequence[int]) -> None:
             pass
 
 
-def split_between_workers(cpus: Sequence[int], workers: int) -> tuple[list[tuple[int, ...]], Optional[str]]:
-    """``workers`` CPU sets out of ``cpus``: disjoint runs of consecutive CPUs, an equal share each
-    (the first workers get one more when it does not divide). Fewer CPUs than workers: each gets
-    one CPU, in turn, shared; the second value then says so (else None)."""
+def split_between_workers(cpus: Sequence[int], workers: int,
+                          cores_of: Callable[[Sequence[int]], list[tuple[int, ...]]] = cpu_cores
+                          ) -> tuple[list[tuple[int, ...]], Optional[str]]:
+    """``workers`` CPU sets out of ``cpus``: disjoint runs of whole physical cores (``cores_of``
+    groups CPUs by core), an equal share each (the first workers get one more when it does not
+    divide). Fewer cores than workers: the CPUs are split instead, so SMT siblings are shared;
+    fewer CPUs than workers: each gets one CPU, in turn. The second value says when workers share
+    (else None)."""
     cpus = tuple(sorted(set(cpus)))
     if not cpus or workers < 1:
         raise ValueError(f"cannot split {len(cpus)} CPUs between {workers} workers")
-    if len(cpus) < workers:
-        note = (f"{len(cpus)} CPU{'s' if len(cpus) > 1 else ''} ({format_cpu_list(cpus)}) for {workers} workers: "
-                f"workers share CPUs, one each in turn")
-        return [(cpus[i % len(cpus)],) for i in range(workers)], note
-    share, extra = divmod(len(cpus), workers)
-    sets, start = [], 0
-    for i in range(workers):
-        n = share + (i < extra)
-        sets.append(cpus[start:start + n])
-        start += n
-    return sets, None
+    cores = cores_of(cpus)
+    if len(cores) >= workers:
+        return [tuple(sorted(c for core in group for c in core)) for group in _even_runs(cores, workers)], None
+    if len(cpus) >= workers:
+        flat = [c for core in cores for c in core]
+        note = (f"{len(cores)} physical core{'s' * (len(cores) > 1)} ({format_cpu_list(cpus)}) for {workers} "
+                f"workers: workers share cores (SMT siblings)")
+        return [tuple(sorted(group)) for group in _even_runs(flat, workers)], note
+    note = (f"{len(cpus)} CPU{'s' * (len(cpus) > 1)} ({format_cpu_list(cpus)}) for {workers} workers: "
+            f"workers share CPUs, one each in turn")
+    return [(cpus[i % len(cpus)],) for i in range(workers)], note
+
+
+def _even_runs(items: Sequence, n: int) -> list[Sequence]:
+    """``items`` cut into ``n`` consecutive runs whose lengths differ by at most one (longer first)."""
+    share, extra = divmod(len(items), n)
+    runs, start = [], 0
+    for i in range(n):
+        size = share + (i < extra)
+        runs.append(items[start:start + size])
+        start += size
+    return runs

@@ -5,12 +5,12 @@
 free bootstrap port too), the router on ``--port`` pointed at all of them. :class:`Supervisor` runs
 any list of specs (tests hand it plain ``python -c`` children):
 
-CPUs: by default every worker gets its own CPUs (``--cpus``) out of those launch may run on, an
-equal share each, and as many torch threads (``--threads``), so that a prefill and a decode
-worker never spin threads on the same core (:func:`worker_cpus`; ``--prefill-cpus`` and
-``--decode-cpus`` choose the split, ``--no-split-cpus`` lets every worker use every CPU). With
-fewer CPUs than workers they share, one CPU each in turn, and launch warns. The router only moves
-bytes: it runs on every CPU.
+CPUs: by default every worker gets its own physical cores (``--cpus``, a core's SMT siblings
+together) out of the CPUs launch may run on, an equal share each, and one torch thread per core
+(``--threads``), so that a prefill and a decode worker never spin threads on the same core
+(:func:`worker_cpus`; ``--prefill-cpus`` and ``--decode-cpus`` choose the split,
+``--no-split-cpus`` lets every worker use every CPU). With fewer cores than workers they share,
+and launch warns. The router only moves bytes: it runs on every CPU.
 
 1. start every child, each in its own session (process group), its stdout and stderr merged into
    a pipe that a thread per child echoes with a ``[name]`` prefix and keeps the last lines of;
@@ -47,7 +47,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence, TextIO
 
-from splitserve.cpus import allowed_cpus, check_cpus, format_cpu_list, split_between_workers
+from splitserve.cpus import allowed_cpus, check_cpus, cpu_cores, format_cpu_list, split_between_workers
 
 TAIL_LINES = 30
 POLL_S = 0.2
@@ -77,8 +77,9 @@ class LaunchConfig:
     stop_timeout_s: float = 40.0
     """On Ctrl-C or SIGTERM, how long children may take to exit after SIGTERM before SIGKILL."""
     split_cpus: bool = True
-    """Give each worker its own CPUs out of those launch may run on (an equal share each, one torch
-    thread per CPU), so workers do not oversubscribe cores; --no-split-cpus: every worker uses every CPU."""
+    """Give each worker its own physical cores out of the CPUs launch may run on (an equal share
+    each, one torch thread per core), so workers do not oversubscribe cores; --no-split-cpus: every
+    worker uses every CPU."""
     prefill_cpus: Optional[str] = None
     """CPUs of the prefill workers, e.g. 0-5, split evenly between them; unset: their equal share
     (or, with --decode-cpus, the CPUs it leaves)."""
@@ -120,18 +121,21 @@ def free_ports(n: int, avoid: Sequence[int] = ()) -> list[int]:
     return ports
 
 
-def worker_cpus(config: LaunchConfig, allowed: Sequence[int]
+CoresOf = Callable[[Sequence[int]], list[tuple[int, ...]]]
+
+
+def worker_cpus(config: LaunchConfig, allowed: Sequence[int], cores_of: CoresOf = cpu_cores
                 ) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]], list[str]]:
-    """The CPU set of each prefill and each decode worker out of ``allowed``, and warnings
-    (workers sharing CPUs). ValueError for a CPU list that is malformed, outside ``allowed``, or
-    leaves the other role no CPU."""
+    """The CPU set of each prefill and each decode worker out of ``allowed`` (``cores_of``: how
+    CPUs group into physical cores), and warnings (workers sharing cores). ValueError for a CPU
+    list that is malformed, outside ``allowed``, or leaves the other role no CPU."""
     allowed = tuple(sorted(allowed))
     chosen = {role: None if text is None else check_cpus(text, allowed, f"--{role}-cpus")
               for role, text in (("prefill", config.prefill_cpus), ("decode", config.decode_cpus))}
     counts = {"prefill": config.num_prefill, "decode": config.num_decode}
     warnings: list[str] = []
     if chosen["prefill"] is None and chosen["decode"] is None:
-        sets, note = split_between_workers(allowed, config.num_prefill + config.num_decode)
+        sets, note = split_between_workers(allowed, config.num_prefill + config.num_decode, cores_of)
         warnings += [note] if note else []
         return sets[:config.num_prefill], sets[config.num_prefill:], warnings
     for role, other in (("prefill", "decode"), ("decode", "prefill")):
@@ -145,7 +149,7 @@ def worker_cpus(config: LaunchConfig, allowed: Sequence[int]
         warnings.append(f"--prefill-cpus and --decode-cpus overlap: CPUs {format_cpu_list(shared)} are shared")
     result = []
     for role in ("prefill", "decode"):
-        sets, note = split_between_workers(chosen[role], counts[role])
+        sets, note = split_between_workers(chosen[role], counts[role], cores_of)
         warnings += [f"{role}: {note}"] if note else []
         result.append(sets)
     return result[0], result[1], warnings
@@ -156,16 +160,18 @@ def _warn(text: str) -> None:
 
 
 def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Optional[Sequence[int]] = None,
-                warn: Callable[[str], None] = _warn) -> list[ChildSpec]:
+                warn: Callable[[str], None] = _warn, cores_of: CoresOf = cpu_cores) -> list[ChildSpec]:
     """The workers, then the router, as ``python -m splitserve.cli`` command lines. ``allowed``:
-    the CPUs to split between the workers (default: launch's own); ``warn`` gets the warnings."""
+    the CPUs to split between the workers (default: launch's own), ``cores_of`` how they group
+    into physical cores (default: the kernel's topology); ``warn`` gets the warnings."""
     if config.num_prefill < 1 or config.num_decode < 1:
         raise ValueError("launch needs at least one prefill and one decode worker")
     if config.transfer_backend is not None and config.transfer_backend not in TRANSFER_BACKENDS:
         raise ValueError(f"--transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
                          f"not {config.transfer_backend!r}")
     if config.split_cpus:
-        prefill_cpus, decode_cpus, warnings = worker_cpus(config, allowed_cpus() if allowed is None else allowed)
+        prefill_cpus, decode_cpus, warnings = worker_cpus(config, allowed_cpus() if allowed is None else allowed,
+                                                          cores_of)
         for text in warnings:
             warn(text)
     elif config.prefill_cpus is not None or config.decode_cpus is not None:
@@ -179,7 +185,7 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     for i in range(config.num_prefill):
         port, bootstrap = ports.pop(), ports.pop()
         url = f"http://127.0.0.1:{port}"
-        cpus, where = _placement(prefill_cpus, i)
+        cpus, where = _placement(prefill_cpus, i, cores_of)
         specs.append(ChildSpec(
             f"prefill-{i}", cli + ("serve", "--role", "prefill", "--model", config.model, "--host", "127.0.0.1",
                                    "--port", str(port), "--bootstrap-port", str(bootstrap)) + backend + cpus,
@@ -188,7 +194,7 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     for i in range(config.num_decode):
         port = ports.pop()
         url = f"http://127.0.0.1:{port}"
-        cpus, where = _placement(decode_cpus, i)
+        cpus, where = _placement(decode_cpus, i, cores_of)
         specs.append(ChildSpec(
             f"decode-{i}", cli + ("serve", "--role", "decode", "--model", config.model, "--host", "127.0.0.1",
                                   "--port", str(port)) + backend + cpus,
@@ -203,12 +209,13 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     return specs
 
 
-def _placement(sets: Optional[list[tuple[int, ...]]], i: int) -> tuple[tuple[str, ...], str]:
-    """The ``--cpus``/``--threads`` arguments of a role's worker ``i`` and words for the summary."""
+def _placement(sets: Optional[list[tuple[int, ...]]], i: int, cores_of: CoresOf) -> tuple[tuple[str, ...], str]:
+    """The ``--cpus``/``--threads`` arguments of a role's worker ``i`` (one thread per physical
+    core) and words for the summary."""
     if sets is None:
         return (), ""
     cpus = format_cpu_list(sets[i])
-    threads = len(sets[i])
+    threads = len(cores_of(sets[i]))
     return ("--cpus", cpus, "--threads", str(threads)), f"; CPUs {cpus}, {threads} thread{'s' * (threads > 1)}"
 
 

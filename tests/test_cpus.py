@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from splitserve.cpus import check_cpus, format_cpu_list, parse_cpu_list, place_process, split_between_workers
+from splitserve.cpus import check_cpus, cpu_cores, format_cpu_list, parse_cpu_list, place_process, split_between_workers
 
 ALLOWED = sorted(os.sched_getaffinity(0))
 
@@ -57,6 +57,27 @@ def test_check_cpus_names_what_is_not_allowed():
 def test_split_between_workers_is_disjoint_and_covers(cpus, workers, want):
     sets, note = split_between_workers(cpus, workers)
     assert sets == want and note is None
+
+
+def smt_pairs(cpus):
+    """A 4-core, 8-CPU host numbered as Linux often does: CPU i and i+4 are one core's siblings."""
+    return sorted({tuple(sorted({c % 4, c % 4 + 4} & set(cpus))) for c in cpus})
+
+
+def test_cpu_cores_groups_smt_siblings_from_sysfs(tmp_path):
+    for cpu, siblings in {0: "0,2", 1: "1,3", 2: "0,2", 3: "1,3", 4: "4"}.items():
+        (tmp_path / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (tmp_path / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(siblings + "\n")
+    assert cpu_cores([0, 1, 2, 3, 4], str(tmp_path)) == [(0, 2), (1, 3), (4,)]
+    assert cpu_cores([1, 2], str(tmp_path)) == [(1,), (2,)]  # siblings outside the set are not counted
+    assert cpu_cores([5], str(tmp_path)) == [(5,)]  # no topology: a core of its own
+
+
+def test_split_keeps_smt_siblings_on_one_worker():
+    sets, note = split_between_workers(range(8), 2, smt_pairs)
+    assert sets == [(0, 1, 4, 5), (2, 3, 6, 7)] and note is None
+    sets, note = split_between_workers((0, 1, 4, 5), 3, smt_pairs)  # 2 cores, 4 CPUs, 3 workers
+    assert sets == [(0, 4), (1,), (5,)] and "2 physical cores" in note and "share cores" in note
 
 
 def test_split_with_fewer_cpus_than_workers_shares_and_says_so():

@@ -189,6 +189,10 @@ def test_build_specs_command_lines():
         build_specs(LaunchConfig(transfer_backend="carrier-pigeon"))
 
 
+def one_cpu_per_core(cpus):
+    return [(c,) for c in sorted(cpus)]
+
+
 def _placement(spec: ChildSpec) -> tuple[str, str] | None:
     argv = spec.argv
     if "--cpus" not in argv:
@@ -211,14 +215,25 @@ def _placement(spec: ChildSpec) -> tuple[str, str] | None:
     (LaunchConfig(split_cpus=False), (0, 1), [None, None, None], None),
 ])
 def test_build_specs_gives_each_worker_its_cpus(config, allowed, want, warning):
+    """Each worker's --cpus and --threads, on a host without SMT (one CPU per core)."""
     warnings: list[str] = []
-    specs = build_specs(config, python="py", allowed=allowed, warn=warnings.append)
+    specs = build_specs(config, python="py", allowed=allowed, warn=warnings.append, cores_of=one_cpu_per_core)
     assert [_placement(s) for s in specs] == want  # the router (last) shares every CPU
     if warning:
         assert len(warnings) == 1 and warning in warnings[0], warnings
     else:
         assert warnings == []
     assert specs[-1].name == "router"
+
+
+def test_build_specs_never_splits_a_core_between_workers():
+    """A 4-core host whose CPU i and i+4 are one core's SMT siblings: each worker gets whole cores
+    and one thread per core."""
+    def smt_pairs(cpus):
+        return sorted({tuple(sorted({c % 4, c % 4 + 4} & set(cpus))) for c in cpus})
+
+    specs = build_specs(LaunchConfig(), python="py", allowed=range(8), cores_of=smt_pairs)
+    assert [_placement(s) for s in specs] == [("0-1,4-5", "2"), ("2-3,6-7", "2"), None]
 
 
 @pytest.mark.parametrize("config, words", [
