@@ -87,17 +87,20 @@ def test_split_with_fewer_cpus_than_workers_shares_and_says_so():
 
 
 PLACE = """
-import json, os, sys, threading, time
+import json, os, sys, threading
 from splitserve.cpus import current_placement, place_process
-early = threading.Thread(target=time.sleep, args=(3,), daemon=True)
-early.start()  # a thread that exists before the placement
+release = threading.Event()
+early = threading.Thread(target=release.wait, daemon=True)
+early.start()  # a thread that exists before the placement, alive until the end
 p = place_process(sys.argv[1], int(sys.argv[2]))
 seen = {}
 late = threading.Thread(target=lambda: seen.update(threads=current_placement().threads))
 late.start(); late.join()
 tasks = {t: open(f"/proc/self/task/{t}/status").read().split("Cpus_allowed_list:")[1].split()[0]
          for t in os.listdir("/proc/self/task")}
-print(json.dumps({"cpus": p.cpus, "threads": p.threads, "late_thread_sees": seen["threads"], "tasks": tasks}))
+release.set()
+print(json.dumps({"cpus": p.cpus, "threads": p.threads, "late_thread_sees": seen["threads"], "tasks": tasks,
+                  "early": early.native_id}))
 """
 
 
@@ -110,7 +113,7 @@ def test_place_process_pins_every_thread_and_sets_torch_threads():
     got = json.loads(out.stdout)
     assert got["cpus"] == [cpu] and got["threads"] == 1
     assert got["late_thread_sees"] == 1  # torch's count holds in threads started later (the engine loop)
-    assert len(got["tasks"]) >= 2 and set(got["tasks"].values()) == {str(cpu)}, got["tasks"]
+    assert str(got["early"]) in got["tasks"] and set(got["tasks"].values()) == {str(cpu)}, got["tasks"]
 
 
 def test_place_process_refuses_zero_threads_before_changing_anything():
