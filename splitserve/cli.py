@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "tiny-model":
-        from splitserve.models.tiny import build_tiny_model
+        from splitserve.testing.tiny import build_tiny_model
 
         path = build_tiny_model(args.out_dir, arch=args.arch, seed=args.seed)
         print(f"wrote a tiny {args.arch} checkpoint to {path}")

@@ -4,7 +4,7 @@ incomplete UTF-8 is held back until the end, and stop strings never leak."""
 import pytest
 
 from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.models.tiny import build_tiny_model
+from splitserve.testing.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")

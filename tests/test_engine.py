@@ -10,7 +10,7 @@ import torch
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine, merge_outputs
 from splitserve.engine.io import GenerateRequest, SamplingParams
-from splitserve.models.tiny import build_tiny_model
+from splitserve.testing.tiny import build_tiny_model
 
 PROMPT_LENGTHS = [1, 5, 16, 17, 40, 64, 100, 257]
 NEW_TOKENS = 24

