@@ -143,9 +143,10 @@ def check_supported(reader, src: Path) -> None:
     if arch not in ARCHITECTURES:
         raise GGUFError(f"{src.name}: GGUF architecture {arch!r} is not supported; supported: "
                         f"{', '.join(ARCHITECTURE_NOTES.values())}")
-    bad: dict[str, str] = {}
+    bad: dict[str, str] = {}  # type -> its first tensor
     for t in reader.tensors:
-        bad.setdefault(t.tensor_type.name, t.name) if t.tensor_type.name not in TENSOR_TYPES else None
+        if t.tensor_type.name not in TENSOR_TYPES:
+            bad.setdefault(t.tensor_type.name, t.name)
     if bad:
         listed = ", ".join(f"{kind} (e.g. {name})" for kind, name in bad.items())
         raise GGUFError(f"{src.name}: unsupported GGUF tensor type {listed}; supported: {', '.join(TENSOR_TYPES)}")
