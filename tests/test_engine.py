@@ -46,7 +46,7 @@ def run_staggered(engine: LLMEngine, reqs: list[GenerateRequest], every: int = 2
     while pending or engine.has_work():
         if pending and step % every == 0:
             engine.add_request(pending.pop(0))
-        for out in engine.step():
+        for out in engine.step().outputs:
             outs[out.rid].append(out)
         step += 1
     merged = {rid: merge_outputs(o) for rid, o in outs.items()}
@@ -121,12 +121,12 @@ def test_changing_one_kv_page_changes_the_tokens(tiny_llama):
     engine.add_request(GenerateRequest("hit", prompt, params))
     outs = []
     while not outs:  # run until the prompt is in the cache and the first token is out
-        outs += engine.step()
+        outs += engine.step().outputs
     seq = engine._seqs["hit"]
     victim = seq.pages[len(seq.pages) // 2]  # a page in the middle of the prompt
     engine.kv.buffer[victim] = torch.randn_like(engine.kv.buffer[victim])
     while engine.has_work():
-        outs += engine.step()
+        outs += engine.step().outputs
     hit = merge_outputs(outs).token_ids
     assert hit[0] == clean[0]  # the first token was sampled before the page changed
     assert hit != clean
@@ -158,9 +158,11 @@ def test_a_step_of_prompt_chunks_only_samples_nothing(tiny_llama):
     engine = make_engine(tiny_llama, max_batch_tokens=64)
     prompt = tuple(prompts(2048, [200], seed=4)[0])
     engine.add_request(GenerateRequest("long", prompt, SamplingParams(temperature=0.0, max_tokens=4)))
-    assert engine.step() == [] and engine.step() == [] and engine.step() == []
+    for _ in range(3):
+        report = engine.step()
+        assert report.outputs == [] and [seq.rid for seq in report.chunks] == ["long"]
     outs = []
     while engine.has_work():
-        outs += engine.step()
+        outs += engine.step().outputs
     assert merge_outputs(outs).token_ids == tuple(hf_greedy(tiny_llama, list(prompt), 4))
     assert_pool_full(engine)

@@ -61,6 +61,7 @@ TRANSFER_FLOOR_S = 6.0  # > PEER_SILENCE_S + SLACK_S: a lost peer is seen before
 KV_WAIT_S = 10.0
 PREALLOC_S = 5.0
 PREFILL_STALL_S = 5.0
+LOOP_STALL_S = 5.0  # a loop that begins no iteration for this long is wedged
 BOOTSTRAP_S = 8.0
 TOMBSTONE_S = 40.0
 SLACK_S = 3.0  # on top of a bound, for two busy shared cores
@@ -71,7 +72,7 @@ DEADLINES = [
     "--prealloc-s", str(PREALLOC_S), "--bootstrap-s", str(BOOTSTRAP_S), "--queue-s", "8",
     "--pending-registration-s", "8", "--prefill-stall-s", str(PREFILL_STALL_S), "--decode-stall-s", "5",
     "--write-drain-s", "3", "--quarantine-resend-s", "0.5", "--register-resend-s", "1",
-    "--tombstone-s", str(TOMBSTONE_S),
+    "--tombstone-s", str(TOMBSTONE_S), "--loop-stall-s", str(LOOP_STALL_S),
 ]
 STALL = ["--inject-faults", "stall_writes"]
 
@@ -439,8 +440,8 @@ def test_decode_killed_mid_transfer_then_restarted():
 def test_wedged_prefill_engine_loop_is_declared_lost():
     """Prefill ``P``'s engine loop wedges (``--inject-faults wedge_loop``: it blocks for good once it
     holds a room) while its control thread lives on and could keep answering heartbeats. Those
-    stop once the loop has not iterated for ``--prefill-stall-s``, so decode ``D`` declares ``P``
-    lost: the room fails with ``peer_lost`` within ``PREFILL_STALL_S + PEER_SILENCE_S`` (+ slack),
+    stop once the loop has not iterated for ``--loop-stall-s``, so decode ``D`` declares ``P``
+    lost: the room fails with ``peer_lost`` within ``LOOP_STALL_S + PEER_SILENCE_S`` (+ slack),
     ``D`` fences the session and frees every page, instead of waiting out ``--kv-wait-s`` or, for
     quarantined pages, forever."""
     with Cluster(1, 1, "nixl", worker_args=DEADLINES, prefill_args=["--inject-faults", "wedge_loop"],
@@ -454,7 +455,7 @@ def test_wedged_prefill_engine_loop_is_declared_lost():
         resp, ended = Xd.outcome(60)
         assert isinstance(resp, requests.Response) and resp.status_code == 502, f"{resp!r}"
         assert "peer_lost" in error_message(resp), resp.text
-        bound = PREFILL_STALL_S + PEER_SILENCE_S + SLACK_S
+        bound = LOOP_STALL_S + PEER_SILENCE_S + SLACK_S
         assert ended - wedged <= bound, f"D failed the room {ended - wedged:.1f}s after the wedge (bound {bound}s)"
         samples = assert_clean(D)
         assert metric(samples, "splitserve_receive_links_fenced") >= 1, samples

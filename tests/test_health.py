@@ -29,7 +29,6 @@ HEALTH_S, HEALTH_FAILURES = 0.5, 2
 SLACK_S = 4.0
 
 
-@pytest.mark.xfail(strict=True, reason="finding 9: /health does not see a wedged engine loop")
 def test_a_wedged_decode_is_out_of_rotation_and_its_clients_are_answered():
     loop_args = ["--loop-stall-s", str(LOOP_STALL_S)]
     with Cluster(1, 2, "nixl", worker_args=DEADLINES + loop_args,

@@ -6,6 +6,8 @@ them by rule. Every order of events at once is the business of ``test_lifecycle_
 
 from __future__ import annotations
 
+import dataclasses
+
 import ast
 import pathlib
 
@@ -487,12 +489,18 @@ def test_rule5_decode_learns_a_failure_that_happened_before_it_registered():
     assert sent(actions)[0].reason == "bootstrap_timeout"
 
 
-def test_rule5_a_late_registration_for_a_finished_room_is_only_noted():
+def test_rule5_a_late_registration_for_a_finished_room_gets_its_kv_done_again():
+    """Decode re-sends its registration while it waits for the KV: if the KVDone was lost, the
+    re-sent registration gets it again (every write had landed before the first one was sent).
+    The same registration from another peer is only noted."""
     table = prefill_in(PrefillState.TRANSFERRING)
-    table.handle(WriteDone(ROOM, 1), 1)
-    table.handle(WriteDone(ROOM, 2), 1)
+    first = table.handle(WriteDone(ROOM, 1), 1) + table.handle(WriteDone(ROOM, 2), 1)
     assert table.state_of(ROOM) is Outcome.FINISHED
+    [kv_done] = sent(first, protocol.KVDone, to=DP)
     actions = table.handle(FromPeer(DP, register()), 2)
+    assert notices(actions, NoticeKind.LATE_MESSAGE) and sent(actions) == [kv_done]
+    other = Peer("decode-b:1", "d9", 1)
+    actions = table.handle(FromPeer(other, dataclasses.replace(register(), incarnation="d9")), 3)
     assert notices(actions, NoticeKind.LATE_MESSAGE) and not sent(actions)
 
 

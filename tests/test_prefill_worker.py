@@ -21,7 +21,6 @@ RESEND_S = 0.5
 SLACK_S = 3.0
 
 
-@pytest.mark.xfail(strict=True, reason="finding 7: a lost KVDone is never sent again")
 def test_a_lost_kv_done_is_sent_again_when_decode_asks_again():
     args = DEADLINES + ["--register-resend-s", str(RESEND_S)]
     with Cluster(1, 1, "nixl", worker_args=args, prefill_args=["--inject-faults", "notify_drop=0.5,seed=3"]) as c:

@@ -30,6 +30,7 @@ from conftest import ServerProcess, free_port
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.engine.io import NotReady, Overloaded, RequestOutput
 from splitserve.metrics import parse_exposition
+from splitserve.outcomes import Ending, Reason
 from splitserve.server.app import STATE, create_app
 
 # =============================================================================================
@@ -72,10 +73,10 @@ class FakeEngine:
             for i in range(req.sampling.max_tokens):
                 await asyncio.sleep(self.delay)
                 if self.live.get(req.rid):
-                    yield RequestOutput(req.rid, finished=True, error="aborted by the client", error_code=499)
+                    yield RequestOutput.ended(req.rid, Ending(Reason.CLIENT_ABORT))
                     return
                 if "FAIL" in text and i == 2:
-                    yield RequestOutput(req.rid, finished=True, error="the peer was lost", error_code=503,
+                    yield RequestOutput(req.rid, finished=True, error="the peer was lost", reason=Reason.NOT_READY,
                                         prompt_tokens=n_prompt, completion_tokens=i)
                     return
                 tok = req.prompt_ids[i % n_prompt]
@@ -207,7 +208,7 @@ def test_fake_engine_client_disconnect_aborts_the_request(byte_tokenizer, stream
         assert "gone" in engine.aborted and not engine.live
         metrics = parse_exposition(app[STATE].registry.exposition())
         key = ("splitserve_requests_total",
-               frozenset({("role", "colocated"), ("outcome", "aborted"), ("reason", "client_disconnect")}))
+               frozenset({("role", "colocated"), ("outcome", "aborted"), ("reason", "client_abort")}))
         assert metrics[key] == 1
         assert metrics[("splitserve_http_inflight_requests", frozenset())] == 0
     run_app(engine, test)
@@ -438,7 +439,7 @@ def _long_request(info, prompt="Tell me a very long story"):
 
 
 ABORTED = ("splitserve_requests_total",
-           frozenset({("role", "colocated"), ("outcome", "aborted"), ("reason", "client_disconnect")}))
+           frozenset({("role", "colocated"), ("outcome", "aborted"), ("reason", "client_abort")}))
 
 
 def wait_aborted(server, before: dict, timeout=30.0) -> None:
@@ -544,7 +545,6 @@ def test_a_model_that_fails_to_load_exits_1(tmp_path):
         proc.stop(timeout=5)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 8: a request id reused right after an abort gets the old request's end")
 def test_a_request_id_reused_right_after_an_abort_gets_its_own_answer(server):
     """A client gives up on a long request (its connection closes while the answer is computed) and
     sends a new one with the same ``rid`` at once. The new request must get its own answer,

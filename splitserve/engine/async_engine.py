@@ -1,35 +1,55 @@
-"""The engine loop: one thread that owns the :class:`LLMEngine`, fed through an inbox.
+"""The engine loop: one thread that owns the :class:`LLMEngine` and a role, fed through an inbox.
 
 The HTTP front end runs on an asyncio loop in another thread. It never touches request state: it
-posts events (add, abort, drain, stop) to the inbox, and the engine loop posts each step's outputs
-back with ``call_soon_threadsafe`` to one asyncio queue per request (DESIGN §2, rule 1).
+posts events (add, abort, stop) to the inbox, and the engine loop posts each step's outputs back
+with ``call_soon_threadsafe`` to one asyncio queue per request (``docs/lifecycle.md``, rule 1).
+
+What the loop does with a request is its **role**'s business (:class:`Role`): ``colocated`` (this
+module: the engine alone), or one side of a disaggregated pair (``disagg/prefill.py``,
+``disagg/decode.py``). The loop calls the role at fixed points of each iteration, in order:
+
+1. note that an iteration begins (``last_iteration``: ``/health``, the metrics and the control
+   threads judge a wedged loop by its age, from outside);
+2. take the inbox's events — waiting up to ``role.wait_s()`` when there is no work — and hand each
+   to the role: ``admit`` (a new request), ``abort``, or ``on_event`` (what the role's own threads
+   posted);
+3. ``role.tick(now)``: what is due by the clock (deadlines, queues that wait for memory);
+4. if the engine has work, one ``engine.step()`` and ``role.after_step(report)``;
+5. post the outputs to their streams.
+
+No exception ends the loop: one that escapes a role is logged and counted, and the role fails
+whatever it holds through its own bookkeeping (``role.fail_all``), so nothing is left pinned.
 
 Admission is decided on the asyncio side from its own count of requests in flight, so a full
-server refuses at once (429) instead of queueing without bound.
+server refuses at once (429) instead of queueing without bound. A request id stays taken until
+the engine has ended that request — also when its client left early — so a new request with the
+same id never receives the old one's tokens or its end.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator, Callable, Optional
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional, Protocol
 
 from splitserve.config import EngineConfig
-from splitserve.engine.engine import LLMEngine
-from splitserve.engine.io import (EngineError, GenerateRequest, InvalidRequest, NotReady, Overloaded,
-                                  RequestOutput)
+from splitserve.engine.engine import LLMEngine, StepReport
+from splitserve.engine.io import EngineError, GenerateRequest, InvalidRequest, NotReady, Overloaded, RequestOutput
+from splitserve.outcomes import Ending, Reason
 
 log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.5  # the longest the loop waits for an event when nothing is due
+EVENTS_PER_ITERATION = 4096  # a burst of events is taken in slices, so that ticks and steps go on
 
 
 @dataclass(frozen=True)
 class AddRequest:
-    """Inbox event: a request to run (the roles' ``_handle`` hooks see it too)."""
+    """Inbox event: a request to run."""
 
     req: GenerateRequest
 
@@ -39,47 +59,121 @@ class AbortRequest:
     """Inbox event: the client went away, or an operator aborted ``rid``."""
 
     rid: str
-    reason: str
-    code: int
+    ending: Ending = Ending(Reason.CLIENT_ABORT)
 
 
 @dataclass(frozen=True)
 class _Stop:
-    reason: str
+    ending: Ending
 
 
-@dataclass(frozen=True)
-class _Ask:
-    """Run ``fn`` on the engine loop and hand its result to ``future`` (reads of loop-owned state)."""
+class Role(Protocol):
+    """What a worker does with its requests; the engine loop calls it at fixed points (module
+    docstring). Every method runs on the engine loop, except ``check`` (the HTTP thread, at
+    submission), ``stats`` and ``debug_rows`` (any thread: they only read)."""
 
-    fn: Callable[[], object]
-    future: concurrent.futures.Future
+    name: str
+
+    def start(self, loop: "AsyncEngine") -> None: ...
+    def check(self, req: GenerateRequest) -> None: ...
+    def admit(self, req: GenerateRequest) -> list[RequestOutput]: ...
+    def abort(self, rid: str, ending: Ending) -> list[RequestOutput]: ...
+    def on_event(self, event: object) -> list[RequestOutput]: ...
+    def tick(self, now: float) -> list[RequestOutput]: ...
+    def after_step(self, report: StepReport) -> list[RequestOutput]: ...
+    def fail_all(self, ending: Ending) -> list[RequestOutput]: ...
+    def wait_s(self, now: float) -> float: ...
+    def stats(self) -> dict: ...
+    def debug_rows(self, now: float) -> list[dict]: ...
+    def close(self) -> None: ...
+
+
+class ColocatedRole:
+    """One worker does prefill and decode: the engine's own outputs are the answers."""
+
+    name = "colocated"
+
+    def start(self, loop: "AsyncEngine") -> None:
+        self.engine = loop.engine
+
+    def check(self, req: GenerateRequest) -> None:
+        self.engine.check_fits(req)  # reads only immutable sizes
+
+    def admit(self, req: GenerateRequest) -> list[RequestOutput]:
+        try:
+            self.engine.add_request(req)
+        except EngineError as exc:
+            return [RequestOutput.ended(req.rid, Ending(exc.reason, str(exc)))]
+        return []
+
+    def abort(self, rid: str, ending: Ending) -> list[RequestOutput]:
+        out = self.engine.abort(rid, ending)
+        return [out] if out is not None else []
+
+    def on_event(self, event: object) -> list[RequestOutput]:
+        raise TypeError(f"unknown engine event {event!r}")
+
+    def tick(self, now: float) -> list[RequestOutput]:
+        return []
+
+    def after_step(self, report: StepReport) -> list[RequestOutput]:
+        return report.outputs
+
+    def fail_all(self, ending: Ending) -> list[RequestOutput]:
+        return self.engine.abort_all(ending)
+
+    def wait_s(self, now: float) -> float:
+        return IDLE_WAIT_S
+
+    def stats(self) -> dict:
+        return {}
+
+    def debug_rows(self, now: float) -> list[dict]:
+        return [{"rid": seq.rid, "room": None, "role": "colocated", "state": seq.status.value.upper(),
+                 "age_s": round(now - seq.arrival, 3), "state_age_s": None, "deadline_s": None,
+                 "late": False, "peer": None} for seq in self.engine.live_sequences()]
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Stream:
+    """The asyncio side of one request: its outputs, and whether anyone still reads them."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    abandoned: bool = False
+    """The reader is gone (client left, or the worker answered for a wedged loop): later outputs
+    are dropped; the entry goes when the engine's last output comes."""
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, role: Optional[Role] = None, loop_stall_s: float = 30.0):
         self.config = config
+        self.role: Role = role or ColocatedRole()
+        self.loop_stall_s = loop_stall_s
         self.engine: Optional[LLMEngine] = None
         self.ready = False
         self.draining = False
+        self.loop_errors = 0
         self._inbox: "queue.Queue[object]" = queue.Queue()
-        self._streams: dict[str, asyncio.Queue] = {}  # asyncio thread only
+        self._streams: dict[str, _Stream] = {}  # asyncio thread only
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
-        self._stats: Optional[dict] = None  # published by the engine loop after each iteration
         self.last_iteration = time.monotonic()
         """When the engine loop last began an iteration (monotonic); a wedged loop stops moving it."""
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
-        """Load the model and start the engine thread. Blocking: run it in an executor."""
+        """Load the model, start the role (its threads) and the engine thread. Blocking: run it in
+        an executor."""
         self.engine = LLMEngine(self.config)
+        self.role.start(self)
         self.start_loop(loop)
 
     def start_loop(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Start the engine thread over ``self.engine``."""
-        self._stats = self._collect_stats()
         self._loop = loop
         self.last_iteration = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -98,59 +192,95 @@ class AsyncEngine:
         self.draining = True
 
     def shutdown(self, reason: str = "the server is shutting down") -> None:
-        """End every live request with an error and stop the engine thread."""
+        """End every live request with an error and stop the engine thread, then the role."""
         self.ready = False
         if self._thread is not None and self._thread.is_alive():
-            self._inbox.put(_Stop(reason))
+            self._inbox.put(_Stop(Ending(Reason.NOT_READY, reason)))
             self._thread.join(timeout=30)
+        self.role.close()
+
+    # -- health, read from any thread ---------------------------------------------------------
+
+    def loop_age(self) -> float:
+        """Seconds since the engine loop last began an iteration (an idle loop begins one at least
+        every ``IDLE_WAIT_S``; a forward pass may take longer; a wedged loop never does)."""
+        return time.monotonic() - self.last_iteration
+
+    def loop_stalled(self) -> bool:
+        """The loop has not begun an iteration within ``loop_stall_s``: it is wedged or dead."""
+        return self.ready and self.loop_age() > self.loop_stall_s
 
     # -- requests (asyncio thread) ------------------------------------------------------------
 
     def submit(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:
         if not self.ready or self.draining:
             raise NotReady("the server is not ready" if not self.ready else "the server is draining")
+        if self.loop_stalled():
+            raise NotReady(f"the engine loop has made no iteration for {self.loop_age():.0f}s "
+                           f"(--loop-stall-s {self.loop_stall_s:g})")
         if len(self._streams) >= self.config.max_running_requests + self.config.max_waiting_requests:
             raise Overloaded(f"{len(self._streams)} requests in flight; the waiting queue is full")
         if req.rid in self._streams:
             raise InvalidRequest(f"request id {req.rid!r} is already in flight", param="rid")
-        self._check_fits(req)
+        self.role.check(req)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[req.rid] = stream
+        stream = self._streams[req.rid] = _Stream()
         self._inbox.put(AddRequest(req))
         return self._iterate(req.rid, stream)
 
-    def _check_fits(self, req: GenerateRequest) -> None:
-        self.engine.check_fits(req)  # reads only immutable sizes
-
-    async def _iterate(self, rid: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, rid: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
         try:
             while True:
-                out: RequestOutput = await stream.get()
+                out: RequestOutput = await stream.queue.get()
+                finished = out.finished
                 yield out
-                if out.finished:
+                if finished:
                     return
         finally:
-            if self._streams.get(rid) is stream:  # the consumer went away before the end
-                del self._streams[rid]
+            if not finished and not stream.abandoned:  # the consumer went away before the end
+                stream.abandoned = True
                 self.abort(rid)
 
-    def abort(self, rid: str, reason: str = "aborted by the client", code: int = 499) -> None:
+    def abort(self, rid: str, ending: Ending = Ending(Reason.CLIENT_ABORT)) -> None:
         """Thread-safe and idempotent."""
-        self._inbox.put(AbortRequest(rid, reason, code))
+        self._inbox.put(AbortRequest(rid, ending))
+
+    def fail_streams(self, ending: Ending) -> int:
+        """Asyncio thread: answer every request still read with ``ending`` now, without the engine
+        loop (which is wedged: see ``loop_stalled``); their ids stay taken until the loop ends
+        them. The number answered."""
+        answered = 0
+        for rid, stream in self._streams.items():
+            if not stream.abandoned:
+                stream.abandoned = True
+                stream.queue.put_nowait(RequestOutput.ended(rid, ending))
+                answered += 1
+        return answered
 
     def stats(self) -> dict:
-        """What the engine loop last published (any thread may call this)."""
-        if self._stats is None:  # not started yet
+        """Gauges, read from any thread: the engine's counts and the role's own, as they are now
+        (never a copy the loop publishes, which would freeze with a wedged loop)."""
+        if self.engine is None:  # not started yet
             return {"pages_free": 0, "pages_total": 0, "queues": {"waiting": 0, "running": 0}, "preemptions": 0}
-        return self._stats
-
-    def _collect_stats(self) -> dict:
-        """Runs on the engine loop: a fresh dict, never mutated after it is published."""
         s = self.engine.stats()
-        return {"pages_free": s.pages_free, "pages_total": s.pages_total,
-                "queues": {"waiting": s.waiting, "running": s.running}, "preemptions": s.preemptions}
+        stats = {"pages_free": s.pages_free, "pages_total": s.pages_total,
+                 "queues": {"waiting": s.waiting, "running": s.running}, "preemptions": s.preemptions,
+                 "loop_errors": self.loop_errors}
+        stats.update(self.role.stats())
+        return stats
+
+    def debug_requests(self) -> list[dict]:
+        """Thread-safe, never waits on the engine loop: every live request, as ``/debug/requests``
+        shows it (read from the role's records as they are now)."""
+        if self.engine is None:
+            return []
+        return self.role.debug_rows(time.monotonic())
+
+    def post_event(self, event: object) -> None:
+        """Thread-safe: hand an event to the engine loop (used by the role's own threads)."""
+        self._inbox.put(event)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Runs on the asyncio thread."""
@@ -158,100 +288,61 @@ class AsyncEngine:
             stream = self._streams.get(out.rid)
             if stream is None:
                 continue
-            if out.finished:  # the request is over: it no longer counts as in flight
+            if out.finished:  # the request is over: its id is free again
                 del self._streams[out.rid]
-            stream.put_nowait(out)
+            if not stream.abandoned:
+                stream.queue.put_nowait(out)
 
     # -- engine thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        engine = self.engine
+        engine, role = self.engine, self.role
         while True:
-            self.last_iteration = time.monotonic()
+            now = self.last_iteration = time.monotonic()
+            outputs: list[RequestOutput] = []
+            wait = 0.0 if engine.has_work() else role.wait_s(now)
+            for ev in self._take_events(wait):
+                if isinstance(ev, _Stop):
+                    outputs += self._contained(role.fail_all, ev.ending)
+                    self._post(outputs)
+                    return
+                outputs += self._contained(self._dispatch, ev)
+            outputs += self._contained(role.tick, time.monotonic())
+            if engine.has_work():
+                outputs += self._contained(lambda _: role.after_step(engine.step()), None)
+            self._post(outputs)
+
+    def _dispatch(self, ev: object) -> list[RequestOutput]:
+        if isinstance(ev, AddRequest):
+            return self.role.admit(ev.req)
+        if isinstance(ev, AbortRequest):
+            return self.role.abort(ev.rid, ev.ending)
+        return self.role.on_event(ev)
+
+    def _contained(self, fn, arg) -> list[RequestOutput]:
+        """``fn(arg)``; an exception that escapes it is a bug: logged, counted, and every live
+        request is failed through the role (its pages freed by its own rules), never left pinned."""
+        try:
+            return fn(arg)
+        except Exception as exc:
+            self.loop_errors += 1
+            log.exception("engine loop error; failing every live request")
             try:
-                events = self._take_events(self._wait_s())
-                outputs: list[RequestOutput] = []
-                for ev in events:
-                    if isinstance(ev, _Ask):
-                        self._answer_ask(ev)
-                        continue
-                    if isinstance(ev, _Stop):
-                        self._post(self._stop_all(ev.reason))
-                        self._stats = self._collect_stats()
-                        return
-                    outputs += self._handle(ev)
-                outputs += self._tick()
-                if engine.has_work():
-                    outputs += self._step()
-                self._stats = self._collect_stats()
-                self._post(outputs)
-            except Exception:  # never die silently: log, fail what is live, keep serving
-                log.exception("engine loop error; failing all live requests")
-                self._post(self._stop_all("internal error in the engine loop", 500))
+                return self.role.fail_all(Ending(Reason.INTERNAL_ERROR,
+                                                 f"internal error in the engine loop: {type(exc).__name__}: {exc}"))
+            except Exception:
+                log.exception("the role could not fail its requests")
+                return []
 
-    # -- hooks for the disaggregated roles (disagg/worker.py) ---------------------------------
-
-    def _wait_s(self) -> Optional[float]:
-        """How long the loop may wait for an event: 0 while there is work."""
-        return 0.0 if self.engine.has_work() else 0.5
-
-    def _tick(self) -> list[RequestOutput]:
-        """Called every iteration, after events and before the step."""
-        return []
-
-    def _step(self) -> list[RequestOutput]:
-        return self.engine.step()
-
-    def _stop_all(self, reason: str, code: int = 503) -> list[RequestOutput]:
-        return self.engine.abort_all(reason, code)
-
-    def _take_events(self, wait_s: Optional[float]) -> list[object]:
+    def _take_events(self, wait_s: float) -> list[object]:
         events = []
         try:
-            events.append(self._inbox.get(timeout=wait_s) if wait_s else self._inbox.get_nowait())
-            while True:
+            events.append(self._inbox.get(timeout=wait_s) if wait_s > 0 else self._inbox.get_nowait())
+            while len(events) < EVENTS_PER_ITERATION:
                 events.append(self._inbox.get_nowait())
         except queue.Empty:
             pass
         return events
-
-    def ask_loop(self, fn: Callable[[], object], timeout: float = 5.0):
-        """Thread-safe: run ``fn`` on the engine loop and return its result."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(_Ask(fn, future))
-        return future.result(timeout)
-
-    @staticmethod
-    def _answer_ask(ask: _Ask) -> None:
-        try:
-            ask.future.set_result(ask.fn())
-        except Exception as exc:  # the asker gets the error; the loop goes on
-            ask.future.set_exception(exc)
-
-    def debug_requests(self) -> list[dict]:
-        """Thread-safe: every live request, as ``/debug/requests`` shows it."""
-        def snapshot() -> list[dict]:
-            now = time.monotonic()
-            return [{"rid": seq.rid, "room": None, "role": "colocated", "state": seq.status.value.upper(),
-                     "age_s": round(now - seq.arrival, 3), "state_age_s": None, "deadline_s": None,
-                     "late": False, "peer": None} for seq in self.engine.live_sequences()]
-        return self.ask_loop(snapshot)
-
-    def post_event(self, event: object) -> None:
-        """Thread-safe: hand an event to the engine loop (used by the disaggregation threads)."""
-        self._inbox.put(event)
-
-    def _handle(self, ev: object) -> list[RequestOutput]:
-        if isinstance(ev, AddRequest):
-            try:
-                self.engine.add_request(ev.req)
-            except EngineError as exc:
-                return [RequestOutput(rid=ev.req.rid, finished=True, error=str(exc), error_code=exc.status)]
-            return []
-        if isinstance(ev, AbortRequest):
-            out = self.engine.abort(ev.rid, ev.reason, ev.code)
-            return [out] if out else []
-        raise TypeError(f"unknown engine event {ev!r}")
 
     def _post(self, outputs: list[RequestOutput]) -> None:
         if outputs and self._loop is not None and not self._loop.is_closed():

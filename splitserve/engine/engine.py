@@ -1,19 +1,24 @@
 """The engine: one worker's model, KV pool, scheduler and requests, advanced one step at a time.
 
 ``LLMEngine`` is synchronous and single-threaded: the engine loop (``async_engine.py``) owns it and
-is the only caller, so no request state is ever touched by two threads (DESIGN §2, rule 1).
-Offline users (benchmarks, tests) call it directly: ``add_request`` then ``step`` until idle.
+is the only caller, so no request state is ever touched by two threads (``docs/lifecycle.md``,
+rule 1). Offline users (benchmarks, tests) call it directly: ``add_request`` then ``step`` until
+idle.
 
 Each ``step`` schedules a batch, runs it, samples one token for each sequence whose known tokens
-are all computed, and returns a :class:`RequestOutput` delta for every sequence that produced text
-or finished. A finished or aborted sequence's pages are freed exactly once, in ``Scheduler.finish``.
+are all computed, and returns a :class:`StepReport`: what it admitted, which prompt chunks ran,
+the first tokens of prefill-only sequences, every sampled token with its client delta, what
+finished, was preempted or failed. Whoever drives the engine (the colocated loop, a prefill or a
+decode role) reads only that report, never the scheduler's internals. A finished or aborted
+sequence's pages are freed exactly once, in ``Scheduler.finish``; a sequence whose pages belong to
+a room is only detached, and its room frees them.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -27,8 +32,33 @@ from splitserve.engine.page_allocator import PageAllocator
 from splitserve.engine.sampler import sample_batch
 from splitserve.engine.scheduler import ScheduledSeq, Scheduler
 from splitserve.engine.sequence import Sequence
+from splitserve.outcomes import Ending, Reason
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepReport:
+    """What one :meth:`LLMEngine.step` did."""
+
+    admitted: list[Sequence] = field(default_factory=list)
+    """Took their first pages this step (a prefill-only sequence: those of its whole prompt)."""
+    chunks: list[Sequence] = field(default_factory=list)
+    """Computed a chunk of their prompt and sampled nothing yet."""
+    first_tokens: list[Sequence] = field(default_factory=list)
+    """Prefill-only: the whole prompt ran and the first token was sampled (the last of
+    ``token_ids``); the sequence is held, its pages kept for its room."""
+    sampled: list[tuple[Sequence, RequestOutput]] = field(default_factory=list)
+    """Every other sequence that produced a token, with the client's delta (``finished`` on the last)."""
+    preempted: list[Sequence] = field(default_factory=list)
+    """Lost their pages to make room; they recompute later."""
+    failed: list[tuple[Sequence, RequestOutput]] = field(default_factory=list)
+    """Were in a forward pass that raised: ended (out of every queue), with their error delta."""
+
+    @property
+    def outputs(self) -> list[RequestOutput]:
+        """The client deltas of this step, in batch order (what a colocated worker streams)."""
+        return [out for _, out in self.sampled] + [out for _, out in self.failed]
 
 
 @dataclass(frozen=True)
@@ -58,7 +88,6 @@ class LLMEngine:
                                    config.max_batch_tokens, config.chunked_prefill)
         self.runner = ModelRunner(self.model, self.kv)
         self._seqs: dict[str, Sequence] = {}
-        self.last_batch: list[ScheduledSeq] = []  # what the last step ran (read by the disagg roles)
         self._rng = random.Random(config.seed)
         self._eos = frozenset(self.spec.eos_token_ids)
 
@@ -79,8 +108,7 @@ class LLMEngine:
 
     def add_request(self, req: GenerateRequest, prefill_only: bool = False) -> Sequence:
         """Queue a request. ``prefill_only`` (prefill worker): run the prompt, sample the first
-        token, then hold the sequence and its pages for the transfer (the prefill worker reads
-        ``last_batch`` after each step)."""
+        token, then hold the sequence and its pages for the transfer (``StepReport.first_tokens``)."""
         seq = self._new_sequence(req, room_owned=prefill_only, prefill_only=prefill_only)
         seq.prefill_only = prefill_only
         self._seqs[req.rid] = seq
@@ -90,7 +118,12 @@ class LLMEngine:
     def start_decoding(self, req: GenerateRequest, pages: list[int],
                        first_token: int) -> tuple[Sequence, list[RequestOutput]]:
         """Decode worker: the prompt's KV is in ``pages`` (written by a prefill worker) and prefill
-        sampled ``first_token``. Emits that token, then the sequence decodes like any other."""
+        sampled ``first_token``. Emits that token, then the sequence decodes like any other.
+        Raises InvalidRequest (changing nothing) for a token outside the vocabulary or too few pages."""
+        if not 0 <= first_token < self.spec.vocab_size:
+            raise InvalidRequest(f"first token {first_token} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        if len(pages) * self.layout.page_size < len(req.prompt_ids):
+            raise InvalidRequest(f"{len(pages)} pages cannot hold a prompt of {len(req.prompt_ids)} tokens")
         seq = self._new_sequence(req, room_owned=True)
         seq.pages = list(pages)
         seq.num_computed = len(req.prompt_ids)
@@ -138,18 +171,18 @@ class LLMEngine:
         """Free the pages a room's sequence holds, exactly once."""
         self.scheduler.release(seq)
 
-    def abort(self, rid: str, reason: str = "aborted by the client", code: int = 499) -> Optional[RequestOutput]:
-        """End a request with an error; a no-op (None) if it is unknown or already over."""
+    def abort(self, rid: str, ending: Ending = Ending(Reason.CLIENT_ABORT)) -> Optional[RequestOutput]:
+        """End a request with ``ending``; a no-op (None) if it is unknown or already over."""
         seq = self._seqs.pop(rid, None)
         if seq is None:
             return None
         self.scheduler.finish(seq)
-        log.info("request %s aborted after %d tokens: %s", rid, seq.num_output_tokens, reason)
-        return RequestOutput(rid=rid, finished=True, error=reason, error_code=code,
-                             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens)
+        log.info("request %s ended after %d tokens: %s", rid, seq.num_output_tokens, ending)
+        return RequestOutput.ended(rid, ending, prompt_tokens=seq.num_prompt_tokens,
+                                   completion_tokens=seq.num_output_tokens)
 
-    def abort_all(self, reason: str, code: int = 503) -> list[RequestOutput]:
-        return [out for rid in list(self._seqs) if (out := self.abort(rid, reason, code))]
+    def abort_all(self, ending: Ending) -> list[RequestOutput]:
+        return [out for rid in list(self._seqs) if (out := self.abort(rid, ending))]
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -161,40 +194,44 @@ class LLMEngine:
 
     # -- stepping -----------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        batch = self.last_batch = self.scheduler.schedule()
+    def step(self) -> StepReport:
+        batch = self.scheduler.schedule()
+        report = StepReport(admitted=list(self.scheduler.admitted), preempted=list(self.scheduler.preempted))
         if not batch:
-            return []
+            return report
         try:
             logits = self.runner.run(batch)
         except Exception as exc:  # a failed forward fails the requests in it, not the worker
             log.exception("forward pass failed; failing %d requests", len(batch))
-            return [out for item in batch
-                    if (out := self.abort(item.seq.rid, f"internal error: {exc}", 500))]
-        return self._advance(batch, logits)
+            ending = Ending(Reason.INTERNAL_ERROR, f"the forward pass failed: {type(exc).__name__}: {exc}")
+            report.failed = [(item.seq, out) for item in batch if (out := self.abort(item.seq.rid, ending))]
+            return report
+        self._advance(batch, logits, report)
+        return report
 
-    def _advance(self, batch: list[ScheduledSeq], logits: torch.Tensor) -> list[RequestOutput]:
+    def _advance(self, batch: list[ScheduledSeq], logits: torch.Tensor, report: StepReport) -> None:
         sampling = [item for item in batch if item.samples]
         for item in batch:
             item.seq.num_computed += item.num_tokens
+            if not item.samples:
+                report.chunks.append(item.seq)
         if not sampling:  # only prompt chunks ran: nothing to sample
-            return []
+            return
         tokens = sample_batch(logits, [i.seq.sampling for i in sampling], [i.seq.seed for i in sampling],
                               [len(i.seq) for i in sampling])
-        outputs = []
         for item, token in zip(sampling, tokens):
             seq = item.seq
             seq.token_ids.append(token)
             if seq.prefill_only:  # the first token is the room's; the sequence waits for its transfer
                 self._seqs.pop(seq.rid, None)
                 self.scheduler.detach(seq)
+                report.first_tokens.append(seq)
                 continue
             self._check_finish(seq, token)
-            outputs.append(self._delta(seq, token))
+            report.sampled.append((seq, self._delta(seq, token)))
             if seq.finish_reason is not None:
                 self._seqs.pop(seq.rid, None)
                 self.scheduler.finish(seq)
-        return outputs
 
     def _check_finish(self, seq: Sequence, token: int) -> None:
         p = seq.sampling
@@ -224,7 +261,7 @@ class LLMEngine:
             self.add_request(req)
         acc: dict[str, list[RequestOutput]] = {r.rid: [] for r in requests}
         while self.has_work():
-            for out in self.step():
+            for out in self.step().outputs:
                 acc[out.rid].append(out)
         return {rid: merge_outputs(outs) for rid, outs in acc.items()}
 
@@ -233,5 +270,5 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
     last = outs[-1]
     return RequestOutput(rid=last.rid, token_ids=tuple(t for o in outs for t in o.token_ids),
                          text="".join(o.text for o in outs), finished=last.finished,
-                         finish_reason=last.finish_reason, error=last.error, error_code=last.error_code,
+                         finish_reason=last.finish_reason, error=last.error, reason=last.reason,
                          prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from splitserve.outcomes import Ending, Reason
+
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request names none (documented in the README and ``--help``)."""
 
@@ -50,7 +52,10 @@ class GenerateRequest:
 @dataclass(frozen=True)
 class RequestOutput:
     """One delta of a request's answer. ``text`` never ends in the middle of a UTF-8 character
-    nor in what may still become a stop string, so concatenated deltas equal the final text."""
+    nor in what may still become a stop string, so concatenated deltas equal the final text.
+
+    A failed or aborted request's last delta has ``reason`` (``splitserve/outcomes.py``) and
+    ``error``, the message a client reads; its HTTP status is the reason's."""
 
     rid: str
     token_ids: tuple[int, ...] = ()
@@ -58,36 +63,49 @@ class RequestOutput:
     finished: bool = False
     finish_reason: Optional[str] = None  # "stop" | "length" on success
     error: Optional[str] = None  # set when the request failed or was aborted; finish_reason is None
-    error_code: int = 500  # HTTP status the front end should use for ``error``
-    error_kind: Optional[str] = None  # a machine-readable reason (e.g. "peer_lost"): the error body's code
+    reason: Optional[Reason] = None  # why it failed or was aborted (set with ``error``)
     prompt_tokens: int = 0
     completion_tokens: int = 0
 
+    @classmethod
+    def ended(cls, rid: str, ending: Ending, **counts: int) -> "RequestOutput":
+        """The last delta of a request that failed or was aborted."""
+        return cls(rid=rid, finished=True, error=ending.message, reason=ending.reason, **counts)
+
+    @property
+    def status(self) -> int:
+        """The HTTP status of a failed request (500 when no reason was given: a bug)."""
+        return self.reason.http_status if self.reason is not None else 500
+
 
 class EngineError(Exception):
-    """Raised at submission; ``status`` is the HTTP status the front end answers with."""
+    """Raised at submission; ``reason`` says why, and with it the HTTP status the front end
+    answers with."""
 
-    status = 500
-    code = "internal_error"
+    reason = Reason.INTERNAL_ERROR
+
+    @property
+    def status(self) -> int:
+        return self.reason.http_status
+
+    @property
+    def code(self) -> str:
+        return self.reason.value
 
 
 class Overloaded(EngineError):
-    status = 429
-    code = "overloaded"
+    reason = Reason.QUEUE_FULL
 
 
 class NotReady(EngineError):
-    status = 503
-    code = "not_ready"
+    reason = Reason.NOT_READY
 
 
 class InvalidRequest(EngineError):
-    """Bad input. ``param`` names the offending field, as in OpenAI's error body."""
+    """Bad input. ``param`` names the offending field, as in OpenAI's error body; an unknown
+    model is ``Reason.MODEL_NOT_FOUND`` (404)."""
 
-    status = 400
-    code = "invalid_request_error"
-
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400):
+    def __init__(self, message: str, param: Optional[str] = None, reason: Reason = Reason.BAD_REQUEST):
         super().__init__(message)
         self.param = param
-        self.status = status
+        self.reason = reason

@@ -48,6 +48,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.admitted: list[Sequence] = []  # admitted by the last schedule()
+        self.preempted: list[Sequence] = []  # preempted by the last schedule()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -58,7 +59,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.max_batch_tokens
         batch: list[ScheduledSeq] = []
-        self.admitted = []
+        self.admitted, self.preempted = [], []
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -140,6 +141,7 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
+        self.preempted.append(seq)
 
     def release(self, seq: Sequence) -> None:
         """Free a held sequence's pages (its room's FreePages), exactly once."""

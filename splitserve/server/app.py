@@ -39,6 +39,7 @@ from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.http_util import bound_url
 from splitserve.metrics import CONTENT_TYPE, Registry
+from splitserve.outcomes import Ending, Reason
 from splitserve.server.generation import json_error, serve_generation
 from splitserve.server.worker_metrics import WorkerMetrics
 
@@ -85,6 +86,7 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
     state = WorkerState(engine, config, registry or Registry())
     app[STATE] = state
     app.on_cleanup.append(_on_cleanup)
+    app.cleanup_ctx.append(_loop_watchdog)
     for path, endpoint in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"),
                            ("/generate", "generate")):
         app.router.add_post(path, _generation_handler(endpoint))
@@ -99,6 +101,39 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
 
 async def _on_cleanup(app: web.Application) -> None:
     app[STATE].tokenize_pool.shutdown(wait=False)
+
+
+WATCHDOG_S = 0.5  # how often the HTTP side looks at the engine loop's age
+
+
+async def _loop_watchdog(app: web.Application):
+    """While the engine loop is wedged (``--loop-stall-s``), answer every request it holds from
+    here (503, ``loop_stalled``): a client is never left waiting on a loop that does not move. Its
+    pages stay where they are; /health fails meanwhile, so the router sends no more."""
+    state = app[STATE]
+
+    async def watch() -> None:
+        stalled = False
+        while True:
+            await asyncio.sleep(WATCHDOG_S)
+            engine = state.engine
+            now_stalled = bool(getattr(engine, "loop_stalled", lambda: False)())
+            if now_stalled:
+                ending = Ending(Reason.LOOP_STALLED, f"the engine loop has made no iteration for "
+                                                     f"{engine.loop_age():.1f}s (--loop-stall-s {engine.loop_stall_s:g})")
+                answered = engine.fail_streams(ending)
+                if not stalled or answered:
+                    log.error("%s; %d requests answered 503", ending.message, answered)
+            elif stalled:
+                log.warning("the engine loop is iterating again")
+            stalled = now_stalled
+
+    task = asyncio.ensure_future(watch())
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def _generation_handler(endpoint: str):
@@ -147,7 +182,12 @@ async def _http_middleware(request: web.Request, handler):
 
 
 async def _health(request: web.Request) -> web.Response:
+    """200 when ready; 503 while loading or draining, and while the engine loop is wedged."""
     state = request.app[STATE]
+    engine = state.engine
+    if getattr(engine, "loop_stalled", lambda: False)():
+        return web.json_response({"status": "engine loop stalled", "loop_age_s": round(engine.loop_age(), 3),
+                                  "loop_stall_s": engine.loop_stall_s}, status=503)
     if state.accepting():
         return web.json_response({"status": "ok"})
     status = "draining" if state.draining or state.engine.draining else "loading"
@@ -158,8 +198,7 @@ async def _debug_requests(request: web.Request) -> web.Response:
     """Every live request: rid, room, role, state, age_s, state_age_s, deadline_s, late, peer."""
     state = request.app[STATE]
     _require_ready(state)
-    rows = await asyncio.get_running_loop().run_in_executor(None, state.engine.debug_requests)
-    return web.json_response(rows)
+    return web.json_response(state.engine.debug_requests())  # read as it is now: never waits on the loop
 
 
 def _require_ready(state: WorkerState) -> None:
@@ -247,7 +286,7 @@ def make_engine(engine_config: EngineConfig, server_config: ServerConfig, deadli
     if server_config.role == "colocated":
         from splitserve.engine.async_engine import AsyncEngine
 
-        return AsyncEngine(engine_config)
+        return AsyncEngine(engine_config, loop_stall_s=server_config.loop_stall_s)
     from splitserve.disagg.lifecycle import Deadlines
     from splitserve.disagg.worker import engine_for_role
 

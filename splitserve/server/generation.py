@@ -29,6 +29,7 @@ from typing import AsyncIterator, Optional
 from aiohttp import web
 
 from splitserve.engine.io import EngineError, NotReady, RequestOutput
+from splitserve.outcomes import Reason
 from splitserve.server import openai_protocol as proto
 from splitserve.server.sse import ClientGone, SSEWriter
 from splitserve.server.validation import ValidatedRequest, validate_request
@@ -37,17 +38,23 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
 RELEASE_TIMEOUT_S = 5.0
-REASONS = {400: "bad_request", 404: "model_not_found", 413: "bad_request", 429: "overloaded",
-           499: "client_disconnect", 500: "internal", 503: "not_ready", 504: "timeout"}
+FINISHED_BY = {"stop": Reason.STOP, "length": Reason.LENGTH, "prefill_done": Reason.TRANSFERRED}
 
 
 @dataclass
-class Outcome:
-    outcome: str = "failed"  # finished | aborted | failed
-    reason: str = "internal"
+class Result:
+    """How the request ended, as counted: ``outcome`` (finished | aborted | failed) and the
+    reason's name, both from :class:`~splitserve.outcomes.Reason`."""
 
-    def failed(self, status: int) -> None:
-        self.outcome, self.reason = "failed", REASONS.get(status, f"http_{status}")
+    outcome: str = "failed"
+    reason: str = Reason.INTERNAL_ERROR.value
+
+    def ended(self, reason: Reason) -> None:
+        self.outcome, self.reason = reason.outcome.value.lower(), reason.value
+
+    def refused_by_http(self, status: int) -> None:
+        """An HTTP error raised before the engine saw the request (e.g. 413 for a body too large)."""
+        self.ended(Reason.BAD_REQUEST if 400 <= status < 500 else Reason.INTERNAL_ERROR)
 
 
 def json_error(message: str, status: int, param: Optional[str] = None, code: Optional[str] = None,
@@ -63,7 +70,7 @@ def engine_error_response(exc: EngineError) -> web.Response:
 async def serve_generation(state, request: web.Request, endpoint: str) -> web.StreamResponse:
     """The handler body for one generation endpoint; ``state`` is the app's WorkerState."""
     started = time.monotonic()
-    result = Outcome()
+    result = Result()
     acc = proto.Accumulator()
     rid = None
     submitted = False  # the engine took the request (a prefill/decode worker's lifecycle counts it)
@@ -71,7 +78,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
     try:
         if not state.accepting():
             exc = NotReady("the server is draining" if state.draining else "the server is not ready")
-            result.failed(exc.status)
+            result.ended(exc.reason)
             return engine_error_response(exc)
         try:
             raw = await request.read()
@@ -85,7 +92,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             stream = engine.submit(req.generate_request(rid))
             submitted = True
         except EngineError as exc:
-            result.failed(exc.status)
+            result.ended(exc.reason)
             if exc.status >= 500:
                 log.warning("request %s refused: %s", rid, exc)
             return engine_error_response(exc)
@@ -93,10 +100,10 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             return await _stream(state, request, endpoint, req, rid, stream, acc, result, started)
         return await _unary(state, endpoint, rid, stream, acc, result, started)
     except asyncio.CancelledError:
-        result.outcome, result.reason = "aborted", "client_disconnect"
+        result.ended(Reason.CLIENT_ABORT)
         raise
     except web.HTTPException as exc:  # e.g. 413 from reading an oversized body
-        result.failed(exc.status)
+        result.refused_by_http(exc.status)
         raise
     finally:
         state.metrics.http_inflight.dec()
@@ -142,23 +149,25 @@ async def _release(state, rid: str, stream, acc: proto.Accumulator) -> None:
             pass
 
 
-def _finish(result: Outcome, acc: proto.Accumulator) -> Optional[int]:
+def _error_of(acc: proto.Accumulator) -> dict:
+    if acc.error is None:
+        return proto.error_body("the engine ended the request without an answer", 500)
+    return proto.ended_error_body(acc.error)
+
+
+def _finish(result: Result, acc: proto.Accumulator) -> Optional[int]:
     """Set the outcome from the accumulated answer; the HTTP status of a failure, else None."""
     if acc.error is not None:
-        status = proto.http_status_of(acc.error)
-        if status == 499:
-            result.outcome, result.reason = "aborted", "client_disconnect"
-        else:
-            result.failed(status)
-        return status
+        result.ended(acc.error.reason or Reason.INTERNAL_ERROR)
+        return acc.error.status
     if acc.finish_reason is None:  # the stream ended without a last delta: a bug, never a success
-        result.failed(500)
+        result.ended(Reason.INTERNAL_ERROR)
         return 500
-    result.outcome, result.reason = "finished", acc.finish_reason
+    result.ended(FINISHED_BY.get(acc.finish_reason, Reason.STOP))
     return None
 
 
-async def _unary(state, endpoint: str, rid: str, stream, acc: proto.Accumulator, result: Outcome,
+async def _unary(state, endpoint: str, rid: str, stream, acc: proto.Accumulator, result: Result,
                  started: float) -> web.Response:
     try:
         async for _ in _consume(stream, acc):
@@ -167,8 +176,7 @@ async def _unary(state, endpoint: str, rid: str, stream, acc: proto.Accumulator,
         await _release(state, rid, stream, acc)
     status = _finish(result, acc)
     if status is not None:
-        message = acc.error.error if acc.error is not None else "the engine ended the request without an answer"
-        return json_error(message, status, code=acc.error.error_kind if acc.error is not None else None)
+        return web.json_response(_error_of(acc), status=status)
     model, created = state.model_name, int(time.time())
     if endpoint == "completions":
         body = proto.completion_response(rid, model, created, acc)
@@ -180,7 +188,7 @@ async def _unary(state, endpoint: str, rid: str, stream, acc: proto.Accumulator,
 
 
 async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequest, rid: str, stream,
-                  acc: proto.Accumulator, result: Outcome, started: float) -> web.StreamResponse:
+                  acc: proto.Accumulator, result: Result, started: float) -> web.StreamResponse:
     sse = SSEWriter(request)
     model, created = state.model_name, int(time.time())
     try:
@@ -202,19 +210,17 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
                     await sse.send(proto.completion_chunk(rid, model, created, out.text, reason))
         status = _finish(result, acc)
         if status is not None:
-            message = acc.error.error if acc.error is not None else "the engine ended the request without an answer"
-            await sse.send(proto.error_body(message, status,
-                                            code=acc.error.error_kind if acc.error is not None else None))
+            await sse.send(_error_of(acc))
         elif req.include_usage:
             await sse.send(proto.usage_chunk(endpoint, rid, model, created, acc))
         await sse.done()
     except ClientGone:
-        result.outcome, result.reason = "aborted", "client_disconnect"
+        result.ended(Reason.CLIENT_ABORT)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # a bug while streaming fails this request only
         log.exception("request %s: error while streaming", rid)
-        result.failed(500)
+        result.ended(Reason.INTERNAL_ERROR)
         try:
             await sse.send(proto.error_body(f"internal error: {exc}", 500))
             await sse.done()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from splitserve.engine.io import EngineError, RequestOutput
+from splitserve.outcomes import Reason
 
 # HTTP status -> OpenAI error ``type`` and default ``code`` (the client maps the status to its
 # exception class: 400 BadRequestError, 404 NotFoundError, 429 RateLimitError, >=500 InternalServerError).
@@ -34,16 +35,15 @@ def _error_type(status: int) -> str:
 
 
 def engine_error_body(exc: EngineError) -> dict:
-    code = getattr(exc, "code", None)
-    if code == "invalid_request_error":  # the class default; OpenAI puts a finer code here
-        code = None
+    """A refusal at submission; a bad request gets OpenAI's own code (``invalid_value``)."""
+    code = None if exc.reason is Reason.BAD_REQUEST else exc.code
     return error_body(str(exc), exc.status, getattr(exc, "param", None), code)
 
 
-def http_status_of(out: RequestOutput) -> int:
-    """The HTTP status for a failed request's last delta (a valid error status, 500 otherwise)."""
-    code = out.error_code
-    return code if isinstance(code, int) and 400 <= code <= 599 else 500
+def ended_error_body(out: RequestOutput) -> dict:
+    """The error body of a request that failed or was aborted: its reason is the code."""
+    return error_body(out.error or "the engine ended the request without an answer", out.status,
+                      code=out.reason.value if out.reason is not None else None)
 
 
 @dataclass

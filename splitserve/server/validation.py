@@ -23,7 +23,7 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
 - Known extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM and SGLang), ``rid``
   (request id), and SGLang's PD fields ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``.
   ``user`` is accepted and not used.
-- A ``model`` other than the served one is a 404 (``InvalidRequest`` with ``status=404``);
+- A ``model`` other than the served one is a 404 (``InvalidRequest`` with ``Reason.MODEL_NOT_FOUND``);
   a missing ``model`` means the served one.
 """
 
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from splitserve.engine.io import DEFAULT_MAX_TOKENS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams
+from splitserve.outcomes import Reason
 
 ENDPOINTS = ("completions", "chat", "generate")
 MAX_OPENAI_STOP = 4
@@ -168,10 +169,8 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
 
     model = _opt_str(body, "model", "")
     if model is not None and served_model_name is not None and model != served_model_name:
-        err = InvalidRequest(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
-                             "model", status=404)
-        err.code = "model_not_found"
-        raise err
+        raise InvalidRequest(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
+                             "model", reason=Reason.MODEL_NOT_FOUND)
 
     max_tokens = _opt_int(fields, max_key, prefix, minimum=1)
     temperature = _opt_number(fields, "temperature", prefix, minimum=0.0)

@@ -20,6 +20,11 @@ class WorkerMetrics:
 
         registry.gauge("splitserve_ready", "1 when the worker accepts requests, 0 while loading or draining.",
                        callback=lambda: 1 if engine.ready and not engine.draining else 0)
+        registry.gauge("splitserve_engine_loop_age_seconds",
+                       "Seconds since the engine loop last began an iteration, read at scrape time (an idle loop "
+                       "begins one at least every 0.5 s; past --loop-stall-s the worker is wedged).",
+                       callback=lambda: round(engine.loop_age(), 3) if getattr(engine, "ready", False)
+                       and hasattr(engine, "loop_age") else None)
         registry.gauge("splitserve_kv_pages_free", "Free KV cache pages.",
                        callback=lambda: self._stat("pages_free"))
         registry.gauge("splitserve_kv_pages_total", "KV cache pages in the pool.",
@@ -68,8 +73,8 @@ class WorkerMetrics:
                                                 "Prefill/decode: time a request spent in each lifecycle state.",
                                                 ["role", "state"], buckets=LATENCY_BUCKETS)
         if role != "colocated":  # the lifecycle counts its rooms' ends, with the lifecycle's reasons
-            engine.on_outcome = lambda outcome, reason: self.requests.labels(role, outcome, reason).inc()
-            engine.on_state_time = lambda state, s: self.state_seconds.labels(role, state).observe(s)
+            engine.role.on_outcome = lambda outcome, reason: self.requests.labels(role, outcome, reason).inc()
+            engine.role.on_state_time = lambda state, s: self.state_seconds.labels(role, state).observe(s)
         self.ttft_seconds = registry.histogram("splitserve_time_to_first_token_seconds",
                                                "Time from arrival to the first generated token.",
                                                ["role", "endpoint"], buckets=LATENCY_BUCKETS)

@@ -33,6 +33,7 @@ from splitserve.disagg.lifecycle.actions import (
 from splitserve.disagg.lifecycle.events import (
     DecodeStep, Finished, PagesReserved, PeerInfo, RequestArrived,
 )
+from splitserve.disagg.lifecycle.deadlines import Deadlines
 from splitserve.disagg.lifecycle.peers import Peer
 from splitserve.disagg.lifecycle.states import (
     DecodeState, Ending, Outcome, Reason, Role, State, ending_from_peer, is_terminal,
@@ -60,11 +61,17 @@ class DecodeTable(RoomTable):
     role = Role.DECODE
     _held_label = "quarantined"
 
+    def __init__(self, deadlines: Deadlines, incarnation: str, page_size: int, vocab_size: Optional[int] = None):
+        """``vocab_size``: the model's, to check the first token a prefill sends (None: unchecked)."""
+        super().__init__(deadlines, incarnation, page_size)
+        self.vocab_size = vocab_size
+        self._quarantined_pages = 0
+
     def _live_states(self):
         return list(DecodeState)
 
     def _extra_counts(self) -> dict[str, int]:
-        return {"quarantined_pages": sum(len(r.pages) for r in self._rooms.values() if r.quarantined)}
+        return {"quarantined_pages": self._quarantined_pages}
 
     # == arrival, pages, peer info, registration ================================================
 
@@ -200,6 +207,10 @@ class DecodeTable(RoomTable):
             r.kv_done = True
             self._end(r, Ending(Reason.TRANSFER_ERROR,
                                 f"KV of {msg.num_tokens} tokens arrived for a prompt of {r.prompt_len}"), now, out)
+        elif self.vocab_size is not None and not 0 <= msg.first_token < self.vocab_size:
+            r.kv_done = True  # every write has landed; only the token is wrong
+            self._end(r, Ending(Reason.TRANSFER_ERROR, f"the first token {msg.first_token} from {r.peer} is not a "
+                                f"token of this model (vocabulary of {self.vocab_size})"), now, out)
         else:
             r.kv_done, r.first_token = True, msg.first_token
             self._timers.cancel(("resend", r.room))
@@ -246,12 +257,15 @@ class DecodeTable(RoomTable):
             out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, r.ending.reason.value)))
         if self._writes_may_land(r):
             r.quarantined = True
+            self._quarantined_pages += len(r.pages)
             out.append(QuarantinePages(r.room, r.pages))
             self._hold(r, self.cfg.quarantine_resend_s, now)
         else:
             self._release(r, now, out)
 
     def _release_memory(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
+        if r.quarantined:
+            self._quarantined_pages -= len(r.pages)
         if r.pages:
             out.append(ReleaseQuarantine(r.room, r.pages) if r.quarantined else FreePages(r.room, r.pages))
 

@@ -82,7 +82,7 @@ class PeerTable:
         return [
             {"peer": str(e.peer), "rooms": len(e.rooms), "silent_s": now - e.last_heard,
              "misses": int((now - e.last_heard) // interval)}
-            for e in sorted(self._live.values(), key=lambda e: e.peer)
+            for e in sorted(list(self._live.values()), key=lambda e: e.peer)
         ]
 
     def canonical(self, now: float = 0.0) -> tuple:

@@ -132,19 +132,23 @@ class PrefillTable(RoomTable):
 
     def _on_late_registration(self, peer: Peer, room: int, now: float, out: list[Action]) -> None:
         """A registration for a room that already ended here: a failure is told again (the peer
-        may not have been known when it happened); a finished room's is a stray duplicate."""
-        ending = self._tombstones[room].ending
-        out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, room, f"registration from {peer} after {ending}"))
-        if ending.outcome is not Outcome.FINISHED:
-            self._refuse_registration(peer, room, ending, out)
+        may not have been known when it happened). A finished room's owner gets its ``KVDone``
+        again: decode re-sends its registration while it waits for the KV, so the first
+        ``KVDone`` was lost (every write had landed before it was sent, so the KV is there)."""
+        tomb = self._tombstones[room]
+        out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, room, f"registration from {peer} after {tomb.ending}"))
+        if tomb.ending.outcome is not Outcome.FINISHED:
+            self._refuse_registration(peer, room, tomb.ending, out)
             self._refresh_tombstone(room, now)
+        elif tomb.peer == peer and tomb.answer is not None:
+            out.append(SendToPeer(peer, tomb.answer))
 
     def _refresh_tombstone(self, room: int, now: float) -> None:
         """We just promised a peer that nothing of this room will be written: remember the room
         a full tombstone lifetime from now, so that a registration sent before the promise and
         still on its way is refused, never acted on (it would write into pages decode freed)."""
         tomb = self._tombstones[room]
-        self._tombstone(room, tomb.ending, tomb.arrived, now)
+        self._tombstone(room, tomb.ending, tomb.arrived, now, tomb.peer, tomb.answer)
 
     def _refuse_registration(self, peer: Peer, room: int, ending: Ending, out: list[Action]) -> None:
         out.append(SendToPeer(peer, protocol.RoomFailed(room, self.incarnation, ending.reason.value)))
@@ -315,9 +319,15 @@ class PrefillTable(RoomTable):
         return r
 
     def _finish(self, r: PrefillRoom, now: float, out: list[Action]) -> None:
-        out.append(SendToPeer(r.peer, protocol.KVDone(r.room, self.incarnation, r.first_token, r.prompt_len)))
+        out.append(SendToPeer(r.peer, self._kv_done(r)))
         r.told_settled = True  # KVDone: every write has landed
         self._end(r, Ending(Reason.TRANSFERRED), now, out)
+
+    def _kv_done(self, r: PrefillRoom) -> protocol.KVDone:
+        return protocol.KVDone(r.room, self.incarnation, r.first_token, r.prompt_len)
+
+    def _answer_again(self, r: PrefillRoom) -> Optional[protocol.KVDone]:
+        return self._kv_done(r) if r.ending.reason is Reason.TRANSFERRED else None
 
     # == the end of a room ======================================================================
 

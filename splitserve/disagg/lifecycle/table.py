@@ -18,8 +18,9 @@ and release or hold memory.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import Any, Optional
 
 from splitserve.disagg.lifecycle.actions import (
     Action, Cancel, CountOutcome, DisconnectPeer, LogTerminal, Notice, NoticeKind, NotifyClient,
@@ -51,10 +52,14 @@ class Room:
 
 @dataclass(frozen=True)
 class Tombstone:
-    """A room id that ended, or was aborted before its request came (``arrived`` False)."""
+    """A room id that ended, or was aborted before its request came (``arrived`` False). ``peer``
+    and ``answer``: whom the room was for, and what to tell that peer again if it asks again
+    (prefill: the ``KVDone`` of a finished room, in case the first one was lost)."""
 
     ending: Ending
     arrived: bool
+    peer: Optional[Peer] = None
+    answer: Any = None
 
 
 class RoomTable:
@@ -68,6 +73,7 @@ class RoomTable:
         self._rooms: dict[int, Room] = {}
         self._tombstones: dict[int, Tombstone] = {}
         self._timers: DeadlineHeap[tuple[str, int]] = DeadlineHeap()
+        self._counts: Counter = Counter()  # rooms by state label (live states, and held), kept per transition
 
     # == the engine loop's API ==================================================================
 
@@ -147,23 +153,31 @@ class RoomTable:
                 and self.peers.next_due() is None)
 
     def counts_by_state(self) -> dict[str, int]:
-        """Gauges: live rooms by state (every state, zeros included), held rooms, tombstones."""
-        counts = {s.value: 0 for s in self._live_states()}
-        held = 0
-        for r in self._rooms.values():
-            if is_terminal(r.state):
-                held += 1
-            else:
-                counts[r.state.value] += 1
-        counts[self._held_label] = held
+        """Gauges: live rooms by state (every state, zeros included), held rooms, tombstones. Kept
+        as each room moves, so asking costs nothing however many rooms there are; any thread may
+        ask (it reads counters the engine loop keeps)."""
+        counts = {s.value: self._counts[s.value] for s in self._live_states()}
+        counts[self._held_label] = self._counts[self._held_label]
         counts["tombstones"] = len(self._tombstones)
         counts.update(self._extra_counts())
         return counts
 
+    def _label(self, state: State) -> str:
+        return self._held_label if is_terminal(state) else state.value
+
+    def _moved(self, before: Optional[State], after: Optional[State]) -> None:
+        """Keep ``_counts`` with a room that moved from ``before`` to ``after`` (None: absent)."""
+        if before is not None:
+            self._counts[self._label(before)] -= 1
+        if after is not None:
+            self._counts[self._label(after)] += 1
+
     def snapshot(self, now: float) -> list[dict]:
-        """The ``/debug/requests`` payload: every live or held room, oldest first."""
+        """The ``/debug/requests`` payload: every live or held room, oldest first. Any thread may
+        ask, without stopping the engine loop: the rooms are copied in one step (atomic in
+        CPython), then each row is read from its room as it is at that moment."""
         rows = []
-        for r in sorted(self._rooms.values(), key=lambda r: (r.born, r.room)):
+        for r in sorted(list(self._rooms.values()), key=lambda r: (r.born, r.room)):
             given = (r.deadline - r.entered) if r.deadline is not None else math.inf
             rows.append({
                 "rid": r.rid,
@@ -186,7 +200,7 @@ class RoomTable:
         clock's origin). The interleaving explorer merges equal states with it."""
         return (
             tuple(sorted((room, _freeze_dataclass(r, now)) for room, r in self._rooms.items())),
-            tuple(sorted((room, t.ending.reason, t.ending.detail, t.arrived)
+            tuple(sorted((room, t.ending.reason, t.ending.detail, t.arrived, t.peer, t.answer)
                          for room, t in self._tombstones.items())),
             tuple(sorted((key, when - now) for key, when in self._timers.items())),
             self.peers.canonical(now),
@@ -204,7 +218,7 @@ class RoomTable:
             ending = tomb.ending if not tomb.arrived else Ending(
                 Reason.BAD_REQUEST, f"room {ev.room} was already used")
             self._refuse(ev, ending, now, out)
-            self._tombstone(ev.room, tomb.ending, arrived=True, now=now)
+            self._tombstone(ev.room, tomb.ending, arrived=True, now=now, peer=tomb.peer, answer=tomb.answer)
             return
         self._admit(ev, now, out)
 
@@ -233,12 +247,14 @@ class RoomTable:
         r = cls(room=ev.room, rid=ev.rid, prompt_len=ev.prompt_len, n_pages=n_pages, born=now,
                 state=state, entered=now)
         self._rooms[ev.room] = r
+        self._moved(None, state)
         return r
 
     def _enter(self, r: Room, state: State, limit_s: float, now: float, out: list[Action]) -> None:
         """Move a live room to live ``state`` with ``limit_s`` to get out of it."""
         assert not is_terminal(r.state) and not is_terminal(state)
         out.append(ObserveStateTime(self.role, r.state, now - r.entered))
+        self._moved(r.state, state)
         r.state, r.entered = state, now
         self._arm(r, limit_s, now)
 
@@ -266,6 +282,7 @@ class RoomTable:
         assert not is_terminal(r.state), f"room {r.room} is already {r.state}"
         last = r.state
         out.append(ObserveStateTime(self.role, last, now - r.entered))
+        self._moved(last, ending.outcome)
         r.state, r.entered, r.ending, r.deadline = ending.outcome, now, ending, None
         self._timers.cancel(("room", r.room))
         out.append(NotifyClient(r.rid, r.room, ending))
@@ -280,13 +297,19 @@ class RoomTable:
         assert is_terminal(r.state)
         self._release_memory(r, now, out)
         del self._rooms[r.room]
+        self._moved(r.state, None)
         self._timers.cancel(("room", r.room))
         self.peers.unbind(r.peer, r.room)
-        self._tombstone(r.room, r.ending, arrived=True, now=now)
+        self._tombstone(r.room, r.ending, arrived=True, now=now, peer=r.peer, answer=self._answer_again(r))
 
-    def _tombstone(self, room: int, ending: Ending, arrived: bool, now: float) -> None:
-        self._tombstones[room] = Tombstone(ending, arrived)
+    def _tombstone(self, room: int, ending: Ending, arrived: bool, now: float, peer: Optional[Peer] = None,
+                   answer: Any = None) -> None:
+        self._tombstones[room] = Tombstone(ending, arrived, peer, answer)
         self._timers.set(("tomb", room), now + self.cfg.tombstone_s)
+
+    def _answer_again(self, r: Room) -> Any:
+        """What a released room's peer is told again if it asks again (see :class:`Tombstone`)."""
+        return None
 
     def _reachable(self, peer: Optional[Peer]) -> bool:
         return peer is not None and not self.peers.is_lost(peer)

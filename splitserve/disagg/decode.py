@@ -1,0 +1,161 @@
+"""The decode role: reserves pages, registers them with the prefill worker, and decodes once the KV
+landed (``docs/protocol.md``). Its table is a :class:`~splitserve.disagg.lifecycle.DecodeTable`.
+
+Pages: a room asks for its prompt's pages (``ReservePages``) and waits in the **page queue** —
+first come, first served — until the allocator has them; the queue holds room ids, and an entry
+whose record no longer wants pages (it ended, was cancelled) is dropped when it reaches the head,
+so an ended room can never block the ones behind it. Reserved pages are the room's record's until
+``StartDecode`` gives them to the room's sequence; pages a remote write may still reach are
+quarantined on the record until the table releases them.
+
+From the engine's step report: each sampled token (``DecodeStep``, or ``Finished`` on the last)
+and a forward pass that failed (``LocalFailure``). A decoding sequence may be preempted and
+recompute its KV locally: its writes have all landed, so the engine may free and reallocate its
+pages as for any sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from splitserve.disagg import protocol as p
+from splitserve.disagg.control import DecodeControl
+from splitserve.disagg.lifecycle import (
+    DecodeStep, DecodeTable, Finished, FromPeer, LocalFailure, PagesReserved, Peer, QuarantinePages, Reason,
+    ReleaseQuarantine, ReservePages, StartDecode,
+)
+from splitserve.disagg.role import DisaggRole, RoomRecord
+from splitserve.disagg.transfer.links import ReceiveLinks
+from splitserve.disagg.transfer_worker import KVNotification, TransferWorker
+from splitserve.engine.engine import StepReport
+from splitserve.engine.io import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class DecodeRole(DisaggRole):
+    name = "decode"
+    links = None
+
+    def _start(self) -> None:
+        opts = {"host": self.advertise_host} if self.server.transfer_backend == "tcp" else {}
+        self.links = ReceiveLinks(self.server.transfer_backend, f"decode-{self.incarnation}", self.engine.kv.buffer,
+                                  **opts)
+        self.transfer = TransferWorker(None, self.loop.post_event, self.faults.transfer, links=self.links)
+        self.table = DecodeTable(self.deadlines, self.incarnation, self.engine.layout.page_size,
+                                 vocab_size=self.engine.spec.vocab_size)
+        self._page_queue: deque[int] = deque()  # rooms waiting for pages, first come first served
+        self.pages_quarantined = 0
+        name = f"{self.advertise_host}:{self.server.port}"
+        self.control = DecodeControl(name, self.info, self.links, self.loop.post_event,
+                                     self.deadlines.heartbeat_interval_s, self.deadlines.prealloc_s,
+                                     self.faults.control, lambda: not self.loop.loop_stalled())
+        self.transfer.start()
+        self.control.start()
+
+    def stats(self) -> dict:
+        stats = super().stats()
+        stats["pages_quarantined"] = self.pages_quarantined
+        stats["links_open"] = len(self.links.writers())
+        stats["links_fenced"] = self.links.fenced
+        return stats
+
+    def _arrived(self, rec, out: list[RequestOutput]) -> None:
+        if rec is not None and not rec.answered:
+            self.control.want_info(rec.room, rec.req.bootstrap.host, rec.req.bootstrap.port)
+
+    def on_event(self, event: object) -> list[RequestOutput]:
+        if isinstance(event, KVNotification):
+            return self._on_notification(event)
+        return super().on_event(event)
+
+    def tick(self, now: float) -> list[RequestOutput]:
+        out = super().tick(now)
+        self._serve_page_queue(out)
+        return out
+
+    def after_step(self, report: StepReport) -> list[RequestOutput]:
+        out: list[RequestOutput] = []
+        for seq, delta in report.sampled:
+            if (rec := self._record_of(seq)) is not None:
+                out.append(delta)
+                self._after_token(rec, delta, out)
+        for seq, failed in report.failed:
+            if (rec := self._record_of(seq)) is not None:
+                out += self._feed(LocalFailure(rec.room, Reason.INTERNAL_ERROR, failed.error))
+        return out
+
+    def _after_token(self, rec: RoomRecord, delta: RequestOutput, out: list[RequestOutput]) -> None:
+        if delta.finished:
+            reason = Reason.STOP if delta.finish_reason == "stop" else Reason.LENGTH
+            out += self._feed(Finished(rec.room, reason))
+        else:
+            out += self._feed(DecodeStep(rec.room))
+
+    def _on_notification(self, ev: KVNotification) -> list[RequestOutput]:
+        try:
+            msg = p.decode(ev.payload)
+        except p.ProtocolError as exc:
+            self.notices["bad_notification"] += 1
+            log.warning("bad transfer notification from %s: %s", ev.agent_name, exc)
+            return []
+        if getattr(msg, "incarnation", None) != ev.peer.incarnation:
+            self.notices["notification_from_unknown_peer"] += 1
+            log.warning("notification %s from %s arrived on the link of %s", type(msg).__name__, ev.agent_name,
+                        ev.peer)
+            return []
+        return self._feed(FromPeer(ev.peer, msg))
+
+    # -- actions --------------------------------------------------------------------------------
+
+    def _do_role(self, a, out: list[RequestOutput]) -> None:
+        if isinstance(a, ReservePages):
+            self.rooms[a.room].want_pages = a.n_pages
+            self._page_queue.append(a.room)  # waits its turn; the PREALLOC deadline bounds it
+            self._serve_page_queue(out)
+        elif isinstance(a, StartDecode):
+            rec = self.rooms[a.room]
+            seq, outputs = self.engine.start_decoding(rec.req, rec.pages, a.first_token)  # checks before it changes
+            rec.seq, rec.pages = seq, []  # the pages are the sequence's now
+            for delta in outputs:
+                out.append(delta)
+                if delta.finished:
+                    self._after_token(rec, delta, out)
+        elif isinstance(a, QuarantinePages):
+            rec = self.rooms[a.room]
+            rec.pages, rec.quarantined = rec.take_pages(), True
+            self.pages_quarantined += len(rec.pages)
+        elif isinstance(a, ReleaseQuarantine):
+            rec = self.rooms.get(a.room)
+            if rec is not None:
+                self.pages_quarantined -= len(rec.pages)
+                rec.quarantined = False
+                self._free_room(a.room)
+        else:
+            super()._do_role(a, out)
+
+    def _serve_page_queue(self, out: list[RequestOutput]) -> None:
+        """Reserve pages for the rooms at the head of the queue while they fit; an entry whose
+        record no longer wants pages is dropped on the way."""
+        queue, allocator = self._page_queue, self.engine.allocator
+        while queue:
+            rec = self.rooms.get(queue[0])
+            if rec is None or not rec.want_pages:
+                queue.popleft()
+                continue
+            if not allocator.can_allocate(rec.want_pages):
+                return  # first come, first served
+            queue.popleft()
+            rec.pages, rec.want_pages = allocator.allocate(rec.want_pages), 0
+            out += self._feed(PagesReserved(rec.room, tuple(rec.pages)))
+
+    def _disconnect(self, peer: Peer) -> None:
+        # The fence, before any page of the peer's rooms is freed by the actions that follow;
+        # then the control thread ends the session (the next room for that address opens a new one).
+        self.links.close(peer)
+        super()._disconnect(peer)
+
+    def _close(self) -> None:
+        if self.links is not None:
+            self.links.close_all()

@@ -1,0 +1,97 @@
+"""The prefill role: runs prompts and writes their KV into the decode worker's pages, chunk by
+chunk (``docs/protocol.md``). Its table is a :class:`~splitserve.disagg.lifecycle.PrefillTable`.
+
+From the engine's step report: a room admitted (``Scheduled``, its pages), a prompt chunk done
+(``ChunkDone``: the full pages start a write), the whole prompt done (``ForwardDone``: the first
+token), a forward pass that failed (``LocalFailure``). Its pages are its sequence's, allocated by
+the scheduler at admission and freed by the table's ``FreePages`` once every write has settled.
+"""
+
+from __future__ import annotations
+
+from splitserve.disagg import protocol as p
+from splitserve.disagg.control import PrefillControl
+from splitserve.disagg.lifecycle import (
+    CancelWrites, ChunkDone, Enqueue, ForwardDone, LocalFailure, Peer, PrefillTable, Reason, ResetTransfer,
+    Scheduled, StartWrite,
+)
+from splitserve.disagg.role import DisaggRole, RoomRecord
+from splitserve.disagg.transfer.base import create_backend, page_spans
+from splitserve.disagg.transfer_worker import Cancel as CancelTransfer
+from splitserve.disagg.transfer_worker import Notify, ResetPeer, TransferWorker, Write
+from splitserve.engine.engine import StepReport
+from splitserve.engine.io import InvalidRequest, RequestOutput
+
+
+class PrefillRole(DisaggRole):
+    name = "prefill"
+    prompt_only = True  # the generated tokens live on decode
+    backend = None
+
+    def _start(self) -> None:
+        layout = self.engine.layout
+        opts = {"host": self.advertise_host} if self.server.transfer_backend == "tcp" else {}
+        self.backend = create_backend(self.server.transfer_backend, f"prefill-{self.incarnation}",
+                                      self.engine.kv.buffer, **opts)
+        self.transfer = TransferWorker(self.backend, self.loop.post_event, self.faults.transfer)
+        self.table = PrefillTable(self.deadlines, self.incarnation, layout.page_size, layout.page_nbytes)
+        self.control = PrefillControl(self.server.host, self.server.bootstrap_port, self.info, self.transfer,
+                                      self.loop.post_event, self.deadlines.heartbeat_interval_s, self.faults.control,
+                                      lambda: not self.loop.loop_stalled())
+        self.transfer.start()
+        self.control.start()
+
+    def after_step(self, report: StepReport) -> list[RequestOutput]:
+        out: list[RequestOutput] = []
+        page_size = self.engine.layout.page_size
+        for seq in report.admitted:
+            if (rec := self._record_of(seq)) is not None:
+                out += self._feed(Scheduled(rec.room, tuple(seq.pages)))
+        for seq in report.chunks:
+            if (rec := self._record_of(seq)) is not None:
+                out += self._feed(ChunkDone(rec.room, seq.num_computed // page_size))
+        for seq in report.first_tokens:
+            if (rec := self._record_of(seq)) is not None:
+                out += self._feed(ForwardDone(rec.room, seq.token_ids[-1]))
+        for seq, failed in report.failed:
+            if (rec := self._record_of(seq)) is not None:
+                out += self._feed(LocalFailure(rec.room, Reason.INTERNAL_ERROR, failed.error))
+        return out
+
+    def _do_role(self, a, out: list[RequestOutput]) -> None:
+        if isinstance(a, Enqueue):
+            rec = self.rooms[a.room]
+            try:
+                rec.seq = self.engine.add_request(rec.req, prefill_only=True)
+            except InvalidRequest as exc:
+                out += self._feed(LocalFailure(a.room, Reason.BAD_REQUEST, str(exc)))
+        elif isinstance(a, StartWrite):
+            spans = tuple(page_spans(a.src_pages, a.dst_pages, self.engine.layout.page_nbytes))
+            self.transfer.submit(Write(a.room, a.write_id, a.peer, spans))
+        elif isinstance(a, CancelWrites):
+            self.transfer.submit(CancelTransfer(a.write_ids))
+        elif isinstance(a, ResetTransfer):
+            self.transfer.submit(ResetPeer(a.peer))
+        else:
+            super()._do_role(a, out)
+
+    def _send(self, peer: Peer, msg) -> None:
+        if isinstance(msg, p.KVDone):  # rides behind the data, as the transfer's notification
+            self.transfer.submit(Notify(peer, p.encode(msg)))
+        else:
+            self.control.send(peer, msg)
+
+    def _success(self, rec: RoomRecord) -> list[RequestOutput]:
+        first = rec.seq.token_ids[-1] if rec.seq is not None else None
+        return [RequestOutput(rid=rec.req.rid, token_ids=(first,) if first is not None else (), finished=True,
+                              finish_reason="prefill_done", prompt_tokens=len(rec.req.prompt_ids),
+                              completion_tokens=0)]
+
+    def _disconnect(self, peer: Peer) -> None:
+        # our side of its transfer: its writes are reported failed (not a fence: decode's is)
+        self.transfer.submit(ResetPeer(peer, forget=True))
+        super()._disconnect(peer)
+
+    def _close(self) -> None:
+        if self.backend is not None:
+            self.backend.close()

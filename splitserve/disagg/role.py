@@ -1,0 +1,330 @@
+"""What the prefill and the decode role share: the room table driven from the engine loop, one
+record per room, and carrying out the table's actions so that nothing stops half way.
+
+The engine loop (``engine/async_engine.py``) calls a role at fixed points; a disaggregated role
+turns each call into lifecycle events for its table (``lifecycle/``) and carries out the actions
+the table returns. **The table decides**; the role only translates between the table and the
+engine, the transfer thread and the control thread.
+
+One record per room (:class:`RoomRecord`): the request, the engine's sequence once there is one,
+and the room's pages. Every other structure is derived from the records: the rid index, decode's
+page queue (rooms, each checked against its record when it reaches the head), the quarantined
+page count (kept as records enter and leave quarantine), the gauges. A record lives from the
+request's arrival until it is answered *and* holds no page; pages have one owner at a time — the
+allocator's free list, the room's record, or (decoding) the room's sequence.
+
+Carrying out actions (:meth:`DisaggRole._execute`) never stops half way: an action that raises is
+logged and counted, its room is failed *through the table* (``LocalFailure(internal_error)``,
+whose actions — the client's answer, freeing or quarantining the pages — run next), and the rest
+of the list still runs. Fields a peer sends are checked against what this worker knows before
+they reach the engine (the table checks a ``KVDone``'s length and first token; the engine refuses
+anything else it cannot hold, changing nothing), so a bad peer fails its room, never the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from splitserve.config import ServerConfig
+from splitserve.disagg.lifecycle import (
+    Cancel, ClientAbort, CountOutcome, Deadlines, DisconnectPeer, FreePages, LocalFailure, LogTerminal, Notice,
+    NotifyClient, ObserveStateTime, Outcome, Peer, RequestArrived, SendToPeer,
+)
+from splitserve.engine.engine import StepReport
+from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
+from splitserve.engine.sequence import Sequence
+from splitserve.outcomes import Ending, Reason
+
+log = logging.getLogger(__name__)
+
+NOTICE_LOG_EVERY = 1000  # after the first few of a kind, one log line per this many (all are counted)
+
+
+@dataclass(eq=False)
+class RoomRecord:
+    """Everything this worker holds for one room."""
+
+    room: int
+    req: GenerateRequest
+    seq: Optional[Sequence] = None
+    """The engine's sequence (prefill: from ``Enqueue``; decode: from ``StartDecode``)."""
+    pages: list[int] = field(default_factory=list)
+    """Pages the room holds itself: decode's reserved pages before ``StartDecode``, and quarantined
+    ones. A sequence's pages are its own (``seq.pages``)."""
+    want_pages: int = 0
+    """Decode: pages asked for while the room waits in the page queue; 0 when it does not."""
+    quarantined: bool = False
+    answered: bool = False
+
+    def take_pages(self) -> list[int]:
+        """Every page the room holds now (its own and its sequence's), no longer held by it."""
+        pages, self.pages = self.pages, []
+        if self.seq is not None:
+            pages, self.seq.pages = pages + self.seq.pages, []
+        return pages
+
+    @property
+    def holds_pages(self) -> bool:
+        return bool(self.pages) or (self.seq is not None and bool(self.seq.pages))
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Fault injection of a disaggregated worker (``--inject-faults``; off by default)."""
+
+    transfer: object = None  # transfer_worker.FaultConfig
+    control: object = None  # control.ControlFaults
+    wedge_loop: bool = False
+
+
+class DisaggRole:
+    name = "disagg"
+    prompt_only = False  # prefill holds the prompt's KV only
+
+    def __init__(self, server: ServerConfig, deadlines: Deadlines, faults: Faults = Faults()):
+        self.server = server
+        self.deadlines = deadlines
+        self.faults = faults
+        self.table = None
+        self.control = None
+        self.transfer = None
+        self.rooms: dict[int, RoomRecord] = {}
+        self.room_of: dict[str, int] = {}  # rid -> room: an index of ``rooms``
+        self.outcomes: Counter = Counter()  # (outcome, reason) -> count, from CountOutcome
+        self.notices: Counter = Counter()
+        self.action_failures = 0
+        self._unwedge = threading.Event()
+        self._wedge_loop = faults.wedge_loop
+        self.clock = time.monotonic  # the only clock the role reads (a simulator swaps it)
+        # set by the worker's metrics (called on the engine loop; the metric objects are thread-safe)
+        self.on_outcome = None
+        self.on_state_time = None
+
+    @property
+    def advertise_host(self) -> str:
+        return self.server.advertise_host or self.server.host
+
+    # -- the Role interface ---------------------------------------------------------------------
+
+    def start(self, loop) -> None:
+        from splitserve.disagg.bootstrap import local_info, new_incarnation
+
+        self.loop = loop
+        self.engine = loop.engine
+        self.incarnation = new_incarnation()
+        self.info = local_info(self.engine.spec, self.engine.layout, self.server.transfer_backend, self.incarnation)
+        self._start()
+
+    def check(self, req: GenerateRequest) -> None:
+        if req.bootstrap is None:
+            raise InvalidRequest(f"this is a {self.name} worker: a request needs bootstrap_host, bootstrap_port "
+                                 "and bootstrap_room (send it through the router)", param="bootstrap_room")
+        self.engine.check_fits(req, prompt_only=self.prompt_only)
+
+    def admit(self, req: GenerateRequest) -> list[RequestOutput]:
+        room = req.bootstrap.room
+        if room in self.rooms:
+            if self.on_outcome is not None:  # never reached the lifecycle, which counts the rest
+                self.on_outcome("failed", Reason.BAD_REQUEST.value)
+            return [RequestOutput.ended(req.rid, Ending(Reason.BAD_REQUEST,
+                                                       f"bootstrap_room {room} is already in use on this worker"))]
+        self.rooms[room] = RoomRecord(room, req)
+        self.room_of[req.rid] = room
+        out = self._feed(RequestArrived(room, req.rid, len(req.prompt_ids)))
+        self._arrived(self.rooms.get(room), out)
+        return out
+
+    def abort(self, rid: str, ending: Ending) -> list[RequestOutput]:
+        room = self.room_of.get(rid)
+        return self._feed(ClientAbort(room, ending.detail)) if room is not None else []
+
+    def on_event(self, event: object) -> list[RequestOutput]:
+        return self._feed(event)
+
+    def tick(self, now: float) -> list[RequestOutput]:
+        if self._wedge_loop and self.table.live_rooms():
+            self._wedge()
+        out: list[RequestOutput] = []
+        self._execute(self.table.expire(now), out)
+        return out
+
+    def after_step(self, report: StepReport) -> list[RequestOutput]:
+        raise NotImplementedError
+
+    def fail_all(self, ending: Ending) -> list[RequestOutput]:
+        """Every live room fails through the table (shutdown, or a bug that escaped): answers,
+        counts and frees by the rules; a request the table never took is answered here."""
+        out: list[RequestOutput] = []
+        for room in self.table.live_rooms():
+            out += self._feed(LocalFailure(room, ending.reason, ending.detail))
+        for rec in list(self.rooms.values()):
+            if not rec.answered:
+                rec.answered = True
+                self.room_of.pop(rec.req.rid, None)
+                out.append(RequestOutput.ended(rec.req.rid, ending))
+        return out
+
+    def wait_s(self, now: float) -> float:
+        due = self.table.next_due()
+        return max(0.001, min(0.05, due - now)) if due is not None else 0.05
+
+    def stats(self) -> dict:
+        counts = self.table.counts_by_state()
+        live = {state.value for state in self.table._live_states()}
+        now = self.clock()
+        return {
+            "queues": {name: n for name, n in counts.items() if name in live},
+            "lifecycle": {name: n for name, n in counts.items() if name not in live},
+            "outcomes": dict(self.outcomes), "notices": dict(self.notices),
+            "peers": self.table.peers.counts(),
+            "peer_silence": {row["peer"]: round(row["silent_s"], 3) for row in self.table.peers.snapshot(now)},
+            "action_failures": self.action_failures,
+        }
+
+    def debug_rows(self, now: float) -> list[dict]:
+        return self.table.snapshot(now)
+
+    def close(self) -> None:
+        self._unwedge.set()
+        for thread in (self.control, self.transfer):
+            if thread is not None:
+                thread.stop()
+        self._close()
+
+    # -- carrying out the table's actions -----------------------------------------------------------
+
+    def _feed(self, event: object) -> list[RequestOutput]:
+        out: list[RequestOutput] = []
+        self._execute(self.table.handle(event, self.clock()), out)
+        return out
+
+    def _execute(self, actions: list, out: list[RequestOutput]) -> None:
+        """Carry out ``actions`` in order; one that raises fails its room through the table (its
+        follow-up actions run next) and the rest still run."""
+        todo = deque(actions)
+        while todo:
+            a = todo.popleft()
+            try:
+                self._do(a, out)
+            except Exception as exc:
+                self.action_failures += 1
+                log.exception("%s: %s failed", self.name, type(a).__name__)
+                detail = f"{type(a).__name__} failed: {type(exc).__name__}: {exc}"
+                if isinstance(a, NotifyClient):  # the answer itself failed: answer plainly
+                    out.append(RequestOutput.ended(a.rid, Ending(Reason.INTERNAL_ERROR, detail)))
+                room = getattr(a, "room", None)
+                if room is not None:
+                    todo.extend(self.table.handle(LocalFailure(room, Reason.INTERNAL_ERROR, detail), self.clock()))
+
+    def _do(self, a, out: list[RequestOutput]) -> None:
+        if isinstance(a, SendToPeer):
+            self._send(a.peer, a.msg)
+        elif isinstance(a, Cancel):
+            self._cancel(a.room)
+        elif isinstance(a, FreePages):
+            self._free_room(a.room)
+        elif isinstance(a, NotifyClient):
+            self._answer(a, out)
+        elif isinstance(a, LogTerminal):
+            log.info(a.line())
+        elif isinstance(a, CountOutcome):
+            outcome = a.outcome.value.lower()
+            self.outcomes[(outcome, a.reason.value)] += 1
+            if self.on_outcome is not None:
+                self.on_outcome(outcome, a.reason.value)
+        elif isinstance(a, ObserveStateTime):
+            if self.on_state_time is not None:
+                self.on_state_time(a.state.value, a.seconds)
+        elif isinstance(a, Notice):
+            self._notice(a)
+        elif isinstance(a, DisconnectPeer):
+            log.warning("peer %s lost: %s", a.peer, a.detail)
+            self._disconnect(a.peer)
+        else:
+            self._do_role(a, out)
+
+    def _notice(self, a: Notice) -> None:
+        n = self.notices[a.kind.value] = self.notices[a.kind.value] + 1
+        if n <= 20 or n % NOTICE_LOG_EVERY == 0:  # a flood of notices must not become a flood of log lines
+            log.info("%s notice %s room=%s %s%s", a.role.value, a.kind.value, a.room, a.detail,
+                     f" ({n} of this kind so far)" if n > 20 else "")
+
+    def _answer(self, a: NotifyClient, out: list[RequestOutput]) -> None:
+        rec = self.rooms.get(a.room)
+        if rec is None or rec.answered:
+            return
+        rec.answered = True
+        self.room_of.pop(rec.req.rid, None)
+        if a.ending.outcome is Outcome.FINISHED:
+            out += self._success(rec)
+        else:
+            out.append(RequestOutput.ended(a.rid, a.ending))
+        self._forget_if_done(rec)
+
+    def _cancel(self, room: int) -> None:
+        rec = self.rooms.get(room)
+        if rec is None:
+            return
+        rec.want_pages = 0  # out of decode's page queue
+        if rec.seq is not None:
+            self.engine.cancel(rec.seq.rid)  # out of every engine queue; its pages stay the room's
+
+    def _free_room(self, room: int) -> None:
+        rec = self.rooms.get(room)
+        if rec is None:
+            return
+        self.engine.allocator.free(rec.take_pages())
+        self._forget_if_done(rec)
+
+    def _forget_if_done(self, rec: RoomRecord) -> None:
+        if rec.answered and not rec.holds_pages and not rec.want_pages and self.rooms.get(rec.room) is rec:
+            del self.rooms[rec.room]
+
+    def _free_unowned(self, seq: Sequence) -> None:
+        """A sequence the engine reports whose room is gone (a bug): never leak its pages."""
+        log.error("%s: the engine reported sequence %s of a room this worker no longer holds", self.name, seq.rid)
+        self.engine.cancel(seq.rid)
+        self.engine.allocator.free(seq.pages)
+        seq.pages = []
+
+    def _record_of(self, seq: Sequence) -> Optional[RoomRecord]:
+        rec = self.rooms.get(seq.room) if seq.room is not None else None
+        if rec is None or rec.seq is not seq:
+            self._free_unowned(seq)
+            return None
+        return rec
+
+    def _wedge(self) -> None:
+        """Fault injection (``wedge_loop``): the loop blocks until shutdown, as if a forward pass
+        never returned, while the control and transfer threads live on."""
+        log.error("injected fault: the engine loop wedges now (until shutdown)")
+        self._wedge_loop = False
+        self._unwedge.wait()
+
+    # -- what each side fills in --------------------------------------------------------------------
+
+    def _start(self) -> None:
+        raise NotImplementedError
+
+    def _arrived(self, rec: Optional[RoomRecord], out: list[RequestOutput]) -> None:
+        """After the table took the request (``rec`` is None if it was answered already)."""
+
+    def _send(self, peer: Peer, msg) -> None:
+        self.control.send(peer, msg)
+
+    def _success(self, rec: RoomRecord) -> list[RequestOutput]:
+        return []
+
+    def _disconnect(self, peer: Peer) -> None:
+        self.control.forget(peer)
+
+    def _do_role(self, a, out: list[RequestOutput]) -> None:
+        raise TypeError(f"{self.name} worker got an unexpected action {a!r}")
+
+    def _close(self) -> None:
+        pass
