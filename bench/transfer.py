@@ -10,7 +10,7 @@ consecutive on both sides. Rows:
 * ``raw nixl, 1 desc``  the same bytes as ONE contiguous raw NIXL write (the best NIXL can do);
 * ``raw nixl, layer-major`` the same spans cut into one descriptor per (layer, K/V) each, i.e.
                         what a layer-major pool would need (same bytes, x ``2*layers`` descriptors);
-* ``raw nixl, 4 KiB``   the same bytes as 4 KiB descriptors (DESIGN §3's scattered case);
+* ``raw nixl, 4 KiB``   the same bytes as 4 KiB descriptors (docs/design.md §3: scattered case);
 * ``torch copy``        one contiguous ``Tensor.copy_`` of the same bytes (memory bandwidth);
 * ``tcp backend``       our ZMQ backend over loopback, same spans (``--no-tcp`` skips it).
 
@@ -170,7 +170,7 @@ def main() -> None:
                    for s in spans for k in range(cuts)], dtype=np.uint64)
     results.append(("raw nixl, layer-major descs", len(lm), median_time(lambda: raw.write(lm), args.iters)))
     check()
-    small = 4096  # DESIGN §3's measurement: the same bytes as 4 KiB descriptors
+    small = 4096  # docs/design.md §3: measurement: the same bytes as 4 KiB descriptors
     tiny = np.array([(s.local_offset + o, s.remote_offset + o, small) for s in spans
                      for o in range(0, s.nbytes, small)], dtype=np.uint64)
     results.append(("raw nixl, 4 KiB descs", len(tiny), median_time(lambda: raw.write(tiny), args.iters)))

@@ -1,3 +1,3 @@
-"""splitserve: an LLM server with disaggregated prefill and decode (see ../shared/DESIGN.md)."""
+"""splitserve: an LLM server with disaggregated prefill and decode (see docs/design.md)."""
 
 __version__ = "0.1.0"

@@ -918,7 +918,6 @@ def test_no_late_write_lands_after_the_partition_heals():
         print(f"\n(e) late write after a partition: {time.monotonic() - started:.1f}s")
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1: two decodes that advertise the same address share one identity")
 def test_two_decodes_on_two_hosts_with_the_same_address_are_two_peers():
     """Finding 1: two decode workers on two hosts, both started with ``--host 0.0.0.0 --port N``
     (namespaces ``a`` and ``b``), advertise the same address. They are two peers all the same: a

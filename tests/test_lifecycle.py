@@ -1,4 +1,4 @@
-"""Unit tests of the request lifecycle (DESIGN §2), one rule at a time, with a fake clock.
+"""Unit tests of the request lifecycle (docs/design.md §2), one rule at a time, with a fake clock.
 
 Each test is named for the rule it proves (``test_rule<N>_...``); ``docs/lifecycle.md`` lists
 them by rule. Every order of events at once is the business of ``test_lifecycle_interleavings.py``.

@@ -50,7 +50,8 @@ class DecodeRole(DisaggRole):
         name = f"{self.advertise_host}:{self.server.port}"
         self.control = DecodeControl(name, self.info, self.links, self.loop.post_event,
                                      self.deadlines.heartbeat_interval_s, self.deadlines.prealloc_s,
-                                     self.faults.control, lambda: not self.loop.loop_stalled())
+                                     self.faults.control, lambda: not self.loop.loop_stalled(),
+                                     silence_s=self.deadlines.peer_silence_s)
         self.transfer.start()
         self.control.start()
 

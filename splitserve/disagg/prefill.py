@@ -37,7 +37,8 @@ class PrefillRole(DisaggRole):
         self.table = PrefillTable(self.deadlines, self.incarnation, layout.page_size, layout.page_nbytes)
         self.control = PrefillControl(self.server.host, self.server.bootstrap_port, self.info, self.transfer,
                                       self.loop.post_event, self.deadlines.heartbeat_interval_s, self.faults.control,
-                                      lambda: not self.loop.loop_stalled())
+                                      lambda: not self.loop.loop_stalled(), silence_s=self.deadlines.peer_silence_s,
+                                      ended_s=self.deadlines.tombstone_s)
         self.transfer.start()
         self.control.start()
 

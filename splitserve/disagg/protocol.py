@@ -4,8 +4,8 @@ Every control message is a frozen dataclass registered under a short type tag. O
 message is one msgpack map ``{"v": PROTOCOL_VERSION, "t": tag, "f": {field: value}}``. Decoding
 is strict, because control-plane input is untrusted: a frame that is too large, not msgpack, of
 another protocol version, of an unknown type, missing a field, carrying an unknown field, or with a
-field of the wrong type raises :class:`ProtocolError` (the listener logs and counts it, and goes
-on). Nothing is dispatched by method-name strings: the receiver matches on the class.
+field of the wrong type — an integer outside 64 bits, a string over 1 KiB — raises
+:class:`ProtocolError` (the listener logs and counts it, and goes on). Nothing is dispatched by method-name strings: the receiver matches on the class.
 
 The flows (``docs/protocol.md`` has the full picture):
 
@@ -49,6 +49,17 @@ def message(tag: str):
         return cls
 
     return wrap
+
+
+_FIELDS: dict[type, dict[str, object]] = {}  # message class -> {field: type hint}, filled on first use
+
+
+def _fields_of(cls) -> dict[str, object]:
+    hints = _FIELDS.get(cls)
+    if hints is None:
+        all_hints = typing.get_type_hints(cls)
+        hints = _FIELDS[cls] = {f.name: all_hints[f.name] for f in dataclasses.fields(cls)}
+    return hints
 
 
 @message("get_info")
@@ -182,22 +193,29 @@ def decode(frame: bytes):
     fields = obj["f"]
     if not isinstance(fields, dict):
         raise ProtocolError(f"{cls.TAG}: fields are not a map")
-    hints = typing.get_type_hints(cls)
-    expected = {f.name for f in dataclasses.fields(cls)}
-    if set(fields) != expected:
-        missing, extra = expected - set(fields), set(fields) - expected
+    hints = _fields_of(cls)
+    if fields.keys() != hints.keys():
+        missing, extra = hints.keys() - fields.keys(), fields.keys() - hints.keys()
         raise ProtocolError(f"{cls.TAG}: missing fields {sorted(missing)}, unknown fields {sorted(map(str, extra))}")
     for name, value in fields.items():
         _check_type(cls.TAG, name, value, hints[name])
     return cls(**fields)
 
 
+MAX_INT = 2**63 - 1  # every integer field (rooms, tokens, lengths, page ids) fits a signed 64-bit int
+MAX_STR = 1024  # names, incarnations, reasons, request ids: short strings; longer is not ours
+
+
 def _check_type(tag: str, name: str, value, hint) -> None:
     if hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = isinstance(value, int) and not isinstance(value, bool) and -MAX_INT <= value <= MAX_INT
     elif typing.get_origin(hint) is list:  # list[int]: page ids
-        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+        ok = isinstance(value, list) and all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= MAX_INT for v in value)
+    elif hint is str:
+        ok = isinstance(value, str) and len(value) <= MAX_STR
     else:
         ok = isinstance(value, hint)
     if not ok:
-        raise ProtocolError(f"{tag}.{name}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+        shown = type(value).__name__ if not isinstance(value, (int, str)) else f"{type(value).__name__} out of range"
+        raise ProtocolError(f"{tag}.{name}: expected {getattr(hint, '__name__', hint)}, got {shown}")

@@ -33,7 +33,7 @@ from typing import Optional
 from splitserve.config import ServerConfig
 from splitserve.disagg.lifecycle import (
     Cancel, ClientAbort, CountOutcome, Deadlines, DisconnectPeer, FreePages, LocalFailure, LogTerminal, Notice,
-    NotifyClient, ObserveStateTime, Outcome, Peer, RequestArrived, SendToPeer,
+    NotifyClient, ObserveStateTime, Outcome, Peer, PeerHeard, RequestArrived, SendToPeer,
 )
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
@@ -147,9 +147,13 @@ class DisaggRole:
         return self._feed(event)
 
     def tick(self, now: float) -> list[RequestOutput]:
+        """Liveness first (taken from the control thread, never queued behind a burst of events),
+        then what is due by the clock."""
         if self._wedge_loop and self.table.live_rooms():
             self._wedge()
         out: list[RequestOutput] = []
+        for peer, fresh in self.control.take_heard().items():
+            self._execute(self.table.handle(PeerHeard(peer, fresh), now), out)
         self._execute(self.table.expire(now), out)
         return out
 
@@ -184,6 +188,10 @@ class DisaggRole:
             "peers": self.table.peers.counts(),
             "peer_silence": {row["peer"]: round(row["silent_s"], 3) for row in self.table.peers.snapshot(now)},
             "action_failures": self.action_failures,
+            "control": self.control.sizes(),
+            "bad_frames": dict(self.control.bad_frames),
+            "transfer_peers": self.transfer.peer_count(),
+            "thread_restarts": {t.name: t.restarts for t in (self.control, self.transfer)},
         }
 
     def debug_rows(self, now: float) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Supervised helper threads (DESIGN §2, rule 8): a thread that dies silently pins every request
+"""Supervised helper threads (docs/design.md, rule 8): a thread that dies silently pins every request
 that waits on it. A :class:`SupervisedThread` runs ``serve()`` in a loop; an exception is logged,
 counted, handed to ``on_crash`` (which fails the rooms the thread was working on) and the thread
 starts ``serve()`` again after a short pause. ``stop()`` ends it for good.

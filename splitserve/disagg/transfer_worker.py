@@ -117,6 +117,10 @@ class TransferWorker(SupervisedThread):
         """Thread-safe: queue a command for the transfer thread."""
         self._commands.put(command)
 
+    def peer_count(self) -> int:
+        """Peers with a transfer connection now (prefill: a NIXL remote agent each); any thread."""
+        return len(self._agents)
+
     # -- the thread ---------------------------------------------------------------------------
 
     def serve(self) -> None:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -43,6 +44,7 @@ MAX_SEED = 2**63
 MAX_ROOM = 2**63
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
+_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]")  # a name, IPv4 or [IPv6]
 _ABSENT = object()
 _ANY_BOOL = object()  # a switch with no effect on the tokens (logging, reasoning display): any boolean
 
@@ -197,6 +199,8 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     if rid is not None and (not rid or len(rid) > 256 or not rid.isprintable() or any(c.isspace() for c in rid)):
         raise InvalidRequest("rid must be 1 to 256 printable characters without spaces", "rid")
     bootstrap_host = _opt_str(body, "bootstrap_host", "")
+    if bootstrap_host is not None and not _HOST.fullmatch(bootstrap_host):
+        raise InvalidRequest("bootstrap_host must be a host name or an IP address", "bootstrap_host")
     bootstrap_port = _opt_int(body, "bootstrap_port", "", minimum=1, maximum=65535)
     bootstrap_room = _opt_int(body, "bootstrap_room", "", minimum=0, maximum=MAX_ROOM - 1)
 

@@ -48,6 +48,21 @@ class WorkerMetrics:
                            "Prefill/decode: seconds since each live peer was last heard from (declared lost after "
                            "heartbeat_interval_s x heartbeat_misses).", ["role", "peer"],
                            callback=lambda: {(role, k): v for k, v in (self._stat("peer_silence") or {}).items()})
+            registry.gauge("splitserve_control_sessions", "Prefill/decode: control sessions with peers known now "
+                           "(each silent one is ended after the peer-silence bound).", ["role"],
+                           callback=lambda: self._of_role("control", "sessions"))
+            registry.gauge("splitserve_control_ended_sessions", "Prefill: decode sessions that ended and are "
+                           "remembered (never answered again; forgotten after --tombstone-s).", ["role"],
+                           callback=lambda: self._of_role("control", "ended"))
+            registry.gauge("splitserve_transfer_peers", "Prefill: peers with a transfer connection (a NIXL remote "
+                           "agent each).", ["role"], callback=lambda: self._of_role("transfer_peers"))
+            registry.gauge("splitserve_control_bad_frames_total", "Prefill/decode: control frames dropped "
+                           "since start, by why (identity, frames, decode, incarnation, unregistered, ...).",
+                           ["role", "why"],
+                           callback=lambda: {(role, k): n for k, n in (self._stat("bad_frames") or {}).items()})
+            registry.gauge("splitserve_thread_restarts_total", "Prefill/decode: restarts of each supervised "
+                           "thread since start (a crash that was caught).", ["role", "thread"],
+                           callback=lambda: {(role, k): n for k, n in (self._stat("thread_restarts") or {}).items()})
         if role == "decode":
             registry.gauge("splitserve_receive_links_open", "Decode: receiving links open, one per prefill session.",
                            callback=lambda: self._stat("links_open"))
@@ -78,6 +93,13 @@ class WorkerMetrics:
         self.ttft_seconds = registry.histogram("splitserve_time_to_first_token_seconds",
                                                "Time from arrival to the first generated token.",
                                                ["role", "endpoint"], buckets=LATENCY_BUCKETS)
+
+    def _of_role(self, key: str, part: str | None = None):
+        """``{(role,): value}`` of one stat (or one part of it), nothing while there is none."""
+        value = self._stat(key)
+        if part is not None:
+            value = (value or {}).get(part)
+        return {(self.role,): value} if value is not None else None
 
     def _stat(self, key: str):
         """One field of ``engine.stats()``; None (no sample) until the engine has started."""

@@ -17,7 +17,7 @@ The engine loop owns one table per role (``PrefillTable`` or ``DecodeTable``) an
 where ``execute`` carries out the returned actions in order (send a control message, start a
 write, free or quarantine pages, answer the client, log and count the end). Nothing in this
 package reads a clock, sleeps, locks or does I/O: ``now`` is an argument, so tests drive every
-order of events with a fake clock. The rules it enforces (DESIGN §2) and the tests that prove each
+order of events with a fake clock. The rules it enforces (docs/design.md §2) and the tests that prove each
 are listed in ``docs/lifecycle.md``.
 """
 

@@ -5,7 +5,7 @@ The order matters in one place: ``DisconnectPeer`` comes before the ``FreePages`
 sure none of its writes can still land.
 
 Every terminal transition emits exactly one ``NotifyClient``, one ``LogTerminal`` and one
-``CountOutcome`` (DESIGN §2, rule 7). Everything else worth a line and a counter (a rejected
+``CountOutcome`` (docs/design.md, rule 7). Everything else worth a line and a counter (a rejected
 message, a tombstone, a transfer reset) is a ``Notice``.
 """
 

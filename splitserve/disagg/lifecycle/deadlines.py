@@ -1,6 +1,6 @@
 """Deadlines: how long each non-terminal state may last, and the heap that enforces them.
 
-Every live room has exactly one pending deadline (DESIGN §2, rule 3); so do the things that are
+Every live room has exactly one pending deadline (docs/design.md, rule 3); so do the things that are
 not rooms but must not live forever: a registration that came before its request, a tombstone, a
 terminal room still holding memory, a peer's heartbeat. They all sit in a :class:`DeadlineHeap`
 keyed by what they guard. Changing a key's deadline pushes a new entry and leaves the old one in

@@ -14,7 +14,7 @@ that moment prefill may write into those pages, so a room that ends before ``KVD
 with nothing in flight) or is declared lost. While quarantined, the room re-sends its abort every
 ``quarantine_resend_s``: prefill answers for a room it has released, so a lost message costs a
 delay, never the pages. There is deliberately no timeout that frees quarantined pages: freeing
-them early is how late writes garble other requests' output (DESIGN §2, rule 6). "Declared lost"
+them early is how late writes garble other requests' output (docs/design.md, rule 6). "Declared lost"
 is safe because the engine closes the lost session's receiving link (the fence) before it frees
 anything; a prefill that answers ``peer_lost`` (it declared our session lost, and will never vouch
 for its writes) gets the session declared lost here too.

@@ -1,6 +1,6 @@
 """Events: what the engine loop feeds into a room table, each with the current time beside it.
 
-Other threads never call a table: they post these to the engine loop's inbox (DESIGN §2, rule 1).
+Other threads never call a table: they post these to the engine loop's inbox (docs/design.md, rule 1).
 The HTTP front end posts ``RequestArrived`` and ``ClientAbort``; the ZMQ listener posts
 ``FromPeer`` (a decoded control message), ``PeerHeard`` (heartbeat answers) and ``PeerLost``; the
 transfer thread posts ``WriteDone`` / ``WriteFailed``; the engine itself posts the rest as its

@@ -4,14 +4,14 @@ A worker's KV pool is ONE page-major tensor (``engine/kv_pool.py``), so a page o
 contiguous span and consecutive page ids are one span too. A backend registers that tensor once at
 construction; a transfer is a list of :class:`Span` (local offset, remote offset, length), built by
 :func:`page_spans`, which merges runs of pages that are consecutive on *both* sides so that a
-request's KV crosses in few descriptors (descriptor count, not bytes, sets the speed: DESIGN §3).
+request's KV crosses in few descriptors (descriptor count, not bytes, sets the speed: docs/design.md §3).
 
 Roles. The prefill worker is the writer: it learns the decode worker's :meth:`~TransferBackend.metadata`
 through the handshake, calls :meth:`~TransferBackend.add_peer`, then :meth:`~TransferBackend.write`
 spans into the decode worker's pool and :meth:`~TransferBackend.poll` s the returned handle. The
 decode worker only receives: it reads :meth:`~TransferBackend.notifications` to learn that bytes
 have landed. Peers are named by their agent name, which carries the process incarnation, so a peer
-restarted on the same address is a different peer (DESIGN §3); notifications name the *writer's*
+restarted on the same address is a different peer (docs/design.md §3); notifications name the *writer's*
 agent name.
 
 Ordering contract (what every backend guarantees, and no more):
@@ -30,7 +30,7 @@ so the caller has one failure path. :meth:`~TransferBackend.poll` never raises f
 either. A write that never completes stays PENDING: the caller's deadline (``transfer_timeout``)
 ends it, and :meth:`~TransferBackend.release` drops it. Releasing a pending write stops what has
 not been sent where the backend can, but bytes already on the wire may still land (NIXL's cancel
-does not recall them): the receiver keeps the pages of a failed room quarantined (DESIGN §2 rule 6)
+does not recall them): the receiver keeps the pages of a failed room quarantined (docs/design.md, rule 6)
 until the writer says its writes settled or the receiver fences it by closing the writer's
 receiving link (``links.py``: closing a backend is what fences).
 

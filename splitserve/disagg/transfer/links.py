@@ -10,7 +10,7 @@ same pool tensor) per writer incarnation, and gives that writer the link's metad
 link (its sockets close, so bytes still on the wire are refused by the kernel; the writer sees
 ``NIXL_ERR_REMOTE_DISCONNECT``); for tcp it stops the link's receiver thread and closes its socket.
 When :meth:`ReceiveLinks.close` returns, nothing written through that link can land any more, and
-the pages it could reach may be reused (DESIGN §2 rule 6). ``tests/test_receive_links.py`` shows it
+the pages it could reach may be reused (docs/design.md, rule 6). ``tests/test_receive_links.py`` shows it
 for each backend with a writer that keeps writing while the link closes.
 
 Intra-host shared-memory transports (UCX ``sm``/``cma``) write from the writer's process directly

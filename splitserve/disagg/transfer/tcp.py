@@ -314,7 +314,7 @@ class _Receiver(threading.Thread):
                     self._drain(sock)
                 except zmq.ContextTerminated:
                     break
-                except Exception:  # never die silently (DESIGN §2 rule 8): log, breathe, go on
+                except Exception:  # never die silently (docs/design.md, rule 8): log, breathe, go on
                     log.exception("tcp receiver of %r: unexpected error; continuing", self._agent_name)
                     time.sleep(0.01)
         finally:

@@ -1,0 +1,300 @@
+"""Decode's control thread: one DEALER socket per prefill address and session.
+
+A **session** is one socket (identity ``name#incarnation#session``, the session number unique in
+this process), one bootstrap-info fetch, one incarnation of the prefill and one receiving link
+(``transfer/links.py``). In order:
+
+1. ``connect``: a new socket; ``GetInfo`` until the ``Info`` comes (every ``INFO_RETRY_S``);
+2. the info: incompatible — the waiting rooms get it with the mismatch (they fail naming the
+   field); compatible — a receiving link is opened for this session and ``RegisterPeer`` sent
+   (again every ``INFO_RETRY_S`` until ``PeerRegistered``). A link that cannot be opened fails the
+   waiting rooms at once (``LocalFailure``, naming why) and ends the session;
+3. ``PeerRegistered``: the session is **ready**; waiting rooms get ``PeerInfo`` and register. A room
+   is never handed a session whose link prefill does not hold (prefill would drop its
+   registrations).
+
+A session ends — its socket and link closed, and the next room for that address opens a new one —
+when the engine loop declares it lost (``forget``; only that exact session, never another one of
+the same address), when its link registration goes unanswered or its prefill silent for the
+peer-silence bound (``PeerLost`` is posted), and when a heartbeat answer shows another incarnation
+on its address (the prefill restarted: the old incarnation's session ends with ``PeerLost`` and a
+new session meets the new one). Every per-peer structure is bounded: sessions by silence (and at
+most ``MAX_PREFILLS`` addresses at a time), waiting rooms by their deadline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import zmq
+
+from splitserve.disagg import protocol as p
+from splitserve.disagg.bootstrap import first_mismatch
+from splitserve.disagg.control.base import MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults, ControlThread, identity
+from splitserve.disagg.lifecycle import FromPeer, LocalFailure, Peer, PeerInfo, PeerLost, Reason
+from splitserve.disagg.transfer.links import ReceiveLinks
+
+log = logging.getLogger(__name__)
+
+MAX_PREFILLS = 1024
+
+
+@dataclass(eq=False)
+class _Session:
+    """What decode knows of one prefill address now."""
+
+    sock: zmq.Socket
+    name: str  # host:port
+    session: int
+    info: Optional[p.Info] = None
+    mismatch: Optional[str] = None
+    ready: bool = False  # info compatible and link registered (or incompatible: rooms fail at once)
+    link: Optional[p.RegisterPeer] = None  # our receiving link's registration, until answered
+    link_since: float = 0.0
+    link_sent_at: float = 0.0
+    asked_at: float = 0.0
+    last_heard: float = 0.0
+    waiting: list = field(default_factory=list)  # (room, since): rooms waiting until the session is ready
+
+    @property
+    def peer(self) -> Optional[Peer]:
+        return Peer(self.name, self.info.incarnation, self.session) if self.info else None
+
+
+class DecodeControl(ControlThread):
+    """Decode side: one DEALER per prefill address; fetches and checks bootstrap info, and opens a
+    receiving link (``transfer/links.py``) for each session it registers."""
+
+    INFO_RETRY_S = 1.0
+
+    def __init__(self, name: str, ours: p.Info, links: ReceiveLinks, post: Callable[[object], None],
+                 heartbeat_s: float, info_wait_s: float, faults: Optional[ControlFaults] = None,
+                 loop_alive: Optional[Callable[[], bool]] = None, silence_s: Optional[float] = None):
+        super().__init__("control-decode", ours.incarnation, post, heartbeat_s, faults, loop_alive)
+        self._info_wait_s = info_wait_s  # a room waits this long for its session (its PREALLOC limit)
+        self._silence_s = silence_s if silence_s is not None else 5 * heartbeat_s
+        self.name = name
+        self.ours = ours
+        self._links = links
+        self._prefills: dict[str, _Session] = {}
+        self._session_ids = itertools.count(1)  # unique in this process: identities never repeat
+        self._requests: "queue.Queue[tuple[int, str]]" = queue.Queue()
+        self.ctx = zmq.Context.instance()
+
+    def want_info(self, room: int, host: str, port: int) -> None:
+        """Thread-safe: post ``PeerInfo`` for ``room`` once a session with the prefill at
+        host:port is ready (or ``LocalFailure`` if none can be)."""
+        self._requests.put((room, f"{host}:{port}"))
+        self._wake()
+
+    def sizes(self) -> dict[str, int]:
+        """Per-peer structures, for the metrics (read from any thread)."""
+        return {"sessions": len(self._prefills)}
+
+    # -- the thread ---------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        while not self.stopping.is_set():
+            poller = zmq.Poller()
+            for pf in self._prefills.values():
+                poller.register(pf.sock, zmq.POLLIN)
+            poller.register(self._wake_r, zmq.POLLIN)
+            ready = dict(poller.poll(POLL_MS))
+            if self._wake_r in ready:
+                self._drain_wake()
+            self._take_requests()
+            for pf in list(self._prefills.values()):
+                if pf.sock in ready and self._prefills.get(pf.name) is pf:
+                    self._receive(pf)
+            self._flush_outbox()
+            now = self.clock()
+            for pf in list(self._prefills.values()):
+                if self._prefills.get(pf.name) is pf:  # not ended by the one before
+                    self._tick(pf, now)
+            if self._heartbeat_due():
+                for pf in self._prefills.values():
+                    if pf.info is not None:
+                        self._send_faulty(self._on_socket(pf), p.encode(p.Heartbeat(self.incarnation, self._hb_seq)))
+
+    def _take_requests(self) -> None:
+        while True:
+            try:
+                room, name = self._requests.get_nowait()
+            except queue.Empty:
+                return
+            pf = self._prefills.get(name)
+            if pf is None:
+                if len(self._prefills) >= MAX_PREFILLS:
+                    self._post(LocalFailure(room, Reason.OVERLOADED, f"this decode worker talks to {MAX_PREFILLS} "
+                                                                     "prefill addresses already"))
+                    continue
+                pf = self._connect(name)
+                if pf is None:
+                    self._post(LocalFailure(room, Reason.BAD_REQUEST, f"cannot connect to the prefill at {name}"))
+                    continue
+            if pf.ready:
+                self._post(PeerInfo(room, pf.peer, pf.mismatch))
+            else:
+                pf.waiting.append((room, self.clock()))
+
+    def _connect(self, name: str, waiting: Optional[list] = None) -> Optional[_Session]:
+        session = next(self._session_ids)
+        try:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+            sock.setsockopt(zmq.IDENTITY, identity(Peer(self.name, self.incarnation, session)))
+            sock.connect(f"tcp://{name}")
+        except zmq.ZMQError as exc:
+            log.warning("cannot connect to the prefill at %s: %s", name, exc)
+            sock.close(0)
+            return None
+        now = self.clock()
+        pf = self._prefills[name] = _Session(sock, name, session, last_heard=now, waiting=waiting or [])
+        self._ask_info(pf, now)
+        return pf
+
+    def _end(self, pf: _Session, why: str, lost: bool = True) -> None:
+        """End a session: its socket and link closed; with ``lost`` (it had a prefill), ``PeerLost``
+        posted so the engine fails what is bound to it. Rooms still waiting move to a new session."""
+        if self._prefills.get(pf.name) is pf:
+            del self._prefills[pf.name]
+        pf.sock.close(0)
+        if pf.peer is not None:
+            self._links.close(pf.peer)  # idempotent: the engine may have fenced it already
+            if lost:
+                log.warning("session %s ended: %s", pf.peer, why)
+                self._post(PeerLost(pf.peer, why))
+        waiting, pf.waiting = pf.waiting, []
+        if waiting:
+            self._connect(pf.name, waiting)
+
+    def _forget(self, peer: Peer) -> None:
+        """The engine loop declared ``peer`` lost (it closed the receiving link first, the fence):
+        end that session — that exact one, never another session of the same address."""
+        pf = self._prefills.get(peer.name)
+        if pf is not None and pf.peer == peer:
+            self._end(pf, "declared lost", lost=False)
+        self._links.close(peer)
+
+    def _tick(self, pf: _Session, now: float) -> None:
+        pf.waiting = [(room, since) for room, since in pf.waiting if now - since <= self._info_wait_s]
+        if pf.info is None:
+            if not pf.waiting:  # nobody waits for this address any more (the rooms' deadlines failed them)
+                self._end(pf, "no room waits for it", lost=False)
+            elif now - pf.asked_at > self.INFO_RETRY_S:
+                self._ask_info(pf, now)
+            return
+        if pf.link is not None:
+            if now - pf.link_since > self._silence_s:
+                self._end(pf, f"its link registration was not answered in {now - pf.link_since:.1f}s")
+            elif now - pf.link_sent_at > self.INFO_RETRY_S:
+                self._send_link(pf, now)
+        elif now - pf.last_heard > self._silence_s:
+            self._end(pf, f"silent for {now - pf.last_heard:.1f}s")
+
+    def _ask_info(self, pf: _Session, now: float) -> None:
+        pf.asked_at = now
+        self._send_faulty(self._on_socket(pf), p.encode(p.GetInfo(self.incarnation)))
+
+    def _send_link(self, pf: _Session, now: float) -> None:
+        pf.link_sent_at = now
+        self._send_faulty(self._on_socket(pf), p.encode(pf.link))
+
+    def _on_socket(self, pf: _Session) -> Callable[[bytes], None]:
+        return lambda frame: self._try_send(pf, frame)
+
+    def _try_send(self, pf: _Session, frame: bytes) -> None:
+        if pf.sock.closed:  # the session ended while this frame was delayed
+            return
+        try:
+            pf.sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:  # nobody there and the queue is full: the rooms' deadlines handle it
+            log.debug("control message to %s dropped: its queue is full", pf.name)
+
+    def _receive(self, pf: _Session) -> None:
+        for _ in range(MAX_FRAMES_PER_POLL):
+            try:
+                frame = pf.sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = self._decode(frame, pf.name)
+                if msg is not None:
+                    self._dispatch(pf, msg, self.clock())
+            except Exception as exc:  # a frame can only be dropped, whatever it holds
+                self._drop("error", f"from {pf.name}: {type(exc).__name__}: {exc}")
+            if self._prefills.get(pf.name) is not pf:
+                return  # the session ended on that frame
+
+    def _dispatch(self, pf: _Session, msg, now: float) -> None:
+        if isinstance(msg, p.Info):
+            self._learn(pf, msg, now)
+            return
+        incarnation = getattr(msg, "incarnation", None)
+        if pf.info is None or incarnation != pf.info.incarnation:
+            if isinstance(msg, p.HeartbeatAck) and pf.info is not None:
+                self._end(pf, f"{pf.name} restarted as incarnation {incarnation}")  # a new session meets it
+            elif not isinstance(msg, p.Heartbeat):
+                self._drop("incarnation", f"{type(msg).__name__} from {pf.name} of incarnation {incarnation!r}")
+            return
+        pf.last_heard = now
+        self._note_heard(pf.peer, fresh=isinstance(msg, p.HeartbeatAck))
+        if isinstance(msg, p.Heartbeat):
+            if self._loop_ok():
+                self._send_faulty(self._on_socket(pf), p.encode(p.HeartbeatAck(self.incarnation, msg.seq)))
+        elif isinstance(msg, p.HeartbeatAck):
+            pass  # liveness, noted above
+        elif isinstance(msg, p.PeerRegistered):
+            if pf.link is not None and msg.agent_name == pf.link.agent_name:
+                pf.link = None
+                self._make_ready(pf)
+        elif isinstance(msg, (p.RoomFailed, p.WritesSettled)):
+            self._post(FromPeer(pf.peer, msg))
+        else:
+            self._drop("unexpected", f"{type(msg).__name__} from {pf.name}")
+
+    def _learn(self, pf: _Session, info: p.Info, now: float) -> None:
+        if pf.info is not None:
+            if info.incarnation != pf.info.incarnation:
+                self._end(pf, f"{pf.name} restarted as incarnation {info.incarnation}")
+            return  # a duplicate answer
+        pf.info, pf.last_heard = info, now
+        pf.mismatch = first_mismatch(self.ours, info)
+        if pf.mismatch is not None:
+            self._make_ready(pf)  # its rooms fail naming the field; no link for an incompatible peer
+            return
+        try:
+            agent, metadata = self._links.open(pf.peer)
+        except Exception as exc:
+            detail = f"cannot open a receiving link for {pf.peer}: {type(exc).__name__}: {exc}"
+            log.error("%s", detail)
+            for room, _ in pf.waiting:
+                self._post(LocalFailure(room, Reason.INTERNAL_ERROR, detail))
+            pf.waiting = []
+            self._end(pf, detail, lost=False)
+            return
+        pf.link, pf.link_since = p.RegisterPeer(self.incarnation, info.incarnation, agent, metadata), now
+        self._send_link(pf, now)
+
+    def _make_ready(self, pf: _Session) -> None:
+        pf.ready = True
+        for room, _ in pf.waiting:
+            self._post(PeerInfo(room, pf.peer, pf.mismatch))
+        pf.waiting = []
+
+    def _send_frame(self, peer: Peer, frame: bytes) -> None:
+        pf = self._prefills.get(peer.name)
+        # never hand a message meant for one incarnation or session to another
+        if pf is not None and pf.peer == peer:
+            self._try_send(pf, frame)
+
+    def close(self) -> None:
+        self.stop()
+        for pf in self._prefills.values():
+            pf.sock.close(0)
+        self._close_wake()

@@ -1,0 +1,223 @@
+"""Prefill's control thread: one ROUTER socket on the bootstrap port, every decode session's
+frames through it.
+
+Sessions, by their full identity (``docs/protocol.md``): a decode *session* registers its
+receiving link (``RegisterPeer``) and is then **registered** here: heartbeated, its room
+messages posted to the engine loop as ``FromPeer``. Nothing here is keyed by name alone — two
+decodes that advertise one address are two peers (their incarnations differ); a decode's session
+n+1 replaces only its own earlier sessions. A session ends when:
+
+- the engine loop declares it lost (``forget``), or
+- it has been silent for the peer-silence bound (``silence_s``): its transfer connection is
+  dropped and ``PeerLost`` posted, so a decode that died idle leaves nothing behind;
+
+an ended session is remembered (``ended_s``, and at most ``MAX_ENDED``) and never answered again
+but with ``room_failed(peer_lost)``, so that a decode that still lives ends it too and opens the
+next. A room message from a session that is not registered is dropped and counted; a
+``RegisterRoom`` that keeps coming from one (its ``RegisterPeer`` lost, or never sent) is answered
+``room_failed(peer_lost)`` once it has waited ``silence_s``, so the pair never stays broken.
+
+Every per-peer structure here is bounded: registered sessions by silence, ended ones by time and
+count, unregistered senders by ``MAX_UNREGISTERED``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import zmq
+
+from splitserve.disagg import protocol as p
+from splitserve.disagg.control.base import MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults, ControlThread, identity, peer_of
+from splitserve.disagg.lifecycle import FromPeer, Peer, PeerLost, Reason
+from splitserve.disagg.transfer_worker import AddPeer, ResetPeer
+
+log = logging.getLogger(__name__)
+
+MAX_ENDED = 4096
+MAX_UNREGISTERED = 4096
+ROOM_MESSAGES = (p.RegisterRoom, p.AbortRoom)
+
+
+@dataclass
+class _Session:
+    agent_name: str
+    last_heard: float
+
+
+class PrefillControl(ControlThread):
+    """Prefill side: the ROUTER on the bootstrap port."""
+
+    def __init__(self, host: str, port: int, info: p.Info, transfer, post: Callable[[object], None],
+                 heartbeat_s: float, faults: Optional[ControlFaults] = None,
+                 loop_alive: Optional[Callable[[], bool]] = None, silence_s: Optional[float] = None,
+                 ended_s: float = 900.0):
+        super().__init__("control-prefill", info.incarnation, post, heartbeat_s, faults, loop_alive)
+        self.info = info
+        self._transfer = transfer
+        self._silence_s = silence_s if silence_s is not None else 5 * heartbeat_s
+        self._ended_s = ended_s
+        self._sessions: dict[Peer, _Session] = {}  # registered decode sessions
+        self._ended: OrderedDict[Peer, float] = OrderedDict()  # session -> when it ended (oldest first)
+        self._unregistered: OrderedDict[Peer, float] = OrderedDict()  # sender of RegisterRooms -> first seen
+        self.early_registrations = 0
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        self.sock.bind(f"tcp://{host}:{port}")
+
+    def sizes(self) -> dict[str, int]:
+        """Per-peer structures, for the metrics (read from any thread)."""
+        return {"sessions": len(self._sessions), "ended": len(self._ended), "unregistered": len(self._unregistered)}
+
+    # -- the thread ---------------------------------------------------------------------------------
+
+    def serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        while not self.stopping.is_set():
+            ready = dict(poller.poll(POLL_MS))
+            if self._wake_r in ready:
+                self._drain_wake()
+            if self.sock in ready:
+                self._receive()
+            self._flush_outbox()
+            now = self.clock()
+            self._expire(now)
+            if self._heartbeat_due():
+                for peer in list(self._sessions):
+                    self._send_faulty(self._to(peer), p.encode(p.Heartbeat(self.incarnation, self._hb_seq)))
+
+    def _receive(self) -> None:
+        for _ in range(MAX_FRAMES_PER_POLL):
+            try:
+                parts = self.sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                self._on_parts(parts)
+            except Exception as exc:  # a frame can only be dropped, whatever it holds
+                self._drop("error", f"{type(exc).__name__}: {exc}")
+
+    def _on_parts(self, parts: list[bytes]) -> None:
+        if len(parts) != 2:
+            self._drop("frames", f"{len(parts)} frames in one message")
+            return
+        ident, frame = parts
+        sender = peer_of(ident)
+        if sender is None:
+            self._drop("identity", f"identity {ident[:64]!r}")
+            return
+        msg = self._decode(frame, str(sender))
+        if msg is not None:
+            self._dispatch(sender, msg, self.clock())
+
+    def _dispatch(self, sender: Peer, msg, now: float) -> None:
+        if getattr(msg, "incarnation", sender.incarnation) != sender.incarnation:
+            self._drop("incarnation", f"{type(msg).__name__} from {sender} names incarnation {msg.incarnation!r}")
+            return
+        registered = self._sessions.get(sender)
+        if registered is not None:
+            registered.last_heard = now
+            self._note_heard(sender, fresh=False)  # prefill never judges a decode by its name
+        if isinstance(msg, p.GetInfo):
+            self._send_faulty(self._to(sender), p.encode(self.info))
+        elif isinstance(msg, p.Heartbeat):
+            if sender not in self._ended and self._loop_ok():
+                self._send_faulty(self._to(sender), p.encode(p.HeartbeatAck(self.incarnation, msg.seq)))
+        elif isinstance(msg, p.HeartbeatAck):
+            pass  # liveness, noted above
+        elif isinstance(msg, p.RegisterPeer):
+            self._register(sender, msg, now)
+        elif isinstance(msg, ROOM_MESSAGES):
+            self._on_room_message(sender, registered is not None, msg, now)
+        else:
+            self._drop("unexpected", f"{type(msg).__name__} from {sender}")
+
+    def _on_room_message(self, sender: Peer, registered: bool, msg, now: float) -> None:
+        if sender in self._ended:  # never acted on; tell it, so that a live decode ends the session too
+            self._send_faulty(self._to(sender), p.encode(p.RoomFailed(msg.room, self.incarnation,
+                                                                      Reason.PEER_LOST.value)))
+        elif registered:
+            self._post(FromPeer(sender, msg))
+        elif isinstance(msg, p.RegisterRoom):
+            self._early_registration(sender, msg, now)
+        else:
+            self._drop("unregistered", f"{type(msg).__name__} from {sender}, which registered no link")
+
+    def _early_registration(self, sender: Peer, msg: p.RegisterRoom, now: float) -> None:
+        """A registration before its session's link (a delayed or lost ``RegisterPeer``): writing
+        would fail, so it is dropped and decode sends it again — for ``silence_s``; after that the
+        session is declared lost to decode (``room_failed(peer_lost)``), which opens the next."""
+        self.early_registrations += 1
+        first = self._unregistered.setdefault(sender, now)
+        if len(self._unregistered) > MAX_UNREGISTERED:
+            self._unregistered.popitem(last=False)
+        if now - first >= self._silence_s:
+            log.warning("%s registered rooms for %.1fs but never its transfer link: told peer_lost", sender,
+                        now - first)
+            self._send_faulty(self._to(sender), p.encode(p.RoomFailed(msg.room, self.incarnation,
+                                                                      Reason.PEER_LOST.value)))
+        else:
+            log.info("registration of room %s from %s came before its transfer link; dropped until it is sent "
+                     "again", msg.room, sender)
+
+    def _register(self, sender: Peer, msg: p.RegisterPeer, now: float) -> None:
+        """A decode session registered its receiving link (answered, also when it is a duplicate:
+        decode re-sends until answered). Decode opens session n+1 only after it ended n, so its own
+        earlier sessions — same name *and* incarnation — are over."""
+        if msg.prefill_incarnation != self.incarnation:
+            self._drop("stale", f"link registration from {sender} for incarnation {msg.prefill_incarnation!r}")
+            return
+        if sender in self._ended:
+            return  # a late one from a session that is over
+        if sender not in self._sessions:
+            for old in [s for s in self._sessions if (s.name, s.incarnation) == (sender.name, sender.incarnation)]:
+                self._end(old, f"replaced by its session {sender.session}")
+            self._sessions[sender] = _Session(msg.agent_name, now)
+            self._unregistered.pop(sender, None)
+            self._transfer.submit(AddPeer(sender, msg.agent_name, msg.agent_metadata))
+            self._note_heard(sender, fresh=False)
+        self._send_faulty(self._to(sender), p.encode(p.PeerRegistered(self.incarnation, msg.agent_name)))
+
+    def _expire(self, now: float) -> None:
+        """End sessions silent past the bound; forget ended and unregistered ones past theirs."""
+        for peer in [peer for peer, s in self._sessions.items() if now - s.last_heard > self._silence_s]:
+            self._end(peer, f"silent for {now - self._sessions[peer].last_heard:.1f}s")
+        while self._ended and (len(self._ended) > MAX_ENDED or now - next(iter(self._ended.values())) > self._ended_s):
+            self._ended.popitem(last=False)
+        while self._unregistered and now - next(iter(self._unregistered.values())) > 2 * self._silence_s:
+            self._unregistered.popitem(last=False)
+
+    def _end(self, peer: Peer, why: str) -> None:
+        """Stop heartbeating ``peer``, drop its transfer connection, remember it as over, and tell
+        the engine loop (which fails any room still bound to it)."""
+        log.warning("decode session %s ended: %s", peer, why)
+        self._sessions.pop(peer, None)
+        self._ended[peer] = self.clock()
+        self._transfer.submit(ResetPeer(peer, forget=True))
+        self._post(PeerLost(peer, why))
+
+    def _forget(self, peer: Peer) -> None:
+        """The engine loop declared the session lost (it reset the transfer already): stop
+        heartbeating it and answering its heartbeats, so that a live decode declares us lost
+        too and fences the session."""
+        self._sessions.pop(peer, None)
+        self._ended[peer] = self.clock()
+        self._ended.move_to_end(peer)
+
+    def _send_frame(self, peer: Peer, frame: bytes) -> None:
+        try:
+            self.sock.send_multipart([identity(peer), frame], zmq.NOBLOCK)
+        except zmq.Again:  # that peer's queue is full: it is not reading; its deadlines handle it
+            log.debug("control message to %s dropped: its queue is full", peer)
+
+    def close(self) -> None:
+        self.stop()
+        self.sock.close(0)
+        self._close_wake()
