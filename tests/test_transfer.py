@@ -307,7 +307,7 @@ def test_tcp_receiver_refuses_bad_frames_and_survives():
     raw.connect(b.endpoint)
 
     def header(**kw) -> bytes:
-        return msgpack.packb({"v": 1, "to": b.agent_name, "frm": "evil", "wid": 1, "off": 0, "last": True, **kw})
+        return msgpack.packb({"v": 2, "to": b.agent_name, "frm": "evil", "wid": 1, "off": 0, "n": 1, "last": True, **kw})
 
     def answer() -> dict:
         assert raw.poll(int(TIMEOUT_S * 1000)), "no answer"
@@ -322,9 +322,9 @@ def test_tcp_receiver_refuses_bad_frames_and_survives():
         assert answer()["ok"] is False
         raw.send_multipart([header(wid=3, to="decode-previous-incarnation"), b"x"])
         assert "wrong_peer" in answer()["reason"]
-        raw.send_multipart([header(wid=4, off=0, last=False), b"y" * 8])  # a bad write poisons later frames
-        raw.send_multipart([header(wid=4, off=LAYOUT.num_pages * P, last=False), b"y"])
-        raw.send_multipart([header(wid=4, off=16, notif=b"n4"), b"y" * 8])
+        raw.send_multipart([header(wid=4, off=0, n=3, last=False), b"y" * 8])  # a bad write poisons later frames
+        raw.send_multipart([header(wid=4, off=LAYOUT.num_pages * P, n=3, last=False), b"y"])
+        raw.send_multipart([header(wid=4, off=16, n=3, notif=b"n4"), b"y" * 8])
         assert answer()["ok"] is False
         raw.send_multipart([b"\x00" * 5000, b"z" * 10])  # over MAXMSGSIZE: zmq drops it (and the link)
         assert b.notifications() == []
@@ -347,7 +347,6 @@ def test_tcp_receiver_refuses_bad_frames_and_survives():
         b.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 8: the tcp receiver takes the last frame for the whole write")
 def test_tcp_a_write_that_lost_a_frame_is_not_complete():
     """Frames of one write can be lost in the middle (a connection that breaks and reconnects
     loses what was in flight, and the later frames arrive on the new one). The receiver must not
@@ -563,3 +562,32 @@ def test_transfer_thread_crash_ends_the_sessions_of_writes_in_flight_before_repo
         assert isinstance(second, WriteFailed) and second.write_id == 1
         worker.submit(Write(8, 2, peer, tuple(page_spans([1], [4], P))))  # still serving
         assert events.get(timeout=TIMEOUT_S).write_id == 2
+
+
+def test_a_write_that_failed_in_flight_ends_its_session_before_it_is_reported():
+    """A write that polls FAILED after it reached the network (a NIXL error after posting, a tcp
+    connection that broke) may still land: its session is declared lost before the write is
+    reported failed, so prefill never vouches for it (decode fences the session). A write refused
+    before it was posted is only reported failed."""
+    from splitserve.disagg.lifecycle import Peer, PeerLost, WriteFailed
+    from splitserve.disagg.transfer_worker import AddPeer, Write
+
+    class CutInFlight(FakeBackend):
+        def write(self, peer_name, spans, notif):
+            h = super().write(peer_name, spans, notif)
+            if h.state.pending and spans:
+                self.fail(h, "transfer_error: NIXL_ERR_REMOTE_DISCONNECT")
+            return h
+
+    with transfer_thread(CutInFlight, seed=7) as (worker, events, writer, receiver, _, _):
+        worker.start()
+        peer = Peer("decode:1", "d1", 1)
+        worker.submit(AddPeer(peer, receiver.agent_name, receiver.metadata()))
+        worker.submit(Write(7, 1, peer, tuple(page_spans([0], [3], P))))
+        first, second = events.get(timeout=TIMEOUT_S), events.get(timeout=TIMEOUT_S)
+        assert isinstance(first, PeerLost) and first.peer == peer and "may still land" in first.detail, first
+        assert isinstance(second, WriteFailed) and second.write_id == 1, second
+        worker.submit(Write(8, 2, peer, tuple(page_spans([0], [LAYOUT.num_pages], P))))  # out of bounds: refused
+        refused_write = events.get(timeout=TIMEOUT_S)
+        assert isinstance(refused_write, WriteFailed) and "bad_span" in refused_write.error, refused_write
+        assert events.empty()

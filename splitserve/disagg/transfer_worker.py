@@ -9,7 +9,10 @@ write). The thread also keeps the receiving side of NIXL progressing by calling
 
 Supervised (rule 8): if an iteration raises, every write in flight is reported failed (so its room
 ends instead of waiting forever) after its session is declared lost (its bytes may still land, so
-prefill must not vouch for them), the exception is logged and counted, and the loop goes on.
+prefill must not vouch for them), the exception is logged and counted, and the loop goes on. The
+same for a write that polls FAILED with ``may_land`` (handed to the network, not proved stopped —
+a NIXL error after posting, a tcp write whose connection broke): its session is declared lost
+first, so that prefill never tells decode ``WritesSettled`` for it and decode fences it.
 
 Fault injection (off unless configured, read once at start): ``stall_writes`` keeps every new
 write pending until released (to strike "mid-transfer" for real), ``fail_writes`` fails them,
@@ -220,6 +223,8 @@ class TransferWorker(SupervisedThread):
                 self._settle(w, WriteDone(w.room, w.write_id))
                 busy = True
             elif state.failed:
+                if state.may_land:  # only decode's fence settles it: the session must end first
+                    self._post(PeerLost(w.peer, f"a failed write to it may still land ({state.reason})"))
                 self._settle(w, WriteFailed(w.room, w.write_id, state.reason))
                 busy = True
         for peer, handle in list(self._notifies):

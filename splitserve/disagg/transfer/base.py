@@ -26,7 +26,9 @@ Ordering contract (what every backend guarantees, and no more):
 
 Failure contract. :meth:`~TransferBackend.write` never raises for a bad request (unknown peer, a
 span out of either buffer, a backend error): it returns a handle that polls FAILED with the reason,
-so the caller has one failure path. :meth:`~TransferBackend.poll` never raises for transfer errors
+so the caller has one failure path. A FAILED state says whether the write's bytes may still land
+(``may_land``): only a write refused before it reached the network, or one the receiver finished
+and answered, is certainly over; any other failure is settled only by the receiver's fence. :meth:`~TransferBackend.poll` never raises for transfer errors
 either. A write that never completes stays PENDING: the caller's deadline (``transfer_timeout``)
 ends it, and :meth:`~TransferBackend.release` drops it. Releasing a pending write stops what has
 not been sent where the backend can, but bytes already on the wire may still land (NIXL's cancel
@@ -101,10 +103,13 @@ class Status(enum.Enum):
 
 @dataclass(frozen=True)
 class TransferState:
-    """What :meth:`TransferBackend.poll` says about a write; ``reason`` is set when FAILED."""
+    """What :meth:`TransferBackend.poll` says about a write; ``reason`` is set when FAILED.
+    ``may_land``: a FAILED write whose bytes may still reach the peer (it was handed to the
+    network, and nothing proves it was stopped): only the receiver's fence can settle it."""
 
     status: Status
     reason: str = ""
+    may_land: bool = False
 
     @property
     def pending(self) -> bool:
@@ -127,7 +132,14 @@ DONE = TransferState(Status.DONE)
 
 
 def failed(reason: str) -> TransferState:
-    return TransferState(Status.FAILED, reason)
+    """A write that failed after it was handed to the network: its bytes may still land."""
+    return TransferState(Status.FAILED, reason, may_land=True)
+
+
+def refused(reason: str) -> TransferState:
+    """A write that failed with nothing of it on the network (refused before it was posted, or
+    finished by the receiver, which answered): nothing of it can land any more."""
+    return TransferState(Status.FAILED, reason, may_land=False)
 
 
 _handle_ids = itertools.count(1)

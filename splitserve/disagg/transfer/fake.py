@@ -7,8 +7,10 @@ A target that has closed meanwhile makes it FAILED(peer_lost).
 
 Hooks let lifecycle tests strike mid-transfer:
 
-* ``stall_next(n)`` / ``fail_next(reason, n)``: the next n writes never complete / fail on poll;
-* ``stall(handle)`` / ``fail(handle, reason)`` / ``complete(handle)``: act on one write in flight;
+* ``stall_next(n)`` / ``fail_next(reason, n)``: the next n writes never complete / fail on poll
+  (delivering nothing: refused);
+* ``stall(handle)`` / ``fail(handle, reason)`` / ``complete(handle)``: act on one write in flight
+  (``fail``: cut in flight, its bytes may still land);
 * ``land(handle)``: deliver a write's bytes and notification now, even if it was released, to
   model a late write landing after the writer gave up (what quarantine guards against).
 """
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed
+from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed, refused
 
 _AGENTS: dict[str, "FakeBackend"] = {}
 _AGENTS_LOCK = threading.Lock()
@@ -88,11 +90,11 @@ class FakeBackend(TransferBackend):
         h = FakeHandle(peer_name, sum(s.nbytes for s in spans), len(spans), spans=spans, notif=bytes(notif),
                        polls_left=self.polls_to_complete)
         if self._closed:
-            h.state = failed("closed")
+            h.state = refused("closed")
         elif peer_name not in self._peers:
-            h.state = failed(f"unknown_peer: {peer_name!r}")
+            h.state = refused(f"unknown_peer: {peer_name!r}")
         elif (reason := self._bad_spans(spans, self._peer_nbytes[peer_name])) is not None:
-            h.state = failed(reason)
+            h.state = refused(reason)
         elif self._hooks.stall:
             self._hooks.stall -= 1
             h.stalled = True
@@ -110,7 +112,7 @@ class FakeBackend(TransferBackend):
         if handle.polls_left > 0:
             return handle.state
         if handle.fail_reason:
-            handle.state = failed(handle.fail_reason)
+            handle.state = refused(handle.fail_reason)  # fail_next: nothing was delivered
         else:
             handle.state = self._deliver(handle)
         return handle.state
@@ -153,6 +155,7 @@ class FakeBackend(TransferBackend):
         handle.stalled = True
 
     def fail(self, handle: FakeHandle, reason: str = "transfer_error") -> None:
+        """A write cut in flight: FAILED, and its bytes may still land (``land``)."""
         if handle.state.pending:
             handle.state = failed(reason)
 
@@ -172,13 +175,13 @@ class FakeBackend(TransferBackend):
         with _AGENTS_LOCK:
             target = _AGENTS.get(h.peer)
         if target is None or target._closed:
-            return failed("peer_lost")
+            return refused("peer_lost")
         return target._receive(self.agent_name, self._bytes, h)
 
     def _receive(self, sender: str, src: torch.Tensor, h: FakeHandle) -> TransferState:
         for s in h.spans:  # the receiver checks bounds too: it never trusts the writer's view
             if s.remote_offset + s.nbytes > self.nbytes:
-                return failed(f"bad_span: {s} refused by {self.agent_name!r}")
+                return refused(f"bad_span: {s} refused by {self.agent_name!r}")
         for s in h.spans:
             self._bytes[s.remote_offset : s.remote_offset + s.nbytes].copy_(
                 src[s.local_offset : s.local_offset + s.nbytes]

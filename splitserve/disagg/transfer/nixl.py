@@ -43,7 +43,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed
+from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed, refused
 
 log = logging.getLogger(__name__)
 
@@ -149,19 +149,19 @@ class NixlBackend(TransferBackend):
         h = NixlHandle(peer_name, sum(s.nbytes for s in spans), len(spans))
         peer = self._peers.get(peer_name)
         if self._closed:
-            h.state = failed("closed")
+            h.state = refused("closed")
         elif peer is None:
-            h.state = failed(f"unknown_peer: {peer_name!r}")
+            h.state = refused(f"unknown_peer: {peer_name!r}")
         elif (reason := self._bad_spans(spans, peer.nbytes)) is not None:
-            h.state = failed(reason)
+            h.state = refused(reason)
         elif not spans and not notif:
             h.state = DONE
-        elif not spans:
+        elif not spans:  # a notification alone carries no KV bytes
             try:
                 self._agent.send_notif(peer_name, bytes(notif))
                 h.state = DONE
             except Exception as e:
-                h.state = failed(_reason("transfer_error", e))
+                h.state = refused(_reason("transfer_error", e))
         else:
             h.state = self._post(h, peer, spans, bytes(notif))
         if h.state.failed:
@@ -237,8 +237,11 @@ class NixlBackend(TransferBackend):
                 h.peer,
                 notif,
             )
+        except Exception as e:  # nothing was posted
+            return refused(_reason("transfer_error", e))
+        try:
             status = self._agent.transfer(h.xfer)
-        except Exception as e:
+        except Exception as e:  # posted in part, perhaps
             return failed(_reason("transfer_error", e))
         if status == "DONE":
             return DONE

@@ -5,13 +5,17 @@ receiver thread, and advertises its address in :meth:`TcpBackend.metadata`. A wr
 DEALER socket per peer. A write is cut into frames of at most ``max_frame_bytes`` (the smaller of
 ours and the peer's)::
 
-    [header, payload]   header = msgpack {v, to, frm, wid, off, last[, notif]}
+    [header, payload]   header = msgpack {v, to, frm, wid, off, n, last[, notif]}
 
 ``payload`` is a copy of our buffer's bytes, read when the frame is sent; ``off`` is where it goes
-in the peer's buffer; ``last`` marks the write's final frame, which carries the notification.
-Frames of one DEALER arrive in order, so when the receiver handles the last frame every byte of
-the write is in place: it then queues ``(frm, notif)`` for :meth:`~TcpBackend.notifications` and
-answers ``{wid, ok[, reason]}``; that answer makes the writer's handle DONE (or FAILED).
+in the peer's buffer; ``n`` is how many frames the write has, and ``last`` marks its final frame,
+which carries the notification. The receiver counts the frames of each write (by writer and write
+id, not by connection): only a last frame that completes the count means every byte is in place —
+ZMQ keeps frames of one connection in order, but a connection that breaks and reconnects loses
+what was in flight, and the later frames arrive on the new one. It then queues ``(frm, notif)``
+for :meth:`~TcpBackend.notifications` and answers ``{wid, ok[, reason]}``; that answer makes the
+writer's handle DONE (or FAILED). A write that lost a frame fails (``frames_missing``) and its
+notification is never delivered.
 
 Never blocking: frames are sent with ``NOBLOCK``; what the socket's high-water mark refuses stays
 in the peer's FIFO and is sent by later ``write``/``poll`` calls. Memory is bounded by
@@ -42,13 +46,13 @@ import numpy as np
 import torch
 import zmq
 
-from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed
+from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed, refused
 
 log = logging.getLogger(__name__)
 
-PROTOCOL = 1
+PROTOCOL = 2  # 2: frames are counted per write
 _HEADER_SLACK = 4096  # bytes a header may take beyond its notification
-_BAD_WRITES_KEPT = 4096  # failed (sender, write id) remembered until their last frame
+_WRITES_KEPT = 4096  # writes in progress (and failed ones) remembered until their last frame
 _ctl_ids = itertools.count()
 
 
@@ -56,6 +60,7 @@ _ctl_ids = itertools.count()
 class TcpHandle(Handle):
     chunks: collections.deque = field(default_factory=collections.deque)  # (local_off, remote_off, n) unsent
     notif: bytes = b""
+    nframes: int = 1  # frames in the whole write
     last_sent: bool = False
 
 
@@ -153,18 +158,19 @@ class TcpBackend(TransferBackend):
         h = TcpHandle(peer_name, sum(s.nbytes for s in spans), len(spans), notif=bytes(notif))
         peer = self._peers.get(peer_name)
         if self._closed:
-            h.state = failed("closed")
+            h.state = refused("closed")
         elif peer is None:
-            h.state = failed(f"unknown_peer: {peer_name!r}")
+            h.state = refused(f"unknown_peer: {peer_name!r}")
         elif (reason := self._bad_spans(spans, peer.nbytes)) is not None:
-            h.state = failed(reason)
+            h.state = refused(reason)
         elif len(h.notif) > peer.max_notif:
-            h.state = failed(f"notif_too_large: {len(h.notif)} B, peer takes {peer.max_notif} B")
+            h.state = refused(f"notif_too_large: {len(h.notif)} B, peer takes {peer.max_notif} B")
         else:
             for s in spans:
                 for at in range(0, s.nbytes, peer.max_frame):
                     n = min(peer.max_frame, s.nbytes - at)
                     h.chunks.append((s.local_offset + at, s.remote_offset + at, n))
+            h.nframes = max(1, len(h.chunks))
             peer.outbox.append(h)
             self._flush(peer)
         return h
@@ -220,7 +226,7 @@ class TcpBackend(TransferBackend):
                 lo, ro, n = h.chunks[0] if h.chunks else (0, 0, 0)
                 last = len(h.chunks) <= 1
                 header: dict[str, Any] = {"v": PROTOCOL, "to": peer.name, "frm": self.agent_name, "wid": h.id,
-                                          "off": ro, "last": last}
+                                          "off": ro, "n": h.nframes, "last": last}
                 if last and h.notif:
                     header["notif"] = h.notif
                 frames: list[Any] = [msgpack.packb(header, use_bin_type=True)]
@@ -256,7 +262,8 @@ class TcpBackend(TransferBackend):
                 continue
             h = peer.inflight.pop(wid, None)
             if h is not None and h.state.pending:
-                h.state = DONE if ok is True else failed(f"refused_by_peer: {answer.get('reason', '?')}")
+                # the receiver handled the last frame and answered: nothing of the write can land any more
+                h.state = DONE if ok is True else refused(f"refused_by_peer: {answer.get('reason', '?')}")
 
 
 class _Receiver(threading.Thread):
@@ -275,7 +282,8 @@ class _Receiver(threading.Thread):
         self.error: Optional[BaseException] = None
         self.endpoint = ""
         self.inbox: collections.deque[tuple[str, bytes]] = collections.deque()
-        self._bad_writes: collections.OrderedDict[tuple[bytes, int], str] = collections.OrderedDict()
+        # (writer, write id) -> [frames received, why it failed or None], until its last frame
+        self._writes: collections.OrderedDict[tuple[str, int], list] = collections.OrderedDict()
         self.frames = self.bad_frames = self.bytes_received = 0
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -345,31 +353,35 @@ class _Receiver(threading.Thread):
         header = msgpack.unpackb(frames[1].bytes, raw=False)
         if not isinstance(header, dict) or header.get("v") != PROTOCOL:
             raise ValueError(f"header is not a protocol-{PROTOCOL} map")
-        wid, off, last, frm = header.get("wid"), header.get("off"), header.get("last"), header.get("frm")
+        wid, off, last, frm, n = header.get("wid"), header.get("off"), header.get("last"), header.get("frm"), header.get("n")
         notif = header.get("notif", b"")
-        if not (isinstance(wid, int) and isinstance(off, int) and isinstance(last, bool)
-                and isinstance(frm, str) and isinstance(notif, bytes)):
+        if not (isinstance(wid, int) and isinstance(off, int) and isinstance(last, bool) and isinstance(n, int)
+                and n >= 1 and isinstance(frm, str) and isinstance(notif, bytes)):
             raise ValueError(f"bad header fields {sorted(header)}")
         payload = frames[2].buffer if len(frames) == 3 else memoryview(b"")
-        key = (ident, wid)
-        reason = self._bad_writes.get(key)
-        if reason is None:
+        state = self._writes.get((frm, wid))
+        if state is None:
+            state = self._writes[(frm, wid)] = [0, None]
+            while len(self._writes) > _WRITES_KEPT:
+                self._writes.popitem(last=False)
+        state[0] += 1
+        if state[1] is None:
             if header.get("to") != self._agent_name:
-                reason = f"wrong_peer: addressed to {header.get('to')!r}, this is {self._agent_name!r}"
+                state[1] = f"wrong_peer: addressed to {header.get('to')!r}, this is {self._agent_name!r}"
             elif off < 0 or off + len(payload) > len(self._dst):
-                reason = f"bad_span: {len(payload)} B at offset {off} outside the {len(self._dst)} B buffer"
-            if reason is not None:
-                self._refuse(f"write {wid} from {frm!r}: {reason}")
+                state[1] = f"bad_span: {len(payload)} B at offset {off} outside the {len(self._dst)} B buffer"
+            if state[1] is not None:
+                self._refuse(f"write {wid} from {frm!r}: {state[1]}")
             elif len(payload):
                 self._dst[off : off + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
                 self.bytes_received += len(payload)
         if not last:
-            if reason is not None:
-                self._bad_writes[key] = reason
-                while len(self._bad_writes) > _BAD_WRITES_KEPT:
-                    self._bad_writes.popitem(last=False)
             return
-        self._bad_writes.pop(key, None)
+        del self._writes[(frm, wid)]
+        reason = state[1]
+        if reason is None and state[0] != n:
+            reason = f"frames_missing: {state[0]} of the write's {n} frames arrived"
+            self._refuse(f"write {wid} from {frm!r}: {reason}")
         if reason is None and notif:
             self.inbox.append((frm, notif))
         answer = {"wid": wid, "ok": reason is None}
