@@ -117,3 +117,64 @@ def test_fake_backend_link_refuses_writes_once_closed():
     assert links.notifications() == []
     with pytest.raises(RuntimeError):
         links.close_all() or links.open("B")
+
+
+def _frozen_writer(md, ready) -> None:
+    """Child: write 7s through the link as fast as it can, until killed. It keeps UCX's defaults,
+    so it would use shared memory (``cma``) into a pool on this host if the link offered it."""
+    os.environ.pop("UCX_TLS", None)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "FATAL")
+    from splitserve.disagg.transfer.base import create_backend
+
+    src = torch.full((POOL,), 7, dtype=torch.uint8)
+    w = create_backend("nixl", "frozen-writer", src)
+    w.add_peer(*md)
+    spans = [Span(i, i, 4096) for i in range(0, POOL, 8192)]  # many descriptors: a write takes a while
+    while True:
+        h = w.write(md[0], spans, b"")
+        while w.poll(h).pending:
+            pass
+        ready.set()
+        w.release(h)
+
+
+def test_a_frozen_same_host_writer_cannot_write_after_its_link_closed(monkeypatch):
+    """A writer on this host is frozen (SIGSTOP) in the middle of its writes, declared lost: its
+    link is closed and its pages reused (zeroed). When it runs again (SIGCONT), not one byte may
+    land. Closing the link fences a same-host writer only because links never offer UCX's
+    shared-memory transports (``links.py``); the writer itself runs with UCX's defaults."""
+    pytest.importorskip("nixl_cu12")
+    import signal
+
+    monkeypatch.setenv("UCX_TLS", "")  # records the variable's state, so that it is restored afterwards
+    monkeypatch.delenv("UCX_TLS")  # as in a decode worker started without it: the links choose
+    pool = torch.zeros(POOL, dtype=torch.uint8)
+    links = ReceiveLinks("nixl", "recv-frozen", pool)
+    assert os.environ.get("UCX_TLS") == "^sm"
+    ctx = mp.get_context("spawn")
+    landed = []
+    try:
+        for trial in range(1):
+            md = links.open(f"W{trial}")
+            ready = ctx.Event()
+            proc = ctx.Process(target=_frozen_writer, args=(md, ready))
+            proc.start()
+            try:
+                deadline = time.monotonic() + 60
+                while not ready.is_set():
+                    assert time.monotonic() < deadline, "the writer never finished a write"
+                    links.notifications()
+                    time.sleep(0.001)
+                time.sleep(0.02 * (trial + 1))  # somewhere in the middle of a write
+                os.kill(proc.pid, signal.SIGSTOP)
+                assert links.close(f"W{trial}")
+                pool.zero_()
+                os.kill(proc.pid, signal.SIGCONT)
+                time.sleep(1.5)
+                landed.append(int(pool.count_nonzero()))
+            finally:
+                proc.kill()
+                proc.join(10)
+    finally:
+        links.close_all()
+    assert landed == [0], f"bytes landed after the fence: {landed}"

@@ -13,9 +13,15 @@ When :meth:`ReceiveLinks.close` returns, nothing written through that link can l
 the pages it could reach may be reused (docs/design.md, rule 6). ``tests/test_receive_links.py`` shows it
 for each backend with a writer that keeps writing while the link closes.
 
-Intra-host shared-memory transports (UCX ``sm``/``cma``) write from the writer's process directly
-and are not fenced by closing the receiver's end; a lost peer on the same host is a dead or frozen
-process there, never a partition.
+Same host. UCX's shared-memory transports (``cma``, ``posix``, ``sysv``, ``xpmem``, ``knem``: the
+``sm`` group) let a writer on the same host copy into our pool from its own process (``cma`` is
+``process_vm_writev``); closing our end does not take that ability away, so a writer that was
+frozen (``SIGSTOP``) when it was declared lost could write once it runs again. Receiving links
+therefore never offer them: unless the operator set ``UCX_TLS`` (then a warning says what the
+choice costs), the decode process runs UCX with ``UCX_TLS=^sm`` before its first link, and a
+same-host writer goes over TCP like any other (measured here: 1.6 GB/s over loopback against
+5 GB/s over ``cma``, for a 64 MiB write). ``tests/test_receive_links.py`` freezes a same-host
+writer mid-write, closes its link, reuses the pages and lets the writer go on: no byte lands.
 
 Thread-safe: the control thread opens links, the engine loop closes them (synchronously, before it
 reuses a page), the transfer thread polls their notifications.
@@ -25,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from typing import Any, Hashable
 
@@ -34,9 +41,30 @@ from .base import TransferBackend, create_backend
 
 log = logging.getLogger(__name__)
 
+SHARED_MEMORY_TLS = ("sm", "cma", "posix", "sysv", "xpmem", "knem", "all")
+
+
+def keep_ucx_off_shared_memory() -> None:
+    """Before the first NIXL agent of a process that receives: UCX without its shared-memory
+    transports, which closing a link cannot fence (module docstring). An operator's own
+    ``UCX_TLS`` is kept, with a warning if it lets them in."""
+    tls = os.environ.get("UCX_TLS")
+    if tls is None:
+        os.environ["UCX_TLS"] = "^sm"
+        return
+    names = {t.strip() for t in tls.lstrip("^").split(",")}
+    excluded = tls.startswith("^")
+    unfenced = ("sm" not in names and "cma" not in names) if excluded else bool(names & set(SHARED_MEMORY_TLS))
+    if unfenced:
+        log.warning("UCX_TLS=%s lets same-host writers use shared memory, which closing a receiving link does "
+                    "not fence: a frozen writer declared lost could still write into reused pages "
+                    "(unset UCX_TLS, or exclude sm)", tls)
+
 
 class ReceiveLinks:
     def __init__(self, backend: str, agent_prefix: str, buffer: torch.Tensor, **opts: Any):
+        if backend == "nixl":
+            keep_ucx_off_shared_memory()
         self._backend, self._prefix, self._buffer, self._opts = backend, agent_prefix, buffer, opts
         self._links: dict[Hashable, TransferBackend] = {}
         self._lock = threading.Lock()
