@@ -63,7 +63,8 @@ class ServerConfig:
     inject_faults: str = ""
     """Testing only, off when empty: comma-separated stall_writes, fail_writes, notify_drop=P, control_drop=P,
     control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop
-    blocks for good once it holds a request, until shutdown)."""
+    blocks for good once it holds a request, until shutdown), hang_transfer (the transfer thread
+    blocks for good once a write is in flight)."""
 
 
 def field_help(cls) -> dict[str, str]:

@@ -74,3 +74,29 @@ def test_a_wedged_decode_is_out_of_rotation_and_its_clients_are_answered():
             resp = post_generate(c.url, prompt(10 + i, 400 + i), 4, timeout=30, **GREEDY)
             assert resp.status_code == 200, resp.text
         kill9(D2)  # its loop never comes back: a graceful stop would wait out the drain
+
+
+def test_a_hung_transfer_thread_is_seen_and_its_peers_are_let_go():
+    """Prefill ``P``'s transfer thread hangs once a write is in flight (``--inject-faults
+    hang_transfer``), as a backend call that never returns would. It cannot be restarted, but it is
+    seen: within the loop bound ``P``'s ``/health`` answers 503 naming the thread, the room fails on
+    both sides (``P`` declares decode lost; decode fences ``P``'s session and frees its pages)."""
+    from test_faults import PEER_SILENCE_S, direct_pair, new_room
+
+    loop_args = ["--loop-stall-s", str(LOOP_STALL_S)]
+    with Cluster(1, 1, "nixl", worker_args=DEADLINES + loop_args, prefill_args=["--inject-faults", "hang_transfer"],
+                 router=False) as c:
+        P, D = c.prefill[0], c.decode[0]
+        started = time.monotonic()
+        pleg, dleg = direct_pair(P, D, prompt(60, 7), 4, new_room(), 60)
+        bound = LOOP_STALL_S + PEER_SILENCE_S + SLACK_S
+        for who, leg in (("prefill", pleg), ("decode", dleg)):
+            resp, ended = leg.outcome(60)
+            assert getattr(resp, "status_code", None) == 502, (who, resp, getattr(resp, "text", ""))
+            assert ended - started <= bound + 2, f"{who} answered {ended - started:.1f}s after the request"
+        health = requests.get(P.url + "/health", timeout=2)
+        assert health.status_code == 503 and "transfer thread" in health.text, health.text
+        pages_back = metric(metrics(D), "splitserve_kv_pages_free") == metric(metrics(D), "splitserve_kv_pages_total")
+        assert pages_back or wait_for("D frees its pages", lambda: metric(metrics(D), "splitserve_kv_pages_free")
+                                      == metric(metrics(D), "splitserve_kv_pages_total"), 10)
+        kill9(P)

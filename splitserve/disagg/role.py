@@ -33,7 +33,7 @@ from typing import Optional
 from splitserve.config import ServerConfig
 from splitserve.disagg.lifecycle import (
     Cancel, ClientAbort, CountOutcome, Deadlines, DisconnectPeer, FreePages, LocalFailure, LogTerminal, Notice,
-    NotifyClient, ObserveStateTime, Outcome, Peer, PeerHeard, RequestArrived, SendToPeer,
+    NotifyClient, ObserveStateTime, Outcome, Peer, PeerHeard, PeerLost, RequestArrived, SendToPeer,
 )
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
@@ -101,6 +101,7 @@ class DisaggRole:
         self._unwedge = threading.Event()
         self._wedge_loop = faults.wedge_loop
         self.clock = time.monotonic  # the only clock the role reads (a simulator swaps it)
+        self._hung_reported = False
         # set by the worker's metrics (called on the engine loop; the metric objects are thread-safe)
         self.on_outcome = None
         self.on_state_time = None
@@ -152,6 +153,7 @@ class DisaggRole:
         if self._wedge_loop and self.table.live_rooms():
             self._wedge()
         out: list[RequestOutput] = []
+        self._check_threads(out)
         for peer, fresh in self.control.take_heard().items():
             self._execute(self.table.handle(PeerHeard(peer, fresh), now), out)
         self._execute(self.table.expire(now), out)
@@ -173,6 +175,27 @@ class DisaggRole:
                 out.append(RequestOutput.ended(rec.req.rid, ending))
         return out
 
+    def health_problem(self) -> Optional[str]:
+        """Why this worker cannot serve although its engine loop runs (any thread may ask): a
+        transfer or control thread that stopped beating (hung in a call that never returns)."""
+        stall = self.loop.loop_stall_s
+        for thread in (self.transfer, self.control):
+            if thread is not None and thread.is_alive() and thread.age() > stall:
+                return f"the {thread.name} thread has made no iteration for {thread.age():.0f}s (--loop-stall-s {stall:g})"
+        return None
+
+    def _check_threads(self, out: list[RequestOutput]) -> None:
+        """A hung thread cannot be restarted, and nothing of this worker's peers can go on without
+        it: the first time, every peer a room depends on is declared lost (its rooms fail, decode
+        fences), and the worker reports itself unhealthy until it is restarted."""
+        problem = self.health_problem()
+        if problem is None or self._hung_reported:
+            return
+        self._hung_reported = True
+        log.error("%s: this worker must be restarted; its peers are declared lost", problem)
+        for peer in self.table.peers.live_peers():
+            out += self._feed(PeerLost(peer, problem))
+
     def wait_s(self, now: float) -> float:
         due = self.table.next_due()
         return max(0.001, min(0.05, due - now)) if due is not None else 0.05
@@ -192,6 +215,7 @@ class DisaggRole:
             "bad_frames": dict(self.control.bad_frames),
             "transfer_peers": self.transfer.peer_count(),
             "thread_restarts": {t.name: t.restarts for t in (self.control, self.transfer)},
+            "thread_age": {t.name: round(t.age(), 3) for t in (self.control, self.transfer)},
         }
 
     def debug_rows(self, now: float) -> list[dict]:

@@ -2,6 +2,11 @@
 that waits on it. A :class:`SupervisedThread` runs ``serve()`` in a loop; an exception is logged,
 counted, handed to ``on_crash`` (which fails the rooms the thread was working on) and the thread
 starts ``serve()`` again after a short pause. ``stop()`` ends it for good.
+
+A thread that *hangs* (blocked in a call that never returns) cannot be restarted, but it can be
+seen: ``serve()`` calls :meth:`beat` every iteration, and :meth:`age` tells any thread how long ago
+that was. The engine loop judges it (``disagg/role.py``): a worker whose transfer or control
+thread stopped beating fails what depends on it and reports itself unhealthy, to be restarted.
 """
 
 from __future__ import annotations
@@ -20,6 +25,15 @@ class SupervisedThread(threading.Thread):
         super().__init__(name=name, daemon=True)
         self.stopping = threading.Event()
         self.restarts = 0
+        self._beat = time.monotonic()
+
+    def beat(self) -> None:
+        """``serve()`` is alive: call once per iteration."""
+        self._beat = time.monotonic()
+
+    def age(self) -> float:
+        """Seconds since the last :meth:`beat` (any thread may ask)."""
+        return time.monotonic() - self._beat
 
     def serve(self) -> None:
         """Do the work until ``self.stopping`` is set; may raise (the thread restarts)."""

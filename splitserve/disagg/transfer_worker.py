@@ -16,7 +16,8 @@ first, so that prefill never tells decode ``WritesSettled`` for it and decode fe
 
 Fault injection (off unless configured, read once at start): ``stall_writes`` keeps every new
 write pending until released (to strike "mid-transfer" for real), ``fail_writes`` fails them,
-``notify_drop=P`` drops that fraction of notifications (a ``KVDone`` lost on its way).
+``notify_drop=P`` drops that fraction of notifications (a ``KVDone`` lost on its way),
+``hang_transfer`` blocks the thread for good once a write is in flight.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class FaultConfig:
     stall_writes: bool = False
     fail_writes: bool = False
     notify_drop: float = 0.0
+    hang: bool = False
     seed: int = 0
 
 
@@ -128,6 +130,9 @@ class TransferWorker(SupervisedThread):
 
     def serve(self) -> None:
         while not self.stopping.is_set():
+            self.beat()
+            if self._faults.hang:
+                self._hang_if_busy()
             busy = self._run_commands()
             busy |= self._poll_writes()
             for peer, agent, payload in self.links.notifications() if self.links is not None else ():
@@ -138,6 +143,13 @@ class TransferWorker(SupervisedThread):
                     self._run(self._commands.get(timeout=IDLE_SLEEP_S))
                 except queue.Empty:
                     pass
+
+    def _hang_if_busy(self) -> None:
+        """Fault injection (``hang_transfer``): once a write is in flight, block for good, as a
+        backend call that never returns would."""
+        if self._inflight:
+            log.error("injected fault: the transfer thread hangs now (until shutdown)")
+            self.stopping.wait()
 
     def on_crash(self, exc: BaseException) -> None:
         """Every write in flight is reported failed, but what became of its bytes is unknown: their

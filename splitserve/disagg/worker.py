@@ -24,7 +24,8 @@ def parse_faults(spec: str) -> Faults:
     """``--inject-faults`` (off when empty; read once at start), comma-separated:
     ``stall_writes``, ``fail_writes``, ``notify_drop=P``, ``control_drop=P``, ``control_delay=P``,
     ``control_delay_s=S``, ``control_duplicate=P``, ``seed=N``, ``wedge_loop`` (the engine loop blocks
-    as soon as it holds a room, until shutdown)."""
+    as soon as it holds a room, until shutdown), ``hang_transfer`` (the transfer thread blocks once
+    a write is in flight)."""
     transfer, control, wedge = {}, {}, False
     for item in filter(None, (x.strip() for x in spec.split(","))):
         key, _, value = item.partition("=")
@@ -33,6 +34,8 @@ def parse_faults(spec: str) -> Faults:
                 transfer[key] = True
             elif key == "wedge_loop" and not value:
                 wedge = True
+            elif key == "hang_transfer" and not value:
+                transfer["hang"] = True
             elif key in ("control_drop", "control_delay", "control_duplicate", "control_delay_s"):
                 control[key.removeprefix("control_")] = float(value)
             elif key == "notify_drop":

@@ -210,6 +210,14 @@ class AsyncEngine:
         """The loop has not begun an iteration within ``loop_stall_s``: it is wedged or dead."""
         return self.ready and self.loop_age() > self.loop_stall_s
 
+    def health_problem(self) -> Optional[str]:
+        """Why this worker cannot serve now although it started (None when it can): a wedged
+        engine loop, or a thread of its role that hangs. Any thread may ask; it never waits."""
+        if self.loop_stalled():
+            return f"the engine loop has made no iteration for {self.loop_age():.0f}s (--loop-stall-s {self.loop_stall_s:g})"
+        problem = getattr(self.role, "health_problem", None)
+        return problem() if problem is not None and self.ready else None
+
     # -- requests (asyncio thread) ------------------------------------------------------------
 
     def submit(self, req: GenerateRequest) -> AsyncIterator[RequestOutput]:

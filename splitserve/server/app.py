@@ -182,11 +182,13 @@ async def _http_middleware(request: web.Request, handler):
 
 
 async def _health(request: web.Request) -> web.Response:
-    """200 when ready; 503 while loading or draining, and while the engine loop is wedged."""
+    """200 when ready; 503 while loading or draining, and while the engine loop or one of the
+    role's threads is wedged (``--loop-stall-s``)."""
     state = request.app[STATE]
     engine = state.engine
-    if getattr(engine, "loop_stalled", lambda: False)():
-        return web.json_response({"status": "engine loop stalled", "loop_age_s": round(engine.loop_age(), 3),
+    problem = getattr(engine, "health_problem", lambda: None)()
+    if problem is not None:
+        return web.json_response({"status": "stalled", "problem": problem, "loop_age_s": round(engine.loop_age(), 3),
                                   "loop_stall_s": engine.loop_stall_s}, status=503)
     if state.accepting():
         return web.json_response({"status": "ok"})

@@ -60,6 +60,9 @@ class WorkerMetrics:
                            "since start, by why (identity, frames, decode, incarnation, unregistered, ...).",
                            ["role", "why"],
                            callback=lambda: {(role, k): n for k, n in (self._stat("bad_frames") or {}).items()})
+            registry.gauge("splitserve_thread_age_seconds", "Prefill/decode: seconds since each supervised thread "
+                           "began its last iteration (past --loop-stall-s it hangs: /health fails).", ["role", "thread"],
+                           callback=lambda: {(role, k): v for k, v in (self._stat("thread_age") or {}).items()})
             registry.gauge("splitserve_thread_restarts_total", "Prefill/decode: restarts of each supervised "
                            "thread since start (a crash that was caught).", ["role", "thread"],
                            callback=lambda: {(role, k): n for k, n in (self._stat("thread_restarts") or {}).items()})

@@ -99,6 +99,7 @@ class DecodeControl(ControlThread):
 
     def serve(self) -> None:
         while not self.stopping.is_set():
+            self.beat()
             poller = zmq.Poller()
             for pf in self._prefills.values():
                 poller.register(pf.sock, zmq.POLLIN)

@@ -81,6 +81,7 @@ class PrefillControl(ControlThread):
         poller.register(self.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while not self.stopping.is_set():
+            self.beat()
             ready = dict(poller.poll(POLL_MS))
             if self._wake_r in ready:
                 self._drain_wake()

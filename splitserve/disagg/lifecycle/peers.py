@@ -76,6 +76,10 @@ class PeerTable:
     def __len__(self) -> int:
         return len(self._live)
 
+    def live_peers(self) -> list[Peer]:
+        """The peers rooms depend on now."""
+        return sorted(list(self._live))
+
     def counts(self) -> dict[str, int]:
         """Peers rooms depend on now (``live``), and lost ones still remembered (``lost``)."""
         return {"live": len(self._live), "lost": len(self._lost)}
