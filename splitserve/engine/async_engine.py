@@ -304,21 +304,27 @@ class AsyncEngine:
     # -- engine thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        while self._iterate_once():
+            pass
+
+    def _iterate_once(self, wait: bool = True) -> bool:
+        """One iteration of the loop (module docstring); False once told to stop. ``wait``: block
+        on an empty inbox for up to the role's ``wait_s`` (a benchmark driving the loop passes False)."""
         engine, role = self.engine, self.role
-        while True:
-            now = self.last_iteration = time.monotonic()
-            outputs: list[RequestOutput] = []
-            wait = 0.0 if engine.has_work() else role.wait_s(now)
-            for ev in self._take_events(wait):
-                if isinstance(ev, _Stop):
-                    outputs += self._contained(role.fail_all, ev.ending)
-                    self._post(outputs)
-                    return
-                outputs += self._contained(self._dispatch, ev)
-            outputs += self._contained(role.tick, time.monotonic())
-            if engine.has_work():
-                outputs += self._contained(lambda _: role.after_step(engine.step()), None)
-            self._post(outputs)
+        now = self.last_iteration = time.monotonic()
+        outputs: list[RequestOutput] = []
+        timeout = role.wait_s(now) if wait and not engine.has_work() else 0.0
+        for ev in self._take_events(timeout):
+            if isinstance(ev, _Stop):
+                outputs += self._contained(role.fail_all, ev.ending)
+                self._post(outputs)
+                return False
+            outputs += self._contained(self._dispatch, ev)
+        outputs += self._contained(role.tick, time.monotonic())
+        if engine.has_work():
+            outputs += self._contained(lambda _: role.after_step(engine.step()), None)
+        self._post(outputs)
+        return True
 
     def _dispatch(self, ev: object) -> list[RequestOutput]:
         if isinstance(ev, AddRequest):
