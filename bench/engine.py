@@ -1,9 +1,13 @@
-"""Offline batch generation: splitserve's engine against `transformers`' `generate`, in one run.
+"""Offline generation: splitserve's engine against `transformers`' `generate`, in one run.
 
-Same model, same prompts, greedy, batch 16, 128 new tokens each (by default). Prints tokens/s of
-each and the ratio. Usage::
+Same checkpoint, same dtype, same random prompts, greedy, no HTTP. For every dtype and batch size
+asked for it prints tokens/s of each, the ratio, and the fraction of this machine's memory-bandwidth
+roofline the engine reached: weight bytes x decode steps/s / a read bandwidth measured in the same
+run (a sum over a buffer far larger than the caches). One stream cannot beat that roofline by much:
+every step reads every weight once (unless part of them stays in the last-level cache). Usage::
 
-    .venv/bin/python bench/engine.py [--model tiny|DIR] [--batch 16] [--new-tokens 128] [--prompt-len 64]
+    .venv/bin/python bench/engine.py [--model tiny|DIR] [--dtype bfloat16,float32] [--batch 1,16]
+                                     [--prompt-len 64] [--new-tokens 128] [--repeat 2]
 """
 
 from __future__ import annotations
@@ -19,54 +23,89 @@ from splitserve.engine.io import GenerateRequest, SamplingParams
 from splitserve.models.resolve import resolve_model_dir
 
 
+def read_bandwidth(nbytes: int = 2 << 30, repeat: int = 5) -> float:
+    """Bytes/s of one pass of ``torch.sum`` over ``nbytes`` of float32 (best of ``repeat``)."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
+def best_time(fn, repeat: int):
+    """(seconds of the fastest of ``repeat`` timed calls after one warm-up, its result)."""
+    fn()
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        result = fn()
+        elapsed = time.perf_counter() - t0
+        if elapsed < best:
+            best = elapsed
+    return best, result
+
+
+def bench_dtype(model_dir: str, dtype: str, batches: list[int], args) -> list[dict]:
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_running_requests=max(batches),
+                                    max_batch_tokens=max(2048, max(batches) * args.prompt_len)))
+    torch_dtype = engine.spec.dtype
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for batch in batches:
+        prompts = torch.randint(10, engine.spec.vocab_size, (batch, args.prompt_len), generator=g)
+
+        def run_ours() -> list[list[int]]:
+            reqs = [GenerateRequest(f"b{i}", tuple(p.tolist()), params) for i, p in enumerate(prompts)]
+            outs = engine.generate(reqs)
+            return [list(outs[r.rid].token_ids) for r in reqs]
+
+        def run_hf() -> list[list[int]]:
+            with torch.inference_mode():
+                out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
+                                  max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+            return out[:, args.prompt_len:].tolist()
+
+        ours_s, ours_tokens = best_time(run_ours, args.repeat)
+        hf_s, hf_tokens = best_time(run_hf, args.repeat)
+        rows.append(dict(dtype=str(torch_dtype).removeprefix("torch."), batch=batch,
+                         ours=batch * args.new_tokens / ours_s, hf=batch * args.new_tokens / hf_s,
+                         steps=args.new_tokens / ours_s, weight_bytes=weight_bytes,
+                         same=sum(a == b for a, b in zip(ours_tokens, hf_tokens))))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--model", default="tiny", help="tiny, or a checkpoint directory")
+    ap.add_argument("--dtype", default="bfloat16,float32", help="comma-separated dtypes, one row each")
+    ap.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=2, help="timed runs of each (the best is kept)")
+    ap.add_argument("--repeat", type=int, default=2, help="timed runs of each after a warm-up (the fastest is kept)")
     args = ap.parse_args()
 
     model_dir = resolve_model_dir(args.model)
-    engine = LLMEngine(EngineConfig(model=model_dir, max_running_requests=args.batch,
-                                    max_batch_tokens=max(2048, args.batch * args.prompt_len)))
-    g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(10, engine.spec.vocab_size, (args.batch, args.prompt_len), generator=g)
-    params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
+    batches = [int(b) for b in args.batch.split(",")]
+    bandwidth = read_bandwidth()
+    rows = [row for dtype in args.dtype.split(",") for row in bench_dtype(model_dir, dtype, batches, args)]
 
-    def run_ours() -> list[list[int]]:
-        reqs = [GenerateRequest(f"b{i}", tuple(p.tolist()), params) for i, p in enumerate(prompts)]
-        outs = engine.generate(reqs)
-        return [list(outs[r.rid].token_ids) for r in reqs]
-
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def run_hf() -> list[list[int]]:
-        with torch.no_grad():
-            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                              max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
-        return out[:, args.prompt_len:].tolist()
-
-    total = args.batch * args.new_tokens
-    results = {}
-    for name, fn in (("splitserve", run_ours), ("transformers", run_hf)):
-        fn()  # warm-up
-        best = float("inf")
-        for _ in range(args.repeat):
-            t0 = time.perf_counter()
-            tokens = fn()
-            best = min(best, time.perf_counter() - t0)
-        results[name] = (total / best, tokens)
-    same = sum(a == b for a, b in zip(results["splitserve"][1], results["transformers"][1]))
-    print(f"model {model_dir}  batch {args.batch}  prompt {args.prompt_len}  new tokens {args.new_tokens}  "
-          f"threads {torch.get_num_threads()}")
-    for name, (tps, _) in results.items():
-        print(f"{name:>13}: {tps:8.1f} tokens/s")
-    print(f"ratio splitserve / transformers: {results['splitserve'][0] / results['transformers'][0]:.2f}x  "
-          f"(identical greedy outputs: {same}/{args.batch})")
+    print(f"model {model_dir}  prompt {args.prompt_len}  new tokens {args.new_tokens}  greedy  "
+          f"threads {torch.get_num_threads()}  read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.sum over 2 GiB)")
+    print(f"{'dtype':>9} {'batch':>5} {'splitserve tok/s':>17} {'transformers tok/s':>19} {'ratio':>6} "
+          f"{'weights MB':>10} {'roofline':>8} {'same greedy':>11}")
+    for r in rows:
+        roofline = r["weight_bytes"] * r["steps"] / bandwidth
+        print(f"{r['dtype']:>9} {r['batch']:>5} {r['ours']:>17.1f} {r['hf']:>19.1f} {r['ours'] / r['hf']:>5.2f}x "
+              f"{r['weight_bytes'] / 1e6:>10.0f} {roofline:>8.2f} {r['same']:>5}/{r['batch']}")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.engine.kv_pool import KVLayout, KVPool
-from splitserve.layers.attention import AttentionMetadata, SeqAttention
+from splitserve.layers.attention import build_metadata
 from splitserve.models.loader import ModelSpec, load_model, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -99,21 +99,17 @@ class PagedSequences:
 
     def step(self, work: list[tuple[int, int]]):
         """``work``: (sequence, number of its next uncached tokens). Returns input_ids, positions, meta."""
-        ids, positions, slot_pages, slot_offsets, seqs = [], [], [], [], []
+        ids, positions, described = [], [], []
         for s, n in work:
             start, kv_len = self.cached[s], self.cached[s] + n
             assert kv_len <= len(self.tokens[s])
             while len(self.pages[s]) * PAGE_SIZE < kv_len:
                 self.pages[s].append(self.free.pop())
-            seqs.append(SeqAttention(q_start=len(ids), q_len=n, kv_len=kv_len,
-                                     page_table=torch.tensor(self.pages[s], dtype=torch.long)))
-            for pos in range(start, kv_len):
-                ids.append(self.tokens[s][pos])
-                positions.append(pos)
-                slot_pages.append(self.pages[s][pos // PAGE_SIZE])
-                slot_offsets.append(pos % PAGE_SIZE)
+            described.append((start, n, self.pages[s]))
+            ids += self.tokens[s][start:kv_len]
+            positions += range(start, kv_len)
             self.cached[s] = kv_len
-        meta = AttentionMetadata(torch.tensor(slot_pages), torch.tensor(slot_offsets), seqs)
+        meta = build_metadata(described, PAGE_SIZE, dtype=self.kv.layout.dtype)
         return torch.tensor(ids), torch.tensor(positions), meta
 
 
@@ -215,8 +211,13 @@ def test_bfloat16_load_runs_close_to_float32(tmp_path):
     ref = reference(hf, prompt)
     assert lp.dtype == torch.float32
     # bf16 keeps ~3 significant digits: observed max |dlogprob| ~0.065 * std(logits)
-    assert (lp - F.log_softmax(ref, dim=-1)).abs().max() < 0.15 * ref.std()
-    assert torch.equal(lp.argmax(-1), ref.argmax(-1))
+    tol = 0.15 * ref.std()
+    assert (lp - F.log_softmax(ref, dim=-1)).abs().max() < tol
+    # within tol of every log-prob, the greedy token can only differ where the top two are within 2 tol
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * tol
+    assert clear.sum() >= 3
+    assert torch.equal(lp.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 # -- the loader ------------------------------------------------------------------------------------

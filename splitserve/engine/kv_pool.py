@@ -57,9 +57,9 @@ class KVPool:
             device=device,
         )
 
-    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of one layer's keys and values, each [num_pages, page_size, num_kv_heads, head_dim]."""
-        return self.buffer[:, layer, 0], self.buffer[:, layer, 1]
+    def layer(self, layer: int) -> torch.Tensor:
+        """A view of one layer's keys and values, [num_pages, 2, page_size, num_kv_heads, head_dim]."""
+        return self.buffer[:, layer]
 
     @property
     def data_ptr(self) -> int:

@@ -1,5 +1,10 @@
 """Runs one scheduled batch through the model: flattens the sequences' new tokens, builds the
-attention metadata from their page tables, and returns the logits of the sequences that sample.
+attention metadata once for all layers (``layers/attention.py``), and returns the logits of the
+sequences that sample.
+
+Decoding sequences (one new token) go first in the flat batch, in scheduling order, then the
+prefill chunks: the decode rows are then rows 0..B-1, which the batched decode attention reads
+without gathering them. Logits come back in the scheduler's order whatever the flat order.
 
 Shapes: ``T`` = total new tokens in the step, ``S`` = sequences that sample a token this step.
 """
@@ -10,7 +15,7 @@ import torch
 
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.scheduler import ScheduledSeq
-from splitserve.layers.attention import AttentionMetadata, SeqAttention
+from splitserve.layers.attention import build_metadata
 
 
 class ModelRunner:
@@ -19,34 +24,32 @@ class ModelRunner:
         self.kv = kv
         self.page_size = kv.layout.page_size
         self.device = kv.buffer.device
+        self.dtype = kv.layout.dtype
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         """Forward the batch; returns float32 logits [S, vocab] for the sampling sequences, in batch order."""
+        order = [i for i, item in enumerate(batch) if item.num_tokens == 1]
+        order += [i for i, item in enumerate(batch) if item.num_tokens != 1]
         ids: list[int] = []
         positions: list[int] = []
-        seqs: list[SeqAttention] = []
-        last_rows: list[int] = []
-        for item in batch:
-            seq, start, n = item.seq, item.seq.num_computed, item.num_tokens
-            kv_len = start + n
-            seqs.append(SeqAttention(
-                q_start=len(ids), q_len=n, kv_len=kv_len,
-                page_table=torch.tensor(seq.pages[:-(-kv_len // self.page_size)], dtype=torch.long,
-                                        device=self.device),
-            ))
-            ids += seq.token_ids[start:kv_len]
-            positions += range(start, kv_len)
-            if item.samples:
-                last_rows.append(len(ids) - 1)
-        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
-        page_of = torch.cat([torch.tensor(item.seq.pages, dtype=torch.long)[
-            torch.arange(item.seq.num_computed, item.seq.num_computed + item.num_tokens) // self.page_size]
-            for item in batch]).to(self.device)  # [T]
-        meta = AttentionMetadata(slot_pages=page_of, slot_offsets=pos % self.page_size, seqs=seqs)
+        last_row: dict[int, int] = {}  # batch index -> its last row in the flat batch
+        for i in order:
+            seq, n = batch[i].seq, batch[i].num_tokens
+            start = seq.num_computed
+            ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            last_row[i] = len(ids) - 1
+        meta = build_metadata([(batch[i].seq.num_computed, batch[i].num_tokens, batch[i].seq.pages) for i in order],
+                              self.page_size, self.device, self.dtype)
         input_ids = torch.tensor(ids, dtype=torch.long, device=self.device)  # [T]
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         hidden = self.model(input_ids, pos, meta, self.kv)  # [T, hidden]
-        if not last_rows:
+        rows = [last_row[i] for i, item in enumerate(batch) if item.samples]
+        if not rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
-        rows = torch.tensor(last_rows, device=self.device)
-        return self.model.compute_logits(hidden[rows]).float().cpu()  # [S, vocab]
+        if rows != list(range(len(rows))):
+            hidden = hidden[torch.tensor(rows, device=self.device)]
+        else:
+            hidden = hidden[:len(rows)]
+        return self.model.compute_logits(hidden).float().cpu()  # [S, vocab]

@@ -1,22 +1,29 @@
-"""Paged attention in pure PyTorch (runs on CPU; a GPU kernel may later sit behind the same call).
+"""Paged attention over the KV pool, in pure PyTorch (a compiled decode kernel may stand in for
+the decode part: ``layers/paged_decode.py``).
 
-The model runner flattens every scheduled sequence's new tokens into one batch of ``T`` tokens and
-describes, per sequence, where those tokens sit and where its KV lives::
+The model runner flattens every scheduled sequence's new tokens into one batch of ``T`` tokens.
+``build_metadata`` describes that batch once per step; every layer reuses it::
 
-    q:            [T, num_heads, head_dim]       new tokens of all sequences, concatenated
-    k, v:         [T, num_kv_heads, head_dim]    their keys and values (written to the pool first)
-    slot_pages:   [T] page id of each new token's KV slot
-    slot_offsets: [T] offset inside that page
-    per sequence: q_start, q_len (its slice of T), kv_len (tokens in cache after this step,
-                  including the new ones), page_table [ceil(kv_len / page_size)]
+    q:            [T, num_heads, head_dim]        new tokens of all sequences, concatenated
+    k, v:         [T, num_kv_heads, head_dim]     their keys and values, written to the pool first
+    kv_layer:     [num_pages, 2, page_size, num_kv_heads, head_dim]   one layer of the pool (2 = k, v)
 
-A new token at absolute position p attends to keys 0..p (causal); the new tokens are the last
-``q_len`` of the sequence's ``kv_len`` tokens.
+A new token at absolute position p attends to keys 0..p (causal); a sequence's new tokens are the
+last ``q_len`` of its ``kv_len`` tokens. Two kinds of sequence, each on its own path:
+
+* **decode** (``q_len == 1``): one query row each. All of them attend in one call, through a
+  block table [B, max_pages] of their pages (padded; an additive mask hides the padding).
+* **prefill** (``q_len > 1``): one SDPA call each. A prompt computed from its start attends to its
+  own new keys/values (causal, nothing read back from the pool); a later chunk, or a recomputed
+  sequence, reads its earlier keys from its pages.
+
+Grouped-query attention goes through SDPA's ``enable_gqa`` (no ``repeat_interleave``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,81 +31,138 @@ import torch.nn.functional as F
 
 @dataclass
 class SeqAttention:
+    """One sequence of the batch: rows ``q_start .. q_start + q_len`` of ``q``, ``kv_len`` tokens
+    in the cache after this step (the new ones included), held in ``page_table``."""
+
     q_start: int
     q_len: int
     kv_len: int
-    page_table: torch.Tensor  # [ceil(kv_len / page_size)] int64
+    page_table: Optional[torch.Tensor] = None  # [ceil(kv_len / page_size)] int64; prefill chunks only
 
 
 @dataclass
 class AttentionMetadata:
-    slot_pages: torch.Tensor  # [T] int64
-    slot_offsets: torch.Tensor  # [T] int64
-    seqs: list[SeqAttention] = field(default_factory=list)
+    slot_pages: torch.Tensor  # [T] int64: page of each new token's KV slot
+    slot_offsets: torch.Tensor  # [T] int64: offset inside that page
+    seqs: list[SeqAttention] = field(default_factory=list)  # every sequence, in batch order
+    # decode sequences (q_len == 1), in batch order
+    decode_rows: Optional[torch.Tensor] = None  # [B] their rows of q; None: rows 0..B-1
+    block_table: Optional[torch.Tensor] = None  # [B, max_pages] int64, padded with page 0
+    decode_lens: Optional[torch.Tensor] = None  # [B] int64 kv_len of each
+    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, max_pages * page_size] additive; None: no padding
+    max_decode_len: int = 0
+    prefills: list[SeqAttention] = field(default_factory=list)  # q_len > 1, in batch order
+    # decode_fn(q [B, H, D], kv_layer, meta, scale) -> [B, H, D]; None: decode_attention_reference
+    decode_fn: Optional[Callable] = None
+
+    @property
+    def num_decode(self) -> int:
+        return 0 if self.block_table is None else self.block_table.shape[0]
 
     @property
     def all_decode(self) -> bool:
-        return all(s.q_len == 1 for s in self.seqs)
+        return not self.prefills
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             meta: AttentionMetadata) -> None:
-    """Store new keys/values [T, Hkv, D] into one layer's cache views [num_pages, page_size, Hkv, D]."""
-    k_cache[meta.slot_pages, meta.slot_offsets] = k.to(k_cache.dtype)
-    v_cache[meta.slot_pages, meta.slot_offsets] = v.to(v_cache.dtype)
-
-
-def _gather(cache: torch.Tensor, page_table: torch.Tensor, kv_len: int) -> torch.Tensor:
-    """[num_pages, P, Hkv, D] -> [kv_len, Hkv, D] for one sequence."""
-    pages = cache.index_select(0, page_table.to(cache.device))  # [n, P, Hkv, D]
-    return pages.reshape(-1, *cache.shape[2:])[:kv_len]
-
-
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of the new tokens over each sequence's cached KV. Returns [T, num_heads, head_dim]."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    gqa = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    if meta.seqs and meta.all_decode and len(meta.seqs) > 1:
-        return _batched_decode(q, k_cache, v_cache, meta, scale, gqa)
-    for s in meta.seqs:
-        qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1)  # [H, q_len, D]
-        ks = _gather(k_cache, s.page_table, s.kv_len).transpose(0, 1)  # [Hkv, kv_len, D]
-        vs = _gather(v_cache, s.page_table, s.kv_len).transpose(0, 1)
-        if gqa > 1:
-            ks = ks.repeat_interleave(gqa, dim=0)
-            vs = vs.repeat_interleave(gqa, dim=0)
-        if s.q_len == 1:
-            mask = None
+def build_metadata(seqs: Sequence[tuple[int, int, Sequence[int]]], page_size: int,
+                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                   decode_fn: Optional[Callable] = None) -> AttentionMetadata:
+    """Metadata of one step, once for all layers. ``seqs``: per sequence in batch order,
+    ``(start, q_len, pages)``: tokens already in the cache, new tokens this step, and its pages
+    (at least ``ceil((start + q_len) / page_size)`` of them). ``dtype``: of the queries (the mask's)."""
+    slot_pages: list[int] = []
+    slot_offsets: list[int] = []
+    all_seqs, prefills = [], []
+    decode_rows: list[int] = []
+    decode_pages: list[Sequence[int]] = []
+    decode_lens: list[int] = []
+    row = 0
+    for start, q_len, pages in seqs:
+        kv_len = start + q_len
+        n_pages = -(-kv_len // page_size)
+        for pos in range(start, kv_len):
+            slot_pages.append(pages[pos // page_size])
+            slot_offsets.append(pos % page_size)
+        s = SeqAttention(q_start=row, q_len=q_len, kv_len=kv_len)
+        all_seqs.append(s)
+        if q_len == 1:
+            decode_rows.append(row)
+            decode_pages.append(pages[:n_pages])
+            decode_lens.append(kv_len)
         else:
-            # query i sits at absolute position kv_len - q_len + i and sees keys <= that position
-            qpos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=q.device).unsqueeze(1)
-            mask = torch.arange(s.kv_len, device=q.device).unsqueeze(0) <= qpos  # [q_len, kv_len]
-        o = F.scaled_dot_product_attention(qs.to(ks.dtype), ks, vs, attn_mask=mask, scale=scale)
-        out[s.q_start:s.q_start + s.q_len] = o.transpose(0, 1).to(out.dtype)
-    return out
+            if start > 0:  # reads earlier keys back from its pages
+                s.page_table = torch.tensor(pages[:n_pages], dtype=torch.long, device=device)
+            prefills.append(s)
+        row += q_len
+    meta = AttentionMetadata(slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=device),
+                             slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
+                             seqs=all_seqs, prefills=prefills, decode_fn=decode_fn)
+    if decode_rows:
+        max_pages = max(len(p) for p in decode_pages)
+        meta.block_table = torch.tensor([list(p) + [0] * (max_pages - len(p)) for p in decode_pages],
+                                        dtype=torch.long, device=device)
+        meta.decode_lens = torch.tensor(decode_lens, dtype=torch.long, device=device)
+        meta.max_decode_len = max(decode_lens)
+        if decode_rows != list(range(len(decode_rows))):
+            meta.decode_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+        width = max_pages * page_size
+        if any(n != width for n in decode_lens):
+            keys = torch.arange(width, device=device)
+            hidden = keys[None, :] >= meta.decode_lens[:, None]  # [B, width]
+            meta.decode_mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(
+                hidden, float("-inf"))[:, None, None, :]
+    return meta
 
 
-def _batched_decode(q, k_cache, v_cache, meta, scale, gqa):
-    """All sequences decode one token: pad their KV to the longest and run one masked SDPA."""
-    B = len(meta.seqs)
-    max_len = max(s.kv_len for s in meta.seqs)
-    page_size = k_cache.shape[1]
-    max_pages = (max_len + page_size - 1) // page_size
-    table = torch.zeros((B, max_pages), dtype=torch.long)
-    lens = torch.empty(B, dtype=torch.long)
-    for i, s in enumerate(meta.seqs):
-        table[i, :len(s.page_table)] = s.page_table
-        lens[i] = s.kv_len
-    table, lens = table.to(k_cache.device), lens.to(k_cache.device)
-    ks = k_cache[table].flatten(1, 2)[:, :max_len]  # [B, max_len, Hkv, D]
-    vs = v_cache[table].flatten(1, 2)[:, :max_len]
-    ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)  # [B, Hkv, L, D]
-    if gqa > 1:
-        ks = ks.repeat_interleave(gqa, dim=1)
-        vs = vs.repeat_interleave(gqa, dim=1)
-    mask = (torch.arange(max_len, device=k_cache.device).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]  # [B,1,1,L]
-    qb = q.unsqueeze(2).to(ks.dtype)  # q rows are in sequence order: [B, H, 1, D]
-    o = F.scaled_dot_product_attention(qb, ks, vs, attn_mask=mask, scale=scale)
+def write_kv(kv_layer: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
+    """Store the new keys and values ``kv`` [T, 2, Hkv, D] into one layer of the pool."""
+    kv_layer[meta.slot_pages, :, meta.slot_offsets] = kv.to(kv_layer.dtype)
+
+
+def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """One of k/v [num_pages, P, Hkv, D] gathered by ``table`` [..., n] -> [..., n * P, Hkv, D]."""
+    pages = cache.index_select(0, table.flatten())  # [prod(table.shape), P, Hkv, D]
+    return pages.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
+
+
+def decode_attention_reference(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
+                               scale: float) -> torch.Tensor:
+    """The decode rows' attention, PyTorch only: q [B, H, D] -> [B, H, D]. Gathers every page of
+    every decode sequence (one copy of its KV) and runs one padded SDPA."""
+    k = gather_pages(kv_layer[:, 0], meta.block_table).transpose(1, 2)  # [B, Hkv, L, D]
+    v = gather_pages(kv_layer[:, 1], meta.block_table).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=meta.decode_mask,
+                                       scale=scale, enable_gqa=True)  # [B, H, 1, D]
     return o.squeeze(2).to(q.dtype)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                      s: SeqAttention, scale: float) -> torch.Tensor:
+    """One prefilling sequence: q [n, H, D], its new k, v [n, Hkv, D] -> [n, H, D]."""
+    n = s.q_len
+    if s.kv_len == n:  # from the start: the new keys are all there is
+        ks, vs, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+    else:  # a later chunk: earlier keys come from the pages
+        ks = gather_pages(kv_layer[:, 0], s.page_table)[:s.kv_len].transpose(0, 1)  # [Hkv, kv_len, D]
+        vs = gather_pages(kv_layer[:, 1], s.page_table)[:s.kv_len].transpose(0, 1)
+        qpos = torch.arange(s.kv_len - n, s.kv_len, device=q.device).unsqueeze(1)
+        mask, causal = torch.arange(s.kv_len, device=q.device).unsqueeze(0) <= qpos, False  # [n, kv_len]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).to(ks.dtype), ks, vs, attn_mask=mask, is_causal=causal,
+                                       scale=scale, enable_gqa=True)  # [H, n, D]
+    return o.transpose(0, 1).to(q.dtype)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Attention of the new tokens [T, H, D] (their k, v [T, Hkv, D] already in ``kv_layer``)."""
+    decode = meta.decode_fn or decode_attention_reference
+    if meta.all_decode:
+        return decode(q if meta.decode_rows is None else q[meta.decode_rows], kv_layer, meta, scale)
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        rows = meta.decode_rows if meta.decode_rows is not None else slice(0, meta.num_decode)
+        out[rows] = decode(q[rows], kv_layer, meta, scale)
+    for s in meta.prefills:
+        rows = slice(s.q_start, s.q_start + s.q_len)
+        out[rows] = prefill_attention(q[rows], k[rows], v[rows], kv_layer, s, scale)
+    return out

@@ -44,7 +44,11 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) ->
 
 
 class RotaryEmbedding(nn.Module):
-    """``cos_sin(positions)`` once per forward, then ``rotate(x, cos, sin)`` in every layer."""
+    """``cos_sin(positions)`` once per forward, then ``rotate_`` in every layer.
+
+    "Rotate half" as one roll: with ``x = [x1, x2]`` (halves of head_dim), the reference computes
+    ``x * cos + [-x2, x1] * sin``; here ``sin`` carries the sign (``[-sin, sin]``) so that the
+    rotated half is ``roll(x, head_dim / 2) = [x2, x1]``: three ops per call instead of six."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
@@ -52,16 +56,16 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = inv_frequencies(head_dim, theta, scaling)  # [head_dim // 2]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, 1, head_dim] (broadcast over heads) in ``dtype``."""
+        """positions [T] -> cos, signed sin [T, 1, head_dim] (broadcast over heads) in ``dtype``."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        sin = freqs.sin()
+        cos = freqs.cos()
+        return torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype), torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype)
 
     @staticmethod
-    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated by its tokens' positions."""
-        x1, x2 = x.chunk(2, dim=-1)
-        rotated = torch.cat((-x2, x1), dim=-1)
-        return x * cos + rotated * sin
+    def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by its tokens' positions, in place (x may be a view)."""
+        rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [x2, x1]
+        return torch.addcmul(x * cos, rolled, sin, out=x)

@@ -95,16 +95,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 kv: KVPool) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))  # [T, H*D], [T, Hkv*D], [T, Hkv*D]
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]: q | k | v, rotated and read through views
+        T = qkv.shape[0]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
-        k_cache, v_cache = kv.layer_kv(self.layer_idx)  # [num_pages, page_size, Hkv, D] each
-        write_kv(k_cache, v_cache, k, v, meta)
-        o = paged_attention(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+            q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        RotaryEmbedding.rotate_(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # q and k at once
+        q = qkv[:, :H * D].view(T, H, D)
+        new_kv = qkv[:, H * D:].view(T, 2, Hkv, D)  # k | v
+        kv_layer = kv.layer(self.layer_idx)  # [num_pages, 2, page_size, Hkv, D]
+        write_kv(kv_layer, new_kv, meta)
+        o = paged_attention(q, new_kv[:, 0], new_kv[:, 1], kv_layer, meta, self.scale)  # [T, H, D]
         return self.o_proj(o.flatten(1))  # [T, hidden]
 
 
