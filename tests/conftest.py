@@ -38,6 +38,9 @@ import requests
 
 REPO = Path(__file__).resolve().parent.parent
 CACHE_DIR = Path(os.environ.get("SPLITSERVE_CACHE") or REPO / ".cache" / "tests")
+# compiled CPU kernels off (the PyTorch reference ops) except where a test turns them on:
+# tests/test_kernels.py; `SPLITSERVE_KERNELS=1 make test` runs everything with them
+os.environ.setdefault("SPLITSERVE_KERNELS", "0")
 STARTUP_TIMEOUT_S = 180.0  # first run builds the tiny model; later runs take seconds
 
 _live: set["ServerProcess"] = set()

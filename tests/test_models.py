@@ -73,7 +73,7 @@ def case(request, tmp_path_factory):
     hf = make_checkpoint(path, family, overrides, save)
     if "max_shard_size" in save:
         assert (path / "model.safetensors.index.json").is_file() and len(list(path.glob("*.safetensors"))) > 1
-    model, spec = load_model(path)
+    model, spec = load_model(path, dtype="float32")  # auto would pick bfloat16 on a bf16 CPU
     return hf, model, spec
 
 

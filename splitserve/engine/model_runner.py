@@ -1,6 +1,7 @@
 """Runs one scheduled batch through the model: flattens the sequences' new tokens, builds the
 attention metadata once for all layers (``layers/attention.py``), and returns the logits of the
-sequences that sample.
+sequences that sample. It gives the model the compiled per-layer ops when they are available
+(``layers/ops.py``), else the model keeps the PyTorch reference ops.
 
 Decoding sequences (one new token) go first in the flat batch, in scheduling order, then the
 prefill chunks: the decode rows are then rows 0..B-1, which the batched decode attention reads
@@ -11,11 +12,17 @@ Shapes: ``T`` = total new tokens in the step, ``S`` = sequences that sample a to
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from splitserve.engine.kv_pool import KVPool
 from splitserve.engine.scheduler import ScheduledSeq
 from splitserve.layers.attention import build_metadata
+from splitserve.layers.linear import packing_available
+from splitserve.layers.ops import best_ops
+
+log = logging.getLogger(__name__)
 
 
 class ModelRunner:
@@ -25,6 +32,9 @@ class ModelRunner:
         self.page_size = kv.layout.page_size
         self.device = kv.buffer.device
         self.dtype = kv.layout.dtype
+        self.model.ops = best_ops(self.device, self.dtype)  # compiled kernels where available
+        packed = model.pack_weights() if packing_available(self.dtype, self.device) else 0
+        log.info("model ops: %s; packed weights: %d", self.model.ops.name, packed)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:

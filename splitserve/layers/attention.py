@@ -52,8 +52,6 @@ class AttentionMetadata:
     decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, max_pages * page_size] additive; None: no padding
     max_decode_len: int = 0
     prefills: list[SeqAttention] = field(default_factory=list)  # q_len > 1, in batch order
-    # decode_fn(q [B, H, D], kv_layer, meta, scale) -> [B, H, D]; None: decode_attention_reference
-    decode_fn: Optional[Callable] = None
 
     @property
     def num_decode(self) -> int:
@@ -65,8 +63,7 @@ class AttentionMetadata:
 
 
 def build_metadata(seqs: Sequence[tuple[int, int, Sequence[int]]], page_size: int,
-                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                   decode_fn: Optional[Callable] = None) -> AttentionMetadata:
+                   device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     """Metadata of one step, once for all layers. ``seqs``: per sequence in batch order,
     ``(start, q_len, pages)``: tokens already in the cache, new tokens this step, and its pages
     (at least ``ceil((start + q_len) / page_size)`` of them). ``dtype``: of the queries (the mask's)."""
@@ -96,7 +93,7 @@ def build_metadata(seqs: Sequence[tuple[int, int, Sequence[int]]], page_size: in
         row += q_len
     meta = AttentionMetadata(slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=device),
                              slot_offsets=torch.tensor(slot_offsets, dtype=torch.long, device=device),
-                             seqs=all_seqs, prefills=prefills, decode_fn=decode_fn)
+                             seqs=all_seqs, prefills=prefills)
     if decode_rows:
         max_pages = max(len(p) for p in decode_pages)
         meta.block_table = torch.tensor([list(p) + [0] * (max_pages - len(p)) for p in decode_pages],
@@ -153,9 +150,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_laye
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of the new tokens [T, H, D] (their k, v [T, Hkv, D] already in ``kv_layer``)."""
-    decode = meta.decode_fn or decode_attention_reference
+                    meta: AttentionMetadata, scale: float,
+                    decode: Callable = decode_attention_reference) -> torch.Tensor:
+    """Attention of the new tokens [T, H, D] (their k, v [T, Hkv, D] already in ``kv_layer``).
+    ``decode(q [B, H, D], kv_layer, meta, scale) -> [B, H, D]`` runs the decode rows."""
     if meta.all_decode:
         return decode(q if meta.decode_rows is None else q[meta.decode_rows], kv_layer, meta, scale)
     out = torch.empty_like(q)

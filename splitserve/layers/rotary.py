@@ -1,8 +1,8 @@
 """Rotary position embeddings (the "rotate half" layout of Hugging Face Llama/Qwen checkpoints).
 
-cos/sin are computed per call from the inverse frequencies and the tokens' absolute positions,
-in float32, exactly as the reference does, so no [max_context, head_dim] table is kept (that is
-128 MiB for a 128k-context model). Scaling types: ``default``, ``linear`` and ``llama3``
+cos/sin are computed once per forward from the inverse frequencies and the tokens' absolute
+positions, in float32, exactly as the reference does, so no [max_context, head_dim] table is kept
+(that is 128 MiB for a 128k-context model). Scaling types: ``default``, ``linear`` and ``llama3``
 (Llama 3.1+); others fail at load time with a clear error.
 """
 
@@ -44,28 +44,17 @@ def inv_frequencies(head_dim: int, theta: float, scaling: dict | None = None) ->
 
 
 class RotaryEmbedding(nn.Module):
-    """``cos_sin(positions)`` once per forward, then ``rotate_`` in every layer.
-
-    "Rotate half" as one roll: with ``x = [x1, x2]`` (halves of head_dim), the reference computes
-    ``x * cos + [-x2, x1] * sin``; here ``sin`` carries the sign (``[-sin, sin]``) so that the
-    rotated half is ``roll(x, head_dim / 2) = [x2, x1]``: three ops per call instead of six."""
+    """``cos_sin(positions)`` once per forward; the rotation itself is an op of ``layers/ops.py``
+    (``rope_store``), applied to q and k of every layer."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
         # a plain attribute, not a buffer: stays float32 whatever dtype the model is cast to
         self.inv_freq = inv_frequencies(head_dim, theta, scaling)  # [head_dim // 2]
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, signed sin [T, 1, head_dim] (broadcast over heads) in ``dtype``."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> cos, sin [T, head_dim // 2] float32 (the reference's angles)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_dim // 2]
-        sin = freqs.sin()
-        cos = freqs.cos()
-        return torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype), torch.cat((-sin, sin), dim=-1)[:, None, :].to(dtype)
-
-    @staticmethod
-    def rotate_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated by its tokens' positions, in place (x may be a view)."""
-        rolled = torch.roll(x, x.shape[-1] // 2, dims=-1)  # [x2, x1]
-        return torch.addcmul(x * cos, rolled, sin, out=x)
+        return freqs.cos(), freqs.sin()

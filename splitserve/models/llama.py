@@ -27,9 +27,10 @@ from torch import nn
 
 from splitserve.engine.kv_pool import KVPool
 from splitserve.layers.activation import SiluAndMul
-from splitserve.layers.attention import AttentionMetadata, paged_attention, write_kv
-from splitserve.layers.linear import MergedLinear
+from splitserve.layers.attention import AttentionMetadata, paged_attention
+from splitserve.layers.linear import Linear, MergedLinear, pack_weight, packed_linear
 from splitserve.layers.norm import RMSNorm
+from splitserve.layers.ops import TorchOps
 from splitserve.layers.rotary import RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -86,28 +87,27 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = MergedLinear(args.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(q_size, args.hidden_size, bias=args.o_bias)
+        self.o_proj = Linear(q_size, args.hidden_size, bias=args.o_bias)
         self.qk_norm = args.qk_norm
         if args.qk_norm:
             self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
-                kv: KVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVPool, ops: TorchOps) -> torch.Tensor:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]: q | k | v, rotated and read through views
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]: q | k | v, rotated in place and read through views
         T = qkv.shape[0]
         if self.qk_norm:
             q, k = qkv[:, :H * D].view(T, H, D), qkv[:, H * D:(H + Hkv) * D].view(T, Hkv, D)
             q.copy_(self.q_norm(q))
             k.copy_(self.k_norm(k))
-        RotaryEmbedding.rotate_(qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # q and k at once
+        kv_layer = kv.layer(self.layer_idx)  # [num_pages, 2, page_size, Hkv, D]
+        ops.rope_store(qkv, rope, H, Hkv, kv_layer, meta)
         q = qkv[:, :H * D].view(T, H, D)
         new_kv = qkv[:, H * D:].view(T, 2, Hkv, D)  # k | v
-        kv_layer = kv.layer(self.layer_idx)  # [num_pages, 2, page_size, Hkv, D]
-        write_kv(kv_layer, new_kv, meta)
-        o = paged_attention(q, new_kv[:, 0], new_kv[:, 1], kv_layer, meta, self.scale)  # [T, H, D]
+        o = paged_attention(q, new_kv[:, 0], new_kv[:, 1], kv_layer, meta, self.scale,
+                            ops.decode_attention)  # [T, H, D]
         return self.o_proj(o.flatten(1))  # [T, hidden]
 
 
@@ -117,7 +117,7 @@ class MLP(nn.Module):
         inter = args.intermediate_size
         self.gate_up_proj = MergedLinear(args.hidden_size, {"gate": inter, "up": inter}, bias=args.mlp_bias)
         self.act = SiluAndMul()
-        self.down_proj = nn.Linear(inter, args.hidden_size, bias=args.mlp_bias)
+        self.down_proj = Linear(inter, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
@@ -131,9 +131,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, h, cos, sin, meta, kv):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, residual, delta, rope, meta, kv, ops):
+        """The residual stream and the previous block's output not yet added to it (None before
+        the first layer) -> the same pair after this layer (adds fused with the next norm)."""
+        x, residual = ops.add_rms_norm(delta, residual, self.input_layernorm)
+        x, residual = ops.add_rms_norm(self.self_attn(x, rope, meta, kv, ops), residual, self.post_attention_layernorm)
+        return residual, self.mlp(x)
 
 
 class DecoderModel(nn.Module):
@@ -146,12 +149,13 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
 
-    def forward(self, input_ids, positions, meta, kv):
-        h = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)  # [T, 1, D] each, shared by all layers
+    def forward(self, input_ids, positions, meta, kv, ops):
+        residual = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = ops.rope_tables(*self.rotary.cos_sin(positions), residual.dtype)  # once for all layers
+        delta = None
         for layer in self.layers:
-            h = layer(h, cos, sin, meta, kv)
-        return self.norm(h)
+            residual, delta = layer(residual, delta, rope, meta, kv, ops)
+        return ops.add_rms_norm(delta, residual, self.norm)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -167,9 +171,11 @@ class LlamaForCausalLM(nn.Module):
         """``config``: the checkpoint's ``config.json`` as a dict."""
         super().__init__()
         self.args = self.parse_config(config)
+        self.ops: TorchOps = TorchOps()  # the per-layer small ops; the model runner may swap in compiled ones
         self.model = DecoderModel(self.args)
         if not self.args.tie_word_embeddings:
             self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+        self._packed_head: Optional[torch.Tensor] = None  # set by pack_weights
 
     @classmethod
     def parse_config(cls, config: dict) -> DecoderArgs:
@@ -201,12 +207,28 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVPool) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed, before lm_head)."""
-        return self.model(input_ids, positions, meta, kv)
+        return self.model(input_ids, positions, meta, kv, self.ops)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32. Pass only the rows you sample from."""
+        if self._packed_head is not None:
+            return packed_linear(hidden, self._packed_head).float()
         weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def pack_weights(self, batch_hint: int = 16) -> int:
+        """Switch every projection and the logits head to packed weights (``layers/linear.py``;
+        call ``linear.packing_available`` first). A tied head keeps the embedding it shares, so
+        its packed copy is extra memory (vocab x hidden). Returns the number of weights packed."""
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed is None]
+        for m in linears:
+            m.pack(batch_hint)
+        if self.args.tie_word_embeddings:
+            self._packed_head = pack_weight(self.model.embed_tokens.weight.detach(), batch_hint)
+        else:
+            self._packed_head = pack_weight(self.lm_head.weight.detach(), batch_hint)
+            self.lm_head.weight = nn.Parameter(self.lm_head.weight.new_empty(0), requires_grad=False)
+        return len(linears) + 1
 
     # -- weights ---------------------------------------------------------------------------------
 

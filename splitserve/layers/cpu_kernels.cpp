@@ -1,0 +1,396 @@
+// Fused CPU kernels for the decoder's small per-layer ops (built by layers/kernels.py).
+//
+// Each kernel replaces several PyTorch ops (and their temporaries) by one pass over the data; the
+// PyTorch reference of each one is in layers/ops.py (TorchOps) and tests/test_kernels.py checks
+// them against each other. float32 and bfloat16 tensors; arithmetic in float32 with one rounding
+// to the tensor's dtype at the end. Plain loops written so that the compiler vectorizes them
+// (-O3 -march=native; `omp simd` reductions), threads through ATen's pool (at::parallel_for, so
+// torch.set_num_threads applies).
+//
+//   decode_attention   one query row per sequence over its paged KV, read in place (no gather)
+//   add_rms_norm       residual += x (rounded like the reference's add), then RMSNorm of it
+//   rope_store         rotary embedding of q and k in place, then k and v into their pool slots
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using bf16 = at::BFloat16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+template <typename T> inline T from_float(float f);
+template <> inline float from_float<float>(float f) { return f; }
+template <> inline bf16 from_float<bf16>(float f) {
+  // round to nearest even, as c10::BFloat16 does (NaN stays a quiet NaN)
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  bf16 out;
+  out.x = ((u & 0x7fffffffu) > 0x7f800000u) ? uint16_t(0x7fc0) : uint16_t(rounded);
+  return out;
+}
+
+template <typename T> inline void load(const T* src, float* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+template <typename T> inline void store(const float* src, T* dst, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
+}
+
+// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into 2^n * 2^f, with a
+// degree-6 polynomial for 2^f on [0, 1) (fitted for relative error; ~1e-7 evaluated in float32).
+// Vectorizes, unlike std::exp.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  float t = x * 1.4426950408889634f;
+  float n = std::floor(t);
+  float f = t - n;
+  float p = 2.1690609111081347e-4f;
+  p = p * f + 1.2443081525922439e-3f;
+  p = p * f + 9.6784725525079721e-3f;
+  p = p * f + 5.5483524724955019e-2f;
+  p = p * f + 2.4022979581402090e-1f;
+  p = p * f + 6.9314698705749367e-1f;
+  p = p * f + 1.0f;
+  uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
+}
+
+// -- decode attention -----------------------------------------------------------------------------
+
+// One page's rows of one kv head: scores[i] = q . K[i] (n rows, row stride rs), and
+// acc += sum_i w[i] V[i]. The generic versions take any D; with AVX-512 and D a multiple of 16,
+// DV = D / 16 vectors per row stay in registers.
+template <typename T>
+inline void page_scores(const float* q, const T* k, int64_t rs, int64_t n, int64_t D, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* r = k + i * rs;
+    float s = 0.f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t d = 0; d < D; ++d) s += q[d] * to_float(r[d]);
+    out[i] = s;
+  }
+}
+
+template <typename T>
+inline void page_accumulate(const float* w, const T* v, int64_t rs, int64_t n, int64_t D, float* acc) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* r = v + i * rs;
+    const float wi = w[i];
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) acc[d] += wi * to_float(r[d]);
+  }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <typename T, int DV>
+inline void page_scores_v(const float* q, const T* k, int64_t rs, int64_t n, float* out) {
+  __m512 qv[DV];
+  for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
+  for (int64_t i = 0; i < n; ++i) {
+    const T* r = k + i * rs;
+    __m512 a = _mm512_mul_ps(qv[0], load16(r));
+    for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[c], load16(r + 16 * c), a);
+    out[i] = _mm512_reduce_add_ps(a);
+  }
+}
+
+template <typename T, int DV>
+inline void page_accumulate_v(const float* w, const T* v, int64_t rs, int64_t n, __m512* acc) {
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 wi = _mm512_set1_ps(w[i]);
+    const T* r = v + i * rs;
+    for (int c = 0; c < DV; ++c) acc[c] = _mm512_fmadd_ps(wi, load16(r + 16 * c), acc[c]);
+  }
+}
+#endif
+
+// softmax of scores[0..L) in place; returns 1 / sum of the exponentials (applied at the end)
+inline float softmax_unnormalized(float* scores, int64_t L) {
+  float m = -std::numeric_limits<float>::infinity();
+  for (int64_t t = 0; t < L; ++t) m = std::max(m, scores[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < L; ++t) {
+    const float e = exp_nonpositive(scores[t] - m);
+    scores[t] = e;
+    sum += e;
+  }
+  return 1.f / sum;
+}
+
+// q [B, H, D]; kv [num_pages, 2, P, Hkv, D] (one layer of the pool, any outer strides); table
+// [B, max_pages] int64; lens [B] int64; out [B, H, D]. Work item = (sequence, kv head); its G
+// query heads read the same pages one after the other (the second and later from cache).
+template <typename T, int DV>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
+                           const at::Tensor& lens, double scale, at::Tensor& out) {
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t P = kv.size(2), Hkv = kv.size(3);
+  const int64_t G = H / Hkv;
+  const int64_t qsB = q.stride(0), qsH = q.stride(1);
+  const int64_t kvs0 = kv.stride(0), kvs1 = kv.stride(1), kvs2 = kv.stride(2), kvs3 = kv.stride(3);
+  const int64_t tsB = table.stride(0);
+  const int64_t osB = out.stride(0), osH = out.stride(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kvp = kv.data_ptr<T>();
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const float fscale = float(scale);
+
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(D), acc(D), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / Hkv, h = item % Hkv;
+      const int64_t L = lp[b];
+      const int64_t* pages = tp + b * tsB;
+      scores.resize(L);
+      for (int64_t g = 0; g < G; ++g) {
+        load(qp + b * qsB + (h * G + g) * qsH, qf.data(), D);
+        for (int64_t d = 0; d < D; ++d) qf[d] *= fscale;
+        for (int64_t t0 = 0; t0 < L; t0 += P) {
+          const T* k = kvp + pages[t0 / P] * kvs0 + h * kvs3;
+          const int64_t n = std::min(P, L - t0);
+#if defined(__AVX512F__)
+          if constexpr (DV > 0) {
+            page_scores_v<T, DV>(qf.data(), k, kvs2, n, scores.data() + t0);
+          } else
+#endif
+          page_scores(qf.data(), k, kvs2, n, D, scores.data() + t0);
+        }
+        const float inv = softmax_unnormalized(scores.data(), L);
+#if defined(__AVX512F__)
+        if constexpr (DV > 0) {
+          __m512 av[DV > 0 ? DV : 1];
+          for (int c = 0; c < DV; ++c) av[c] = _mm512_setzero_ps();
+          for (int64_t t0 = 0; t0 < L; t0 += P) {
+            const T* v = kvp + pages[t0 / P] * kvs0 + kvs1 + h * kvs3;
+            page_accumulate_v<T, DV>(scores.data() + t0, v, kvs2, std::min(P, L - t0), av);
+          }
+          for (int c = 0; c < DV; ++c) _mm512_storeu_ps(acc.data() + 16 * c, _mm512_mul_ps(av[c], _mm512_set1_ps(inv)));
+        } else
+#endif
+        {
+          std::fill(acc.begin(), acc.end(), 0.f);
+          for (int64_t t0 = 0; t0 < L; t0 += P) {
+            const T* v = kvp + pages[t0 / P] * kvs0 + kvs1 + h * kvs3;
+            page_accumulate(scores.data() + t0, v, kvs2, std::min(P, L - t0), D, acc.data());
+          }
+          for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
+        }
+        store(acc.data(), op + b * osB + (h * G + g) * osH, D);
+      }
+    }
+  });
+}
+
+template <typename T>
+void decode_attention_dispatch(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
+                               const at::Tensor& lens, double scale, at::Tensor& out) {
+#if defined(__AVX512F__)
+  switch (q.size(2)) {
+    case 64: return decode_attention_impl<T, 4>(q, kv, table, lens, scale, out);
+    case 128: return decode_attention_impl<T, 8>(q, kv, table, lens, scale, out);
+    case 256: return decode_attention_impl<T, 16>(q, kv, table, lens, scale, out);
+    default: break;
+  }
+#endif
+  decode_attention_impl<T, 0>(q, kv, table, lens, scale, out);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
+                            const at::Tensor& lens, double scale) {
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && table.dim() == 2 && lens.dim() == 1, "bad ranks");
+  TORCH_CHECK(kv.size(1) == 2 && kv.size(4) == q.size(2) && q.size(1) % kv.size(3) == 0, "q / kv shapes disagree");
+  TORCH_CHECK(table.size(0) == q.size(0) && lens.size(0) == q.size(0), "one table row and length per query row");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "table and lens must be int64");
+  check_last_dim_contiguous(q, "q");
+  check_last_dim_contiguous(kv, "kv");
+  auto table_c = table.contiguous(), lens_c = lens.contiguous();
+  auto out = at::empty(q.sizes(), q.options());
+  if (q.scalar_type() == at::kFloat) {
+    decode_attention_dispatch<float>(q, kv, table_c, lens_c, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "decode_attention: float32 or bfloat16 only");
+    decode_attention_dispatch<bf16>(q, kv, table_c, lens_c, scale, out);
+  }
+  return out;
+}
+
+// -- residual add + RMSNorm -------------------------------------------------------------------
+
+// residual [T, N] contiguous (updated in place: residual += x, rounded to its dtype); x [T, N]
+// with unit last stride, or undefined (norm only); returns RMSNorm(residual) * weight.
+template <typename T>
+void add_rms_norm_impl(const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                       at::Tensor& out) {
+  const int64_t rows = residual.size(0), N = residual.size(1);
+  const bool add = x.defined();
+  const int64_t xs = add ? x.stride(0) : 0;
+  const T* xp = add ? x.data_ptr<T>() : nullptr;
+  T* rp = residual.data_ptr<T>();
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const float feps = float(eps);
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> r(N), a(N), w(N);
+    load(wp, w.data(), N);
+    for (int64_t i = begin; i < end; ++i) {
+      T* ri = rp + i * N;
+      load(ri, r.data(), N);
+      if (add) {
+        load(xp + i * xs, a.data(), N);
+#pragma omp simd
+        for (int64_t j = 0; j < N; ++j) r[j] = to_float(from_float<T>(r[j] + a[j]));
+        store(r.data(), ri, N);
+      }
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < N; ++j) ss += r[j] * r[j];
+      const float inv = 1.f / std::sqrt(ss / float(N) + feps);
+#pragma omp simd
+      for (int64_t j = 0; j < N; ++j) r[j] = r[j] * inv * w[j];
+      store(r.data(), op + i * N, N);
+    }
+  });
+}
+
+at::Tensor add_rms_norm(const std::optional<at::Tensor>& x, at::Tensor residual, const at::Tensor& weight,
+                        double eps) {
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous(), "residual must be a contiguous [T, N] tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == residual.size(1) && weight.is_contiguous(), "weight must be [N]");
+  TORCH_CHECK(weight.scalar_type() == residual.scalar_type(), "weight and residual dtypes differ");
+  at::Tensor xt;
+  if (x.has_value() && x->defined()) {
+    xt = *x;
+    TORCH_CHECK(xt.sizes() == residual.sizes() && xt.scalar_type() == residual.scalar_type(), "x must match residual");
+    check_last_dim_contiguous(xt, "x");
+  }
+  auto out = at::empty(residual.sizes(), residual.options());
+  if (residual.scalar_type() == at::kFloat) {
+    add_rms_norm_impl<float>(xt, residual, weight, eps, out);
+  } else {
+    TORCH_CHECK(residual.scalar_type() == at::kBFloat16, "add_rms_norm: float32 or bfloat16 only");
+    add_rms_norm_impl<bf16>(xt, residual, weight, eps, out);
+  }
+  return out;
+}
+
+// -- rotary embedding + KV store --------------------------------------------------------------
+
+// qkv [T, (H + 2 Hkv) D] (unit last stride): q and k heads rotated in place ("rotate half": with
+// x = [x1, x2], x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin); then k and v copied to
+// kv [num_pages, 2, P, Hkv, D] at (slot_pages[t], slot_offsets[t]). cos, sin: [T, D / 2] float32.
+template <typename T>
+void rope_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv,
+                     at::Tensor& kv, const at::Tensor& pages, const at::Tensor& offsets) {
+  const int64_t rows = qkv.size(0), D = kv.size(4), half = D / 2;
+  const int64_t qs = qkv.stride(0);
+  const int64_t kvs0 = kv.stride(0), kvs1 = kv.stride(1), kvs2 = kv.stride(2), kvs3 = kv.stride(3);
+  T* qp = qkv.data_ptr<T>();
+  T* kvp = kv.data_ptr<T>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const int64_t* pp = pages.data_ptr<int64_t>();
+  const int64_t* offp = offsets.data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, 8192 / ((H + 2 * Hkv) * D));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(D);
+    for (int64_t t = begin; t < end; ++t) {
+      T* row = qp + t * qs;
+      const float* c = cp + t * half;
+      const float* s = sp + t * half;
+      for (int64_t head = 0; head < H + Hkv; ++head) {
+        T* xh = row + head * D;
+        load(xh, x.data(), D);
+#pragma omp simd
+        for (int64_t i = 0; i < half; ++i) {
+          const float x1 = x[i], x2 = x[i + half];
+          xh[i] = from_float<T>(x1 * c[i] - x2 * s[i]);
+          xh[i + half] = from_float<T>(x2 * c[i] + x1 * s[i]);
+        }
+      }
+      T* slot = kvp + pp[t] * kvs0 + offp[t] * kvs2;
+      for (int64_t head = 0; head < Hkv; ++head) {
+        std::memcpy(slot + head * kvs3, row + (H + head) * D, D * sizeof(T));
+        std::memcpy(slot + kvs1 + head * kvs3, row + (H + Hkv + head) * D, D * sizeof(T));
+      }
+    }
+  });
+}
+
+void rope_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv,
+                at::Tensor kv, const at::Tensor& pages, const at::Tensor& offsets) {
+  TORCH_CHECK(qkv.dim() == 2 && kv.dim() == 5 && kv.size(1) == 2 && kv.size(3) == Hkv, "bad shapes");
+  const int64_t D = kv.size(4), T = qkv.size(0);
+  TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * Hkv) * D, "qkv must be [T, (H + 2 Hkv) D]");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+              sin.is_contiguous() && cos.size(0) == T && cos.size(1) == D / 2 && sin.sizes() == cos.sizes(),
+              "cos and sin must be contiguous float32 [T, D / 2]");
+  TORCH_CHECK(pages.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && pages.is_contiguous() &&
+              offsets.is_contiguous() && pages.size(0) == T && offsets.size(0) == T, "slots must be int64 [T]");
+  TORCH_CHECK(qkv.scalar_type() == kv.scalar_type(), "qkv and kv dtypes differ");
+  TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == D, "kv rows must be contiguous");
+  check_last_dim_contiguous(qkv, "qkv");
+  if (qkv.scalar_type() == at::kFloat) {
+    rope_store_impl<float>(qkv, cos, sin, H, Hkv, kv, pages, offsets);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rope_store: float32 or bfloat16 only");
+    rope_store_impl<bf16>(qkv, cos, sin, H, Hkv, kv, pages, offsets);
+  }
+}
+
+}  // namespace
+
+// SPLITSERVE_OPS: the op namespace, set by the builder (one per build, so two builds never clash)
+TORCH_LIBRARY(SPLITSERVE_OPS, m) {
+  m.def("decode_attention(Tensor q, Tensor kv, Tensor table, Tensor lens, float scale) -> Tensor");
+  m.def("add_rms_norm(Tensor? x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
+  m.def("rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, int H, int Hkv, Tensor(b!) kv, Tensor pages, "
+        "Tensor offsets) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(SPLITSERVE_OPS, CPU, m) {
+  m.impl("decode_attention", &decode_attention);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_store", &rope_store);
+}

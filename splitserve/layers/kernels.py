@@ -1,0 +1,83 @@
+"""The compiled CPU kernels (``cpu_kernels.cpp``): built on first use, cached on disk, optional.
+
+``load()`` returns the extension module, or None, and the model then runs the PyTorch reference
+ops (``layers/ops.py``): when ``SPLITSERVE_KERNELS=0`` (the test suite sets it for every test
+but the kernels' own), or when the build fails (no C++ compiler, no ninja, a compile error;
+logged once with the reason). The build goes through ``torch.utils.cpp_extension.load`` into
+``$SPLITSERVE_CACHE/kernels`` (else ``~/.cache/splitserve/kernels``) under a name hashed from the
+source, the compiler flags, the torch version and this CPU's instruction-set flags (the code is
+built for the CPU it runs on, ``-march=native``), so a later start loads it in a fraction of a
+second; processes building at once wait on the build folder's lock. Environment read at call time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+ENV_SWITCH = "SPLITSERVE_KERNELS"
+
+_lock = threading.Lock()
+_loaded: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    """False when ``SPLITSERVE_KERNELS`` is 0/false/off/no."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPLITSERVE_CACHE")
+    return (Path(root).expanduser() if root else Path.home() / ".cache" / "splitserve") / "kernels"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def build_name() -> str:
+    key = "\0".join([SOURCE.read_text(), " ".join(CFLAGS), torch.__version__, _cpu_flags()])
+    return "splitserve_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def load(force: bool = False):
+    """The kernels' op namespace (``torch.ops.<name>``: ``decode_attention``, ``add_rms_norm``,
+    ``rope_store``), building them if needed; None when switched off or unavailable.
+    ``force``: ignore the switch (the kernels' own tests)."""
+    if not force and not enabled():
+        return None
+    name = build_name()
+    with _lock:
+        if name not in _loaded:
+            _loaded[name] = _build(name)
+        return _loaded[name]
+
+
+def _build(name: str):
+    try:
+        from torch.utils import cpp_extension
+
+        build_dir = cache_dir() / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS + [f"-DSPLITSERVE_OPS={name}"],
+                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+        log.info("compiled CPU kernels loaded from %s", build_dir)
+        return getattr(torch.ops, name)
+    except Exception as exc:  # compiler or ninja missing, compile error: run the PyTorch ops instead
+        log.warning("compiled CPU kernels unavailable, using the PyTorch ops instead: %s",
+                    str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        return None

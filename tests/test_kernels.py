@@ -1,0 +1,247 @@
+"""The engine's fast paths against their references, on random data (no timings).
+
+- The paged attention (``layers/attention.py``: batched decode through a block table, prefill from
+  the start and later chunks) against a naive float64 attention of each sequence over its own
+  keys, on random pages: GQA group sizes 1-4, lengths at and across page boundaries, shuffled page
+  tables, mixed prefill + decode batches in any row order.
+- The compiled ops (``layers/cpu_kernels.cpp`` through ``layers/ops.py``) against the PyTorch
+  reference ops, float32 and bfloat16, and the whole engine with them against transformers.
+- Packed bf16 weights (``layers/linear.py``) against the dense ones.
+- The fallback: a failed kernel build leaves the PyTorch ops in place.
+
+The compiled ops are built once per machine into the cache (a few seconds of compiling); every
+other test runs with them switched off (``SPLITSERVE_KERNELS=0``, set in conftest.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from splitserve.layers import kernels
+from splitserve.layers.attention import build_metadata, paged_attention
+from splitserve.layers.linear import Linear, packing_available
+from splitserve.layers.norm import RMSNorm
+from splitserve.layers.ops import CompiledOps, TorchOps, best_ops
+
+PAGE = 4
+NUM_PAGES = 64
+
+
+def naive_attention(q, keys, values, positions, scale):
+    """float64 attention of queries at ``positions`` over keys/values [kv_len, Hkv, D] (causal)."""
+    H, Hkv = q.shape[1], keys.shape[1]
+    k = keys.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, L, D]
+    v = values.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, n, L]
+    visible = torch.arange(keys.shape[0])[None, :] <= torch.tensor(positions)[:, None]  # [n, L]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1)  # [n, H, D]
+
+
+class RandomPool:
+    """A 2-layer pool (the layout of ``engine/kv_pool.py``) with random contents and shuffled pages."""
+
+    def __init__(self, Hkv: int, D: int, dtype=torch.float32, seed: int = 0):
+        self.g = torch.Generator().manual_seed(seed)
+        self.buffer = torch.randn(NUM_PAGES, 2, 2, PAGE, Hkv, D, generator=self.g).to(dtype)
+        self.layer = self.buffer[:, 1]  # [pages, 2, P, Hkv, D], strided like a real layer view
+        self.free = torch.randperm(NUM_PAGES, generator=self.g).tolist()
+
+    def pages_for(self, n_tokens: int) -> list[int]:
+        return [self.free.pop() for _ in range(-(-n_tokens // PAGE))]
+
+    def keys_values(self, pages: list[int], kv_len: int):
+        kv = self.layer[pages]  # [n, 2, P, Hkv, D]
+        return (kv[:, 0].flatten(0, 1)[:kv_len], kv[:, 1].flatten(0, 1)[:kv_len])
+
+
+def run_batch(pool: RandomPool, seqs, H: int, ops=None, dtype=torch.float32):
+    """``seqs``: (start, q_len) per sequence. New k/v written like a layer does; returns
+    (our output [T, H, D], per-sequence naive outputs)."""
+    Hkv, D = pool.layer.shape[3], pool.layer.shape[4]
+    described, pages_of = [], []
+    for start, q_len in seqs:
+        pages = pool.pages_for(start + q_len)
+        pages_of.append(pages)
+        described.append((start, q_len, pages))
+    meta = build_metadata(described, PAGE, dtype=dtype)
+    T = sum(n for _, n in seqs)
+    q = torch.randn(T, H, D, generator=pool.g).to(dtype)
+    new_kv = torch.randn(T, 2, Hkv, D, generator=pool.g).to(dtype)
+    pool.layer[meta.slot_pages, :, meta.slot_offsets] = new_kv
+    scale = D ** -0.5
+    decode = (ops or TorchOps()).decode_attention
+    out = paged_attention(q, new_kv[:, 0], new_kv[:, 1], pool.layer, meta, scale, decode)
+    refs = []
+    for (start, q_len), pages, s in zip(seqs, pages_of, meta.seqs):
+        keys, values = pool.keys_values(pages, start + q_len)
+        refs.append((s.q_start, naive_attention(q[s.q_start:s.q_start + q_len], keys, values,
+                                                list(range(start, start + q_len)), scale)))
+    return out, refs
+
+
+def assert_matches(out, refs, tol):
+    for q_start, ref in refs:
+        got = out[q_start:q_start + ref.shape[0]].double()
+        assert (got - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("H,Hkv", [(4, 4), (6, 3), (8, 2)])
+def test_decode_rows_match_naive_attention_at_page_boundaries(H, Hkv):
+    pool = RandomPool(Hkv, 16)
+    lens = [1, PAGE - 1, PAGE, PAGE + 1, 3 * PAGE, 5 * PAGE + 2]  # kv_len after this step
+    out, refs = run_batch(pool, [(n - 1, 1) for n in lens], H)
+    assert_matches(out, refs, 1e-5)
+
+
+def test_mixed_prefill_and_decode_rows_in_any_order():
+    """Decode rows between prefill chunks (a prompt from its start, a later chunk that reads its
+    first tokens back from the pages), so the decode rows are not rows 0..B-1."""
+    pool = RandomPool(2, 16, seed=1)
+    out, refs = run_batch(pool, [(6, 1), (0, 7), (9, 1), (5, 6), (0, 1)], 6)
+    assert_matches(out, refs, 1e-5)
+
+
+# -- the compiled ops -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    module = kernels.load(force=True)
+    if module is None:
+        pytest.skip("the compiled kernels cannot be built here (see the warning logged by layers/kernels.py)")
+    return CompiledOps(module)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,Hkv,D", [(6, 3, 64), (8, 2, 32), (4, 4, 128)])  # D 32: the generic loops
+def test_compiled_decode_attention_matches_the_reference(compiled, dtype, H, Hkv, D):
+    pool = RandomPool(Hkv, D, dtype=dtype, seed=2)
+    lens = [1, PAGE, PAGE + 1, 7 * PAGE + 3, 2]
+    out, refs = run_batch(pool, [(n - 1, 1) for n in lens], H, ops=compiled, dtype=dtype)
+    assert_matches(out, refs, 1e-5 if dtype == torch.float32 else 2e-2)
+    pool = RandomPool(Hkv, D, dtype=dtype, seed=3)  # also inside a mixed batch
+    out, refs = run_batch(pool, [(0, 5), (6, 1), (3, 1)], H, ops=compiled, dtype=dtype)
+    assert_matches(out, refs, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_compiled_decode_attention_reads_q_through_a_strided_view(compiled):
+    pool = RandomPool(2, 32, seed=4)
+    meta = build_metadata([(8, 1, pool.pages_for(9)), (2, 1, pool.pages_for(3))], PAGE)
+    qkv = torch.randn(2, (6 + 2 * 2) * 32)
+    q = qkv[:, :6 * 32].view(2, 6, 32)  # rows 320 apart, as the model hands it over
+    ref = TorchOps().decode_attention(q.contiguous(), pool.layer, meta, 0.2)
+    assert torch.allclose(compiled.decode_attention(q, pool.layer, meta, 0.2), ref, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_norm_and_rope_match_the_reference(compiled, dtype):
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(96, eps=1e-5)
+    norm.weight.data = (1 + 0.3 * torch.randn(96, generator=g)).to(dtype)
+    residual = torch.randn(5, 96, generator=g).to(dtype)
+    x = torch.randn(5, 2 * 96, generator=g).to(dtype)[:, :96]  # strided rows
+    ref_out, ref_res = TorchOps().add_rms_norm(x, residual.clone(), norm)
+    ours_res = residual.clone()
+    ours_out, same = compiled.add_rms_norm(x, ours_res, norm)
+    assert same is ours_res and torch.equal(ours_res, ref_res)  # the add rounds like the reference
+    assert (ours_out.float() - ref_out.float()).abs().max() <= (1e-6 if dtype == torch.float32 else 1.6e-2)
+    assert torch.equal(compiled.add_rms_norm(None, residual.clone(), norm)[0], TorchOps().add_rms_norm(None, residual, norm)[0])
+
+    H, Hkv, D, T = 4, 2, 16, 6
+    pool_ref, pool_ours = RandomPool(Hkv, D, dtype=dtype, seed=6), RandomPool(Hkv, D, dtype=dtype, seed=6)
+    described = [(0, 4, pool_ref.pages_for(4)), (9, 1, pool_ref.pages_for(10)), (3, 1, pool_ref.pages_for(4))]
+    meta = build_metadata(described, PAGE, dtype=dtype)
+    positions = torch.tensor([0, 1, 2, 3, 9, 3])
+    angles = positions.float()[:, None] * (1e4 ** (-torch.arange(0, D, 2).float() / D))[None, :]
+    qkv = torch.randn(T, (H + 2 * Hkv) * D, generator=g).to(dtype) * 3
+    ours, ref = qkv.clone(), qkv.clone()
+    TorchOps().rope_store(ref, TorchOps().rope_tables(angles.cos(), angles.sin(), dtype), H, Hkv, pool_ref.layer, meta)
+    compiled.rope_store(ours, compiled.rope_tables(angles.cos(), angles.sin(), dtype), H, Hkv, pool_ours.layer, meta)
+    tol = 1e-5 if dtype == torch.float32 else 6e-2  # bf16: one rounding vs the reference's three
+    assert (ours.float() - ref.float()).abs().max() <= tol
+    assert (pool_ours.buffer.float() - pool_ref.buffer.float()).abs().max() <= tol
+    assert torch.equal(pool_ours.buffer[:, 0], pool_ref.buffer[:, 0])  # the other layer untouched
+
+
+def test_engine_with_compiled_ops_matches_transformers(compiled, monkeypatch):
+    from test_engine import hf_greedy, prompts
+
+    from splitserve.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+    from splitserve.engine.io import GenerateRequest, SamplingParams
+    from splitserve.models.tiny import tiny_model_path
+
+    monkeypatch.setenv(kernels.ENV_SWITCH, "1")
+    model = str(tiny_model_path(arch="qwen3"))  # GQA 8/4, q/k norm, head_dim 64
+    engine = LLMEngine(EngineConfig(model=model, page_size=16, max_total_tokens=4096))
+    assert engine.runner.model.ops.name == "compiled" and engine.spec.dtype == torch.float32
+    reqs = [GenerateRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=20))
+            for i, p in enumerate(prompts(engine.spec.vocab_size, lengths=[3, 17, 50]))]
+    outs = engine.generate(reqs)
+    for r in reqs:
+        assert list(outs[r.rid].token_ids) == hf_greedy(model, list(r.prompt_ids), 20), r.rid
+
+
+def test_a_failed_build_falls_back_to_the_torch_ops(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension: c++: command not found")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    monkeypatch.setenv(kernels.ENV_SWITCH, "1")
+    assert kernels.load() is None
+    assert "c++: command not found" in caplog.text
+    assert isinstance(best_ops("cpu", torch.float32), TorchOps)
+    monkeypatch.setenv(kernels.ENV_SWITCH, "0")
+    assert kernels.load() is None and not isinstance(best_ops(), CompiledOps)
+
+
+# -- packed weights --------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"), reason="oneDNN bf16 packing unavailable")
+def test_packed_bf16_linear_equals_the_dense_one():
+    g = torch.Generator().manual_seed(7)
+    layer = Linear(96, 80, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(80, 96, generator=g) / math.sqrt(96))
+        layer.bias.copy_(torch.randn(80, generator=g))
+    x = torch.randn(300, 96, generator=g).to(torch.bfloat16)
+    dense = [F.linear(x[:m], layer.weight, layer.bias) for m in (1, 16, 300)]
+    layer.pack()
+    assert layer.weight.numel() == 0  # the dense copy is released
+    for m, ref in zip((1, 16, 300), dense):
+        assert torch.allclose(layer(x[:m]).float(), ref.float(), atol=2e-2, rtol=1e-2), m
+
+
+@pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"), reason="oneDNN bf16 packing unavailable")
+@pytest.mark.parametrize("family,tied", [("Llama", True), ("Qwen2", False)])
+def test_a_packed_model_gives_the_dense_models_logits(tmp_path, family, tied):
+    from test_models import PagedSequences, make_checkpoint
+
+    from splitserve.models.loader import load_model
+
+    make_checkpoint(tmp_path, family, dict(tie_word_embeddings=tied), {})
+    model, spec = load_model(tmp_path, dtype="bfloat16")
+    prompt = list(range(3, 40))
+
+    def logits():
+        seqs = PagedSequences(spec)
+        s = seqs.add(prompt + [7])
+        with torch.inference_mode():
+            ids, pos, meta = seqs.step([(s, len(prompt))])
+            prefill = model.compute_logits(model(ids, pos, meta, seqs.kv))
+            ids, pos, meta = seqs.step([(s, 1)])
+            return prefill, model.compute_logits(model(ids, pos, meta, seqs.kv))
+
+    dense = logits()
+    assert model.pack_weights() == 4 * spec.num_layers + 1  # qkv, o, gate_up, down per layer; the head
+    for ours, ref in zip(logits(), dense):
+        assert (ours - ref).abs().max() <= 0.02 * ref.std()
