@@ -13,7 +13,9 @@ class EngineConfig:
     """smollm2 (the demo model, SmolLM2-135M-Instruct), tiny (random, for tests), a .gguf file (or a
     folder holding one: converted once into the model cache), or a Hugging Face checkpoint folder."""
     dtype: str = "auto"
-    """float32, bfloat16, float16, or auto (float32 on CPU, the checkpoint's dtype on GPU)."""
+    """float32, bfloat16, float16, or auto: on CPU bfloat16 where the CPU has native bf16
+    (AVX512-BF16/AMX), else float32, and float32 for the tiny test models; on GPU the checkpoint's
+    dtype. The choice is logged at start."""
     device: str = "cpu"
     """Where the model runs: cpu (tested), or cuda (optional, untested here)."""
     page_size: int = 16
