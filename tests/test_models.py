@@ -220,6 +220,24 @@ def test_bfloat16_load_runs_close_to_float32(tmp_path):
     assert torch.equal(lp.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
+def test_dtype_auto_is_bf16_on_a_bf16_cpu_and_float32_for_tiny_models(tmp_path, monkeypatch, caplog):
+    from splitserve.models import loader
+    from splitserve.models.tiny import REPORT_NAME
+
+    caplog.set_level("INFO", logger="splitserve.models.loader")
+    make_checkpoint(tmp_path, "Llama", {}, {})
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    assert load_model(tmp_path)[1].dtype == torch.bfloat16
+    assert "--dtype auto: bfloat16" in caplog.text
+    assert load_model(tmp_path, dtype="float32")[1].dtype == torch.float32  # an explicit choice stands
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: False)
+    assert load_model(tmp_path)[1].dtype == torch.float32
+    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    (tmp_path / REPORT_NAME).write_text("{}")  # what the tiny builder leaves in its folder
+    assert load_model(tmp_path)[1].dtype == torch.float32
+    assert "a tiny test model" in caplog.text
+
+
 # -- the loader ------------------------------------------------------------------------------------
 
 
