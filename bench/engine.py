@@ -7,7 +7,7 @@ run (a sum over a buffer far larger than the caches). One stream cannot beat tha
 every step reads every weight once (unless part of them stays in the last-level cache). Usage::
 
     .venv/bin/python bench/engine.py [--model tiny|DIR] [--dtype bfloat16,float32] [--batch 1,16]
-                                     [--prompt-len 64] [--new-tokens 128] [--repeat 2]
+                                     [--prompt-len 64] [--new-tokens 128] [--repeat 3] [--threads N]
 """
 
 from __future__ import annotations
@@ -34,17 +34,20 @@ def read_bandwidth(nbytes: int = 2 << 30, repeat: int = 5) -> float:
     return nbytes / best
 
 
-def best_time(fn, repeat: int):
-    """(seconds of the fastest of ``repeat`` timed calls after one warm-up, its result)."""
-    fn()
-    best, result = float("inf"), None
+def best_times(fns: dict, repeat: int) -> dict:
+    """name -> (seconds of its fastest timed call, that call's result). One warm-up call each,
+    then ``repeat`` rounds calling each in turn, so load from other processes hits all alike."""
+    for fn in fns.values():
+        fn()
+    best = {name: (float("inf"), None) for name in fns}
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        result = fn()
-        elapsed = time.perf_counter() - t0
-        if elapsed < best:
-            best = elapsed
-    return best, result
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            result = fn()
+            elapsed = time.perf_counter() - t0
+            if elapsed < best[name][0]:
+                best[name] = (elapsed, result)
+    return best
 
 
 def bench_dtype(model_dir: str, dtype: str, batches: list[int], args) -> list[dict]:
@@ -74,8 +77,8 @@ def bench_dtype(model_dir: str, dtype: str, batches: list[int], args) -> list[di
                                   max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
             return out[:, args.prompt_len:].tolist()
 
-        ours_s, ours_tokens = best_time(run_ours, args.repeat)
-        hf_s, hf_tokens = best_time(run_hf, args.repeat)
+        timed = best_times({"ours": run_ours, "hf": run_hf}, args.repeat)
+        (ours_s, ours_tokens), (hf_s, hf_tokens) = timed["ours"], timed["hf"]
         rows.append(dict(dtype=str(torch_dtype).removeprefix("torch."), batch=batch,
                          ours=batch * args.new_tokens / ours_s, hf=batch * args.new_tokens / hf_s,
                          steps=args.new_tokens / ours_s, weight_bytes=weight_bytes,
@@ -90,9 +93,12 @@ def main() -> None:
     ap.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--repeat", type=int, default=2, help="timed runs of each after a warm-up (the fastest is kept)")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs of each after a warm-up, in turns (the fastest is kept)")
     args = ap.parse_args()
 
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
     batches = [int(b) for b in args.batch.split(",")]
     bandwidth = read_bandwidth()

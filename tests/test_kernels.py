@@ -168,6 +168,17 @@ def test_compiled_norm_and_rope_match_the_reference(compiled, dtype):
     assert torch.equal(pool_ours.buffer[:, 0], pool_ref.buffer[:, 0])  # the other layer untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_silu_mul_matches_the_reference(compiled, dtype):
+    g = torch.Generator().manual_seed(8)
+    gate_up = (torch.randn(7, 2 * 3 * 40, generator=g) * 4).to(dtype)[:, :2 * 40]  # strided rows
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0]).to(dtype)  # exp clamped, both ends
+    ref = TorchOps().silu_mul(gate_up).float()
+    ours = compiled.silu_mul(gate_up).float()
+    assert ours.shape == (7, 40)
+    assert ((ours - ref).abs() <= (1e-6 if dtype == torch.float32 else 8e-3) * (1 + ref.abs())).all()
+
+
 def test_engine_with_compiled_ops_matches_transformers(compiled, monkeypatch):
     from test_engine import hf_greedy, prompts
 

@@ -56,10 +56,11 @@ class KVPool:
             dtype=layout.dtype,
             device=device,
         )
+        self._layers = [self.buffer[:, layer] for layer in range(layout.num_layers)]  # made once, read every step
 
     def layer(self, layer: int) -> torch.Tensor:
         """A view of one layer's keys and values, [num_pages, 2, page_size, num_kv_heads, head_dim]."""
-        return self.buffer[:, layer]
+        return self._layers[layer]
 
     @property
     def data_ptr(self) -> int:

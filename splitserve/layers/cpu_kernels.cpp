@@ -4,12 +4,14 @@
 // PyTorch reference of each one is in layers/ops.py (TorchOps) and tests/test_kernels.py checks
 // them against each other. float32 and bfloat16 tensors; arithmetic in float32 with one rounding
 // to the tensor's dtype at the end. Plain loops written so that the compiler vectorizes them
-// (-O3 -march=native; `omp simd` reductions), threads through ATen's pool (at::parallel_for, so
-// torch.set_num_threads applies).
+// (-O3 -march=native -fno-trapping-math; `omp simd` reductions), AVX-512 intrinsics for the
+// attention's inner loops where the CPU has them; threads through ATen's pool (at::parallel_for,
+// so torch.set_num_threads applies).
 //
 //   decode_attention   one query row per sequence over its paged KV, read in place (no gather)
 //   add_rms_norm       residual += x (rounded like the reference's add), then RMSNorm of it
 //   rope_store         rotary embedding of q and k in place, then k and v into their pool slots
+//   silu_mul           the SwiGLU gate: silu(gate) * up from the fused gate|up projection
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -61,14 +63,15 @@ template <typename T> inline void store(const float* src, T* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
 }
 
-// exp(x) for x <= 0 (softmax after subtracting the max): 2^(x log2 e) split into 2^n * 2^f, with a
-// degree-6 polynomial for 2^f on [0, 1) (fitted for relative error; ~1e-7 evaluated in float32).
-// Vectorizes, unlike std::exp.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);
-  float t = x * 1.4426950408889634f;
-  float n = std::floor(t);
-  float f = t - n;
+// exp(x), x clamped to [-87, 88] (below: ~1e-38 instead of 0; above: ~1.6e38 instead of inf):
+// 2^(x log2 e) split into 2^n * 2^f, with a degree-6 polynomial for 2^f on [0, 1) (fitted for
+// relative error; ~1e-7 evaluated in float32). Vectorizes, unlike std::exp.
+inline float fast_exp(float x) {
+  // (vectorizes with -fno-trapping-math: the clamp and floor may then be computed on all lanes)
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  const float t = x * 1.4426950408889634f;
+  const float n = __builtin_floorf(t);
+  const float f = t - n;
   float p = 2.1690609111081347e-4f;
   p = p * f + 1.2443081525922439e-3f;
   p = p * f + 9.6784725525079721e-3f;
@@ -76,10 +79,7 @@ inline float exp_nonpositive(float x) {
   p = p * f + 2.4022979581402090e-1f;
   p = p * f + 6.9314698705749367e-1f;
   p = p * f + 1.0f;
-  uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
+  return p * __builtin_bit_cast(float, uint32_t(int32_t(n) + 127) << 23);
 }
 
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
@@ -142,13 +142,14 @@ inline void page_accumulate_v(const float* w, const T* v, int64_t rs, int64_t n,
 #endif
 
 // softmax of scores[0..L) in place; returns 1 / sum of the exponentials (applied at the end)
-inline float softmax_unnormalized(float* scores, int64_t L) {
+inline float softmax_unnormalized(float* __restrict scores, int64_t L) {
   float m = -std::numeric_limits<float>::infinity();
-  for (int64_t t = 0; t < L; ++t) m = std::max(m, scores[t]);
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < L; ++t) m = scores[t] > m ? scores[t] : m;
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < L; ++t) {
-    const float e = exp_nonpositive(scores[t] - m);
+    const float e = fast_exp(scores[t] - m);
     scores[t] = e;
     sum += e;
   }
@@ -381,16 +382,57 @@ void rope_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, in
 
 }  // namespace
 
+// -- SwiGLU ---------------------------------------------------------------------------------------
+
+// out[j] = g[j] / (1 + exp(-g[j])) * u[j]
+inline void sigmoid_times(const float* __restrict g, const float* __restrict u, float* __restrict out, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) out[j] = g[j] / (1.f + fast_exp(-g[j])) * u[j];
+}
+
+// gate_up [T, 2I] (unit last stride) -> silu(gate) * up [T, I], silu(x) = x / (1 + exp(-x))
+template <typename T>
+void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
+  const int64_t rows = gate_up.size(0), I = out.size(1), gs = gate_up.stride(0);
+  const T* gp = gate_up.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> g(I), u(I), e(I);
+    for (int64_t t = begin; t < end; ++t) {
+      load(gp + t * gs, g.data(), I);
+      load(gp + t * gs + I, u.data(), I);
+      sigmoid_times(g.data(), u.data(), e.data(), I);
+      store(e.data(), op + t * I, I);
+    }
+  });
+}
+
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0, "gate_up must be [T, 2I]");
+  check_last_dim_contiguous(gate_up, "gate_up");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) {
+    silu_mul_impl<float>(gate_up, out);
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == at::kBFloat16, "silu_mul: float32 or bfloat16 only");
+    silu_mul_impl<bf16>(gate_up, out);
+  }
+  return out;
+}
+
 // SPLITSERVE_OPS: the op namespace, set by the builder (one per build, so two builds never clash)
 TORCH_LIBRARY(SPLITSERVE_OPS, m) {
   m.def("decode_attention(Tensor q, Tensor kv, Tensor table, Tensor lens, float scale) -> Tensor");
   m.def("add_rms_norm(Tensor? x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, int H, int Hkv, Tensor(b!) kv, Tensor pages, "
         "Tensor offsets) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(SPLITSERVE_OPS, CPU, m) {
   m.impl("decode_attention", &decode_attention);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_store", &rope_store);
+  m.impl("silu_mul", &silu_mul);
 }

@@ -10,6 +10,7 @@ switched off (``layers/kernels.py``), else the reference. Shapes::
     rope_store(qkv [T, (H + 2 Hkv) D], tables, H, Hkv, kv_layer, meta)
         rotates the q and k heads of qkv in place, then writes k and v into their pool slots
     decode_attention(q [B, H, D], kv_layer, meta, scale) -> [B, H, D]   (the decode rows)
+    silu_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]                (the SwiGLU gate)
 
 ``kv_layer``: [num_pages, 2, page_size, Hkv, D], one layer of the pool (``engine/kv_pool.py``).
 """
@@ -52,6 +53,10 @@ class TorchOps:
                          scale: float) -> torch.Tensor:
         return decode_attention_reference(q, kv_layer, meta, scale)
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
 
 class CompiledOps(TorchOps):
     """The same ops through the compiled kernels (float32 and bfloat16; CPU tensors)."""
@@ -72,6 +77,9 @@ class CompiledOps(TorchOps):
 
     def decode_attention(self, q, kv_layer, meta, scale):
         return self.k.decode_attention(q, kv_layer, meta.block_table, meta.decode_lens, scale)
+
+    def silu_mul(self, gate_up):
+        return self.k.silu_mul(gate_up)
 
 
 def best_ops(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> TorchOps:

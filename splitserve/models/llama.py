@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitserve.engine.kv_pool import KVPool
-from splitserve.layers.activation import SiluAndMul
 from splitserve.layers.attention import AttentionMetadata, paged_attention
 from splitserve.layers.linear import Linear, MergedLinear, pack_weight, packed_linear
 from splitserve.layers.norm import RMSNorm
@@ -116,11 +115,10 @@ class MLP(nn.Module):
         super().__init__()
         inter = args.intermediate_size
         self.gate_up_proj = MergedLinear(args.hidden_size, {"gate": inter, "up": inter}, bias=args.mlp_bias)
-        self.act = SiluAndMul()
         self.down_proj = Linear(inter, args.hidden_size, bias=args.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
+    def forward(self, x: torch.Tensor, ops: TorchOps) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))  # [T, hidden] -> [T, 2I] -> [T, I] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -136,7 +134,7 @@ class DecoderLayer(nn.Module):
         the first layer) -> the same pair after this layer (adds fused with the next norm)."""
         x, residual = ops.add_rms_norm(delta, residual, self.input_layernorm)
         x, residual = ops.add_rms_norm(self.self_attn(x, rope, meta, kv, ops), residual, self.post_attention_layernorm)
-        return residual, self.mlp(x)
+        return residual, self.mlp(x, ops)
 
 
 class DecoderModel(nn.Module):
