@@ -23,18 +23,24 @@ from splitserve.engine.io import GenerateRequest, SamplingParams
 from splitserve.models.resolve import resolve_model_dir
 
 
-def read_bandwidth(nbytes: int = 2 << 30, repeat: int = 5) -> float:
-    """Bytes/s of one pass of ``torch.sum`` over ``nbytes`` of float32 (best of ``repeat``)."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+class Bandwidth:
+    """Read bandwidth: bytes/s of one ``torch.sum`` over 2 GiB of float32 (4x the largest cache
+    here), the best of every ``measure()`` call: the runs call it between timings, so a load
+    from other processes that slows a timing is not mistaken for the machine's speed."""
+
+    def __init__(self, nbytes: int = 2 << 30):
+        self.buf = torch.ones(nbytes // 4, dtype=torch.float32)
+        self.best = 0.0
+
+    def measure(self, repeat: int = 3) -> float:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            self.buf.sum()
+            self.best = max(self.best, self.buf.numel() * 4 / (time.perf_counter() - t0))
+        return self.best
 
 
-def best_times(fns: dict, repeat: int) -> dict:
+def best_times(fns: dict, repeat: int, between=lambda: None) -> dict:
     """name -> (seconds of its fastest timed call, that call's result). One warm-up call each,
     then ``repeat`` rounds calling each in turn, so load from other processes hits all alike."""
     for fn in fns.values():
@@ -42,6 +48,7 @@ def best_times(fns: dict, repeat: int) -> dict:
     best = {name: (float("inf"), None) for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
+            between()
             t0 = time.perf_counter()
             result = fn()
             elapsed = time.perf_counter() - t0
@@ -50,16 +57,17 @@ def best_times(fns: dict, repeat: int) -> dict:
     return best
 
 
-def bench_dtype(model_dir: str, dtype: str, batches: list[int], args) -> list[dict]:
+def bench_dtype(model_dir: str, dtype: str, batches: list[int], args, bandwidth: Bandwidth) -> list[dict]:
     engine = LLMEngine(EngineConfig(model=model_dir, dtype=dtype, max_running_requests=max(batches),
                                     max_batch_tokens=max(2048, max(batches) * args.prompt_len)))
     torch_dtype = engine.spec.dtype
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    # what one decode step reads: every weight once (a tied embedding counted once, as the head)
+    weight_bytes = sum(p.numel() * p.element_size() for p in hf.parameters())
     params = SamplingParams(temperature=0.0, max_tokens=args.new_tokens, ignore_eos=True)
     g = torch.Generator().manual_seed(0)
     rows = []
@@ -77,7 +85,7 @@ def bench_dtype(model_dir: str, dtype: str, batches: list[int], args) -> list[di
                                   max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
             return out[:, args.prompt_len:].tolist()
 
-        timed = best_times({"ours": run_ours, "hf": run_hf}, args.repeat)
+        timed = best_times({"ours": run_ours, "hf": run_hf}, args.repeat, bandwidth.measure)
         (ours_s, ours_tokens), (hf_s, hf_tokens) = timed["ours"], timed["hf"]
         rows.append(dict(dtype=str(torch_dtype).removeprefix("torch."), batch=batch,
                          ours=batch * args.new_tokens / ours_s, hf=batch * args.new_tokens / hf_s,
@@ -94,18 +102,22 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one per core)")
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs of each after a warm-up, in turns (the fastest is kept)")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="timed runs of each after a warm-up, in turns (the fastest is kept)")
     args = ap.parse_args()
 
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = resolve_model_dir(args.model)
     batches = [int(b) for b in args.batch.split(",")]
-    bandwidth = read_bandwidth()
-    rows = [row for dtype in args.dtype.split(",") for row in bench_dtype(model_dir, dtype, batches, args)]
+    bandwidth = Bandwidth()
+    rows = [row for dtype in args.dtype.split(",")
+            for row in bench_dtype(model_dir, dtype, batches, args, bandwidth)]
+    bandwidth = bandwidth.measure()
 
     print(f"model {model_dir}  prompt {args.prompt_len}  new tokens {args.new_tokens}  greedy  "
-          f"threads {torch.get_num_threads()}  read bandwidth {bandwidth / 1e9:.1f} GB/s (torch.sum over 2 GiB)")
+          f"threads {torch.get_num_threads()}  read bandwidth {bandwidth / 1e9:.1f} GB/s "
+          "(torch.sum over 2 GiB, best of the run)")
     print(f"{'dtype':>9} {'batch':>5} {'splitserve tok/s':>17} {'transformers tok/s':>19} {'ratio':>6} "
           f"{'weights MB':>10} {'roofline':>8} {'same greedy':>11}")
     for r in rows:

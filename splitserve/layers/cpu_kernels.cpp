@@ -82,6 +82,13 @@ inline float fast_exp(float x) {
   return p * __builtin_bit_cast(float, uint32_t(int32_t(n) + 127) << 23);
 }
 
+// Grain for at::parallel_for over `items` items costing `work` (~flops) in all: one chunk (no
+// threads woken) below ~0.5 Mflop, where waking the pool costs about as much as it saves, and
+// much more on a busy machine, where a woken thread may wait for a core.
+inline int64_t grain_for(int64_t work, int64_t items) {
+  return work < (int64_t(1) << 19) ? std::max<int64_t>(items, 1) : 1;
+}
+
 void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
@@ -176,7 +183,9 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::
   T* op = out.data_ptr<T>();
   const float fscale = float(scale);
 
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+  int64_t work = 0;  // multiply-adds of the whole call
+  for (int64_t b = 0; b < B; ++b) work += lp[b] * H * D * 2;
+  at::parallel_for(0, B * Hkv, grain_for(work, B * Hkv), [&](int64_t begin, int64_t end) {
     std::vector<float> qf(D), acc(D), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
@@ -271,8 +280,7 @@ void add_rms_norm_impl(const at::Tensor& x, at::Tensor& residual, const at::Tens
   const T* wp = weight.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const float feps = float(eps);
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(N, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(rows * N * 4, rows), [&](int64_t begin, int64_t end) {
     std::vector<float> r(N), a(N), w(N);
     load(wp, w.data(), N);
     for (int64_t i = begin; i < end; ++i) {
@@ -333,8 +341,7 @@ void rope_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
   const float* sp = sin.data_ptr<float>();
   const int64_t* pp = pages.data_ptr<int64_t>();
   const int64_t* offp = offsets.data_ptr<int64_t>();
-  const int64_t grain = std::max<int64_t>(1, 8192 / ((H + 2 * Hkv) * D));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(rows * (H + Hkv) * D * 4, rows), [&](int64_t begin, int64_t end) {
     std::vector<float> x(D);
     for (int64_t t = begin; t < end; ++t) {
       T* row = qp + t * qs;
@@ -396,8 +403,7 @@ void silu_mul_impl(const at::Tensor& gate_up, at::Tensor& out) {
   const int64_t rows = gate_up.size(0), I = out.size(1), gs = gate_up.stride(0);
   const T* gp = gate_up.data_ptr<T>();
   T* op = out.data_ptr<T>();
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, grain_for(rows * I * 20, rows), [&](int64_t begin, int64_t end) {
     std::vector<float> g(I), u(I), e(I);
     for (int64_t t = begin; t < end; ++t) {
       load(gp + t * gs, g.data(), I);

@@ -24,7 +24,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp-simd"]
+# -fopenmp: at::parallel_for is inline OpenMP; the module then uses the libgomp.so.1 torch loaded
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 ENV_SWITCH = "SPLITSERVE_KERNELS"
 
 _lock = threading.Lock()
@@ -50,7 +52,7 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    key = "\0".join([SOURCE.read_text(), " ".join(CFLAGS), torch.__version__, _cpu_flags()])
+    key = "\0".join([SOURCE.read_text(), " ".join(CFLAGS + LDFLAGS), torch.__version__, _cpu_flags()])
     return "splitserve_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -74,7 +76,8 @@ def _build(name: str):
         build_dir = cache_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS + [f"-DSPLITSERVE_OPS={name}"],
-                           build_directory=str(build_dir), is_python_module=False, verbose=False)
+                           extra_ldflags=LDFLAGS, build_directory=str(build_dir), is_python_module=False,
+                           verbose=False)
         log.info("compiled CPU kernels loaded from %s", build_dir)
         return getattr(torch.ops, name)
     except Exception as exc:  # compiler or ninja missing, compile error: run the PyTorch ops instead

@@ -33,7 +33,8 @@ def packing_available(dtype: torch.dtype, device: torch.device | str) -> bool:
     try:
         w = torch.ones(4, 4, dtype=dtype)
         y = packed_linear(torch.ones(1, 4, dtype=dtype), pack_weight(w, 1))
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and torch.equal(y, F.linear(torch.ones(1, 4, dtype=dtype), w))
+        return (bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+                and torch.equal(y, F.linear(torch.ones(1, 4, dtype=dtype), w)))
     except (AttributeError, RuntimeError) as exc:
         log.info("packed linear weights unavailable: %s", exc)
         return False

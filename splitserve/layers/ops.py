@@ -30,7 +30,8 @@ from splitserve.layers.attention import AttentionMetadata, decode_attention_refe
 class TorchOps:
     name = "torch"
 
-    def add_rms_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_rms_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor,
+                     norm) -> tuple[torch.Tensor, torch.Tensor]:
         if x is not None:
             residual = residual + x
         return F.rms_norm(residual, norm.weight.shape, norm.weight, norm.eps), residual
