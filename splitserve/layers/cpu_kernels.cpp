@@ -95,6 +95,21 @@ void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
 
 // -- decode attention -----------------------------------------------------------------------------
 
+// softmax of scores[0..L) in place; returns 1 / sum of the exponentials (applied at the end)
+inline float softmax_unnormalized(float* __restrict scores, int64_t L) {
+  float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+  for (int64_t t = 0; t < L; ++t) m = scores[t] > m ? scores[t] : m;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < L; ++t) {
+    const float e = fast_exp(scores[t] - m);
+    scores[t] = e;
+    sum += e;
+  }
+  return 1.f / sum;
+}
+
 // One page's rows of one kv head: scores[i] = q . K[i] (n rows, row stride rs), and
 // acc += sum_i w[i] V[i]. The generic versions take any D; with AVX-512 and D a multiple of 16,
 // DV = D / 16 vectors per row stay in registers.
@@ -126,46 +141,70 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-template <typename T, int DV>
-inline void page_scores_v(const float* q, const T* k, int64_t rs, int64_t n, float* out) {
-  __m512 qv[DV];
-  for (int c = 0; c < DV; ++c) qv[c] = _mm512_loadu_ps(q + 16 * c);
-  for (int64_t i = 0; i < n; ++i) {
-    const T* r = k + i * rs;
-    __m512 a = _mm512_mul_ps(qv[0], load16(r));
-    for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[c], load16(r + 16 * c), a);
-    out[i] = _mm512_reduce_add_ps(a);
+// GB query heads of one kv head at once over all L tokens: each key and value row is loaded (and
+// converted) once for the GB heads. q: GB rows of D floats, already scaled; scores: GB x L
+// buffer; out: GB rows of D floats, normalised. Registers: GB * DV for q or the accumulators.
+template <typename T, int DV, int GB>
+inline void attend_heads_v(const float* q, const T* kv, const int64_t* pages, int64_t L, int64_t P,
+                           int64_t s_page, int64_t s_kv, int64_t s_row, float* scores, float* out) {
+  __m512 qv[GB][DV];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < DV; ++c) qv[g][c] = _mm512_loadu_ps(q + g * DV * 16 + 16 * c);
+  for (int64_t t0 = 0; t0 < L; t0 += P) {
+    const T* k = kv + pages[t0 / P] * s_page;
+    const int64_t n = std::min(P, L - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      __m512 kr[DV];
+      for (int c = 0; c < DV; ++c) kr[c] = load16(k + i * s_row + 16 * c);
+      for (int g = 0; g < GB; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kr[0]);
+        for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[g][c], kr[c], a);
+        scores[g * L + t0 + i] = _mm512_reduce_add_ps(a);
+      }
+    }
   }
+  float inv[GB];
+  for (int g = 0; g < GB; ++g) inv[g] = softmax_unnormalized(scores + g * L, L);
+  __m512 acc[GB][DV];
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < L; t0 += P) {
+    const T* v = kv + pages[t0 / P] * s_page + s_kv;
+    const int64_t n = std::min(P, L - t0);
+    for (int64_t i = 0; i < n; ++i) {
+      __m512 vr[DV];
+      for (int c = 0; c < DV; ++c) vr[c] = load16(v + i * s_row + 16 * c);
+      for (int g = 0; g < GB; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * L + t0 + i]);
+        for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_fmadd_ps(w, vr[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GB; ++g)
+    for (int c = 0; c < DV; ++c)
+      _mm512_storeu_ps(out + g * DV * 16 + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
 }
 
+// heads [g0, g0 + gb) through attend_heads_v, gb <= 16 / DV (q and accumulators fit 16 registers)
 template <typename T, int DV>
-inline void page_accumulate_v(const float* w, const T* v, int64_t rs, int64_t n, __m512* acc) {
-  for (int64_t i = 0; i < n; ++i) {
-    const __m512 wi = _mm512_set1_ps(w[i]);
-    const T* r = v + i * rs;
-    for (int c = 0; c < DV; ++c) acc[c] = _mm512_fmadd_ps(wi, load16(r + 16 * c), acc[c]);
+inline void attend_group_v(int64_t gb, const float* q, const T* kv, const int64_t* pages, int64_t L, int64_t P,
+                           int64_t s_page, int64_t s_kv, int64_t s_row, float* scores, float* out) {
+  switch (gb) {
+    case 1: return attend_heads_v<T, DV, 1>(q, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
+    case 2: if constexpr (DV <= 8) return attend_heads_v<T, DV, 2>(q, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
+            break;
+    case 3: if constexpr (DV <= 4) return attend_heads_v<T, DV, 3>(q, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
+            break;
+    case 4: if constexpr (DV <= 4) return attend_heads_v<T, DV, 4>(q, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
+            break;
   }
+  TORCH_CHECK(false, "attend_group_v: group of ", gb, " heads with DV ", DV);
 }
 #endif
 
-// softmax of scores[0..L) in place; returns 1 / sum of the exponentials (applied at the end)
-inline float softmax_unnormalized(float* __restrict scores, int64_t L) {
-  float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t t = 0; t < L; ++t) m = scores[t] > m ? scores[t] : m;
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < L; ++t) {
-    const float e = fast_exp(scores[t] - m);
-    scores[t] = e;
-    sum += e;
-  }
-  return 1.f / sum;
-}
-
 // q [B, H, D]; kv [num_pages, 2, P, Hkv, D] (one layer of the pool, any outer strides); table
 // [B, max_pages] int64; lens [B] int64; out [B, H, D]. Work item = (sequence, kv head); its G
-// query heads read the same pages one after the other (the second and later from cache).
+// query heads share every key and value row it loads (AVX-512: up to 16 / DV heads per pass).
 template <typename T, int DV>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
                            const at::Tensor& lens, double scale, at::Tensor& out) {
@@ -186,47 +225,42 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::
   int64_t work = 0;  // multiply-adds of the whole call
   for (int64_t b = 0; b < B; ++b) work += lp[b] * H * D * 2;
   at::parallel_for(0, B * Hkv, grain_for(work, B * Hkv), [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(D), acc(D), scores;
+    std::vector<float> qf(G * D), acc(G * D), scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / Hkv, h = item % Hkv;
       const int64_t L = lp[b];
       const int64_t* pages = tp + b * tsB;
-      scores.resize(L);
+      scores.resize(G * L);
       for (int64_t g = 0; g < G; ++g) {
-        load(qp + b * qsB + (h * G + g) * qsH, qf.data(), D);
-        for (int64_t d = 0; d < D; ++d) qf[d] *= fscale;
-        for (int64_t t0 = 0; t0 < L; t0 += P) {
-          const T* k = kvp + pages[t0 / P] * kvs0 + h * kvs3;
-          const int64_t n = std::min(P, L - t0);
-#if defined(__AVX512F__)
-          if constexpr (DV > 0) {
-            page_scores_v<T, DV>(qf.data(), k, kvs2, n, scores.data() + t0);
-          } else
-#endif
-          page_scores(qf.data(), k, kvs2, n, D, scores.data() + t0);
-        }
-        const float inv = softmax_unnormalized(scores.data(), L);
-#if defined(__AVX512F__)
-        if constexpr (DV > 0) {
-          __m512 av[DV > 0 ? DV : 1];
-          for (int c = 0; c < DV; ++c) av[c] = _mm512_setzero_ps();
-          for (int64_t t0 = 0; t0 < L; t0 += P) {
-            const T* v = kvp + pages[t0 / P] * kvs0 + kvs1 + h * kvs3;
-            page_accumulate_v<T, DV>(scores.data() + t0, v, kvs2, std::min(P, L - t0), av);
-          }
-          for (int c = 0; c < DV; ++c) _mm512_storeu_ps(acc.data() + 16 * c, _mm512_mul_ps(av[c], _mm512_set1_ps(inv)));
-        } else
-#endif
-        {
-          std::fill(acc.begin(), acc.end(), 0.f);
-          for (int64_t t0 = 0; t0 < L; t0 += P) {
-            const T* v = kvp + pages[t0 / P] * kvs0 + kvs1 + h * kvs3;
-            page_accumulate(scores.data() + t0, v, kvs2, std::min(P, L - t0), D, acc.data());
-          }
-          for (int64_t d = 0; d < D; ++d) acc[d] *= inv;
-        }
-        store(acc.data(), op + b * osB + (h * G + g) * osH, D);
+        load(qp + b * qsB + (h * G + g) * qsH, qf.data() + g * D, D);
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= fscale;
       }
+#if defined(__AVX512F__)
+      if constexpr (DV > 0) {
+        constexpr int64_t gmax = 16 / DV;
+        for (int64_t g0 = 0; g0 < G; g0 += gmax) {
+          attend_group_v<T, DV>(std::min(gmax, G - g0), qf.data() + g0 * D, kvp + h * kvs3, pages, L, P, kvs0,
+                                kvs1, kvs2, scores.data(), acc.data() + g0 * D);
+        }
+      } else
+#endif
+      {
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t t0 = 0; t0 < L; t0 += P) {
+            const T* k = kvp + pages[t0 / P] * kvs0 + h * kvs3;
+            page_scores(qf.data() + g * D, k, kvs2, std::min(P, L - t0), D, scores.data() + t0);
+          }
+          const float inv = softmax_unnormalized(scores.data(), L);
+          float* ag = acc.data() + g * D;
+          std::fill(ag, ag + D, 0.f);
+          for (int64_t t0 = 0; t0 < L; t0 += P) {
+            const T* v = kvp + pages[t0 / P] * kvs0 + kvs1 + h * kvs3;
+            page_accumulate(scores.data() + t0, v, kvs2, std::min(P, L - t0), D, ag);
+          }
+          for (int64_t d = 0; d < D; ++d) ag[d] *= inv;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) store(acc.data() + g * D, op + b * osB + (h * G + g) * osH, D);
     }
   });
 }

@@ -81,6 +81,12 @@ def _build(name: str):
         log.info("compiled CPU kernels loaded from %s", build_dir)
         return getattr(torch.ops, name)
     except Exception as exc:  # compiler or ninja missing, compile error: run the PyTorch ops instead
-        log.warning("compiled CPU kernels unavailable, using the PyTorch ops instead: %s",
-                    str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)
+        log.warning("compiled CPU kernels unavailable, using the PyTorch ops instead: %s", _reason(exc))
         return None
+
+
+def _reason(exc: Exception) -> str:
+    """The first compiler error of a failed build, else the exception's last line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and "build stopped" not in line]
+    return (errors or lines or [type(exc).__name__])[0 if errors else -1]
