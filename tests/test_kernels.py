@@ -186,7 +186,7 @@ def test_engine_with_compiled_ops_matches_transformers(compiled, monkeypatch):
     from splitserve.config import EngineConfig
     from splitserve.engine.engine import LLMEngine
     from splitserve.engine.io import GenerateRequest, SamplingParams
-    from splitserve.models.tiny import tiny_model_path
+    from splitserve.testing.tiny import tiny_model_path
 
     monkeypatch.setenv(kernels.ENV_SWITCH, "1")
     model = str(tiny_model_path(arch="qwen3"))  # GQA 8/4, q/k norm, head_dim 64

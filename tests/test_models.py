@@ -222,7 +222,7 @@ def test_bfloat16_load_runs_close_to_float32(tmp_path):
 
 def test_dtype_auto_is_bf16_on_a_bf16_cpu_and_float32_for_tiny_models(tmp_path, monkeypatch, caplog):
     from splitserve.models import loader
-    from splitserve.models.tiny import REPORT_NAME
+    from splitserve.testing.tiny import REPORT_NAME
 
     caplog.set_level("INFO", logger="splitserve.models.loader")
     make_checkpoint(tmp_path, "Llama", {}, {})

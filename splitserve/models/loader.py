@@ -175,8 +175,8 @@ def cpu_has_bf16() -> bool:
 
 
 def is_test_model(path: Optional[Path]) -> bool:
-    """The built-in tiny models (``models/tiny.py``), recognised by the report their builder writes."""
-    from splitserve.models.tiny import REPORT_NAME
+    """The built-in tiny models (``testing/tiny.py``), recognised by the report their builder writes."""
+    from splitserve.testing.tiny import REPORT_NAME
 
     return path is not None and (path / REPORT_NAME).is_file()
 
