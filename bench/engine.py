@@ -6,7 +6,7 @@ roofline the engine reached: weight bytes x decode steps/s / a read bandwidth me
 run (a sum over a buffer far larger than the caches). One stream cannot beat that roofline by much:
 every step reads every weight once (unless part of them stays in the last-level cache). Usage::
 
-    .venv/bin/python bench/engine.py [--model tiny|DIR] [--dtype bfloat16,float32] [--batch 1,16]
+    .venv/bin/python bench/engine.py [--model smollm2|tiny|PATH] [--dtype bfloat16,float32] [--batch 1,16]
                                      [--prompt-len 64] [--new-tokens 128] [--repeat 3] [--threads N]
 """
 
@@ -96,7 +96,8 @@ def bench_dtype(model_dir: str, dtype: str, batches: list[int], args, bandwidth:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="tiny", help="tiny, or a checkpoint directory")
+    ap.add_argument("--model", default="smollm2",
+                    help="smollm2 (the demo model), tiny, a .gguf file or a checkpoint folder")
     ap.add_argument("--dtype", default="bfloat16,float32", help="comma-separated dtypes, one row each")
     ap.add_argument("--batch", default="1,16", help="comma-separated batch sizes")
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -115,7 +116,7 @@ def main() -> None:
             for row in bench_dtype(model_dir, dtype, batches, args, bandwidth)]
     bandwidth = bandwidth.measure()
 
-    print(f"model {model_dir}  prompt {args.prompt_len}  new tokens {args.new_tokens}  greedy  "
+    print(f"model {args.model} ({model_dir})  prompt {args.prompt_len}  new tokens {args.new_tokens}  greedy  "
           f"threads {torch.get_num_threads()}  read bandwidth {bandwidth / 1e9:.1f} GB/s "
           "(torch.sum over 2 GiB, best of the run)")
     print(f"{'dtype':>9} {'batch':>5} {'splitserve tok/s':>17} {'transformers tok/s':>19} {'ratio':>6} "
