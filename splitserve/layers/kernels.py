@@ -58,7 +58,7 @@ def build_name() -> str:
 
 def load(force: bool = False):
     """The kernels' op namespace (``torch.ops.<name>``: ``decode_attention``, ``add_rms_norm``,
-    ``rope_store``), building them if needed; None when switched off or unavailable.
+    ``rope_store``, ``silu_mul``), building them if needed; None when switched off or unavailable.
     ``force``: ignore the switch (the kernels' own tests)."""
     if not force and not enabled():
         return None
@@ -75,6 +75,9 @@ def _build(name: str):
 
         build_dir = cache_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
+        if not (build_dir / f"{name}.so").is_file():
+            log.info("building the compiled CPU kernels into %s (once per machine and version: seconds to a "
+                     "minute)", build_dir)
         cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS + [f"-DSPLITSERVE_OPS={name}"],
                            extra_ldflags=LDFLAGS, build_directory=str(build_dir), is_python_module=False,
                            verbose=False)
