@@ -1,4 +1,5 @@
-"""The router's Prometheus metrics (prefix ``splitserve_router_``), on the process's own registry.
+"""The router's Prometheus metrics (prefix ``splitserve_router_``), on the process's own registry
+(``docs/metrics.md`` lists every one).
 
 - ``requests_total{outcome}``: every generation request, counted once when it ends. Outcomes:
   ``finished`` (the decode worker's 2xx answer was passed through whole), ``bad_request`` (refused
@@ -9,18 +10,73 @@
   client did not send its body within ``client_body_timeout_s``, 408, or stopped reading for
   ``client_write_timeout_s``), ``timeout`` (``request_timeout_s`` passed), ``internal`` (a bug).
 - ``requests_in_flight``: generation requests now inside the router.
-- ``request_seconds{outcome}``: time from receipt to the end of the answer.
+- ``request_seconds{outcome}``: end-to-end latency, from receipt to the end of the answer.
+- ``time_to_first_token_seconds{endpoint}`` and ``inter_token_latency_seconds{endpoint}``: what a
+  streaming client sees, from the SSE events the router passes on (:class:`TokenTimes`).
 - ``worker_healthy{role,url}`` and ``worker_in_flight{role,url}``: derived at scrape time from the
   worker objects the router routes with (one source of truth).
 """
 
 from __future__ import annotations
 
+import json
+import time
+from typing import Optional
+
 from splitserve.metrics import Registry
 from splitserve.router.workers import WorkerSet
 
 OUTCOMES = ("finished", "bad_request", "no_workers", "prefill_failed", "decode_failed", "client_disconnect",
             "client_timeout", "timeout", "internal")
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+
+
+class TokenTimes:
+    """When each SSE event that carries generated tokens passed through (fed decode's bytes as
+    they are written to the client, cut at any point). A token event: a completion chunk with
+    text, a chat chunk with content, any ``/generate`` chunk; not the chat stream's opening
+    role-only chunk, a usage chunk, an error or ``[DONE]``."""
+
+    def __init__(self, started: float):
+        self.started = started
+        self.first: Optional[float] = None
+        self.gaps: list[float] = []
+        self._last: Optional[float] = None
+        self._tail = b""
+
+    def feed(self, chunk: bytes, now: Optional[float] = None) -> None:
+        lines = (self._tail + chunk).split(b"\n")
+        self._tail = lines.pop()
+        for line in lines:
+            if line.startswith(b"data: ") and _carries_tokens(line[6:].rstrip(b"\r")):
+                self._token(time.monotonic() if now is None else now)
+
+    def _token(self, now: float) -> None:
+        if self.first is None:
+            self.first = now
+        else:
+            self.gaps.append(now - self._last)
+        self._last = now
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return self.first - self.started if self.first is not None else None
+
+
+def _carries_tokens(data: bytes) -> bool:
+    if data == b"[DONE]" or data.startswith(b'{"error"'):
+        return False
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return False
+    if "output_ids" in event:  # /generate: every chunk is the answer so far, one more token each
+        return True
+    choices = event.get("choices") or ()
+    choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+    delta = choice.get("delta")
+    return bool(delta.get("content")) if isinstance(delta, dict) else bool(choice.get("text"))
 
 
 class RouterMetrics:
@@ -32,12 +88,25 @@ class RouterMetrics:
         self.in_flight = registry.gauge("splitserve_router_requests_in_flight",
                                         "Generation requests now inside the router.")
         self.seconds = registry.histogram("splitserve_router_request_seconds",
-                                          "Time from receipt to the end of the answer, by outcome.", ["outcome"])
-        registry.gauge("splitserve_router_worker_healthy", "1 if the worker is in rotation, else 0.",
-                       ["role", "url"], callback=lambda: {(w.role, w.url): int(w.healthy) for w in workers.all()})
-        registry.gauge("splitserve_router_worker_in_flight", "Request legs now open to the worker.",
-                       ["role", "url"], callback=lambda: {(w.role, w.url): w.in_flight for w in workers.all()})
+                                          "End-to-end latency: from receipt to the end of the answer, by outcome.",
+                                          ["outcome"], buckets=LATENCY_BUCKETS)
+        self.ttft = registry.histogram("splitserve_router_time_to_first_token_seconds",
+                                       "Streaming: from receipt to the first event with generated tokens passed to "
+                                       "the client.", ["endpoint"], buckets=LATENCY_BUCKETS)
+        self.itl = registry.histogram("splitserve_router_inter_token_latency_seconds",
+                                      "Streaming: time between two consecutive events with generated tokens passed "
+                                      "to the client.", ["endpoint"], buckets=ITL_BUCKETS)
+        registry.derived_gauge("splitserve_router_worker_healthy", "1 if the worker is in rotation, else 0.",
+                               ["role", "url"],
+                               read=lambda: {(w.role, w.url): int(w.healthy) for w in workers.all()})
+        registry.derived_gauge("splitserve_router_worker_in_flight", "Request legs now open to the worker.",
+                               ["role", "url"], read=lambda: {(w.role, w.url): w.in_flight for w in workers.all()})
 
-    def record(self, outcome: str, seconds: float) -> None:
+    def record(self, outcome: str, seconds: float, endpoint: str = "", times: Optional[TokenTimes] = None) -> None:
         self.requests.labels(outcome=outcome).inc()
         self.seconds.labels(outcome=outcome).observe(seconds)
+        if times is not None and times.ttft is not None:
+            self.ttft.labels(endpoint=endpoint).observe(times.ttft)
+            itl = self.itl.labels(endpoint=endpoint)
+            for gap in times.gaps:
+                itl.observe(gap)

@@ -110,10 +110,11 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
         seconds = time.monotonic() - started
         ttft = acc.first_token_at - started if acc.first_token_at is not None else None
         state.metrics.record(endpoint, result.outcome, result.reason, seconds, acc.prompt_tokens,
-                             acc.completion_tokens, ttft, submitted=submitted)
+                             acc.completion_tokens, ttft, submitted=submitted, gaps=acc.token_gaps)
         if rid is not None:  # one line per request that passed validation (the others are counted only)
-            log.info("request %s %s: %s (%s) prompt=%d completion=%d %.3fs", rid, endpoint, result.outcome,
-                     result.reason, acc.prompt_tokens, acc.completion_tokens, seconds)
+            timeline = getattr(state.engine, "timeline_short", lambda rid: "-")(rid)
+            log.info("request %s %s: %s (%s) prompt=%d completion=%d %.3fs timeline: %s", rid, endpoint,
+                     result.outcome, result.reason, acc.prompt_tokens, acc.completion_tokens, seconds, timeline)
 
 
 async def _consume(stream: AsyncIterator[RequestOutput], acc: proto.Accumulator):

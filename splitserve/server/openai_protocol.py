@@ -57,10 +57,18 @@ class Accumulator:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    token_gaps: list[float] = field(default_factory=list)
+    """Seconds between consecutive deltas that carried tokens (the inter-token latencies)."""
 
     def add(self, out: RequestOutput) -> None:
-        if out.token_ids and self.first_token_at is None:
-            self.first_token_at = time.monotonic()
+        if out.token_ids:
+            now = time.monotonic()
+            if self.first_token_at is None:
+                self.first_token_at = now
+            else:
+                self.token_gaps.append(now - self.last_token_at)
+            self.last_token_at = now
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
         if out.prompt_tokens:

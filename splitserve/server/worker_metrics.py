@@ -1,8 +1,18 @@
-"""The worker's metrics, registered on the app's own :class:`~splitserve.metrics.Registry`.
+"""The worker's metrics, on the app's own :class:`~splitserve.metrics.Registry` (``docs/metrics.md``
+lists every one).
 
-KV pages and queue sizes are derived gauges: they call ``engine.stats()`` when ``/metrics`` is
-scraped, so they always show what the engine loop last published, never a copy kept in step by
-hand. Counters and histograms are recorded by the HTTP handlers, one per request at its end.
+Derived metrics read ``engine.stats()`` (the engine's pools and queues and the role's live
+counters, never a copy the engine loop publishes) and ``engine.debug_requests()`` (the rooms as
+they are now) when ``/metrics`` is scraped. So a wedged engine loop shows: its age grows
+(``splitserve_engine_loop_age_seconds``) and so does the count of requests past half their
+deadline (``splitserve_requests_late``, computed from the clock at scrape time), while the queue
+gauges stay where the loop left them. A label set (a peer, a thread, a state) is there exactly as
+long as the structure that owns it has it: nothing is left behind when a peer goes.
+
+Recorded: counters and histograms by the HTTP handlers (one per request at its end: outcome,
+end-to-end latency, time to first token, the gaps between tokens), by the lifecycle
+(``splitserve_requests_total`` of a prefill or decode worker, time in each state) and by the
+role's timelines (queue time; a prefill worker's KV writes and transfers; failed transfers).
 """
 
 from __future__ import annotations
@@ -10,6 +20,11 @@ from __future__ import annotations
 from splitserve.metrics import Registry
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+BYTES_BUCKETS = tuple(float(4 ** k * 4096) for k in range(11))  # 4 KiB .. 4 GiB
+# the live states where a request waits rather than runs (requests_waiting / requests_running)
+WAITING_STATES = {"BOOTSTRAPPING", "QUEUED", "PREALLOC", "AWAITING_KV", "waiting"}
+COLOCATED_STATES = ("WAITING", "RUNNING")
 
 
 class WorkerMetrics:
@@ -17,66 +32,82 @@ class WorkerMetrics:
         self.role = role
         self._engine = engine
         self._started = False
+        split = role != "colocated"
+        gauge, counter = registry.derived_gauge, registry.derived_counter
 
-        registry.gauge("splitserve_ready", "1 when the worker accepts requests, 0 while loading or draining.",
-                       callback=lambda: 1 if engine.ready and not engine.draining else 0)
-        registry.gauge("splitserve_engine_loop_age_seconds",
-                       "Seconds since the engine loop last began an iteration, read at scrape time (an idle loop "
-                       "begins one at least every 0.5 s; past --loop-stall-s the worker is wedged).",
-                       callback=lambda: round(engine.loop_age(), 3) if getattr(engine, "ready", False)
-                       and hasattr(engine, "loop_age") else None)
-        registry.gauge("splitserve_kv_pages_free", "Free KV cache pages.",
-                       callback=lambda: self._stat("pages_free"))
-        registry.gauge("splitserve_kv_pages_total", "KV cache pages in the pool.",
-                       callback=lambda: self._stat("pages_total"))
-        registry.gauge("splitserve_queue_requests", "Requests in each engine queue.", ["role", "queue"],
-                       callback=lambda: {(role, q): n for q, n in (self._stat("queues") or {}).items()})
-        registry.gauge("splitserve_lifecycle_entries",
-                       "Prefill/decode bookkeeping that is not a live request: tombstones, pending registrations, "
-                       "rooms holding memory after their end (held_writes, quarantined).", ["role", "kind"],
-                       callback=lambda: {(role, k): n for k, n in (self._stat("lifecycle") or {}).items()})
-        registry.gauge("splitserve_preemptions", "Sequences preempted for lack of KV pages since start (each "
-                       "recomputes its KV when it runs again).", callback=lambda: self._stat("preemptions"))
-        registry.gauge("splitserve_kv_pages_quarantined",
-                       "Decode: KV pages kept out of use because a remote write may still land in them.",
-                       callback=lambda: self._stat("pages_quarantined"))
-        if role != "colocated":
-            registry.gauge("splitserve_peers", "Prefill/decode: peers that live rooms depend on (live), and peers "
-                           "declared lost and still remembered (lost).", ["role", "state"],
-                           callback=lambda: {(role, k): n for k, n in (self._stat("peers") or {}).items()})
-            registry.gauge("splitserve_peer_silence_seconds",
-                           "Prefill/decode: seconds since each live peer was last heard from (declared lost after "
-                           "heartbeat_interval_s x heartbeat_misses).", ["role", "peer"],
-                           callback=lambda: {(role, k): v for k, v in (self._stat("peer_silence") or {}).items()})
-            registry.gauge("splitserve_control_sessions", "Prefill/decode: control sessions with peers known now "
-                           "(each silent one is ended after the peer-silence bound).", ["role"],
-                           callback=lambda: self._of_role("control", "sessions"))
-            registry.gauge("splitserve_control_ended_sessions", "Prefill: decode sessions that ended and are "
-                           "remembered (never answered again; forgotten after --tombstone-s).", ["role"],
-                           callback=lambda: self._of_role("control", "ended"))
-            registry.gauge("splitserve_transfer_peers", "Prefill: peers with a transfer connection (a NIXL remote "
-                           "agent each).", ["role"], callback=lambda: self._of_role("transfer_peers"))
-            registry.gauge("splitserve_control_bad_frames_total", "Prefill/decode: control frames dropped "
-                           "since start, by why (identity, frames, decode, incarnation, unregistered, ...).",
-                           ["role", "why"],
-                           callback=lambda: {(role, k): n for k, n in (self._stat("bad_frames") or {}).items()})
-            registry.gauge("splitserve_thread_age_seconds", "Prefill/decode: seconds since each supervised thread "
-                           "began its last iteration (past --loop-stall-s it hangs: /health fails).", ["role", "thread"],
-                           callback=lambda: {(role, k): v for k, v in (self._stat("thread_age") or {}).items()})
-            registry.gauge("splitserve_thread_restarts_total", "Prefill/decode: restarts of each supervised "
-                           "thread since start (a crash that was caught).", ["role", "thread"],
-                           callback=lambda: {(role, k): n for k, n in (self._stat("thread_restarts") or {}).items()})
+        gauge("splitserve_ready", "1 when the worker accepts requests, 0 while loading or draining.",
+              read=lambda: 1 if engine.ready and not engine.draining else 0)
+        gauge("splitserve_engine_loop_age_seconds",
+              "Seconds since the engine loop last began an iteration, read at scrape time (an idle loop begins one "
+              "at least every 0.5 s; past --loop-stall-s the worker is wedged).",
+              read=lambda: round(engine.loop_age(), 3) if getattr(engine, "ready", False)
+              and hasattr(engine, "loop_age") else None)
+        counter("splitserve_engine_loop_errors_total", "Exceptions that escaped the role into the engine loop "
+                "(each failed every live request through the role).", read=lambda: self._stat("loop_errors"))
+        gauge("splitserve_kv_pages_free", "Free KV cache pages.", read=lambda: self._stat("pages_free"))
+        gauge("splitserve_kv_pages_total", "KV cache pages in the pool.", read=lambda: self._stat("pages_total"))
+        gauge("splitserve_kv_usage_ratio", "KV pages owned by requests over all pages (cached pages are reclaimable "
+              "and do not count; quarantined ones do).", ["role"], read=self._usage)
+        gauge("splitserve_queue_requests", "Requests in each engine queue (colocated) or lifecycle state (prefill, "
+              "decode).", ["role", "queue"],
+              read=lambda: {(role, q): n for q, n in (self._stat("queues") or {}).items()})
+        gauge("splitserve_requests_running", "Requests in the forward batch (colocated: running; prefill: PREFILLING "
+              "and TRANSFERRING; decode: DECODING).", ["role"], read=lambda: self._split_queues(False))
+        gauge("splitserve_requests_waiting", "Requests waiting (colocated: waiting; prefill: BOOTSTRAPPING and QUEUED; "
+              "decode: PREALLOC and AWAITING_KV).", ["role"], read=lambda: self._split_queues(True))
+        gauge("splitserve_requests_late", "Live requests past half the time their state allows (its deadline), by "
+              "state; computed from the clock at scrape time, so it grows while the engine loop is wedged.",
+              ["role", "state"], read=self._late)
+        gauge("splitserve_lifecycle_entries",
+              "Prefill/decode bookkeeping that is not a live request: tombstones, pending registrations, rooms holding "
+              "memory after their end (held_writes, quarantined).", ["role", "kind"],
+              read=lambda: {(role, k): n for k, n in (self._stat("lifecycle") or {}).items()})
+        gauge("splitserve_preemptions", "Sequences preempted for lack of KV pages since start (each recomputes its KV "
+              "when it runs again).", read=lambda: self._stat("preemptions"))
+        gauge("splitserve_kv_pages_quarantined",
+              "Decode: KV pages kept out of use because a remote write may still land in them.",
+              read=lambda: self._stat("pages_quarantined"))
+        if split:
+            gauge("splitserve_peers", "Prefill/decode: peers that live rooms depend on (live), and peers declared lost "
+                  "and still remembered (lost).", ["role", "state"],
+                  read=lambda: {(role, k): n for k, n in (self._stat("peers") or {}).items()})
+            gauge("splitserve_peer_silence_seconds", "Prefill/decode: seconds since each live peer was last heard from "
+                  "(declared lost after heartbeat_interval_s x heartbeat_misses).", ["role", "peer"],
+                  read=lambda: {(role, k): v for k, v in (self._stat("peer_silence") or {}).items()})
+            gauge("splitserve_control_sessions", "Prefill/decode: control sessions with peers known now (each silent "
+                  "one is ended after the peer-silence bound).", ["role"], read=lambda: self._of_role("control", "sessions"))
+            gauge("splitserve_control_ended_sessions", "Prefill: decode sessions that ended and are remembered (never "
+                  "answered again; forgotten after --tombstone-s).", ["role"],
+                  read=lambda: self._of_role("control", "ended"))
+            gauge("splitserve_transfer_peers", "Prefill: peers with a transfer connection (a NIXL remote agent each).",
+                  ["role"], read=lambda: self._of_role("transfer_peers"))
+            counter("splitserve_control_bad_frames_total", "Prefill/decode: control frames dropped since start, by why "
+                    "(identity, frames, decode, incarnation, unregistered, ...).", ["role", "why"],
+                    read=lambda: {(role, k): n for k, n in (self._stat("bad_frames") or {}).items()})
+            gauge("splitserve_thread_age_seconds", "Prefill/decode: seconds since each supervised thread began its last "
+                  "iteration (past --loop-stall-s it hangs: /health fails).", ["role", "thread"],
+                  read=lambda: {(role, k): v for k, v in (self._stat("thread_age") or {}).items()})
+            counter("splitserve_thread_restarts_total", "Prefill/decode: restarts of each supervised thread since start "
+                    "(a crash that was caught).", ["role", "thread"],
+                    read=lambda: {(role, k): n for k, n in (self._stat("thread_restarts") or {}).items()})
+            counter("splitserve_lifecycle_notices_total", "Prefill/decode: lifecycle notices by kind (a rejected message, "
+                    "a tombstone, a transfer reset, a peer declared lost...).", ["role", "kind"],
+                    read=lambda: {(role, k): n for k, n in (self._stat("notices") or {}).items()})
+            counter("splitserve_action_failures_total", "Prefill/decode: table actions that raised (each failed its "
+                    "room through the table).", ["role"], read=lambda: self._of_role("action_failures"))
         if role == "decode":
-            registry.gauge("splitserve_receive_links_open", "Decode: receiving links open, one per prefill session.",
-                           callback=lambda: self._stat("links_open"))
-            registry.gauge("splitserve_receive_links_fenced",
-                           "Decode: receiving links closed since start to fence a lost prefill session.",
-                           callback=lambda: self._stat("links_fenced"))
+            gauge("splitserve_kv_quarantine_oldest_seconds", "Decode: seconds since the oldest room holding quarantined "
+                  "pages ended (0 when none does).", ["role"], read=self._oldest_quarantine)
+            gauge("splitserve_receive_links_open", "Decode: receiving links open, one per prefill session.",
+                  read=lambda: self._stat("links_open"))
+            gauge("splitserve_receive_links_fenced",
+                  "Decode: receiving links closed since start to fence a lost prefill session.",
+                  read=lambda: self._stat("links_fenced"))
+
         self.http_inflight = registry.gauge("splitserve_http_inflight_requests",
                                             "Generation requests the HTTP front end is serving now.")
         self.requests = registry.counter(
-            "splitserve_requests_total",
-            "Generation requests by terminal outcome (finished, aborted, failed) and reason.",
+            "splitserve_requests_total", "Generation requests by terminal outcome (finished, aborted, failed) and reason.",
             ["role", "outcome", "reason"])
         self.http_requests = registry.counter("splitserve_http_requests_total", "HTTP requests by route and status.",
                                               ["path", "status"])
@@ -85,17 +116,89 @@ class WorkerMetrics:
         self.generation_tokens = registry.counter("splitserve_generation_tokens_total",
                                                   "Tokens generated (all requests, also failed ones).", ["role"])
         self.request_seconds = registry.histogram("splitserve_request_duration_seconds",
-                                                  "Time from arrival to the end of a generation request.",
+                                                  "End-to-end latency: from arrival to the end of a generation request.",
                                                   ["role", "endpoint", "outcome"], buckets=LATENCY_BUCKETS)
-        self.state_seconds = registry.histogram("splitserve_state_seconds",
-                                                "Prefill/decode: time a request spent in each lifecycle state.",
-                                                ["role", "state"], buckets=LATENCY_BUCKETS)
-        if role != "colocated":  # the lifecycle counts its rooms' ends, with the lifecycle's reasons
-            engine.role.on_outcome = lambda outcome, reason: self.requests.labels(role, outcome, reason).inc()
-            engine.role.on_state_time = lambda state, s: self.state_seconds.labels(role, state).observe(s)
         self.ttft_seconds = registry.histogram("splitserve_time_to_first_token_seconds",
                                                "Time from arrival to the first generated token.",
                                                ["role", "endpoint"], buckets=LATENCY_BUCKETS)
+        self.itl_seconds = registry.histogram("splitserve_inter_token_latency_seconds",
+                                              "Time between two consecutive deltas of generated tokens of one request.",
+                                              ["role", "endpoint"], buckets=ITL_BUCKETS)
+        self.queue_seconds = registry.histogram("splitserve_queue_time_seconds",
+                                                "Time from arrival until the worker began the request's work "
+                                                "(colocated: admitted; prefill: out of BOOTSTRAPPING and QUEUED; "
+                                                "decode: out of PREALLOC).", ["role"], buckets=LATENCY_BUCKETS)
+        if split:
+            self.state_seconds = registry.histogram("splitserve_state_seconds",
+                                                    "Prefill/decode: time a request spent in each lifecycle state.",
+                                                    ["role", "state"], buckets=LATENCY_BUCKETS)
+            self.transfer_seconds = registry.histogram(
+                "splitserve_kv_transfer_seconds", "Prefill: from a request's first KV write started to its last one "
+                "landed.", ["role"], buckets=LATENCY_BUCKETS)
+            self.write_seconds = registry.histogram(
+                "splitserve_kv_transfer_write_seconds", "Prefill: one KV write, from its start to its landing (as the "
+                "engine loop sees them).", ["role"], buckets=ITL_BUCKETS)
+            self.transfer_bytes = registry.histogram(
+                "splitserve_kv_transfer_request_bytes", "Prefill: KV bytes written for one request.", ["role"],
+                buckets=BYTES_BUCKETS)
+            self.transfer_failures = registry.counter(
+                "splitserve_kv_transfer_failures_total", "Transfers that failed, by the reason the request failed "
+                "(prefill: after its first write started; decode: while waiting for the KV).", ["role", "reason"])
+            # the lifecycle counts its rooms' ends, with the lifecycle's reasons
+            engine.role.on_outcome = lambda outcome, reason: self.requests.labels(role, outcome, reason).inc()
+            engine.role.on_state_time = lambda state, s: self.state_seconds.labels(role, state).observe(s)
+        timelines = getattr(getattr(engine, "role", None), "timelines", None)
+        if timelines is not None:
+            timelines.observer = self
+
+    # -- what the role's timelines report (on the engine loop; the metric objects are thread-safe) ----
+
+    def queue_time(self, seconds: float) -> None:
+        self.queue_seconds.labels(self.role).observe(seconds)
+
+    def write_done(self, seconds: float) -> None:
+        self.write_seconds.labels(self.role).observe(seconds)
+
+    def transfer_done(self, seconds: float, nbytes: int) -> None:
+        self.transfer_seconds.labels(self.role).observe(seconds)
+        self.transfer_bytes.labels(self.role).observe(nbytes)
+
+    def transfer_failed(self, reason: str) -> None:
+        self.transfer_failures.labels(self.role, reason).inc()
+
+    # -- derived -------------------------------------------------------------------------------
+
+    def _usage(self):
+        total = self._stat("pages_total")
+        if not total:
+            return None
+        stats = self._engine.stats()
+        owned = total - stats["pages_free"] - stats.get("pages_cached", 0)
+        return {(self.role,): round(owned / total, 6)}
+
+    def _split_queues(self, waiting: bool):
+        queues = self._stat("queues")
+        if queues is None:
+            return None
+        live = {q: n for q, n in queues.items() if q.isupper() or self.role == "colocated"}
+        return {(self.role,): sum(n for q, n in live.items() if (q in WAITING_STATES) == waiting)}
+
+    def _late(self):
+        queues = self._stat("queues")
+        if queues is None:
+            return None
+        states = COLOCATED_STATES if self.role == "colocated" else [q for q in queues if q.isupper()]
+        late = dict.fromkeys(states, 0)
+        for row in self._engine.debug_requests():
+            if row.get("late") and row.get("holding") is None:
+                late[row["state"]] = late.get(row["state"], 0) + 1
+        return {(self.role, state): n for state, n in late.items()}
+
+    def _oldest_quarantine(self):
+        if self._stat("queues") is None:
+            return None
+        ages = [row["state_age_s"] for row in self._engine.debug_requests() if row.get("holding") == "quarantined"]
+        return {(self.role,): round(max(ages), 3) if ages else 0}
 
     def _of_role(self, key: str, part: str | None = None):
         """``{(role,): value}`` of one stat (or one part of it), nothing while there is none."""
@@ -113,7 +216,8 @@ class WorkerMetrics:
         return self._engine.stats().get(key)
 
     def record(self, endpoint: str, outcome: str, reason: str, seconds: float, prompt_tokens: int = 0,
-               completion_tokens: int = 0, ttft: float | None = None, submitted: bool = False) -> None:
+               completion_tokens: int = 0, ttft: float | None = None, submitted: bool = False,
+               gaps: tuple = ()) -> None:
         # a prefill/decode worker's lifecycle counts every request its engine took (above)
         if self.role == "colocated" or not submitted:
             self.requests.labels(role=self.role, outcome=outcome, reason=reason).inc()
@@ -124,3 +228,7 @@ class WorkerMetrics:
             self.generation_tokens.labels(role=self.role).inc(completion_tokens)
         if ttft is not None:
             self.ttft_seconds.labels(role=self.role, endpoint=endpoint).observe(ttft)
+        if gaps:
+            itl = self.itl_seconds.labels(role=self.role, endpoint=endpoint)
+            for gap in gaps:
+                itl.observe(gap)
