@@ -40,6 +40,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine, StepReport
 from splitserve.engine.io import EngineError, GenerateRequest, InvalidRequest, NotReady, Overloaded, RequestOutput
 from splitserve.outcomes import Ending, Reason
+from splitserve.timeline import TimelineBook
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +90,14 @@ class Role(Protocol):
 
 
 class ColocatedRole:
-    """One worker does prefill and decode: the engine's own outputs are the answers."""
+    """One worker does prefill and decode: the engine's own outputs are the answers. Its
+    timelines (``/debug/requests/{rid}``) come from the step reports: ``WAITING`` (arrived, or
+    preempted), ``RUNNING`` (admitted: its prompt runs), ``DECODING`` (its first token), the end."""
 
     name = "colocated"
+
+    def __init__(self):
+        self.timelines = TimelineBook(self.name)
 
     def start(self, loop: "AsyncEngine") -> None:
         self.engine = loop.engine
@@ -100,15 +106,16 @@ class ColocatedRole:
         self.engine.check_fits(req)  # reads only immutable sizes
 
     def admit(self, req: GenerateRequest) -> list[RequestOutput]:
+        self.timelines.start(req.rid, None, "WAITING", time.monotonic())
         try:
             self.engine.add_request(req)
         except EngineError as exc:
-            return [RequestOutput.ended(req.rid, Ending(exc.reason, str(exc)))]
+            return self._ended([RequestOutput.ended(req.rid, Ending(exc.reason, str(exc)))], "refused")
         return []
 
     def abort(self, rid: str, ending: Ending) -> list[RequestOutput]:
         out = self.engine.abort(rid, ending)
-        return [out] if out is not None else []
+        return self._ended([out], "AbortRequest") if out is not None else []
 
     def on_event(self, event: object) -> list[RequestOutput]:
         raise TypeError(f"unknown engine event {event!r}")
@@ -117,10 +124,30 @@ class ColocatedRole:
         return []
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
-        return report.outputs
+        now, book = time.monotonic(), self.timelines
+        for seq in report.admitted:
+            if (tl := book.get(seq.rid)) is not None and tl.enter("RUNNING", now, "admitted"):
+                book.started_work(tl, now)
+        for seq in report.preempted:
+            if (tl := book.get(seq.rid)) is not None:
+                tl.enter("WAITING", now, "preempted")
+        for seq, out in report.sampled:
+            if seq.num_output_tokens == 1 and not out.finished and (tl := book.get(seq.rid)) is not None:
+                tl.enter("DECODING", now, "first token")
+        return self._ended(report.outputs, "step")
 
     def fail_all(self, ending: Ending) -> list[RequestOutput]:
-        return self.engine.abort_all(ending)
+        return self._ended(self.engine.abort_all(ending), "fail_all")
+
+    def _ended(self, outputs: list[RequestOutput], cause: str) -> list[RequestOutput]:
+        now = time.monotonic()
+        for out in outputs:
+            if out.finished and (tl := self.timelines.get(out.rid)) is not None and tl.live:
+                reason = out.reason
+                tl.end(f"FINISHED({out.finish_reason})" if reason is None else
+                       f"{reason.outcome.value}({reason.value})", now, cause)
+                self.timelines.ended(tl)
+        return outputs
 
     def wait_s(self, now: float) -> float:
         return IDLE_WAIT_S
@@ -285,6 +312,20 @@ class AsyncEngine:
         if self.engine is None:
             return []
         return self.role.debug_rows(time.monotonic())
+
+    def timeline(self, rid: Optional[str] = None, room: Optional[int] = None) -> Optional[dict]:
+        """Thread-safe, never waits on the engine loop: the timeline of request ``rid`` (or of
+        ``room``) on this worker, live or recently ended, as ``/debug/requests/{rid}`` shows it."""
+        book = getattr(self.role, "timelines", None)
+        if book is None:
+            return None
+        tl = book.get(rid) if rid is not None else book.get_room(room)
+        return tl.to_dict(book.clock(), book.wall) if tl is not None else None
+
+    def timeline_short(self, rid: str) -> str:
+        """The short form of ``rid``'s timeline, for the log line at its end."""
+        book = getattr(self.role, "timelines", None)
+        return book.short(rid) if book is not None else "-"
 
     def post_event(self, event: object) -> None:
         """Thread-safe: hand an event to the engine loop (used by the role's own threads)."""
