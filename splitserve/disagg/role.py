@@ -35,6 +35,7 @@ from splitserve.disagg.lifecycle import (
     Cancel, ClientAbort, CountOutcome, Deadlines, DisconnectPeer, FreePages, LocalFailure, LogTerminal, Notice,
     NotifyClient, ObserveStateTime, Outcome, Peer, PeerHeard, PeerLost, RequestArrived, SendToPeer,
 )
+from splitserve.disagg.room_timelines import RoomTimelines, describe, room_of
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
 from splitserve.engine.sequence import Sequence
@@ -60,6 +61,8 @@ class RoomRecord:
     """Decode: pages asked for while the room waits in the page queue; 0 when it does not."""
     quarantined: bool = False
     answered: bool = False
+    timeline: Optional[object] = None
+    """Every state the room passed here (``timeline.Timeline``), for ``/debug/requests/{rid}``."""
 
     def take_pages(self) -> list[int]:
         """Every page the room holds now (its own and its sequence's), no longer held by it."""
@@ -101,6 +104,7 @@ class DisaggRole:
         self._unwedge = threading.Event()
         self._wedge_loop = faults.wedge_loop
         self.clock = time.monotonic  # the only clock the role reads (a simulator swaps it)
+        self.timelines = RoomTimelines(self.name, lambda: self.clock())
         self._hung_reported = False
         # set by the worker's metrics (called on the engine loop; the metric objects are thread-safe)
         self.on_outcome = None
@@ -119,6 +123,7 @@ class DisaggRole:
         self.engine = loop.engine
         self.incarnation = new_incarnation()
         self.info = local_info(self.engine.spec, self.engine.layout, self.server.transfer_backend, self.incarnation)
+        self.timelines.page_nbytes = self.engine.layout.page_nbytes
         self._start()
 
     def check(self, req: GenerateRequest) -> None:
@@ -134,7 +139,7 @@ class DisaggRole:
                 self.on_outcome("failed", Reason.BAD_REQUEST.value)
             return [RequestOutput.ended(req.rid, Ending(Reason.BAD_REQUEST,
                                                        f"bootstrap_room {room} is already in use on this worker"))]
-        self.rooms[room] = RoomRecord(room, req)
+        self.rooms[room] = RoomRecord(room, req, timeline=self.timelines.start(req.rid, room, None, self.clock()))
         self.room_of[req.rid] = room
         out = self._feed(RequestArrived(room, req.rid, len(req.prompt_ids)))
         self._arrived(self.rooms.get(room), out)
@@ -155,8 +160,8 @@ class DisaggRole:
         out: list[RequestOutput] = []
         self._check_threads(out)
         for peer, fresh in self.control.take_heard().items():
-            self._execute(self.table.handle(PeerHeard(peer, fresh), now), out)
-        self._execute(self.table.expire(now), out)
+            self._execute(self._noted(self.table.handle(PeerHeard(peer, fresh), now), None, now, "PeerHeard"), out)
+        self._execute(self._noted(self.table.expire(now), None, now, "deadline"), out)
         return out
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
@@ -232,8 +237,15 @@ class DisaggRole:
 
     def _feed(self, event: object) -> list[RequestOutput]:
         out: list[RequestOutput] = []
-        self._execute(self.table.handle(event, self.clock()), out)
+        now = self.clock()
+        self.timelines.event(event, now)
+        self._execute(self._noted(self.table.handle(event, now), room_of(event), now, describe(event)), out)
         return out
+
+    def _noted(self, actions: list, room: Optional[int], now: float, cause: str) -> list:
+        """``actions``, once the rooms' timelines have read them (``room``: the event's room)."""
+        self.timelines.note(actions, room, now, cause, self.table.state_of)
+        return actions
 
     def _execute(self, actions: list, out: list[RequestOutput]) -> None:
         """Carry out ``actions`` in order; one that raises fails its room through the table (its
@@ -251,7 +263,9 @@ class DisaggRole:
                     out.append(RequestOutput.ended(a.rid, Ending(Reason.INTERNAL_ERROR, detail)))
                 room = getattr(a, "room", None)
                 if room is not None:
-                    todo.extend(self.table.handle(LocalFailure(room, Reason.INTERNAL_ERROR, detail), self.clock()))
+                    now = self.clock()
+                    todo.extend(self._noted(self.table.handle(LocalFailure(room, Reason.INTERNAL_ERROR, detail), now),
+                                            room, now, "LocalFailure(internal_error)"))
 
     def _do(self, a, out: list[RequestOutput]) -> None:
         if isinstance(a, SendToPeer):
@@ -263,7 +277,7 @@ class DisaggRole:
         elif isinstance(a, NotifyClient):
             self._answer(a, out)
         elif isinstance(a, LogTerminal):
-            log.info(a.line())
+            log.info("%s timeline: %s", a.line(), self.timelines.short_room(a.room))
         elif isinstance(a, CountOutcome):
             outcome = a.outcome.value.lower()
             self.outcomes[(outcome, a.reason.value)] += 1
@@ -311,6 +325,7 @@ class DisaggRole:
         if rec is None:
             return
         self.engine.allocator.free(rec.take_pages())
+        self.timelines.released(room, "released", self.clock())
         self._forget_if_done(rec)
 
     def _forget_if_done(self, rec: RoomRecord) -> None:
