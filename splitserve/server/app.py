@@ -6,6 +6,8 @@ Routes::
     POST /generate                               SGLang's native API
     GET  /v1/models, /health, /metrics           model list, readiness (200/503), Prometheus
     GET  /get_server_info, /get_model_info       what SGLang's gateway asks a worker
+    GET  /debug/requests                         every live request (room, state, age, deadline, late, peer)
+    GET  /debug/requests/{rid}, /debug/rooms/{room}  one request's timeline on this worker (live or recent)
 
 :func:`create_app` builds the application around an engine (anything with the ``AsyncEngine``
 interface, so tests can hand in a fake); :func:`run_server` is what ``splitserve serve`` runs:
@@ -41,6 +43,7 @@ from splitserve.http_util import bound_url
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
 from splitserve.server.generation import json_error, serve_generation
+from splitserve.server.validation import REQUEST_ID
 from splitserve.server.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
@@ -86,6 +89,7 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
     state = WorkerState(engine, config, registry or Registry())
     app[STATE] = state
     app.on_cleanup.append(_on_cleanup)
+    app.on_response_prepare.append(_echo_request_id)
     app.cleanup_ctx.append(_loop_watchdog)
     for path, endpoint in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"),
                            ("/generate", "generate")):
@@ -96,7 +100,17 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
     app.router.add_get("/get_server_info", _server_info)
     app.router.add_get("/get_model_info", _model_info)
     app.router.add_get("/debug/requests", _debug_requests)
+    app.router.add_get("/debug/requests/{rid}", _debug_timeline)
+    app.router.add_get("/debug/rooms/{room}", _debug_timeline)
     return app
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """A generation answer carries its request id (``X-Request-Id``): the client's ``rid``, the
+    router's header, or one drawn here."""
+    rid = request.get(REQUEST_ID)
+    if rid is not None:
+        response.headers[REQUEST_ID] = rid
 
 
 async def _on_cleanup(app: web.Application) -> None:
@@ -201,6 +215,21 @@ async def _debug_requests(request: web.Request) -> web.Response:
     state = request.app[STATE]
     _require_ready(state)
     return web.json_response(state.engine.debug_requests())  # read as it is now: never waits on the loop
+
+
+async def _debug_timeline(request: web.Request) -> web.Response:
+    """Every state one request passed on this worker, with its times and the events that moved it
+    (``splitserve/timeline.py``), live or among the recently ended ones; 404 if it is not known."""
+    state = request.app[STATE]
+    _require_ready(state)
+    rid, room = request.match_info.get("rid"), request.match_info.get("room")
+    if room is not None and not room.isdigit():
+        raise web.HTTPBadRequest(text=f"a room is a number, not {room!r}")
+    found = getattr(state.engine, "timeline", lambda **kw: None)(rid=rid, room=int(room) if room else None)
+    if found is None:
+        what = f"request {rid!r}" if rid is not None else f"room {room}"
+        return json_error(f"{what} is neither live nor among the recently ended ones on this worker", 404)
+    return web.json_response(found)
 
 
 def _require_ready(state: WorkerState) -> None:

@@ -32,7 +32,7 @@ from splitserve.engine.io import EngineError, NotReady, RequestOutput
 from splitserve.outcomes import Reason
 from splitserve.server import openai_protocol as proto
 from splitserve.server.sse import ClientGone, SSEWriter
-from splitserve.server.validation import ValidatedRequest, validate_request
+from splitserve.server.validation import REQUEST_ID, ValidatedRequest, check_request_id, validate_request
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,8 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
                                       tokenizer=engine.tokenizer, max_context=spec.max_context,
                                       vocab_size=spec.vocab_size, generation_defaults=spec.generation_defaults)
             req: ValidatedRequest = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, check)
-            rid = req.rid or uuid.uuid4().hex
+            rid = req.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
+            request[REQUEST_ID] = rid  # echoed in the answer's X-Request-Id header (app.py)
             stream = engine.submit(req.generate_request(rid))
             submitted = True
         except EngineError as exc:

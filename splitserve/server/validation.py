@@ -139,6 +139,17 @@ def parse_json_body(raw: bytes | str) -> dict:
     return body
 
 
+REQUEST_ID = "X-Request-Id"  # the header that carries a request id (the router's, on the OpenAI routes)
+
+
+def check_request_id(rid: Optional[str], param: str) -> Optional[str]:
+    """A request id (the ``rid`` field, or an ``X-Request-Id`` header): 1 to 256 printable
+    characters without spaces; None stays None."""
+    if rid is not None and (not rid or len(rid) > 256 or not rid.isprintable() or any(c.isspace() for c in rid)):
+        raise InvalidRequest(f"{param} must be 1 to 256 printable characters without spaces", param)
+    return rid
+
+
 def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[str] = None, tokenizer=None,
                      max_context: Optional[int] = None, vocab_size: Optional[int] = None,
                      generation_defaults: Optional[Mapping[str, Any]] = None) -> ValidatedRequest:
@@ -195,9 +206,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         include_usage = _stream_options(body["stream_options"], stream)
 
     _opt_str(body, "user", "")  # accepted (OpenAI's end-user id), not used
-    rid = _opt_str(body, "rid", "")
-    if rid is not None and (not rid or len(rid) > 256 or not rid.isprintable() or any(c.isspace() for c in rid)):
-        raise InvalidRequest("rid must be 1 to 256 printable characters without spaces", "rid")
+    rid = check_request_id(_opt_str(body, "rid", ""), "rid")
     bootstrap_host = _opt_str(body, "bootstrap_host", "")
     if bootstrap_host is not None and not _HOST.fullmatch(bootstrap_host):
         raise InvalidRequest("bootstrap_host must be a host name or an IP address", "bootstrap_host")
