@@ -6,6 +6,8 @@ Routes::
     GET  /v1/models                                         a healthy decode worker's answer
     GET  /health                                            200 if a prefill and a decode worker are up
     GET  /metrics                                           Prometheus (``splitserve_router_*``)
+    GET  /workers                                           every worker: role, health, legs in flight
+    GET  /debug/requests/{rid}                              one request on the router and both its workers
 
 :func:`create_app` builds the application from a :class:`~splitserve.config.RouterConfig`; all of
 its state is one :class:`RouterState` on the app (no module-level globals), including the one
@@ -41,6 +43,7 @@ from aiohttp import web
 from splitserve.config import RouterConfig
 from splitserve.http_util import bound_url
 from splitserve.metrics import CONTENT_TYPE, Registry
+from splitserve.router import debug
 from splitserve.router.client import send
 from splitserve.router.legs import describe_error
 from splitserve.router.metrics import RouterMetrics
@@ -48,6 +51,7 @@ from splitserve.router.policy import Policy, make_policy
 from splitserve.router.proxy import ENDPOINTS, forward
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
 from splitserve.server.openai_protocol import error_body
+from splitserve.server.validation import REQUEST_ID
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,7 @@ class RouterState:
         self.policies: dict[str, Policy] = {PREFILL: make_policy(config.policy), DECODE: make_policy(config.policy)}
         self.registry = registry
         self.metrics = RouterMetrics(registry, self.workers)
+        self.recent = debug.RecentRequests()
         self.session: Optional[aiohttp.ClientSession] = None  # set at startup (needs the running loop)
         self.background: set[asyncio.Task] = set()
 
@@ -101,13 +106,24 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, not {value}")
     app = web.Application(middlewares=[_bounded_send, _error_middleware], client_max_size=MAX_BODY_BYTES)
     app[ROUTER] = RouterState(config, registry or Registry())
+    app.on_response_prepare.append(_echo_request_id)
     app.cleanup_ctx.append(_session_and_health_checks)
     for path in ENDPOINTS:
         app.router.add_post(path, _generation)
     app.router.add_get("/v1/models", _models)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/workers", lambda request: debug.workers(request.app[ROUTER]))
+    app.router.add_get("/debug/requests/{rid}",
+                       lambda request: debug.request_timelines(request.app[ROUTER], request.match_info["rid"]))
     return app
+
+
+async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """Every generation answer carries the request's one id (``X-Request-Id``), also sent to both workers."""
+    rid = request.get(REQUEST_ID)
+    if rid is not None:
+        response.headers[REQUEST_ID] = rid
 
 
 async def _session_and_health_checks(app: web.Application):

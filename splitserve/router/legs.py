@@ -35,19 +35,20 @@ class Leg:
     """One POST to one worker, started at once; ``task`` resolves when its headers arrive."""
 
     def __init__(self, worker: Worker, session: aiohttp.ClientSession, path: str, data: bytes, *,
-                 connect_timeout: float, header_timeout: Optional[float]):
+                 connect_timeout: float, header_timeout: Optional[float], headers: Optional[dict] = None):
         self.worker = worker
         self.response: Optional[aiohttp.ClientResponse] = None
         self._counted = True
         self.aborted = False
         worker.in_flight += 1
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, connect=connect_timeout)
-        self.task = asyncio.ensure_future(self._post(session, worker.url + path, data, timeout, header_timeout))
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        self.task = asyncio.ensure_future(self._post(session, worker.url + path, data, headers, timeout,
+                                                     header_timeout))
         self.task.add_done_callback(retrieve)
 
-    async def _post(self, session, url: str, data: bytes, timeout, header_timeout: Optional[float]):
-        post = session.post(url, data=data, headers={"Content-Type": "application/json"}, timeout=timeout,
-                            allow_redirects=False)
+    async def _post(self, session, url: str, data: bytes, headers: dict, timeout, header_timeout: Optional[float]):
+        post = session.post(url, data=data, headers=headers, timeout=timeout, allow_redirects=False)
         try:
             resp = await asyncio.wait_for(post, header_timeout)
         except aiohttp.ServerTimeoutError:  # the connect timeout, inside the post

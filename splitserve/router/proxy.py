@@ -59,6 +59,7 @@ import json
 import logging
 import secrets
 import time
+import uuid
 from typing import Optional
 
 import aiohttp
@@ -67,10 +68,11 @@ from aiohttp import web
 from splitserve.engine.io import InvalidRequest
 from splitserve.router.client import ClientLost, ClientWriter, read_body, send
 from splitserve.router.legs import Leg, NoHeaders, describe_error
+from splitserve.router.metrics import TokenTimes
 from splitserve.router.stream import DecodeStream
 from splitserve.router.workers import DECODE, PREFILL, Worker
 from splitserve.server.openai_protocol import engine_error_body, error_body
-from splitserve.server.validation import parse_json_body, validate_request
+from splitserve.server.validation import REQUEST_ID, check_request_id, parse_json_body, validate_request
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +92,7 @@ class Exchange:
     """The two legs of one request and the answer built from them (:meth:`run`)."""
 
     def __init__(self, state, request: web.Request, body: dict, stream: bool, prefill: Worker, decode: Worker,
-                 room: int, deadline: float):
+                 room: int, deadline: float, rid: str = "", started: Optional[float] = None):
         self.state = state
         self.config = state.config
         self.request = request
@@ -98,7 +100,9 @@ class Exchange:
         self.stream = stream
         self.prefill_worker, self.decode_worker = prefill, decode
         self.room = room
+        self.rid = rid
         self.deadline = deadline
+        self.times = TokenTimes(time.monotonic() if started is None else started)  # what the client sees
         self.prefill: Optional[Leg] = None
         self.decode: Optional[Leg] = None
         self.outcome = "client_disconnect"  # until known better: a cancellation is the client leaving
@@ -115,7 +119,8 @@ class Exchange:
         data = json.dumps(self.body, ensure_ascii=False).encode("utf-8")
         path = self.request.path
         bounds = dict(connect_timeout=min(self.config.worker_connect_timeout_s, self.config.request_timeout_s),
-                      header_timeout=self.config.worker_header_timeout_s if self.stream else None)
+                      header_timeout=self.config.worker_header_timeout_s if self.stream else None,
+                      headers={REQUEST_ID: self.rid} if self.rid else None)
         session = self.state.session
         self.prefill = Leg(self.prefill_worker, session, path, data, **bounds)
         self.decode = Leg(self.decode_worker, session, path, data, **bounds)
@@ -267,6 +272,7 @@ class Exchange:
                     if decode_in.watch.saw_error:
                         self.prefill.abort()  # decode failed: nobody will come for prefill's KV
                     await self.client.write(out, chunk)
+                    self.times.feed(chunk)
         except aiohttp.ClientError as exc:
             return await self._decode_broke_off(describe_error(exc))
         self.decode.release()
@@ -325,7 +331,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
     config = state.config
     metrics = state.metrics
     metrics.in_flight.inc()
-    outcome, status, room, legs = "client_disconnect", 499, None, ""
+    outcome, status, room, legs, rid, exchange = "client_disconnect", 499, None, "", None, None
     try:
         try:
             raw = await read_body(request, config.client_body_timeout_s)
@@ -340,6 +346,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         try:
             body = parse_json_body(raw)
             validated = validate_request(body, endpoint, served_model_name=state.workers.model_name())
+            rid = validated.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
         except InvalidRequest as exc:
             outcome, status = "bad_request", exc.status
             return web.json_response(engine_error_body(exc), status=exc.status)
@@ -352,8 +359,12 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         room = secrets.randbits(ROOM_BITS)
         legs = f" prefill={prefill.url} decode={decode.url}"
         body.update(bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
+        if endpoint == "generate":  # SGLang's field; the OpenAI routes carry it as X-Request-Id
+            body["rid"] = rid
+        request[REQUEST_ID] = rid  # echoed to the client (app.py)
+        state.recent.start(rid, room, endpoint, prefill.url, decode.url, started)
         exchange = Exchange(state, request, body, validated.stream, prefill, decode, room,
-                            started + config.request_timeout_s)
+                            started + config.request_timeout_s, rid, started)
         try:
             response = await exchange.run()
         except Exception:  # a bug: the middleware answers 500; count it as what it is
@@ -366,7 +377,9 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
     finally:
         metrics.in_flight.dec()
         seconds = time.monotonic() - started
-        metrics.record(outcome, seconds)
+        times = exchange.times if exchange is not None else None
+        metrics.record(outcome, seconds, endpoint, times)
         if room is not None:
-            log.log(logging.ERROR if outcome == "internal" else logging.INFO, "room %d %s: %s (%s)%s %.3fs", room,
-                    endpoint, outcome, status, legs, seconds)
+            state.recent.end(rid, outcome, status, seconds, times.ttft if times is not None else None)
+            log.log(logging.ERROR if outcome == "internal" else logging.INFO, "room %d %s rid=%s: %s (%s)%s %.3fs",
+                    room, endpoint, rid, outcome, status, legs, seconds)

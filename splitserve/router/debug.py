@@ -1,0 +1,98 @@
+"""The router's views for operators: ``GET /workers`` and ``GET /debug/requests/{rid}``.
+
+- ``/workers``: every worker the router knows, its role, health (and why not), legs in flight,
+  bootstrap port and model: what ``splitserve top`` starts from.
+- ``/debug/requests/{rid}``: one request as the router and both its workers saw it. The router
+  keeps a record of each request (:class:`RecentRequests`: live ones, and the last
+  :data:`RECENT_REQUESTS` ended ones) with the pair of workers it chose; it asks both for their
+  timeline of ``rid`` (``/debug/requests/{rid}`` on a worker) at once, each within
+  :data:`ASK_TIMEOUT_S`, and joins them: the router's record, each worker's answer, and every
+  step of both in the order of their wall-clock times. A request the router does not remember
+  is asked of every worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from typing import Optional
+from urllib.parse import quote
+
+import aiohttp
+from aiohttp import web
+
+from splitserve.router.legs import describe_error
+from splitserve.router.workers import Worker
+from splitserve.server.openai_protocol import error_body
+
+RECENT_REQUESTS = 4096
+ASK_TIMEOUT_S = 5.0
+
+
+class RecentRequests:
+    """rid -> what the router knows of that request (the newest one of that rid), live and recently
+    ended; bounded by count. Written and read on the router's event loop only."""
+
+    def __init__(self, capacity: int = RECENT_REQUESTS):
+        self.capacity = capacity
+        self._entries: "OrderedDict[str, dict]" = OrderedDict()
+
+    def start(self, rid: str, room: int, endpoint: str, prefill: str, decode: str, started: float) -> None:
+        self._entries.pop(rid, None)
+        self._entries[rid] = {"rid": rid, "room": room, "endpoint": endpoint, "prefill": prefill, "decode": decode,
+                              "arrived": round(time.time() - (time.monotonic() - started), 6), "live": True,
+                              "outcome": None, "status": None, "seconds": None, "ttft_s": None}
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def end(self, rid: str, outcome: str, status: int, seconds: float, ttft: Optional[float]) -> None:
+        entry = self._entries.get(rid)
+        if entry is not None and entry["live"]:
+            entry.update(live=False, outcome=outcome, status=status, seconds=round(seconds, 6),
+                         ttft_s=round(ttft, 6) if ttft is not None else None)
+
+    def get(self, rid: str) -> Optional[dict]:
+        return self._entries.get(rid)
+
+
+def worker_view(w: Worker) -> dict:
+    return {"role": w.role, "url": w.url, "bootstrap_port": w.bootstrap_port, "healthy": w.healthy,
+            "in_flight": w.in_flight, "model": w.model, "failures": w.failures,
+            "error": None if w.healthy else w.last_error}
+
+
+async def workers(state) -> web.Response:
+    return web.json_response({"model": state.workers.model_name(), "ready": state.workers.ready(),
+                              "workers": [worker_view(w) for w in state.workers.all()]})
+
+
+async def request_timelines(state, rid: str) -> web.Response:
+    entry = state.recent.get(rid)
+    if entry is not None:
+        targets = [w for w in state.workers.all() if w.url in (entry["prefill"], entry["decode"])]
+    else:
+        targets = state.workers.all()
+    answers = await asyncio.gather(*(_ask(state.session, w, rid) for w in targets))
+    found = [a for a in answers if a.get("timeline") is not None]
+    if entry is None and not found:
+        message = f"request {rid!r} is neither live nor among the recently ended ones on the router or its workers"
+        return web.json_response(error_body(message, 404), status=404)
+    steps = sorted(({"role": a["role"], "url": a["url"], **s} for a in found for s in a["timeline"]["steps"]),
+                   key=lambda s: s["time"])
+    return web.json_response({"rid": rid, "router": entry, "workers": answers, "steps": steps})
+
+
+async def _ask(session: aiohttp.ClientSession, w: Worker, rid: str) -> dict:
+    answer = {"role": w.role, "url": w.url, "timeline": None, "error": None}
+    try:
+        async with session.get(f"{w.url}/debug/requests/{quote(rid, safe='')}",
+                               timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as resp:
+            body = await resp.json(content_type=None)
+            if resp.status == 200:
+                answer["timeline"] = body
+            else:
+                answer["error"] = f"{resp.status}: {(body.get('error') or {}).get('message', '')}"
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
+        answer["error"] = describe_error(exc)
+    return answer
