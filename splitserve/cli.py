@@ -1,4 +1,4 @@
-"""The `splitserve` command line: `serve`, `router`, `launch`, `tiny-model`.
+"""The `splitserve` command line: `serve`, `router`, `launch`, `top`, `bench`, `tiny-model`.
 
 Options are generated from the config dataclasses in ``config.py`` so that ``--help`` shows the
 same defaults the code uses.
@@ -66,6 +66,18 @@ def build_parser() -> argparse.ArgumentParser:
                                            "and supervise them (Ctrl-C stops all)")
     _add_config_options(launch, LaunchConfig)
 
+    from splitserve import top
+
+    top.add_arguments(sub.add_parser("top", help="a live terminal view of a deployment: workers, queues, KV, peers, "
+                                                 "outcomes, the oldest live requests (late ones in red)",
+                                     description=top.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
+    from splitserve.bench import cli as bench
+
+    bench.add_arguments(sub.add_parser("bench", help="a serving benchmark against any OpenAI-compatible endpoint: "
+                                                     "TTFT/ITL/TPOT/e2e percentiles, throughput, goodput, JSON, plots",
+                                       description=bench.DESCRIPTION,
+                                       formatter_class=argparse.RawDescriptionHelpFormatter))
+
     tiny = sub.add_parser("tiny-model", help="write a small random checkpoint (for tests and demos)")
     tiny.add_argument("out_dir", help="folder to write the checkpoint into")
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
@@ -102,6 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         from splitserve.launch import run_launch
 
         return run_launch(_config_from(LaunchConfig, args))
+    if args.command == "top":
+        from splitserve.top import main as top_main
+
+        return top_main(args)
+    if args.command == "bench":
+        from splitserve.bench.cli import main as bench_main
+
+        return bench_main(args)
     return 2
 
 
