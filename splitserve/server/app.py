@@ -42,7 +42,7 @@ from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.http_util import bound_url
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
-from splitserve.server.generation import json_error, serve_generation
+from splitserve.server.generation import RID, json_error, serve_generation
 from splitserve.server.validation import REQUEST_ID
 from splitserve.server.worker_metrics import WorkerMetrics
 
@@ -108,7 +108,7 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
 async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     """A generation answer carries its request id (``X-Request-Id``): the client's ``rid``, the
     router's header, or one drawn here."""
-    rid = request.get(REQUEST_ID)
+    rid = request.get(RID)
     if rid is not None:
         response.headers[REQUEST_ID] = rid
 

@@ -34,6 +34,9 @@ from splitserve.server import openai_protocol as proto
 from splitserve.server.sse import ClientGone, SSEWriter
 from splitserve.server.validation import REQUEST_ID, ValidatedRequest, check_request_id, validate_request
 
+RID = web.RequestKey("rid", str)
+"""Where a generation request keeps its id for the answer's ``X-Request-Id`` header (``app.py``)."""
+
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
@@ -89,7 +92,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
                                       vocab_size=spec.vocab_size, generation_defaults=spec.generation_defaults)
             req: ValidatedRequest = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, check)
             rid = req.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
-            request[REQUEST_ID] = rid  # echoed in the answer's X-Request-Id header (app.py)
+            request[RID] = rid  # echoed in the answer's X-Request-Id header (app.py)
             stream = engine.submit(req.generate_request(rid))
             submitted = True
         except EngineError as exc:
