@@ -104,7 +104,13 @@ def main(argv: list[str] | None = None) -> int:
             deadlines.validate()
         except ValueError as exc:
             raise SystemExit(f"splitserve serve: {exc}") from None
-        return run_server(_config_from(EngineConfig, args), _config_from(ServerConfig, args), deadlines)
+        from splitserve.auth import with_keys
+
+        try:
+            server = with_keys(_config_from(ServerConfig, args))
+        except ValueError as exc:
+            _bad_option("serve", exc)
+        return run_server(_config_from(EngineConfig, args), server, deadlines)
     if args.command == "router":
         _setup_logging(args.log_level)
         from splitserve.router.app import run_router
@@ -138,8 +144,19 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
     decode = [WorkerAddress(url.rstrip("/")) for url in args.decode]
     if not prefill or not decode:
         raise SystemExit("the router needs at least one --prefill and one --decode worker")
-    config = _config_from(RouterConfig, args)
+    from splitserve.auth import with_keys
+
+    try:
+        config = with_keys(_config_from(RouterConfig, args))
+    except ValueError as exc:
+        _bad_option("router", exc)
     return dataclasses.replace(config, prefill=tuple(prefill), decode=tuple(decode))
+
+
+def _bad_option(command: str, exc: Exception) -> None:
+    """A bad option value: say why on stderr and exit 2 (as argparse does)."""
+    print(f"splitserve {command}: {exc}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
 
 
 def _setup_logging(level: str) -> None:

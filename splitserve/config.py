@@ -3,7 +3,7 @@ its options from them, so ``--help`` and the code never disagree)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 
@@ -62,6 +62,14 @@ class ServerConfig:
     CPUs this process is allowed now (its affinity). `splitserve launch` gives each worker its own."""
     threads: Optional[int] = None
     """torch intra-op threads; unset: one per physical core among the CPUs it runs on (SMT siblings count once)."""
+    api_key: Optional[str] = field(default=None, repr=False)
+    """Require `Authorization: Bearer KEY` on every route but /health (and /metrics, see
+    --protect-metrics); also from --api-key-file or $SPLITSERVE_API_KEY. A key on the command line
+    is visible to other users in `ps`: prefer the file or the environment."""
+    api_key_file: Optional[str] = None
+    """A file whose first line is the API key (chmod 600)."""
+    protect_metrics: bool = False
+    """With an API key, /metrics requires it too (/health always stays open)."""
     inject_faults: str = ""
     """Testing only, off when empty: comma-separated stall_writes, fail_writes, notify_drop=P, control_drop=P,
     control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop
@@ -121,6 +129,19 @@ class RouterConfig:
     """Streaming requests: a worker answers its status as soon as it accepts or refuses one; a leg
     whose response headers have not come this long after it was sent fails with 504 (without
     streaming the headers come with the whole answer: request_timeout_s bounds them)."""
+    api_key: Optional[str] = field(default=None, repr=False)
+    """Clients must send `Authorization: Bearer KEY` on every route but /health (and /metrics, see
+    --protect-metrics); also from --api-key-file or $SPLITSERVE_API_KEY. Prefer the file or the
+    environment: `ps` shows a command line."""
+    api_key_file: Optional[str] = None
+    """A file whose first line is the clients' API key (chmod 600)."""
+    protect_metrics: bool = False
+    """With an API key, /metrics requires it too (/health always stays open)."""
+    worker_api_key: Optional[str] = field(default=None, repr=False)
+    """The key the router sends to its workers (their --api-key), never the client's; also from
+    --worker-api-key-file or $SPLITSERVE_WORKER_API_KEY."""
+    worker_api_key_file: Optional[str] = None
+    """A file whose first line is the workers' API key."""
     prefill: tuple[WorkerAddress, ...] = ()
     decode: tuple[WorkerAddress, ...] = ()
 

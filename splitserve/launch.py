@@ -44,9 +44,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence, TextIO
 
+from splitserve.auth import API_KEY_ENV, WORKER_API_KEY_ENV, load_key
 from splitserve.cpus import allowed_cpus, check_cpus, cpu_cores, format_cpu_list, split_between_workers
 
 TAIL_LINES = 30
@@ -86,6 +88,13 @@ class LaunchConfig:
     decode_cpus: Optional[str] = None
     """CPUs of the decode workers, e.g. 6-7, split evenly between them; unset: their equal share
     (or, with --prefill-cpus, the CPUs it leaves)."""
+    api_key: Optional[str] = field(default=None, repr=False)
+    """Clients of the router must send `Authorization: Bearer KEY`; also from --api-key-file or
+    $SPLITSERVE_API_KEY (`ps` shows a command line: prefer those). The workers then get a key of
+    their own, drawn at random and known only to the router. Keys reach the children through their
+    environment, never their command lines."""
+    api_key_file: Optional[str] = None
+    """A file whose first line is the clients' API key (chmod 600)."""
 
 
 @dataclass(frozen=True)
@@ -160,10 +169,12 @@ def _warn(text: str) -> None:
 
 
 def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Optional[Sequence[int]] = None,
-                warn: Callable[[str], None] = _warn, cores_of: CoresOf = cpu_cores) -> list[ChildSpec]:
+                warn: Callable[[str], None] = _warn, cores_of: CoresOf = cpu_cores,
+                environ: Optional[Mapping[str, str]] = None) -> list[ChildSpec]:
     """The workers, then the router, as ``python -m splitserve.cli`` command lines. ``allowed``:
     the CPUs to split between the workers (default: launch's own), ``cores_of`` how they group
-    into physical cores (default: the kernel's topology); ``warn`` gets the warnings."""
+    into physical cores (default: the kernel's topology); ``warn`` gets the warnings; ``environ``:
+    where ``$SPLITSERVE_API_KEY`` is read (default: ours)."""
     if config.num_prefill < 1 or config.num_decode < 1:
         raise ValueError("launch needs at least one prefill and one decode worker")
     if config.transfer_backend is not None and config.transfer_backend not in TRANSFER_BACKENDS:
@@ -178,6 +189,11 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
         raise ValueError("--prefill-cpus and --decode-cpus choose how CPUs are split: not with --no-split-cpus")
     else:
         prefill_cpus = decode_cpus = None
+    client_key = load_key(config.api_key, config.api_key_file, API_KEY_ENV, environ=environ)
+    worker_key = secrets.token_urlsafe(32) if client_key else None
+    # keys travel in the environment only (an empty variable is no key: nothing stray is inherited)
+    worker_env = {API_KEY_ENV: worker_key or "", WORKER_API_KEY_ENV: ""}
+    router_env = {API_KEY_ENV: client_key or "", WORKER_API_KEY_ENV: worker_key or ""}
     ports = free_ports(2 * config.num_prefill + config.num_decode, avoid=(config.port,))
     cli = (python, "-m", "splitserve.cli")
     backend = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
@@ -189,7 +205,7 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
         specs.append(ChildSpec(
             f"prefill-{i}", cli + ("serve", "--role", "prefill", "--model", config.model, "--host", "127.0.0.1",
                                    "--port", str(port), "--bootstrap-port", str(bootstrap)) + backend + cpus,
-            url=url, health_url=url + "/health", note=f"bootstrap port {bootstrap}{where}"))
+            url=url, health_url=url + "/health", note=f"bootstrap port {bootstrap}{where}", env=worker_env))
         router_args += ["--prefill", url, str(bootstrap)]
     for i in range(config.num_decode):
         port = ports.pop()
@@ -198,14 +214,14 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
         specs.append(ChildSpec(
             f"decode-{i}", cli + ("serve", "--role", "decode", "--model", config.model, "--host", "127.0.0.1",
                                   "--port", str(port)) + backend + cpus,
-            url=url, health_url=url + "/health", note=where.lstrip("; ")))
+            url=url, health_url=url + "/health", note=where.lstrip("; "), env=worker_env))
         router_args += ["--decode", url]
     host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
     router_url = f"http://{host}:{config.port}"
     specs.append(ChildSpec(
         "router", cli + ("router", "--host", config.host, "--port", str(config.port), "--policy", config.policy,
                          *router_args),
-        url=router_url, health_url=router_url + "/health", note="the endpoint for clients"))
+        url=router_url, health_url=router_url + "/health", note="the endpoint for clients", env=router_env))
     return specs
 
 
@@ -394,7 +410,8 @@ class Supervisor:
         router = next((c for c in self.children if c.spec.name == "router" and c.spec.url), None)
         if router is not None:
             url = router.spec.url
-            lines.append(f"splitserve ready: {url}  try: curl {url}/v1/completions -H 'Content-Type: "
+            key = " -H 'Authorization: Bearer <your API key>'" if (router.spec.env or {}).get(API_KEY_ENV) else ""
+            lines.append(f"splitserve ready: {url}  try: curl {url}/v1/completions{key} -H 'Content-Type: "
                          f"application/json' -d '{{\"prompt\": \"Hello, my name is\", \"max_tokens\": 16}}'")
         lines.append("Ctrl-C stops every process.")
         self.say("\n".join(lines))

@@ -189,6 +189,23 @@ def test_build_specs_command_lines():
         build_specs(LaunchConfig(transfer_backend="carrier-pigeon"))
 
 
+def test_build_specs_hands_keys_over_in_the_environment_never_the_command_line(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("the-clients-key\n")
+    for config, environ in ((LaunchConfig(split_cpus=False, api_key="the-clients-key"), {}),
+                            (LaunchConfig(split_cpus=False, api_key_file=str(key_file)), {}),
+                            (LaunchConfig(split_cpus=False), {"SPLITSERVE_API_KEY": "the-clients-key"})):
+        specs = build_specs(config, python="py", environ=environ)
+        *workers, router = specs
+        worker_key = router.env["SPLITSERVE_WORKER_API_KEY"]
+        assert router.env["SPLITSERVE_API_KEY"] == "the-clients-key" and len(worker_key) >= 32
+        assert all(w.env["SPLITSERVE_API_KEY"] == worker_key for w in workers)
+        for spec in specs:
+            assert not any(k in " ".join(spec.argv) for k in ("the-clients-key", worker_key, "api-key"))
+    plain = build_specs(LaunchConfig(split_cpus=False), python="py", environ={"SPLITSERVE_WORKER_API_KEY": "stray"})
+    assert all(not v for s in plain for v in s.env.values())  # no key, and none inherited
+
+
 def one_cpu_per_core(cpus):
     return [(c,) for c in sorted(cpus)]
 

@@ -17,12 +17,16 @@ from conftest import ServerProcess, free_port
 
 pytest.importorskip("sglang_router")
 
+WORKER_KEY = "the-workers-key"
+KEYED = {"Authorization": f"Bearer {WORKER_KEY}"}
+
 
 @pytest.fixture(scope="module")
 def gateway():
     bootstrap = free_port()
-    procs = [ServerProcess("--role", "prefill", "--bootstrap-port", str(bootstrap)),
-             ServerProcess("--role", "decode"), ServerProcess()]
+    keyed = {"SPLITSERVE_API_KEY": WORKER_KEY}
+    procs = [ServerProcess("--role", "prefill", "--bootstrap-port", str(bootstrap), env=keyed),
+             ServerProcess("--role", "decode", env=keyed), ServerProcess()]
     router = None
     try:
         for proc in procs:
@@ -32,14 +36,14 @@ def gateway():
         router = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
              "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
-             "--host", "127.0.0.1", "--port", str(port)],
+             "--host", "127.0.0.1", "--port", str(port), "--api-key", WORKER_KEY],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
                 r = requests.post(url + "/generate", json={"input_ids": [11], "sampling_params": {"max_new_tokens": 1}},
-                                  timeout=10)
+                                  headers=KEYED, timeout=10)
                 if r.status_code == 200:
                     break
             except requests.RequestException:
@@ -63,7 +67,7 @@ def test_generate_through_sglang_gateway_matches_colocated(gateway):
     for n in (1, 16, 17, 100, 700, 1500):
         body = {"input_ids": [rng.randint(10, 2047) for _ in range(n)],
                 "sampling_params": {"max_new_tokens": 8, "temperature": 0}}
-        via_gateway = requests.post(url + "/generate", json=body, timeout=60)
+        via_gateway = requests.post(url + "/generate", json=body, headers=KEYED, timeout=60)
         reference = requests.post(colocated.url + "/generate", json=body, timeout=60)
         assert via_gateway.status_code == 200, via_gateway.text
         assert via_gateway.json()["output_ids"] == reference.json()["output_ids"], f"prompt of {n} tokens"
@@ -76,7 +80,7 @@ def test_generate_through_sglang_gateway_matches_colocated(gateway):
 ])
 def test_openai_endpoints_through_sglang_gateway_match_colocated(gateway, endpoint, body):
     url, prefill, decode, colocated = gateway
-    got = requests.post(url + endpoint, json=body, timeout=60)
+    got = requests.post(url + endpoint, json=body, headers=KEYED, timeout=60)
     want = requests.post(colocated.url + endpoint, json=body, timeout=60)
     assert got.status_code == 200, got.text
 
@@ -100,3 +104,11 @@ def test_pages_come_back_after_the_gateway_runs(gateway):
                 break
             time.sleep(0.2)
         assert free == total
+
+
+def test_the_workers_behind_the_gateway_refuse_requests_without_its_key(gateway):
+    _, prefill, decode, _ = gateway
+    body = {"input_ids": [11, 12], "sampling_params": {"max_new_tokens": 1}}
+    for worker in (prefill, decode):
+        assert requests.post(worker.url + "/generate", json=body, timeout=10).status_code == 401
+        assert requests.get(worker.url + "/get_server_info", timeout=10).status_code == 401

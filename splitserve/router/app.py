@@ -40,6 +40,7 @@ from typing import Optional, Union
 import aiohttp
 from aiohttp import web
 
+from splitserve.auth import api_key_middleware, bearer
 from splitserve.config import RouterConfig
 from splitserve.http_util import bound_url
 from splitserve.metrics import CONTENT_TYPE, Registry
@@ -104,8 +105,15 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
         value = getattr(config, name)
         if not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, not {value}")
-    app = web.Application(middlewares=[_bounded_send, _error_middleware], client_max_size=MAX_BODY_BYTES)
-    app[ROUTER] = RouterState(config, registry or Registry())
+    registry = registry or Registry()
+    middlewares = [_bounded_send, _error_middleware]
+    if config.api_key:  # every route but /health (and /metrics) needs it: docs/security.md
+        refused = registry.counter("splitserve_http_unauthorized_total",
+                                   "Requests refused 401 for a missing or wrong API key.", ["why"])
+        middlewares.append(api_key_middleware(config.api_key, config.protect_metrics,
+                                              lambda why: refused.labels(why=why).inc()))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app[ROUTER] = RouterState(config, registry)
     app.on_response_prepare.append(_echo_request_id)
     app.cleanup_ctx.append(_session_and_health_checks)
     for path in ENDPOINTS:
@@ -129,7 +137,9 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 async def _session_and_health_checks(app: web.Application):
     state = app[ROUTER]
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-    state.session = aiohttp.ClientSession(connector=connector)
+    # the workers' key on every leg, health check and /v1/models; a client's own header is never passed on
+    headers = bearer(state.config.worker_api_key) if state.config.worker_api_key else None
+    state.session = aiohttp.ClientSession(connector=connector, headers=headers)
     checker = HealthChecker(state.workers, state.session, state.config.health_interval_s,
                             state.config.health_failures)
     await checker.check_all()
@@ -283,6 +293,7 @@ def ready_line(runner: web.AppRunner, config: RouterConfig, workers: WorkerSet) 
     model = workers.model_name()
     example = ('{"model": "%s", "prompt": "Hello, my name is", "max_tokens": 16}' % model if model else
                '{"prompt": "Hello, my name is", "max_tokens": 16}')
+    key = " -H 'Authorization: Bearer <your API key>'" if config.api_key else ""
     return (f"splitserve router ready: {url} (policy {config.policy}; prefill {up[PREFILL]} up, "
-            f"decode {up[DECODE]} up)  try: curl {url}/v1/completions -H 'Content-Type: application/json' "
+            f"decode {up[DECODE]} up)  try: curl {url}/v1/completions{key} -H 'Content-Type: application/json' "
             f"-d '{example}'")

@@ -37,6 +37,7 @@ from typing import Optional
 
 from aiohttp import web
 
+from splitserve.auth import api_key_middleware
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.http_util import bound_url
@@ -85,8 +86,15 @@ STATE = web.AppKey("splitserve_worker", WorkerState)
 
 
 def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None) -> web.Application:
-    app = web.Application(middlewares=[_http_middleware], client_max_size=MAX_BODY_BYTES)
-    state = WorkerState(engine, config, registry or Registry())
+    registry = registry or Registry()
+    middlewares = [_http_middleware]
+    if config.api_key:  # every route but /health (and /metrics) needs it: docs/security.md
+        refused = registry.counter("splitserve_http_unauthorized_total",
+                                   "Requests refused 401 for a missing or wrong API key.", ["why"])
+        middlewares.append(api_key_middleware(config.api_key, config.protect_metrics,
+                                              lambda why: refused.labels(why=why).inc()))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    state = WorkerState(engine, config, registry)
     app[STATE] = state
     app.on_cleanup.append(_on_cleanup)
     app.on_response_prepare.append(_echo_request_id)
@@ -413,5 +421,6 @@ async def _drain(state: WorkerState, timeout_s: float, force: asyncio.Event) -> 
 def _ready_line(runner: web.AppRunner, config: ServerConfig, model: str) -> str:
     url = bound_url(runner, config.host, config.port)
     example = ('{"model": "%s", "prompt": "Hello, my name is", "max_tokens": 16}' % model)
-    return (f"splitserve ready: {url} (model {model})  try: curl {url}/v1/completions "
+    key = " -H 'Authorization: Bearer <your API key>'" if config.api_key else ""
+    return (f"splitserve ready: {url} (model {model})  try: curl {url}/v1/completions{key} "
             f"-H 'Content-Type: application/json' -d '{example}'")
