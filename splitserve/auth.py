@@ -100,6 +100,15 @@ def key_matches(header: Optional[str], key: bytes) -> bool:
     return hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key)
 
 
+def unauthorized_counter(registry):
+    """``splitserve_http_unauthorized_total{why}`` on ``registry`` (both reasons there from the start)."""
+    counter = registry.counter("splitserve_http_unauthorized_total",
+                               "Requests refused 401 for a missing or wrong API key.", ["why"])
+    for why in ("missing", "wrong"):
+        counter.labels(why=why)
+    return counter
+
+
 def api_key_middleware(key: str, protect_metrics: bool, on_refused: Callable[[str], None]):
     """An aiohttp middleware: 401 for every route but the open ones unless the request carries
     ``key``; ``on_refused(why)`` counts each refusal (``missing`` or ``wrong``)."""

@@ -40,7 +40,7 @@ from typing import Optional, Union
 import aiohttp
 from aiohttp import web
 
-from splitserve.auth import api_key_middleware, bearer
+from splitserve.auth import api_key_middleware, unauthorized_counter, bearer
 from splitserve.config import RouterConfig
 from splitserve.http_util import bound_url
 from splitserve.metrics import CONTENT_TYPE, Registry
@@ -107,9 +107,8 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, not {value}")
     registry = registry or Registry()
     middlewares = [_bounded_send, _error_middleware]
+    refused = unauthorized_counter(registry)
     if config.api_key:  # every route but /health (and /metrics) needs it: docs/security.md
-        refused = registry.counter("splitserve_http_unauthorized_total",
-                                   "Requests refused 401 for a missing or wrong API key.", ["why"])
         middlewares.append(api_key_middleware(config.api_key, config.protect_metrics,
                                               lambda why: refused.labels(why=why).inc()))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)

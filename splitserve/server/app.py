@@ -37,7 +37,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from splitserve.auth import api_key_middleware
+from splitserve.auth import api_key_middleware, unauthorized_counter
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.http_util import bound_url
@@ -88,9 +88,8 @@ STATE = web.AppKey("splitserve_worker", WorkerState)
 def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None) -> web.Application:
     registry = registry or Registry()
     middlewares = [_http_middleware]
+    refused = unauthorized_counter(registry)
     if config.api_key:  # every route but /health (and /metrics) needs it: docs/security.md
-        refused = registry.counter("splitserve_http_unauthorized_total",
-                                   "Requests refused 401 for a missing or wrong API key.", ["why"])
         middlewares.append(api_key_middleware(config.api_key, config.protect_metrics,
                                               lambda why: refused.labels(why=why).inc()))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
