@@ -39,9 +39,8 @@ class DecodeRole(DisaggRole):
     links = None
 
     def _start(self) -> None:
-        opts = {"host": self.advertise_host} if self.server.transfer_backend == "tcp" else {}
         self.links = ReceiveLinks(self.server.transfer_backend, f"decode-{self.incarnation}", self.engine.kv.buffer,
-                                  **opts)
+                                  **self._transfer_opts())
         self.transfer = TransferWorker(None, self.loop.post_event, self.faults.transfer, links=self.links)
         self.table = DecodeTable(self.deadlines, self.incarnation, self.engine.layout.page_size,
                                  vocab_size=self.engine.spec.vocab_size)
@@ -51,9 +50,7 @@ class DecodeRole(DisaggRole):
         self.control = DecodeControl(name, self.info, self.links, self.loop.post_event,
                                      self.deadlines.heartbeat_interval_s, self.deadlines.prealloc_s,
                                      self.faults.control, lambda: not self.loop.loop_stalled(),
-                                     silence_s=self.deadlines.peer_silence_s)
-        self.transfer.start()
-        self.control.start()
+                                     silence_s=self.deadlines.peer_silence_s, dial=self.edges.dial)
 
     def stats(self) -> dict:
         stats = super().stats()

@@ -30,17 +30,14 @@ class PrefillRole(DisaggRole):
 
     def _start(self) -> None:
         layout = self.engine.layout
-        opts = {"host": self.advertise_host} if self.server.transfer_backend == "tcp" else {}
         self.backend = create_backend(self.server.transfer_backend, f"prefill-{self.incarnation}",
-                                      self.engine.kv.buffer, **opts)
+                                      self.engine.kv.buffer, **self._transfer_opts())
         self.transfer = TransferWorker(self.backend, self.loop.post_event, self.faults.transfer)
         self.table = PrefillTable(self.deadlines, self.incarnation, layout.page_size, layout.page_nbytes)
         self.control = PrefillControl(self.server.host, self.server.bootstrap_port, self.info, self.transfer,
                                       self.loop.post_event, self.deadlines.heartbeat_interval_s, self.faults.control,
                                       lambda: not self.loop.loop_stalled(), silence_s=self.deadlines.peer_silence_s,
-                                      ended_s=self.deadlines.tombstone_s)
-        self.transfer.start()
-        self.control.start()
+                                      ended_s=self.deadlines.tombstone_s, bind=self.edges.bind)
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
         out: list[RequestOutput] = []

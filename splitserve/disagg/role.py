@@ -28,7 +28,7 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from splitserve.config import ServerConfig
 from splitserve.disagg.lifecycle import (
@@ -77,6 +77,25 @@ class RoomRecord:
 
 
 @dataclass(frozen=True)
+class Edges:
+    """Where a role meets the world outside its process. Production uses the defaults; the
+    simulator (``splitserve/sim/``) passes its own — simulated sockets, a simulated transfer
+    network, incarnations drawn from its seed — and ``threads=False``: it drives each thread's
+    ``step()`` itself instead of starting it."""
+
+    incarnation: Optional[Callable[[], str]] = None
+    """Draws this process's incarnation id (default ``bootstrap.new_incarnation``, a uuid4)."""
+    bind: Optional[Callable] = None
+    """Prefill: ``bind(host, port)`` -> the control endpoint (default a ZMQ ROUTER)."""
+    dial: Optional[Callable] = None
+    """Decode: ``dial(address, identity)`` -> one session's control connection (default a ZMQ DEALER)."""
+    transfer_opts: dict = field(default_factory=dict)
+    """Extra options for the transfer backend and the receiving links."""
+    threads: bool = True
+    """Start the control and transfer threads."""
+
+
+@dataclass(frozen=True)
 class Faults:
     """Fault injection of a disaggregated worker (``--inject-faults``; off by default)."""
 
@@ -89,8 +108,9 @@ class DisaggRole:
     name = "disagg"
     prompt_only = False  # prefill holds the prompt's KV only
 
-    def __init__(self, server: ServerConfig, deadlines: Deadlines, faults: Faults = Faults()):
+    def __init__(self, server: ServerConfig, deadlines: Deadlines, faults: Faults = Faults(), edges: Edges = Edges()):
         self.server = server
+        self.edges = edges
         self.deadlines = deadlines
         self.faults = faults
         self.table = None
@@ -121,10 +141,20 @@ class DisaggRole:
 
         self.loop = loop
         self.engine = loop.engine
-        self.incarnation = new_incarnation()
+        self.incarnation = (self.edges.incarnation or new_incarnation)()
         self.info = local_info(self.engine.spec, self.engine.layout, self.server.transfer_backend, self.incarnation)
         self.timelines.page_nbytes = self.engine.layout.page_nbytes
         self._start()
+        for thread in (self.transfer, self.control):
+            thread.clock = self.clock
+            thread.beat()
+        if self.edges.threads:
+            self.transfer.start()
+            self.control.start()
+
+    def _transfer_opts(self) -> dict:
+        opts = {"host": self.advertise_host} if self.server.transfer_backend == "tcp" else {}
+        return {**opts, **self.edges.transfer_opts}
 
     def check(self, req: GenerateRequest) -> None:
         if req.bootstrap is None:
@@ -185,7 +215,7 @@ class DisaggRole:
         transfer or control thread that stopped beating (hung in a call that never returns)."""
         stall = self.loop.loop_stall_s
         for thread in (self.transfer, self.control):
-            if thread is not None and thread.is_alive() and thread.age() > stall:
+            if thread is not None and thread.alive() and thread.age() > stall:
                 return f"the {thread.name} thread has made no iteration for {thread.age():.0f}s (--loop-stall-s {stall:g})"
         return None
 
@@ -356,6 +386,7 @@ class DisaggRole:
     # -- what each side fills in --------------------------------------------------------------------
 
     def _start(self) -> None:
+        """Build the table, the transfer thread and the control thread (``start`` starts them)."""
         raise NotImplementedError
 
     def _arrived(self, rec: Optional[RoomRecord], out: list[RequestOutput]) -> None:

@@ -130,19 +130,24 @@ class TransferWorker(SupervisedThread):
 
     def serve(self) -> None:
         while not self.stopping.is_set():
-            self.beat()
-            if self._faults.hang:
-                self._hang_if_busy()
-            busy = self._run_commands()
-            busy |= self._poll_writes()
-            for peer, agent, payload in self.links.notifications() if self.links is not None else ():
-                self._post(KVNotification(peer, agent, payload))
-                busy = True
-            if not busy:  # sleep until a command comes, or the receiving side is due for progress
+            if not self.step():  # sleep until a command comes, or the receiving side is due for progress
                 try:
                     self._run(self._commands.get(timeout=IDLE_SLEEP_S))
                 except queue.Empty:
                     pass
+
+    def step(self) -> bool:
+        """One iteration: the commands queued, the writes polled, the notifications received.
+        True if it did anything (``serve()`` sleeps otherwise; a simulator calls this itself)."""
+        self.beat()
+        if self._faults.hang:
+            self._hang_if_busy()
+        busy = self._run_commands()
+        busy |= self._poll_writes()
+        for peer, agent, payload in self.links.notifications() if self.links is not None else ():
+            self._post(KVNotification(peer, agent, payload))
+            busy = True
+        return busy
 
     def _hang_if_busy(self) -> None:
         """Fault injection (``hang_transfer``): once a write is in flight, block for good, as a

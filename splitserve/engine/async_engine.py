@@ -17,6 +17,10 @@ module: the engine alone), or one side of a disaggregated pair (``disagg/prefill
 4. if the engine has work, one ``engine.step()`` and ``role.after_step(report)``;
 5. post the outputs to their streams.
 
+A simulator (``splitserve/sim/``) runs the same loop without its thread: it swaps ``clock``,
+builds the engine with a fake forward pass, starts with ``start_loop(loop, thread=False)`` and
+calls ``_iterate_once(wait=False)`` itself.
+
 No exception ends the loop: one that escapes a role is logged and counted, and the role fails
 whatever it holds through its own bookkeeping (``role.fail_all``), so nothing is left pinned.
 
@@ -187,7 +191,8 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}  # asyncio thread only
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
-        self.last_iteration = time.monotonic()
+        self.clock = time.monotonic  # the only clock the loop reads (a simulator swaps it)
+        self.last_iteration = self.clock()
         """When the engine loop last began an iteration (monotonic); a wedged loop stops moving it."""
 
     # -- lifecycle ----------------------------------------------------------------------------
@@ -199,12 +204,14 @@ class AsyncEngine:
         self.role.start(self)
         self.start_loop(loop)
 
-    def start_loop(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
-        """Start the engine thread over ``self.engine``."""
+    def start_loop(self, loop: Optional[asyncio.AbstractEventLoop] = None, thread: bool = True) -> None:
+        """Start the engine thread over ``self.engine`` (``thread=False``: the caller drives
+        ``_iterate_once`` itself)."""
         self._loop = loop
-        self.last_iteration = time.monotonic()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
-        self._thread.start()
+        self.last_iteration = self.clock()
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+            self._thread.start()
         self.ready = True
 
     @property
@@ -231,7 +238,7 @@ class AsyncEngine:
     def loop_age(self) -> float:
         """Seconds since the engine loop last began an iteration (an idle loop begins one at least
         every ``IDLE_WAIT_S``; a forward pass may take longer; a wedged loop never does)."""
-        return time.monotonic() - self.last_iteration
+        return self.clock() - self.last_iteration
 
     def loop_stalled(self) -> bool:
         """The loop has not begun an iteration within ``loop_stall_s``: it is wedged or dead."""
@@ -311,7 +318,7 @@ class AsyncEngine:
         shows it (read from the role's records as they are now)."""
         if self.engine is None:
             return []
-        return self.role.debug_rows(time.monotonic())
+        return self.role.debug_rows(self.clock())
 
     def timeline(self, rid: Optional[str] = None, room: Optional[int] = None) -> Optional[dict]:
         """Thread-safe, never waits on the engine loop: the timeline of request ``rid`` (or of
@@ -352,7 +359,7 @@ class AsyncEngine:
         """One iteration of the loop (module docstring); False once told to stop. ``wait``: block
         on an empty inbox for up to the role's ``wait_s`` (a benchmark driving the loop passes False)."""
         engine, role = self.engine, self.role
-        now = self.last_iteration = time.monotonic()
+        now = self.last_iteration = self.clock()
         outputs: list[RequestOutput] = []
         timeout = role.wait_s(now) if wait and not engine.has_work() else 0.0
         for ev in self._take_events(timeout):
@@ -361,7 +368,7 @@ class AsyncEngine:
                 self._post(outputs)
                 return False
             outputs += self._contained(self._dispatch, ev)
-        outputs += self._contained(role.tick, time.monotonic())
+        outputs += self._contained(role.tick, self.clock())
         if engine.has_work():
             outputs += self._contained(lambda _: role.after_step(engine.step()), None)
         self._post(outputs)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -70,15 +70,34 @@ class EngineStats:
     preemptions: int
 
 
-class LLMEngine:
-    def __init__(self, config: EngineConfig):
-        from splitserve.models.loader import load_model, load_tokenizer
-        from splitserve.models.resolve import resolve_model_dir
+@dataclass(frozen=True)
+class ModelParts:
+    """What the engine runs: the model, what it knows of it (``ModelSpec``), its tokenizer, and how
+    a forward pass is run over the KV pool (``make_runner(model, kv)`` -> an object whose
+    ``run(batch)`` returns the logits [S, vocab] of the sequences that sample). Production loads
+    them from ``config.model`` (:func:`load_parts`); the simulator (``splitserve/sim/``) passes a
+    fake forward pass, while the scheduler, pages, sequences and sampling stay this engine's."""
 
+    model: object
+    spec: object
+    tokenizer: object
+    make_runner: Callable = ModelRunner
+
+
+def load_parts(config: EngineConfig) -> ModelParts:
+    from splitserve.models.loader import load_model, load_tokenizer
+    from splitserve.models.resolve import resolve_model_dir
+
+    model_dir = resolve_model_dir(config.model)
+    model, spec = load_model(model_dir, dtype=config.dtype, device=config.device)
+    return ModelParts(model, spec, load_tokenizer(model_dir))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, parts: Optional[ModelParts] = None):
         self.config = config
-        model_dir = resolve_model_dir(config.model)
-        self.model, self.spec = load_model(model_dir, dtype=config.dtype, device=config.device)
-        self.tokenizer = load_tokenizer(model_dir)
+        parts = parts or load_parts(config)
+        self.model, self.spec, self.tokenizer = parts.model, parts.spec, parts.tokenizer
         num_pages = -(-config.max_total_tokens // config.page_size)
         self.layout = KVLayout(num_pages=num_pages, num_layers=self.spec.num_layers, page_size=config.page_size,
                                num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self.spec.dtype)
@@ -86,7 +105,7 @@ class LLMEngine:
         self.allocator = PageAllocator(num_pages)
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
                                    config.max_batch_tokens, config.chunked_prefill)
-        self.runner = ModelRunner(self.model, self.kv)
+        self.runner = parts.make_runner(self.model, self.kv)
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         self._eos = frozenset(self.spec.eos_token_ids)

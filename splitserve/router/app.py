@@ -32,7 +32,9 @@ exchange itself for generation); a request's legs, its body and its deadline are
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import secrets
 import signal
 import sys
 from typing import Optional, Union
@@ -49,7 +51,7 @@ from splitserve.router.client import send
 from splitserve.router.legs import describe_error
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import Policy, make_policy
-from splitserve.router.proxy import ENDPOINTS, forward
+from splitserve.router.proxy import ENDPOINTS, ROOM_BITS, forward
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
 from splitserve.server.openai_protocol import error_body
 from splitserve.server.validation import REQUEST_ID
@@ -75,6 +77,8 @@ class RouterState:
         self.recent = debug.RecentRequests()
         self.session: Optional[aiohttp.ClientSession] = None  # set at startup (needs the running loop)
         self.background: set[asyncio.Task] = set()
+        self.new_room = functools.partial(secrets.randbits, ROOM_BITS)
+        """Draws each request's ``bootstrap_room`` (the simulator draws from its seed)."""
 
     def pick_workers(self) -> Union[tuple[Worker, Worker], str]:
         """A (prefill, decode) pair by the policy among healthy workers, or why there is none."""

@@ -49,6 +49,9 @@ The bounds (options of ``splitserve router``; ``docs/router.md`` has the table a
 ``client_header_timeout_s`` and ``client_body_timeout_s`` before any leg opens (408 for a slow
 body), ``worker_connect_timeout_s`` and, streaming, ``worker_header_timeout_s`` per leg (504),
 ``client_write_timeout_s`` per write to the client, ``request_timeout_s`` end to end (504).
+
+Time is the event loop's (``loop.time()``, the monotonic clock), and rooms come from the state's
+``new_room``: so the same code runs on the simulator's virtual-time loop (``splitserve/sim/``).
 """
 
 from __future__ import annotations
@@ -57,8 +60,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import secrets
-import time
 import uuid
 from typing import Optional
 
@@ -102,7 +103,7 @@ class Exchange:
         self.room = room
         self.rid = rid
         self.deadline = deadline
-        self.times = TokenTimes(time.monotonic() if started is None else started)  # what the client sees
+        self.times = TokenTimes(self.clock() if started is None else started)  # what the client sees
         self.prefill: Optional[Leg] = None
         self.decode: Optional[Leg] = None
         self.outcome = "client_disconnect"  # until known better: a cancellation is the client leaving
@@ -112,8 +113,12 @@ class Exchange:
         self.response: Optional[web.StreamResponse] = None  # the client's response, once prepared
         self.decode_stream: Optional[DecodeStream] = None  # decode's SSE body, once its headers came (streaming)
 
+    @staticmethod
+    def clock() -> float:
+        return asyncio.get_running_loop().time()
+
     def remaining(self) -> float:
-        return max(0.0, self.deadline - time.monotonic())
+        return max(0.0, self.deadline - self.clock())
 
     async def run(self) -> web.StreamResponse:
         data = json.dumps(self.body, ensure_ascii=False).encode("utf-8")
@@ -272,7 +277,7 @@ class Exchange:
                     if decode_in.watch.saw_error:
                         self.prefill.abort()  # decode failed: nobody will come for prefill's KV
                     await self.client.write(out, chunk)
-                    self.times.feed(chunk)
+                    self.times.feed(chunk, self.clock())
         except aiohttp.ClientError as exc:
             return await self._decode_broke_off(describe_error(exc))
         self.decode.release()
@@ -326,7 +331,8 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
     """The handler body of every generation endpoint (``state`` is the app's RouterState). A
     refusal is returned unsent (the app's middleware sends it, bounded); the exchange's answer is
     sent here, so that a client that does not take it is counted as what it is."""
-    started = time.monotonic()
+    clock = asyncio.get_running_loop().time
+    started = clock()
     endpoint = ENDPOINTS[request.path]
     config = state.config
     metrics = state.metrics
@@ -356,7 +362,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
             return web.json_response(error_body(picked, 503, code="no_healthy_workers"), status=503,
                                      headers={"Retry-After": "1"})
         prefill, decode = picked
-        room = secrets.randbits(ROOM_BITS)
+        room = state.new_room()
         legs = f" prefill={prefill.url} decode={decode.url}"
         body.update(bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
         if endpoint == "generate":  # SGLang's field; the OpenAI routes carry it as X-Request-Id
@@ -376,7 +382,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         return response
     finally:
         metrics.in_flight.dec()
-        seconds = time.monotonic() - started
+        seconds = clock() - started
         times = exchange.times if exchange is not None else None
         metrics.record(outcome, seconds, endpoint, times)
         if room is not None:

@@ -14,6 +14,12 @@ envelope, frame count, size, msgpack types — it can only be dropped and counte
 ``MAX_FRAMES_PER_POLL`` frames before heartbeats and the outbox get their turn, so a burst of
 frames delays neither.
 
+**Sockets behind a seam.** Each side reaches its sockets through a small transport (prefill:
+:class:`~splitserve.disagg.control.prefill.ZmqRouterEndpoint`, bind / receive / send by identity;
+decode: :func:`~splitserve.disagg.control.decode.zmq_dial`, connect / send / receive / close), and
+one iteration of the thread's loop is ``step()``: ``serve()`` polls the real sockets and calls it,
+a simulator (``splitserve/sim/``) passes simulated transports and calls ``step()`` itself.
+
 **Liveness off the inbox.** Any authentic frame from a peer shows it lives. The thread notes that
 in ``_heard`` (one entry per peer, however many frames), and the engine loop takes the notes
 (:meth:`ControlThread.take_heard`) before it judges silence — they never queue behind the
@@ -28,7 +34,6 @@ import queue
 import random
 import re
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -79,7 +84,6 @@ class ControlThread(SupervisedThread):
                  faults: Optional[ControlFaults], loop_alive: Optional[Callable[[], bool]] = None):
         super().__init__(name=name)
         self.incarnation = incarnation
-        self.clock = time.monotonic
         self._loop_alive = loop_alive or (lambda: True)
         self._wedged = False
         self._post = post

@@ -47,7 +47,7 @@ MAX_PREFILLS = 1024
 class _Session:
     """What decode knows of one prefill address now."""
 
-    sock: zmq.Socket
+    conn: "ZmqDealer"
     name: str  # host:port
     session: int
     info: Optional[p.Info] = None
@@ -73,7 +73,8 @@ class DecodeControl(ControlThread):
 
     def __init__(self, name: str, ours: p.Info, links: ReceiveLinks, post: Callable[[object], None],
                  heartbeat_s: float, info_wait_s: float, faults: Optional[ControlFaults] = None,
-                 loop_alive: Optional[Callable[[], bool]] = None, silence_s: Optional[float] = None):
+                 loop_alive: Optional[Callable[[], bool]] = None, silence_s: Optional[float] = None,
+                 dial: Optional[Callable[[str, bytes], "ZmqDealer"]] = None):
         super().__init__("control-decode", ours.incarnation, post, heartbeat_s, faults, loop_alive)
         self._info_wait_s = info_wait_s  # a room waits this long for its session (its PREALLOC limit)
         self._silence_s = silence_s if silence_s is not None else 5 * heartbeat_s
@@ -83,7 +84,7 @@ class DecodeControl(ControlThread):
         self._prefills: dict[str, _Session] = {}
         self._session_ids = itertools.count(1)  # unique in this process: identities never repeat
         self._requests: "queue.Queue[tuple[int, str]]" = queue.Queue()
-        self.ctx = zmq.Context.instance()
+        self._dial = dial or ZmqDealer  # a simulator dials its own
 
     def want_info(self, room: int, host: str, port: int) -> None:
         """Thread-safe: post ``PeerInfo`` for ``room`` once a session with the prefill at
@@ -102,24 +103,30 @@ class DecodeControl(ControlThread):
             self.beat()
             poller = zmq.Poller()
             for pf in self._prefills.values():
-                poller.register(pf.sock, zmq.POLLIN)
+                poller.register(pf.conn.sock, zmq.POLLIN)
             poller.register(self._wake_r, zmq.POLLIN)
             ready = dict(poller.poll(POLL_MS))
             if self._wake_r in ready:
                 self._drain_wake()
-            self._take_requests()
-            for pf in list(self._prefills.values()):
-                if pf.sock in ready and self._prefills.get(pf.name) is pf:
-                    self._receive(pf)
-            self._flush_outbox()
-            now = self.clock()
-            for pf in list(self._prefills.values()):
-                if self._prefills.get(pf.name) is pf:  # not ended by the one before
-                    self._tick(pf, now)
-            if self._heartbeat_due():
-                for pf in self._prefills.values():
-                    if pf.info is not None:
-                        self._send_faulty(self._on_socket(pf), p.encode(p.Heartbeat(self.incarnation, self._hb_seq)))
+            self.step({pf.conn for pf in self._prefills.values() if pf.conn.sock in ready})
+
+    def step(self, readable: Optional[set] = None) -> None:
+        """One iteration: rooms asking for a session, the frames waiting on the connections in
+        ``readable`` (None: on every one), the outbox, each session's timers, heartbeats."""
+        self.beat()
+        self._take_requests()
+        for pf in list(self._prefills.values()):
+            if (readable is None or pf.conn in readable) and self._prefills.get(pf.name) is pf:
+                self._receive(pf)
+        self._flush_outbox()
+        now = self.clock()
+        for pf in list(self._prefills.values()):
+            if self._prefills.get(pf.name) is pf:  # not ended by the one before
+                self._tick(pf, now)
+        if self._heartbeat_due():
+            for pf in self._prefills.values():
+                if pf.info is not None:
+                    self._send_faulty(self._on_socket(pf), p.encode(p.Heartbeat(self.incarnation, self._hb_seq)))
 
     def _take_requests(self) -> None:
         while True:
@@ -145,17 +152,12 @@ class DecodeControl(ControlThread):
     def _connect(self, name: str, waiting: Optional[list] = None) -> Optional[_Session]:
         session = next(self._session_ids)
         try:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
-            sock.setsockopt(zmq.IDENTITY, identity(Peer(self.name, self.incarnation, session)))
-            sock.connect(f"tcp://{name}")
+            conn = self._dial(name, identity(Peer(self.name, self.incarnation, session)))
         except zmq.ZMQError as exc:
             log.warning("cannot connect to the prefill at %s: %s", name, exc)
-            sock.close(0)
             return None
         now = self.clock()
-        pf = self._prefills[name] = _Session(sock, name, session, last_heard=now, waiting=waiting or [])
+        pf = self._prefills[name] = _Session(conn, name, session, last_heard=now, waiting=waiting or [])
         self._ask_info(pf, now)
         return pf
 
@@ -164,7 +166,7 @@ class DecodeControl(ControlThread):
         posted so the engine fails what is bound to it. Rooms still waiting move to a new session."""
         if self._prefills.get(pf.name) is pf:
             del self._prefills[pf.name]
-        pf.sock.close(0)
+        pf.conn.close()
         if pf.peer is not None:
             self._links.close(pf.peer)  # idempotent: the engine may have fenced it already
             if lost:
@@ -210,18 +212,14 @@ class DecodeControl(ControlThread):
         return lambda frame: self._try_send(pf, frame)
 
     def _try_send(self, pf: _Session, frame: bytes) -> None:
-        if pf.sock.closed:  # the session ended while this frame was delayed
+        if pf.conn.closed:  # the session ended while this frame was delayed
             return
-        try:
-            pf.sock.send(frame, zmq.NOBLOCK)
-        except zmq.Again:  # nobody there and the queue is full: the rooms' deadlines handle it
-            log.debug("control message to %s dropped: its queue is full", pf.name)
+        pf.conn.send(frame)
 
     def _receive(self, pf: _Session) -> None:
         for _ in range(MAX_FRAMES_PER_POLL):
-            try:
-                frame = pf.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
+            frame = pf.conn.recv()
+            if frame is None:
                 return
             try:
                 msg = self._decode(frame, pf.name)
@@ -297,5 +295,42 @@ class DecodeControl(ControlThread):
     def close(self) -> None:
         self.stop()
         for pf in self._prefills.values():
-            pf.sock.close(0)
+            pf.conn.close()
         self._close_wake()
+
+
+class ZmqDealer:
+    """Decode's connection of one session: a ZMQ DEALER with the session's identity, connected to
+    a prefill's bootstrap port. ``recv`` gives one frame or None; ``send`` never blocks (with nobody
+    there and the queue full, the frame is dropped: the rooms' deadlines handle it)."""
+
+    def __init__(self, name: str, ident: bytes):
+        self.name = name
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        try:
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+            self.sock.setsockopt(zmq.IDENTITY, ident)
+            self.sock.connect(f"tcp://{name}")
+        except zmq.ZMQError:
+            self.sock.close(0)
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self.sock.closed
+
+    def send(self, frame: bytes) -> None:
+        try:
+            self.sock.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("control message to %s dropped: its queue is full", self.name)
+
+    def recv(self) -> Optional[bytes]:
+        try:
+            return self.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def close(self) -> None:
+        self.sock.close(0)

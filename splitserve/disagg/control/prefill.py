@@ -54,7 +54,7 @@ class PrefillControl(ControlThread):
     def __init__(self, host: str, port: int, info: p.Info, transfer, post: Callable[[object], None],
                  heartbeat_s: float, faults: Optional[ControlFaults] = None,
                  loop_alive: Optional[Callable[[], bool]] = None, silence_s: Optional[float] = None,
-                 ended_s: float = 900.0):
+                 ended_s: float = 900.0, bind: Optional[Callable[[str, int], "ZmqRouterEndpoint"]] = None):
         super().__init__("control-prefill", info.incarnation, post, heartbeat_s, faults, loop_alive)
         self.info = info
         self._transfer = transfer
@@ -64,11 +64,7 @@ class PrefillControl(ControlThread):
         self._ended: OrderedDict[Peer, float] = OrderedDict()  # session -> when it ended (oldest first)
         self._unregistered: OrderedDict[Peer, float] = OrderedDict()  # sender of RegisterRooms -> first seen
         self.early_registrations = 0
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
-        self.sock.bind(f"tcp://{host}:{port}")
+        self.endpoint = (bind or ZmqRouterEndpoint)(host, port)  # a simulator binds its own
 
     def sizes(self) -> dict[str, int]:
         """Per-peer structures, for the metrics (read from any thread)."""
@@ -78,27 +74,32 @@ class PrefillControl(ControlThread):
 
     def serve(self) -> None:
         poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self.endpoint.sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
         while not self.stopping.is_set():
             self.beat()
             ready = dict(poller.poll(POLL_MS))
             if self._wake_r in ready:
                 self._drain_wake()
-            if self.sock in ready:
-                self._receive()
-            self._flush_outbox()
-            now = self.clock()
-            self._expire(now)
-            if self._heartbeat_due():
-                for peer in list(self._sessions):
-                    self._send_faulty(self._to(peer), p.encode(p.Heartbeat(self.incarnation, self._hb_seq)))
+            self.step(self.endpoint.sock in ready)
+
+    def step(self, readable: bool = True) -> None:
+        """One iteration: the frames waiting (if ``readable``), the outbox, sessions' expiry and
+        heartbeats."""
+        self.beat()
+        if readable:
+            self._receive()
+        self._flush_outbox()
+        now = self.clock()
+        self._expire(now)
+        if self._heartbeat_due():
+            for peer in list(self._sessions):
+                self._send_faulty(self._to(peer), p.encode(p.Heartbeat(self.incarnation, self._hb_seq)))
 
     def _receive(self) -> None:
         for _ in range(MAX_FRAMES_PER_POLL):
-            try:
-                parts = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            parts = self.endpoint.recv()
+            if parts is None:
                 return
             try:
                 self._on_parts(parts)
@@ -213,12 +214,36 @@ class PrefillControl(ControlThread):
         self._ended.move_to_end(peer)
 
     def _send_frame(self, peer: Peer, frame: bytes) -> None:
-        try:
-            self.sock.send_multipart([identity(peer), frame], zmq.NOBLOCK)
-        except zmq.Again:  # that peer's queue is full: it is not reading; its deadlines handle it
-            log.debug("control message to %s dropped: its queue is full", peer)
+        self.endpoint.send(identity(peer), frame)
 
     def close(self) -> None:
         self.stop()
-        self.sock.close(0)
+        self.endpoint.close()
         self._close_wake()
+
+
+class ZmqRouterEndpoint:
+    """The prefill side's socket: a ZMQ ROUTER bound on the bootstrap port. ``recv`` gives one
+    message's frames (identity first) or None; ``send`` never blocks (a peer whose queue is full
+    is not reading: the frame is dropped, its deadlines handle it)."""
+
+    def __init__(self, host: str, port: int):
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        self.sock.bind(f"tcp://{host}:{port}")
+
+    def recv(self) -> Optional[list[bytes]]:
+        try:
+            return self.sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def send(self, ident: bytes, frame: bytes) -> None:
+        try:
+            self.sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.Again:
+            log.debug("control message to %r dropped: its queue is full", ident[:64])
+
+    def close(self) -> None:
+        self.sock.close(0)

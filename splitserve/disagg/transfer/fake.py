@@ -13,6 +13,12 @@ Hooks let lifecycle tests strike mid-transfer:
   (``fail``: cut in flight, its bytes may still land);
 * ``land(handle)``: deliver a write's bytes and notification now, even if it was released, to
   model a late write landing after the writer gave up (what quarantine guards against).
+
+With ``network=`` (the simulator's, ``splitserve/sim/transfer.py``) the agents live in that
+network's own registry (``network.agents``), and a write is handed to it (``network.start(self,
+handle)``): the network lands it when it decides (``_receive`` on the target: bytes and
+notification) and sets the handle's state; ``poll`` only reads it. A released or failed write may
+still be landed later by the network — until its target closes, which is the fence.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ class _Hooks:
 class FakeBackend(TransferBackend):
     name = "fake"
 
-    def __init__(self, agent_name: str, buffer: torch.Tensor, *, polls_to_complete: int = 1, **opts: Any):
+    def __init__(self, agent_name: str, buffer: torch.Tensor, *, polls_to_complete: int = 1, network: Any = None,
+                 **opts: Any):
         super().__init__(agent_name, buffer)
         if buffer.device.type != "cpu":
             raise ValueError("the fake backend moves CPU memory only")
@@ -62,10 +69,12 @@ class FakeBackend(TransferBackend):
         self._live: dict[int, FakeHandle] = {}
         self._hooks = _Hooks()
         self._closed = False
+        self._network = network
+        self._agents = network.agents if network is not None else _AGENTS
         with _AGENTS_LOCK:
-            if agent_name in _AGENTS:
+            if agent_name in self._agents:
                 raise ValueError(f"fake agent {agent_name!r} exists already")
-            _AGENTS[agent_name] = self
+            self._agents[agent_name] = self
 
     def metadata(self) -> bytes:
         return encode_metadata(self.name, self.agent_name, self.nbytes)
@@ -100,6 +109,8 @@ class FakeBackend(TransferBackend):
             h.stalled = True
         elif self._hooks.fail:
             h.fail_reason = self._hooks.fail.pop(0)
+        elif self._network is not None:
+            self._network.start(self, h)
         self._live[h.id] = h
         return h
 
@@ -108,6 +119,8 @@ class FakeBackend(TransferBackend):
         assert isinstance(handle, FakeHandle)
         if not handle.state.pending or handle.stalled or handle.released:
             return handle.state
+        if self._network is not None and not handle.fail_reason:
+            return handle.state  # the network settles it
         handle.polls_left -= 1
         if handle.polls_left > 0:
             return handle.state
@@ -138,8 +151,8 @@ class FakeBackend(TransferBackend):
             self.release(h)
         self._peers.clear()
         with _AGENTS_LOCK:
-            if _AGENTS.get(self.agent_name) is self:
-                del _AGENTS[self.agent_name]
+            if self._agents.get(self.agent_name) is self:
+                del self._agents[self.agent_name]
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -173,7 +186,7 @@ class FakeBackend(TransferBackend):
 
     def _deliver(self, h: FakeHandle) -> TransferState:
         with _AGENTS_LOCK:
-            target = _AGENTS.get(h.peer)
+            target = self._agents.get(h.peer)
         if target is None or target._closed:
             return refused("peer_lost")
         return target._receive(self.agent_name, self._bytes, h)
