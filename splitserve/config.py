@@ -62,6 +62,19 @@ class ServerConfig:
     CPUs this process is allowed now (its affinity). `splitserve launch` gives each worker its own."""
     threads: Optional[int] = None
     """torch intra-op threads; unset: one per physical core among the CPUs it runs on (SMT siblings count once)."""
+    max_body_bytes: int = 8 << 20
+    """Largest request body accepted (413 past it). 8 MiB holds the longest legal prompt of a
+    128k-token context at 64 bytes of JSON per token (docs/security.md has the measurement)."""
+    max_connections: int = 1024
+    """Connections held open at once; the newest past it gets 503 at once and is closed."""
+    client_header_timeout_s: float = 60.0
+    """A connection that has not sent a whole request head this long after connecting (or after
+    its previous answer, when kept alive) is closed."""
+    client_body_timeout_s: float = 30.0
+    """The whole request body must arrive within this many seconds, else 408."""
+    client_write_timeout_s: float = 30.0
+    """A write to the client that cannot complete this long (it stopped reading) ends the request:
+    the connection is dropped and the request aborted, its pages freed."""
     api_key: Optional[str] = field(default=None, repr=False)
     """Require `Authorization: Bearer KEY` on every route but /health (and /metrics, see
     --protect-metrics); also from --api-key-file or $SPLITSERVE_API_KEY. A key on the command line
@@ -129,6 +142,11 @@ class RouterConfig:
     """Streaming requests: a worker answers its status as soon as it accepts or refuses one; a leg
     whose response headers have not come this long after it was sent fails with 504 (without
     streaming the headers come with the whole answer: request_timeout_s bounds them)."""
+    max_body_bytes: int = 8 << 20
+    """Largest request body accepted (413 past it). 8 MiB holds the longest legal prompt of a
+    128k-token context at 64 bytes of JSON per token (docs/security.md has the measurement)."""
+    max_connections: int = 4096
+    """Client connections held open at once; the newest past it gets 503 at once and is closed."""
     api_key: Optional[str] = field(default=None, repr=False)
     """Clients must send `Authorization: Bearer KEY` on every route but /health (and /metrics, see
     --protect-metrics); also from --api-key-file or $SPLITSERVE_API_KEY. Prefer the file or the

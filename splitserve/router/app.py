@@ -44,7 +44,7 @@ from aiohttp import web
 
 from splitserve.auth import api_key_middleware, unauthorized_counter, bearer
 from splitserve.config import RouterConfig
-from splitserve.http_util import bound_url
+from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.router import debug
 from splitserve.router.client import send
@@ -58,7 +58,6 @@ from splitserve.server.validation import REQUEST_ID
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
 SHUTDOWN_GRACE_S = 5.0
 MODELS_TIMEOUT_S = 10.0  # GET /v1/models from the decode workers, end to end
 BOUNDS = ("request_timeout_s", "client_header_timeout_s", "client_body_timeout_s", "client_write_timeout_s",
@@ -115,8 +114,10 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     if config.api_key:  # every route but /health (and /metrics) needs it: docs/security.md
         middlewares.append(api_key_middleware(config.api_key, config.protect_metrics,
                                               lambda why: refused.labels(why=why).inc()))
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    check_client_bounds(config)
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[ROUTER] = RouterState(config, registry)
+    app[ROUTER].connections = ConnectionCap(config.max_connections, registry)
     app.on_response_prepare.append(_echo_request_id)
     app.cleanup_ctx.append(_session_and_health_checks)
     for path in ENDPOINTS:
@@ -274,6 +275,7 @@ async def _serve(app: web.Application, config: RouterConfig) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
                            keepalive_timeout=config.client_header_timeout_s)
     await runner.setup()
+    app[ROUTER].connections.install(runner)
     try:
         await web.TCPSite(runner, config.host, config.port).start()
     except OSError as exc:

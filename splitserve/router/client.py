@@ -23,6 +23,8 @@ from typing import Optional
 
 from aiohttp import web
 
+from splitserve.http_util import body_too_large
+
 
 class ClientLost(Exception):
     """The client went away (``client_disconnect``) or did not keep up (``client_timeout``); the
@@ -33,11 +35,13 @@ class ClientLost(Exception):
         self.outcome = outcome
 
 
-async def read_body(request: web.Request, timeout: float) -> bytes:
+async def read_body(request: web.Request, timeout: float, limit: int) -> bytes:
     """The whole request body within ``timeout`` seconds, else :class:`ClientLost` (the caller
-    answers 408). A body over the app's size limit raises aiohttp's 413 as before."""
+    answers 408). A body over the app's size limit (``--max-body-bytes``) is a 413 naming it."""
     try:
         return await asyncio.wait_for(request.read(), timeout)
+    except web.HTTPRequestEntityTooLarge:
+        raise body_too_large(limit) from None
     except asyncio.TimeoutError:
         raise ClientLost("client_timeout", f"the request body did not arrive within the router's "
                                            f"client_body_timeout_s ({timeout:g} s)") from None

@@ -340,7 +340,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
     outcome, status, room, legs, rid, exchange = "client_disconnect", 499, None, "", None, None
     try:
         try:
-            raw = await read_body(request, config.client_body_timeout_s)
+            raw = await read_body(request, config.client_body_timeout_s, config.max_body_bytes)
         except ClientLost as exc:
             outcome, status = exc.outcome, 408
             response = web.json_response(error_body(str(exc), 408, code="client_timeout"), status=408)

@@ -40,16 +40,16 @@ from aiohttp import web
 from splitserve.auth import api_key_middleware, unauthorized_counter
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
-from splitserve.http_util import bound_url
+from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
+from splitserve.router.client import send
 from splitserve.server.generation import RID, json_error, serve_generation
 from splitserve.server.validation import REQUEST_ID
 from splitserve.server.worker_metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 64 * 1024 * 1024
 END_GRACE_S = 5.0  # after the engine ended the live requests, time for their handlers to answer
 
 
@@ -87,13 +87,15 @@ STATE = web.AppKey("splitserve_worker", WorkerState)
 
 def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None) -> web.Application:
     registry = registry or Registry()
-    middlewares = [_http_middleware]
+    middlewares = [_bounded_send, _http_middleware]
     refused = unauthorized_counter(registry)
     if config.api_key:  # every route but /health (and /metrics) needs it: docs/security.md
         middlewares.append(api_key_middleware(config.api_key, config.protect_metrics,
                                               lambda why: refused.labels(why=why).inc()))
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    check_client_bounds(config)
+    app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     state = WorkerState(engine, config, registry)
+    state.connections = ConnectionCap(config.max_connections, registry)
     app[STATE] = state
     app.on_cleanup.append(_on_cleanup)
     app.on_response_prepare.append(_echo_request_id)
@@ -169,6 +171,15 @@ def _generation_handler(endpoint: str):
 
     handler.__name__ = f"{endpoint}_handler"
     return handler
+
+
+@web.middleware
+async def _bounded_send(request: web.Request, handler):
+    """Every answer not already sent by its handler (all but streams) is sent here, each write
+    bounded by ``--client-write-timeout-s`` (aiohttp would wait for a client that does not read)."""
+    response = await handler(request)
+    await send(request, response, request.app[STATE].config.client_write_timeout_s)
+    return response
 
 
 @web.middleware
@@ -311,6 +322,11 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
     placement (``--cpus``, ``--threads``) is applied first, before any thread of ours starts; a bad
     one exits 2."""
     try:
+        check_client_bounds(server_config)
+    except ValueError as exc:
+        print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
         placement = place_process(server_config.cpus, server_config.threads)
     except ValueError as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
@@ -344,8 +360,11 @@ async def _serve(engine, server_config: ServerConfig) -> int:
 
     app = create_app(engine, server_config)
     state = app[STATE]
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE_S)
+    # keepalive_timeout also closes a connection whose request head has not all come by then
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE_S,
+                           keepalive_timeout=server_config.client_header_timeout_s)
     await runner.setup()
+    state.connections.install(runner)
     try:
         await web.TCPSite(runner, server_config.host, server_config.port).start()
     except OSError as exc:

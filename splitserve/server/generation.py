@@ -29,6 +29,7 @@ from typing import AsyncIterator, Optional
 from aiohttp import web
 
 from splitserve.engine.io import EngineError, NotReady, RequestOutput
+from splitserve.http_util import read_body
 from splitserve.outcomes import Reason
 from splitserve.server import openai_protocol as proto
 from splitserve.server.sse import ClientGone, SSEWriter
@@ -84,7 +85,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             result.ended(exc.reason)
             return engine_error_response(exc)
         try:
-            raw = await request.read()
+            raw = await read_body(request, state.config.client_body_timeout_s, state.config.max_body_bytes)
             engine = state.engine
             spec = engine.spec
             check = functools.partial(validate_request, raw, endpoint, served_model_name=state.model_name,
@@ -194,7 +195,7 @@ async def _unary(state, endpoint: str, rid: str, stream, acc: proto.Accumulator,
 
 async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequest, rid: str, stream,
                   acc: proto.Accumulator, result: Result, started: float) -> web.StreamResponse:
-    sse = SSEWriter(request)
+    sse = SSEWriter(request, state.config.client_write_timeout_s)
     model, created = state.model_name, int(time.time())
     try:
         await sse.start()
@@ -219,8 +220,10 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
         elif req.include_usage:
             await sse.send(proto.usage_chunk(endpoint, rid, model, created, acc))
         await sse.done()
-    except ClientGone:
+    except ClientGone as exc:
         result.ended(Reason.CLIENT_ABORT)
+        if exc.args:  # it stopped reading (rather than closed the connection)
+            log.info("request %s: %s; aborted", rid, exc)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # a bug while streaming fails this request only

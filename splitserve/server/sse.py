@@ -3,12 +3,17 @@
 
 A client that goes away shows up as :class:`ClientGone` on the next write (the transport is gone
 or closing, or the write raises ``ConnectionResetError``), so the caller can abort the request at
-once instead of generating into the void.
+once instead of generating into the void. So does one that stops reading: every write (the
+headers, an event, the end) must complete within ``write_timeout`` seconds (the worker's
+``--client-write-timeout-s``), else the connection is aborted and :class:`ClientGone` raised, and
+the request's pages are freed like on any abort.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Optional
 
 from aiohttp import web
 
@@ -18,8 +23,9 @@ class ClientGone(Exception):
 
 
 class SSEWriter:
-    def __init__(self, request: web.Request):
+    def __init__(self, request: web.Request, write_timeout: Optional[float] = None):
         self.request = request
+        self.write_timeout = write_timeout
         self.response = web.StreamResponse(status=200, headers={
             "Content-Type": "text/event-stream; charset=utf-8",
             "Cache-Control": "no-cache",
@@ -36,7 +42,7 @@ class SSEWriter:
             if self.client_gone():
                 raise ClientGone()
             try:
-                await self.response.prepare(self.request)
+                await self._bounded(self.response.prepare(self.request))
             except (ConnectionResetError, ConnectionError) as e:
                 raise ClientGone() from e
             self.started = True
@@ -46,7 +52,7 @@ class SSEWriter:
         if self.client_gone():
             raise ClientGone()
         try:
-            await self.response.write(payload.encode("utf-8"))
+            await self._bounded(self.response.write(payload.encode("utf-8")))
         except (ConnectionResetError, ConnectionError) as e:
             raise ClientGone() from e
 
@@ -57,6 +63,16 @@ class SSEWriter:
         """``data: [DONE]`` and the end of the body."""
         await self._write("data: [DONE]\n\n")
         try:
-            await self.response.write_eof()
+            await self._bounded(self.response.write_eof())
         except (ConnectionResetError, ConnectionError) as e:
             raise ClientGone() from e
+
+    async def _bounded(self, step) -> None:
+        try:
+            await asyncio.wait_for(step, self.write_timeout)
+        except asyncio.TimeoutError:
+            transport = self.request.transport
+            if transport is not None:
+                transport.abort()  # not close(): that would wait for the unread bytes to be flushed
+            raise ClientGone(f"the client read nothing for --client-write-timeout-s ({self.write_timeout:g} s)") \
+                from None
