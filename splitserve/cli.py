@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(serve, EngineConfig)
     from splitserve.disagg.lifecycle.deadlines import Deadlines
 
-    _add_config_options(serve.add_argument_group("lifecycle deadlines (prefill and decode roles)"), Deadlines)
+    _add_config_options(serve.add_argument_group("lifecycle deadlines and caps (prefill and decode roles)"), Deadlines)
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     router = sub.add_parser("router", help="run the router: one OpenAI endpoint in front of prefill and decode workers")

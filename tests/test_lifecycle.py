@@ -886,3 +886,63 @@ def test_reserve_and_enqueue_ask_the_engine_for_work():
     pre.handle(Scheduled(ROOM, SRC), 0)
     assert of(pre.handle(ChunkDone(ROOM, 1), 1), StartWrite) == [StartWrite(ROOM, 1, DP, SRC[:1], DST[:1])]
     assert of(pre.handle(ChunkDone(ROOM, 1), 2), StartWrite) == []  # nothing new is full
+
+
+# -- caps on what peers can make us remember (docs/security.md) -------------------------------------
+
+CAPS = dataclasses.replace(D, max_pending_registrations=3, max_pending_registrations_per_peer=2,
+                           max_peer_tombstones=3, max_peer_tombstones_per_peer=2)
+DP2, DP3 = Peer("decode-1:7100", "d2"), Peer("decode-2:7100", "d3")
+
+
+def register_from(peer, room):
+    return FromPeer(peer, protocol.RegisterRoom(room, peer.incarnation, "p1", f"r{room}", PROMPT, list(DST)))
+
+
+def abort_from(peer, room):
+    return FromPeer(peer, protocol.AbortRoom(room, peer.incarnation, Reason.CLIENT_ABORT.value))
+
+
+def test_caps_pending_registrations_per_peer_and_in_total_and_a_dropped_one_is_taken_when_sent_again():
+    table = new_prefill(CAPS)
+    for room in (1, 2):
+        assert not notices(table.handle(register_from(DP, room), 0), NoticeKind.CAPPED)
+    capped = table.handle(register_from(DP, 3), 0)  # DP's third: over its cap of 2
+    assert notices(capped, NoticeKind.CAPPED) and not sent(capped) and table.counts_by_state()["pending_registrations"] == 2
+    assert not notices(table.handle(register_from(DP2, 4), 0), NoticeKind.CAPPED)
+    assert notices(table.handle(register_from(DP3, 5), 0), NoticeKind.CAPPED)  # a new identity meets the total
+    table.handle(RequestArrived(1, "r1", PROMPT), 1)  # room 1's request: its registration is used
+    assert table.state_of(1) is PrefillState.QUEUED
+    assert not notices(table.handle(register_from(DP, 3), 2), NoticeKind.CAPPED)  # decode's re-send is taken
+    table.handle(RequestArrived(3, "r3", PROMPT), 3)
+    assert table.state_of(3) is PrefillState.QUEUED
+
+
+def test_caps_peer_tombstones_drop_an_abort_for_an_unseen_room_unanswered_and_never_our_own():
+    table = new_prefill(CAPS)
+    for room in (10, 11):
+        actions = table.handle(abort_from(DP, room), 0)
+        assert sent(actions, protocol.WritesSettled) and notices(actions, NoticeKind.TOMBSTONE)
+    capped = table.handle(abort_from(DP, 12), 0)
+    assert notices(capped, NoticeKind.CAPPED) and not sent(capped)  # no promise without its tombstone
+    assert table.counts_by_state()["tombstones"] == 2
+    table.handle(abort_from(DP2, 13), 0)
+    assert notices(table.handle(abort_from(DP3, 14), 0), NoticeKind.CAPPED)  # the total
+    table.handle(register_from(DP, 20), 0)  # an abort for a room with a pending registration is never capped
+    actions = table.handle(abort_from(DP, 20), 0)
+    assert sent(actions, protocol.WritesSettled) and not notices(actions, NoticeKind.CAPPED)
+    for room in (30, 31, 32):  # our own rooms' tombstones are never refused nor counted
+        table.handle(ClientAbort(room), 0)
+    assert table.counts_by_state()["tombstones"] == 3 + 1 + 3
+    table.handle(RequestArrived(12, "r12", PROMPT), 1)  # the dropped abort's request still ends in time
+    assert table.state_of(12) is PrefillState.BOOTSTRAPPING
+    table.expire(D.tombstone_s + 1)  # tombstones gone, and what they counted against their peers
+    assert not notices(table.handle(abort_from(DP3, 15), D.tombstone_s + 2), NoticeKind.CAPPED)
+
+
+def test_caps_a_prefill_s_failures_for_unseen_rooms_are_capped_on_decode_too():
+    table = new_decode(CAPS)
+    failed = [table.handle(FromPeer(PP, protocol.RoomFailed(room, PP.incarnation, "overloaded")), 0)
+              for room in (1, 2, 3)]
+    assert [bool(notices(a, NoticeKind.TOMBSTONE)) for a in failed] == [True, True, False]
+    assert notices(failed[2], NoticeKind.CAPPED) and table.counts_by_state()["tombstones"] == 2

@@ -212,6 +212,9 @@ class NoticeKind(str, enum.Enum):
     """A terminal room's writes did not settle in time: the transfer connection is reset."""
     PEER_LOST = "peer_lost"
     """A peer was declared lost; its rooms fail."""
+    CAPPED = "capped"
+    """A peer's message that would make us hold more than a cap allows (a pending registration, a
+    tombstone for a room never seen; per peer and in total): dropped, nothing changed."""
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ K = TypeVar("K", bound=Hashable)
 
 @dataclass(frozen=True)
 class Deadlines:
-    """Time limits, in seconds. The defaults are the CLI defaults."""
+    """Time limits, in seconds, and the caps on what peers can make a table remember
+    (``max_*``, docs/security.md). The defaults are the CLI defaults."""
 
     bootstrap_s: float = 60.0
     """Prefill BOOTSTRAPPING: decode's registration must arrive. -> FAILED(bootstrap_timeout).
@@ -61,6 +62,17 @@ class Deadlines:
     exceed every other deadline (:meth:`validate`)."""
     request_timeout_s: Optional[float] = None
     """Optional end-to-end limit per request, on both sides. -> FAILED(request_timeout)."""
+    max_pending_registrations: int = 65536
+    """Prefill: registrations held for requests not here yet, in total. Past it (or past the cap
+    per peer) a new one is dropped and counted (notice `capped`); decode sends it again."""
+    max_pending_registrations_per_peer: int = 4096
+    """Prefill: the same, per decode session (a decode holds at most its running and waiting rooms)."""
+    max_peer_tombstones: int = 65536
+    """Room ids a peer's abort or failure made us remember for rooms never seen here, in total.
+    Past it (or past the cap per peer) such a message is dropped unanswered and counted; the
+    tombstones of our own rooms, which the lifecycle rules need, are never capped."""
+    max_peer_tombstones_per_peer: int = 4096
+    """The same, per peer session."""
 
     def transfer_s(self, nbytes: int) -> float:
         """The TRANSFERRING deadline for ``nbytes`` still to write."""

@@ -193,7 +193,8 @@ class DecodeTable(RoomTable):
 
     def _on_message_for_absent_room(self, peer: Peer, msg, now: float, out: list[Action]) -> None:
         if isinstance(msg, protocol.RoomFailed) and msg.room not in self._tombstones:
-            self._abort_unseen(msg.room, ending_from_peer(msg.reason), now, out)
+            if self._peer_may_tombstone(peer, msg.room, "RoomFailed", out):
+                self._abort_unseen(msg.room, ending_from_peer(msg.reason), now, out)
         else:
             out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, msg.room, f"{type(msg).__name__} from {peer}"))
 

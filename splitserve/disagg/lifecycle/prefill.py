@@ -38,6 +38,7 @@ from splitserve.disagg.lifecycle.peers import Peer
 from splitserve.disagg.lifecycle.states import (
     Ending, Outcome, PrefillState, Reason, Role, State, ending_from_peer, is_terminal,
 )
+from splitserve.disagg.lifecycle.quota import PeerQuota
 from splitserve.disagg.lifecycle.table import Room, RoomTable
 
 S = PrefillState
@@ -73,6 +74,7 @@ class PrefillTable(RoomTable):
         super().__init__(deadlines, incarnation, page_size)
         self.page_nbytes = page_nbytes
         self._pending: dict[int, PendingRegistration] = {}
+        self._pending_cap = PeerQuota(deadlines.max_pending_registrations_per_peer, deadlines.max_pending_registrations)
         self._next_write_id = 1
 
     def _live_states(self):
@@ -90,7 +92,7 @@ class PrefillTable(RoomTable):
 
     def _admit(self, ev: RequestArrived, now: float, out: list[Action]) -> None:
         r = self._new_room(PrefillRoom, ev, S.BOOTSTRAPPING, now)
-        pending = self._pending.pop(ev.room, None)
+        pending = self._unpend(ev.room)
         if pending is None:
             self._arm(r, self.cfg.bootstrap_s, now)
             return
@@ -115,14 +117,20 @@ class PrefillTable(RoomTable):
             self._refuse_registration(peer, room, Ending(Reason.BAD_REQUEST, f"room registered by {owner}"), out)
         elif room in self._tombstones:
             self._on_late_registration(peer, room, now, out)
+        elif (why := self._pending_cap.take(room, peer)) is not None:  # decode sends it again
+            out.append(Notice(self.role, NoticeKind.CAPPED, room, f"registration from {peer} dropped: {why}"))
         else:
             self._pending[room] = PendingRegistration(peer, msg, now)
             self.peers.bind(peer, room, now)
             self._timers.set(("pending", room), now + self.cfg.pending_registration_s)
 
+    def _unpend(self, room: int) -> Optional[PendingRegistration]:
+        self._pending_cap.drop(room)
+        return self._pending.pop(room, None)
+
     def _abort_unseen(self, room: int, ending: Ending, now: float, out: list[Action]) -> None:
         """An abort or failure before the request came; if decode already registered, tell it."""
-        pending = self._pending.pop(room, None)
+        pending = self._unpend(room)
         if pending is not None:
             self._timers.cancel(("pending", room))
             self.peers.unbind(pending.peer, room)
@@ -176,7 +184,7 @@ class PrefillTable(RoomTable):
 
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
         assert kind == "pending", kind
-        pending = self._pending.pop(room)
+        pending = self._unpend(room)
         self.peers.unbind(pending.peer, room)
         ending = Ending(Reason.BOOTSTRAP_TIMEOUT,
                         f"registration from {pending.peer} waited {now - pending.since:g}s for the request")
@@ -228,8 +236,11 @@ class PrefillTable(RoomTable):
         if pending is not None and pending.peer != peer:
             out.append(Notice(self.role, NoticeKind.WRONG_PEER, room, f"abort from {peer}, owner {pending.peer}"))
             return
+        if pending is None and room not in self._tombstones and not self._peer_may_tombstone(peer, room, "abort", out):
+            return  # no promise without the tombstone that keeps it; decode re-sends while it needs one
         if pending is not None:
-            del self._pending[room]
+            self._unpend(room)
+            self._peer_tombstones.add(room, peer)
             self._timers.cancel(("pending", room))
             self.peers.unbind(peer, room)
         # Not in the table: no write of this room can be in flight.
@@ -382,7 +393,7 @@ class PrefillTable(RoomTable):
         if r is not None and not is_terminal(r.state):
             self._end(r, Ending(Reason.PEER_LOST, detail), now, out)
         elif room in self._pending:  # its request is refused when it comes
-            del self._pending[room]
+            self._unpend(room)
             self._timers.cancel(("pending", room))
             self._tombstone(room, Ending(Reason.PEER_LOST, detail), arrived=False, now=now)
         # A held room keeps waiting: the disconnect makes its writes fail and settle.

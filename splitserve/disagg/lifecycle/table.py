@@ -31,6 +31,7 @@ from splitserve.disagg.lifecycle.events import (
     ClientAbort, FromPeer, LocalFailure, PeerHeard, PeerLost, RequestArrived,
 )
 from splitserve.disagg.lifecycle.peers import Lost, Peer, PeerTable
+from splitserve.disagg.lifecycle.quota import PeerQuota
 from splitserve.disagg.lifecycle.states import Ending, Outcome, Reason, Role, State, is_terminal
 
 
@@ -72,6 +73,8 @@ class RoomTable:
         self.peers = PeerTable(deadlines)
         self._rooms: dict[int, Room] = {}
         self._tombstones: dict[int, Tombstone] = {}
+        # tombstones a peer's message made for a room never seen here (capped; our own never are)
+        self._peer_tombstones = PeerQuota(deadlines.max_peer_tombstones_per_peer, deadlines.max_peer_tombstones)
         self._timers: DeadlineHeap[tuple[str, int]] = DeadlineHeap()
         self._counts: Counter = Counter()  # rooms by state label (live states, and held), kept per transition
 
@@ -117,6 +120,7 @@ class RoomTable:
                     self._on_deadline(r, now, out)
             elif kind == "tomb":
                 del self._tombstones[room]
+                self._peer_tombstones.drop(room)
             else:
                 self._on_other_timer(kind, room, now, out)
         return out
@@ -204,6 +208,7 @@ class RoomTable:
                          for room, t in self._tombstones.items())),
             tuple(sorted((key, when - now) for key, when in self._timers.items())),
             self.peers.canonical(now),
+            tuple(sorted(self._peer_tombstones.owner.items())),
             self._extra_canonical(now),
         )
 
@@ -241,6 +246,14 @@ class RoomTable:
     def _abort_unseen(self, room: int, ending: Ending, now: float, out: list[Action]) -> None:
         self._tombstone(room, ending, arrived=False, now=now)
         out.append(Notice(self.role, NoticeKind.TOMBSTONE, room, str(ending)))
+
+    def _peer_may_tombstone(self, peer: Peer, room: int, what: str, out: list[Action]) -> bool:
+        """Whether ``peer`` may make us remember ``room``, never seen here; at a cap its message is
+        dropped and counted instead (docs/security.md: why that keeps every rule)."""
+        why = self._peer_tombstones.take(room, peer)
+        if why is not None:
+            out.append(Notice(self.role, NoticeKind.CAPPED, room, f"{what} from {peer} dropped: {why}"))
+        return why is None
 
     def _new_room(self, cls, ev: RequestArrived, state: State, now: float):
         n_pages = -(-ev.prompt_len // self.page_size)
