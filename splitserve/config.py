@@ -30,6 +30,9 @@ class EngineConfig:
     """Token budget of one engine step (prefill chunks plus decode tokens)."""
     chunked_prefill: bool = True
     """Split long prompts into chunks under the step budget; off: a prompt runs in one step."""
+    prefix_cache: bool = True
+    """Keep the KV of full pages for reuse by later requests with the same prefix (evicted least
+    recently used when pages run short); --no-prefix-cache turns it off."""
     seed: int = 0
     """Seed for requests that name none is drawn from this worker's RNG seeded with this."""
 

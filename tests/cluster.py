@@ -310,14 +310,18 @@ def live_queues(samples: dict) -> dict[str, float]:
     return out
 
 
-def pages_back_to_total(worker, timeout: float = 20.0) -> dict:
-    """Poll ``worker``'s ``/metrics`` until ``splitserve_kv_pages_free`` equals
-    ``splitserve_kv_pages_total`` and every live lifecycle queue gauge is 0; the last samples.
-    Raises AssertionError with what was seen (and the worker's log tail) after ``timeout``."""
+def pages_back_to_total(worker, timeout: float = 20.0, api_key: str = "") -> dict:
+    """Flush ``worker``'s prefix cache and poll its ``/metrics`` until ``splitserve_kv_pages_free``
+    equals ``splitserve_kv_pages_total`` (nothing owned, quarantined or cached) and every live
+    lifecycle queue gauge is 0; the last samples. Raises AssertionError with what was seen (and the
+    worker's log tail) after ``timeout``. ``api_key``: the worker's, for ``/flush_cache``."""
     deadline = time.monotonic() + timeout
     seen = "nothing"
+    url = worker if isinstance(worker, str) else worker.url
     while True:
         try:
+            requests.post(url.rstrip("/") + "/flush_cache", timeout=10,
+                          headers={"Authorization": f"Bearer {api_key}"} if api_key else {}).raise_for_status()
             samples = metrics(worker)
             free = samples.get(("splitserve_kv_pages_free", frozenset()))
             total = samples.get(("splitserve_kv_pages_total", frozenset()))
@@ -329,6 +333,5 @@ def pages_back_to_total(worker, timeout: float = 20.0) -> dict:
             seen = f"/metrics failed: {exc}"
         if time.monotonic() >= deadline:
             tail = worker.output_tail(3000) if hasattr(worker, "output_tail") else ""
-            url = worker if isinstance(worker, str) else worker.url
             raise AssertionError(f"{url}: KV pages not all free after {timeout:g}s: {seen}\n{tail}")
         time.sleep(0.1)

@@ -70,8 +70,12 @@ _hf_cache: dict = {}
 
 
 def assert_pool_full(engine: LLMEngine):
+    """Nothing owned any more; once the prefix cache is flushed, every page free."""
     s = engine.stats()
-    assert s.pages_free == s.pages_total and s.waiting == 0 and s.running == 0
+    assert s.pages_owned == 0 and s.waiting == 0 and s.running == 0, s
+    assert s.pages_free + s.pages_cached == s.pages_total, s
+    engine.flush_cache()
+    assert engine.stats().pages_free == s.pages_total
 
 
 def test_greedy_matches_transformers_generate_with_staggered_arrival(tiny):

@@ -18,10 +18,9 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import requests
 
-from cluster import Cluster, metric, metrics, post_generate
+from cluster import Cluster, metric, metrics, pages_back_to_total, post_generate
 from test_faults import DEADLINES, GREEDY, kill9, prompt, wait_for
 
 LOOP_STALL_S = 2.0
@@ -96,7 +95,5 @@ def test_a_hung_transfer_thread_is_seen_and_its_peers_are_let_go():
             assert ended - started <= bound + 2, f"{who} answered {ended - started:.1f}s after the request"
         health = requests.get(P.url + "/health", timeout=2)
         assert health.status_code == 503 and "transfer thread" in health.text, health.text
-        pages_back = metric(metrics(D), "splitserve_kv_pages_free") == metric(metrics(D), "splitserve_kv_pages_total")
-        assert pages_back or wait_for("D frees its pages", lambda: metric(metrics(D), "splitserve_kv_pages_free")
-                                      == metric(metrics(D), "splitserve_kv_pages_total"), 10)
+        pages_back_to_total(D, 10)
         kill9(P)

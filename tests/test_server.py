@@ -269,9 +269,10 @@ def sample(metrics: dict, name: str, **labels) -> float:
 
 
 def wait_idle(server, timeout=30.0) -> dict:
-    """Poll /metrics until every KV page is free and both queues are empty."""
+    """Flush the prefix cache and poll /metrics until every KV page is free and both queues are empty."""
     deadline = time.monotonic() + timeout
     while True:
+        requests.post(server.url + "/flush_cache", timeout=10)
         m = metrics_of(server)
         idle = (sample(m, "splitserve_kv_pages_free") == sample(m, "splitserve_kv_pages_total") > 0
                 and sample(m, "splitserve_queue_requests", role="colocated", queue="waiting") == 0

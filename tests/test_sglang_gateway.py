@@ -13,6 +13,7 @@ import time
 import pytest
 import requests
 
+from cluster import pages_back_to_total
 from conftest import ServerProcess, free_port
 
 pytest.importorskip("sglang_router")
@@ -95,15 +96,7 @@ def test_openai_endpoints_through_sglang_gateway_match_colocated(gateway, endpoi
 def test_pages_come_back_after_the_gateway_runs(gateway):
     _, prefill, decode, _ = gateway
     for worker in (prefill, decode):
-        deadline = time.monotonic() + 10
-        while True:
-            m = requests.get(worker.url + "/metrics", timeout=5).text
-            free = next(float(l.split()[-1]) for l in m.splitlines() if l.startswith("splitserve_kv_pages_free "))
-            total = next(float(l.split()[-1]) for l in m.splitlines() if l.startswith("splitserve_kv_pages_total "))
-            if free == total or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        assert free == total
+        pages_back_to_total(worker, 10, api_key=WORKER_KEY)
 
 
 def test_the_workers_behind_the_gateway_refuse_requests_without_its_key(gateway):

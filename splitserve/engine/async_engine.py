@@ -33,12 +33,13 @@ same id never receives the old one's tokens or its end.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional, Protocol
+from typing import AsyncIterator, Callable, Optional, Protocol
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine, StepReport
@@ -70,6 +71,15 @@ class AbortRequest:
 @dataclass(frozen=True)
 class _Stop:
     ending: Ending
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run ``fn`` on the engine loop (a change of loop-owned state, e.g. flushing the prefix
+    cache) and hand its result to ``future``."""
+
+    fn: Callable[[], object]
+    future: concurrent.futures.Future
 
 
 class Role(Protocol):
@@ -307,8 +317,10 @@ class AsyncEngine:
         if self.engine is None:  # not started yet
             return {"pages_free": 0, "pages_total": 0, "queues": {"waiting": 0, "running": 0}, "preemptions": 0}
         s = self.engine.stats()
-        stats = {"pages_free": s.pages_free, "pages_total": s.pages_total,
-                 "queues": {"waiting": s.waiting, "running": s.running}, "preemptions": s.preemptions,
+        stats = {"pages_free": s.pages_free, "pages_total": s.pages_total, "pages_cached": s.pages_cached,
+                 "pages_owned": s.pages_owned, "queues": {"waiting": s.waiting, "running": s.running},
+                 "preemptions": s.preemptions, "cache_hit_tokens": s.cache_hit_tokens,
+                 "prompt_tokens_computed": s.prompt_tokens_computed, "cache_evictions": s.cache_evictions,
                  "loop_errors": self.loop_errors}
         stats.update(self.role.stats())
         return stats
@@ -367,12 +379,33 @@ class AsyncEngine:
                 outputs += self._contained(role.fail_all, ev.ending)
                 self._post(outputs)
                 return False
+            if isinstance(ev, _Call):
+                self._answer_call(ev)
+                continue
             outputs += self._contained(self._dispatch, ev)
         outputs += self._contained(role.tick, self.clock())
         if engine.has_work():
             outputs += self._contained(lambda _: role.after_step(engine.step()), None)
         self._post(outputs)
         return True
+
+    def call_on_loop(self, fn: Callable[[], object], timeout: float = 5.0):
+        """Thread-safe: run ``fn`` on the engine loop and return its result (TimeoutError if the
+        loop does not get to it in ``timeout``)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, future))
+        return future.result(timeout)
+
+    def flush_cache(self) -> int:
+        """Thread-safe: drop every cached page no one owns; how many (``POST /flush_cache``)."""
+        return self.call_on_loop(self.engine.flush_cache)
+
+    @staticmethod
+    def _answer_call(call: _Call) -> None:
+        try:
+            call.future.set_result(call.fn())
+        except Exception as exc:  # the caller gets the error; the loop goes on
+            call.future.set_exception(exc)
 
     def _dispatch(self, ev: object) -> list[RequestOutput]:
         if isinstance(ev, AddRequest):

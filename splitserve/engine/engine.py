@@ -65,9 +65,14 @@ class StepReport:
 class EngineStats:
     pages_free: int
     pages_total: int
+    pages_cached: int  # in the prefix cache, owned by no one (evictable)
+    pages_owned: int  # held by sequences and rooms (a shared cached page once)
     waiting: int
     running: int
     preemptions: int
+    cache_hit_tokens: int  # counters since start: prompt tokens found in the prefix cache...
+    prompt_tokens_computed: int  # ...and prompt tokens computed
+    cache_evictions: int
 
 
 @dataclass(frozen=True)
@@ -102,9 +107,10 @@ class LLMEngine:
         self.layout = KVLayout(num_pages=num_pages, num_layers=self.spec.num_layers, page_size=config.page_size,
                                num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self.spec.dtype)
         self.kv = KVPool(self.layout, device=config.device)
-        self.allocator = PageAllocator(num_pages)
+        self.allocator = PageAllocator(num_pages, cache=config.prefix_cache)
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
                                    config.max_batch_tokens, config.chunked_prefill)
+        self.prompt_tokens_computed = 0  # a counter: prompt tokens whose KV this engine computed
         self.runner = parts.make_runner(self.model, self.kv)
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
@@ -134,18 +140,22 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def start_decoding(self, req: GenerateRequest, pages: list[int],
-                       first_token: int) -> tuple[Sequence, list[RequestOutput]]:
-        """Decode worker: the prompt's KV is in ``pages`` (written by a prefill worker) and prefill
-        sampled ``first_token``. Emits that token, then the sequence decodes like any other.
-        Raises InvalidRequest (changing nothing) for a token outside the vocabulary or too few pages."""
+    def start_decoding(self, req: GenerateRequest, pages: list[int], first_token: int,
+                       cached_pages: int = 0) -> tuple[Sequence, list[RequestOutput]]:
+        """Decode worker: the prompt's KV is in ``pages`` — the first ``cached_pages`` from this
+        worker's prefix cache, the rest written by a prefill worker — and prefill sampled
+        ``first_token``. Emits that token, then the sequence decodes like any other; the prompt's
+        full pages join the prefix cache. Raises InvalidRequest (changing nothing) for a token
+        outside the vocabulary or too few pages."""
         if not 0 <= first_token < self.spec.vocab_size:
             raise InvalidRequest(f"first token {first_token} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         if len(pages) * self.layout.page_size < len(req.prompt_ids):
             raise InvalidRequest(f"{len(pages)} pages cannot hold a prompt of {len(req.prompt_ids)} tokens")
         seq = self._new_sequence(req, room_owned=True)
-        seq.pages = list(pages)
+        seq.pages, seq.indexed = list(pages), cached_pages
         seq.num_computed = len(req.prompt_ids)
+        seq.cached_tokens = cached_pages * self.layout.page_size
+        self.scheduler.index_computed(seq)
         seq.token_ids.append(first_token)
         self._check_finish(seq, first_token)
         self._seqs[req.rid] = seq
@@ -167,6 +177,7 @@ class LLMEngine:
         self.check_fits(req, prompt_only=prefill_only)
         seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(rid=req.rid, token_ids=list(req.prompt_ids), num_prompt_tokens=len(req.prompt_ids),
+                       cache_salt=req.cache_salt,
                        sampling=req.sampling, seed=seed,
                        room=req.bootstrap.room if room_owned and req.bootstrap is not None else None)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop)
@@ -207,9 +218,16 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def stats(self) -> EngineStats:
-        return EngineStats(pages_free=self.allocator.num_free, pages_total=self.allocator.num_pages,
-                           waiting=len(self.scheduler.waiting), running=len(self.scheduler.running),
-                           preemptions=self.scheduler.num_preemptions)
+        a = self.allocator
+        return EngineStats(pages_free=a.num_free, pages_total=a.num_pages, pages_cached=a.num_cached,
+                           pages_owned=a.num_owned, waiting=len(self.scheduler.waiting),
+                           running=len(self.scheduler.running), preemptions=self.scheduler.num_preemptions,
+                           cache_hit_tokens=self.scheduler.cache_hit_tokens,
+                           prompt_tokens_computed=self.prompt_tokens_computed, cache_evictions=a.evictions)
+
+    def flush_cache(self) -> int:
+        """Drop every cached page no one owns (engine loop only); how many."""
+        return self.allocator.flush()
 
     # -- stepping -----------------------------------------------------------------------------
 
@@ -231,9 +249,13 @@ class LLMEngine:
     def _advance(self, batch: list[ScheduledSeq], logits: torch.Tensor, report: StepReport) -> None:
         sampling = [item for item in batch if item.samples]
         for item in batch:
-            item.seq.num_computed += item.num_tokens
+            seq = item.seq
+            self.prompt_tokens_computed += max(0, min(seq.num_computed + item.num_tokens, seq.num_prompt_tokens)
+                                               - seq.num_computed)
+            seq.num_computed += item.num_tokens
+            self.scheduler.index_computed(seq)
             if not item.samples:
-                report.chunks.append(item.seq)
+                report.chunks.append(seq)
         if not sampling:  # only prompt chunks ran: nothing to sample
             return
         tokens = sample_batch(logits, [i.seq.sampling for i in sampling], [i.seq.seed for i in sampling],

@@ -47,6 +47,7 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     bootstrap: Optional[Bootstrap] = None  # set on prefill and decode workers, None when colocated
+    cache_salt: str = ""  # prefix-cache pages are shared only among requests with the same salt
 
 
 @dataclass(frozen=True)

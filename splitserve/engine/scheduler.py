@@ -14,6 +14,11 @@ refused at submission.
 Disaggregated requests: a prefill-only sequence gets the pages of its whole prompt when admitted
 (its room hands them to the transfer) and is never preempted; a sequence whose pages belong to a
 room is never freed here on finish — ``detach`` takes it out and its room frees the pages.
+
+Prefix cache (``page_allocator.py``): a sequence admitted with no pages first takes the cached
+pages of its longest known prefix (never its last token, which is always computed, so that no
+cached page is ever written) and computes only the rest; every page that becomes full of computed
+KV is offered to the cache (``index_computed``). Preempted or finished, its full pages stay cached.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from splitserve.engine.page_allocator import PageAllocator
+from splitserve.engine.page_allocator import PageAllocator, page_keys
 from splitserve.engine.sequence import Sequence, SeqStatus
 
 
@@ -47,6 +52,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.cache_hit_tokens = 0  # prompt tokens admitted from the prefix cache (a counter)
         self.admitted: list[Sequence] = []  # admitted by the last schedule()
         self.preempted: list[Sequence] = []  # preempted by the last schedule()
 
@@ -72,10 +78,17 @@ class Scheduler:
             budget -= n
         while self.waiting and len(self.running) < self.max_running and budget > 0:
             seq = self.waiting[0]
+            matched = self._take_cached_prefix(seq)
             n = self._chunk(seq, budget, batch_empty=not batch)
             upfront = seq.num_uncomputed if seq.prefill_only else n
             if n == 0 or not self.allocator.can_allocate(self._pages_missing(seq, upfront)):
+                if matched:  # give the cached prefix back: it is taken again when the sequence fits
+                    self._release(seq)
+                    seq.num_computed = seq.indexed = 0
                 break
+            if matched:
+                self.cache_hit_tokens += seq.num_computed
+                seq.cached_tokens = seq.num_computed
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -137,7 +150,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.indexed = 0
         seq.status = SeqStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -151,3 +164,34 @@ class Scheduler:
         if seq.pages:
             self.allocator.free(seq.pages)
             seq.pages = []
+
+    # -- the prefix cache ---------------------------------------------------------------------------
+
+    def keys(self, seq: Sequence, n: int) -> list:
+        """The prefix-cache keys of the sequence's first ``n`` full pages (memoized on it)."""
+        have = len(seq.page_keys)
+        if have < n:
+            parent = seq.page_keys[-1] if have else None
+            seq.page_keys += page_keys(seq.token_ids[have * self.page_size:], self.page_size, n - have,
+                                       seq.cache_salt, parent)
+        return seq.page_keys[:n]
+
+    def _take_cached_prefix(self, seq: Sequence) -> bool:
+        """A sequence with no pages (new, or preempted) takes the cached pages of its longest known
+        prefix, all but its last token (which is always computed, into a page of its own). True
+        if it had none and looked (whatever it found)."""
+        if seq.pages or seq.num_computed or not self.allocator.cache_enabled:
+            return False
+        pages = self.allocator.match(self.keys(seq, (len(seq) - 1) // self.page_size))
+        seq.pages, seq.indexed = pages, len(pages)
+        seq.num_computed = len(pages) * self.page_size
+        return True
+
+    def index_computed(self, seq: Sequence) -> None:
+        """Offer the prefix cache every page of ``seq`` that is now full of computed KV."""
+        full = min(seq.num_computed // self.page_size, len(seq.pages))
+        if seq.indexed >= full or not self.allocator.cache_enabled:
+            return
+        for i, key in enumerate(self.keys(seq, full)[seq.indexed:], start=seq.indexed):
+            self.allocator.insert(seq.pages[i], key)
+        seq.indexed = full

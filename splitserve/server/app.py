@@ -8,6 +8,7 @@ Routes::
     GET  /get_server_info, /get_model_info       what SGLang's gateway asks a worker
     GET  /debug/requests                         every live request (room, state, age, deadline, late, peer)
     GET  /debug/requests/{rid}, /debug/rooms/{room}  one request's timeline on this worker (live or recent)
+    POST /flush_cache                            drop the prefix cache's unowned pages
 
 :func:`create_app` builds the application around an engine (anything with the ``AsyncEngine``
 interface, so tests can hand in a fake); :func:`run_server` is what ``splitserve serve`` runs:
@@ -111,6 +112,7 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
     app.router.add_get("/debug/requests", _debug_requests)
     app.router.add_get("/debug/requests/{rid}", _debug_timeline)
     app.router.add_get("/debug/rooms/{room}", _debug_timeline)
+    app.router.add_post("/flush_cache", _flush_cache)
     return app
 
 
@@ -248,6 +250,15 @@ async def _debug_timeline(request: web.Request) -> web.Response:
         what = f"request {rid!r}" if rid is not None else f"room {room}"
         return json_error(f"{what} is neither live nor among the recently ended ones on this worker", 404)
     return web.json_response(found)
+async def _flush_cache(request: web.Request) -> web.Response:
+    """Drop every prefix-cache page no request owns (as SGLang's ``/flush_cache``)."""
+    state = request.app[STATE]
+    _require_ready(state)
+    try:
+        flushed = await asyncio.get_running_loop().run_in_executor(None, state.engine.flush_cache)
+    except TimeoutError:
+        raise web.HTTPServiceUnavailable(reason="engine loop busy", text="the engine loop did not answer in time")
+    return web.json_response({"flushed_pages": flushed})
 
 
 def _require_ready(state: WorkerState) -> None:

@@ -21,7 +21,9 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
   except at its no-op value (``n: 1``, ``echo: false``, ``presence_penalty: 0`` ...); ``null``
   counts as absent. A field nobody knows is refused too: nothing is ignored silently.
 - Known extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM and SGLang), ``rid``
-  (request id), and SGLang's PD fields ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``.
+  (request id), ``cache_salt`` (as vLLM: prefix-cache pages are shared only among requests with
+  the same salt; at most 256 characters), and SGLang's PD fields ``bootstrap_host``,
+  ``bootstrap_port``, ``bootstrap_room``.
   ``user`` is accepted and not used.
 - A ``model`` other than the served one is a 404 (``InvalidRequest`` with ``Reason.MODEL_NOT_FOUND``);
   a missing ``model`` means the served one.
@@ -68,7 +70,7 @@ _NOOP = {
 
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "stop",
            "stop_token_ids", "ignore_eos", "seed", "user", "rid", "bootstrap_host", "bootstrap_port",
-           "bootstrap_room"}
+           "bootstrap_room", "cache_salt"}
 _GATEWAY = {"no_stop_trim", "skip_special_tokens", "return_hidden_states"}
 _KNOWN = {
     "completions": _COMMON | _GATEWAY | {"prompt", "n", "best_of", "echo", "suffix", "logprobs", "logit_bias",
@@ -79,7 +81,7 @@ _KNOWN = {
                        "modalities", "audio", "prediction", "reasoning_effort", "service_tier",
                        "web_search_options", "verbosity"},
     "generate": {"model", "text", "input_ids", "sampling_params", "stream", "rid", "bootstrap_host", "bootstrap_port",
-                 "bootstrap_room", "return_logprob", "image_data", "lora_path", "return_text_in_logprobs",
+                 "bootstrap_room", "cache_salt", "return_logprob", "image_data", "lora_path", "return_text_in_logprobs",
                  "log_metrics", "return_hidden_states", "background", "no_logs", "return_bytes", "return_entropy"},
 }
 _KNOWN_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
@@ -105,6 +107,7 @@ class ValidatedRequest:
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    cache_salt: str = ""
 
     def generate_request(self, rid: Optional[str] = None) -> GenerateRequest:
         """The engine request; ``rid`` defaults to the client's ``rid``."""
@@ -114,7 +117,8 @@ class ValidatedRequest:
         bootstrap = None
         if self.bootstrap_room is not None and self.bootstrap_host is not None and self.bootstrap_port is not None:
             bootstrap = Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
-        return GenerateRequest(rid=rid, prompt_ids=self.prompt_ids, sampling=self.sampling, bootstrap=bootstrap)
+        return GenerateRequest(rid=rid, prompt_ids=self.prompt_ids, sampling=self.sampling, bootstrap=bootstrap,
+                               cache_salt=self.cache_salt)
 
 
 def parse_json_body(raw: bytes | str) -> dict:
@@ -212,6 +216,9 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         raise InvalidRequest("bootstrap_host must be a host name or an IP address", "bootstrap_host")
     bootstrap_port = _opt_int(body, "bootstrap_port", "", minimum=1, maximum=65535)
     bootstrap_room = _opt_int(body, "bootstrap_room", "", minimum=0, maximum=MAX_ROOM - 1)
+    cache_salt = _opt_str(body, "cache_salt", "") or ""
+    if len(cache_salt) > 256:
+        raise InvalidRequest("cache_salt must be at most 256 characters", "cache_salt")
 
     prompt_ids, prompt_text, messages = None, None, None
     if endpoint == "completions":
@@ -244,7 +251,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         endpoint=endpoint, sampling=sampling, model=model, stream=stream, include_usage=include_usage,
         prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None, prompt_text=prompt_text,
         messages=messages, max_tokens_set=max_tokens_set, rid=rid, bootstrap_host=bootstrap_host,
-        bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room,
+        bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room, cache_salt=cache_salt,
     )
 
 

@@ -67,6 +67,17 @@ class WorkerMetrics:
         gauge("splitserve_kv_pages_quarantined",
               "Decode: KV pages kept out of use because a remote write may still land in them.",
               read=lambda: self._stat("pages_quarantined"))
+        # the page account: free + cached + owned + quarantined = total (docs/prefix_cache.md)
+        gauge("splitserve_kv_pages_cached", "KV pages in the prefix cache that no request owns (evictable: they count "
+              "as available).", read=lambda: self._stat("pages_cached"))
+        gauge("splitserve_kv_pages_owned", "KV pages owned by requests (a cached page shared by several once), "
+              "quarantined ones not included.", read=self._owned)
+        counter("splitserve_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache since start.",
+                ["role"], read=lambda: self._of_role("cache_hit_tokens"))
+        counter("splitserve_prompt_tokens_computed_total", "Prompt tokens whose KV this worker computed since start.",
+                ["role"], read=lambda: self._of_role("prompt_tokens_computed"))
+        counter("splitserve_kv_transfer_bytes_total", "KV bytes written to decode workers (prefill) or received from "
+                "prefill workers (decode) since start.", ["role"], read=lambda: self._of_role("kv_transfer_bytes"))
         if split:
             gauge("splitserve_peers", "Prefill/decode: peers that live rooms depend on (live), and peers declared lost "
                   "and still remembered (lost).", ["role", "state"],
@@ -175,6 +186,10 @@ class WorkerMetrics:
         stats = self._engine.stats()
         owned = total - stats["pages_free"] - stats.get("pages_cached", 0)
         return {(self.role,): round(owned / total, 6)}
+
+    def _owned(self):
+        owned = self._stat("pages_owned")
+        return owned - (self._stat("pages_quarantined") or 0) if owned is not None else None
 
     def _split_queues(self, waiting: bool):
         queues = self._stat("queues")
