@@ -96,7 +96,7 @@ class Worker:
             self.iterate()
 
     def register(self, room: int) -> None:
-        self.send(p.RegisterRoom(room, self.decode.incarnation, self.role.incarnation, f"r{room}", PROMPT, [room % 1024]))
+        self.send(p.RegisterRoom(room, self.decode.incarnation, self.role.incarnation, f"r{room}", PROMPT, [room % 1024], 0))
 
     def request(self, room: int) -> str:
         rid = f"r{room}"

@@ -137,7 +137,7 @@ def _fuzz_frames(rng: random.Random) -> list:
         elif kind == 3:
             out.append([msgpack.packb(rng.choice(junk_values))])
         elif kind == 4:
-            out.append([p.encode(p.RegisterRoom(rng.getrandbits(63), "fz", "nobody", "r", -5, [1, 2]))])
+            out.append([p.encode(p.RegisterRoom(rng.getrandbits(63), "fz", "nobody", "r", -5, [1, 2], 0))])
         else:
             out.append([b"\x00" * (p.MAX_FRAME_BYTES + 10)])  # refused by ZMQ itself (MAXMSGSIZE)
     return out

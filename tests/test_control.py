@@ -105,7 +105,7 @@ def test_prefill_withholds_heartbeats_while_its_engine_loop_is_wedged():
 
 
 def test_prefill_answers_link_registrations_and_holds_back_rooms_that_come_before_their_link():
-    early = p.RegisterRoom(5, "d1", "pf1", "r5", 8, [1, 2])
+    early = p.RegisterRoom(5, "d1", "pf1", "r5", 8, [1, 2], 0)
     with prefill_control(heartbeat_s=10) as (control, decode, events, transfer):
         decode.send(p.encode(early))  # before the link: dropped, decode sends it again
         time.sleep(0.3)
@@ -359,7 +359,7 @@ def test_prefill_ends_a_session_that_registers_rooms_but_never_its_link():
     """Finding 2, prefill's side: registrations from a decode session whose link never came are
     dropped (decode re-sends them) — but not forever: after the peer-silence bound they are
     answered ``room_failed(peer_lost)``, so that decode ends the session and opens the next."""
-    reg = p.RegisterRoom(5, "d1", "pf1", "r5", 8, [1, 2])
+    reg = p.RegisterRoom(5, "d1", "pf1", "r5", 8, [1, 2], 0)
     with prefill_control(heartbeat_s=0.2) as (control, decode, events, transfer):
         deadline = time.monotonic() + 4
         refused = []

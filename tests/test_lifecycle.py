@@ -64,7 +64,7 @@ def assert_no_ending(actions):
 
 
 def register(room=ROOM, pages=DST, prompt_len=PROMPT, prefill_incarnation="p1"):
-    return protocol.RegisterRoom(room, DP.incarnation, prefill_incarnation, f"r{room}", prompt_len, list(pages))
+    return protocol.RegisterRoom(room, DP.incarnation, prefill_incarnation, f"r{room}", prompt_len, list(pages), 0)
 
 
 def new_prefill(deadlines=D):

@@ -142,3 +142,42 @@ def test_requests_with_another_salt_share_nothing(tiny):
     assert eng.stats().cache_hit_tokens == 0
     eng.generate([GenerateRequest("c", ids, params, cache_salt="tenant-a")])
     assert eng.stats().cache_hit_tokens == (len(ids) - 1) // P * P
+
+
+# -- across the split ------------------------------------------------------------------------------
+
+
+def test_turns_through_a_split_pair_hit_both_caches_and_cross_only_the_missing_pages():
+    """Two conversations of three turns through a router in front of one prefill and one decode
+    worker (tcp transfer); each turn's prompt is the last one, its answer and a new message. The
+    answers equal a colocated worker's without the cache; decode found the earlier turns in its own
+    cache (so prefill wrote only the missing pages: fewer KV bytes crossed than the prompts hold),
+    and prefill found them in its cache (it computed fewer prompt tokens than it received)."""
+    from cluster import Cluster, generate, metric_sum, metrics, pages_back_to_total
+    from conftest import ServerProcess
+
+    greedy = {"temperature": 0}
+    with Cluster(1, 1, "tcp", worker_args=["--page-size", str(P)]) as c, \
+            ServerProcess("--no-prefix-cache", "--page-size", str(P)).start() as ref:
+        vocab = 2048
+        prompt_tokens = 0
+        for seed in (11, 12):
+            g = torch.Generator().manual_seed(seed)
+            ids = torch.randint(10, vocab, (45,), generator=g).tolist()
+            for turn in range(3):
+                got = generate(c.url, ids, 12, **greedy)
+                assert got == generate(ref.url, ids, 12, **greedy), (seed, turn)
+                prompt_tokens += len(ids)
+                ids = ids + got + torch.randint(10, vocab, (19,), generator=g).tolist()
+        P_, D = c.prefill[0], c.decode[0]
+        pm, dm = metrics(P_), metrics(D)
+        page_bytes = 4 * 2 * P * 2 * 32 * 4  # tiny llama: layers x (k, v) x page x kv heads x head dim x float32
+        written = metric_sum(pm, "splitserve_kv_transfer_bytes_total", role="prefill")
+        full_pages = prompt_tokens / P
+        assert metric_sum(dm, "splitserve_prefix_cache_hit_tokens_total", role="decode") >= 4 * 3 * P, dm
+        assert metric_sum(pm, "splitserve_prefix_cache_hit_tokens_total", role="prefill") >= 4 * 3 * P, pm
+        assert metric_sum(pm, "splitserve_prompt_tokens_computed_total", role="prefill") < prompt_tokens
+        assert 0 < written < 0.75 * full_pages * page_bytes, (written, full_pages * page_bytes)
+        assert metric_sum(dm, "splitserve_kv_transfer_bytes_total", role="decode") == written
+        for w in c.workers:
+            pages_back_to_total(w)

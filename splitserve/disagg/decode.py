@@ -4,9 +4,12 @@ landed (``docs/protocol.md``). Its table is a :class:`~splitserve.disagg.lifecyc
 Pages: a room asks for its prompt's pages (``ReservePages``) and waits in the **page queue** —
 first come, first served — until the allocator has them; the queue holds room ids, and an entry
 whose record no longer wants pages (it ended, was cancelled) is dropped when it reaches the head,
-so an ended room can never block the ones behind it. Reserved pages are the room's record's until
-``StartDecode`` gives them to the room's sequence; pages a remote write may still reach are
-quarantined on the record until the table releases them.
+so an ended room can never block the ones behind it. The room first takes the pages of its
+prompt's longest prefix in this worker's prefix cache (shared and read-only: registered with
+prefill as ``cached_tokens``, never as a write target), then new pages for the rest, which prefill
+writes. Reserved pages are the room's record's until ``StartDecode`` gives them to the room's
+sequence; the pages a remote write may still reach are quarantined on the record until the table
+releases them (its cached prefix is given back at once).
 
 From the engine's step report: each sampled token (``DecodeStep``, or ``Finished`` on the last)
 and a forward pass that failed (``LocalFailure``). A decoding sequence may be preempted and
@@ -30,6 +33,7 @@ from splitserve.disagg.transfer.links import ReceiveLinks
 from splitserve.disagg.transfer_worker import KVNotification, TransferWorker
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import RequestOutput
+from splitserve.engine.page_allocator import page_keys
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +50,7 @@ class DecodeRole(DisaggRole):
                                  vocab_size=self.engine.spec.vocab_size)
         self._page_queue: deque[int] = deque()  # rooms waiting for pages, first come first served
         self.pages_quarantined = 0
+        self.kv_bytes_received = 0  # a counter: KV bytes prefill wrote into this worker's pages
         name = f"{self.advertise_host}:{self.server.port}"
         self.control = DecodeControl(name, self.info, self.links, self.loop.post_event,
                                      self.deadlines.heartbeat_interval_s, self.deadlines.prealloc_s,
@@ -55,6 +60,7 @@ class DecodeRole(DisaggRole):
     def stats(self) -> dict:
         stats = super().stats()
         stats["pages_quarantined"] = self.pages_quarantined
+        stats["kv_transfer_bytes"] = self.kv_bytes_received
         stats["links_open"] = len(self.links.writers())
         stats["links_fenced"] = self.links.fenced
         return stats
@@ -114,7 +120,9 @@ class DecodeRole(DisaggRole):
             self._serve_page_queue(out)
         elif isinstance(a, StartDecode):
             rec = self.rooms[a.room]
-            seq, outputs = self.engine.start_decoding(rec.req, rec.pages, a.first_token)  # checks before it changes
+            seq, outputs = self.engine.start_decoding(rec.req, rec.pages, a.first_token,  # checks before it changes
+                                                      cached_pages=rec.cached_pages)
+            self.kv_bytes_received += (len(rec.pages) - rec.cached_pages) * self.engine.layout.page_nbytes
             rec.seq, rec.pages = seq, []  # the pages are the sequence's now
             for delta in outputs:
                 out.append(delta)
@@ -134,19 +142,26 @@ class DecodeRole(DisaggRole):
             super()._do_role(a, out)
 
     def _serve_page_queue(self, out: list[RequestOutput]) -> None:
-        """Reserve pages for the rooms at the head of the queue while they fit; an entry whose
-        record no longer wants pages is dropped on the way."""
-        queue, allocator = self._page_queue, self.engine.allocator
+        """Give pages to the rooms at the head of the queue while they fit — first the pages of
+        the prompt's longest prefix in this worker's cache (shared, read-only: prefill will not
+        write them), then new ones for the rest; an entry whose record no longer wants pages is
+        dropped on the way."""
+        queue, allocator, page_size = self._page_queue, self.engine.allocator, self.engine.layout.page_size
         while queue:
             rec = self.rooms.get(queue[0])
             if rec is None or not rec.want_pages:
                 queue.popleft()
                 continue
-            if not allocator.can_allocate(rec.want_pages):
+            prompt = rec.req.prompt_ids
+            cached = allocator.match(page_keys(prompt, page_size, (len(prompt) - 1) // page_size, rec.req.cache_salt))
+            if not allocator.can_allocate(rec.want_pages - len(cached)):
+                allocator.free(cached)  # taken again when the room's turn comes
                 return  # first come, first served
             queue.popleft()
-            rec.pages, rec.want_pages = allocator.allocate(rec.want_pages), 0
-            out += self._feed(PagesReserved(rec.room, tuple(rec.pages)))
+            rec.pages = cached + allocator.allocate(rec.want_pages - len(cached))
+            rec.want_pages, rec.cached_pages = 0, len(cached)
+            self.engine.scheduler.cache_hit_tokens += len(cached) * page_size
+            out += self._feed(PagesReserved(rec.room, tuple(rec.pages), len(cached) * page_size))
 
     def _disconnect(self, peer: Peer) -> None:
         # The fence, before any page of the peer's rooms is freed by the actions that follow;

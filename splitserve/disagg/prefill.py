@@ -56,6 +56,13 @@ class PrefillRole(DisaggRole):
                 out += self._feed(LocalFailure(rec.room, Reason.INTERNAL_ERROR, failed.error))
         return out
 
+    kv_bytes_written = 0  # a counter: KV bytes handed to the transfer for decode workers
+
+    def stats(self) -> dict:
+        stats = super().stats()
+        stats["kv_transfer_bytes"] = self.kv_bytes_written
+        return stats
+
     def _do_role(self, a, out: list[RequestOutput]) -> None:
         if isinstance(a, Enqueue):
             rec = self.rooms[a.room]
@@ -65,6 +72,7 @@ class PrefillRole(DisaggRole):
                 out += self._feed(LocalFailure(a.room, Reason.BAD_REQUEST, str(exc)))
         elif isinstance(a, StartWrite):
             spans = tuple(page_spans(a.src_pages, a.dst_pages, self.engine.layout.page_nbytes))
+            self.kv_bytes_written += sum(span.nbytes for span in spans)
             self.transfer.submit(Write(a.room, a.write_id, a.peer, spans))
         elif isinstance(a, CancelWrites):
             self.transfer.submit(CancelTransfer(a.write_ids))

@@ -27,7 +27,7 @@ from typing import ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: decode's control identity names its session
+PROTOCOL_VERSION = 3  # 2: decode's control identity names its session; 3: registrations name a cached prefix
 MAX_FRAME_BYTES = 1 << 20  # 1 MiB: a page list of 64k pages, or NIXL metadata, fits with room to spare
 
 _REGISTRY: dict[str, type] = {}
@@ -104,6 +104,9 @@ class PeerRegistered:
 
 @message("register_room")
 class RegisterRoom:
+    """The pages decode reserved for the prompt's KV, after the ``cached_tokens`` (a whole number
+    of pages) it holds already in its own prefix cache: prefill writes only the rest."""
+
     TAG: ClassVar[str]
     room: int
     incarnation: str  # the decode worker's
@@ -111,6 +114,7 @@ class RegisterRoom:
     rid: str
     prompt_len: int
     pages: list[int]
+    cached_tokens: int
 
 
 @message("abort_room")

@@ -59,13 +59,20 @@ class RoomRecord:
     ones. A sequence's pages are its own (``seq.pages``)."""
     want_pages: int = 0
     """Decode: pages asked for while the room waits in the page queue; 0 when it does not."""
+    cached_pages: int = 0
+    """Decode: how many of ``pages`` (the first) came from the prefix cache: shared, read-only."""
     quarantined: bool = False
     answered: bool = False
     timeline: Optional[object] = None
     """Every state the room passed here (``timeline.Timeline``), for ``/debug/requests/{rid}``."""
 
-    def take_pages(self) -> list[int]:
-        """Every page the room holds now (its own and its sequence's), no longer held by it."""
+    def take_pages(self, named: Optional[tuple[int, ...]] = None) -> list[int]:
+        """Pages the room holds no more: ``named`` ones of its own (before it decodes: e.g. its
+        cached prefix, given back while the rest is quarantined), else — and always once it has a
+        sequence, whose pages may have grown past what the table saw — every page it holds."""
+        if named is not None and self.seq is None and set(named) < set(self.pages):
+            self.pages = [p for p in self.pages if p not in set(named)]
+            return list(named)
         pages, self.pages = self.pages, []
         if self.seq is not None:
             pages, self.seq.pages = pages + self.seq.pages, []
@@ -303,7 +310,7 @@ class DisaggRole:
         elif isinstance(a, Cancel):
             self._cancel(a.room)
         elif isinstance(a, FreePages):
-            self._free_room(a.room)
+            self._free_room(a.room, a.pages)
         elif isinstance(a, NotifyClient):
             self._answer(a, out)
         elif isinstance(a, LogTerminal):
@@ -350,12 +357,13 @@ class DisaggRole:
         if rec.seq is not None:
             self.engine.cancel(rec.seq.rid)  # out of every engine queue; its pages stay the room's
 
-    def _free_room(self, room: int) -> None:
+    def _free_room(self, room: int, named: Optional[tuple[int, ...]] = None) -> None:
         rec = self.rooms.get(room)
         if rec is None:
             return
-        self.engine.allocator.free(rec.take_pages())
-        self.timelines.released(room, "released", self.clock())
+        self.engine.allocator.free(rec.take_pages(named))
+        if not rec.holds_pages:  # a quarantined room gives its cached prefix back first: not released yet
+            self.timelines.released(room, "released", self.clock())
         self._forget_if_done(rec)
 
     def _forget_if_done(self, rec: RoomRecord) -> None:

@@ -46,7 +46,10 @@ S = DecodeState
 @dataclass
 class DecodeRoom(Room):
     pages: tuple[int, ...] = ()
-    """Every KV page the room holds: the reserved prompt pages, then those decode steps added."""
+    """Every KV page the room holds: the prompt pages (its cached prefix first), then those decode
+    steps added."""
+    cached_pages: int = 0
+    """How many of ``pages`` are shared prefix-cache pages (read-only, never a write target)."""
     registered: bool = False
     """RegisterRoom was sent: from now on prefill may write into the prompt pages."""
     kv_done: bool = False
@@ -82,8 +85,8 @@ class DecodeTable(RoomTable):
 
     def _on_event(self, event, now: float, out: list[Action]) -> None:
         match event:
-            case PagesReserved(room=room, pages=pages):
-                self._on_pages(room, tuple(pages), now, out)
+            case PagesReserved(room=room, pages=pages, cached_tokens=cached):
+                self._on_pages(room, tuple(pages), cached, now, out)
             case PeerInfo(room=room, peer=peer, mismatch=mismatch):
                 self._on_peer_info(room, peer, mismatch, now, out)
             case DecodeStep(room=room, new_pages=new_pages):
@@ -111,14 +114,19 @@ class DecodeTable(RoomTable):
         if pages:
             out.append(FreePages(room, pages))  # never leak what the engine just allocated
 
-    def _on_pages(self, room: int, pages: tuple[int, ...], now: float, out: list[Action]) -> None:
+    def _on_pages(self, room: int, pages: tuple[int, ...], cached_tokens: int, now: float,
+                  out: list[Action]) -> None:
         r = self._rooms.get(room)
         if r is None or r.state is not S.PREALLOC or r.pages:
-            self._out_of_order(room, PagesReserved(room, pages), out, pages)
+            self._out_of_order(room, PagesReserved(room, pages, cached_tokens), out, pages)
             return
-        r.pages = pages
+        r.pages, r.cached_pages = pages, cached_tokens // self.page_size
         if len(pages) < r.n_pages:
             self._end(r, Ending(Reason.INTERNAL_ERROR, f"reserved {len(pages)} pages, needs {r.n_pages}"), now, out)
+            return
+        if cached_tokens % self.page_size or r.cached_pages >= r.n_pages:
+            self._end(r, Ending(Reason.INTERNAL_ERROR, f"a cached prefix of {cached_tokens} tokens for a prompt of "
+                                f"{r.prompt_len} (pages of {self.page_size})"), now, out)
             return
         self._register_if_ready(r, now, out)
 
@@ -149,8 +157,9 @@ class DecodeTable(RoomTable):
 
     def _send_registration(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         """Send RegisterRoom, and again after ``register_resend_s`` unless the KV or the end comes."""
-        out.append(SendToPeer(r.peer, protocol.RegisterRoom(r.room, self.incarnation, r.peer.incarnation, r.rid,
-                                                            r.prompt_len, list(r.pages[: r.n_pages]))))
+        out.append(SendToPeer(r.peer, protocol.RegisterRoom(
+            r.room, self.incarnation, r.peer.incarnation, r.rid, r.prompt_len,
+            list(r.pages[r.cached_pages: r.n_pages]), r.cached_pages * self.page_size)))
         self._timers.set(("resend", r.room), now + self.cfg.register_resend_s)
 
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
@@ -257,6 +266,9 @@ class DecodeTable(RoomTable):
                 and self._reachable(r.peer)):
             out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, r.ending.reason.value)))
         if self._writes_may_land(r):
+            if r.cached_pages:  # shared, never a write target: given back at once
+                out.append(FreePages(r.room, r.pages[: r.cached_pages]))
+                r.pages, r.cached_pages = r.pages[r.cached_pages:], 0
             r.quarantined = True
             self._quarantined_pages += len(r.pages)
             out.append(QuarantinePages(r.room, r.pages))

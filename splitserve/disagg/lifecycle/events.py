@@ -126,10 +126,14 @@ class WriteFailed:
 
 @dataclass(frozen=True)
 class PagesReserved:
-    """The engine reserved ``pages`` (at least n_pages) for the room's KV; they now belong to it."""
+    """The engine gave the room ``pages`` (at least n_pages) for its prompt's KV; they now belong to
+    it. The first ``cached_tokens`` (a whole number of pages) are in them already — pages of this
+    worker's prefix cache, shared and read-only: never a write target; only the rest is registered
+    with prefill for writing."""
 
     room: int
     pages: tuple[int, ...]
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,9 @@ S = PrefillState
 @dataclass
 class PrefillRoom(Room):
     dst_pages: tuple[int, ...] = ()
-    """Decode's page ids for the prompt (from its registration)."""
+    """Decode's page ids for the prompt's pages after its cached prefix (from its registration)."""
+    skip_pages: int = 0
+    """Prompt pages decode holds already (its cached prefix): never written."""
     src_pages: tuple[int, ...] = ()
     """Our pages holding the prompt's KV (from Scheduled)."""
     pages_started: int = 0
@@ -170,16 +172,20 @@ class PrefillTable(RoomTable):
         if problem:
             self._end(r, Ending(Reason.BAD_REQUEST, problem), now, out)
             return
-        r.dst_pages = tuple(msg.pages[: r.n_pages])
+        r.skip_pages = msg.cached_tokens // self.page_size
+        r.dst_pages = tuple(msg.pages[: r.n_pages - r.skip_pages])
+        r.pages_started = r.skip_pages
         self._enter(r, S.QUEUED, self.cfg.queue_s, now, out)
         out.append(Enqueue(r.room, r.rid))
 
-    @staticmethod
-    def _registration_problem(r: PrefillRoom, msg: protocol.RegisterRoom) -> str:
+    def _registration_problem(self, r: PrefillRoom, msg: protocol.RegisterRoom) -> str:
         if msg.prompt_len != r.prompt_len:
             return f"prompt length differs: {r.prompt_len} tokens here, {msg.prompt_len} at decode"
-        if len(msg.pages) < r.n_pages:
-            return f"decode registered {len(msg.pages)} pages, the prompt needs {r.n_pages}"
+        skip, extra = divmod(msg.cached_tokens, self.page_size)
+        if extra or not 0 <= skip < r.n_pages:
+            return f"decode holds a cached prefix of {msg.cached_tokens} tokens, not whole pages of a prompt of {r.prompt_len}"
+        if len(msg.pages) < r.n_pages - skip:
+            return f"decode registered {len(msg.pages)} pages, the prompt needs {r.n_pages - skip} after its cached prefix"
         return ""
 
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
@@ -316,8 +322,9 @@ class PrefillTable(RoomTable):
             return
         wid = self._next_write_id
         self._next_write_id += 1
-        span = slice(r.pages_started, upto)
-        out.append(StartWrite(r.room, wid, r.peer, r.src_pages[span], r.dst_pages[span]))
+        skip = r.skip_pages
+        out.append(StartWrite(r.room, wid, r.peer, r.src_pages[r.pages_started:upto],
+                              r.dst_pages[r.pages_started - skip:upto - skip]))
         r.writes[wid] = upto - r.pages_started
         r.pages_started = upto
 
