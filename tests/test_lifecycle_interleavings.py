@@ -91,6 +91,9 @@ class Bound:
     incompatible_info: bool = True
     """Decode may find the prefill's info incompatible (instead of compatible)."""
     request_timeout_s: Optional[float] = None
+    cached_pages: int = 0
+    """Decode holds the first pages of every room's prompt in its prefix cache: the same shared,
+    read-only pages for every room, registered with prefill as cached tokens, never written."""
 
     def deadlines(self) -> Deadlines:
         return dataclasses.replace(DEADLINES, request_timeout_s=self.request_timeout_s)
@@ -119,11 +122,13 @@ class Side:
     arrived: set[int] = field(default_factory=set)
     endings: dict[int, object] = field(default_factory=dict)  # room -> its one Ending
     terminal: dict[int, object] = field(default_factory=dict)  # room -> Ending first seen terminal
+    shared: dict[int, set[int]] = field(default_factory=dict)  # room -> the shared cached pages it references
 
     def key(self) -> tuple:
         return (tuple(sorted(self.owned)), tuple(sorted(self.freed)), tuple(sorted(self.quarantined)),
                 tuple(sorted(self.arrived)), tuple(sorted(self.endings.items())),
-                tuple(sorted(self.terminal.items())))
+                tuple(sorted(self.terminal.items())),
+                tuple(sorted((room, tuple(sorted(pages))) for room, pages in self.shared.items())))
 
 
 class World:
@@ -245,7 +250,7 @@ class World:
                 out.append(step("P.forward", PREFILL, lambda w: ForwardDone(room, FIRST_TOKEN)))
         if ds is DecodeState.PREALLOC:
             if self._once(tag + "D.pages"):
-                out.append(step("D.pages", DECODE, lambda w: w._own(DECODE, PagesReserved(room, w._dst(room)))))
+                out.append(step("D.pages", DECODE, lambda w: w._reserve(room)))
             if self._once(tag + "D.info"):
                 out.append(step("D.info", DECODE, lambda w: PeerInfo(room, PP)))
                 if self.bound.incompatible_info:
@@ -266,7 +271,17 @@ class World:
         return tuple(100 * room + k for k in range(self.bound.pages))
 
     def _dst(self, room: int) -> tuple[int, ...]:
-        return tuple(10 * room + k for k in range(self.bound.pages))
+        """Decode's pages for the room that prefill writes (after the shared cached prefix)."""
+        return tuple(10 * room + k for k in range(self.bound.cached_pages, self.bound.pages))
+
+    def _shared(self) -> tuple[int, ...]:
+        return tuple(900 + k for k in range(self.bound.cached_pages))
+
+    def _reserve(self, room: int) -> PagesReserved:
+        """Decode's pages: the shared cached prefix (one more reference each), then its own."""
+        self.sides[DECODE].shared[room] = set(self._shared())
+        self._own(DECODE, PagesReserved(room, self._dst(room)))
+        return PagesReserved(room, self._shared() + self._dst(room), self.bound.cached_pages * PAGE_SIZE)
 
     def _own(self, role: Role, event):
         pages = getattr(event, "pages", None) or getattr(event, "new_pages", ())
@@ -303,7 +318,8 @@ class World:
         dc = self.sides[DECODE]
         for p in w.dst:
             if p in dc.freed or p not in dc.owned:
-                raise Violation(f"write {wid} landed in decode page {p}, which is not the room's any more")
+                raise Violation(f"write {wid} landed in decode page {p}, which is not the room's (any more), "
+                                f"or a shared cached page")
         self.landed |= set(w.dst)
         self._feed(PREFILL, WriteDone(w.room, wid))
 
@@ -439,6 +455,8 @@ class World:
         pf, dc = self.sides[PREFILL], self.sides[DECODE]
         if not set(src) <= pf.owned - pf.freed:
             raise Violation(f"write {wid} reads prefill pages {src} the room does not hold")
+        if set(dst) & set(self._shared()):
+            raise Violation(f"write {wid} targets decode's shared cached pages {sorted(set(dst) & set(self._shared()))}")
         dead = bool(self.fenced)  # a disconnected link: the write can only fail
         if not dead and not set(dst) <= dc.owned - dc.freed:
             raise Violation(f"write {wid} started into decode pages {dst} that are free")
@@ -446,6 +464,14 @@ class World:
 
     def _free(self, role: Role, room: int, pages, quarantined: bool) -> None:
         side = self.sides[role]
+        shared = set(pages) & set(self._shared()) if role is DECODE else set()
+        if shared:  # a reference given back: the room must hold it, and a write must never reach it
+            held = side.shared.get(room, set())
+            if quarantined or not shared <= held:
+                raise Violation(f"decode room {room} freed shared cached pages {sorted(shared)} it does not "
+                                f"reference (it holds {sorted(held)})")
+            held -= shared
+            pages = [p for p in pages if p not in shared]
         for p in pages:
             if p not in side.owned:
                 raise Violation(f"{role.value} freed page {p} it never owned")
@@ -530,6 +556,9 @@ class World:
                     raise Violation(f"{role.value} room {room} never ended")
             if side.owned != side.freed:
                 raise Violation(f"{role.value} pages never freed: {sorted(side.owned - side.freed)}")
+            held = {room: pages for room, pages in side.shared.items() if pages}
+            if held:
+                raise Violation(f"{role.value} shared cached pages still referenced at the end: {held}")
         if self.writes:
             raise Violation(f"writes never settled: {self.writes}")
         for room in self.rooms:  # what the two sides concluded must agree
@@ -608,6 +637,8 @@ def explore(bound: Bound, max_states: int = 5_000_000) -> Stats:
 SMALL = {
     # every fault (drop, duplicate, delay, stall, partition) once, with a client abort on prefill
     "faults": Bound(rooms=1, pages=2, decode_steps=1, faults=1, aborts=("P.abort",)),
+    # decode holds the first page of the prompt in its prefix cache (shared, never written)
+    "cached": Bound(rooms=1, pages=2, decode_steps=1, faults=1, aborts=("P.abort",), cached_pages=1),
     # client aborts on both sides, in every order (D.fail, the decode worker failing on its own,
     # takes the same paths with another reason: it is in the long bounds)
     "aborts": Bound(rooms=1, pages=2, decode_steps=1, faults=0, aborts=("P.abort", "D.abort")),
@@ -679,6 +710,30 @@ PLANTED = {
 }
 
 
+def _decode_registers_its_cached_prefix_for_writing(original):
+    def send_registration(self, r, now, out):
+        cached, r.cached_pages = r.cached_pages, 0  # registers every prompt page, the shared ones too
+        original(self, r, now, out)
+        r.cached_pages = cached
+    return send_registration
+
+
+def _decode_gives_back_its_cached_prefix_twice(original):
+    def release_memory(self, r, now, out):
+        original(self, r, now, out)
+        if r.quarantined:  # the prefix went back at the quarantine already
+            out.append(FreePages(r.room, tuple(900 + k for k in range(1))))
+    return release_memory
+
+
+PLANTED_SHARED = {
+    "decode registers a shared cached page as a write target":
+        (DecodeTable, "_send_registration", _decode_registers_its_cached_prefix_for_writing),
+    "decode frees a cached page it no longer references": (DecodeTable, "_release_memory",
+                                                            _decode_gives_back_its_cached_prefix_twice),
+}
+
+
 @pytest.mark.parametrize("bug", PLANTED)
 def test_the_explorer_catches_a_planted_bug(bug, monkeypatch):
     """The checks are not vacuous: each planted bug is found within the small bound."""
@@ -688,13 +743,22 @@ def test_the_explorer_catches_a_planted_bug(bug, monkeypatch):
         explore(SMALL["faults"])
 
 
+@pytest.mark.parametrize("bug", PLANTED_SHARED)
+def test_the_explorer_catches_a_planted_bug_with_shared_pages(bug, monkeypatch):
+    cls, name, make = PLANTED_SHARED[bug]
+    monkeypatch.setattr(cls, name, make(getattr(cls, name)))
+    with pytest.raises(Violation):
+        explore(SMALL["cached"])
+
+
 @settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_random_event_sequences_keep_the_rules(data):
     """Two rooms sharing the same pair of peers, more faults: random walks to a leaf."""
     bound = Bound(rooms=2, pages=3, decode_steps=2, faults=3,
                   aborts=("P.abort", "D.abort", "D.fail", "P.fail"),
-                  request_timeout_s=data.draw(st.sampled_from([None, 9.0, 25.0])))
+                  request_timeout_s=data.draw(st.sampled_from([None, 9.0, 25.0])),
+                  cached_pages=data.draw(st.sampled_from([0, 1, 2])))
     world = World(bound)
     for _ in range(2000):
         choices = world.choices()
