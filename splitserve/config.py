@@ -124,7 +124,20 @@ class RouterConfig:
     port: int = 8000
     """Port of the router's OpenAI-compatible API."""
     policy: str = "round_robin"
-    """How a worker is picked per request: round_robin, random or least_load."""
+    """How a worker is picked per request: round_robin, random, least_load, or cache_aware (the
+    worker likely to hold the prompt's prefix in its KV cache, unless the load is out of balance;
+    docs/router.md)."""
+    cache_block_chars: int = 64
+    """cache_aware: the prompt is matched in blocks of this many characters."""
+    cache_threshold: float = 0.3
+    """cache_aware: route to the best match only if it covers at least this share of the prompt."""
+    cache_balance_abs: int = 4
+    """cache_aware: load wins when the busiest worker has more than this many requests in flight
+    more than the least busy..."""
+    cache_balance_rel: float = 1.5
+    """cache_aware: ...and more than this many times as many."""
+    cache_index_blocks: int = 100000
+    """cache_aware: blocks remembered per worker (least recently used dropped)."""
     health_interval_s: float = 2.0
     """Seconds between health checks of each worker."""
     health_failures: int = 2

@@ -49,6 +49,8 @@ class FakeWorker:
         self.requests: list[tuple[str, dict]] = []
         self.aborted = threading.Event()
         self.finished = 0
+        self.flushes = 0  # POST /flush_cache received
+        self.flush_status = 200
         self.release = asyncio.Event()  # set (from the loop) to end `hang` behaviours
         self.runner: Optional[web.AppRunner] = None
         self.port = 0
@@ -67,6 +69,7 @@ class FakeWorker:
             app.router.add_post(path, self._generate)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/flush_cache", self._flush_cache)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
@@ -80,6 +83,10 @@ class FakeWorker:
         if self.models_hang:
             await self.release.wait()
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _flush_cache(self, request):
+        self.flushes += 1
+        return web.json_response({"flushed_pages": 3}, status=self.flush_status)
 
     async def _generate(self, request):
         body = await request.json()
@@ -446,6 +453,61 @@ def test_least_load_picks_the_idle_worker(fakes, start_router):
             assert requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=5).json()["who"] == "idle"
         busy.end_hangs()
         assert held.result().json() == {"who": "released"}
+
+
+def test_cache_aware_keeps_each_conversation_on_its_workers(fakes, start_router):
+    prefill_a, prefill_b = fakes(), fakes()
+    a, b = fakes(reply(200, {"who": "a"})), fakes(reply(200, {"who": "b"}))
+    router = start_router([(prefill_a.url, 1), (prefill_b.url, 1)], [a.url, b.url], "--policy", "cache_aware",
+                          "--cache-block-chars", "16")
+    histories = {"one": "You are a helpful agent. " * 8, "two": "You are a careful planner. " * 8}
+    seen: dict[str, set] = {name: set() for name in histories}
+    for turn in range(4):
+        for name in histories:
+            histories[name] += f" user turn {turn}: do the next step; answer: step {turn} done."
+            who = requests.post(router.url + "/v1/completions", json={"prompt": histories[name], "max_tokens": 4},
+                                timeout=5).json()["who"]
+            seen[name].add(who)
+    assert seen["one"] in ({"a"}, {"b"}) and seen["two"] in ({"a"}, {"b"}) and seen["one"] != seen["two"], seen
+    # prefill is chosen on its own, by the same rule: each conversation's prompts went to one prefill
+    for p in (prefill_a, prefill_b):
+        prompts = {body["prompt"][:30] for _, body in p.requests}
+        assert len(prompts) == 1, prompts
+
+
+def test_cache_aware_weighs_matches_against_load():
+    from splitserve.router.policy import CacheAware, CacheKnobs
+    from splitserve.router.workers import Worker
+    policy = CacheAware(CacheKnobs(block_chars=8, threshold=0.5, balance_abs=2, balance_rel=1.5, index_blocks=4))
+    a, b = Worker("decode", "http://a"), Worker("decode", "http://b")
+
+    def pick(key: str, load_a: int, load_b: int) -> Worker:
+        a.in_flight, b.in_flight = load_a, load_b
+        return policy.pick([a, b], key)
+
+    one, two = "abcdefgh" * 3, "ijklmnop" * 3  # 3 blocks each
+    assert pick(one, 0, 1) is a  # nothing matches: the least busy, which learns the key
+    assert pick(one + "and more", 2, 0) is a  # a full match outweighs 2 requests more in flight
+    assert pick(one, 3, 0) is b  # 3 more and more than 1.5x as many: load wins (and b learns it)
+    assert pick(two, 1, 0) is b
+    assert pick(two + "z", 0, 1) is b  # b holds it
+    assert pick(two[:8] + "y" * 16, 0, 1) is a  # 1 block of 3 is below the threshold: the least busy
+    for i in range(10):  # the index is bounded: each worker keeps its last 4 blocks
+        pick(f"{i:08d}" * 2, 0, 0)
+    assert all(len(seen) <= 4 for seen in policy._seen.values())
+
+
+def test_flush_cache_reaches_every_worker(fakes, start_router):
+    prefill, a, b = fakes(), fakes(), fakes()
+    router = start_router([(prefill.url, 1)], [a.url, b.url])
+    r = requests.post(router.url + "/flush_cache", timeout=10)
+    assert r.status_code == 200, r.text
+    assert [w["status"] for w in r.json()["workers"]] == [200, 200, 200]
+    assert (prefill.flushes, a.flushes, b.flushes) == (1, 1, 1)
+    b.flush_status = 500  # one worker failing: 502, and its answer named
+    r = requests.post(router.url + "/flush_cache", timeout=10)
+    assert r.status_code == 502
+    assert [w["status"] for w in r.json()["workers"] if w["url"] == b.url] == [500]
 
 
 def test_request_timeout_closes_both_legs(fakes, start_router):

@@ -8,6 +8,7 @@ Routes::
     GET  /metrics                                           Prometheus (``splitserve_router_*``)
     GET  /workers                                           every worker: role, health, legs in flight
     GET  /debug/requests/{rid}                              one request on the router and both its workers
+    POST /flush_cache                                       every worker's ``/flush_cache``, at once
 
 :func:`create_app` builds the application from a :class:`~splitserve.config.RouterConfig`; all of
 its state is one :class:`RouterState` on the app (no module-level globals), including the one
@@ -50,7 +51,7 @@ from splitserve.router import debug
 from splitserve.router.client import send
 from splitserve.router.legs import describe_error
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policy import Policy, make_policy
+from splitserve.router.policy import CacheKnobs, Policy, make_policy
 from splitserve.router.proxy import ENDPOINTS, ROOM_BITS, forward
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
 from splitserve.server.openai_protocol import error_body
@@ -70,7 +71,9 @@ class RouterState:
     def __init__(self, config: RouterConfig, registry: Registry):
         self.config = config
         self.workers = WorkerSet.from_config(config)
-        self.policies: dict[str, Policy] = {PREFILL: make_policy(config.policy), DECODE: make_policy(config.policy)}
+        knobs = CacheKnobs(config.cache_block_chars, config.cache_threshold, config.cache_balance_abs,
+                           config.cache_balance_rel, config.cache_index_blocks)
+        self.policies: dict[str, Policy] = {role: make_policy(config.policy, knobs) for role in (PREFILL, DECODE)}
         self.registry = registry
         self.metrics = RouterMetrics(registry, self.workers)
         self.recent = debug.RecentRequests()
@@ -79,14 +82,15 @@ class RouterState:
         self.new_room = functools.partial(secrets.randbits, ROOM_BITS)
         """Draws each request's ``bootstrap_room`` (the simulator draws from its seed)."""
 
-    def pick_workers(self) -> Union[tuple[Worker, Worker], str]:
-        """A (prefill, decode) pair by the policy among healthy workers, or why there is none."""
+    def pick_workers(self, key: str = "") -> Union[tuple[Worker, Worker], str]:
+        """A (prefill, decode) pair by the policy among healthy workers (each role chosen on its
+        own), for a request whose routing key is ``key``; or why there is none."""
         picked = []
         for role, workers in ((PREFILL, self.workers.prefill), (DECODE, self.workers.decode)):
             healthy = self.workers.healthy(role)
             if not healthy:
                 return f"no healthy {role} worker: {describe_all(workers)}"
-            picked.append(self.policies[role].pick(healthy))
+            picked.append(self.policies[role].pick(healthy, key))
         return picked[0], picked[1]
 
     def spawn(self, coro) -> asyncio.Task:
@@ -108,6 +112,11 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
         value = getattr(config, name)
         if not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive number of seconds, not {value}")
+    for name in ("cache_block_chars", "cache_balance_rel", "cache_index_blocks"):
+        if not getattr(config, name) > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
+    if not 0 <= config.cache_threshold <= 1 or config.cache_balance_abs < 0:
+        raise ValueError("--cache-threshold must be in [0, 1] and --cache-balance-abs at least 0")
     registry = registry or Registry()
     middlewares = [_bounded_send, _error_middleware]
     refused = unauthorized_counter(registry)
@@ -123,6 +132,7 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     for path in ENDPOINTS:
         app.router.add_post(path, _generation)
     app.router.add_get("/v1/models", _models)
+    app.router.add_post("/flush_cache", _flush_cache)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/workers", lambda request: debug.workers(request.app[ROUTER]))
@@ -195,6 +205,23 @@ async def _error_middleware(request: web.Request, handler):
 
 async def _generation(request: web.Request) -> web.StreamResponse:
     return await forward(request.app[ROUTER], request)
+
+
+async def _flush_cache(request: web.Request) -> web.Response:
+    """Ask every worker to drop the unowned pages of its prefix cache; each one's answer."""
+    state = request.app[ROUTER]
+
+    async def flush(worker: Worker) -> dict:
+        try:
+            async with state.session.post(worker.url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                body = await resp.json(content_type=None)
+                return {**(body if isinstance(body, dict) else {}), "url": worker.url, "status": resp.status}
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            return {"url": worker.url, "status": 502, "error": describe_error(exc)}
+
+    results = await asyncio.gather(*(flush(w) for w in state.workers.all()))
+    ok = all(r["status"] == 200 for r in results)
+    return web.json_response({"workers": list(results)}, status=200 if ok else 502)
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -70,6 +70,7 @@ from splitserve.engine.io import InvalidRequest
 from splitserve.router.client import ClientLost, ClientWriter, read_body, send
 from splitserve.router.legs import Leg, NoHeaders, describe_error
 from splitserve.router.metrics import TokenTimes
+from splitserve.router.policy import routing_key
 from splitserve.router.stream import DecodeStream
 from splitserve.router.workers import DECODE, PREFILL, Worker
 from splitserve.server.openai_protocol import engine_error_body, error_body
@@ -356,7 +357,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         except InvalidRequest as exc:
             outcome, status = "bad_request", exc.status
             return web.json_response(engine_error_body(exc), status=exc.status)
-        picked = state.pick_workers()
+        picked = state.pick_workers(routing_key(validated))
         if isinstance(picked, str):
             outcome, status = "no_workers", 503
             return web.json_response(error_body(picked, 503, code="no_healthy_workers"), status=503,
