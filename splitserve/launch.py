@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -73,7 +74,13 @@ class LaunchConfig:
     transfer_backend: Optional[str] = None
     """KV transfer backend of the workers: nixl or tcp; unset, each worker uses its own default."""
     policy: str = "round_robin"
-    """The router's policy: round_robin, random or least_load."""
+    """The router's policy: round_robin, random, least_load or cache_aware."""
+    worker_args: str = ""
+    """More options for every worker, as one string after "=" (e.g. --worker-args="--no-prefix-cache
+    --max-total-tokens 16384"); `splitserve serve --help` lists them."""
+    router_args: str = ""
+    """More options for the router, as one string after "=" (e.g. --router-args="--cache-threshold
+    0.5"); `splitserve router --help` lists them."""
     ready_timeout_s: float = 300.0
     """How long every process may take to become healthy before launch gives up."""
     stop_timeout_s: float = 40.0
@@ -196,7 +203,8 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     router_env = {API_KEY_ENV: client_key or "", WORKER_API_KEY_ENV: worker_key or ""}
     ports = free_ports(2 * config.num_prefill + config.num_decode, avoid=(config.port,))
     cli = (python, "-m", "splitserve.cli")
-    backend = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
+    extra = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
+    extra += tuple(shlex.split(config.worker_args))  # the worker refuses what it does not know, at start
     specs, router_args = [], []
     for i in range(config.num_prefill):
         port, bootstrap = ports.pop(), ports.pop()
@@ -204,7 +212,7 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
         cpus, where = _placement(prefill_cpus, i, cores_of)
         specs.append(ChildSpec(
             f"prefill-{i}", cli + ("serve", "--role", "prefill", "--model", config.model, "--host", "127.0.0.1",
-                                   "--port", str(port), "--bootstrap-port", str(bootstrap)) + backend + cpus,
+                                   "--port", str(port), "--bootstrap-port", str(bootstrap)) + extra + cpus,
             url=url, health_url=url + "/health", note=f"bootstrap port {bootstrap}{where}", env=worker_env))
         router_args += ["--prefill", url, str(bootstrap)]
     for i in range(config.num_decode):
@@ -213,14 +221,14 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
         cpus, where = _placement(decode_cpus, i, cores_of)
         specs.append(ChildSpec(
             f"decode-{i}", cli + ("serve", "--role", "decode", "--model", config.model, "--host", "127.0.0.1",
-                                  "--port", str(port)) + backend + cpus,
+                                  "--port", str(port)) + extra + cpus,
             url=url, health_url=url + "/health", note=where.lstrip("; "), env=worker_env))
         router_args += ["--decode", url]
     host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
     router_url = f"http://{host}:{config.port}"
     specs.append(ChildSpec(
         "router", cli + ("router", "--host", config.host, "--port", str(config.port), "--policy", config.policy,
-                         *router_args),
+                         *router_args, *shlex.split(config.router_args)),
         url=router_url, health_url=router_url + "/health", note="the endpoint for clients", env=router_env))
     return specs
 

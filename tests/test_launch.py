@@ -206,6 +206,14 @@ def test_build_specs_hands_keys_over_in_the_environment_never_the_command_line(t
     assert all(not v for s in plain for v in s.env.values())  # no key, and none inherited
 
 
+def test_build_specs_passes_more_options_on():
+    specs = build_specs(LaunchConfig(split_cpus=False, worker_args="--no-prefix-cache --max-total-tokens 4096",
+                                     router_args="--cache-threshold 0.5", policy="cache_aware"), python="py")
+    for worker in specs[:2]:
+        assert worker.argv[-3:] == ("--no-prefix-cache", "--max-total-tokens", "4096")
+    assert specs[2].argv[-2:] == ("--cache-threshold", "0.5") and "cache_aware" in specs[2].argv
+
+
 def one_cpu_per_core(cpus):
     return [(c,) for c in sorted(cpus)]
 
