@@ -313,8 +313,11 @@ def main() -> None:
             print(f"cache_aware / round_robin, {role}: hit rate {aware.hit_rate(role):.1%} vs "
                   f"{rr.hit_rate(role):.1%}; busiest / least busy worker {aware.balance(role):.2f} vs "
                   f"{rr.balance(role):.2f} (bound 2)")
-        print(f"cache_aware / round_robin: TTFT p50 {ratio(aware.ttft_ms(50), rr.ttft_ms(50))}, wall "
-              f"{ratio(aware.wall_s, rr.wall_s)}")
+        kv = ratio(aware.later.total("kv_bytes", aware.urls("prefill")), rr.later.total("kv_bytes", rr.urls("prefill")))
+        computed = ratio(aware.later.total("computed", aware.urls("prefill")),
+                         rr.later.total("computed", rr.urls("prefill")))
+        print(f"cache_aware / round_robin, turns 2 and later: KV bytes {kv}, prompt tokens computed {computed}; "
+              f"TTFT p50 {ratio(aware.ttft_ms(50), rr.ttft_ms(50))}, wall {ratio(aware.wall_s, rr.wall_s)}")
 
 
 if __name__ == "__main__":
