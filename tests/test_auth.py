@@ -78,7 +78,7 @@ def test_the_openai_client_needs_the_router_s_key(keyed):
     assert 'splitserve_http_unauthorized_total{why="missing"} 2' in counts
     assert 'splitserve_http_unauthorized_total{why="wrong"} 4' in counts
     for w in keyed.workers:
-        pages_back_to_total(w)
+        pages_back_to_total(w, api_key=WORKER_KEY)
 
 
 def test_workers_take_only_their_own_key_and_the_router_sends_it(keyed):
