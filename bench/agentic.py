@@ -213,8 +213,10 @@ def start(name: str, args: argparse.Namespace) -> tuple[Deployment, dict[str, st
     port = free_port()
     argv = ["launch", "--model", args.model, "--port", str(port), "--transfer-backend", args.backend,
             "--num-prefill", str(setup["prefill"]), "--num-decode", str(setup["decode"]), "--policy", setup["policy"]]
-    if not setup["cache"]:
-        argv += ["--worker-args=--no-prefix-cache"]  # with "=": the value starts with a dash
+    # a wedge is declared after --loop-stall-s without an iteration (30 s): on a CPU shared with other
+    # work one step of 2,048 prompt tokens of SmolLM2 can take that long; this bench measures the cache
+    worker_args = "--loop-stall-s 300" + ("" if setup["cache"] else " --no-prefix-cache")
+    argv += [f"--worker-args={worker_args}"]  # with "=": the value starts with a dash
     dep = Deployment(name, argv, port, name)
     dep.wait_healthy(args.ready_timeout_s)
     workers = requests.get(dep.url + "/workers", timeout=10)
