@@ -65,6 +65,12 @@ class ServerConfig:
     CPUs this process is allowed now (its affinity). `splitserve launch` gives each worker its own."""
     threads: Optional[int] = None
     """torch intra-op threads; unset: one per physical core among the CPUs it runs on (SMT siblings count once)."""
+    ssl_certfile: Optional[str] = None
+    """Serve HTTPS with this certificate (PEM; with --ssl-keyfile)."""
+    ssl_keyfile: Optional[str] = None
+    """The private key of --ssl-certfile (PEM)."""
+    ssl_ca_certs: Optional[str] = None
+    """With TLS: require every client to present a certificate signed by these CAs (PEM)."""
     max_body_bytes: int = 8 << 20
     """Largest request body accepted (413 past it). 8 MiB holds the longest legal prompt of a
     128k-token context at 64 bytes of JSON per token (docs/security.md has the measurement)."""
@@ -158,6 +164,19 @@ class RouterConfig:
     """Streaming requests: a worker answers its status as soon as it accepts or refuses one; a leg
     whose response headers have not come this long after it was sent fails with 504 (without
     streaming the headers come with the whole answer: request_timeout_s bounds them)."""
+    ssl_certfile: Optional[str] = None
+    """Serve HTTPS with this certificate (PEM; with --ssl-keyfile)."""
+    ssl_keyfile: Optional[str] = None
+    """The private key of --ssl-certfile (PEM)."""
+    ssl_ca_certs: Optional[str] = None
+    """With TLS: require every client to present a certificate signed by these CAs (PEM)."""
+    worker_ca_certs: Optional[str] = None
+    """CA certificates (PEM) that https:// workers' certificates must be signed by (default: the
+    system's); their host names are checked too."""
+    worker_ssl_certfile: Optional[str] = None
+    """The router's client certificate for workers that require one (their --ssl-ca-certs)."""
+    worker_ssl_keyfile: Optional[str] = None
+    """The private key of --worker-ssl-certfile."""
     max_body_bytes: int = 8 << 20
     """Largest request body accepted (413 past it). 8 MiB holds the longest legal prompt of a
     128k-token context at 64 bytes of JSON per token (docs/security.md has the measurement)."""

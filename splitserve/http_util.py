@@ -12,16 +12,16 @@ from aiohttp import web
 from splitserve.server.openai_protocol import error_body
 
 
-def bound_url(runner: web.AppRunner, host: str, port: int) -> str:
+def bound_url(runner: web.AppRunner, host: str, port: int, tls: bool = False) -> str:
     """The base URL a client on this host can use: the port actually bound (differs from the
-    configured one with ``--port 0``), and loopback for a wildcard host."""
+    configured one with ``--port 0``), loopback for a wildcard host, https with ``tls``."""
     for addr in runner.addresses:
         if isinstance(addr, tuple) and len(addr) >= 2:
             port = addr[1]
             break
     host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
     host = f"[{host}]" if ":" in host else host
-    return f"http://{host}:{port}"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
 
 
 REFUSED_LINGER_S = 1.0  # a refused connection is closed this long after its 503 (time to read it)

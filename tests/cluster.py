@@ -50,7 +50,7 @@ class RouterProcess:
     up). ``wait_healthy=False`` is for tests of a router whose workers are down or fake."""
 
     def __init__(self, prefill: Sequence[tuple[str, int]], decode: Sequence[str], *args: str,
-                 startup_timeout: float = 60.0, wait_healthy: bool = True):
+                 startup_timeout: float = 60.0, wait_healthy: bool = True, tls: Optional[dict] = None):
         self.argv: list[str] = []
         for url, bootstrap in prefill:
             self.argv += ["--prefill", url, str(bootstrap)]
@@ -59,13 +59,14 @@ class RouterProcess:
         self.argv += list(args)
         self.startup_timeout = startup_timeout
         self.wait_healthy = wait_healthy
+        self.tls = tls  # a TLS router: requests' keywords to reach it
         self.logdir = Path(tempfile.mkdtemp(prefix="splitserve-router-"))
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> "RouterProcess":
         from conftest import _die_with_parent
@@ -92,7 +93,7 @@ class RouterProcess:
 
     def _healthy(self) -> bool:
         try:
-            return requests.get(self.url + "/health", timeout=2).status_code == 200
+            return requests.get(self.url + "/health", timeout=2, **(self.tls or {})).status_code == 200
         except requests.RequestException:
             return False
 
@@ -127,12 +128,14 @@ class Cluster:
     model) over ``backend`` (``nixl`` or ``tcp``), and a router in front (``router=False``: none).
     Extra command-line options: ``worker_args`` for every worker, ``prefill_args`` /
     ``decode_args`` per role (a list of option lists, one per worker, to set them apart),
-    ``router_args`` for the router."""
+    ``router_args`` for the router; ``worker_tls`` / ``router_tls``: for TLS servers, the ``requests``
+    keywords that reach them (``verify``, ``cert``)."""
 
     def __init__(self, prefill: int = 1, decode: int = 1, backend: str = "nixl", *,
                  worker_args: Sequence[str] = (), prefill_args=(), decode_args=(),
                  router_args: Sequence[str] = (), router: bool = True,
-                 startup_timeout: float = STARTUP_TIMEOUT_S, model: str = "tiny"):
+                 startup_timeout: float = STARTUP_TIMEOUT_S, model: str = "tiny",
+                 worker_tls: Optional[dict] = None, router_tls: Optional[dict] = None):
         self.n_prefill, self.n_decode = prefill, decode
         self.model = model
         self.backend = backend
@@ -141,6 +144,7 @@ class Cluster:
         self.decode_args = _per_worker(decode_args, decode)
         self.router_args = list(router_args)
         self.with_router = router
+        self.worker_tls, self.router_tls = worker_tls, router_tls  # TLS servers: requests' keywords to reach them
         self.startup_timeout = startup_timeout
         self.prefill: list[ServerProcess] = []
         self.decode: list[ServerProcess] = []
@@ -169,7 +173,8 @@ class Cluster:
                     procs[i] = self._wait(procs[i], role, i, started)
             if self.with_router:
                 self.router = RouterProcess([(p.url, p.bootstrap_port) for p in self.prefill],
-                                            [d.url for d in self.decode], *self.router_args).start()
+                                            [d.url for d in self.decode], *self.router_args,
+                                            tls=self.router_tls).start()
         except BaseException:
             self.stop()
             raise
@@ -182,7 +187,7 @@ class Cluster:
         if role == "prefill":
             bootstrap = free_port()
             args += ["--bootstrap-port", str(bootstrap)]
-        proc = ServerProcess(*args, model=self.model, startup_timeout=self.startup_timeout)
+        proc = ServerProcess(*args, model=self.model, startup_timeout=self.startup_timeout, tls=self.worker_tls)
         proc.role, proc.bootstrap_port = role, bootstrap
         proc._spawn(free_port())
         return proc

@@ -78,13 +78,14 @@ class ServerProcess:
 
     def __init__(self, *args: str, model: str = "tiny", cache_dir: Path = CACHE_DIR,
                  startup_timeout: float = STARTUP_TIMEOUT_S, env: Optional[dict] = None,
-                 subcommand: str = "serve"):
+                 subcommand: str = "serve", tls: Optional[dict] = None):
         self.args = list(args)
         self.model = model
         self.cache_dir = Path(cache_dir)
         self.startup_timeout = startup_timeout
         self.extra_env = dict(env or {})
         self.subcommand = subcommand
+        self.tls = tls  # for a TLS server: requests' keywords to reach it ({"verify": CA, "cert": (crt, key)})
         self.port: Optional[int] = None
         self.proc: Optional[subprocess.Popen] = None
         self._logdir = Path(tempfile.mkdtemp(prefix="splitserve-server-"))
@@ -92,7 +93,7 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     @property
     def pid(self) -> int:
@@ -133,7 +134,7 @@ class ServerProcess:
             if rc is not None:
                 raise RuntimeError(f"server exited with {rc} before it was ready\n{self.output_tail()}")
             try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                if requests.get(self.url + "/health", timeout=2, **(self.tls or {})).status_code == 200:
                     return
             except requests.RequestException:
                 pass

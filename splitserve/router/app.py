@@ -55,6 +55,7 @@ from splitserve.router.policy import CacheKnobs, Policy, make_policy
 from splitserve.router.proxy import ENDPOINTS, ROOM_BITS, forward
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
 from splitserve.server.openai_protocol import error_body
+from splitserve.tls import client_context, server_context
 from splitserve.server.validation import REQUEST_ID
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,8 @@ class RouterState:
         self.recent = debug.RecentRequests()
         self.session: Optional[aiohttp.ClientSession] = None  # set at startup (needs the running loop)
         self.background: set[asyncio.Task] = set()
+        self.connections: Optional[ConnectionCap] = None  # set by create_app
+        self.worker_ssl = None  # the ssl.SSLContext for https:// workers, if configured
         self.new_room = functools.partial(secrets.randbits, ROOM_BITS)
         """Draws each request's ``bootstrap_room`` (the simulator draws from its seed)."""
 
@@ -127,6 +130,8 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[ROUTER] = RouterState(config, registry)
     app[ROUTER].connections = ConnectionCap(config.max_connections, registry)
+    app[ROUTER].worker_ssl = client_context(config.worker_ca_certs, config.worker_ssl_certfile,
+                                            config.worker_ssl_keyfile)  # for https:// workers
     app.on_response_prepare.append(_echo_request_id)
     app.cleanup_ctx.append(_session_and_health_checks)
     for path in ENDPOINTS:
@@ -150,7 +155,7 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 
 async def _session_and_health_checks(app: web.Application):
     state = app[ROUTER]
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ssl=state.worker_ssl or True)
     # the workers' key on every leg, health check and /v1/models; a client's own header is never passed on
     headers = bearer(state.config.worker_api_key) if state.config.worker_api_key else None
     state.session = aiohttp.ClientSession(connector=connector, headers=headers)
@@ -287,13 +292,14 @@ def run_router(config: RouterConfig) -> int:
     2 for a bad configuration)."""
     try:
         app = create_app(config)
+        ssl_context = server_context(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     except ValueError as exc:
         print(f"splitserve router: {exc}", file=sys.stderr, flush=True)
         return 2
-    return asyncio.run(_serve(app, config))
+    return asyncio.run(_serve(app, config, ssl_context))
 
 
-async def _serve(app: web.Application, config: RouterConfig) -> int:
+async def _serve(app: web.Application, config: RouterConfig, ssl_context=None) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -304,7 +310,7 @@ async def _serve(app: web.Application, config: RouterConfig) -> int:
     await runner.setup()
     app[ROUTER].connections.install(runner)
     try:
-        await web.TCPSite(runner, config.host, config.port).start()
+        await web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context).start()
     except OSError as exc:
         print(f"splitserve router: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr, flush=True)
         await runner.cleanup()
@@ -319,7 +325,7 @@ async def _serve(app: web.Application, config: RouterConfig) -> int:
 
 
 def ready_line(runner: web.AppRunner, config: RouterConfig, workers: WorkerSet) -> str:
-    url = bound_url(runner, config.host, config.port)
+    url = bound_url(runner, config.host, config.port, tls=config.ssl_certfile is not None)
     up = {role: f"{len(workers.healthy(role))}/{len(ws)}" for role, ws in
           ((PREFILL, workers.prefill), (DECODE, workers.decode))}
     model = workers.model_name()

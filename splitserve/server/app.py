@@ -48,6 +48,7 @@ from splitserve.router.client import send
 from splitserve.server.generation import RID, json_error, serve_generation
 from splitserve.server.validation import REQUEST_ID
 from splitserve.server.worker_metrics import WorkerMetrics
+from splitserve.tls import server_context
 
 log = logging.getLogger(__name__)
 
@@ -334,6 +335,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
     one exits 2."""
     try:
         check_client_bounds(server_config)
+        ssl_context = server_context(server_config.ssl_certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs)
     except ValueError as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -343,7 +345,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
         print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
         return 2
     log.info("CPU placement: %s", placement.describe())
-    return asyncio.run(_serve(make_engine(engine_config, server_config, deadlines), server_config))
+    return asyncio.run(_serve(make_engine(engine_config, server_config, deadlines), server_config, ssl_context))
 
 
 def make_engine(engine_config: EngineConfig, server_config: ServerConfig, deadlines=None):
@@ -358,7 +360,7 @@ def make_engine(engine_config: EngineConfig, server_config: ServerConfig, deadli
     return engine_for_role(engine_config, server_config, deadlines or Deadlines())
 
 
-async def _serve(engine, server_config: ServerConfig) -> int:
+async def _serve(engine, server_config: ServerConfig, ssl_context=None) -> int:
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -377,7 +379,7 @@ async def _serve(engine, server_config: ServerConfig) -> int:
     await runner.setup()
     state.connections.install(runner)
     try:
-        await web.TCPSite(runner, server_config.host, server_config.port).start()
+        await web.TCPSite(runner, server_config.host, server_config.port, ssl_context=ssl_context).start()
     except OSError as exc:
         print(f"splitserve: cannot listen on {server_config.host}:{server_config.port}: {exc}", file=sys.stderr,
               flush=True)
@@ -448,7 +450,7 @@ async def _drain(state: WorkerState, timeout_s: float, force: asyncio.Event) -> 
 
 
 def _ready_line(runner: web.AppRunner, config: ServerConfig, model: str) -> str:
-    url = bound_url(runner, config.host, config.port)
+    url = bound_url(runner, config.host, config.port, tls=config.ssl_certfile is not None)
     example = ('{"model": "%s", "prompt": "Hello, my name is", "max_tokens": 16}' % model)
     key = " -H 'Authorization: Bearer <your API key>'" if config.api_key else ""
     return (f"splitserve ready: {url} (model {model})  try: curl {url}/v1/completions{key} "
