@@ -896,7 +896,7 @@ DP2, DP3 = Peer("decode-1:7100", "d2"), Peer("decode-2:7100", "d3")
 
 
 def register_from(peer, room):
-    return FromPeer(peer, protocol.RegisterRoom(room, peer.incarnation, "p1", f"r{room}", PROMPT, list(DST)))
+    return FromPeer(peer, protocol.RegisterRoom(room, peer.incarnation, "p1", f"r{room}", PROMPT, list(DST), 0))
 
 
 def abort_from(peer, room):

@@ -39,6 +39,7 @@ from splitserve.disagg.lifecycle.states import (
     Ending, Outcome, PrefillState, Reason, Role, State, ending_from_peer, is_terminal,
 )
 from splitserve.disagg.lifecycle.quota import PeerQuota
+from splitserve.disagg.lifecycle.registration import registration_problem
 from splitserve.disagg.lifecycle.table import Room, RoomTable
 
 S = PrefillState
@@ -168,7 +169,7 @@ class PrefillTable(RoomTable):
                              now: float, out: list[Action]) -> None:
         r.peer = peer
         self.peers.bind(peer, r.room, now)
-        problem = self._registration_problem(r, msg)
+        problem = registration_problem(r.prompt_len, r.n_pages, self.page_size, msg)
         if problem:
             self._end(r, Ending(Reason.BAD_REQUEST, problem), now, out)
             return
@@ -177,16 +178,6 @@ class PrefillTable(RoomTable):
         r.pages_started = r.skip_pages
         self._enter(r, S.QUEUED, self.cfg.queue_s, now, out)
         out.append(Enqueue(r.room, r.rid))
-
-    def _registration_problem(self, r: PrefillRoom, msg: protocol.RegisterRoom) -> str:
-        if msg.prompt_len != r.prompt_len:
-            return f"prompt length differs: {r.prompt_len} tokens here, {msg.prompt_len} at decode"
-        skip, extra = divmod(msg.cached_tokens, self.page_size)
-        if extra or not 0 <= skip < r.n_pages:
-            return f"decode holds a cached prefix of {msg.cached_tokens} tokens, not whole pages of a prompt of {r.prompt_len}"
-        if len(msg.pages) < r.n_pages - skip:
-            return f"decode registered {len(msg.pages)} pages, the prompt needs {r.n_pages - skip} after its cached prefix"
-        return ""
 
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
         assert kind == "pending", kind
