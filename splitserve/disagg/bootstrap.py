@@ -1,5 +1,5 @@
 """Bootstrap info: what a prefill worker tells decode workers about itself, and the check that
-decode runs before sending anything (DESIGN §3).
+decode runs before sending anything (docs/design.md §3).
 
 Two workers can exchange KV pages only if they agree on everything that shapes a page: the model,
 its layers, KV heads and head dim, the dtype, the page size, and the transfer backend (and the

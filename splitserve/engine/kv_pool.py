@@ -8,7 +8,7 @@ Layout is page-major::
 so one page of *all* layers is one contiguous span of ``page_nbytes`` bytes, and a run of
 consecutive page ids is one contiguous span too. A KV transfer therefore needs one descriptor per
 contiguous run of pages, not one per (layer, page) — descriptor count, not bytes, sets transfer
-speed (DESIGN §3). The attention layers see per-layer strided views of the same memory.
+speed (docs/design.md §3). The attention layers see per-layer strided views of the same memory.
 
 The pool owns memory only; which page belongs to whom is the page allocator's business
 (``engine/page_allocator.py``).
@@ -23,7 +23,7 @@ import torch
 
 @dataclass(frozen=True)
 class KVLayout:
-    """The shape of a KV pool: what a peer must agree on before pages can cross (DESIGN §3)."""
+    """The shape of a KV pool: what a peer must agree on before pages can cross (docs/design.md §3)."""
 
     num_pages: int
     num_layers: int

@@ -4,7 +4,7 @@
 gate|up), so a layer does one matmul where the checkpoint stores several matrices; each part is
 loaded from its own checkpoint tensor into the view ``part(name, kind)``.
 
-Tensor parallelism (DESIGN §6) is not built. When it is, these loaders are where a rank takes its
+Tensor parallelism (docs/design.md §5, coming later) is not built. When it is, these loaders are where a rank takes its
 slice: output-dim parts (q, k, v, gate, up) split by rows, ``o_proj``/``down_proj`` by columns
 followed by an all-reduce. Nothing else in the models needs to change.
 
