@@ -8,7 +8,8 @@ health every 0.5 s (out after 2 failures):
 
 - every request sent to ``D2`` ends (an error naming the wedged loop) within loop bound + slack;
 - ``D2``'s ``/health`` answers 503, ``/metrics`` shows ``splitserve_engine_loop_age_seconds``
-  past the bound, and ``/debug/requests`` lists the stuck request — each answered at once;
+  past the bound, and ``/debug/requests`` lists the stuck request — each answered at once — and
+  ``splitserve_requests_late`` counts it once it is past half its deadline (read from the clock);
 - the router takes ``D2`` out of rotation within loop bound + health bound (+ slack): from then on
   every request succeeds on ``D1``.
 """
@@ -63,6 +64,13 @@ def test_a_wedged_decode_is_out_of_rotation_and_its_clients_are_answered():
         assert health.status_code == 503 and "engine loop" in health.text, health.text
         assert rows.status_code == 200 and rows.json(), rows.text
         assert age > LOOP_STALL_S, age
+        # the stuck room's deadline cannot fire (the loop is wedged), but it is counted late from the
+        # clock at scrape time, next to the loop's age: a wedged loop shows, it does not hide
+        stuck = rows.json()[0]
+        late_by = stuck["state_age_s"] + stuck["deadline_s"]  # all its state allows: late after half
+        late = wait_for("the stuck request counted late on the wedged D2", lambda: metric(
+            metrics(D2), "splitserve_requests_late", role="decode", state=stuck["state"]), late_by + SLACK_S)
+        assert late >= 1 and metric(metrics(D2), "splitserve_engine_loop_age_seconds") > age
 
         out_by = LOOP_STALL_S + HEALTH_S * (HEALTH_FAILURES + 1) + SLACK_S
         wait_for("the router takes D2 out of rotation",

@@ -31,7 +31,7 @@ import yaml
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import Cluster, RouterProcess, free_port
+from cluster import Cluster, RouterProcess, free_port, metrics
 from conftest import REPO
 from test_faults import Call, wait_for
 
@@ -206,6 +206,11 @@ def scrape(stack) -> dict[str, tuple[str, set, int]]:
     return out
 
 
+def silent_peers(worker) -> set[str]:
+    """The peers of ``splitserve_peer_silence_seconds`` on ``worker`` now."""
+    return {dict(labels)["peer"] for name, labels in metrics(worker) if name == "splitserve_peer_silence_seconds"}
+
+
 def union(a: dict, b: dict) -> dict:
     return {k: (a.get(k, b.get(k))[0], a.get(k, (0, set(), 0))[1] | b.get(k, (0, set(), 0))[1],
                 a.get(k, (0, set(), 0))[2] + b.get(k, (0, set(), 0))[2]) for k in {*a, *b}}
@@ -214,10 +219,14 @@ def union(a: dict, b: dict) -> dict:
 def test_every_metric_in_the_table_is_emitted(stack):
     """``docs/metrics.md`` against real scrapes of every process, during a stalled transfer (peers,
     their silence, a late request) and after it failed (failed transfers): every metric of the
-    table has samples, its type and its labels; every metric emitted is in the table."""
+    table has samples, its type and its labels; every metric emitted is in the table. A peer's
+    series leave with the last room that depends on it."""
     call = stack.stall("table-stall")
     stack.wait_late("table-stall")
     during = scrape(stack)
+    # per-peer series are there while a room depends on the peer: P2 and D see each other now
+    peers = silent_peers(stack.D), silent_peers(stack.P2)
+    assert [len(p) for p in peers] == [1, 1], peers
     late = [n for n in (requests.get(stack.P2.url + "/metrics", timeout=5).text.splitlines())
             if n.startswith('splitserve_requests_late{role="prefill",state="TRANSFERRING"}')]
     assert late and float(late[0].split()[-1]) >= 1, late
@@ -225,6 +234,9 @@ def test_every_metric_in_the_table_is_emitted(stack):
     assert "transfer_timeout" in resp.text, resp.text
     seen = union(during, wait_for("the failed transfer counted on both sides", lambda: (
         lambda s: s if s.get("splitserve_kv_transfer_failures_total", (0, 0, 0))[2] >= 2 else None)(scrape(stack)), 10))
+    # ... and gone with the room: no series is left behind for a peer nothing depends on
+    wait_for("the peer series gone with the failed room",
+             lambda: not silent_peers(stack.D) | silent_peers(stack.P2), 10)
     table = metric_table()
     assert len(table) > 40, "the table was not read"
     missing = sorted(n for n in table if n not in seen or seen[n][2] == 0)
