@@ -6,8 +6,8 @@ The workers are found through routers (``--router URL``: their ``GET /workers``)
 loop), and the screen shows:
 
 - per worker: its role and health (the router's view, and ``/health`` through the engine loop's
-  age), requests by state, late ones, KV usage (pages owned / total, quarantined), peers and the
-  longest silence among them, the outcome rates since the previous poll (finished and each
+  age), requests by state, late ones, KV usage (pages owned / total, quarantined), peers (live,
+  lost) and how long each live one has been silent (the most silent first), the outcome rates since the previous poll (finished and each
   failure reason per second), and the engine loop's age;
 - the oldest live requests of all workers: worker, rid, room, state, age, time in the state,
   time left before its deadline, peer; a request past half its deadline (``late``) in red.
@@ -35,6 +35,7 @@ from splitserve.metrics import parse_exposition
 
 ASK_TIMEOUT_S = 2.0
 OLDEST_ROWS = 12
+PEER_LINES = 3  # per worker, the most silent peers first
 
 
 @dataclass
@@ -190,11 +191,15 @@ def _kv(s: dict) -> str:
 def _peers(s: dict) -> str:
     live = sum(n for (name, ls), n in s.items() if name == "splitserve_peers" and ("state", "live") in ls)
     lost = sum(n for (name, ls), n in s.items() if name == "splitserve_peers" and ("state", "lost") in ls)
-    silences = [n for (name, _), n in s.items() if name == "splitserve_peer_silence_seconds"]
     if not any(name == "splitserve_peers" for name, _ in s):
         return "-"
-    text = f"{int(live)} live, {int(lost)} lost"
-    return text + (f", silent {max(silences):.1f}s" if silences else "")
+    silences = sorted(((n, dict(ls)["peer"]) for (name, ls), n in s.items()
+                       if name == "splitserve_peer_silence_seconds"), reverse=True)
+    lines = [f"{int(live)} live, {int(lost)} lost"]
+    lines += [f"{peer.partition('#')[0]} silent {n:.1f}s" for n, peer in silences[:PEER_LINES]]
+    if len(silences) > PEER_LINES:
+        lines.append(f"+{len(silences) - PEER_LINES} more")
+    return "\n".join(lines)
 
 
 def _outcomes(s: dict) -> dict:
@@ -216,7 +221,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="a router whose workers to show (its GET /workers); repeat for several")
     ap.add_argument("--worker", action="append", default=[], metavar="URL",
                     help="a worker to show besides those of the routers; repeat for several")
-    ap.add_argument("--interval", type=float, default=1.0, help="seconds between polls (default: 1)")
+    ap.add_argument("--interval", type=float, default=0.5,
+                    help="seconds between polls (default: 0.5: a request turning late is on screen within 1 s; "
+                         "bench/top.py measures it)")
     ap.add_argument("--rows", type=int, default=OLDEST_ROWS, help=f"oldest live requests shown (default: {OLDEST_ROWS})")
     ap.add_argument("--once", action="store_true", help="print one frame and exit")
 
@@ -236,8 +243,10 @@ def main(args: argparse.Namespace) -> int:
             console.print(top.render())
             return 0
         with Live(top.render(), console=console, screen=True, auto_refresh=False) as live:
-            while True:
-                time.sleep(args.interval)
+            due = time.monotonic()
+            while True:  # a poll every --interval from the last one's start; a slow poll delays the next, no burst
+                due = max(due + args.interval, time.monotonic())
+                time.sleep(max(0.0, due - time.monotonic()))
                 top.poll()
                 live.update(top.render(), refresh=True)
     except KeyboardInterrupt:

@@ -321,9 +321,10 @@ def test_top_in_tmux_shows_the_stalled_request_late(stack):
         assert row.startswith("│ " + stack.P2.url) or stack.P2.url in row, row
         rows = requests.get(stack.P2.url + "/debug/requests", timeout=5).json()
         assert any(r["rid"] == "top-stall" and r["state"] == "TRANSFERRING" and r["late"] for r in rows), rows
-        colored = next(x for x in screen(colors=True).splitlines() if "top-stall" in x)
+        colored = next(x for x in screen(colors=True).splitlines() if "top-stall" in x and "LATE" in x)
         assert re.search(r"\x1b\[[0-9;]*31m", colored), repr(colored)  # late rows are red
         assert re.search(r"TRANSFERRING 1", text), text  # P2's queue by state
+        assert re.search(r"1 live, 0 lost.*\n.*silent \d+\.\ds", text), text  # P2 and D: the peer, its silence
     finally:
         subprocess.run([*tmux, "kill-server"], capture_output=True)
 
