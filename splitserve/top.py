@@ -6,9 +6,10 @@ The workers are found through routers (``--router URL``: their ``GET /workers``)
 loop), and the screen shows:
 
 - per worker: its role and health (the router's view, and ``/health`` through the engine loop's
-  age), requests by state, late ones, KV usage (pages owned / total, quarantined), peers (live,
-  lost) and how long each live one has been silent (the most silent first), the outcome rates since the previous poll (finished and each
-  failure reason per second), and the engine loop's age;
+  age), requests by state, late ones, KV usage (pages held by requests / total, the prefix
+  cache's reclaimable pages, quarantined ones), peers (live, lost) and how long each live one
+  has been silent (the most silent first), the outcome rates since the previous poll (finished
+  and each failure reason per second), and the engine loop's age;
 - the oldest live requests of all workers: worker, rid, room, state, age, time in the state,
   time left before its deadline, peer; a request past half its deadline (``late``) in red.
 
@@ -182,8 +183,14 @@ def _states(s: dict) -> str:
 
 def _kv(s: dict) -> str:
     total, free = _value(s, "splitserve_kv_pages_total"), _value(s, "splitserve_kv_pages_free")
+    cached = _value(s, "splitserve_kv_pages_cached")
+    cached = cached if cached == cached else 0  # a worker without the prefix cache's metrics
     usage = next((n for (name, _), n in s.items() if name == "splitserve_kv_usage_ratio"), float("nan"))
-    text = f"{usage:.0%} ({int(total - free)}/{int(total)} pages)" if total == total else "-"
+    if total != total:
+        return "-"
+    # usage is what requests hold (quarantined pages too); cached pages are reclaimable and shown apart
+    text = f"{usage:.0%} ({int(total - free - cached)}/{int(total)} pages)"
+    text += f", {int(cached)} cached" if cached else ""
     quarantined = _value(s, "splitserve_kv_pages_quarantined")
     return text + (f", {int(quarantined)} quarantined" if quarantined == quarantined and quarantined else "")
 
@@ -224,7 +231,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--interval", type=float, default=0.5,
                     help="seconds between polls (default: 0.5: a request turning late is on screen within 1 s; "
                          "bench/top.py measures it)")
-    ap.add_argument("--rows", type=int, default=OLDEST_ROWS, help=f"oldest live requests shown (default: {OLDEST_ROWS})")
+    ap.add_argument("--rows", type=int, default=OLDEST_ROWS,
+                    help=f"oldest live requests shown (default: {OLDEST_ROWS})")
     ap.add_argument("--once", action="store_true", help="print one frame and exit")
 
 
