@@ -126,8 +126,9 @@ def main() -> None:
         got = asyncio.run(together(base, model, workload, args, seed=args.seed + 2 * r))
         for name, one in zip(("bench", "openai"), got):
             runs[name].append(one)
-            print(f"  round {r + 1} {name:<7} {one['requests_s']:6.3f} req/s  {one['tokens_s']:7.1f} tok/s  TTFT p50 "
-                  f"{one['ttft_p50']:7.1f} ms  mean {one['ttft_mean']:7.1f} ms  p90 {one['ttft_p90']:7.1f} ms", flush=True)
+            print(f"  round {r + 1} {name:<7} {one['requests_s']:6.3f} req/s  {one['tokens_s']:7.1f} tok/s  TTFT "
+                  f"p50 {one['ttft_p50']:7.1f} ms  mean {one['ttft_mean']:7.1f} ms  p90 {one['ttft_p90']:7.1f} ms",
+                  flush=True)
     print("\nopenai SDK / splitserve bench (median over rounds, min-max):")
     for key, label in (("ttft_p50", "TTFT p50"), ("ttft_mean", "TTFT mean"), ("requests_s", "requests/s"),
                        ("tokens_s", "output tokens/s")):

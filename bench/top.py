@@ -6,9 +6,10 @@ view, not the model); ``splitserve top --router URL --interval I`` runs in a tmu
 own tmux server. ``--requests`` streaming requests are sent one at a time; for each, the moment
 it crosses half its deadline is read off the prefill's ``/debug/requests`` (when it entered
 TRANSFERRING, and what that state allows), and the screen is read every 20 ms until its row says
-``LATE``; each request is sent at a random phase of top's polls. Printed per interval: the delay from crossing to the screen (median, max), against the
-reference measured the same way in the same run: the delay until the prefill's own
-``/debug/requests`` marks the row late (polled every 20 ms, so the figure's own resolution).
+``LATE``; each request is sent at a random phase of top's polls. Printed per interval: the delay
+from crossing to the screen (median, max), against the reference measured the same way in the
+same run: the delay until the prefill's own ``/debug/requests`` marks the row late (polled every
+20 ms, so the figure's own resolution).
 The goal: on screen within 1 s. Usage::
 
     .venv/bin/python bench/top.py [--intervals 1,0.5] [--requests 5] [--floor-s 4]
