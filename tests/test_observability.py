@@ -224,6 +224,9 @@ def test_every_metric_in_the_table_is_emitted(stack):
     call = stack.stall("table-stall")
     stack.wait_late("table-stall")
     during = scrape(stack)
+    live = requests.get(stack.P2.url + "/debug/requests/table-stall", timeout=5).json()  # a live request's timeline
+    assert live["live"] and [s["state"] for s in live["steps"]][-1] == "TRANSFERRING", live
+    assert live["steps"][-1]["duration_s"] >= STALL_FLOOR_S / 2, live  # in TRANSFERRING until now
     # per-peer series are there while a room depends on the peer: P2 and D see each other now
     peers = silent_peers(stack.D), silent_peers(stack.P2)
     assert [len(p) for p in peers] == [1, 1], peers
@@ -386,3 +389,31 @@ def test_router_token_times_read_sse_bytes_cut_anywhere():
     gen = TokenTimes(started=0.0)
     gen.feed(b'data: {"text": "a", "output_ids": [5]}\n\ndata: {"error": {"message": "x"}}\n\n', now=1.0)
     assert gen.ttft == 1.0 and gen.gaps == []
+
+
+def test_timeline_book_keeps_live_ones_and_a_bounded_number_of_ended_ones():
+    from splitserve.timeline import TimelineBook
+
+    book = TimelineBook("prefill", clock=lambda: 100.0, capacity=3)
+    live = book.start("live", 7, "BOOTSTRAPPING", 0.0)
+    for i in range(5):
+        tl = book.start(f"r{i}", 10 + i, "QUEUED", float(i))
+        tl.enter("PREFILLING", i + 0.25, "RoomReady")
+        tl.enter("PREFILLING", i + 0.3, "again")  # the state it is in already: not a step
+        tl.end("FINISHED(transferred)", i + 0.5, "KVSent")
+        book.ended(tl)
+    assert [book.get(f"r{i}") for i in range(2)] == [None, None] and book.get_room(10) is None  # the oldest go
+    assert [book.get(f"r{i}").rid for i in range(2, 5)] == ["r2", "r3", "r4"] and book.get_room(14).rid == "r4"
+    assert book.get("live") is live and book.get_room(7) is live  # live ones are never forgotten
+    assert book.short("r4") == "QUEUED 0.250s > PREFILLING 0.250s > FINISHED(transferred) total 0.500s"
+    d = book.get("r4").to_dict(now=50.0, wall=book.wall)
+    assert [(s["state"], s["at_s"], s["duration_s"], s["event"]) for s in d["steps"]] == [
+        ("QUEUED", 0.0, 0.25, "arrived"), ("PREFILLING", 0.25, 0.25, "RoomReady"),
+        ("FINISHED(transferred)", 0.5, 0.0, "KVSent")]
+    assert not d["live"] and live.to_dict(now=3.0, wall=book.wall)["steps"][0]["duration_s"] == 3.0
+    again = book.start("r2", 20, "QUEUED", 6.0)  # a new request with an old id: the old one's eviction keeps it
+    for i in range(3):
+        tl = book.start(f"s{i}", 30 + i, "QUEUED", 7.0)
+        tl.end("FAILED(x)", 7.5, "deadline")
+        book.ended(tl)
+    assert book.get("r2") is again and book.get_room(12) is None and book.get("r4") is None
