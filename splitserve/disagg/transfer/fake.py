@@ -16,8 +16,8 @@ Hooks let lifecycle tests strike mid-transfer:
 
 With ``network=`` (the simulator's, ``splitserve/sim/transfer.py``) the agents live in that
 network's own registry (``network.agents``), and a write is handed to it (``network.start(self,
-handle)``): the network lands it when it decides (``_receive`` on the target: bytes and
-notification) and sets the handle's state; ``poll`` only reads it. A released or failed write may
+handle)``): the network lands it when it decides (bytes and notification into the target) and
+sets the handle's state; ``poll`` asks the network (``network.poll(self, handle)``). A released or failed write may
 still be landed later by the network — until its target closes, which is the fence.
 """
 
@@ -120,7 +120,7 @@ class FakeBackend(TransferBackend):
         if not handle.state.pending or handle.stalled or handle.released:
             return handle.state
         if self._network is not None and not handle.fail_reason:
-            return handle.state  # the network settles it
+            return self._network.poll(self, handle)  # the network settles it
         handle.polls_left -= 1
         if handle.polls_left > 0:
             return handle.state

@@ -1,0 +1,108 @@
+"""Simulated time and randomness: one asyncio event loop whose clock is virtual, and random
+streams derived from the seed by name.
+
+:class:`SimLoop` is a stock ``asyncio`` selector loop whose ``time()`` is a number the loop moves
+itself: when nothing is ready to run it jumps straight to the next timer instead of sleeping.
+Everything in a simulated cluster runs on it — the router's and the workers' coroutines (the real
+ones, ``asyncio.wait_for`` and ``call_later`` included) and the callbacks that stand for each
+worker's threads — so a run is one thread, the order of events is the loop's (timers by time,
+then in the order they were made), and an hour of bad luck takes as long as its events take.
+No file descriptor is ever polled: the selector only advances the clock.
+
+:class:`Streams` gives each part of the simulation its own ``random.Random``, seeded from the run's
+seed and the part's name (with a stable hash: never Python's ``hash``, which differs per
+process), so that the same seed gives the same run in any process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+import selectors
+
+
+class _ClockSelector(selectors.BaseSelector):
+    """Registers what the loop asks (its self-pipe) and never reports anything ready: ``select``
+    moves the virtual clock by the loop's timeout instead of waiting."""
+
+    def __init__(self, loop: "SimLoop"):
+        self._loop = loop
+        self._map: dict = {}
+
+    def register(self, fileobj, events, data=None):
+        key = selectors.SelectorKey(fileobj, fileobj if isinstance(fileobj, int) else fileobj.fileno(), events, data)
+        self._map[fileobj] = key
+        return key
+
+    def unregister(self, fileobj):
+        return self._map.pop(fileobj)
+
+    def modify(self, fileobj, events, data=None):
+        self.unregister(fileobj)
+        return self.register(fileobj, events, data)
+
+    def select(self, timeout=None):
+        if timeout is None:
+            raise Idle("nothing is scheduled: the simulation has no future")
+        if timeout > 0:
+            self._loop.advance(timeout)
+        return []
+
+    def get_map(self):
+        return self._map
+
+    def close(self):
+        self._map.clear()
+
+
+class Idle(Exception):
+    """The loop has neither ready callbacks nor timers (nothing can ever happen again)."""
+
+
+class SimLoop(asyncio.SelectorEventLoop):
+    """An asyncio loop on virtual time (module docstring). Not for threads: the simulation never
+    leaves this one."""
+
+    def __init__(self, start: float = 0.0):
+        self._now = start
+        super().__init__(selector=_ClockSelector(self))
+
+    def time(self) -> float:
+        return self._now
+
+    def advance(self, seconds: float) -> None:
+        self._now += seconds
+
+    def _write_to_self(self) -> None:
+        pass  # call_soon_threadsafe from this very thread: the callback is queued, nothing to wake
+
+    def run_until(self, when: float) -> None:
+        """Run every callback due up to virtual time ``when``, then stop there."""
+        stop = self.call_at(when, self.stop)
+        try:
+            self.run_forever()
+        finally:
+            stop.cancel()
+        self._now = max(self._now, when)
+
+
+def stable_seed(*parts: object) -> int:
+    """A 64-bit seed from ``parts`` (their ``str``), the same in every process."""
+    digest = hashlib.blake2b("\x1f".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class Streams:
+    """Named random streams of one run: ``streams("network")`` is the same generator for the same
+    seed and name, whatever else the run draws."""
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        self._streams: dict[str, random.Random] = {}
+
+    def __call__(self, name: str) -> random.Random:
+        rng = self._streams.get(name)
+        if rng is None:
+            rng = self._streams[name] = random.Random(stable_seed(self.seed, name))
+        return rng

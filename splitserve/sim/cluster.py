@@ -1,0 +1,424 @@
+"""A whole cluster in one process: prefill and decode workers and a router, each running the
+project's real code on the simulated loop (``clock.py``), joined by the simulated network
+(``network.py``, ``transfer.py``, ``http.py``).
+
+A :class:`SimWorker` is one worker *process*: the real :class:`~splitserve.engine.async_engine.AsyncEngine`
+with the real role (``disagg/prefill.py`` or ``disagg/decode.py``) and the real HTTP state and
+handlers (``server/``), built through the seams (``Edges``, ``ModelParts``, the clocks) so that
+only sockets, the transfer backend, the forward pass and time are simulated. Its three threads
+are callbacks on the loop:
+
+- the **engine loop** runs ``_iterate_once(wait=False)`` — when its inbox gets an event (after
+  a wake-up latency drawn from the seed), when the engine has work (after the last step's
+  simulated cost), and otherwise after ``role.wait_s(now)``, the real loop's idle wait;
+- the **control thread** and the **transfer thread** run their ``step()`` when something is
+  handed to them (a frame, a command, a settled write, a notification) and every ``tick_s``; an
+  exception escaping a step is handed to the thread's ``crashed`` (its ``on_crash``) and the
+  step resumes after ``RESTART_PAUSE_S``, as ``SupervisedThread.run`` does.
+
+Faults act on these: a **wedged** engine loop does not iterate (its threads go on), a **hung**
+thread does not step (it stops beating), a **kill** drops the process on the floor — its sockets
+vanish, its links close, its HTTP connections break, its objects are never called again — and a
+**restart** builds a new process at the same address, with a new incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+from typing import Callable, Optional
+
+from aiohttp import web
+
+from splitserve.config import EngineConfig, RouterConfig, ServerConfig, WorkerAddress
+from splitserve.disagg.decode import DecodeRole
+from splitserve.disagg.lifecycle import Deadlines
+from splitserve.disagg.prefill import PrefillRole
+from splitserve.disagg.role import Edges
+from splitserve.disagg.supervised import RESTART_PAUSE_S
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.engine import LLMEngine
+from splitserve.metrics import Registry
+from splitserve.router.app import RouterState
+from splitserve.router.client import send
+from splitserve.router.proxy import ENDPOINTS, forward
+from splitserve.router.workers import HealthChecker
+from splitserve.server import app as worker_app
+from splitserve.server.generation import serve_generation
+from splitserve.server.openai_protocol import error_body
+from splitserve.sim.http import Session
+from splitserve.sim.model import Cost, FakeModel, fake_parts
+
+log = logging.getLogger(__name__)
+
+HTTP_PORT = 8000
+BOOTSTRAP_PORT = 8998
+ITERATION_S = 0.00005  # an engine loop iteration that runs no forward pass
+
+
+class InlineExecutor(concurrent.futures.Executor):
+    """The worker's tokenizer pool, run in place: the simulation never leaves its one thread."""
+
+    def submit(self, fn, *args, **kwargs):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
+
+
+class _WakingInbox(queue.Queue):
+    """The engine loop's inbox; a put wakes the simulated loop (as it wakes a blocked ``get``)."""
+
+    def __init__(self, wake: Callable[[], None]):
+        super().__init__()
+        self._wake_loop = wake
+
+    def put(self, item, block=True, timeout=None):
+        super().put(item, block, timeout)
+        self._wake_loop()
+
+
+class _Activity:
+    """One simulated thread's next run: the earliest time asked for wins."""
+
+    def __init__(self, loop, run: Callable[[], None]):
+        self.loop = loop
+        self.run = run
+        self.at: Optional[float] = None
+        self.handle = None
+
+    def at_or_before(self, when: float) -> None:
+        if self.at is not None and self.at <= when:
+            return
+        if self.handle is not None:
+            self.handle.cancel()
+        self.at = when
+        self.handle = self.loop.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self.at = self.handle = None
+        self.run()
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+        self.at = self.handle = None
+
+
+class SimWorker:
+    """One worker process (module docstring)."""
+
+    def __init__(self, cluster: "Cluster", kind: str, index: int, generation: int):
+        self.cluster = cluster
+        self.kind, self.index, self.generation = kind, index, generation
+        self.slot = f"{kind}{index}"
+        self.name = f"{self.slot}.{generation}"
+        self.host = cluster.hosts[self.slot]
+        self.loop = loop = cluster.loop
+        self.rng = cluster.streams(f"worker/{self.name}")
+        self.alive = True
+        self.wedged_until = 0.0
+        self.control_hung = self.transfer_hung = False
+        self.busy_until = 0.0
+        self.connections: set = set()
+        self.in_engine = False
+        self.edge_errors = 0.0  # chance that a call from the engine loop into a thread raises
+        sim = cluster.config
+        self.engine_act = _Activity(loop, self._engine_run)
+        self.control_act = _Activity(loop, self._control_run)
+        self.transfer_act = _Activity(loop, self._transfer_run)
+        self.control_pause = self.transfer_pause = 0.0
+
+        server = ServerConfig(host=self.host, port=HTTP_PORT, role=kind, bootstrap_port=BOOTSTRAP_PORT,
+                              transfer_backend="fake", loop_stall_s=sim.loop_stall_s,
+                              advertise_host=cluster.advertise.get(self.slot))
+        engine_config = sim.engine_config(kind)
+        self.tview = cluster.tnet.view(self)
+        edges = Edges(incarnation=cluster.new_incarnation, transfer_opts={"network": self.tview},
+                      bind=lambda host, port: cluster.net.bind(host, port, self.wake_control),
+                      dial=lambda address, ident: cluster.net.dial(self.host, address, ident, self.wake_control),
+                      threads=False)
+        role_cls = PrefillRole if kind == "prefill" else DecodeRole
+        self.role = role = role_cls(server, sim.deadlines, edges=edges)
+        role.clock = loop.time
+        self.ae = ae = AsyncEngine(engine_config, role, loop_stall_s=sim.loop_stall_s)
+        ae.clock = loop.time
+        ae._inbox = _WakingInbox(self.wake_engine)
+        self.model = FakeModel(Cost(sim.step_s, sim.token_s), eos_every=sim.eos_every)
+        ae.engine = LLMEngine(engine_config, fake_parts(self.model))
+        self.runner = ae.engine.runner
+        cluster.checker.on_worker(self)  # before the role builds anything (it wraps the allocator)
+        role.start(ae)
+        ae.start_loop(loop, thread=False)
+        for thread in (role.control, role.transfer):
+            thread.alive = lambda: self.alive
+        role.control._wake = self.wake_control
+        self._wrap_edges()
+        self.app = worker_app.create_app(ae, server)
+        self.state = self.app[worker_app.STATE]
+        self.state.tokenize_pool = InlineExecutor()
+        self._watchdog = worker_app._loop_watchdog(self.app)
+        asyncio.ensure_future(self._watchdog.__anext__())
+        self.engine_act.at_or_before(loop.time())
+        self.control_act.at_or_before(loop.time())
+        self.transfer_act.at_or_before(loop.time())
+
+    @property
+    def incarnation(self) -> str:
+        return self.role.incarnation
+
+    # -- the edges between the engine loop and the threads ------------------------------------
+
+    def _wrap_edges(self) -> None:
+        """The engine loop hands work to the threads through queues: each put wakes the thread
+        (and, with the ``edge_error`` fault, may raise, as a broken queue would)."""
+        transfer, control = self.role.transfer, self.role.control
+        submit, send, forget = transfer.submit, control.send, control.forget
+
+        def check() -> None:
+            if self.in_engine and self.edge_errors and self.rng.random() < self.edge_errors:
+                self.cluster.faults.count("edge_error", self)
+                raise RuntimeError("simulated: handing work to a thread failed")
+
+        def t_submit(cmd) -> None:
+            check()
+            submit(cmd)
+            self.wake_transfer()
+
+        def c_send(peer, msg) -> None:
+            check()
+            send(peer, msg)
+
+        def c_forget(peer) -> None:
+            check()
+            forget(peer)
+
+        transfer.submit, control.send, control.forget = t_submit, c_send, c_forget
+
+    # -- waking the simulated threads ---------------------------------------------------------
+
+    def _latency(self) -> float:
+        return self.cluster.config.wake_s * self.rng.random()
+
+    def wake_engine(self) -> None:
+        if self.alive:
+            self.engine_act.at_or_before(max(self.busy_until, self.loop.time() + self._latency()))
+
+    def wake_control(self) -> None:
+        if self.alive:
+            self.control_act.at_or_before(max(self.control_pause, self.loop.time() + self._latency()))
+
+    def wake_transfer(self) -> None:
+        if self.alive:
+            self.transfer_act.at_or_before(max(self.transfer_pause, self.loop.time() + self._latency()))
+
+    # -- the simulated threads ------------------------------------------------------------------
+
+    def _engine_run(self) -> None:
+        if not self.alive:
+            return
+        now = self.loop.time()
+        if now < self.wedged_until:
+            self.engine_act.at_or_before(self.wedged_until)
+            return
+        self.runner.cost_s = 0.0
+        self.in_engine = True
+        try:
+            self.ae._iterate_once(wait=False)
+        finally:
+            self.in_engine = False
+        self.busy_until = now + max(self.runner.cost_s, ITERATION_S)
+        self.cluster.checker.after_iteration(self, now)
+        engine = self.ae.engine
+        if engine.has_work() or not self.ae._inbox.empty():
+            self.engine_act.at_or_before(self.busy_until)
+        else:
+            wait = self.role.wait_s(now) * (0.5 + self.rng.random())
+            self.engine_act.at_or_before(max(self.busy_until, now + wait))
+
+    def _control_run(self) -> None:
+        if not self.alive or self.control_hung:
+            return
+        now = self.loop.time()
+        control = self.role.control
+        try:
+            control.step()
+        except Exception as exc:
+            control.crashed(exc)
+            self.control_pause = now + RESTART_PAUSE_S
+            self.control_act.at_or_before(self.control_pause)
+            return
+        self.control_act.at_or_before(now + self.cluster.config.tick_s * (0.5 + self.rng.random()))
+
+    def _transfer_run(self) -> None:
+        if not self.alive or self.transfer_hung:
+            return
+        now = self.loop.time()
+        transfer = self.role.transfer
+        try:
+            busy = transfer.step()
+        except Exception as exc:
+            transfer.crashed(exc)
+            self.transfer_pause = now + RESTART_PAUSE_S
+            self.transfer_act.at_or_before(self.transfer_pause)
+            return
+        gap = self._latency() if busy else self.cluster.config.tick_s * 2 * (0.5 + self.rng.random())
+        self.transfer_act.at_or_before(now + gap)
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    async def handle(self, req: web.Request) -> None:
+        """What aiohttp's server does with a request: the real handler, then its answer sent."""
+        try:
+            try:
+                if req.method == "GET":
+                    handler = worker_app._health if req.path == "/health" else worker_app._models
+                    resp = await handler(req)
+                else:
+                    resp = await serve_generation(self.state, req, ENDPOINTS[req.path])
+            except web.HTTPException as exc:
+                resp = web.json_response(error_body(exc.text or exc.reason, exc.status), status=exc.status)
+            if not resp.prepared:
+                await resp.prepare(req)
+                await resp.write_eof()
+        except asyncio.CancelledError:
+            pass  # the connection went away (or the process died)
+        except Exception as exc:  # the real middleware would answer 500; here it is a finding
+            self.cluster.checker.violation(f"{self.name}: the HTTP handler raised {type(exc).__name__}: {exc}")
+
+    # -- faults ---------------------------------------------------------------------------------
+
+    def crash_transfer(self) -> None:
+        """The transfer thread's next backend call raises (prefill: a write or a poll; decode:
+        reading its links' notifications)."""
+        if self.kind == "prefill":
+            self.tview.fail_next += 1
+        else:
+            links, notifications = self.role.links, self.role.links.notifications
+
+            def once():
+                links.notifications = notifications
+                raise RuntimeError("simulated transfer-thread crash (notifications raised)")
+
+            links.notifications = once
+        self.wake_transfer()
+
+    def crash_control(self) -> None:
+        """The control thread's next receive raises."""
+        control = self.role.control
+        if self.kind == "prefill":
+            control.endpoint.fail_recv += 1
+        else:
+            for pf in list(control._prefills.values())[:1]:
+                pf.conn.fail_recv += 1
+        self.wake_control()
+
+    def kill(self) -> None:
+        """kill -9: nothing of this process runs again; what it held in the network goes."""
+        if not self.alive:
+            return
+        self.alive = False
+        for act in (self.engine_act, self.control_act, self.transfer_act):
+            act.cancel()
+        control = self.role.control
+        if self.kind == "prefill":
+            control.endpoint.close()
+        else:
+            for pf in list(control._prefills.values()):
+                pf.conn.close()
+        control._close_wake()
+        self.cluster.tnet.kill(self)
+        for conn in list(self.connections):
+            conn.broken()
+        self.connections.clear()
+        asyncio.ensure_future(self._watchdog.aclose())
+
+
+class SimRouter:
+    """The router process: the real ``RouterState``, ``forward`` and ``HealthChecker``, with the
+    simulated session to the workers (``http.Session``)."""
+
+    def __init__(self, cluster: "Cluster", config: RouterConfig):
+        self.cluster = cluster
+        self.state = RouterState(config, Registry())
+        self.state.session = Session(cluster.loop, cluster.worker_at)
+        rng = cluster.streams("router/rooms")
+        self.state.new_room = lambda: rng.getrandbits(63)
+        self.checker = HealthChecker(self.state.workers, self.state.session, config.health_interval_s,
+                                     config.health_failures)
+
+    async def start(self) -> None:
+        await self.checker.check_all()
+        asyncio.ensure_future(self._checks())
+
+    async def _checks(self) -> None:
+        await asyncio.sleep(self.checker.interval_s)
+        await self.checker.run()
+
+    async def handle(self, request: web.Request) -> None:
+        """The generation route through the app's middlewares (``router/app.py``)."""
+        try:
+            response = await forward(self.state, request)
+            await send(request, response, self.state.config.client_write_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self.cluster.checker.violation(f"router: forward raised {type(exc).__name__}: {exc}")
+
+
+class Cluster:
+    """The world of one seed: the loop, the networks, the workers and the router."""
+
+    def __init__(self, loop, streams, config, checker, faults, trace):
+        from splitserve.sim.network import Network
+        from splitserve.sim.transfer import TransferNet
+
+        self.loop = loop
+        self.streams = streams
+        self.config = config
+        self.checker = checker
+        self.faults = faults
+        self.trace = trace
+        self.net = Network(loop, streams("network"), trace)
+        self.tnet = TransferNet(loop, streams("transfer"), self.net, trace)
+        self._incarnations = streams("incarnations")
+        self.hosts = {f"prefill{i}": f"10.0.0.{i + 1}" for i in range(config.prefills)}
+        self.hosts.update({f"decode{i}": f"10.0.1.{i + 1}" for i in range(config.decodes)})
+        self.advertise: dict[str, str] = {}
+        if config.shared_decode_name:  # two decodes that advertise one address (docs/lifecycle.md, sessions)
+            self.advertise = {f"decode{i}": "10.0.1.100" for i in range(config.decodes)}
+        self.workers: dict[str, SimWorker] = {}  # slot -> the process there now (alive or dead)
+        self.generations: dict[str, int] = {}
+        self.by_address: dict[str, SimWorker] = {}
+        router_config = config.router_config(
+            prefill=tuple(WorkerAddress(f"http://{self.hosts[f'prefill{i}']}:{HTTP_PORT}", BOOTSTRAP_PORT)
+                          for i in range(config.prefills)),
+            decode=tuple(WorkerAddress(f"http://{self.hosts[f'decode{i}']}:{HTTP_PORT}")
+                         for i in range(config.decodes)))
+        self.router = SimRouter(self, router_config)
+
+    def new_incarnation(self) -> str:
+        return f"{self._incarnations.getrandbits(64):016x}"
+
+    def start_worker(self, slot: str) -> SimWorker:
+        kind = "prefill" if slot.startswith("prefill") else "decode"
+        index = int(slot[len(kind):])
+        generation = self.generations.get(slot, -1) + 1
+        self.generations[slot] = generation
+        worker = SimWorker(self, kind, index, generation)
+        self.workers[slot] = worker
+        self.by_address[f"{worker.host}:{HTTP_PORT}"] = worker
+        self.trace(f"{worker.name} started, incarnation {worker.incarnation}")
+        return worker
+
+    def worker_at(self, address: str) -> Optional[SimWorker]:
+        worker = self.by_address.get(address)
+        return worker if worker is not None and worker.alive else None
+
+    def slots(self) -> list[str]:
+        return [f"prefill{i}" for i in range(self.config.prefills)] + \
+               [f"decode{i}" for i in range(self.config.decodes)]

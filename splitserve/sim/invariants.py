@@ -1,0 +1,279 @@
+"""What must hold in every simulated run, checked while it runs (not only at its end).
+
+After every engine-loop iteration of every worker:
+
+- **pages conserved**, by the allocator's own accounting: ``free + held (+ cached) = total``,
+  where held are the pages of every room's record and sequence; every 16th iteration also that no
+  page is in two places; on decode the quarantine counter equals the quarantined records' pages;
+- **records agree with the table** (the glue of ``disagg/role.py``): a room waiting in the page
+  queue is live in ``PREALLOC``; a record that holds pages belongs to a room the table still
+  knows (live or held), so something will free them; a room the table ended has been answered;
+  a quarantined record's room is held;
+- **no live room is past its end-to-end deadline** (``request_timeout_s``).
+
+On every event where it can go wrong:
+
+- **no write lands in a page its room does not own**: every page a landing write touches
+  belongs, on decode, to the record of the room whose KV the bytes carry (``model.room_tag``);
+- **no page is handed to a new room while a write for an old room may land in it**: decode's
+  allocator never gives out a page that a write on the wire (target link not closed) targets;
+- **decode starts from its own prompt's KV**: every slot of the prompt holds the room's tag and
+  its position.
+
+For clients (``workload.py``): **exactly one ending** each (one status, nothing after the end);
+no client waits past the router's ``request_timeout_s`` plus ``CLIENT_SLACK_S``; a finished
+greedy answer is the reference text (what the fake model produces from the prompt alone, as a
+colocated worker would); **liveness**: a request that failed without an excuse — a fault
+touching its prefill, its decode or the link between them around its life, its client leaving,
+overload — is a violation. Around a **wedged** engine loop: the requests it holds are answered
+within ``loop_stall_s`` + 0.5 s, and the router takes it out of rotation within ``loop_stall_s``
++ ``health_interval_s`` × (``health_failures`` + 1) (the bounds of ``docs/lifecycle.md``).
+
+At the end, once idle (every client done, then ``tombstone_s`` and the peer-silence bound of
+quiet): every table idle, every record gone, **free pages back to total**, **per-peer tables
+bounded** (only sessions with live peers, no ended or unregistered senders remembered, no
+transfer connections to dead sessions, no lost peers), and **the router's outcome counters equal
+the endings the clients saw**.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from splitserve.disagg.lifecycle import DecodeState
+from splitserve.disagg.lifecycle.states import is_terminal
+from splitserve.sim.model import kv_of, room_tag
+
+CLIENT_SLACK_S = 1.0
+FULL_CHECK_EVERY = 16
+
+
+class Violation(Exception):
+    """An invariant broke (the first one ends the run)."""
+
+
+class Checker:
+    def __init__(self, config, trace):
+        self.config = config
+        self.trace = trace
+        self.violations: list[str] = []
+        self.cluster = None
+        self.loop = None
+        self.checks = 0
+        self._iterations: dict[str, int] = {}
+
+    def violation(self, message: str) -> None:
+        now = self.loop.time() if self.loop is not None else 0.0
+        self.violations.append(f"t={now:.4f} {message}")
+        self.trace(f"VIOLATION {message}")
+        if self.loop is not None:
+            self.loop.stop()
+
+    # -- hooks a worker installs ---------------------------------------------------------------
+
+    def on_worker(self, worker) -> None:
+        engine = worker.ae.engine
+        if worker.kind == "decode":
+            allocate = engine.allocator.allocate
+
+            def checked_allocate(n, after=None):
+                pages = allocate(n, after)
+                self._pages_handed_out(worker, pages)
+                return pages
+
+            engine.allocator.allocate = checked_allocate
+            start_decoding = engine.start_decoding
+
+            def checked_start(req, pages, first_token):
+                self._decode_starts(worker, req, pages)
+                return start_decoding(req, pages, first_token)
+
+            engine.start_decoding = checked_start
+
+    def _pages_handed_out(self, worker, pages: list[int]) -> None:
+        if not pages:
+            return
+        given = set(pages)
+        page_nbytes = worker.ae.engine.layout.page_nbytes
+        for flight in worker.cluster.tnet.landable_into(worker):
+            hit = given & set(_pages_of(flight, page_nbytes))
+            if hit:
+                self.violation(f"{worker.name}: pages {sorted(hit)} handed to a new room while a write of room tag "
+                               f"{flight.room_tag:.0f} from {flight.writer.name} may still land in them")
+                return
+
+    def _decode_starts(self, worker, req, pages: list[int]) -> None:
+        n = len(req.prompt_ids)
+        keys, values = kv_of(worker.ae.engine.kv, pages, n)
+        tag = room_tag(req.bootstrap.room)
+        if any(k != tag for k in keys) or values != [float(i) for i in range(n)]:
+            bad = next(i for i in range(n) if keys[i] != tag or values[i] != i)
+            self.violation(f"{worker.name}: room {req.bootstrap.room} starts decoding from KV that is not its "
+                           f"prompt's (slot {bad}: room tag {keys[bad]:.0f}, position {values[bad]:.0f})")
+
+    def on_land(self, flight, target) -> None:
+        page_nbytes = target.ae.engine.layout.page_nbytes
+        owners = _page_owners(target.role)
+        for span, data in zip(flight.handle.spans, flight.data):
+            first = span.remote_offset // page_nbytes
+            for k in range(span.nbytes // page_nbytes):
+                tag = _tag_at(data, k * page_nbytes)
+                owner = owners.get(first + k)
+                if owner is None or room_tag(owner) != tag:
+                    what = "a free page" if owner is None else f"a page of room {owner}"
+                    self.violation(f"{target.name}: a write from {flight.writer.name} carrying room tag {tag:.0f} "
+                                   f"lands in {what} (page {first + k})")
+                    return
+
+    # -- after every engine-loop iteration -------------------------------------------------------
+
+    def after_iteration(self, worker, now: float) -> None:
+        self.checks += 1
+        role, engine = worker.role, worker.ae.engine
+        alloc = engine.allocator
+        table = role.table
+        rooms = table._rooms
+        held = 0
+        quarantined = 0
+        for room, rec in role.rooms.items():
+            n = len(rec.pages) + (len(rec.seq.pages) if rec.seq is not None else 0)
+            held += n
+            r = rooms.get(room)
+            live = r is not None and not is_terminal(r.state)
+            if rec.want_pages and not (live and r.state is DecodeState.PREALLOC):
+                self.violation(f"{worker.name}: room {room} waits in the page queue although it is "
+                               f"{'gone' if r is None else r.state}")
+                return
+            if n and r is None:
+                self.violation(f"{worker.name}: room {room} holds {n} pages the table no longer knows of "
+                               f"(nothing will free them)")
+                return
+            if not rec.answered and r is not None and not live:
+                self.violation(f"{worker.name}: room {room} ended ({r.ending}) but its request was not answered")
+                return
+            if rec.quarantined:
+                quarantined += len(rec.pages)
+                if live:
+                    self.violation(f"{worker.name}: room {room} has quarantined pages while live ({r.state})")
+                    return
+        cached = getattr(alloc, "num_cached", 0)
+        if alloc.num_free + held + cached != alloc.num_pages:
+            self.violation(f"{worker.name}: pages not conserved: {alloc.num_free} free + {held} held + {cached} "
+                           f"cached != {alloc.num_pages}")
+            return
+        if worker.kind == "decode" and role.pages_quarantined != quarantined:
+            self.violation(f"{worker.name}: {role.pages_quarantined} pages counted quarantined, "
+                           f"{quarantined} held by quarantined rooms")
+            return
+        limit = self.config.deadlines.request_timeout_s
+        for room in table.live_rooms() if limit else ():
+            r = rooms[room]
+            if r.born + limit < now - 1e-6:
+                self.violation(f"{worker.name}: room {room} is {r.state} {now - r.born:.3f}s after its arrival, past "
+                               f"request_timeout_s {limit:g}")
+                return
+        n = self._iterations[worker.name] = self._iterations.get(worker.name, 0) + 1
+        if n % FULL_CHECK_EVERY == 0:
+            self._pages_disjoint(worker)
+
+    def _pages_disjoint(self, worker) -> None:
+        alloc = worker.ae.engine.allocator
+        seen: dict[int, int] = {}
+        for room, rec in worker.role.rooms.items():
+            for page in rec.pages + (rec.seq.pages if rec.seq is not None else []):
+                if page in seen:
+                    self.violation(f"{worker.name}: page {page} held by rooms {seen[page]} and {room}")
+                    return
+                if page in alloc._free_set:
+                    self.violation(f"{worker.name}: page {page} is free and held by room {room}")
+                    return
+                seen[page] = room
+
+    # -- at the end ------------------------------------------------------------------------------
+
+    def at_rest(self, cluster) -> None:
+        """Every client is done and the cluster has been quiet for ``tombstone_s`` + the peer
+        silence bound: nothing may be left."""
+        live_decodes = {w.incarnation for w in cluster.workers.values() if w.alive and w.kind == "decode"}
+        for worker in cluster.workers.values():
+            if not worker.alive:
+                continue
+            role, table = worker.role, worker.role.table
+            alloc = worker.ae.engine.allocator
+            if role.rooms or not table.is_idle():
+                self.violation(f"{worker.name}: not idle at rest: {len(role.rooms)} records, "
+                               f"table {table.counts_by_state()}, peers {table.peers.counts()}")
+                return
+            if alloc.num_free != alloc.num_pages:
+                self.violation(f"{worker.name}: {alloc.num_pages - alloc.num_free} pages not free at rest")
+                return
+            if worker.ae._streams:
+                self.violation(f"{worker.name}: {len(worker.ae._streams)} request streams left at rest")
+                return
+            control = role.control
+            if worker.kind == "prefill":
+                sizes = control.sizes()
+                stale = [p for p in control._sessions if p.incarnation not in live_decodes]
+                if sizes["ended"] or sizes["unregistered"] or stale:
+                    self.violation(f"{worker.name}: per-peer tables not bounded at rest: {sizes}, sessions of dead "
+                                   f"decodes {stale}")
+                    return
+                agents = role.transfer._agents
+                if any(p not in control._sessions for p in agents):
+                    self.violation(f"{worker.name}: transfer connections to ended sessions at rest: "
+                                   f"{sorted(str(p) for p in agents if p not in control._sessions)}")
+                    return
+            else:
+                sessions = control.sizes()["sessions"]
+                if sessions > cluster.config.prefills:
+                    self.violation(f"{worker.name}: {sessions} control sessions at rest for "
+                                   f"{cluster.config.prefills} prefill addresses")
+                    return
+                links = len(role.links.writers())
+                if links > cluster.config.prefills:
+                    self.violation(f"{worker.name}: {links} receiving links open at rest")
+                    return
+
+
+def _page_owners(role) -> dict[int, int]:
+    owners = {}
+    for room, rec in role.rooms.items():
+        for page in rec.pages:
+            owners[page] = room
+        if rec.seq is not None:
+            for page in rec.seq.pages:
+                owners[page] = room
+    return owners
+
+
+def _tag_at(data: bytes, offset: int) -> float:
+    import struct
+
+    return struct.unpack_from("<d", data, offset)[0]
+
+
+def _pages_of(flight, page_nbytes: int) -> list[int]:
+    pages = []
+    for span in flight.handle.spans:
+        first = span.remote_offset // page_nbytes
+        pages.extend(range(first, first + span.nbytes // page_nbytes))
+    return pages
+
+
+class Trace:
+    """The last events of a run, formatted only when a failing run prints them."""
+
+    def __init__(self, loop, size: int = 80):
+        self.loop = loop
+        self.events: deque = deque(maxlen=size)
+
+    def __call__(self, what, *args) -> None:
+        self.events.append((self.loop.time(), what, args))
+
+    def lines(self) -> list[str]:
+        out = []
+        for t, what, args in self.events:
+            text = what(*args) if callable(what) else (what % args if args else what)
+            out.append(f"  t={t:10.4f} {text}")
+        return out
+

@@ -1,0 +1,359 @@
+"""One seed, start to end: build the cluster, let the clients come, inject the faults, check
+everything (``invariants.py``), and say what happened (:class:`Result`).
+
+The run has three phases on the simulated clock: the clients arrive and the faults strike (the
+scenario's ``arrival_s``); every client must then end within the router's ``request_timeout_s``
+plus ``CLIENT_SLACK_S``; then the cluster is left alone for ``tombstone_s`` plus twice the
+peer-silence bound, after which nothing may be left (``Checker.at_rest``) and the router's
+outcome counters must equal what the clients saw. The first violation stops the run; its
+:class:`Result` carries the violation and the trace of the events before it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+from splitserve.router.metrics import OUTCOMES
+from splitserve.sim.clock import SimLoop, Streams
+from splitserve.sim.cluster import Cluster
+from splitserve.sim.invariants import CLIENT_SLACK_S, Checker, Trace
+from splitserve.sim.network import LinkFaults, Partition
+from splitserve.sim.scenario import FATAL, Fault, Scenario
+from splitserve.sim.workload import CURRENT, Client, draw_clients, reference_text, run_client
+
+OVERLOAD_CODES = ("overloaded", "queue_full", "no_healthy_workers")
+ROUTER_LEFT = {"hung_up": "client_disconnect", "stopped_reading": "client_timeout"}
+
+
+class FaultLog:
+    """Faults injected, by kind, and their windows (what excuses a failed request)."""
+
+    def __init__(self):
+        self.counts: Counter = Counter()
+        self.windows: list[tuple[str, object, float, float]] = []
+
+    def count(self, kind: str, worker=None) -> None:
+        self.counts[kind] += 1
+        if worker is not None and kind == "edge_error":
+            now = worker.loop.time()
+            self.windows.append((kind, worker.slot, now, now))
+
+    def window(self, kind: str, target, start: float, end: float) -> None:
+        self.windows.append((kind, target, start, end))
+
+    def excuses(self, pair: Optional[tuple[str, str]], born: float, ended: float, settle: float) -> list[str]:
+        out = []
+        for kind, target, start, end in self.windows:
+            if start > ended or end + settle < born:
+                continue
+            if target == "*" or pair is None or target in pair or target == pair:
+                out.append(kind)
+        return out
+
+
+@dataclass
+class Result:
+    seed: int
+    scenario: Scenario
+    requests: int = 0
+    endings: Counter = field(default_factory=Counter)
+    sim_s: float = 0.0
+    faults: Counter = field(default_factory=Counter)
+    violations: list[str] = field(default_factory=list)
+    trace: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+    checks: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def report(self) -> list[str]:
+        """What a run prints: the same for the same seed in any process, but for the ``wall`` line."""
+        s = self.scenario
+        lines = [f"seed {self.seed}: {'quiet' if s.quiet else 'chaos'}, {s.prefills} prefill + {s.decodes} decode, "
+                 f"{self.requests} requests over {s.arrival_s:.1f}s, simulated {self.sim_s:.1f}s, "
+                 f"{self.checks} invariant checks",
+                 "endings: " + ", ".join(f"{k} {v}" for k, v in sorted(self.endings.items())),
+                 "faults: " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none")]
+        if self.violations:
+            lines.append(f"VIOLATION: {self.violations[0]}")
+            lines.append(f"trace (the last {len(self.trace)} events):")
+            lines += self.trace
+            lines.append(f"replay: python -m splitserve.sim --seed {self.seed}")
+        else:
+            lines.append("ok: every invariant held")
+        lines.append(f"wall {self.wall_s:.2f}s")
+        return lines
+
+
+class Run:
+    def __init__(self, scenario: Scenario, trace_size: int = 80):
+        self.s = scenario
+        self.loop = SimLoop()
+        self.streams = Streams(scenario.seed)
+        self.trace = Trace(self.loop, trace_size)
+        self.checker = Checker(scenario, self.trace)
+        self.checker.loop = self.loop
+        self.faults = FaultLog()
+        self.cluster = Cluster(self.loop, self.streams, scenario, self.checker, self.faults, self.trace)
+        self.checker.cluster = self.cluster
+        self.cluster.tnet.on_land = self.checker.on_land
+        self.cluster.net.default = LinkFaults(drop=scenario.drop, duplicate=scenario.duplicate, reorder=scenario.reorder)
+        self.cluster.tnet.faults.notify_drop = scenario.notify_drop
+        self.clients: list[Client] = []
+        self.started: set[int] = set()  # clients whose request the router began to handle
+        self._restarts: dict[str, float] = {}
+
+    # -- the run ----------------------------------------------------------------------------------
+
+    def run(self) -> Result:
+        wall = time.perf_counter()
+        loop, s = self.loop, self.s
+        asyncio.set_event_loop(loop)
+        quiet = logging.getLogger("splitserve")
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL + 1)
+        try:
+            self._run()
+        finally:
+            quiet.setLevel(level)
+            self._close()
+        result = Result(seed=s.seed, scenario=s, requests=len(self.clients), sim_s=loop.time(),
+                        violations=list(self.checker.violations), checks=self.checker.checks,
+                        wall_s=time.perf_counter() - wall)
+        result.endings = Counter(c.ending() for c in self.clients)
+        result.faults = Counter(self.faults.counts)
+        for kind, n in (("drop", "dropped"), ("duplicate", "duplicated"), ("reorder", "reordered"),
+                        ("partitioned_frame", "partitioned")):
+            if self.cluster.net.counts[n]:
+                result.faults[kind] = self.cluster.net.counts[n]
+        for kind, n in (("notify_drop", "notify_dropped"), ("late_write", "late"), ("write_refused", "refused"),
+                        ("write_cut", "cut"), ("write_stalled", "stalled"), ("transfer_crash", "crashes")):
+            if self.cluster.tnet.counts[n]:
+                result.faults[kind] = self.cluster.tnet.counts[n]
+        if result.violations:
+            result.trace = self.trace.lines()
+        return result
+
+    def _run(self) -> None:
+        loop, s, cluster = self.loop, self.s, self.cluster
+        for slot in cluster.slots():
+            cluster.start_worker(slot)
+        pick = cluster.router.state.pick_workers
+        host_slot = {host: slot for slot, host in cluster.hosts.items()}
+
+        def picked():
+            result = pick()
+            client = CURRENT.get()
+            if client is not None and not isinstance(result, str):
+                client.pair = (host_slot[result[0].host], host_slot[result[1].host])
+            return result
+
+        cluster.router.state.pick_workers = picked
+        handle = cluster.router.handle
+
+        async def handled(req):
+            client = CURRENT.get()
+            if client is not None:
+                self.started.add(client.spec.n)
+            await handle(req)
+
+        cluster.router.handle = handled
+        loop.run_until_complete(cluster.router.start())
+        specs = draw_clients(self.streams("clients"), s)
+        for spec in specs:
+            loop.call_at(spec.at, self._start_client, spec)
+        for fault in s.faults:
+            loop.call_at(fault.at, self._strike, fault)
+        last = max((sp.at for sp in specs), default=0.0)
+        faults_over = max((f.end for f in s.faults), default=0.0)
+        if not self._phase(last + s.end_to_end_s + CLIENT_SLACK_S + 0.1):
+            return
+        self._check_clients()
+        if self.checker.violations:
+            return
+        rest = max(loop.time(), faults_over + 1.0) + s.deadlines.tombstone_s + 2 * s.deadlines.peer_silence_s + 5.0
+        if not self._phase(rest):
+            return
+        self.checker.at_rest(cluster)
+        if not self.checker.violations:
+            self._check_counters()
+
+    def _phase(self, until: float) -> bool:
+        self.loop.run_until(until)
+        return not self.checker.violations
+
+    def _close(self) -> None:
+        loop = self.loop
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        try:
+            loop.run_until_complete(asyncio.sleep(0))
+        except Exception:
+            pass
+        for worker in list(self.cluster.workers.values()):
+            worker.kill()
+        try:
+            loop.run_until_complete(asyncio.sleep(0))
+        except Exception:
+            pass
+        loop.close()
+        asyncio.set_event_loop(None)
+
+    # -- clients ----------------------------------------------------------------------------------
+
+    def _start_client(self, spec) -> None:
+        client = Client(spec)
+        self.clients.append(client)
+        self.trace("client %s: %d-char prompt, max_tokens %d, %s%s", client.rid, len(spec.prompt), spec.max_tokens,
+                   "stream" if spec.stream else "unary",
+                   f", hangs up after {spec.hang_up_after:.3f}s" if spec.hang_up_after is not None else "")
+        asyncio.ensure_future(run_client(client, self.cluster.router, self.loop, "sim"))
+        bound = self.loop.time() + self.s.end_to_end_s + CLIENT_SLACK_S
+        self.loop.call_at(bound, self._client_deadline, client)
+
+    def _client_deadline(self, client: Client) -> None:
+        if not client.eof and client.left is None:
+            self.checker.violation(f"client {client.rid} ({client.pair}) has no answer "
+                                   f"{self.s.end_to_end_s + CLIENT_SLACK_S:g}s after it asked")
+
+    def _check_clients(self) -> None:
+        d = self.s.deadlines
+        settle = 2 * d.peer_silence_s + 3.0
+        for client in self.clients:
+            if client.problems:
+                self.checker.violation(f"client {client.rid}: {', '.join(client.problems)}")
+                return
+            ending = client.ending()
+            if ending == "none":
+                self.checker.violation(f"client {client.rid} never got an ending")
+                return
+            if ending == "finished" and not client.spec.temperature:
+                want = reference_text(client.spec.prompt, client.spec.max_tokens, self.s.eos_every)
+                got = client.text()
+                if got != want:
+                    self.checker.violation(f"client {client.rid} ({client.pair}) got {got!r}, the reference is {want!r}")
+                    return
+            if not ending.startswith("error:") or ending.split(":", 1)[1] in OVERLOAD_CODES:
+                continue
+            ended = client.ended_at if client.ended_at is not None else self.loop.time()
+            if not self.faults.excuses(client.pair, client.born, ended, settle):
+                self.checker.violation(f"liveness: client {client.rid} ({client.pair}, born t={client.born:.3f}) "
+                                       f"ended {ending} at t={ended:.3f} with no fault touching its pair")
+                return
+
+    def _check_counters(self) -> None:
+        metric = self.cluster.router.state.metrics.requests
+        counted = {o: int(metric.get(outcome=o)) for o in ("finished", "client_disconnect", "client_timeout")}
+        total = sum(int(metric.get(outcome=o)) for o in OUTCOMES)
+        seen = Counter()
+        for client in self.clients:
+            if client.spec.n not in self.started:
+                continue
+            ending = client.ending()
+            seen["finished" if ending == "finished" else ROUTER_LEFT.get(ending, "error")] += 1
+        if total != sum(seen.values()) or any(counted[o] != seen[o] for o in counted):
+            self.checker.violation(f"the router counted {dict(counted)} of {total}, the clients saw {dict(seen)}")
+
+    # -- faults -------------------------------------------------------------------------------------
+
+    def _strike(self, f: Fault) -> None:
+        cluster, loop = self.cluster, self.loop
+        self.faults.counts[f.kind] += 1
+        settle_end = f.end
+        self.trace("FAULT %s on %s for %.3fs %s", f.kind, f.target, f.duration, f.params or "")
+        worker = cluster.workers.get(f.target) if isinstance(f.target, str) else None
+        if worker is not None and not worker.alive:
+            return  # dead already: its restart is on the way
+        if f.kind == "kill":
+            worker.kill()
+            self.trace("%s killed", worker.name)
+            self._restart_at(f.target, f.end)
+        elif f.kind == "partition":
+            (a, b), one_way = f.target, f.params[0]
+            cluster.net.partitions.append(Partition(cluster.hosts[a], cluster.hosts[b], f.at, f.end, one_way))
+        elif f.kind == "wedge":
+            worker.wedged_until = max(worker.wedged_until, f.end)
+            self._watch_wedge(worker, f.at, f.end)
+        elif f.kind in ("hang_transfer", "hang_control"):
+            setattr(worker, "transfer_hung" if f.kind == "hang_transfer" else "control_hung", True)
+            loop.call_at(f.end, self._operator_restart, worker)
+            settle_end = f.end + 1.0
+        elif f.kind == "crash_transfer":
+            worker.crash_transfer()
+        elif f.kind == "crash_control":
+            worker.crash_control()
+        elif f.kind == "forward_fail":
+            worker.runner.fail_next += 1
+        elif f.kind == "edge_error":
+            worker.edge_errors = f.params[0]
+            loop.call_at(f.end, setattr, worker, "edge_errors", 0.0)
+        elif f.kind == "write_faults":
+            tf = cluster.tnet.faults
+            tf.refuse, tf.cut, tf.stall = f.params
+            loop.call_at(f.end, self._writes_heal)
+        if f.kind in FATAL:
+            self.faults.window(f.kind, f.target, f.at, settle_end)
+
+    def _writes_heal(self) -> None:
+        tf = self.cluster.tnet.faults
+        tf.refuse = tf.cut = tf.stall = 0.0
+
+    def _restart_at(self, slot: str, at: float) -> None:
+        if slot in self._restarts:
+            return
+        self._restarts[slot] = at
+        self.loop.call_at(at, self._restart, slot)
+
+    def _restart(self, slot: str) -> None:
+        self._restarts.pop(slot, None)
+        if not self.cluster.workers[slot].alive:
+            worker = self.cluster.start_worker(slot)
+            self.trace("%s restarted", worker.name)
+
+    def _operator_restart(self, worker) -> None:
+        """A hung thread is never coming back: the operator restarts the worker."""
+        if worker.alive and self.cluster.workers.get(worker.slot) is worker:
+            worker.kill()
+            self.trace("%s restarted by its operator (a hung thread)", worker.name)
+            self._restart(worker.slot)
+
+    def _watch_wedge(self, worker, start: float, end: float) -> None:
+        """The bounds of a wedged loop (``docs/lifecycle.md``): while it stays wedged, its requests
+        are answered within ``loop_stall_s`` + 0.5 s, and the router takes it out of rotation within
+        ``loop_stall_s`` + ``health_interval_s`` x (``health_failures`` + 1)."""
+        s = self.s
+        answered_by = start + s.loop_stall_s + 0.5 + 0.5
+        out_by = start + s.loop_stall_s + s.router["health_interval_s"] * (s.router["health_failures"] + 1) + 0.5
+
+        def answered() -> None:
+            if worker.alive and worker.wedged_until >= self.loop.time():
+                held = [rid for rid, st in worker.ae._streams.items() if not st.abandoned]
+                if held:
+                    self.checker.violation(f"{worker.name} wedged since t={start:.3f}: requests {held[:5]} still "
+                                           f"unanswered after loop_stall_s + 0.5s")
+
+        def out_of_rotation() -> None:
+            if worker.alive and worker.wedged_until >= self.loop.time():
+                url = f"http://{worker.host}:8000"
+                for w in self.cluster.router.state.workers.all():
+                    if w.url == url and w.healthy:
+                        self.checker.violation(f"{worker.name} wedged since t={start:.3f} is still in the router's "
+                                               f"rotation")
+
+        if end > answered_by:
+            self.loop.call_at(answered_by, answered)
+        if end > out_by:
+            self.loop.call_at(out_by, out_of_rotation)
+
+
+def run_seed(seed: int, requests: int = 300, quiet: Optional[bool] = None, scenario: Optional[Scenario] = None,
+             trace_size: int = 80) -> Result:
+    """Run one seed (its scenario drawn from the seed unless given)."""
+    return Run(scenario or Scenario.draw(seed, requests, quiet), trace_size).run()
