@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
+import itertools
 import random
 import selectors
+from asyncio import events
 
 
 class _ClockSelector(selectors.BaseSelector):
@@ -60,16 +63,48 @@ class Idle(Exception):
     """The loop has neither ready callbacks nor timers (nothing can ever happen again)."""
 
 
+class _Timer(events.TimerHandle):
+    """A timer that sorts by (time, order made): asyncio's heap leaves timers due at one instant
+    in no defined order, and on a virtual clock instants tie all the time."""
+
+    __slots__ = ("_order",)
+
+    def __init__(self, when, callback, args, loop, context, order: int):
+        super().__init__(when, callback, args, loop, context)
+        self._order = order
+
+    def __lt__(self, other) -> bool:
+        return (self._when, self._order) < (other._when, other._order)
+
+    def __le__(self, other) -> bool:
+        return (self._when, self._order) <= (other._when, other._order)
+
+    def __gt__(self, other) -> bool:
+        return (self._when, self._order) > (other._when, other._order)
+
+    def __ge__(self, other) -> bool:
+        return (self._when, self._order) >= (other._when, other._order)
+
+
 class SimLoop(asyncio.SelectorEventLoop):
     """An asyncio loop on virtual time (module docstring). Not for threads: the simulation never
     leaves this one."""
 
     def __init__(self, start: float = 0.0):
         self._now = start
+        self._orders = itertools.count()
         super().__init__(selector=_ClockSelector(self))
 
     def time(self) -> float:
         return self._now
+
+    def call_at(self, when, callback, *args, context=None):
+        """``asyncio``'s ``call_at``, with timers due at one instant run in the order they were made."""
+        self._check_closed()
+        timer = _Timer(when, callback, args, self, context, next(self._orders))
+        heapq.heappush(self._scheduled, timer)
+        timer._scheduled = True
+        return timer
 
     def advance(self, seconds: float) -> None:
         self._now += seconds
