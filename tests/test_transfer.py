@@ -564,6 +564,36 @@ def test_transfer_thread_crash_ends_the_sessions_of_writes_in_flight_before_repo
         assert events.get(timeout=TIMEOUT_S).write_id == 2
 
 
+def test_a_write_call_that_raises_is_reported_failed_after_its_session_ends():
+    """The sibling of a crash with writes in flight, found by the simulator (seed 4 of
+    ``python -m splitserve.sim --requests 100``): a backend ``write`` that raises left the write
+    in no table (not yet in flight, so the crash settled nothing) and its prefill room held its
+    pages for good. It is reported failed, after its session is declared lost (some of its bytes
+    may have gone out), and the thread goes on."""
+    from splitserve.disagg.lifecycle import Peer, PeerLost, WriteFailed
+    from splitserve.disagg.transfer_worker import AddPeer, Write
+
+    class RaisingWrite(FakeBackend):
+        crash = True
+
+        def write(self, peer_name, spans, notif):
+            if self.crash and spans:
+                self.crash = False
+                raise RuntimeError("boom")
+            return super().write(peer_name, spans, notif)
+
+    with transfer_thread(RaisingWrite, seed=8) as (worker, events, writer, receiver, _, _):
+        worker.start()
+        peer = Peer("decode:1", "d1", 1)
+        worker.submit(AddPeer(peer, receiver.agent_name, receiver.metadata()))
+        worker.submit(Write(7, 1, peer, tuple(page_spans([0], [3], P))))
+        first, second = events.get(timeout=TIMEOUT_S), events.get(timeout=TIMEOUT_S)
+        assert isinstance(first, PeerLost) and first.peer == peer and "boom" in first.detail, first
+        assert isinstance(second, WriteFailed) and second.write_id == 1 and "boom" in second.error, second
+        worker.submit(Write(8, 2, peer, tuple(page_spans([1], [4], P))))  # still serving
+        assert events.get(timeout=TIMEOUT_S).write_id == 2
+
+
 def test_a_write_that_failed_in_flight_ends_its_session_before_it_is_reported():
     """A write that polls FAILED after it reached the network (a NIXL error after posting, a tcp
     connection that broke) may still land: its session is declared lost before the write is

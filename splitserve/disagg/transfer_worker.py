@@ -227,7 +227,15 @@ class TransferWorker(SupervisedThread):
         if self._faults.stall_writes:  # pending until cancelled or reset
             self._inflight[cmd.write_id] = _InFlight(cmd.room, cmd.write_id, cmd.peer, None)
             return
-        handle = self.backend.write(agent[0], list(cmd.spans), b"")
+        try:
+            handle = self.backend.write(agent[0], list(cmd.spans), b"")
+        except Exception as exc:
+            # Not yet in flight, so on_crash would not settle it and its room would hold its pages
+            # for good. Whether any of its bytes went out is unknown: the session goes first, as
+            # on_crash does for the writes in flight (decode fences before prefill vouches).
+            self._post(PeerLost(cmd.peer, f"a write to it raised: {exc}"))
+            self._post(WriteFailed(cmd.room, cmd.write_id, f"transfer backend error: {exc}"))
+            raise
         self._inflight[cmd.write_id] = _InFlight(cmd.room, cmd.write_id, cmd.peer, handle)
 
     def _poll_writes(self) -> bool:
