@@ -356,6 +356,7 @@ class DisaggRole:
         rec.want_pages = 0  # out of decode's page queue
         if rec.seq is not None:
             self.engine.cancel(rec.seq.rid)  # out of every engine queue; its pages stay the room's
+        self._forget_if_done(rec)  # answered while it waited for pages, and holding none: nothing will come back for it
 
     def _free_room(self, room: int, named: Optional[tuple[int, ...]] = None) -> None:
         rec = self.rooms.get(room)
