@@ -41,14 +41,11 @@ from splitserve.disagg.supervised import RESTART_PAUSE_S
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import LLMEngine
 from splitserve.metrics import Registry
-from splitserve.router.app import RouterState
-from splitserve.router.client import send
-from splitserve.router.proxy import ENDPOINTS, forward
+from splitserve.router import app as router_app
+from splitserve.router.proxy import ROOM_BITS
 from splitserve.router.workers import HealthChecker
 from splitserve.server import app as worker_app
-from splitserve.server.generation import serve_generation
-from splitserve.server.openai_protocol import error_body
-from splitserve.sim.http import Session
+from splitserve.sim.http import Session, prepare_app, serve
 from splitserve.sim.model import Cost, FakeModel, fake_parts
 
 log = logging.getLogger(__name__)
@@ -158,7 +155,7 @@ class SimWorker:
             thread.alive = lambda: self.alive
         role.control._wake = self.wake_control
         self._wrap_edges()
-        self.app = worker_app.create_app(ae, server)
+        self.app = prepare_app(worker_app.create_app(ae, server), self._finding)
         self.state = self.app[worker_app.STATE]
         self.state.tokenize_pool = InlineExecutor()
         self._watchdog = worker_app._loop_watchdog(self.app)
@@ -272,23 +269,12 @@ class SimWorker:
     # -- HTTP -----------------------------------------------------------------------------------
 
     async def handle(self, req: web.Request) -> None:
-        """What aiohttp's server does with a request: the real handler, then its answer sent."""
-        try:
-            try:
-                if req.method == "GET":
-                    handler = worker_app._health if req.path == "/health" else worker_app._models
-                    resp = await handler(req)
-                else:
-                    resp = await serve_generation(self.state, req, ENDPOINTS[req.path])
-            except web.HTTPException as exc:
-                resp = web.json_response(error_body(exc.text or exc.reason, exc.status), status=exc.status)
-            if not resp.prepared:
-                await resp.prepare(req)
-                await resp.write_eof()
-        except asyncio.CancelledError:
-            pass  # the connection went away (or the process died)
-        except Exception as exc:  # the real middleware would answer 500; here it is a finding
-            self.cluster.checker.violation(f"{self.name}: the HTTP handler raised {type(exc).__name__}: {exc}")
+        """What aiohttp's server does with a request to this worker (``http.serve``)."""
+        await serve(self.app, req)
+
+    def _finding(self, what: str) -> None:
+        if self.alive:
+            self.cluster.checker.violation(f"{self.name}: {what}")
 
     # -- faults ---------------------------------------------------------------------------------
 
@@ -339,19 +325,23 @@ class SimWorker:
 
 
 class SimRouter:
-    """The router process: the real ``RouterState``, ``forward`` and ``HealthChecker``, with the
-    simulated session to the workers (``http.Session``)."""
+    """The router process: the real app (``router/app.py``: its routes, middlewares and
+    ``RouterState``) and the real ``HealthChecker``, with the simulated session to the workers
+    (``http.Session``) and rooms drawn from the seed."""
 
     def __init__(self, cluster: "Cluster", config: RouterConfig):
         self.cluster = cluster
-        self.state = RouterState(config, Registry())
+        self.app = router_app.create_app(config)
+        self.state = self.app[router_app.ROUTER]
         self.state.session = Session(cluster.loop, cluster.worker_at)
         rng = cluster.streams("router/rooms")
-        self.state.new_room = lambda: rng.getrandbits(63)
+        self.state.new_room = lambda: rng.getrandbits(ROOM_BITS)
+        prepare_app(self.app, lambda what: cluster.checker.violation(f"router: {what}"))
         self.checker = HealthChecker(self.state.workers, self.state.session, config.health_interval_s,
                                      config.health_failures)
 
     async def start(self) -> None:
+        """What the app's startup does (``_session_and_health_checks``), on the simulated session."""
         await self.checker.check_all()
         asyncio.ensure_future(self._checks())
 
@@ -360,14 +350,7 @@ class SimRouter:
         await self.checker.run()
 
     async def handle(self, request: web.Request) -> None:
-        """The generation route through the app's middlewares (``router/app.py``)."""
-        try:
-            response = await forward(self.state, request)
-            await send(request, response, self.state.config.client_write_timeout_s)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            self.cluster.checker.violation(f"router: forward raised {type(exc).__name__}: {exc}")
+        await serve(self.app, request)
 
 
 class Cluster:

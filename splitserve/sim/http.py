@@ -14,6 +14,10 @@ streams and bounded client writes) and the worker's ``serve_generation``, ``/hea
   ``handler_cancellation``;
 - a worker killed with connections open breaks them: the router reads
   ``ServerDisconnectedError`` (or a payload error mid-body);
+- :func:`serve` is what aiohttp's server does with one request: the app's own handler (its
+  routing, middlewares and signals), then the answer sent; :func:`findings` is a middleware put
+  innermost that reports an exception escaping a handler (the app's middleware answers it 500,
+  as in production; here it is also a finding);
 - :class:`Sink` is what a handler writes its response into (aiohttp's payload writer): a worker's
   goes back over the wire to the router, a client's is what the client saw.
 
@@ -108,6 +112,43 @@ def request(method: str, path: str, body: bytes, writer: "Sink", transport: Tran
     match_info.add_app(app or _APP)
     req._match_info = match_info
     return req
+
+
+def findings(report: Callable[[str], None]):
+    """A middleware that reports an exception escaping a handler, then lets it go on up."""
+
+    @web.middleware
+    async def middleware(req: web.Request, handler):
+        try:
+            return await handler(req)
+        except (web.HTTPException, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            report(f"{req.method} {req.path}: the handler raised {type(exc).__name__}: {exc}")
+            raise
+
+    return middleware
+
+
+def prepare_app(app: web.Application, report: Callable[[str], None]) -> web.Application:
+    """Ready a real app to be served here: :func:`findings` innermost, then frozen (as
+    ``web.AppRunner`` freezes it; its signals cannot be sent before)."""
+    app.middlewares.append(findings(report))
+    app.freeze()
+    return app
+
+
+async def serve(app: web.Application, req: web.Request) -> None:
+    """One request through ``app`` as aiohttp's server takes it (``web_protocol``): the app's
+    handler, then the answer prepared and ended unless the handler sent it. A cancellation (the
+    connection went away, the process died) ends it quietly."""
+    try:
+        resp = await app._handle(req)
+        if not resp.prepared:
+            await resp.prepare(req)
+        await resp.write_eof()
+    except asyncio.CancelledError:
+        pass
 
 
 class Sink:

@@ -201,8 +201,9 @@ class Checker:
             role, table = worker.role, worker.role.table
             alloc = worker.ae.engine.allocator
             if role.rooms or not table.is_idle():
-                self.violation(f"{worker.name}: not idle at rest: {len(role.rooms)} records, "
-                               f"table {table.counts_by_state()}, peers {table.peers.counts()}")
+                self.violation(f"{worker.name}: not idle at rest: {len(role.rooms)} records "
+                               f"{_describe_records(role)}, table {table.counts_by_state()}, "
+                               f"peers {table.peers.counts()}")
                 return
             if alloc.num_free != alloc.num_pages:
                 self.violation(f"{worker.name}: {alloc.num_pages - alloc.num_free} pages not free at rest")
@@ -233,6 +234,18 @@ class Checker:
                 if links > cluster.config.prefills:
                     self.violation(f"{worker.name}: {links} receiving links open at rest")
                     return
+
+
+def _describe_records(role, n: int = 3) -> str:
+    """The first ``n`` records, as what they hold (for a violation's message)."""
+    rows = []
+    for room, rec in list(role.rooms.items())[:n]:
+        r = role.table._rooms.get(room)
+        rows.append(f"room {room} ({rec.req.rid}: {'answered' if rec.answered else 'unanswered'}, "
+                    f"{len(rec.pages)} pages, seq {'none' if rec.seq is None else len(rec.seq.pages)} pages, "
+                    f"want {rec.want_pages}, {'quarantined, ' if rec.quarantined else ''}"
+                    f"table {'gone' if r is None else r.state})")
+    return "[" + "; ".join(rows) + (" ..." if len(role.rooms) > n else "") + "]"
 
 
 def _page_owners(role) -> dict[int, int]:

@@ -92,6 +92,41 @@ class Result:
         return lines
 
 
+@dataclass
+class Totals:
+    """What many seeds added up to (``python -m splitserve.sim --seeds``, the tests)."""
+
+    seeds: int = 0
+    requests: int = 0
+    sim_s: float = 0.0
+    checks: int = 0
+    endings: Counter = field(default_factory=Counter)
+    faults: Counter = field(default_factory=Counter)
+    failed: list[int] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def add(self, result: Result) -> None:
+        self.seeds += 1
+        self.requests += result.requests
+        self.sim_s += result.sim_s
+        self.checks += result.checks
+        self.endings.update(result.endings)
+        self.faults.update(result.faults)
+        self.wall_s += result.wall_s
+        if not result.ok:
+            self.failed.append(result.seed)
+
+    def report(self, wall_s: Optional[float] = None) -> list[str]:
+        wall_s = self.wall_s if wall_s is None else wall_s
+        hours = self.sim_s / 3600
+        return [f"seeds {self.seeds}, simulated requests {self.requests}, simulated hours {hours:.2f}, "
+                f"invariant checks {self.checks}, failing seeds {len(self.failed)}"
+                + (f" {self.failed[:20]}" if self.failed else ""),
+                "endings: " + ", ".join(f"{k} {v}" for k, v in sorted(self.endings.items())),
+                "faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"),
+                f"wall {wall_s:.1f}s: {hours / max(wall_s / 60, 1e-9):.2f} simulated hours per wall minute"]
+
+
 class Run:
     def __init__(self, scenario: Scenario, trace_size: int = 80):
         self.s = scenario
@@ -249,9 +284,13 @@ class Run:
                 return
 
     def _check_counters(self) -> None:
-        metric = self.cluster.router.state.metrics.requests
-        counted = {o: int(metric.get(outcome=o)) for o in ("finished", "client_disconnect", "client_timeout")}
-        total = sum(int(metric.get(outcome=o)) for o in OUTCOMES)
+        registry = self.cluster.router.state.registry.collectors
+
+        def metric(o: str) -> int:
+            return int(registry.get_sample_value("splitserve_router_requests_total", {"outcome": o}) or 0)
+
+        counted = {o: metric(o) for o in ("finished", "client_disconnect", "client_timeout")}
+        total = sum(metric(o) for o in OUTCOMES)
         seen = Counter()
         for client in self.clients:
             if client.spec.n not in self.started:
