@@ -13,7 +13,7 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl
 from splitserve.disagg.lifecycle import (
     CancelWrites, ChunkDone, Enqueue, ForwardDone, LocalFailure, Peer, PrefillTable, Reason, ResetTransfer,
-    Scheduled, StartWrite,
+    Scheduled, StartWrite, WriteFailed,
 )
 from splitserve.disagg.role import DisaggRole, RoomRecord
 from splitserve.disagg.transfer.base import create_backend, page_spans
@@ -71,9 +71,15 @@ class PrefillRole(DisaggRole):
             except InvalidRequest as exc:
                 out += self._feed(LocalFailure(a.room, Reason.BAD_REQUEST, str(exc)))
         elif isinstance(a, StartWrite):
-            spans = tuple(page_spans(a.src_pages, a.dst_pages, self.engine.layout.page_nbytes))
+            try:
+                spans = tuple(page_spans(a.src_pages, a.dst_pages, self.engine.layout.page_nbytes))
+                self.transfer.submit(Write(a.room, a.write_id, a.peer, spans))
+            except Exception as exc:
+                # Never handed to the transfer thread, so nothing would ever settle it and its
+                # room would hold its pages for good: it failed, and cannot land.
+                out += self._feed(WriteFailed(a.room, a.write_id, f"not started: {type(exc).__name__}: {exc}"))
+                raise
             self.kv_bytes_written += sum(span.nbytes for span in spans)
-            self.transfer.submit(Write(a.room, a.write_id, a.peer, spans))
         elif isinstance(a, CancelWrites):
             self.transfer.submit(CancelTransfer(a.write_ids))
         elif isinstance(a, ResetTransfer):
@@ -94,9 +100,12 @@ class PrefillRole(DisaggRole):
                               completion_tokens=0)]
 
     def _disconnect(self, peer: Peer) -> None:
-        # our side of its transfer: its writes are reported failed (not a fence: decode's is)
-        self.transfer.submit(ResetPeer(peer, forget=True))
-        super()._disconnect(peer)
+        # our side of its transfer: its writes are reported failed (not a fence: decode's is);
+        # the session is forgotten even if that hand-over fails (the held rooms' timers reset again)
+        try:
+            self.transfer.submit(ResetPeer(peer, forget=True))
+        finally:
+            super()._disconnect(peer)
 
     def _close(self) -> None:
         if self.backend is not None:

@@ -35,7 +35,9 @@ class FaultLog:
 
     def __init__(self):
         self.counts: Counter = Counter()
-        self.windows: list[tuple[str, object, float, float]] = []
+        self.windows: list[tuple] = []  # (kind, target, start, end), or (kind, target, [start, end]) while it grows
+        self._starved: dict[str, list[float]] = {}
+        self.starved_spells = 0
 
     def count(self, kind: str, worker=None) -> None:
         self.counts[kind] += 1
@@ -43,12 +45,24 @@ class FaultLog:
             now = worker.loop.time()
             self.windows.append((kind, worker.slot, now, now))
 
+    def starved(self, worker, now: float) -> None:
+        """``worker``'s engine had work it could not schedule (its pool exhausted): overload, one
+        window per spell (counted as ``starved``, not a fault)."""
+        last = self._starved.get(worker.slot)
+        if last is not None and now - last[1] <= 0.1:
+            last[1] = now
+            return
+        self.starved_spells += 1
+        spell = self._starved[worker.slot] = [now, now]
+        self.windows.append(("starved", worker.slot, spell))
+
     def window(self, kind: str, target, start: float, end: float) -> None:
         self.windows.append((kind, target, start, end))
 
     def excuses(self, pair: Optional[tuple[str, str]], born: float, ended: float, settle: float) -> list[str]:
         out = []
-        for kind, target, start, end in self.windows:
+        for kind, target, *span in self.windows:
+            start, end = span if len(span) == 2 else span[0]
             if start > ended or end + settle < born:
                 continue
             if target == "*" or pair is None or target in pair or target == pair:
@@ -68,6 +82,7 @@ class Result:
     trace: list[str] = field(default_factory=list)
     wall_s: float = 0.0
     checks: int = 0
+    starved: int = 0  # spells of an engine with work it could not schedule (overload)
 
     @property
     def ok(self) -> bool:
@@ -80,7 +95,8 @@ class Result:
                  f"{self.requests} requests over {s.arrival_s:.1f}s, simulated {self.sim_s:.1f}s, "
                  f"{self.checks} invariant checks",
                  "endings: " + ", ".join(f"{k} {v}" for k, v in sorted(self.endings.items())),
-                 "faults: " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none")]
+                 "faults: " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"),
+                 f"overload: {self.starved} spells of an engine loop with work it could not schedule"]
         if self.violations:
             lines.append(f"VIOLATION: {self.violations[0]}")
             lines.append(f"trace (the last {len(self.trace)} events):")
@@ -104,9 +120,11 @@ class Totals:
     faults: Counter = field(default_factory=Counter)
     failed: list[int] = field(default_factory=list)
     wall_s: float = 0.0
+    starved: int = 0
 
     def add(self, result: Result) -> None:
         self.seeds += 1
+        self.starved += result.starved
         self.requests += result.requests
         self.sim_s += result.sim_s
         self.checks += result.checks
@@ -124,6 +142,7 @@ class Totals:
                 + (f" {self.failed[:20]}" if self.failed else ""),
                 "endings: " + ", ".join(f"{k} {v}" for k, v in sorted(self.endings.items())),
                 "faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"),
+                f"overload: {self.starved} spells of an engine loop with work it could not schedule",
                 f"wall {wall_s:.1f}s: {hours / max(wall_s / 60, 1e-9):.2f} simulated hours per wall minute"]
 
 
@@ -164,6 +183,7 @@ class Run:
                         wall_s=time.perf_counter() - wall)
         result.endings = Counter(c.ending() for c in self.clients)
         result.faults = Counter(self.faults.counts)
+        result.starved = self.faults.starved_spells
         for kind, n in (("drop", "dropped"), ("duplicate", "duplicated"), ("reorder", "reordered"),
                         ("partitioned_frame", "partitioned")):
             if self.cluster.net.counts[n]:
@@ -186,8 +206,11 @@ class Run:
         def picked():
             result = pick()
             client = CURRENT.get()
-            if client is not None and not isinstance(result, str):
-                client.pair = (host_slot[result[0].host], host_slot[result[1].host])
+            if client is not None:
+                if isinstance(result, str):
+                    client.refused = True
+                else:
+                    client.pair = (host_slot[result[0].host], host_slot[result[1].host])
             return result
 
         cluster.router.state.pick_workers = picked
@@ -296,9 +319,32 @@ class Run:
             if client.spec.n not in self.started:
                 continue
             ending = client.ending()
+            if client.refused:  # counted as the refusal, even if its client left before it came (router/proxy.py)
+                ending = "error:no_healthy_workers"
             seen["finished" if ending == "finished" else ROUTER_LEFT.get(ending, "error")] += 1
         if total != sum(seen.values()) or any(counted[o] != seen[o] for o in counted):
-            self.checker.violation(f"the router counted {dict(counted)} of {total}, the clients saw {dict(seen)}")
+            self.checker.violation(f"the router counted {dict(counted)} of {total}, the clients saw {dict(seen)}"
+                                   f"{self._first_miscounted()}")
+
+    def _first_miscounted(self) -> str:
+        """The first client whose ending the router's own record of it (``state.recent``) disagrees with."""
+        recent = self.cluster.router.state.recent
+        for client in self.clients:
+            if client.spec.n not in self.started:
+                continue
+            ending = client.ending()
+            if client.refused:
+                continue
+            want = "finished" if ending == "finished" else ROUTER_LEFT.get(ending)
+            entry = recent.get(client.rid) or {}
+            got = entry.get("outcome")
+            if (want is None and got in ("finished", "client_disconnect", "client_timeout")) or \
+                    (want is not None and got != want):
+                left = f", left t={client.left_at:.4f}" if client.left_at is not None else ""
+                return (f"; first: client {client.rid} ({client.pair}, born t={client.born:.4f}{left}, status "
+                        f"{client.status}, {'ended' if client.eof else 'no end'}) saw {ending}, the router "
+                        f"recorded {got} (status {entry.get('status')}, {entry.get('seconds')}s)")
+        return ""
 
     # -- faults -------------------------------------------------------------------------------------
 

@@ -77,6 +77,7 @@ class Client:
     left_at: Optional[float] = None  # hung up or stopped reading
     left: Optional[str] = None
     pair: Optional[tuple[str, str]] = None  # (prefill slot, decode slot) the router picked
+    refused: bool = False  # the router had no pair to pick
     task: Optional[asyncio.Task] = None
     problems: list = field(default_factory=list)
 
