@@ -14,7 +14,7 @@ import argparse
 import sys
 import time
 
-from splitserve.sim.run import Totals, run_seed
+from splitserve.sim.run import Totals, run_many, run_seed
 
 
 def main(argv=None) -> int:
@@ -28,26 +28,28 @@ def main(argv=None) -> int:
     parser.add_argument("--first", type=int, default=0, help="the first seed of --seeds / --minutes (default 0)")
     parser.add_argument("--requests", type=int, default=300, help="client requests per seed (default 300)")
     parser.add_argument("--trace", type=int, default=80, help="events of the trace a failing seed prints (default 80)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="run --seeds in this many processes (default 1; the totals are the same)")
     args = parser.parse_args(argv)
     if args.seed is not None:
         result = run_seed(args.seed, requests=args.requests, trace_size=args.trace)
         print("\n".join(result.report()))
         return 0 if result.ok else 1
-    totals = Totals()
     started = time.perf_counter()
-    seed = args.first
-    while True:
-        if args.minutes is not None:
-            if time.perf_counter() - started >= args.minutes * 60:
-                break
-        elif seed >= args.first + (args.seeds if args.seeds is not None else 100):
-            break
-        result = run_seed(seed, requests=args.requests, trace_size=args.trace)
-        totals.add(result)
+
+    def failing(result) -> None:
         if not result.ok:
-            print(f"seed {seed}: {result.violations[0]}  (replay: python -m splitserve.sim --seed {seed}"
-                  f"{'' if args.requests == 300 else f' --requests {args.requests}'})", flush=True)
-        seed += 1
+            print(f"seed {result.seed}: {result.violations[0]}  (replay: python -m splitserve.sim --seed "
+                  f"{result.seed}{'' if args.requests == 300 else f' --requests {args.requests}'})", flush=True)
+
+    if args.minutes is not None:  # batches of seeds until the time is up
+        totals, seed, batch = Totals(), args.first, 4 * max(1, args.processes)
+        while time.perf_counter() - started < args.minutes * 60:
+            totals.merge(run_many(range(seed, seed + batch), args.requests, args.processes, failing))
+            seed += batch
+    else:
+        count = args.seeds if args.seeds is not None else 100
+        totals = run_many(range(args.first, args.first + count), args.requests, args.processes, failing)
     print("\n".join(totals.report(time.perf_counter() - started)))
     return 0 if not totals.failed else 1
 

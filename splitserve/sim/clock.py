@@ -74,16 +74,16 @@ class _Timer(events.TimerHandle):
         self._order = order
 
     def __lt__(self, other) -> bool:
-        return (self._when, self._order) < (other._when, other._order)
+        return self._when < other._when or (self._when == other._when and self._order < other._order)
 
     def __le__(self, other) -> bool:
-        return (self._when, self._order) <= (other._when, other._order)
+        return self._when < other._when or (self._when == other._when and self._order <= other._order)
 
     def __gt__(self, other) -> bool:
-        return (self._when, self._order) > (other._when, other._order)
+        return other.__lt__(self)
 
     def __ge__(self, other) -> bool:
-        return (self._when, self._order) >= (other._when, other._order)
+        return other.__le__(self)
 
 
 class SimLoop(asyncio.SelectorEventLoop):

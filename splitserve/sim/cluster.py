@@ -38,7 +38,7 @@ from splitserve.disagg.lifecycle import Deadlines
 from splitserve.disagg.prefill import PrefillRole
 from splitserve.disagg.role import Edges
 from splitserve.disagg.supervised import RESTART_PAUSE_S
-from splitserve.engine.async_engine import AsyncEngine
+from splitserve.engine.async_engine import IDLE_WAIT_S, AsyncEngine
 from splitserve.engine.engine import LLMEngine
 from splitserve.metrics import Registry
 from splitserve.router import app as router_app
@@ -241,8 +241,17 @@ class SimWorker:
         elif engine.has_work() or not self.ae._inbox.empty():
             self.engine_act.at_or_before(self.busy_until)
         else:
-            wait = self.role.wait_s(now) * (0.5 + self.rng.random())
-            self.engine_act.at_or_before(max(self.busy_until, now + wait))
+            self.engine_act.at_or_before(max(self.busy_until, now + self._idle_wait(now)))
+
+    def _idle_wait(self, now: float) -> float:
+        """How long an idle engine loop waits before its next iteration (an event wakes it
+        sooner): until the role's next deadline, at most ``IDLE_WAIT_S``. (The real role caps its
+        wait at 50 ms; here an idle loop with nothing due sleeps longer — so that idle time costs
+        little — which a real loop descheduled for a while also does. Nothing is due meanwhile, and
+        the liveness it reads from its threads is taken before any deadline is judged.)"""
+        due = self.role.table.next_due()
+        wait = IDLE_WAIT_S if due is None else max(0.001, min(IDLE_WAIT_S, due - now))
+        return wait * (0.5 + 0.5 * self.rng.random())
 
     def _control_run(self) -> None:
         if not self.alive or self.control_hung:

@@ -61,6 +61,7 @@ class Checker:
         self.loop = None
         self.checks = 0
         self._iterations: dict[str, int] = {}
+        self._endings: dict[str, dict[int, tuple]] = {}  # worker -> room -> its first terminal (state, ending)
 
     def violation(self, message: str) -> None:
         now = self.loop.time() if self.loop is not None else 0.0
@@ -165,6 +166,20 @@ class Checker:
             self.violation(f"{worker.name}: {role.pages_quarantined} pages counted quarantined, "
                            f"{quarantined} held by quarantined rooms")
             return
+        endings = self._endings.setdefault(worker.name, {})
+        for room, r in rooms.items():
+            if is_terminal(r.state):
+                first = endings.get(room)
+                if first is None:
+                    first = endings[room] = (r.state, r.ending)
+                    self.trace("%s: room %d (%s) ended %s", worker.name, room, r.rid, r.ending)
+                if first[0] is not r.state or first[1] is not r.ending:
+                    self.violation(f"{worker.name}: room {room} ended {first[0]} ({first[1]}) and then became "
+                                   f"{r.state} ({r.ending}): a terminal state overwritten")
+                    return
+            elif room in endings:
+                self.violation(f"{worker.name}: room {room} ended {endings[room][0]} and is live again ({r.state})")
+                return
         limit = self.config.deadlines.request_timeout_s
         for room in table.live_rooms() if limit else ():
             r = rooms[room]
@@ -175,6 +190,8 @@ class Checker:
         n = self._iterations[worker.name] = self._iterations.get(worker.name, 0) + 1
         if n % FULL_CHECK_EVERY == 0:
             self._pages_disjoint(worker)
+            for room in [room for room in endings if room not in rooms]:  # released: its tombstone answers now
+                del endings[room]
 
     def _pages_disjoint(self, worker) -> None:
         alloc = worker.ae.engine.allocator

@@ -27,7 +27,7 @@ from splitserve.sim.scenario import FATAL, Fault, Scenario
 from splitserve.sim.workload import CURRENT, Client, draw_clients, reference_text, run_client
 
 OVERLOAD_CODES = ("overloaded", "queue_full", "no_healthy_workers")
-ROUTER_LEFT = {"hung_up": "client_disconnect", "stopped_reading": "client_timeout"}
+ROUTER_LEFT = ("hung_up", "stopped_reading")
 
 
 class FaultLog:
@@ -133,6 +133,13 @@ class Totals:
         self.wall_s += result.wall_s
         if not result.ok:
             self.failed.append(result.seed)
+
+    def merge(self, other: "Totals") -> None:
+        for name in ("seeds", "requests", "sim_s", "checks", "starved", "wall_s"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.endings.update(other.endings)
+        self.faults.update(other.faults)
+        self.failed += other.failed
 
     def report(self, wall_s: Optional[float] = None) -> list[str]:
         wall_s = self.wall_s if wall_s is None else wall_s
@@ -248,19 +255,21 @@ class Run:
         return not self.checker.violations
 
     def _close(self) -> None:
+        """Stop everything: every process dies, every coroutine is cancelled and let finish (on
+        the virtual clock, a few seconds at most), then the loop closes."""
         loop = self.loop
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-        try:
-            loop.run_until_complete(asyncio.sleep(0))
-        except Exception:
-            pass
         for worker in list(self.cluster.workers.values()):
             worker.kill()
-        try:
-            loop.run_until_complete(asyncio.sleep(0))
-        except Exception:
-            pass
+        for _ in range(5):
+            tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
+            if not tasks:
+                break
+            for task in tasks:
+                task.cancel()
+            try:
+                loop.run_until(loop.time() + 1.0)
+            except Exception:
+                pass
         loop.close()
         asyncio.set_event_loop(None)
 
@@ -307,44 +316,49 @@ class Run:
                 return
 
     def _check_counters(self) -> None:
+        """The router's outcome counter against what each client saw, request by request (the
+        router's record of each, ``state.recent``, says which outcome it counted):
+
+        - a client with a whole answer was counted ``finished``; one with an error, a failure;
+        - a client that left (hung up, stopped reading) was counted as leaving
+          (``client_disconnect`` / ``client_timeout``), or as the failure the router was
+          answering when it left — never ``finished``;
+        - a refused request (no pair to pick) as the refusal, even if its client had left;
+        - a client that left before the router took its request: ``client_disconnect``;
+
+        and every outcome's counter equals the number of requests recorded with it."""
         registry = self.cluster.router.state.registry.collectors
-
-        def metric(o: str) -> int:
-            return int(registry.get_sample_value("splitserve_router_requests_total", {"outcome": o}) or 0)
-
-        counted = {o: metric(o) for o in ("finished", "client_disconnect", "client_timeout")}
-        total = sum(metric(o) for o in OUTCOMES)
-        seen = Counter()
-        for client in self.clients:
-            if client.spec.n not in self.started:
-                continue
-            ending = client.ending()
-            if client.refused:  # counted as the refusal, even if its client left before it came (router/proxy.py)
-                ending = "error:no_healthy_workers"
-            seen["finished" if ending == "finished" else ROUTER_LEFT.get(ending, "error")] += 1
-        if total != sum(seen.values()) or any(counted[o] != seen[o] for o in counted):
-            self.checker.violation(f"the router counted {dict(counted)} of {total}, the clients saw {dict(seen)}"
-                                   f"{self._first_miscounted()}")
-
-    def _first_miscounted(self) -> str:
-        """The first client whose ending the router's own record of it (``state.recent``) disagrees with."""
         recent = self.cluster.router.state.recent
+        expected: Counter = Counter()
         for client in self.clients:
             if client.spec.n not in self.started:
                 continue
             ending = client.ending()
+            entry = recent.get(client.rid)
             if client.refused:
-                continue
-            want = "finished" if ending == "finished" else ROUTER_LEFT.get(ending)
-            entry = recent.get(client.rid) or {}
-            got = entry.get("outcome")
-            if (want is None and got in ("finished", "client_disconnect", "client_timeout")) or \
-                    (want is not None and got != want):
+                got = "no_workers"
+            elif entry is None:
+                got = "client_disconnect" if ending in ROUTER_LEFT else None
+            else:
+                got = entry.get("outcome")
+            if ending == "finished":
+                ok = got == "finished"
+            elif ending in ROUTER_LEFT:
+                ok = got is not None and got != "finished"
+            else:
+                ok = got not in (None, "finished", "client_disconnect", "client_timeout")
+            if not ok:
                 left = f", left t={client.left_at:.4f}" if client.left_at is not None else ""
-                return (f"; first: client {client.rid} ({client.pair}, born t={client.born:.4f}{left}, status "
-                        f"{client.status}, {'ended' if client.eof else 'no end'}) saw {ending}, the router "
-                        f"recorded {got} (status {entry.get('status')}, {entry.get('seconds')}s)")
-        return ""
+                self.checker.violation(
+                    f"client {client.rid} ({client.pair}, born t={client.born:.4f}{left}, status {client.status}, "
+                    f"{'ended' if client.eof else 'no end'}) saw {ending}, the router counted it {got}")
+                return
+            expected[got] += 1
+        counted = {o: int(registry.get_sample_value("splitserve_router_requests_total", {"outcome": o}) or 0)
+                   for o in OUTCOMES}
+        if any(counted[o] != expected[o] for o in OUTCOMES) or set(expected) - set(OUTCOMES):
+            self.checker.violation(f"the router's outcome counters {counted} differ from its requests' outcomes "
+                                   f"{dict(expected)}")
 
     # -- faults -------------------------------------------------------------------------------------
 
@@ -442,3 +456,33 @@ def run_seed(seed: int, requests: int = 300, quiet: Optional[bool] = None, scena
              trace_size: int = 80) -> Result:
     """Run one seed (its scenario drawn from the seed unless given)."""
     return Run(scenario or Scenario.draw(seed, requests, quiet), trace_size).run()
+
+
+def _run_one(args: tuple) -> Result:
+    seed, requests = args
+    return run_seed(seed, requests=requests)
+
+
+def run_many(seeds, requests: int = 300, processes: int = 1, on_result=None) -> Totals:
+    """Run ``seeds`` (in ``processes`` processes, each seed whole in one; the totals do not depend
+    on how many) and add them up; ``on_result(result)`` sees each, in seed order."""
+    totals = Totals()
+    seeds = list(seeds)
+    if processes <= 1:
+        results = (run_seed(seed, requests=requests) for seed in seeds)
+        pool = None
+    else:
+        import multiprocessing
+
+        pool = multiprocessing.get_context("spawn").Pool(processes)
+        results = pool.imap(_run_one, [(seed, requests) for seed in seeds])
+    try:
+        for result in results:
+            totals.add(result)
+            if on_result is not None:
+                on_result(result)
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    return totals

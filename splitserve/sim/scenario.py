@@ -22,9 +22,9 @@ from splitserve.disagg.lifecycle import Deadlines
 from splitserve.sim.clock import stable_seed
 
 DEADLINES = Deadlines(bootstrap_s=12.0, queue_s=12.0, prefill_stall_s=6.0, transfer_floor_s=3.0, transfer_s_per_gib=4.0,
-                      write_drain_s=6.0, prealloc_s=9.0, kv_wait_s=30.0, decode_stall_s=6.0, register_resend_s=1.0,
+                      write_drain_s=6.0, prealloc_s=9.0, kv_wait_s=15.0, decode_stall_s=6.0, register_resend_s=1.0,
                       quarantine_resend_s=1.0, pending_registration_s=12.0, heartbeat_interval_s=1.0,
-                      heartbeat_misses=4, tombstone_s=45.0, request_timeout_s=40.0)
+                      heartbeat_misses=4, tombstone_s=22.0, request_timeout_s=20.0)
 
 # faults that may fail the requests they touch (a request they touch is excused for failing)
 FATAL = ("kill", "partition", "wedge", "hang_transfer", "hang_control", "crash_transfer", "crash_control",
@@ -82,7 +82,7 @@ class Scenario:
     reorder: float = 0.0
     notify_drop: float = 0.0
     faults: tuple[Fault, ...] = ()
-    router: dict = field(default_factory=lambda: dict(health_interval_s=1.0, health_failures=2, request_timeout_s=45.0,
+    router: dict = field(default_factory=lambda: dict(health_interval_s=1.0, health_failures=2, request_timeout_s=25.0,
                                                       worker_connect_timeout_s=3.0, worker_header_timeout_s=10.0,
                                                       client_write_timeout_s=5.0, client_body_timeout_s=5.0))
 

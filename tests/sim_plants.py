@@ -1,0 +1,189 @@
+"""Bugs planted into the real code for ``test_sim.py`` (with ``monkeypatch``, never a runtime
+switch): each entry is (what it is, what to patch, how). The first group are glue bugs the
+lifecycle explorer cannot see, the second table bugs, the third the real bugs the simulator found
+(each fix undone).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from splitserve.disagg.control.prefill import PrefillControl
+from splitserve.disagg.decode import DecodeRole
+from splitserve.disagg.lifecycle import DecodeTable, PrefillTable
+from splitserve.disagg.lifecycle.states import is_terminal
+from splitserve.disagg.lifecycle import Ending, Reason
+from splitserve.disagg.prefill import PrefillRole
+from splitserve.disagg.role import DisaggRole
+from splitserve.disagg.transfer_worker import TransferWorker, _InFlight
+from splitserve.engine.async_engine import AsyncEngine
+from splitserve.sim.cluster import Cluster
+
+
+def one_incarnation(original):
+    """Two decodes given one identity: every decode draws the same incarnation (with a shared
+    advertised name and session numbers that start at 1, their sessions collide)."""
+    def new_incarnation(self):
+        drawn = original(self)
+        return "0" * 16 if getattr(self, "_planting_decode", False) else drawn
+
+    return new_incarnation
+
+
+def start_worker_marking(original):
+    def start_worker(self, slot):
+        self._planting_decode = slot.startswith("decode")
+        try:
+            return original(self, slot)
+        finally:
+            self._planting_decode = False
+
+    return start_worker
+
+
+def stop_at_first_failure(original):
+    """An exception between two actions: the actions after one that raised are dropped, and its
+    room is not failed."""
+    def execute(self, actions, out):
+        todo = deque(actions)
+        while todo:
+            try:
+                self._do(todo.popleft(), out)
+            except Exception:
+                self.action_failures += 1
+                return
+
+    return execute
+
+
+def forget_by_number(original):
+    """Forgetting a session by its number alone: every session with that number goes (another
+    decode's, or another incarnation's, too), silently."""
+    def forget(self, peer):
+        for other in [p for p in self._sessions if p.session == peer.session]:
+            self._sessions.pop(other, None)
+        original(self, peer)
+
+    return forget
+
+
+def never_stalled(original):
+    """Health blind to a wedged loop."""
+    return lambda self: False
+
+
+def stays_in_page_queue(original):
+    """A room left in the page queue after it ended: a cancel that does not take it out."""
+    def cancel(self, room):
+        rec = self.rooms.get(room)
+        if rec is not None and rec.seq is not None:
+            self.engine.cancel(rec.seq.rid)
+
+    return cancel
+
+
+def kv_done_once(original):
+    """The ``KVDone`` not re-sent: a released room that transferred answers a repeated
+    registration with nothing."""
+    return lambda self, r: None
+
+
+def unregistered_kept(original):
+    """A registration dropped without a bound: the control thread drops a RegisterRoom from a
+    sender it has no session with, and remembers that sender for good."""
+    def expire(self, now):
+        kept = list(self._unregistered.items())
+        original(self, now)
+        for peer, first in kept:
+            self._unregistered.setdefault(peer, first)
+
+    return expire
+
+
+def overwrite_terminal(original):
+    """Terminal overwritten: a lost peer rewrites the ending of a room that already ended."""
+    def on_peer_lost(self, room, peer, detail, now, out):
+        r = self._rooms.get(room)
+        if r is not None and is_terminal(r.state) and r.ending.reason is not Reason.PEER_LOST:
+            r.ending = Ending(Reason.PEER_LOST, detail)
+        original(self, room, peer, detail, now, out)
+
+    return on_peer_lost
+
+
+def release_on_timer(original):
+    """Quarantine released on a timer: a quarantined room frees its pages at the resend timer
+    instead of waiting for prefill's word or the fence."""
+    def on_held_timer(self, r, now, out):
+        self._release(r, now, out)
+
+    return on_held_timer
+
+
+def write_raise_unsettled(original):
+    """Found by the simulator (fixed in ``transfer_worker.py``): a backend write that raises
+    leaves its write in no table."""
+    def start(self, cmd):
+        agent = self._agents.get(cmd.peer)
+        if agent is None or self.backend is None or self._faults.fail_writes or self._faults.stall_writes:
+            return original(self, cmd)
+        handle = self.backend.write(agent[0], list(cmd.spans), b"")
+        self._inflight[cmd.write_id] = _InFlight(cmd.room, cmd.write_id, cmd.peer, handle)
+
+    return start
+
+
+def start_write_unsettled(original):
+    """Found by the simulator (fixed in ``prefill.py``): a StartWrite whose hand-over raises is
+    only a failed action; its write stays in the room's table."""
+    from splitserve.disagg.lifecycle import StartWrite
+    from splitserve.disagg.transfer.base import page_spans
+    from splitserve.disagg.transfer_worker import Write
+
+    def do_role(self, a, out):
+        if isinstance(a, StartWrite):
+            spans = tuple(page_spans(a.src_pages, a.dst_pages, self.engine.layout.page_nbytes))
+            self.transfer.submit(Write(a.room, a.write_id, a.peer, spans))
+            return
+        original(self, a, out)
+
+    return do_role
+
+
+def record_kept_after_queue(original):
+    """Found by the simulator (fixed in ``role.py``): leaving the page queue does not forget a
+    room answered while it waited."""
+    def cancel(self, room):
+        rec = self.rooms.get(room)
+        if rec is None:
+            return
+        rec.want_pages = 0
+        if rec.seq is not None:
+            self.engine.cancel(rec.seq.rid)
+
+    return cancel
+
+
+PLANTED = {
+    # glue
+    "two decodes given one identity": [(Cluster, "new_incarnation", one_incarnation),
+                                       (Cluster, "start_worker", start_worker_marking)],
+    "an exception between two actions": [(DisaggRole, "_execute", stop_at_first_failure)],
+    "forgetting a session by number alone": [(PrefillControl, "_forget", forget_by_number)],
+    "health blind to a wedged loop": [(AsyncEngine, "loop_stalled", never_stalled)],
+    "a room left in the page queue after it ended": [(DisaggRole, "_cancel", stays_in_page_queue)],
+    "the KVDone not re-sent": [(PrefillTable, "_answer_again", kv_done_once)],
+    "a registration dropped without a bound": [(PrefillControl, "_expire", unregistered_kept)],
+    # tables
+    "terminal overwritten": [(PrefillTable, "_on_peer_lost", overwrite_terminal)],
+    "quarantine released on a timer": [(DecodeTable, "_on_held_timer", release_on_timer)],
+    # found by the simulator, fix undone
+    "found: a write call that raises": [(TransferWorker, "_start", write_raise_unsettled)],
+    "found: a StartWrite hand-over that raises": [(PrefillRole, "_do_role", start_write_unsettled)],
+    "found: a room answered in the page queue": [(DecodeRole, "_cancel", record_kept_after_queue)],
+}
+
+
+def plant(monkeypatch, name: str) -> None:
+    for cls, attr, make in PLANTED[name]:
+        monkeypatch.setattr(cls, attr, make(getattr(cls, attr)))
