@@ -2,9 +2,10 @@
 
 After every engine-loop iteration of every worker:
 
-- **pages conserved**, by the allocator's own accounting: ``free + held (+ cached) = total``,
-  where held are the pages of every room's record and sequence; every 16th iteration also that no
-  page is in two places; on decode the quarantine counter equals the quarantined records' pages;
+- **pages conserved**: the allocator's account is ``free + cached + owned = total``; its owned
+  pages are what the rooms hold (each room's record and sequence; a shared page of the prefix cache
+  once per holder); every 16th iteration also that no page is held twice (but a shared one, its
+  reference count its holders) or both held and free or evictable; on decode the quarantine counter equals the quarantined records' pages;
 - **records agree with the table** (the glue of ``disagg/role.py``): a room waiting in the page
   queue is live in ``PREALLOC``; a record that holds pages belongs to a room the table still
   knows (live or held), so something will free them; a room the table ended has been answered;
@@ -13,8 +14,9 @@ After every engine-loop iteration of every worker:
 
 On every event where it can go wrong:
 
-- **no write lands in a page its room does not own**: every page a landing write touches
-  belongs, on decode, to the record of the room whose KV the bytes carry (``model.room_tag``);
+- **no write lands in a page its room does not own**: every page a landing write touches is held
+  by a room on decode and holds, slot by slot, the KV of that room's prompt (``model.chain``: a
+  slot's key says which tokens it is the KV of);
 - **no page is handed to a new room while a write for an old room may land in it**: decode's
   allocator never gives out a page that a write on the wire (target link not closed) targets;
 - **decode starts from its own prompt's KV**: every slot of the prompt holds the room's tag and
@@ -30,7 +32,8 @@ within ``loop_stall_s`` + 0.5 s, and the router takes it out of rotation within 
 + ``health_interval_s`` × (``health_failures`` + 1) (the bounds of ``docs/lifecycle.md``).
 
 At the end, once idle (every client done, then ``tombstone_s`` and the peer-silence bound of
-quiet): every table idle, every record gone, **free pages back to total**, **per-peer tables
+quiet): every table idle, every record gone, the prefix cache flushed and then **free pages back to
+total**, **per-peer tables
 bounded** (only sessions with live peers, no ended or unregistered senders remembered, no
 transfer connections to dead sessions, no lost peers), and **the router's outcome counters equal
 the endings the clients saw**.
@@ -38,11 +41,12 @@ the endings the clients saw**.
 
 from __future__ import annotations
 
+import struct
 from collections import deque
 
 from splitserve.disagg.lifecycle import DecodeState
 from splitserve.disagg.lifecycle.states import is_terminal
-from splitserve.sim.model import kv_of, room_tag
+from splitserve.sim.model import chain, kv_of
 
 CLIENT_SLACK_S = 1.0
 FULL_CHECK_EVERY = 16
@@ -85,9 +89,9 @@ class Checker:
             engine.allocator.allocate = checked_allocate
             start_decoding = engine.start_decoding
 
-            def checked_start(req, pages, first_token):
+            def checked_start(req, pages, first_token, **kw):
                 self._decode_starts(worker, req, pages)
-                return start_decoding(req, pages, first_token)
+                return start_decoding(req, pages, first_token, **kw)
 
             engine.start_decoding = checked_start
 
@@ -99,32 +103,51 @@ class Checker:
         for flight in worker.cluster.tnet.landable_into(worker):
             hit = given & set(_pages_of(flight, page_nbytes))
             if hit:
-                self.violation(f"{worker.name}: pages {sorted(hit)} handed to a new room while a write of room tag "
-                               f"{flight.room_tag:.0f} from {flight.writer.name} may still land in them")
+                self.violation(f"{worker.name}: pages {sorted(hit)} handed to a new room while a write from "
+                               f"{flight.writer.name} may still land in them")
                 return
 
     def _decode_starts(self, worker, req, pages: list[int]) -> None:
         n = len(req.prompt_ids)
         keys, values = kv_of(worker.ae.engine.kv, pages, n)
-        tag = room_tag(req.bootstrap.room)
-        if any(k != tag for k in keys) or values != [float(i) for i in range(n)]:
-            bad = next(i for i in range(n) if keys[i] != tag or values[i] != i)
+        want = chain(req.prompt_ids)
+        if keys != want or values != [float(i) for i in range(n)]:
+            bad = next(i for i in range(n) if keys[i] != want[i] or values[i] != i)
             self.violation(f"{worker.name}: room {req.bootstrap.room} starts decoding from KV that is not its "
-                           f"prompt's (slot {bad}: room tag {keys[bad]:.0f}, position {values[bad]:.0f})")
+                           f"prompt's (slot {bad} of {n}: key {keys[bad]:.0f} for {want[bad]:.0f}, position "
+                           f"{values[bad]:.0f})")
 
     def on_land(self, flight, target) -> None:
-        page_nbytes = target.ae.engine.layout.page_nbytes
+        """Every page a landing write touches is owned by a room on ``target`` and, unless that room
+        is quarantined (its own late write), holds the KV of that room's prompt at those positions."""
+        layout = target.ae.engine.layout
+        page_nbytes, size = layout.page_nbytes, layout.page_size
         owners = _page_owners(target.role)
         for span, data in zip(flight.handle.spans, flight.data):
             first = span.remote_offset // page_nbytes
             for k in range(span.nbytes // page_nbytes):
-                tag = _tag_at(data, k * page_nbytes)
-                owner = owners.get(first + k)
-                if owner is None or room_tag(owner) != tag:
-                    what = "a free page" if owner is None else f"a page of room {owner}"
-                    self.violation(f"{target.name}: a write from {flight.writer.name} carrying room tag {tag:.0f} "
-                                   f"lands in {what} (page {first + k})")
+                page = first + k
+                owner = owners.get(page)
+                if owner is None:
+                    self.violation(f"{target.name}: a write from {flight.writer.name} lands in page {page}, which "
+                                   f"no room holds")
                     return
+                room, rec, index = owner
+                if rec.quarantined or index is None:
+                    continue
+                prompt = rec.req.prompt_ids
+                want = chain(prompt)
+                for slot in range(size):
+                    pos = index * size + slot
+                    if pos >= len(prompt):
+                        break
+                    key, value = struct.unpack_from("<d", data, k * page_nbytes + slot * 8)[0], \
+                        struct.unpack_from("<d", data, k * page_nbytes + (size + slot) * 8)[0]
+                    if key != want[pos] or value != pos:
+                        self.violation(f"{target.name}: a write from {flight.writer.name} lands in page {page} of "
+                                       f"room {room} with KV that is not its prompt's (position {pos}: key "
+                                       f"{key:.0f} for {want[pos]:.0f}, position {value:.0f})")
+                        return
 
     # -- after every engine-loop iteration -------------------------------------------------------
 
@@ -134,7 +157,7 @@ class Checker:
         alloc = engine.allocator
         table = role.table
         rooms = table._rooms
-        held = 0
+        held = 0  # references: a page of the prefix cache may be held by several rooms
         quarantined = 0
         for room, rec in role.rooms.items():
             n = len(rec.pages) + (len(rec.seq.pages) if rec.seq is not None else 0)
@@ -157,10 +180,15 @@ class Checker:
                 if live:
                     self.violation(f"{worker.name}: room {room} has quarantined pages while live ({r.state})")
                     return
-        cached = getattr(alloc, "num_cached", 0)
-        if alloc.num_free + held + cached != alloc.num_pages:
-            self.violation(f"{worker.name}: pages not conserved: {alloc.num_free} free + {held} held + {cached} "
-                           f"cached != {alloc.num_pages}")
+        # the allocator's account is free + cached + owned = total by construction; what must hold is
+        # that the owned pages are what the rooms hold: one reference per holder of a shared page
+        shared = [n for n in alloc._refs.values() if n]
+        owned_refs = alloc.num_owned - len(shared) + sum(shared)
+        if held != owned_refs:
+            self.violation(f"{worker.name}: pages not conserved: the rooms hold {held} page references, the "
+                           f"allocator counts {alloc.num_owned} owned ({len(shared)} of them shared, {sum(shared)} "
+                           f"references) beside {alloc.num_free} free and {alloc.num_cached} cached of "
+                           f"{alloc.num_pages}")
             return
         if worker.kind == "decode" and role.pages_quarantined != quarantined:
             self.violation(f"{worker.name}: {role.pages_quarantined} pages counted quarantined, "
@@ -194,17 +222,22 @@ class Checker:
                 del endings[room]
 
     def _pages_disjoint(self, worker) -> None:
+        """No page held by two rooms unless it is a shared page of the prefix cache (and then its
+        reference count is its holders), none both held and free or evictable."""
         alloc = worker.ae.engine.allocator
-        seen: dict[int, int] = {}
+        holders: dict[int, list[int]] = {}
         for room, rec in worker.role.rooms.items():
             for page in rec.pages + (rec.seq.pages if rec.seq is not None else []):
-                if page in seen:
-                    self.violation(f"{worker.name}: page {page} held by rooms {seen[page]} and {room}")
-                    return
-                if page in alloc._free_set:
-                    self.violation(f"{worker.name}: page {page} is free and held by room {room}")
-                    return
-                seen[page] = room
+                holders.setdefault(page, []).append(room)
+        for page, rooms in holders.items():
+            if page in alloc._free_set or page in alloc._lru:
+                self.violation(f"{worker.name}: page {page} is {'free' if page in alloc._free_set else 'evictable'} "
+                               f"and held by rooms {rooms}")
+                return
+            if len(rooms) > 1 and (not alloc.is_cached(page) or alloc._refs[page] != len(rooms)):
+                self.violation(f"{worker.name}: page {page} held by rooms {rooms}"
+                               f"{' with ' + str(alloc._refs[page]) + ' references' if alloc.is_cached(page) else ''}")
+                return
 
     # -- at the end ------------------------------------------------------------------------------
 
@@ -222,8 +255,10 @@ class Checker:
                                f"{_describe_records(role)}, table {table.counts_by_state()}, "
                                f"peers {table.peers.counts()}")
                 return
+            worker.ae.engine.flush_cache()  # what POST /flush_cache has the loop do
             if alloc.num_free != alloc.num_pages:
-                self.violation(f"{worker.name}: {alloc.num_pages - alloc.num_free} pages not free at rest")
+                self.violation(f"{worker.name}: {alloc.num_pages - alloc.num_free} pages not free at rest, the "
+                               f"prefix cache flushed ({alloc.num_cached} cached, {alloc.num_owned} owned)")
                 return
             if worker.ae._streams:
                 self.violation(f"{worker.name}: {len(worker.ae._streams)} request streams left at rest")
@@ -265,21 +300,17 @@ def _describe_records(role, n: int = 3) -> str:
     return "[" + "; ".join(rows) + (" ..." if len(role.rooms) > n else "") + "]"
 
 
-def _page_owners(role) -> dict[int, int]:
+def _page_owners(role) -> dict[int, tuple]:
+    """page -> (room, record, the page's index in the room's sequence of pages, or None when its
+    position is not known: a quarantined record keeps only its write targets)."""
     owners = {}
     for room, rec in role.rooms.items():
-        for page in rec.pages:
-            owners[page] = room
+        for i, page in enumerate(rec.pages):
+            owners[page] = (room, rec, None if rec.quarantined else i)
         if rec.seq is not None:
-            for page in rec.seq.pages:
-                owners[page] = room
+            for i, page in enumerate(rec.seq.pages):
+                owners[page] = (room, rec, i)
     return owners
-
-
-def _tag_at(data: bytes, offset: int) -> float:
-    import struct
-
-    return struct.unpack_from("<d", data, offset)[0]
 
 
 def _pages_of(flight, page_nbytes: int) -> list[int]:

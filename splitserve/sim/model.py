@@ -4,13 +4,16 @@ The engine around it is the real :class:`~splitserve.engine.engine.LLMEngine` �
 page allocator, sequences, sampler, detokenizer — built from :func:`fake_parts` instead of a
 checkpoint. Only ``runner.run(batch)`` is fake:
 
-- **tokens**: the logits of each sampling sequence peak at one token, a function of the
-  sequence's tokens so far (printable bytes, now and then the end of sequence), so a seed gives the
-  same text everywhere; the real sampler picks it;
-- **KV**: every token a step computes writes its slot of the real KV pool — the key says which
-  room it belongs to (its ``bootstrap_room``, or 0), the value its position — so the bytes that
-  cross to decode say whose they are, and the simulator checks every write that lands
-  (``invariants.py``) and every prompt decode starts from;
+- **KV**: every token a step computes writes its slot of the real KV pool — the key is a hash of
+  the sequence's tokens up to it (:func:`chain`: computed from the previous slot's key, read from
+  the pool, and the token), the value its position — so a slot says which tokens it is the KV of,
+  whichever room computed it (the prefix cache shares pages between rooms), and the simulator
+  checks every write that lands and every prompt decode starts from against the tokens of the room
+  that owns the page (``invariants.py``);
+- **tokens**: the logits of each sampling sequence peak at one token, a function of the key of its
+  last slot (printable bytes, now and then the end of sequence): the answer depends on the KV, so
+  KV that is not the prompt's gives another text (checked against :func:`reference_text`'s); the
+  real sampler picks it;
 - **time**: ``cost_s`` of the last step, proportional to its tokens; the simulated engine loop
   begins its next iteration only that much later (``cluster.py``).
 
@@ -22,7 +25,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 from splitserve.engine.engine import ModelParts
@@ -35,9 +37,18 @@ VOCAB = 258
 TAG_MOD = 1 << 52  # a float64 holds integers below 2**53 exactly
 
 
-def room_tag(room: Optional[int]) -> float:
-    """What the key of a token's KV slot holds: its room, as a float64 holds it exactly."""
-    return float((room or 0) % TAG_MOD)
+def chain_step(prev: float, token: int) -> float:
+    """The key of the slot after one whose key is ``prev``, for ``token`` (exact in a float64)."""
+    return float((int(prev) * 1_000_003 + token + 1) % TAG_MOD)
+
+
+def chain(token_ids) -> list[float]:
+    """The keys of the slots of ``token_ids``, from the first."""
+    out, prev = [], 0.0
+    for token in token_ids:
+        prev = chain_step(prev, token)
+        out.append(prev)
+    return out
 
 
 class ByteTokenizer:
@@ -56,10 +67,12 @@ class ByteTokenizer:
         return self.encode(text) if tokenize else text
 
 
-def next_token(token_ids: list[int], eos_every: int) -> int:
-    """The token that follows ``token_ids``: printable ASCII, or EOS about once in ``eos_every``."""
-    h = (len(token_ids) * 0x9E3779B1 + token_ids[-1] * 0x85EBCA77 + token_ids[0]) & 0xFFFFFFFF
+def next_token(key: float, eos_every: int) -> int:
+    """The token that follows a slot whose key is ``key``: printable ASCII, or EOS about once in
+    ``eos_every``."""
+    h = int(key) & 0xFFFFFFFF
     h = (h ^ (h >> 15)) * 0x2C1B3C6D & 0xFFFFFFFF
+    h = (h ^ (h >> 13)) * 0x297A2D39 & 0xFFFFFFFF
     if eos_every and h % eos_every == 0:
         return EOS
     return 32 + (h >> 8) % 95
@@ -95,19 +108,20 @@ class FakeRunner:
         if self.fail_next:
             self.fail_next -= 1
             raise RuntimeError("simulated forward-pass failure")
-        size, rows = self.page_size, []
+        size, rows, slots = self.page_size, [], self.slots
         for item in batch:
             seq = item.seq
-            tag = room_tag(seq.room)
             pos, end = seq.num_computed, seq.num_computed + item.num_tokens
+            key = float(slots[seq.pages[(pos - 1) // size], 0, (pos - 1) % size]) if pos else 0.0
+            tokens = seq.token_ids
             while pos < end:
                 page, slot = seq.pages[pos // size], pos % size
-                n = min(size - slot, end - pos)
-                self.slots[page, 0, slot:slot + n] = tag
-                self.slots[page, 1, slot:slot + n] = np.arange(pos, pos + n)
-                pos += n
+                key = chain_step(key, tokens[pos])
+                slots[page, 0, slot] = key
+                slots[page, 1, slot] = pos
+                pos += 1
             if item.samples:
-                rows.append(next_token(seq.token_ids, self.model.eos_every))
+                rows.append(next_token(key, self.model.eos_every))
         logits = torch.zeros((len(rows), VOCAB), dtype=torch.float32)
         if rows:
             logits[torch.arange(len(rows)), torch.tensor(rows)] = 30.0

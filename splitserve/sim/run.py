@@ -210,8 +210,8 @@ class Run:
         pick = cluster.router.state.pick_workers
         host_slot = {host: slot for slot, host in cluster.hosts.items()}
 
-        def picked():
-            result = pick()
+        def picked(*args, **kw):
+            result = pick(*args, **kw)
             client = CURRENT.get()
             if client is not None:
                 if isinstance(result, str):

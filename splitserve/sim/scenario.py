@@ -71,6 +71,7 @@ class Scenario:
     hang_up: float = 0.2  # share of clients that hang up at a random moment
     stop_reading: float = 0.02  # share of streaming clients that stop reading
     sampled: float = 0.1  # share with temperature > 0 (the rest greedy: checked against the reference)
+    shared_prefix: float = 0.4  # share of prompts that start with one of the seed's few prefixes
     shared_decode_name: bool = False
     step_s: float = 0.002
     token_s: float = 0.00005

@@ -55,7 +55,7 @@ class Flight:
     writer_agent: str
     target: str  # agent name
     data: list[bytes]  # the source bytes of each span, read at write time
-    room_tag: Optional[float]
+    first_key: Optional[float]  # the key of its first slot (model.chain), for the trace
     landed: bool = False
     gone: bool = False  # landed, or can never land any more
 

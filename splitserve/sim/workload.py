@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from splitserve.sim.http import Sink, Transport, request
-from splitserve.sim.model import EOS, ByteTokenizer, next_token
+from splitserve.sim.model import EOS, ByteTokenizer, chain, chain_step, next_token
 
 CURRENT = contextvars.ContextVar("sim_client", default=None)  # the client whose request the router handles
 _ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.!?0123456789"
@@ -39,9 +39,15 @@ class ClientSpec:
 def draw_clients(rng: random.Random, s) -> list[ClientSpec]:
     clients = []
     t = 0.5
+    # a few prefixes many prompts start with (a system prompt, a conversation so far): the prefix
+    # cache's pages are shared between rooms on both sides
+    prefixes = ["".join(rng.choice(_ALPHABET) for _ in range(rng.randint(8, max(8, s.max_prompt // 2))))
+                for _ in range(3)]
     for n in range(s.requests):
         t += rng.expovariate(s.requests / s.arrival_s)
         prompt = "".join(rng.choice(_ALPHABET) for _ in range(rng.randint(1, s.max_prompt)))
+        if rng.random() < s.shared_prefix:
+            prompt = (rng.choice(prefixes) + prompt)[:s.max_prompt + s.max_prompt // 2]
         stream = rng.random() < s.stream
         hang = None
         if rng.random() < s.hang_up:  # at a random moment in every state, early ones most
@@ -55,12 +61,12 @@ def draw_clients(rng: random.Random, s) -> list[ClientSpec]:
 def reference_text(prompt: str, max_tokens: int, eos_every: int) -> str:
     """What a colocated worker answers a greedy request with: the fake model's tokens alone."""
     ids = ByteTokenizer().encode(prompt)
-    out = []
+    key, out = chain(ids)[-1], []
     for _ in range(max_tokens):
-        token = next_token(ids, eos_every)
+        token = next_token(key, eos_every)
         if token == EOS:
             break
-        ids.append(token)
+        key = chain_step(key, token)
         out.append(token)
     return bytes(out).decode("utf-8")
 
