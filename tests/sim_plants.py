@@ -188,3 +188,19 @@ PLANTED = {
 def plant(monkeypatch, name: str) -> None:
     for cls, attr, make in PLANTED[name]:
         monkeypatch.setattr(cls, attr, make(getattr(cls, attr)))
+
+
+def run_planted(name: str, seed: int, requests: int):
+    """In a pool's process: one seed with ``name`` planted (undone after); the result's
+    (seed, first violation or None)."""
+    import pytest
+
+    from splitserve.sim.run import run_seed
+
+    mp = pytest.MonkeyPatch()
+    try:
+        plant(mp, name)
+        result = run_seed(seed, requests=requests)
+    finally:
+        mp.undo()
+    return seed, (result.violations[0] if result.violations else None)

@@ -149,6 +149,8 @@ class SimWorker:
         self.model = FakeModel(Cost(sim.step_s, sim.token_s), eos_every=sim.eos_every)
         ae.engine = LLMEngine(engine_config, fake_parts(self.model))
         self.runner = ae.engine.runner
+        self.runner.on_fail = lambda: cluster.faults.effects.__setitem__(
+            "forward passes failed", cluster.faults.effects["forward passes failed"] + 1)
         cluster.checker.on_worker(self)  # before the role builds anything (it wraps the allocator)
         role.start(ae)
         ae.start_loop(loop, thread=False)
@@ -179,7 +181,7 @@ class SimWorker:
 
         def check() -> None:
             if self.in_engine and self.edge_errors and self.rng.random() < self.edge_errors:
-                self.cluster.faults.count("edge_error", self)
+                self.cluster.faults.handover_raised(self)
                 raise RuntimeError("simulated: handing work to a thread failed")
 
         def t_submit(cmd) -> None:
@@ -221,6 +223,7 @@ class SimWorker:
             return
         now = self.loop.time()
         if now < self.wedged_until:
+            self.cluster.faults.effects["engine-loop wakeups held by a wedge"] += 1
             self.engine_act.at_or_before(self.wedged_until)
             return
         self.runner.cost_s = 0.0
@@ -254,7 +257,10 @@ class SimWorker:
         return wait * (0.5 + 0.5 * self.rng.random())
 
     def _control_run(self) -> None:
-        if not self.alive or self.control_hung:
+        if not self.alive:
+            return
+        if self.control_hung:
+            self.cluster.faults.effects["control steps held by a hang"] += 1
             return
         now = self.loop.time()
         control = self.role.control
@@ -262,13 +268,17 @@ class SimWorker:
             control.step()
         except Exception as exc:
             control.crashed(exc)
+            self.cluster.faults.effects["control thread crashed"] += 1
             self.control_pause = now + RESTART_PAUSE_S
             self.control_act.at_or_before(self.control_pause)
             return
         self.control_act.at_or_before(now + self.cluster.config.tick_s * (0.5 + self.rng.random()))
 
     def _transfer_run(self) -> None:
-        if not self.alive or self.transfer_hung:
+        if not self.alive:
+            return
+        if self.transfer_hung:
+            self.cluster.faults.effects["transfer steps held by a hang"] += 1
             return
         now = self.loop.time()
         transfer = self.role.transfer
@@ -276,6 +286,7 @@ class SimWorker:
             busy = transfer.step()
         except Exception as exc:
             transfer.crashed(exc)
+            self.cluster.faults.effects["transfer thread crashed"] += 1
             self.transfer_pause = now + RESTART_PAUSE_S
             self.transfer_act.at_or_before(self.transfer_pause)
             return

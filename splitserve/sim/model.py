@@ -100,6 +100,7 @@ class FakeRunner:
         self.cost_s = 0.0  # of the last step
         self.tokens = 0  # computed by every step so far
         self.fail_next = 0  # steps that raise (a forward pass that fails: the engine fails its batch)
+        self.on_fail = lambda: None
 
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
         n_tokens = sum(item.num_tokens for item in batch)
@@ -107,6 +108,7 @@ class FakeRunner:
         self.tokens += n_tokens
         if self.fail_next:
             self.fail_next -= 1
+            self.on_fail()
             raise RuntimeError("simulated forward-pass failure")
         size, rows, slots = self.page_size, [], self.slots
         for item in batch:

@@ -38,12 +38,12 @@ class FaultLog:
         self.windows: list[tuple] = []  # (kind, target, start, end), or (kind, target, [start, end]) while it grows
         self._starved: dict[str, list[float]] = {}
         self.starved_spells = 0
+        self.effects: Counter = Counter()  # what the faults did, as seen where they act
 
-    def count(self, kind: str, worker=None) -> None:
-        self.counts[kind] += 1
-        if worker is not None and kind == "edge_error":
-            now = worker.loop.time()
-            self.windows.append((kind, worker.slot, now, now))
+    def handover_raised(self, worker) -> None:
+        self.effects["hand-over raised"] += 1
+        now = worker.loop.time()
+        self.windows.append(("edge_error", worker.slot, now, now))
 
     def starved(self, worker, now: float) -> None:
         """``worker``'s engine had work it could not schedule (its pool exhausted): overload, one
@@ -83,6 +83,7 @@ class Result:
     wall_s: float = 0.0
     checks: int = 0
     starved: int = 0  # spells of an engine with work it could not schedule (overload)
+    effects: Counter = field(default_factory=Counter)
 
     @property
     def ok(self) -> bool:
@@ -96,6 +97,7 @@ class Result:
                  f"{self.checks} invariant checks",
                  "endings: " + ", ".join(f"{k} {v}" for k, v in sorted(self.endings.items())),
                  "faults: " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"),
+                 "effects: " + (", ".join(f"{k} {v}" for k, v in sorted(self.effects.items())) or "none"),
                  f"overload: {self.starved} spells of an engine loop with work it could not schedule"]
         if self.violations:
             lines.append(f"VIOLATION: {self.violations[0]}")
@@ -121,10 +123,12 @@ class Totals:
     failed: list[int] = field(default_factory=list)
     wall_s: float = 0.0
     starved: int = 0
+    effects: Counter = field(default_factory=Counter)
 
     def add(self, result: Result) -> None:
         self.seeds += 1
         self.starved += result.starved
+        self.effects.update(result.effects)
         self.requests += result.requests
         self.sim_s += result.sim_s
         self.checks += result.checks
@@ -139,6 +143,7 @@ class Totals:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.endings.update(other.endings)
         self.faults.update(other.faults)
+        self.effects.update(other.effects)
         self.failed += other.failed
 
     def report(self, wall_s: Optional[float] = None) -> list[str]:
@@ -149,6 +154,7 @@ class Totals:
                 + (f" {self.failed[:20]}" if self.failed else ""),
                 "endings: " + ", ".join(f"{k} {v}" for k, v in sorted(self.endings.items())),
                 "faults injected: " + (", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"),
+                "their effects: " + (", ".join(f"{k} {v}" for k, v in sorted(self.effects.items())) or "none"),
                 f"overload: {self.starved} spells of an engine loop with work it could not schedule",
                 f"wall {wall_s:.1f}s: {hours / max(wall_s / 60, 1e-9):.2f} simulated hours per wall minute"]
 
@@ -191,14 +197,18 @@ class Run:
         result.endings = Counter(c.ending() for c in self.clients)
         result.faults = Counter(self.faults.counts)
         result.starved = self.faults.starved_spells
-        for kind, n in (("drop", "dropped"), ("duplicate", "duplicated"), ("reorder", "reordered"),
-                        ("partitioned_frame", "partitioned")):
-            if self.cluster.net.counts[n]:
-                result.faults[kind] = self.cluster.net.counts[n]
-        for kind, n in (("notify_drop", "notify_dropped"), ("late_write", "late"), ("write_refused", "refused"),
-                        ("write_cut", "cut"), ("write_stalled", "stalled"), ("transfer_crash", "crashes")):
-            if self.cluster.tnet.counts[n]:
-                result.faults[kind] = self.cluster.tnet.counts[n]
+        net, tnet = self.cluster.net.counts, self.cluster.tnet.counts
+        for kind, n in (("drop", net["dropped"]), ("duplicate", net["duplicated"]), ("reorder", net["reordered"]),
+                        ("notify_drop", tnet["notify_dropped"]), ("write_refused", tnet["refused"]),
+                        ("write_cut", tnet["cut"]), ("write_stalled", tnet["stalled"])):
+            if n:
+                result.faults[kind] = n
+        result.effects = Counter(self.faults.effects)
+        for kind, n in (("frames cut by a partition", net["partitioned"]), ("of them held to the heal", net["held"]),
+                        ("late writes landed", tnet["late"]), ("links closed", tnet["fenced"]),
+                        ("transfer backend raised", tnet["crashes"])):
+            if n:
+                result.effects[kind] = n
         if result.violations:
             result.trace = self.trace.lines()
         return result
@@ -413,6 +423,7 @@ class Run:
     def _restart(self, slot: str) -> None:
         self._restarts.pop(slot, None)
         if not self.cluster.workers[slot].alive:
+            self.faults.effects["workers restarted"] += 1
             worker = self.cluster.start_worker(slot)
             self.trace("%s restarted", worker.name)
 
