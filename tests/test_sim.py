@@ -17,7 +17,7 @@ import pytest
 from sim_plants import PLANTED, run_planted
 from splitserve.sim.run import Totals, run_many, run_seed
 
-EVERYDAY_SEEDS = 24  # x EVERYDAY_REQUESTS, two processes
+EVERYDAY_SEEDS = 16  # x EVERYDAY_REQUESTS, two processes
 EVERYDAY_REQUESTS = 300
 PLANT_REQUESTS = 100  # per seed while looking for a planted bug
 PLANT_SEEDS = 40  # the most seeds a planted bug may take

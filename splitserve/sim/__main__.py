@@ -1,4 +1,6 @@
-"""``python -m splitserve.sim``: run seeds of the cluster simulator (``docs/lifecycle.md``, *The simulator*).
+"""Run seeds of the cluster simulator: 2 prefill + 2 decode workers and a router, the project's own
+code in one process on a virtual clock, clients and faults drawn from the seed, every invariant
+checked while it runs (docs/lifecycle.md, "The simulator").
 
 ``--seed N`` runs one seed and prints its report (a failing one: the violation, the trace of the
 events before it, and the command that replays it); ``--seeds N`` runs seeds ``--first`` ..
