@@ -58,6 +58,12 @@ class ServerConfig:
     """Prefill role: the port of the bootstrap (control) endpoint decode workers connect to."""
     advertise_host: Optional[str] = None
     """The host peers should use to reach this worker (default: --host)."""
+    cluster_secret_file: Optional[str] = None
+    """Prefill and decode roles: a file holding a secret shared by the cluster's workers (at least
+    16 bytes, e.g. `head -c 32 /dev/urandom | base64`). Every control connection (and the tcp
+    transfer backend) is then authenticated and encrypted with CURVE keys derived from it; a peer
+    without it is refused. Without it the control plane is open to anyone who reaches it (a warning
+    at start)."""
     transfer_backend: str = "nixl"
     """How KV pages cross between workers: nixl (UCX; shared memory, TCP, RDMA) or tcp (built in)."""
     cpus: Optional[str] = None

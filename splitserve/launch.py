@@ -41,6 +41,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -102,6 +103,9 @@ class LaunchConfig:
     environment, never their command lines."""
     api_key_file: Optional[str] = None
     """A file whose first line is the clients' API key (chmod 600)."""
+    cluster_secret_file: Optional[str] = None
+    """The workers' --cluster-secret-file (their control plane authenticated and encrypted);
+    unset: launch draws a fresh secret into a private temporary file for this run."""
 
 
 @dataclass(frozen=True)
@@ -177,11 +181,12 @@ def _warn(text: str) -> None:
 
 def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Optional[Sequence[int]] = None,
                 warn: Callable[[str], None] = _warn, cores_of: CoresOf = cpu_cores,
-                environ: Optional[Mapping[str, str]] = None) -> list[ChildSpec]:
+                environ: Optional[Mapping[str, str]] = None, secret_file: Optional[str] = None) -> list[ChildSpec]:
     """The workers, then the router, as ``python -m splitserve.cli`` command lines. ``allowed``:
     the CPUs to split between the workers (default: launch's own), ``cores_of`` how they group
     into physical cores (default: the kernel's topology); ``warn`` gets the warnings; ``environ``:
-    where ``$SPLITSERVE_API_KEY`` is read (default: ours)."""
+    where ``$SPLITSERVE_API_KEY`` is read (default: ours); ``secret_file``: the workers'
+    ``--cluster-secret-file`` (default ``config.cluster_secret_file``; none without either)."""
     if config.num_prefill < 1 or config.num_decode < 1:
         raise ValueError("launch needs at least one prefill and one decode worker")
     if config.transfer_backend is not None and config.transfer_backend not in TRANSFER_BACKENDS:
@@ -205,6 +210,8 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     cli = (python, "-m", "splitserve.cli")
     extra = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
     extra += tuple(shlex.split(config.worker_args))  # the worker refuses what it does not know, at start
+    secret_file = secret_file or config.cluster_secret_file
+    extra += ("--cluster-secret-file", secret_file) if secret_file else ()  # the path, never the secret
     specs, router_args = [], []
     for i in range(config.num_prefill):
         port, bootstrap = ports.pop(), ports.pop()
@@ -459,10 +466,17 @@ def _http_ok(url: str) -> bool:
 
 def run_launch(config: LaunchConfig) -> int:
     """What ``splitserve launch`` runs: the exit code (0 after Ctrl-C/SIGTERM, 1 if a process
-    died or never became healthy, 2 for a bad configuration)."""
-    try:
-        specs = build_specs(config)
-    except ValueError as exc:
-        print(f"splitserve launch: {exc}", file=sys.stderr, flush=True)
-        return 2
-    return Supervisor(specs, config.ready_timeout_s, config.stop_timeout_s).run()
+    died or never became healthy, 2 for a bad configuration). The workers share a cluster secret:
+    ``--cluster-secret-file``, or one drawn for this run into a private temporary file."""
+    with tempfile.TemporaryDirectory(prefix="splitserve-launch-") as folder:  # mode 700, removed at the end
+        secret_file = config.cluster_secret_file
+        if secret_file is None:
+            secret_file = os.path.join(folder, "cluster-secret")
+            with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+                f.write(secrets.token_urlsafe(32) + "\n")
+        try:
+            specs = build_specs(config, secret_file=secret_file)
+        except ValueError as exc:
+            print(f"splitserve launch: {exc}", file=sys.stderr, flush=True)
+            return 2
+        return Supervisor(specs, config.ready_timeout_s, config.stop_timeout_s).run()

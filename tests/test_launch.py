@@ -202,6 +202,8 @@ def test_build_specs_hands_keys_over_in_the_environment_never_the_command_line(t
         assert all(w.env["SPLITSERVE_API_KEY"] == worker_key for w in workers)
         for spec in specs:
             assert not any(k in " ".join(spec.argv) for k in ("the-clients-key", worker_key, "api-key"))
+    secured = build_specs(LaunchConfig(split_cpus=False), python="py", environ={}, secret_file="/run/s")
+    assert all(s.argv[s.argv.index("--cluster-secret-file") + 1] == "/run/s" for s in secured[:-1])
     plain = build_specs(LaunchConfig(split_cpus=False), python="py", environ={"SPLITSERVE_WORKER_API_KEY": "stray"})
     assert all(not v for s in plain for v in s.env.values())  # no key, and none inherited
 

@@ -19,11 +19,13 @@ pages as for any sequence.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import deque
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import DecodeControl
+from splitserve.disagg.control.decode import ZmqDealer
 from splitserve.disagg.lifecycle import (
     DecodeStep, DecodeTable, Finished, FromPeer, LocalFailure, PagesReserved, Peer, QuarantinePages, Reason,
     ReleaseQuarantine, ReservePages, StartDecode,
@@ -55,7 +57,8 @@ class DecodeRole(DisaggRole):
         self.control = DecodeControl(name, self.info, self.links, self.loop.post_event,
                                      self.deadlines.heartbeat_interval_s, self.deadlines.prealloc_s,
                                      self.faults.control, lambda: not self.loop.loop_stalled(),
-                                     silence_s=self.deadlines.peer_silence_s, dial=self.edges.dial)
+                                     silence_s=self.deadlines.peer_silence_s,
+                                     dial=self.edges.dial or functools.partial(ZmqDealer, secret=self.secret))
 
     def stats(self) -> dict:
         stats = super().stats()

@@ -9,8 +9,11 @@ the scheduler at admission and freed by the table's ``FreePages`` once every wri
 
 from __future__ import annotations
 
+import functools
+
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl
+from splitserve.disagg.control.prefill import ZmqRouterEndpoint
 from splitserve.disagg.lifecycle import (
     CancelWrites, ChunkDone, Enqueue, ForwardDone, LocalFailure, Peer, PrefillTable, Reason, ResetTransfer,
     Scheduled, StartWrite, WriteFailed,
@@ -37,7 +40,8 @@ class PrefillRole(DisaggRole):
         self.control = PrefillControl(self.server.host, self.server.bootstrap_port, self.info, self.transfer,
                                       self.loop.post_event, self.deadlines.heartbeat_interval_s, self.faults.control,
                                       lambda: not self.loop.loop_stalled(), silence_s=self.deadlines.peer_silence_s,
-                                      ended_s=self.deadlines.tombstone_s, bind=self.edges.bind)
+                                      ended_s=self.deadlines.tombstone_s,
+                                      bind=self.edges.bind or functools.partial(ZmqRouterEndpoint, secret=self.secret))
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
         out: list[RequestOutput] = []

@@ -149,6 +149,7 @@ class DisaggRole:
         self.loop = loop
         self.engine = loop.engine
         self.incarnation = (self.edges.incarnation or new_incarnation)()
+        self.secret = self._cluster_secret()
         self.info = local_info(self.engine.spec, self.engine.layout, self.server.transfer_backend, self.incarnation)
         self.timelines.page_nbytes = self.engine.layout.page_nbytes
         self._start()
@@ -160,8 +161,19 @@ class DisaggRole:
             self.control.start()
 
     def _transfer_opts(self) -> dict:
-        opts = {"host": self.advertise_host} if self.server.transfer_backend == "tcp" else {}
+        opts = {"host": self.advertise_host, "secret": self.secret} if self.server.transfer_backend == "tcp" else {}
         return {**opts, **self.edges.transfer_opts}
+
+    def _cluster_secret(self):
+        """``--cluster-secret-file`` loaded (``disagg/control/curve.py``), or None, said once in a warning."""
+        from splitserve.disagg.control.curve import ClusterSecret
+
+        if self.server.cluster_secret_file:
+            log.info("control plane: CURVE with keys from --cluster-secret-file; only its holders can connect")
+            return ClusterSecret.load(self.server.cluster_secret_file)
+        log.warning("control plane UNAUTHENTICATED: anyone who can reach this worker's control sockets can speak "
+                    "its protocol; give prefill and decode workers --cluster-secret-file (docs/security.md)")
+        return None
 
     def check(self, req: GenerateRequest) -> None:
         if req.bootstrap is None:
@@ -254,7 +266,7 @@ class DisaggRole:
             "peer_silence": {row["peer"]: round(row["silent_s"], 3) for row in self.table.peers.snapshot(now)},
             "action_failures": self.action_failures,
             "control": self.control.sizes(),
-            "bad_frames": dict(self.control.bad_frames),
+            "bad_frames": self.control.dropped(),
             "transfer_peers": self.transfer.peer_count(),
             "thread_restarts": {t.name: t.restarts for t in (self.control, self.transfer)},
             "thread_age": {t.name: round(t.age(), 3) for t in (self.control, self.transfer)},

@@ -336,6 +336,10 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
     try:
         check_client_bounds(server_config)
         ssl_context = server_context(server_config.ssl_certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs)
+        if server_config.cluster_secret_file:  # read now: a bad file stops the worker at once
+            from splitserve.disagg.control.curve import ClusterSecret
+
+            ClusterSecret.load(server_config.cluster_secret_file, warn=False)
     except ValueError as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -118,6 +118,10 @@ class ControlThread(SupervisedThread):
         self._outbox.put((peer, None))
         self._wake()
 
+    def dropped(self) -> dict[str, int]:
+        """Frames and connections dropped so far, by why (read from any thread)."""
+        return dict(self.bad_frames)
+
     def take_heard(self) -> dict[Peer, bool]:
         """Thread-safe: the peers heard from since the last call, each with whether it answered our
         own heartbeat (``fresh``: certainly the process running now under its name)."""

@@ -31,10 +31,12 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.bootstrap import first_mismatch
 from splitserve.disagg.control.base import MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults, ControlThread, identity
+from splitserve.disagg.control.curve import FAILED, PROTOCOL_ERRORS
 from splitserve.disagg.lifecycle import FromPeer, LocalFailure, Peer, PeerInfo, PeerLost, Reason
 from splitserve.disagg.transfer.links import ReceiveLinks
 
@@ -187,7 +189,14 @@ class DecodeControl(ControlThread):
     def _tick(self, pf: _Session, now: float) -> None:
         pf.waiting = [(room, since) for room, since in pf.waiting if now - since <= self._info_wait_s]
         if pf.info is None:
-            if not pf.waiting:  # nobody waits for this address any more (the rooms' deadlines failed them)
+            refused = getattr(pf.conn, "auth_failure", lambda: None)()
+            if refused is not None:  # the waiting rooms fail now, naming it, rather than at their deadline
+                self._drop("authentication", refused)
+                for room, _ in pf.waiting:
+                    self._post(LocalFailure(room, Reason.INCOMPATIBLE_PEER, refused))
+                pf.waiting = []
+                self._end(pf, refused, lost=False)
+            elif not pf.waiting:  # nobody waits for this address any more (the rooms' deadlines failed them)
                 self._end(pf, "no room waits for it", lost=False)
             elif now - pf.asked_at > self.INFO_RETRY_S:
                 self._ask_info(pf, now)
@@ -302,19 +311,50 @@ class DecodeControl(ControlThread):
 class ZmqDealer:
     """Decode's connection of one session: a ZMQ DEALER with the session's identity, connected to
     a prefill's bootstrap port. ``recv`` gives one frame or None; ``send`` never blocks (with nobody
-    there and the queue full, the frame is dropped: the rooms' deadlines handle it)."""
+    there and the queue full, the frame is dropped: the rooms' deadlines handle it). With a
+    ``secret`` (``control/curve.py``) it speaks CURVE as a holder; :meth:`auth_failure` says why
+    the prefill would not complete the handshake (its socket monitor's events)."""
 
-    def __init__(self, name: str, ident: bytes):
+    def __init__(self, name: str, ident: bytes, secret=None):
         self.name = name
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self._monitor = None
+        self._handshakes = self._disconnects = 0
         try:
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
             self.sock.setsockopt(zmq.IDENTITY, ident)
+            if secret is not None:
+                secret.connect(self.sock)
+            self._monitor = self.sock.get_monitor_socket(
+                zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
             self.sock.connect(f"tcp://{name}")
         except zmq.ZMQError:
-            self.sock.close(0)
+            self.close()
             raise
+
+    def auth_failure(self) -> Optional[str]:
+        """Why the prefill refused our control handshake (naming authentication), or None so far.
+        A connection it closes twice before any handshake succeeded counts as refused too (a
+        CURVE server drops a client that does not hold its secret without a word)."""
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._handshakes += 1
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self._disconnects += 1
+            elif kind in FAILED:
+                why = PROTOCOL_ERRORS.get(event.get("value"), FAILED[kind])
+                return f"authentication failed with the prefill at {self.name}: {why}"
+        if not self._handshakes and self._disconnects >= 2:
+            return (f"authentication failed with the prefill at {self.name}: it closed our connection in the "
+                    "handshake (its --cluster-secret-file differs from ours, or only one of us has one)")
+        return None
 
     @property
     def closed(self) -> bool:
@@ -333,4 +373,6 @@ class ZmqDealer:
             return None
 
     def close(self) -> None:
+        if self._monitor is not None:
+            self._monitor.close(0)
         self.sock.close(0)

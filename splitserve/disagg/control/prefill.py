@@ -66,6 +66,9 @@ class PrefillControl(ControlThread):
         self.early_registrations = 0
         self.endpoint = (bind or ZmqRouterEndpoint)(host, port)  # a simulator binds its own
 
+    def dropped(self) -> dict[str, int]:
+        return {**self.bad_frames, **getattr(self.endpoint, "failures", {})}
+
     def sizes(self) -> dict[str, int]:
         """Per-peer structures, for the metrics (read from any thread)."""
         return {"sessions": len(self._sessions), "ended": len(self._ended), "unregistered": len(self._unregistered)}
@@ -225,13 +228,21 @@ class PrefillControl(ControlThread):
 class ZmqRouterEndpoint:
     """The prefill side's socket: a ZMQ ROUTER bound on the bootstrap port. ``recv`` gives one
     message's frames (identity first) or None; ``send`` never blocks (a peer whose queue is full
-    is not reading: the frame is dropped, its deadlines handle it)."""
+    is not reading: the frame is dropped, its deadlines handle it). With a ``secret``
+    (``control/curve.py``) only holders of the cluster secret can connect; ``failures`` counts the
+    connections refused."""
 
-    def __init__(self, host: str, port: int):
+    def __init__(self, host: str, port: int, secret=None):
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        self._guard = secret.bind(self.sock, f"bootstrap port {port}") if secret is not None else None
         self.sock.bind(f"tcp://{host}:{port}")
+
+    @property
+    def failures(self) -> dict[str, int]:
+        """Connections refused for authentication, by why (``zap``, ``handshake``)."""
+        return {f"authentication_{k}": n for k, n in self._guard.failures.items()} if self._guard else {}
 
     def recv(self) -> Optional[list[bytes]]:
         try:

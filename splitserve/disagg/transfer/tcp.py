@@ -21,6 +21,9 @@ Never blocking: frames are sent with ``NOBLOCK``; what the socket's high-water m
 in the peer's FIFO and is sent by later ``write``/``poll`` calls. Memory is bounded by
 ``send_hwm`` frames per peer on each side.
 
+With a cluster secret (``secret``, ``disagg/control/curve.py``) the receiver's socket and every
+writer's are CURVE: only holders connect, and the KV bytes are encrypted on the wire.
+
 The receiver trusts nothing: messages over the size limit are dropped by ZMQ (``MAXMSGSIZE``);
 a frame that is malformed, addressed to another agent name (a previous incarnation), or whose
 offset falls outside the buffer is refused, counted in ``stats()["bad_frames"]``, logged, and
@@ -90,6 +93,7 @@ class TcpBackend(TransferBackend):
         max_frame_bytes: int = 4 << 20,
         max_notif_bytes: int = 64 << 10,
         send_hwm: int = 16,
+        secret: Any = None,
         **opts: Any,
     ):
         super().__init__(agent_name, buffer)
@@ -102,15 +106,18 @@ class TcpBackend(TransferBackend):
         self._send_hwm = send_hwm
         self._bytes = buffer.view(-1).view(torch.uint8).numpy()  # [nbytes], shares memory
         self._ctx = zmq.Context(io_threads=1)
+        self._secret = secret  # control/curve.ClusterSecret: CURVE on the receiver and every writer's socket
         self._peers: dict[str, _Peer] = {}
         self._closed = False
         self._receiver = _Receiver(
             self._ctx, agent_name, self._bytes, host, port,
-            max_msg=max(max_frame_bytes, max_notif_bytes + _HEADER_SLACK), hwm=send_hwm,
+            max_msg=max(max_frame_bytes, max_notif_bytes + _HEADER_SLACK), hwm=send_hwm, secret=secret,
         )
         self._receiver.start()
         self._receiver.ready.wait()
         if self._receiver.error is not None:
+            if secret is not None:
+                secret.release(self._ctx)
             self._ctx.destroy(linger=0)
             raise OSError(f"tcp transfer backend could not bind {host}:{port}: {self._receiver.error}")
         bound_port = self._receiver.endpoint.rsplit(":", 1)[1]
@@ -135,6 +142,8 @@ class TcpBackend(TransferBackend):
         if md.get("protocol") != PROTOCOL:
             raise ValueError(f"peer {peer_name!r}: tcp transfer protocol {md.get('protocol')!r}, ours is {PROTOCOL}")
         sock = self._ctx.socket(zmq.DEALER)
+        if self._secret is not None:
+            self._secret.connect(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, self._send_hwm)
         sock.connect(md["endpoint"])
@@ -210,6 +219,8 @@ class TcpBackend(TransferBackend):
         for name in list(self._peers):
             self.remove_peer(name)
         self._receiver.stop()
+        if self._secret is not None:
+            self._secret.release(self._ctx)  # its ZAP handler's sockets, before the context ends
         if self._receiver.is_alive():
             log.error("tcp receiver of %r did not stop; destroying its sockets", self.agent_name)
             self._ctx.destroy(linger=0)
@@ -271,11 +282,12 @@ class _Receiver(threading.Thread):
     answers each write's last frame. Survives bad frames; stops at :meth:`stop`."""
 
     def __init__(self, ctx: zmq.Context, agent_name: str, dst: np.ndarray, host: str, port: int,
-                 max_msg: int, hwm: int):
+                 max_msg: int, hwm: int, secret: Any = None):
         super().__init__(name=f"tcp-transfer-rx-{agent_name}", daemon=True)
         self._ctx, self._agent_name, self._dst = ctx, agent_name, dst
         self._bind = f"tcp://{host}:{port if port else '*'}"
         self._max_msg, self._hwm = max_msg, hwm
+        self._secret = secret
         self._ctl = f"inproc://splitserve-tcp-ctl-{next(_ctl_ids)}-{id(self)}"
         self._stopping = False
         self.ready = threading.Event()
@@ -298,6 +310,8 @@ class _Receiver(threading.Thread):
     def run(self) -> None:
         try:
             sock = self._ctx.socket(zmq.ROUTER)
+            if self._secret is not None:
+                self._secret.bind(sock, f"tcp transfer receiver of {self._agent_name}")
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
             sock.setsockopt(zmq.RCVHWM, self._hwm)

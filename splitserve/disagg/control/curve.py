@@ -1,0 +1,200 @@
+"""The cluster secret (``--cluster-secret-file``): CURVE on every ZMQ connection between workers
+(the control plane, and the tcp transfer backend), and the ZAP handler that admits only holders.
+The design and its replay protection: ``docs/protocol.md``; the threat model: ``docs/security.md``.
+
+From the secret every holder derives the same two CURVE key pairs, one for the side that binds
+(prefill's bootstrap port, a tcp receiver) and one for the side that connects
+(:func:`derive_keys`, HMAC-SHA256 of the secret with the role's name). A connecting socket must
+know the binding side's public key to speak at all, and proves in the handshake that it holds
+the connecting side's secret key; the :class:`ZapGuard` of the binding side's ZMQ context
+(``inproc://zeromq.zap.01``) admits only that public key. So a connection from a process without
+the secret fails its handshake — before any frame of it reaches our code — and is counted and
+logged naming authentication; one that has it is encrypted and authenticated end to end
+(CurveZMQ: ephemeral keys per connection, strictly increasing nonces).
+
+Nothing here logs a key or the secret.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+import queue
+import stat
+import threading
+from collections import Counter
+from typing import Optional
+
+import zmq
+from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
+
+log = logging.getLogger(__name__)
+
+MIN_SECRET_BYTES = 16
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+DOMAIN = b"splitserve"
+FAILED = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its credentials were refused",
+          zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed",
+          zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed"}
+PROTOCOL_ERRORS = {zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "one side has a cluster secret, the other none",
+                   zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "it does not hold our cluster secret",
+                   zmq.PROTOCOL_ERROR_ZMTP_KEY_EXCHANGE: "it does not hold our cluster secret"}
+
+
+def derive_keys(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
+    """A CURVE key pair (public, secret; Z85) for ``role`` (``b"bind"`` or ``b"connect"``)."""
+    raw = hmac.new(secret, b"splitserve cluster secret v1 " + role, hashlib.sha256).digest()
+    secret_z85 = z85.encode(raw)
+    return zmq.curve_public(secret_z85), secret_z85
+
+
+class ClusterSecret:
+    """The keys derived from one secret, and one :class:`ZapGuard` per ZMQ context that binds."""
+
+    def __init__(self, secret: bytes):
+        if len(secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"a cluster secret has at least {MIN_SECRET_BYTES} bytes (e.g. "
+                             "`head -c 32 /dev/urandom | base64 > FILE`)")
+        self.bind_public, self.bind_secret = derive_keys(secret, b"bind")
+        self.connect_public, self.connect_secret = derive_keys(secret, b"connect")
+        self._guards: dict[int, ZapGuard] = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return "ClusterSecret(<not shown>)"
+
+    @classmethod
+    def load(cls, path: str, warn: bool = True) -> "ClusterSecret":
+        """The secret in file ``path`` (its bytes, trailing whitespace dropped); ValueError naming
+        the file (never its content) when it cannot be read or is too short."""
+        try:
+            with open(path, "rb") as f:
+                data = f.read(1 << 16).rstrip()
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            raise ValueError(f"--cluster-secret-file {path}: cannot read it: {exc}") from None
+        if warn and mode & (stat.S_IRWXG | stat.S_IRWXO):
+            log.warning("--cluster-secret-file %s can be read by other users (mode %o): chmod 600 it", path,
+                        stat.S_IMODE(mode))
+        try:
+            return cls(data)
+        except ValueError as exc:
+            raise ValueError(f"--cluster-secret-file {path}: {exc}") from None
+
+    def bind(self, sock: zmq.Socket, what: str) -> "ZapGuard":
+        """Make ``sock`` (before it binds) a CURVE server admitting only holders; the guard of its
+        context counts what it refuses."""
+        guard = self.guard(sock.context)
+        sock.setsockopt(zmq.ZAP_DOMAIN, DOMAIN)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.bind_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.bind_secret)
+        guard.watch(sock, what)
+        return guard
+
+    def connect(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (before it connects) a CURVE client of a holder."""
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.bind_public)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.connect_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.connect_secret)
+
+    def guard(self, ctx: zmq.Context) -> "ZapGuard":
+        with self._lock:
+            guard = self._guards.get(id(ctx))
+            if guard is None or guard.stopped:
+                guard = self._guards[id(ctx)] = ZapGuard(ctx, z85.decode(self.connect_public))
+                guard.start()
+            return guard
+
+    def release(self, ctx: zmq.Context) -> None:
+        """Stop the guard of ``ctx`` (before the context is terminated)."""
+        with self._lock:
+            guard = self._guards.pop(id(ctx), None)
+        if guard is not None:
+            guard.stop()
+
+
+class ZapGuard(threading.Thread):
+    """The ZAP handler of one ZMQ context (admits a CURVE client only with the holders' public
+    key) and the reader of the monitors of that context's binding sockets (a handshake that failed
+    before ZAP: no secret, another secret, or none where we have one). Each refusal is counted in
+    ``failures`` (by why) and logged, the first 20 and then every 1000th."""
+
+    POLL_MS = 100
+
+    def __init__(self, ctx: zmq.Context, allowed: bytes):
+        super().__init__(name="control-zap", daemon=True)
+        self._allowed = allowed
+        self.failures: Counter = Counter()
+        self._adopt: "queue.Queue[tuple[zmq.Socket, str]]" = queue.Queue()
+        self._quit = threading.Event()
+        self.stopped = False
+        self.zap = ctx.socket(zmq.REP)
+        self.zap.setsockopt(zmq.LINGER, 0)
+        self.zap.bind(ZAP_ENDPOINT)
+
+    def watch(self, sock: zmq.Socket, what: str) -> None:
+        """Read ``sock``'s handshake failures from now on (thread-safe)."""
+        events = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | \
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+        self._adopt.put((sock.get_monitor_socket(events), what))
+
+    def stop(self) -> None:
+        self._quit.set()
+        if self.is_alive():
+            self.join(5)
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.zap, zmq.POLLIN)
+        monitors: dict[zmq.Socket, str] = {}
+        try:
+            while not self._quit.is_set():
+                while not self._adopt.empty():
+                    mon, what = self._adopt.get_nowait()
+                    monitors[mon] = what
+                    poller.register(mon, zmq.POLLIN)
+                try:
+                    ready = dict(poller.poll(self.POLL_MS))
+                except zmq.ContextTerminated:
+                    return
+                for sock in ready:
+                    try:
+                        if sock is self.zap:
+                            self._answer(sock.recv_multipart())
+                        else:
+                            self._on_event(recv_monitor_message(sock), monitors[sock])
+                    except zmq.ContextTerminated:
+                        return
+                    except Exception:  # a bad request or event is dropped, the guard goes on
+                        log.exception("cluster secret: error in the ZAP handler; continuing")
+        finally:
+            self.stopped = True
+            self.zap.close(0)
+            for mon in monitors:
+                mon.close(0)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        version, request_id, domain, address, _identity, mechanism, *credentials = frames
+        ok = mechanism == b"CURVE" and domain == DOMAIN and len(credentials) == 1 and \
+            hmac.compare_digest(credentials[0], self._allowed)
+        if not ok:
+            self._refused("zap", f"a {mechanism.decode(errors='replace')} connection from "
+                                 f"{address.decode(errors='replace')}: its key is not the cluster's")
+        status = (b"200", b"OK") if ok else (b"400", b"authentication failed: not a holder of the cluster secret")
+        self.zap.send_multipart([version, request_id, *status, b"", b""])
+
+    def _on_event(self, event: dict, what: str) -> None:
+        why = FAILED.get(event["event"])
+        if why is not None:
+            detail = PROTOCOL_ERRORS.get(event.get("value"), why)
+            self._refused("handshake", f"{what}: a connection failed the CURVE handshake ({detail})")
+
+    def _refused(self, why: str, detail: str) -> None:
+        self.failures[why] += 1
+        n = sum(self.failures.values())
+        if n <= 20 or n % 1000 == 0:
+            log.warning("authentication failed, connection refused (%d so far): %s", n, detail)

@@ -1,0 +1,250 @@
+"""The authenticated control plane (``--cluster-secret-file``, ``disagg/control/curve.py``,
+``docs/protocol.md``, ``docs/security.md``), on real workers over the tcp transfer backend.
+
+A small relay sits between each decode and its prefill's bootstrap port, as an attacker on the
+network would: it forwards ZMTP frames both ways, keeps them, and can inject its own. Two pairs
+run side by side, one with a secret and one without (the negative control): a forged, well-formed
+``AbortRoom`` and ``HeartbeatAck`` under the real decode's identity and incarnation, injected
+into the connection of a live room, abort that room without the secret and change nothing with
+it (prefill drops the connection that carried them, decode reconnects, no peer is lost). Decode's
+captured connection (its handshake and encrypted messages) replayed changes nothing. A decode with
+another secret, or with none, is refused naming authentication on both sides."""
+
+from __future__ import annotations
+
+import random
+import re
+import socket
+import struct
+import threading
+import time
+
+import msgpack
+import pytest
+import requests
+
+from cluster import Cluster, metrics, post_generate
+from conftest import free_port
+from splitserve.disagg import protocol as p
+
+SECURED, OPEN = 0, 1  # the two pairs: prefill i with decode i
+WRONG, NONE = 2, OPEN  # decodes with another secret, and without one, sent to the secured prefill
+
+
+class Relay:
+    """Forwards TCP connections from a local port to ``target``, frame by frame after the 64-byte
+    ZMTP greeting, keeping every frame (``frames[direction]``: raw bytes, ``"up"`` is client to
+    server) and the first connection's whole client-to-server stream (``first_stream``), and
+    injecting ``inject(direction, frame)`` into the newest connection between two of its frames,
+    once its handshake is over."""
+
+    HANDSHAKE_FRAMES = 2  # NULL: READY; CURVE: HELLO + INITIATE up, WELCOME + READY down
+
+    def __init__(self, target_port: int):
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.frames: dict[str, list[bytes]] = {"up": [], "down": []}
+        self.first_stream = b""
+        self.connections = 0
+        self._pending: dict[tuple[int, str], list[bytes]] = {}
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def inject(self, direction: str, frame: bytes) -> None:
+        with self._lock:
+            self._pending.setdefault((self.connections, direction), []).append(frame)
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self._socks:
+            s.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.target)
+            self._socks += [client, server]
+            with self._lock:
+                self.connections += 1
+                n = self.connections
+            threading.Thread(target=self._pump, args=(client, server, "up", n), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, "down", n), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str, n: int) -> None:
+        keep = direction == "up" and n == 1
+
+        def read(size: int) -> bytes:
+            data = b""
+            while len(data) < size:
+                chunk = src.recv(size - len(data))
+                if not chunk:
+                    raise ConnectionError
+                data += chunk
+            if keep:
+                self.first_stream += data
+            return data
+
+        try:
+            greeting = 0  # 64 bytes, forwarded as they come: each side sends its first part and waits
+            while greeting < 64:
+                chunk = src.recv(64 - greeting)
+                if not chunk:
+                    raise ConnectionError
+                self.first_stream += chunk if keep else b""
+                greeting += len(chunk)
+                dst.sendall(chunk)
+            frames = 0
+            while True:
+                flags = read(1)
+                size = read(8 if flags[0] & 0x02 else 1)
+                body = read(struct.unpack(">Q", size)[0] if flags[0] & 0x02 else size[0])
+                frame = flags + size + body
+                self.frames[direction].append(frame)
+                dst.sendall(frame)
+                frames += 1
+                if frames >= self.HANDSHAKE_FRAMES:
+                    with self._lock:
+                        extra = self._pending.pop((n, direction), [])
+                    for forged in extra:
+                        dst.sendall(forged)
+        except OSError:
+            src.close()
+            dst.close()
+
+
+def zmtp_message(msg) -> bytes:
+    """A plaintext ZMTP message frame holding one encoded control message."""
+    body = p.encode(msg)
+    return (b"\x00" + bytes([len(body)]) if len(body) < 256 else b"\x02" + struct.pack(">Q", len(body))) + body
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("secrets")
+    ours, theirs = folder / "ours", folder / "theirs"
+    ours.write_text("the cluster's own secret, 32+ bytes long\n")
+    theirs.write_text("somebody else's secret, 32+ bytes long\n")
+    for f in (ours, theirs):
+        f.chmod(0o600)
+    ours_args, theirs_args = ["--cluster-secret-file", str(ours)], ["--cluster-secret-file", str(theirs)]
+    cluster = Cluster(prefill=2, decode=3, backend="tcp", router=False, prefill_args=[ours_args, []],
+                      decode_args=[ours_args, [], theirs_args])
+    with cluster:
+        relays = [Relay(pf.bootstrap_port) for pf in cluster.prefill]
+        try:
+            yield cluster, relays
+        finally:
+            for r in relays:
+                r.close()
+
+
+def incarnation_of(worker) -> str:
+    m = re.search(r"receiving link decode-([0-9a-f]+)-link", worker.stderr())
+    assert m, worker.output_tail()
+    return m.group(1)
+
+
+def lifecycle(worker, kind: str) -> float:
+    return sum(v for (name, labels), v in metrics(worker).items()
+               if name == "splitserve_lifecycle_entries" and ("kind", kind) in labels)
+
+
+def run_pair(cluster, relays, i: int, decode_index=None, room=None, between=None, tokens: int = 4):
+    """One request through pair ``i`` with decode's control connection through the relay: decode's
+    leg first; once prefill holds its registration, ``between()``, then prefill's leg. Decode's response."""
+    prefill, decode = cluster.prefill[i], cluster.decode[i if decode_index is None else decode_index]
+    room = room if room is not None else random.getrandbits(63)
+    extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": relays[i].port, "bootstrap_room": room}
+    ids = [random.randint(10, 200) for _ in range(24)]
+    result = {}
+    leg = threading.Thread(target=lambda: result.update(r=post_generate(decode.url, ids, tokens, extra=extra,
+                                                                        timeout=90)), daemon=True)
+    leg.start()
+    if between is not None:
+        deadline = time.monotonic() + 30
+        while lifecycle(prefill, "pending_registrations") < 1:
+            assert time.monotonic() < deadline, f"no registration came\n{decode.output_tail()}"
+            time.sleep(0.05)
+        between(room)
+        time.sleep(1.0)  # the forged frames arrive first
+    post_generate(prefill.url, ids, tokens, extra={**extra, "bootstrap_port": prefill.bootstrap_port}, timeout=90)
+    leg.join(90)
+    return result["r"]
+
+
+@pytest.mark.parametrize("pair", [SECURED, OPEN])
+def test_forged_abort_and_heartbeat_ack_change_nothing_with_the_secret_and_abort_a_live_room_without(pairs, pair):
+    cluster, relays = pairs
+    assert run_pair(cluster, relays, pair).status_code == 200  # the session is up
+    decode_inc = incarnation_of(cluster.decode[pair])
+    relay = relays[pair]
+
+    def forge(room: int) -> None:
+        relay.inject("up", zmtp_message(p.AbortRoom(room, decode_inc, "client_abort")))
+        relay.inject("up", zmtp_message(p.HeartbeatAck(decode_inc, 1)))
+
+    r = run_pair(cluster, relays, pair, between=forge)
+    if pair == SECURED:
+        assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
+        for w in (cluster.prefill[pair], cluster.decode[pair]):
+            assert not any(v for (name, labels), v in metrics(w).items()
+                           if name == "splitserve_requests_total" and ("outcome", "finished") not in labels), w.url
+    else:  # the negative control: the same frames abort the room, so this test can fail
+        assert r.status_code != 200 and r.json()["error"]["code"] in ("peer_abort", "peer_lost", "peer_failed"), r.text
+    assert run_pair(cluster, relays, pair).status_code == 200  # and the pair serves on
+
+
+def test_a_captured_frame_replayed_changes_nothing(pairs):
+    cluster, relays = pairs
+    prefill, decode = cluster.prefill[SECURED], cluster.decode[SECURED]
+    assert run_pair(cluster, relays, SECURED).status_code == 200
+    relay = relays[SECURED]
+    captured = [f for f in relay.frames["up"] if f[2 if not f[0] & 0x02 else 9:].startswith(b"\x07MESSAGE")]
+    assert len(captured) >= 3 and relay.first_stream  # CurveZMQ MESSAGE boxes: what decode sent, encrypted
+    before = metrics(prefill)
+
+    def replay(room: int) -> None:  # decode's whole first connection, handshake and messages, sent again
+        with socket.create_connection(("127.0.0.1", prefill.bootstrap_port)) as s:
+            s.sendall(relay.first_stream)
+            time.sleep(0.5)
+
+    r = run_pair(cluster, relays, SECURED, between=replay)
+    assert r.status_code == 200 and len(r.json()["output_ids"]) == 4, r.text
+    after = metrics(prefill)
+    refused = sum(v for (name, labels), v in after.items() if name == "splitserve_control_bad_frames_total"
+                  and dict(labels).get("why", "").startswith("authentication")) - \
+        sum(v for (name, labels), v in before.items() if name == "splitserve_control_bad_frames_total"
+            and dict(labels).get("why", "").startswith("authentication"))
+    assert refused >= 1  # the replayed connection was seen, and refused
+    notices = {dict(labels)["kind"]: v for (name, labels), v in after.items() if name == "splitserve_lifecycle_notices_total"}
+    assert not notices.get("peer_lost") and not notices.get("wrong_peer"), notices
+    assert run_pair(cluster, relays, SECURED).status_code == 200
+
+
+@pytest.mark.parametrize("decode_index, words", [(WRONG, "authentication failed"), (NONE, "authentication failed")])
+def test_a_decode_with_another_secret_or_none_is_refused_naming_authentication(pairs, decode_index, words):
+    cluster, _ = pairs
+    extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": cluster.prefill[SECURED].bootstrap_port,
+             "bootstrap_room": random.getrandbits(63)}
+    started = time.monotonic()
+    r = post_generate(cluster.decode[decode_index].url, [5, 6, 7], 2, extra=extra, timeout=90)  # decode's leg only
+    assert r.status_code != 200 and words in r.json()["error"]["message"], r.text
+    assert time.monotonic() - started < 30  # at once, not at the 45 s bootstrap deadline
+    assert "authentication failed" in cluster.prefill[SECURED].stderr()
+
+
+def test_one_warning_without_a_secret_and_no_transfer_metadata_anywhere(pairs):
+    cluster, _ = pairs
+    warning = "control plane UNAUTHENTICATED"
+    for w in cluster.workers:
+        secured = w in (cluster.prefill[SECURED], cluster.decode[SECURED], cluster.decode[WRONG])
+        assert w.stderr().count(warning) == (0 if secured else 1), w.output_tail()
+        for path in ("/get_server_info", "/debug/requests", "/metrics"):
+            text = requests.get(w.url + path, timeout=10).text
+            assert "tcp://" not in text and "agent_metadata" not in text, (w.url, path)
+        assert "tcp://" not in w.stderr() and "agent_metadata" not in w.stderr(), w.output_tail()
