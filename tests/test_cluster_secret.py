@@ -248,3 +248,17 @@ def test_one_warning_without_a_secret_and_no_transfer_metadata_anywhere(pairs):
             text = requests.get(w.url + path, timeout=10).text
             assert "tcp://" not in text and "agent_metadata" not in text, (w.url, path)
         assert "tcp://" not in w.stderr() and "agent_metadata" not in w.stderr(), w.output_tail()
+
+
+def test_a_secret_file_that_cannot_serve_is_refused_naming_it(tmp_path):
+    from splitserve.disagg.control.curve import ClusterSecret, derive_keys
+
+    short = tmp_path / "short"
+    short.write_text("too short\n")
+    with pytest.raises(ValueError, match=f"--cluster-secret-file {short}: a cluster secret has at least 16 bytes"):
+        ClusterSecret.load(str(short))
+    with pytest.raises(ValueError, match="cannot read it"):
+        ClusterSecret.load(str(tmp_path / "missing"))
+    a, b = ClusterSecret(b"s" * 32), ClusterSecret(b"s" * 32)
+    assert (a.bind_public, a.connect_public) == (b.bind_public, b.connect_public)  # every holder derives the same
+    assert derive_keys(b"s" * 32, b"bind") != derive_keys(b"t" * 32, b"bind") and "s" * 32 not in repr(a)
