@@ -320,6 +320,7 @@ class ZmqDealer:
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self._monitor = None
         self._handshakes = self._disconnects = 0
+        self._curve = secret is not None
         try:
             self.sock.setsockopt(zmq.LINGER, 0)
             self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
@@ -335,9 +336,10 @@ class ZmqDealer:
             raise
 
     def auth_failure(self) -> Optional[str]:
-        """Why the prefill refused our control handshake (naming authentication), or None so far.
-        A connection it closes twice before any handshake succeeded counts as refused too (a
-        CURVE server drops a client that does not hold its secret without a word)."""
+        """Why the prefill refused our control handshake (naming authentication), or None so far:
+        its ZAP handler refused us, or the mechanisms or the keys did not match. With a secret, a
+        connection it closes twice before any handshake succeeded counts as refused too (a CURVE
+        server drops a client that does not hold its secret without a word)."""
         while self._monitor is not None:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
@@ -348,10 +350,11 @@ class ZmqDealer:
                 self._handshakes += 1
             elif kind == zmq.EVENT_DISCONNECTED:
                 self._disconnects += 1
-            elif kind in FAILED:
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH or event.get("value") in PROTOCOL_ERRORS:
                 why = PROTOCOL_ERRORS.get(event.get("value"), FAILED[kind])
                 return f"authentication failed with the prefill at {self.name}: {why}"
-        if not self._handshakes and self._disconnects >= 2:
+            # any other failure (a port that does not speak ZMTP...) is left to the rooms' deadlines
+        if self._curve and not self._handshakes and self._disconnects >= 2:
             return (f"authentication failed with the prefill at {self.name}: it closed our connection in the "
                     "handshake (its --cluster-secret-file differs from ours, or only one of us has one)")
         return None
