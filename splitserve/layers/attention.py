@@ -1,5 +1,5 @@
-"""Paged attention over the KV pool, in pure PyTorch (a compiled decode kernel may stand in for
-the decode part: ``layers/paged_decode.py``).
+"""Paged attention over the KV pool, in PyTorch (the compiled decode kernel of ``cpu_kernels.cpp``
+may stand in for the decode part: ``layers/ops.py``).
 
 The model runner flattens every scheduled sequence's new tokens into one batch of ``T`` tokens.
 ``build_metadata`` describes that batch once per step; every layer reuses it::
