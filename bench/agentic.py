@@ -242,7 +242,7 @@ def measure(name: str, args: argparse.Namespace) -> Result:
     try:
         # one request first: the first forward pass of a fresh worker builds its kernels and caches
         asyncio.run(warm_up(dep.url, args))
-        requests.post(dep.url + "/flush_cache", timeout=30).raise_for_status()
+        flush(dep.url)
         before = Scrape.of(roles)
         marks: list[Scrape] = []
         turns, wall = asyncio.run(run_workload(dep.url, args, lambda: marks.append(Scrape.of(roles))))
@@ -253,6 +253,18 @@ def measure(name: str, args: argparse.Namespace) -> Result:
     if errors:
         raise SystemExit(f"{name}: {len(errors)} of {len(turns)} turns failed, e.g. {errors[0]}; see {dep.log}")
     return Result(name, turns, wall, after.minus(marks[0]), after.minus(before), roles)
+
+
+def flush(url: str, patience_s: float = 300) -> None:
+    """Flush every worker's cache through the router; a worker in a long step answers 503: again."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        resp = requests.post(url + "/flush_cache", timeout=60)
+        if resp.status_code == 200:
+            return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"/flush_cache answered {resp.status_code}: {resp.text[:500]}")
+        time.sleep(2)
 
 
 async def warm_up(url: str, args: argparse.Namespace) -> None:

@@ -121,6 +121,28 @@ def sse_events(body: str) -> list:
     return events
 
 
+def test_flush_cache_answers_what_it_dropped_or_503_while_the_loop_is_busy(byte_tokenizer):
+    engine = FakeEngine(byte_tokenizer)
+    answers = iter([12, TimeoutError()])
+
+    def flush_cache():
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    engine.flush_cache = flush_cache
+
+    async def test(client, app):
+        r = await client.post("/flush_cache")
+        assert r.status == 200 and await r.json() == {"flushed_pages": 12}
+        r = await client.post("/flush_cache")  # the engine loop in a step longer than the wait
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        error = (await r.json())["error"]
+        assert error["code"] == "loop_busy" and "try again" in error["message"]
+    run_app(engine, test)
+
+
 def test_fake_engine_error_without_streaming_uses_its_status(byte_tokenizer):
     async def test(client, app):
         r = await client.post("/v1/completions", json={"prompt": "FAIL now", "max_tokens": 10})

@@ -50,6 +50,7 @@ from splitserve.timeline import TimelineBook
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # the longest the loop waits for an event when nothing is due
+FLUSH_WAIT_S = 30.0  # POST /flush_cache waits this long for the loop (one step of a long prompt can take seconds)
 EVENTS_PER_ITERATION = 4096  # a burst of events is taken in slices, so that ticks and steps go on
 
 
@@ -396,9 +397,10 @@ class AsyncEngine:
         self._inbox.put(_Call(fn, future))
         return future.result(timeout)
 
-    def flush_cache(self) -> int:
-        """Thread-safe: drop every cached page no one owns; how many (``POST /flush_cache``)."""
-        return self.call_on_loop(self.engine.flush_cache)
+    def flush_cache(self, timeout: float = FLUSH_WAIT_S) -> int:
+        """Thread-safe: drop every cached page no one owns; how many (``POST /flush_cache``).
+        TimeoutError if the loop does not get to it within ``timeout`` (it still does it later)."""
+        return self.call_on_loop(self.engine.flush_cache, timeout)
 
     @staticmethod
     def _answer_call(call: _Call) -> None:

@@ -59,6 +59,7 @@ from splitserve.tls import client_context, server_context
 from splitserve.server.validation import REQUEST_ID
 
 log = logging.getLogger(__name__)
+WORKER_FLUSH_S = 40.0  # a worker's /flush_cache waits up to 30 s for its engine loop (FLUSH_WAIT_S)
 
 SHUTDOWN_GRACE_S = 5.0
 MODELS_TIMEOUT_S = 10.0  # GET /v1/models from the decode workers, end to end
@@ -218,11 +219,16 @@ async def _flush_cache(request: web.Request) -> web.Response:
 
     async def flush(worker: Worker) -> dict:
         try:
-            async with state.session.post(worker.url + "/flush_cache", timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            async with state.session.post(worker.url + "/flush_cache",
+                                          timeout=aiohttp.ClientTimeout(total=WORKER_FLUSH_S)) as resp:
                 body = await resp.json(content_type=None)
-                return {**(body if isinstance(body, dict) else {}), "url": worker.url, "status": resp.status}
+                result = {**(body if isinstance(body, dict) else {}), "url": worker.url, "status": resp.status}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
-            return {"url": worker.url, "status": 502, "error": describe_error(exc)}
+            result = {"url": worker.url, "status": 502, "error": describe_error(exc)}
+        if result["status"] != 200:
+            log.warning("flush_cache: %s answered %s: %s", worker.describe(), result["status"],
+                        result.get("error", result))
+        return result
 
     results = await asyncio.gather(*(flush(w) for w in state.workers.all()))
     ok = all(r["status"] == 200 for r in results)

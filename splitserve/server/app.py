@@ -45,6 +45,7 @@ from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
 from splitserve.router.client import send
+from splitserve.engine.async_engine import FLUSH_WAIT_S
 from splitserve.server.generation import RID, json_error, serve_generation
 from splitserve.server.validation import REQUEST_ID
 from splitserve.server.worker_metrics import WorkerMetrics
@@ -252,13 +253,15 @@ async def _debug_timeline(request: web.Request) -> web.Response:
         return json_error(f"{what} is neither live nor among the recently ended ones on this worker", 404)
     return web.json_response(found)
 async def _flush_cache(request: web.Request) -> web.Response:
-    """Drop every prefix-cache page no request owns (as SGLang's ``/flush_cache``)."""
+    """Drop every prefix-cache page no request owns (as SGLang's ``/flush_cache``); 503 if the
+    engine loop is in a step longer than ``FLUSH_WAIT_S``."""
     state = request.app[STATE]
     _require_ready(state)
     try:
         flushed = await asyncio.get_running_loop().run_in_executor(None, state.engine.flush_cache)
-    except TimeoutError:
-        raise web.HTTPServiceUnavailable(reason="engine loop busy", text="the engine loop did not answer in time")
+    except TimeoutError:  # the flush still runs when the loop gets to it
+        return json_error(f"the engine loop did not get to the flush within {FLUSH_WAIT_S:g} s (a long step?); "
+                          "try again", 503, code="loop_busy", headers={"Retry-After": "1"})
     return web.json_response({"flushed_pages": flushed})
 
 
