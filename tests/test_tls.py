@@ -113,8 +113,10 @@ def test_https_end_to_end_with_client_certificates_to_the_workers(tls_cluster, c
 
 
 @pytest.mark.parametrize("router_args, words", [
-    ([], "CERTIFICATE_VERIFY_FAILED"),  # the workers' CA not trusted
-    (["--worker-ca-certs", "ca.pem"], "disconnected"),  # trusted, but no client certificate (TLS 1.3: after the handshake)
+    ([], ("CERTIFICATE_VERIFY_FAILED",)),  # the workers' CA not trusted
+    # trusted, but no client certificate: TLS 1.3 refuses after the handshake, so the router sees the
+    # connection closed or reset, whichever the first read meets
+    (["--worker-ca-certs", "ca.pem"], ("disconnected", "reset by peer")),
 ])
 def test_a_router_the_workers_do_not_accept_sees_them_down_and_says_why(tls_cluster, certs, router_args, words):
     args = [certs.get(a, a) for a in router_args]
@@ -124,7 +126,7 @@ def test_a_router_the_workers_do_not_accept_sees_them_down_and_says_why(tls_clus
         health = requests.get(router.url + "/health", timeout=10)
         assert health.status_code == 503
         errors = [w["error"] for w in health.json()["prefill"] + health.json()["decode"]]
-        assert errors and all(words.lower() in e.lower() for e in errors), errors
+        assert errors and all(any(w.lower() in e.lower() for w in words) for e in errors), errors
     finally:
         router.stop()
 
