@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
