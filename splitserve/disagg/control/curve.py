@@ -60,7 +60,7 @@ class ClusterSecret:
                              "`head -c 32 /dev/urandom | base64 > FILE`)")
         self.bind_public, self.bind_secret = derive_keys(secret, b"bind")
         self.connect_public, self.connect_secret = derive_keys(secret, b"connect")
-        self._guards: dict[int, ZapGuard] = {}
+        self._guards: dict[int, tuple[ZapGuard, int]] = {}  # by context: the guard, its users
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -102,17 +102,26 @@ class ClusterSecret:
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.connect_secret)
 
     def guard(self, ctx: zmq.Context) -> "ZapGuard":
+        """The guard of ``ctx``, started on first use; each call is one more user of it, who
+        :meth:`release`\ s it once."""
         with self._lock:
-            guard = self._guards.get(id(ctx))
+            guard, users = self._guards.get(id(ctx), (None, 0))
             if guard is None or guard.stopped:
-                guard = self._guards[id(ctx)] = ZapGuard(ctx, z85.decode(self.connect_public))
+                guard, users = ZapGuard(ctx, z85.decode(self.connect_public)), 0
                 guard.start()
+            self._guards[id(ctx)] = (guard, users + 1)
             return guard
 
     def release(self, ctx: zmq.Context) -> None:
-        """Stop the guard of ``ctx`` (before the context is terminated)."""
+        """One user of ``ctx``'s guard is done (its socket closed); the last one stops it, before
+        the context is terminated. A guard left running would go on answering ZAP for the whole
+        context — ``zmq.Context.instance()`` is the process's — and refuse every later socket
+        without a secret there."""
         with self._lock:
-            guard = self._guards.pop(id(ctx), None)
+            guard, users = self._guards.pop(id(ctx), (None, 0))
+            if guard is not None and users > 1:
+                self._guards[id(ctx)] = (guard, users - 1)
+                return
         if guard is not None:
             guard.stop()
 

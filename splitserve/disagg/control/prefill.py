@@ -236,8 +236,13 @@ class ZmqRouterEndpoint:
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        self._secret = secret
         self._guard = secret.bind(self.sock, f"bootstrap port {port}") if secret is not None else None
-        self.sock.bind(f"tcp://{host}:{port}")
+        try:
+            self.sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError:
+            self.close()
+            raise
 
     @property
     def failures(self) -> dict[str, int]:
@@ -257,4 +262,8 @@ class ZmqRouterEndpoint:
             log.debug("control message to %r dropped: its queue is full", ident[:64])
 
     def close(self) -> None:
+        if self.sock.closed:
+            return
         self.sock.close(0)
+        if self._secret is not None:
+            self._secret.release(self.sock.context)  # its ZAP handler, when no other socket needs it
