@@ -22,6 +22,17 @@ from splitserve.disagg.transfer_worker import AddPeer
 INFO = p.Info(p.PROTOCOL_VERSION, "pf1", "tiny", 2, 2, 8, "float32", 16, "tcp")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _own_zmq_context():
+    """This module's control sockets on a ZMQ context of their own: a cluster secret's ZAP handler
+    left running by an earlier module answers for the whole context it was bound on, and refused
+    these sockets in the full suite (a leak not yet pinned down; see the session note)."""
+    import zmq
+    zmq.Context._instance = None
+    yield
+
+
+
 def test_identity_names_incarnation_and_session_and_bad_ones_are_refused():
     peer = Peer("10.0.0.2:8100", "d1", 3)
     assert peer_of(identity(peer)) == peer
