@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import time
 
 import pytest
@@ -20,17 +21,6 @@ from splitserve.disagg.lifecycle import FromPeer, Peer, PeerInfo, PeerLost
 from splitserve.disagg.transfer_worker import AddPeer
 
 INFO = p.Info(p.PROTOCOL_VERSION, "pf1", "tiny", 2, 2, 8, "float32", 16, "tcp")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _own_zmq_context():
-    """This module's control sockets on a ZMQ context of their own: a cluster secret's ZAP handler
-    left running by an earlier module answers for the whole context it was bound on, and refused
-    these sockets in the full suite (a leak not yet pinned down; see the session note)."""
-    import zmq
-    zmq.Context._instance = None
-    yield
-
 
 
 def test_identity_names_incarnation_and_session_and_bad_ones_are_refused():
@@ -380,3 +370,64 @@ def test_prefill_ends_a_session_that_registers_rooms_but_never_its_link():
             refused = [m for m in _recv_all(decode, 0.2) if isinstance(m, p.RoomFailed)]
         assert refused[0] == p.RoomFailed(5, "pf1", "peer_lost"), refused
         assert not [e for e in events if isinstance(e, FromPeer)], events
+
+
+# -- the process's ZMQ context outlives every session ---------------------------------------------
+
+
+def _probe(ctx: zmq.Context, seconds: float = 3.0) -> bool:
+    """Whether a new socket on ``ctx`` still gets a frame across tcp: its I/O thread serves."""
+    other = zmq.Context()
+    server = other.socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        client.send(b"ping")
+        return bool(server.poll(int(seconds * 1000)))
+    finally:
+        client.close(0)
+        server.close(0)
+        other.term()
+
+
+_WEDGED = []  # a context whose I/O thread blocked: kept, never terminated (that would hang too)
+
+
+def test_closing_a_session_never_wedges_the_zmq_io_thread_every_session_shares(monkeypatch):
+    """A session's socket has a monitor (handshake and disconnect events). Closing the monitor's
+    reader while the socket lives makes the context's I/O thread block for ever on the next event
+    (libzmq #3575) — here the prefill closing its side as decode ends the session — and with it
+    every socket of the process's context: all of decode's sessions, silently. In the full suite
+    this froze the control tests after this one about half the time."""
+    from splitserve.disagg.control.decode import ZmqDealer
+
+    ctx = zmq.Context()
+    monkeypatch.setattr(zmq.Context, "_instance", ctx)  # ZmqDealer's sockets live on the instance
+    monkeypatch.setattr(zmq.Context, "_instance_pid", __import__("os").getpid())
+    for i in range(40):
+        prefill = _FakePrefillSocket()
+        conn = ZmqDealer(f"127.0.0.1:{prefill.port}", identity(Peer("decode:1", "d1", i + 1)))
+        conn.send(b"hello")
+        if not prefill.sock.poll(2000):
+            _WEDGED.append(ctx)
+            pytest.fail(f"session {i + 1} never connected: closing an earlier one wedged the I/O thread of the "
+                        "context all sessions share")
+        sender, _ = prefill.sock.recv_multipart()
+        prefill.sock.send_multipart([sender, b"hello"])
+        deadline = time.monotonic() + 2
+        while conn.recv() is None:
+            assert time.monotonic() < deadline, "the session never connected"
+            time.sleep(0.001)
+        conn.close()  # decode ends the session...
+        prefill.close()  # ...as the prefill goes away
+    served = _probe(ctx)
+    ended = threading.Thread(target=ctx.term, daemon=True)
+    ended.start()
+    ended.join(5)
+    if not served or ended.is_alive():
+        _WEDGED.append(ctx)
+    assert served, "closing a session wedged the I/O thread of the context all sessions share"
+    assert not ended.is_alive(), "the context all sessions share can no longer be terminated"

@@ -371,11 +371,27 @@ class ZmqDealer:
 
     def recv(self) -> Optional[bytes]:
         try:
-            return self.sock.recv(zmq.NOBLOCK)
+            frame = self.sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return None
+        self._stop_monitor()  # a frame came: the handshake succeeded, nothing left to watch for
+        return frame
 
     def close(self) -> None:
-        if self._monitor is not None:
-            self._monitor.close(0)
+        self._stop_monitor()
         self.sock.close(0)
+
+    def _stop_monitor(self) -> None:
+        """Stop the socket's monitor, then close our end of it — in that order, and as soon as
+        there is nothing to watch for. libzmq's I/O thread *blocks* sending a monitor event that
+        nobody takes: once our end is closed, or once events pile up unread (a session that
+        reconnects again and again). Blocked, it serves no socket of the context — the
+        process's, every session of this worker — until the process ends (libzmq #3575)."""
+        if self._monitor is None:
+            return
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
+        self._monitor = None
