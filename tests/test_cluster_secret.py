@@ -262,3 +262,58 @@ def test_a_secret_file_that_cannot_serve_is_refused_naming_it(tmp_path):
     a, b = ClusterSecret(b"s" * 32), ClusterSecret(b"s" * 32)
     assert (a.bind_public, a.connect_public) == (b.bind_public, b.connect_public)  # every holder derives the same
     assert derive_keys(b"s" * 32, b"bind") != derive_keys(b"t" * 32, b"bind") and "s" * 32 not in repr(a)
+
+
+def test_closing_a_bootstrap_port_amid_refused_handshakes_leaves_its_context_serving(monkeypatch):
+    """The guard reads each guarded socket's monitor (handshakes it refused). Closing the socket
+    must stop that monitor before the guard closes its end: a refusal reported in between would
+    block the context's I/O thread for ever (libzmq #3575) — here ``zmq.Context.instance()``,
+    the process's, which every control socket of a worker shares. (The old order, closing the
+    socket first, passed this too: the guard's poll reads for up to 100 ms more; the order is the
+    one libzmq documents.)"""
+    import os
+
+    import zmq
+
+    from splitserve.disagg.control.curve import ClusterSecret
+    from splitserve.disagg.control.prefill import ZmqRouterEndpoint
+
+    ctx = zmq.Context()
+    monkeypatch.setattr(zmq.Context, "_instance", ctx)  # the endpoint binds on the instance
+    monkeypatch.setattr(zmq.Context, "_instance_pid", os.getpid())
+    secret = ClusterSecret(b"s" * 32)
+    strangers = zmq.Context()  # clients without the secret: every handshake of theirs is refused
+    try:
+        for _ in range(5):
+            port = free_port()
+            endpoint = ZmqRouterEndpoint("127.0.0.1", port, secret)
+            clients = []
+            for _ in range(4):
+                c = strangers.socket(zmq.DEALER)
+                c.setsockopt(zmq.LINGER, 0)
+                c.setsockopt(zmq.RECONNECT_IVL, 1)  # retry at once: refusals keep coming
+                c.connect(f"tcp://127.0.0.1:{port}")
+                clients.append(c)
+            deadline = time.monotonic() + 5
+            while not endpoint.failures and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert endpoint.failures, "no handshake was refused"
+            endpoint.close()  # while refusals are still being reported
+            for c in clients:
+                c.close(0)
+        probe = ctx.socket(zmq.DEALER)
+        probe.setsockopt(zmq.LINGER, 0)
+        server = strangers.socket(zmq.ROUTER)
+        server.setsockopt(zmq.LINGER, 0)
+        probe.connect(f"tcp://127.0.0.1:{server.bind_to_random_port('tcp://127.0.0.1')}")
+        probe.send(b"ping")
+        served = bool(server.poll(3000))
+        probe.close(0)
+        server.close(0)
+        assert served, "closing a guarded socket wedged the I/O thread of its context"
+        ended = threading.Thread(target=ctx.term, daemon=True)
+        ended.start()
+        ended.join(5)
+        assert not ended.is_alive(), "the context can no longer be terminated"
+    finally:
+        strangers.term()

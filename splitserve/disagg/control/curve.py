@@ -101,9 +101,31 @@ class ClusterSecret:
         sock.setsockopt(zmq.CURVE_PUBLICKEY, self.connect_public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, self.connect_secret)
 
+    def unbind(self, sock: zmq.Socket) -> None:
+        """Before ``sock`` (made a server by :meth:`bind`) closes, on the thread that owns it: its
+        monitor stopped, then one user of its context's guard released — the last one stops the
+        guard, before the context is terminated. A guard left running would go on answering ZAP
+        for the whole context (``zmq.Context.instance()`` is the process's) and refuse every later
+        socket without a secret there; a monitor whose reader closed first would block the
+        context's I/O thread for ever on its next event (libzmq #3575)."""
+        try:
+            sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        ctx = sock.context
+        with self._lock:
+            guard, users = self._guards.pop(id(ctx), (None, 0))
+            if guard is not None and users > 1:
+                self._guards[id(ctx)] = (guard, users - 1)
+        if guard is None:
+            return
+        guard.unwatch(sock)
+        if users <= 1:
+            guard.stop()
+
     def guard(self, ctx: zmq.Context) -> "ZapGuard":
         """The guard of ``ctx``, started on first use; each call is one more user of it, who
-        :meth:`release`\ s it once."""
+        releases it once (:meth:`unbind`)."""
         with self._lock:
             guard, users = self._guards.get(id(ctx), (None, 0))
             if guard is None or guard.stopped:
@@ -111,19 +133,6 @@ class ClusterSecret:
                 guard.start()
             self._guards[id(ctx)] = (guard, users + 1)
             return guard
-
-    def release(self, ctx: zmq.Context) -> None:
-        """One user of ``ctx``'s guard is done (its socket closed); the last one stops it, before
-        the context is terminated. A guard left running would go on answering ZAP for the whole
-        context — ``zmq.Context.instance()`` is the process's — and refuse every later socket
-        without a secret there."""
-        with self._lock:
-            guard, users = self._guards.pop(id(ctx), (None, 0))
-            if guard is not None and users > 1:
-                self._guards[id(ctx)] = (guard, users - 1)
-                return
-        if guard is not None:
-            guard.stop()
 
 
 class ZapGuard(threading.Thread):
@@ -138,7 +147,7 @@ class ZapGuard(threading.Thread):
         super().__init__(name="control-zap", daemon=True)
         self._allowed = allowed
         self.failures: Counter = Counter()
-        self._adopt: "queue.Queue[tuple[zmq.Socket, str]]" = queue.Queue()
+        self._adopt: "queue.Queue[tuple[int, Optional[zmq.Socket], str]]" = queue.Queue()  # by id(socket)
         self._quit = threading.Event()
         self.stopped = False
         self.zap = ctx.socket(zmq.REP)
@@ -149,7 +158,12 @@ class ZapGuard(threading.Thread):
         """Read ``sock``'s handshake failures from now on (thread-safe)."""
         events = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | \
             zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
-        self._adopt.put((sock.get_monitor_socket(events), what))
+        self._adopt.put((id(sock), sock.get_monitor_socket(events), what))
+
+    def unwatch(self, sock: zmq.Socket) -> None:
+        """``sock``'s monitor was stopped (:meth:`ClusterSecret.unbind`): close our end of it
+        (thread-safe)."""
+        self._adopt.put((id(sock), None, ""))
 
     def stop(self) -> None:
         self._quit.set()
@@ -160,12 +174,19 @@ class ZapGuard(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.zap, zmq.POLLIN)
         monitors: dict[zmq.Socket, str] = {}
+        of: dict[int, zmq.Socket] = {}  # the monitor of each watched socket, by id(socket)
         try:
             while not self._quit.is_set():
                 while not self._adopt.empty():
-                    mon, what = self._adopt.get_nowait()
-                    monitors[mon] = what
-                    poller.register(mon, zmq.POLLIN)
+                    key, mon, what = self._adopt.get_nowait()
+                    if mon is not None:
+                        of[key], monitors[mon] = mon, what
+                        poller.register(mon, zmq.POLLIN)
+                    elif key in of:
+                        mon = of.pop(key)
+                        poller.unregister(mon)
+                        del monitors[mon]
+                        mon.close(0)
                 try:
                     ready = dict(poller.poll(self.POLL_MS))
                 except zmq.ContextTerminated:

@@ -264,6 +264,6 @@ class ZmqRouterEndpoint:
     def close(self) -> None:
         if self.sock.closed:
             return
-        self.sock.close(0)
         if self._secret is not None:
-            self._secret.release(self.sock.context)  # its ZAP handler, when no other socket needs it
+            self._secret.unbind(self.sock)  # its monitor, and its ZAP handler when no other socket needs it
+        self.sock.close(0)

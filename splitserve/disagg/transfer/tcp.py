@@ -116,8 +116,6 @@ class TcpBackend(TransferBackend):
         self._receiver.start()
         self._receiver.ready.wait()
         if self._receiver.error is not None:
-            if secret is not None:
-                secret.release(self._ctx)
             self._ctx.destroy(linger=0)
             raise OSError(f"tcp transfer backend could not bind {host}:{port}: {self._receiver.error}")
         bound_port = self._receiver.endpoint.rsplit(":", 1)[1]
@@ -218,9 +216,7 @@ class TcpBackend(TransferBackend):
         self._closed = True
         for name in list(self._peers):
             self.remove_peer(name)
-        self._receiver.stop()
-        if self._secret is not None:
-            self._secret.release(self._ctx)  # its ZAP handler's sockets, before the context ends
+        self._receiver.stop()  # it unbinds its socket (its ZAP handler's sockets, before the context ends)
         if self._receiver.is_alive():
             log.error("tcp receiver of %r did not stop; destroying its sockets", self.agent_name)
             self._ctx.destroy(linger=0)
@@ -308,6 +304,7 @@ class _Receiver(threading.Thread):
         ctl.close(linger=0)
 
     def run(self) -> None:
+        sock = ctl = None
         try:
             sock = self._ctx.socket(zmq.ROUTER)
             if self._secret is not None:
@@ -321,6 +318,7 @@ class _Receiver(threading.Thread):
             ctl.bind(self._ctl)
         except Exception as e:
             self.error = e
+            self._close(sock, ctl)
             self.ready.set()
             return
         self.ready.set()
@@ -340,7 +338,16 @@ class _Receiver(threading.Thread):
                     log.exception("tcp receiver of %r: unexpected error; continuing", self._agent_name)
                     time.sleep(0.01)
         finally:
+            self._close(sock, ctl)
+
+    def _close(self, sock: Optional[zmq.Socket], ctl: Optional[zmq.Socket]) -> None:
+        """On this thread, which owns them: the receiving socket (unbound from the cluster
+        secret first: its monitor stopped before the guard closes its end) and the control pair."""
+        if sock is not None:
+            if self._secret is not None:
+                self._secret.unbind(sock)
             sock.close(linger=0)
+        if ctl is not None:
             ctl.close(linger=0)
 
     def _drain(self, sock: zmq.Socket) -> None:
