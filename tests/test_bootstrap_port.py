@@ -143,8 +143,8 @@ def _fuzz_frames(rng: random.Random) -> list:
     return out
 
 
-def test_random_frames_for_ten_seconds_while_requests_flow(cluster):
-    """>= 1,000 bad frames a second for 10 s, from many identities (valid-looking, invalid UTF-8,
+def test_random_frames_for_five_seconds_while_requests_flow(cluster):
+    """>= 1,000 bad frames a second for 5 s, from many identities (valid-looking, invalid UTF-8,
     odd digits, far too long), while requests flow through the router: every request succeeds."""
     port = cluster.prefill[0].bootstrap_port
     rng = random.Random(8)
@@ -177,7 +177,7 @@ def test_random_frames_for_ten_seconds_while_requests_flow(cluster):
     thread.start()
     started, served = time.monotonic(), 0
     try:
-        while time.monotonic() - started < 10:
+        while time.monotonic() - started < 5:
             assert len(generate(cluster.url, prompt(rng.randint(5, 80), served), 4, **GREEDY)) == 4
             served += 1
     finally:

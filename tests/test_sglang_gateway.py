@@ -30,8 +30,10 @@ def gateway():
              ServerProcess("--role", "decode", env=keyed), ServerProcess()]
     router = None
     try:
+        for proc in procs:  # all three start at once
+            proc._spawn(free_port())
         for proc in procs:
-            proc.start()
+            proc.wait_ready()
         prefill, decode, colocated = procs
         port = free_port()
         router = subprocess.Popen(

@@ -78,7 +78,15 @@ def _build(name: str):
         if not (build_dir / f"{name}.so").is_file():
             log.info("building the compiled CPU kernels into %s (once per machine and version: seconds to a "
                      "minute)", build_dir)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS + [f"-DSPLITSERVE_OPS={name}"],
+        # the source copied in: the build command then names the same file from any checkout (ninja
+        # rebuilds, 8 s, when a command changes; the name already says which source it is)
+        source = build_dir / SOURCE.name
+        text = SOURCE.read_text()
+        if not source.is_file() or source.read_text() != text:
+            tmp = source.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, source)
+        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=CFLAGS + [f"-DSPLITSERVE_OPS={name}"],
                            extra_ldflags=LDFLAGS, build_directory=str(build_dir), is_python_module=False,
                            verbose=False)
         log.info("compiled CPU kernels loaded from %s", build_dir)

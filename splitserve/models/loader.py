@@ -13,9 +13,11 @@ lacks is an error naming it, so no parameter is ever left uninitialised.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -53,6 +55,29 @@ class ModelSpec:
     tie_word_embeddings: bool
 
 
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
+                   "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
+_init_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_random_init():
+    """``torch.nn.init`` does nothing while the model's modules are made: their parameters are
+    made on the meta device and get their values from the checkpoint. (On meta tensors the random
+    init goes through ``torch._refs``, whose first call imports ``torch._dynamo``: 0.8 s of every
+    worker's start, for values nobody reads.) Process-wide while it lasts, as ``transformers``'
+    ``no_init_weights`` is; the lock keeps two loads from restoring each other's no-ops."""
+    with _init_lock:
+        saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+        for name in _INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        try:
+            yield
+        finally:
+            for name, function in saved.items():
+                setattr(nn.init, name, function)
+
+
 def load_model(model_dir: Union[str, os.PathLike], dtype: Union[str, torch.dtype] = "auto",
                device: Union[str, torch.device] = "cpu") -> tuple[nn.Module, ModelSpec]:
     """Load the checkpoint in ``model_dir``. ``dtype``: auto (``resolve_dtype``), float32,
@@ -70,7 +95,7 @@ def load_model(model_dir: Union[str, os.PathLike], dtype: Union[str, torch.dtype
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device, config, path)
 
-    with torch.device("meta"):
+    with _without_random_init(), torch.device("meta"):
         model = model_cls(config)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
     model.load_weights(iter_weights(files))
