@@ -30,14 +30,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Optional, Sequence
 
 import requests
 
-from conftest import REPO, STARTUP_TIMEOUT_S, ServerProcess, free_port
+from conftest import REPO, STARTUP_TIMEOUT_S, ServerProcess, free_port, log_dir
 from splitserve.metrics import parse_exposition
 
 PORT_TAKEN = ("cannot listen", "Address already in use", "address already in use")
@@ -60,7 +58,7 @@ class RouterProcess:
         self.startup_timeout = startup_timeout
         self.wait_healthy = wait_healthy
         self.tls = tls  # a TLS router: requests' keywords to reach it
-        self.logdir = Path(tempfile.mkdtemp(prefix="splitserve-router-"))
+        self.logdir = log_dir("router-")
         self.proc: Optional[subprocess.Popen] = None
         self.port = 0
 

@@ -4,9 +4,10 @@
 subprocess, with ``SPLITSERVE_CACHE`` pointed at ``CACHE_DIR``: the caller's ``$SPLITSERVE_CACHE``
 if set (``.ci/run`` sets a fresh one), else ``<repo>/.cache/tests`` (gitignored), so models are
 built or converted once for the whole session. Its stdout and stderr go to files (never a pipe
-that could fill and block the server), and every failure message carries their tail. It is
-always stopped: by the fixture's teardown, by ``with``, at interpreter exit, and by a
-parent-death signal if the test process itself is killed.
+that could fill and block the server) in one folder per test run (``LOGS``: removed after a
+passing run, kept and named after a failing one or with ``SPLITSERVE_KEEP_LOGS=1``), and every
+failure message carries their tail. It is always stopped: by the fixture's teardown, by
+``with``, at interpreter exit, and by a parent-death signal if the test process itself is killed.
 
 Fixtures:
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -44,6 +46,20 @@ os.environ.setdefault("SPLITSERVE_KERNELS", "0")
 STARTUP_TIMEOUT_S = 180.0  # first run builds the tiny model; later runs take seconds
 
 _live: set["ServerProcess"] = set()
+LOGS = Path(tempfile.mkdtemp(prefix="splitserve-tests-"))  # every process's logs; removed after a passing run
+
+
+def log_dir(prefix: str) -> Path:
+    """A fresh folder for one process's logs, under ``LOGS``."""
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=LOGS))
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The logs go with a passing run; a failing one keeps them and says where."""
+    if exitstatus == 0 and not os.environ.get("SPLITSERVE_KEEP_LOGS"):
+        shutil.rmtree(LOGS, ignore_errors=True)
+    else:
+        print(f"\nserver and router logs of this run: {LOGS}")
 
 
 @atexit.register
@@ -88,7 +104,7 @@ class ServerProcess:
         self.tls = tls  # for a TLS server: requests' keywords to reach it ({"verify": CA, "cert": (crt, key)})
         self.port: Optional[int] = None
         self.proc: Optional[subprocess.Popen] = None
-        self._logdir = Path(tempfile.mkdtemp(prefix="splitserve-server-"))
+        self._logdir = log_dir("server-")
         self._out = self._err = None
 
     @property

@@ -15,15 +15,13 @@ import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, replace
-from pathlib import Path
 
 import pytest
 import requests
 
-from conftest import CACHE_DIR, REPO, free_port
+from conftest import CACHE_DIR, REPO, free_port, log_dir
 from splitserve.cpus import format_cpu_list, parse_cpu_list
 from splitserve.launch import ChildSpec, LaunchConfig, build_specs
 
@@ -44,7 +42,7 @@ SLEEPER = py("import time; time.sleep(120)")
 
 class Launch:
     def __init__(self, specs: list[ChildSpec], ready_timeout_s: float = 30.0, stop_timeout_s: float = 5.0):
-        self.logdir = Path(tempfile.mkdtemp(prefix="splitserve-launch-"))
+        self.logdir = log_dir("launch-")
         env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_CACHE=str(CACHE_DIR))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(self.logdir / "out.log", "wb") as out, open(self.logdir / "err.log", "wb") as err:

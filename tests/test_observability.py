@@ -21,9 +21,7 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import pytest
 import requests
@@ -32,7 +30,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import Cluster, RouterProcess, free_port, metrics
-from conftest import REPO
+from conftest import REPO, log_dir
 from test_faults import Call, wait_for
 
 STALL_FLOOR_S = 8.0  # P2's transfer deadline: a stalled request is late after 4 s, fails at 8 s
@@ -53,7 +51,7 @@ class Prometheus:
     scrape configuration is ``deploy/prometheus.yml`` with the stack's addresses and 1 s intervals."""
 
     def __init__(self, jobs: dict[str, list[str]]):
-        self.dir = Path(tempfile.mkdtemp(prefix="splitserve-prometheus-"))
+        self.dir = log_dir("prometheus-")
         config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
         config["global"].update(scrape_interval="1s", evaluation_interval="1s")
         config["rule_files"] = [str(DEPLOY / f) for f in config["rule_files"]]
