@@ -176,8 +176,7 @@ PLANTED = {
     # tables
     "terminal overwritten": [(PrefillTable, "_on_peer_lost", overwrite_terminal)],
     "quarantine released on a timer": [(DecodeTable, "_on_held_timer", release_on_timer)],
-    # "a registration dropped without a bound" (unregistered_kept) is not here: no seed of 40 made a
-    # registration its prefill dropped whose session never registered its link (docs/lifecycle.md)
+    "a registration dropped without a bound": [(PrefillControl, "_expire", unregistered_kept)],
     # found by the simulator, fix undone
     "found: a write call that raises": [(TransferWorker, "_start", write_raise_unsettled)],
     "found: a StartWrite hand-over that raises": [(PrefillRole, "_do_role", start_write_unsettled)],

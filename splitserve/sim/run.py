@@ -385,7 +385,9 @@ class Run:
             self.trace("%s killed", worker.name)
             self._restart_at(f.target, f.end)
         elif f.kind == "partition":
-            (a, b), one_way = f.target, f.params[0]
+            (a, b), (one_way, from_decode) = f.target, f.params
+            if from_decode:  # one way, decode's frames cut: prefill may forget a session decode keeps
+                a, b = b, a
             cluster.net.partitions.append(Partition(cluster.hosts[a], cluster.hosts[b], f.at, f.end, one_way))
         elif f.kind == "wedge":
             worker.wedged_until = max(worker.wedged_until, f.end)

@@ -129,8 +129,9 @@ def _draw_faults(rng: random.Random, s: Scenario) -> list[Fault]:
         if kind == "kill":
             faults.append(Fault(kind, at, rng.uniform(0.2, 8.0), rng.choice(slots)))
         elif kind == "partition":
+            way = rng.random()  # one draw: a quarter one-way, half of those from decode to prefill
             faults.append(Fault(kind, at, rng.choice((0.5, 2.0, 3.5, 6.0, 15.0)), rng.choice(pairs),
-                                (rng.random() < 0.25,)))
+                                (way < 0.25, way < 0.125)))
         elif kind == "wedge":
             faults.append(Fault(kind, at, rng.choice((1.0, 4.0, stall + 4.0, 3 * stall)), rng.choice(slots)))
         elif kind in ("hang_transfer", "hang_control"):  # until the worker is restarted
@@ -138,7 +139,7 @@ def _draw_faults(rng: random.Random, s: Scenario) -> list[Fault]:
         elif kind in ("crash_transfer", "crash_control", "forward_fail"):
             faults.append(Fault(kind, at, 0.0, rng.choice(slots)))
         elif kind == "edge_error":
-            faults.append(Fault(kind, at, rng.uniform(0.5, 5.0), rng.choice(slots), (rng.choice((0.01, 0.05, 0.2)),)))
+            faults.append(Fault(kind, at, rng.uniform(0.5, 5.0), rng.choice(slots), (rng.choice((0.05, 0.2, 0.5)),)))
         elif kind == "write_faults":
             rates = (rng.choice((0.0, 0.05, 0.2)), rng.choice((0.0, 0.05, 0.2)), rng.choice((0.0, 0.05, 0.2)))
             faults.append(Fault(kind, at, rng.uniform(1.0, 10.0), "*", rates))
