@@ -109,6 +109,17 @@ def unauthorized_counter(registry):
     return counter
 
 
+def access_middlewares(config, registry) -> list:
+    """The middleware that asks ``config.api_key`` of every request (none without a key), its
+    refusals counted in ``splitserve_http_unauthorized_total`` on ``registry`` — a series there
+    from the start, key or not. Every route but /health (and /metrics, unless ``protect_metrics``)
+    needs the key: docs/security.md. The router's app and the worker's build theirs here."""
+    refused = unauthorized_counter(registry)
+    if not config.api_key:
+        return []
+    return [api_key_middleware(config.api_key, config.protect_metrics, lambda why: refused.labels(why=why).inc())]
+
+
 def api_key_middleware(key: str, protect_metrics: bool, on_refused: Callable[[str], None]):
     """An aiohttp middleware: 401 for every route but the open ones unless the request carries
     ``key``; ``on_refused(why)`` counts each refusal (``missing`` or ``wrong``)."""

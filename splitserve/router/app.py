@@ -43,7 +43,7 @@ from typing import Optional, Union
 import aiohttp
 from aiohttp import web
 
-from splitserve.auth import api_key_middleware, unauthorized_counter, bearer
+from splitserve.auth import access_middlewares, bearer
 from splitserve.config import RouterConfig
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
@@ -122,11 +122,7 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     if not 0 <= config.cache_threshold <= 1 or config.cache_balance_abs < 0:
         raise ValueError("--cache-threshold must be in [0, 1] and --cache-balance-abs at least 0")
     registry = registry or Registry()
-    middlewares = [_bounded_send, _error_middleware]
-    refused = unauthorized_counter(registry)
-    if config.api_key:  # every route but /health (and /metrics) needs it: docs/security.md
-        middlewares.append(api_key_middleware(config.api_key, config.protect_metrics,
-                                              lambda why: refused.labels(why=why).inc()))
+    middlewares = [_bounded_send, _error_middleware, *access_middlewares(config, registry)]
     check_client_bounds(config)
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[ROUTER] = RouterState(config, registry)

@@ -38,7 +38,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from splitserve.auth import api_key_middleware, unauthorized_counter
+from splitserve.auth import access_middlewares
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
@@ -90,11 +90,7 @@ STATE = web.AppKey("splitserve_worker", WorkerState)
 
 def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None) -> web.Application:
     registry = registry or Registry()
-    middlewares = [_bounded_send, _http_middleware]
-    refused = unauthorized_counter(registry)
-    if config.api_key:  # every route but /health (and /metrics) needs it: docs/security.md
-        middlewares.append(api_key_middleware(config.api_key, config.protect_metrics,
-                                              lambda why: refused.labels(why=why).inc()))
+    middlewares = [_bounded_send, _http_middleware, *access_middlewares(config, registry)]
     check_client_bounds(config)
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     state = WorkerState(engine, config, registry)
