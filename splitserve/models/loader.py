@@ -64,9 +64,10 @@ _init_lock = threading.Lock()
 def _without_random_init():
     """``torch.nn.init`` does nothing while the model's modules are made: their parameters are
     made on the meta device and get their values from the checkpoint. (On meta tensors the random
-    init goes through ``torch._refs``, whose first call imports ``torch._dynamo``: 0.8 s of every
-    worker's start, for values nobody reads.) Process-wide while it lasts, as ``transformers``'
-    ``no_init_weights`` is; the lock keeps two loads from restoring each other's no-ops."""
+    init goes through ``torch._refs``, whose first call imports ``torch._dynamo``, for values
+    nobody reads: a tiny worker was ready in 2.73 s instead of 2.95 s without it.) Process-wide
+    while it lasts, as ``transformers``' ``no_init_weights`` is; the lock keeps two loads from
+    restoring each other's no-ops."""
     with _init_lock:
         saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
         for name in _INIT_FUNCTIONS:
