@@ -54,12 +54,12 @@ def log_dir(prefix: str) -> Path:
     return Path(tempfile.mkdtemp(prefix=prefix, dir=LOGS))
 
 
-def pytest_sessionfinish(session, exitstatus) -> None:
+def pytest_terminal_summary(terminalreporter, exitstatus) -> None:
     """The logs go with a passing run; a failing one keeps them and says where."""
     if exitstatus == 0 and not os.environ.get("SPLITSERVE_KEEP_LOGS"):
         shutil.rmtree(LOGS, ignore_errors=True)
     else:
-        print(f"\nserver and router logs of this run: {LOGS}")
+        terminalreporter.write_line(f"server and router logs of this run: {LOGS}")
 
 
 @atexit.register
