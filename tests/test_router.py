@@ -587,14 +587,14 @@ def endless_stream(event_bytes: int = 16384):
     return behaviour
 
 
-def legs_closed(router, prefill, decode, timeout: float = 5.0) -> None:
+def assert_legs_closed(router, prefill, decode, timeout: float = 5.0) -> None:
     """Both workers saw their leg closed, and the router counts nothing in flight any more."""
     assert prefill.aborted.wait(timeout), "the prefill leg was not closed"
     assert decode.aborted.wait(timeout), "the decode leg was not closed"
-    in_flight_is_zero(router, prefill, decode)
+    assert_nothing_in_flight(router, prefill, decode)
 
 
-def in_flight_is_zero(router, prefill, decode) -> None:
+def assert_nothing_in_flight(router, prefill, decode) -> None:
     def zero() -> bool:
         m = router.metrics()
         return (m.get(("splitserve_router_requests_in_flight", frozenset()), -1) == 0
@@ -603,7 +603,7 @@ def in_flight_is_zero(router, prefill, decode) -> None:
     wait_for(zero, what="no request and no leg in flight")
 
 
-def outcome_is(router, outcome: str, timeout: float = 5.0) -> None:
+def assert_outcome(router, outcome: str, timeout: float = 5.0) -> None:
     wait_for(lambda: router.metric("splitserve_router_requests_total", outcome=outcome) == 1, timeout,
              what=f"outcome {outcome}")
 
@@ -632,8 +632,8 @@ def test_a_decode_failure_reaches_the_client_at_once_and_closes_prefill(when, ki
     else:
         assert decode.url in error["message"], error
     assert prefill.aborted.wait(3.0), "the prefill leg was not closed"
-    outcome_is(router, "decode_failed")
-    in_flight_is_zero(router, prefill, decode)
+    assert_outcome(router, "decode_failed")
+    assert_nothing_in_flight(router, prefill, decode)
 
 
 @pytest.mark.parametrize("kind", ["reset", "error"])
@@ -662,8 +662,8 @@ def test_a_prefill_failure_after_its_headers_leaves_decode_s_stream_alone(kind, 
         assert r.status_code == 200
         assert sse_events(r) == tokens + ["[DONE]"]
     assert decode.finished == 1 and not decode.aborted.is_set()
-    outcome_is(router, "finished")
-    in_flight_is_zero(router, prefill, decode)
+    assert_outcome(router, "finished")
+    assert_nothing_in_flight(router, prefill, decode)
 
 
 WRITE_BOUND_S = 1.0
@@ -674,8 +674,8 @@ def test_a_client_that_stops_reading_a_stream_is_cut_off(fakes, start_router):
     router = start_router([(prefill.url, 1)], [decode.url], "--client-write-timeout-s", str(WRITE_BOUND_S))
     sock = raw_request(router.url, "/v1/completions", {**COMPLETION, "stream": True}, rcvbuf=4096)  # never read
     try:
-        legs_closed(router, prefill, decode, timeout=WRITE_BOUND_S + 5)
-        outcome_is(router, "client_timeout")
+        assert_legs_closed(router, prefill, decode, timeout=WRITE_BOUND_S + 5)
+        assert_outcome(router, "client_timeout")
     finally:
         sock.close()
 
@@ -690,7 +690,7 @@ def test_a_client_that_never_reads_a_large_answer_is_cut_off(fakes, start_router
     router = start_router([(prefill.url, 1)], [decode.url], "--client-write-timeout-s", str(WRITE_BOUND_S))
     sock = raw_request(router.url, "/v1/completions", COMPLETION, rcvbuf=4096)  # never read
     try:
-        outcome_is(router, "client_timeout", timeout=WRITE_BOUND_S + 5)
+        assert_outcome(router, "client_timeout", timeout=WRITE_BOUND_S + 5)
         received = 0
         try:
             while chunk := sock.recv(1 << 20):
@@ -700,7 +700,7 @@ def test_a_client_that_never_reads_a_large_answer_is_cut_off(fakes, start_router
         assert received < size  # the router dropped the connection, it did not keep the answer for us
     finally:
         sock.close()
-    in_flight_is_zero(router, prefill, decode)
+    assert_nothing_in_flight(router, prefill, decode)
 
 
 def trickle(url: str, head: bytes, then: bytes, bound: float, answered=lambda received: False) -> tuple[bytes, float]:
@@ -753,7 +753,7 @@ def test_a_slow_request_body_is_refused_before_any_leg_opens(fakes, start_router
     received, seconds = trickle(router.url, head, b"x", BODY_BOUND_S, answered=whole_answer)
     assert seconds < BODY_BOUND_S + 5 and received.startswith(b"HTTP/1.1 408"), received[:300]
     assert json.loads(received.partition(b"\r\n\r\n")[2])["error"]["code"] == "client_timeout"
-    outcome_is(router, "client_timeout")
+    assert_outcome(router, "client_timeout")
     assert prefill.requests == [] and decode.requests == []
     assert router.metric("splitserve_router_requests_in_flight") == 0
 
@@ -781,8 +781,8 @@ def test_a_worker_that_never_sends_its_headers_is_bounded(silent, fakes, start_r
     assert time.monotonic() - started < 1 + 5
     error = assert_openai_error(r, 504)
     assert error["code"] == "worker_timeout" and (prefill if silent == "prefill" else decode).url in error["message"]
-    legs_closed(router, prefill, decode)
-    outcome_is(router, f"{silent}_failed")
+    assert_legs_closed(router, prefill, decode)
+    assert_outcome(router, f"{silent}_failed")
 
 
 def test_the_bounds_are_options_with_defaults_and_must_be_positive(capsys):

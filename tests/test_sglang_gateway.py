@@ -98,7 +98,8 @@ def test_openai_endpoints_through_sglang_gateway_match_colocated(gateway, endpoi
 def test_pages_come_back_after_the_gateway_runs(gateway):
     _, prefill, decode, _ = gateway
     for worker in (prefill, decode):
-        pages_back_to_total(worker, 10, api_key=WORKER_KEY)
+        samples = pages_back_to_total(worker, 10, api_key=WORKER_KEY)  # raises if they never do
+        assert samples[("splitserve_kv_pages_free", frozenset())] == samples[("splitserve_kv_pages_total", frozenset())]
 
 
 def test_the_workers_behind_the_gateway_refuse_requests_without_its_key(gateway):
