@@ -40,10 +40,10 @@ from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
 from splitserve.engine.sequence import Sequence
 from splitserve.outcomes import Ending, Reason
+from splitserve.log_sparsely import worth_logging
 
 log = logging.getLogger(__name__)
 
-NOTICE_LOG_EVERY = 1000  # after the first few of a kind, one log line per this many (all are counted)
 
 
 @dataclass(eq=False)
@@ -345,7 +345,7 @@ class DisaggRole:
 
     def _notice(self, a: Notice) -> None:
         n = self.notices[a.kind.value] = self.notices[a.kind.value] + 1
-        if n <= 20 or n % NOTICE_LOG_EVERY == 0:  # a flood of notices must not become a flood of log lines
+        if worth_logging(n):
             log.info("%s notice %s room=%s %s%s", a.role.value, a.kind.value, a.room, a.detail,
                      f" ({n} of this kind so far)" if n > 20 else "")
 

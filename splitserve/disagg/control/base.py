@@ -41,6 +41,7 @@ from typing import Callable, Optional
 from splitserve.disagg import protocol as p
 from splitserve.disagg.lifecycle import Peer
 from splitserve.disagg.supervised import SupervisedThread
+from splitserve.log_sparsely import worth_logging
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class ControlThread(SupervisedThread):
         """A frame that is not ours to act on: counted, and logged sparsely."""
         self.bad_frames[why] += 1
         n = sum(self.bad_frames.values())
-        if n <= 20 or n % 1000 == 0:
+        if worth_logging(n):
             log.warning("%s: control frame dropped (%s; %d so far): %s", self.name, why, n, detail)
 
     def _decode(self, frame: bytes, origin: str):

@@ -31,6 +31,8 @@ import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
+from splitserve.log_sparsely import worth_logging
+
 log = logging.getLogger(__name__)
 
 MIN_SECRET_BYTES = 16
@@ -226,5 +228,5 @@ class ZapGuard(threading.Thread):
     def _refused(self, why: str, detail: str) -> None:
         self.failures[why] += 1
         n = sum(self.failures.values())
-        if n <= 20 or n % 1000 == 0:
+        if worth_logging(n):
             log.warning("authentication failed, connection refused (%d so far): %s", n, detail)

@@ -49,6 +49,8 @@ import numpy as np
 import torch
 import zmq
 
+from splitserve.log_sparsely import worth_logging
+
 from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed, refused
 
 log = logging.getLogger(__name__)
@@ -364,7 +366,7 @@ class _Receiver(threading.Thread):
 
     def _refuse(self, reason: str) -> None:
         self.bad_frames += 1
-        if self.bad_frames <= 10 or self.bad_frames % 1000 == 0:
+        if worth_logging(self.bad_frames, first=10):
             log.warning("tcp receiver of %r refused a frame (%d so far): %s", self._agent_name, self.bad_frames, reason)
 
     def _handle(self, sock: zmq.Socket, frames: list) -> None:
