@@ -72,8 +72,9 @@ class ClientWriter:
             step.close()
             raise ClientLost("client_disconnect", "the client closed the connection")
         try:
-            await asyncio.wait_for(step, self.timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.timeout):  # not wait_for: no task per chunk
+                await step
+        except TimeoutError:
             self.drop()
             raise ClientLost("client_timeout", f"the client read nothing for the router's "
                                                f"client_write_timeout_s ({self.timeout:g} s)") from None

@@ -69,8 +69,9 @@ class SSEWriter:
 
     async def _bounded(self, step) -> None:
         try:
-            await asyncio.wait_for(step, self.write_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.write_timeout):  # not wait_for: no task per chunk
+                await step
+        except TimeoutError:
             transport = self.request.transport
             if transport is not None:
                 transport.abort()  # not close(): that would wait for the unread bytes to be flushed

