@@ -17,6 +17,7 @@ process), so that the same seed gives the same run in any process.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hashlib
 import heapq
 import itertools
@@ -54,6 +55,19 @@ class _ClockSelector(selectors.BaseSelector):
 
     def close(self):
         self._map.clear()
+
+
+class InlineExecutor(concurrent.futures.Executor):
+    """A worker's thread pool (its tokenizer's), run in place: the simulation never leaves its
+    one thread. ``SimLoop.run_in_executor`` calls it directly; ``submit`` is for anyone else."""
+
+    def submit(self, fn, *args, **kwargs):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
 
 class Idle(Exception):
@@ -114,6 +128,18 @@ class SimLoop(asyncio.SelectorEventLoop):
             handle = ready.popleft()
             if not handle._cancelled:
                 handle._run()
+
+    def run_in_executor(self, executor, func, *args):
+        """On an :class:`InlineExecutor`: ``func`` runs now, and its answer is a future already
+        done (not one that a thread's completion settles a loop turn later)."""
+        if not isinstance(executor, InlineExecutor):
+            return super().run_in_executor(executor, func, *args)
+        future = self.create_future()
+        try:
+            future.set_result(func(*args))
+        except Exception as exc:
+            future.set_exception(exc)
+        return future
 
     def _write_to_self(self) -> None:
         pass  # call_soon_threadsafe from this very thread: the callback is queued, nothing to wake

@@ -25,7 +25,6 @@ vanish, its links close, its HTTP connections break, its objects are never calle
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import queue
 from typing import Callable, Optional
@@ -45,6 +44,7 @@ from splitserve.router import app as router_app
 from splitserve.router.proxy import ROOM_BITS
 from splitserve.router.workers import HealthChecker
 from splitserve.server import app as worker_app
+from splitserve.sim.clock import InlineExecutor
 from splitserve.sim.http import Session, prepare_app, serve
 from splitserve.sim.model import Cost, FakeModel, fake_parts
 
@@ -54,18 +54,6 @@ HTTP_PORT = 8000
 BOOTSTRAP_PORT = 8998
 ITERATION_S = 0.00005  # an engine loop iteration that runs no forward pass
 SPIN_S = 0.001  # how often a loop with work it cannot schedule comes back (the real one spins)
-
-
-class InlineExecutor(concurrent.futures.Executor):
-    """The worker's tokenizer pool, run in place: the simulation never leaves its one thread."""
-
-    def submit(self, fn, *args, **kwargs):
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:
-            future.set_exception(exc)
-        return future
 
 
 class _WakingInbox(queue.Queue):
