@@ -191,7 +191,7 @@ def plant(monkeypatch, name: str) -> None:
 
 def run_planted(name: str, seed: int, requests: int):
     """In a pool's process: one seed with ``name`` planted (undone after); the result's
-    (seed, first violation or None)."""
+    (seed, first violation or None, requests it ran)."""
     import pytest
 
     from splitserve.sim.run import run_seed
@@ -202,4 +202,4 @@ def run_planted(name: str, seed: int, requests: int):
         result = run_seed(seed, requests=requests)
     finally:
         mp.undo()
-    return seed, (result.violations[0] if result.violations else None)
+    return seed, (result.violations[0] if result.violations else None), result.requests

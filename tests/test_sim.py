@@ -2,12 +2,16 @@
 invariant, a seed replays exactly in another process, and every planted bug is caught.
 
 The figures (seeds, simulated requests and hours, faults by kind, wall time) are printed, never
-asserted as timings. ``make check-long`` runs many more seeds (``test_many_seeds``).
+asserted as timings; at the module's end, what all its tests simulated, in all. ``make
+check-long`` runs many more seeds (``test_many_seeds``).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+import queue
+import re
 import subprocess
 import sys
 import time
@@ -15,14 +19,45 @@ import time
 import pytest
 
 from sim_plants import PLANTED, run_planted
-from splitserve.sim.run import Totals, run_many, run_seed
+from splitserve.sim.run import run_many, run_seed
 
-EVERYDAY_SEEDS = 16  # x EVERYDAY_REQUESTS, two processes
+EVERYDAY_SEEDS = 76  # x EVERYDAY_REQUESTS, two processes: with the rest of the module, 30,000 requests in all
 EVERYDAY_REQUESTS = 300
 PLANT_REQUESTS = 100  # per seed while looking for a planted bug
 PLANT_SEEDS = 40  # the most seeds a planted bug may take
 LONG_MINUTES = float(os.environ.get("SPLITSERVE_SIM_MINUTES", "60"))
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Tally:
+    """What this module's tests simulated, in all (printed at its end)."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.seeds = self.requests = 0
+
+    def add(self, seeds: int, requests: int) -> None:
+        self.seeds += seeds
+        self.requests += requests
+
+
+@pytest.fixture(scope="module")
+def tally(pytestconfig):
+    t = Tally()
+    yield t
+    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"\n  sim, in all: {t.seeds} seeds, {t.requests} simulated requests, "
+                            f"wall {time.perf_counter() - t.started:.1f}s (test_sim.py's tests, from its first)")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    """Two processes for the whole module (a spawn costs each a second of imports)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        yield pool
 
 
 def _show(capsys, lines) -> None:
@@ -32,34 +67,52 @@ def _show(capsys, lines) -> None:
             print("  sim:", line)
 
 
-def test_seeds_keep_every_invariant(capsys):
+def _failures(failures) -> str:
+    return "\n".join(f"seed {r.seed}: {r.violations[0]}\n  replay: python -m splitserve.sim --seed {r.seed}"
+                     for r in failures)
+
+
+def test_seeds_keep_every_invariant(pool, tally, capsys):
     """A small cluster (2 prefill + 2 decode and a router) per seed, quiet and chaos seeds, every
     invariant checked while they run; any failing seed is named with its replay command."""
     started = time.perf_counter()
     failures = []
-    totals = run_many(range(EVERYDAY_SEEDS), EVERYDAY_REQUESTS, processes=2,
+    totals = run_many(range(EVERYDAY_SEEDS), EVERYDAY_REQUESTS, processes=2, pool=pool,
                       on_result=lambda r: failures.append(r) if not r.ok else None)
+    tally.add(totals.seeds, totals.requests)
     _show(capsys, totals.report(time.perf_counter() - started))
     assert totals.seeds == EVERYDAY_SEEDS and totals.requests == EVERYDAY_SEEDS * EVERYDAY_REQUESTS
     assert sum(totals.faults.values()) > 0 and totals.endings["finished"] > 0
-    assert not failures, "\n".join(f"seed {r.seed}: {r.violations[0]}\n  replay: python -m splitserve.sim --seed "
-                                   f"{r.seed}" for r in failures)
+    assert not failures, _failures(failures)
 
 
-def _sim(*args: str, code: str = "") -> subprocess.CompletedProcess:
+def _sim_twice(*args: str, code: str = "") -> list[subprocess.CompletedProcess]:
+    """Two processes, side by side, each running ``python -m splitserve.sim *args`` (or ``code``)."""
     argv = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "splitserve.sim", *args]
-    return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests")})
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests")}
+    procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    return [subprocess.CompletedProcess(argv, p.returncode, out, err) for p, (out, err) in zip(procs, outs)]
 
 
 def _without_wall(text: str) -> list[str]:
     return [line for line in text.splitlines() if not line.startswith("wall")]
 
 
-def test_a_seed_replays_exactly_in_another_process():
+def _requests_run(report: str) -> int:
+    return int(re.search(r", (\d+) requests over", report).group(1))
+
+
+def test_a_seed_replays_exactly_in_another_process(tally):
     """Two processes, one seed: the same report, line for line, but the wall-clock line."""
-    one, two = _sim("--seed", "7", "--requests", "80"), _sim("--seed", "7", "--requests", "80")
+    one, two = _sim_twice("--seed", "7", "--requests", "80")
     assert one.returncode == 0 and two.returncode == 0, one.stdout + one.stderr
+    tally.add(2, 2 * _requests_run(one.stdout))
     assert "ok: every invariant held" in one.stdout
     assert _without_wall(one.stdout) == _without_wall(two.stdout)
     assert any(line.startswith("wall") for line in one.stdout.splitlines())
@@ -76,38 +129,64 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def test_a_failing_seed_prints_its_trace_and_replays_it_exactly():
+def test_a_failing_seed_prints_its_trace_and_replays_it_exactly(tally):
     """A violation: exit status 1, the violation, the trace of the events before it and the replay
     command — the same in two processes."""
-    one = _sim("--seed", "2", "--requests", str(PLANT_REQUESTS), "--trace", "30", code=PLANTED_REPLAY)
-    two = _sim("--seed", "2", "--requests", str(PLANT_REQUESTS), "--trace", "30", code=PLANTED_REPLAY)
+    one, two = _sim_twice("--seed", "2", "--requests", str(PLANT_REQUESTS), "--trace", "30", code=PLANTED_REPLAY)
     assert one.returncode == 1 and two.returncode == 1, one.stdout + one.stderr
+    tally.add(2, 2 * _requests_run(one.stdout))
     assert "VIOLATION" in one.stdout and "trace (the last" in one.stdout
     assert "replay: python -m splitserve.sim --seed 2" in one.stdout
     assert _without_wall(one.stdout) == _without_wall(two.stdout)
 
 
 @pytest.fixture(scope="module")
-def pool():
-    import multiprocessing
+def caught(pool, tally) -> dict:
+    """Every planted bug hunted at once, the pool kept busy (four seeds in flight, bugs taken in
+    turn): each bug's seeds from 0 on, in order, until one breaks an invariant or ``PLANT_SEEDS``
+    ran. ``{bug: (the lowest seed that caught it, its violation)}`` — the same in every run (no
+    seed of a bug starts once one of its seeds caught it, and every seed below that one ran)."""
+    next_seed = {bug: 0 for bug in PLANTED}
+    seen: dict[str, dict[int, str | None]] = {bug: {} for bug in PLANTED}
+    found: dict[str, tuple[int, str]] = {}
+    back: queue.Queue = queue.Queue()
+    in_flight, turn = 0, 0
 
-    with multiprocessing.get_context("spawn").Pool(2) as pool:
-        yield pool
+    def hunting() -> list[str]:
+        return [bug for bug in PLANTED if next_seed[bug] < PLANT_SEEDS and not any(seen[bug].values())]
+
+    while True:
+        while in_flight < 4 and (bugs := hunting()):
+            bug = bugs[turn % len(bugs)]
+            turn += 1
+            pool.apply_async(run_planted, (bug, next_seed[bug], PLANT_REQUESTS),
+                             callback=lambda r, b=bug: back.put((b, r)), error_callback=lambda e, b=bug: back.put((b, e)))
+            next_seed[bug] += 1
+            in_flight += 1
+        if not in_flight:
+            return found
+        bug, result = back.get(timeout=600)
+        in_flight -= 1
+        if isinstance(result, BaseException):
+            raise result
+        seed, violation, requests = result
+        tally.add(1, requests)
+        seen[bug][seed] = violation
+        for s in range(next_seed[bug]):  # the lowest seed that caught it, once all below are back
+            if s not in seen[bug] or bug in found:
+                break
+            if seen[bug][s]:
+                found[bug] = (s, seen[bug][s])
+                break
 
 
 @pytest.mark.parametrize("bug", PLANTED)
-def test_a_planted_bug_is_caught(bug, pool, capsys):
-    """Each planted bug (``sim_plants.py``) breaks an invariant within ``PLANT_SEEDS`` seeds
-    (run two at a time; the first seed that caught it is reported)."""
-    for first in range(0, PLANT_SEEDS, 2):
-        runs = [pool.apply_async(run_planted, (bug, seed, PLANT_REQUESTS)) for seed in (first, first + 1)]
-        caught = [(seed, violation) for seed, violation in (run.get(timeout=600) for run in runs) if violation]
-        if caught:
-            seed, violation = caught[0]
-            _show(capsys, [f"{bug}: caught by seed {seed} ({seed + 1} seeds of {PLANT_REQUESTS} requests): "
-                           f"{violation[:200]}"])
-            return
-    pytest.fail(f"{bug}: not caught in {PLANT_SEEDS} seeds")
+def test_a_planted_bug_is_caught(bug, caught, capsys):
+    """Each planted bug (``sim_plants.py``) breaks an invariant within ``PLANT_SEEDS`` seeds of
+    ``PLANT_REQUESTS`` requests (the seed that caught it is reported)."""
+    assert bug in caught, f"{bug}: not caught in {PLANT_SEEDS} seeds"
+    seed, violation = caught[bug]
+    _show(capsys, [f"{bug}: caught by seed {seed} ({seed + 1} seeds of {PLANT_REQUESTS} requests): {violation[:200]}"])
 
 
 # seeds that caught a real bug (tests/sim_plants.py, "found: ..."), kept as regression cases
@@ -115,21 +194,25 @@ FOUND = {"a write call that raises": 4, "a StartWrite hand-over that raises": 23
          "a room answered in the page queue": 12}
 
 
+@pytest.fixture(scope="module")
+def found_runs(pool, tally) -> dict:
+    results = dict(zip(FOUND, pool.starmap(run_seed, [(seed, PLANT_REQUESTS) for seed in FOUND.values()])))
+    tally.add(len(results), sum(r.requests for r in results.values()))
+    return results
+
+
 @pytest.mark.parametrize("bug", FOUND)
-def test_the_seed_that_found_a_real_bug_keeps_every_invariant(bug):
-    seed = FOUND[bug]
-    result = run_seed(seed, requests=PLANT_REQUESTS)
-    assert result.ok, f"seed {seed}: {result.violations[0]}"
+def test_the_seed_that_found_a_real_bug_keeps_every_invariant(bug, found_runs):
+    result = found_runs[bug]
+    assert result.ok, f"seed {result.seed}: {result.violations[0]}"
 
 
 @pytest.mark.long
 def test_many_seeds(capsys):
-    """``make check-long``: seeds for ``SPLITSERVE_SIM_MINUTES`` (default 60) minutes."""
-    started = time.perf_counter()
-    totals, seed, failures = Totals(), 1000, []
-    while time.perf_counter() - started < LONG_MINUTES * 60:
-        totals.merge(run_many(range(seed, seed + 8), EVERYDAY_REQUESTS, processes=2,
-                              on_result=lambda r: failures.append(r) if not r.ok else None))
-        seed += 8
+    """``make check-long``: seeds for ``SPLITSERVE_SIM_MINUTES`` (default 60) minutes, two
+    processes, from seed 1000 on (the everyday seeds are 0 .. ``EVERYDAY_SEEDS`` - 1)."""
+    started, failures = time.perf_counter(), []
+    totals = run_many(itertools.count(1000), EVERYDAY_REQUESTS, processes=2, until=started + LONG_MINUTES * 60,
+                      on_result=lambda r: failures.append(r) if not r.ok else None)
     _show(capsys, totals.report(time.perf_counter() - started))
-    assert not failures, "\n".join(f"seed {r.seed}: {r.violations[0]}" for r in failures)
+    assert not failures, _failures(failures)

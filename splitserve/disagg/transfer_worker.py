@@ -113,7 +113,7 @@ class TransferWorker(SupervisedThread):
         self._post = post
         self._faults = faults or FaultConfig()
         self._rng = random.Random(self._faults.seed)
-        self._commands: "queue.Queue[object]" = queue.Queue()
+        self._commands: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._agents: dict[Peer, tuple[str, bytes]] = {}  # peer -> (agent name, metadata)
         self._inflight: dict[int, _InFlight] = {}
         self._notifies: list[tuple[Peer, Handle]] = []

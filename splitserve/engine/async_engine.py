@@ -198,7 +198,7 @@ class AsyncEngine:
         self.ready = False
         self.draining = False
         self.loop_errors = 0
-        self._inbox: "queue.Queue[object]" = queue.Queue()
+        self._inbox: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # asyncio thread only
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None

@@ -13,10 +13,11 @@ broke an invariant.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 
-from splitserve.sim.run import Totals, run_many, run_seed
+from splitserve.sim.run import run_many, run_seed
 
 
 def main(argv=None) -> int:
@@ -44,11 +45,9 @@ def main(argv=None) -> int:
             print(f"seed {result.seed}: {result.violations[0]}  (replay: python -m splitserve.sim --seed "
                   f"{result.seed}{'' if args.requests == 300 else f' --requests {args.requests}'})", flush=True)
 
-    if args.minutes is not None:  # batches of seeds until the time is up
-        totals, seed, batch = Totals(), args.first, 4 * max(1, args.processes)
-        while time.perf_counter() - started < args.minutes * 60:
-            totals.merge(run_many(range(seed, seed + batch), args.requests, args.processes, failing))
-            seed += batch
+    if args.minutes is not None:  # seeds until the time is up
+        totals = run_many(itertools.count(args.first), args.requests, args.processes, failing,
+                          until=started + args.minutes * 60)
     else:
         count = args.seeds if args.seeds is not None else 100
         totals = run_many(range(args.first, args.first + count), args.requests, args.processes, failing)

@@ -56,12 +56,13 @@ ITERATION_S = 0.00005  # an engine loop iteration that runs no forward pass
 SPIN_S = 0.001  # how often a loop with work it cannot schedule comes back (the real one spins)
 
 
-class _WakingInbox(queue.Queue):
+class _WakingInbox(queue.SimpleQueue):
     """The engine loop's inbox; a put wakes the simulated loop (as it wakes a blocked ``get``)."""
 
-    def __init__(self, wake: Callable[[], None]):
-        super().__init__()
-        self._wake_loop = wake
+    def __new__(cls, wake: Callable[[], None]):
+        inbox = super().__new__(cls)
+        inbox._wake_loop = wake
+        return inbox
 
     def put(self, item, block=True, timeout=None):
         super().put(item, block, timeout)

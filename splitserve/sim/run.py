@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -476,26 +476,45 @@ def _run_one(args: tuple) -> Result:
     return run_seed(seed, requests=requests)
 
 
-def run_many(seeds, requests: int = 300, processes: int = 1, on_result=None) -> Totals:
-    """Run ``seeds`` (in ``processes`` processes, each seed whole in one; the totals do not depend
-    on how many) and add them up; ``on_result(result)`` sees each, in seed order."""
+def run_many(seeds, requests: int = 300, processes: int = 1, on_result=None, pool=None,
+             until: Optional[float] = None) -> Totals:
+    """Run ``seeds`` and add them up; ``on_result(result)`` sees each, in seed order.
+
+    With ``processes`` > 1 each seed runs whole in one process of ``pool`` (a spawn pool of that
+    many processes, made here and closed after unless given), ``2 * processes`` at a time; the
+    totals do not depend on how many. ``seeds`` may be endless (``itertools.count()``) when
+    ``until`` is given: no seed starts once ``time.perf_counter()`` has passed it (those under way
+    finish and count)."""
     totals = Totals()
-    seeds = list(seeds)
-    if processes <= 1:
-        results = (run_seed(seed, requests=requests) for seed in seeds)
-        pool = None
-    else:
+    for result in _results(iter(seeds), requests, processes, pool, until):
+        totals.add(result)
+        if on_result is not None:
+            on_result(result)
+    return totals
+
+
+def _results(seeds, requests: int, processes: int, pool, until: Optional[float]):
+    def more() -> bool:
+        return until is None or time.perf_counter() < until
+
+    if processes <= 1 and pool is None:
+        while more() and (seed := next(seeds, None)) is not None:
+            yield run_seed(seed, requests=requests)
+        return
+    own = pool is None
+    if own:
         import multiprocessing
 
         pool = multiprocessing.get_context("spawn").Pool(processes)
-        results = pool.imap(_run_one, [(seed, requests) for seed in seeds])
+    window: deque = deque()
     try:
-        for result in results:
-            totals.add(result)
-            if on_result is not None:
-                on_result(result)
+        while True:
+            while len(window) < 2 * processes and more() and (seed := next(seeds, None)) is not None:
+                window.append(pool.apply_async(_run_one, ((seed, requests),)))
+            if not window:
+                return
+            yield window.popleft().get()
     finally:
-        if pool is not None:
+        if own:
             pool.terminate()
             pool.join()
-    return totals

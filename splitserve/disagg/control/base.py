@@ -91,7 +91,7 @@ class ControlThread(SupervisedThread):
         self._heartbeat_s = heartbeat_s
         self._faults = faults or ControlFaults()
         self._rng = random.Random(self._faults.seed)
-        self._outbox: "queue.Queue[tuple[Peer, object]]" = queue.Queue()
+        self._outbox: "queue.SimpleQueue[tuple[Peer, object]]" = queue.SimpleQueue()
         self._delayed: list[tuple[float, Callable[[bytes], None], bytes]] = []
         self._hb_seq = 0
         self._next_hb = 0.0

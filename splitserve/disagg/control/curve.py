@@ -149,7 +149,7 @@ class ZapGuard(threading.Thread):
         super().__init__(name="control-zap", daemon=True)
         self._allowed = allowed
         self.failures: Counter = Counter()
-        self._adopt: "queue.Queue[tuple[int, Optional[zmq.Socket], str]]" = queue.Queue()  # by id(socket)
+        self._adopt: "queue.SimpleQueue[tuple[int, Optional[zmq.Socket], str]]" = queue.SimpleQueue()  # by id(socket)
         self._quit = threading.Event()
         self.stopped = False
         self.zap = ctx.socket(zmq.REP)

@@ -85,7 +85,7 @@ class DecodeControl(ControlThread):
         self._links = links
         self._prefills: dict[str, _Session] = {}
         self._session_ids = itertools.count(1)  # unique in this process: identities never repeat
-        self._requests: "queue.Queue[tuple[int, str]]" = queue.Queue()
+        self._requests: "queue.SimpleQueue[tuple[int, str]]" = queue.SimpleQueue()
         self._dial = dial or ZmqDealer  # a simulator dials its own
 
     def want_info(self, room: int, host: str, port: int) -> None:
