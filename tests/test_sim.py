@@ -45,10 +45,11 @@ class Tally:
 def tally(pytestconfig):
     t = Tally()
     yield t
-    reporter = pytestconfig.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        reporter.write_line(f"\n  sim, in all: {t.seeds} seeds, {t.requests} simulated requests, "
-                            f"wall {time.perf_counter() - t.started:.1f}s (test_sim.py's tests, from its first)")
+    line = (f"  sim, in all: {t.seeds} seeds, {t.requests} simulated requests, wall "
+            f"{time.perf_counter() - t.started:.1f}s (test_sim.py's tests, from its first)")
+    capture = pytestconfig.pluginmanager.get_plugin("capturemanager")
+    with capture.global_and_fixture_disabled():  # a fixture's teardown is captured like its test's
+        print("\n" + line)
 
 
 @pytest.fixture(scope="module")
