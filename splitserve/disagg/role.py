@@ -380,7 +380,11 @@ class DisaggRole:
         self._forget_if_done(rec)
 
     def _forget_if_done(self, rec: RoomRecord) -> None:
-        if rec.answered and not rec.holds_pages and not rec.want_pages and self.rooms.get(rec.room) is rec:
+        """Forget ``rec`` once nothing of its room is left here: answered, no pages held or wanted,
+        and no sequence of it in the engine (a preempted one holds no pages but takes some again
+        when it resumes: only the room's ``Cancel`` takes it out, and that may come after the answer)."""
+        if rec.answered and not rec.holds_pages and not rec.want_pages and self.rooms.get(rec.room) is rec \
+                and not (rec.seq is not None and self.engine.runs(rec.seq)):
             del self.rooms[rec.room]
 
     def _free_unowned(self, seq: Sequence) -> None:

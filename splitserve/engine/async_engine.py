@@ -43,14 +43,14 @@ from typing import AsyncIterator, Callable, Optional, Protocol
 
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine, StepReport
-from splitserve.engine.io import EngineError, GenerateRequest, InvalidRequest, NotReady, Overloaded, RequestOutput
+from splitserve.engine.io import (FLUSH_WAIT_S, EngineError, GenerateRequest, InvalidRequest, NotReady, Overloaded,
+                                  RequestOutput)
 from splitserve.outcomes import Ending, Reason
 from splitserve.timeline import TimelineBook
 
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.5  # the longest the loop waits for an event when nothing is due
-FLUSH_WAIT_S = 30.0  # POST /flush_cache waits this long for the loop (one step of a long prompt can take seconds)
 EVENTS_PER_ITERATION = 4096  # a burst of events is taken in slices, so that ticks and steps go on
 
 

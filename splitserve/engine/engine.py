@@ -197,6 +197,10 @@ class LLMEngine:
             self.scheduler.finish(seq)
         return seq
 
+    def runs(self, seq: Sequence) -> bool:
+        """Whether ``seq`` is one of this engine's sequences now (waiting, running or preempted)."""
+        return self._seqs.get(seq.rid) is seq
+
     def release(self, seq: Sequence) -> None:
         """Free the pages a room's sequence holds, exactly once."""
         self.scheduler.release(seq)

@@ -14,6 +14,9 @@ from splitserve.outcomes import Ending, Reason
 
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request names none (documented in the README and ``--help``)."""
+FLUSH_WAIT_S = 30.0
+"""How long ``POST /flush_cache`` waits for the engine loop (one step of a long prompt can take
+seconds); the router gives a worker's flush that and a margin."""
 
 
 @dataclass(frozen=True)

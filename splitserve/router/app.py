@@ -45,6 +45,7 @@ from aiohttp import web
 
 from splitserve.auth import access_middlewares, bearer
 from splitserve.config import RouterConfig
+from splitserve.engine.io import FLUSH_WAIT_S
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.router import debug
@@ -59,7 +60,7 @@ from splitserve.tls import client_context, server_context
 from splitserve.server.validation import REQUEST_ID
 
 log = logging.getLogger(__name__)
-WORKER_FLUSH_S = 40.0  # a worker's /flush_cache waits up to 30 s for its engine loop (FLUSH_WAIT_S)
+WORKER_FLUSH_S = FLUSH_WAIT_S + 10.0  # a worker's /flush_cache waits up to FLUSH_WAIT_S for its engine loop
 
 SHUTDOWN_GRACE_S = 5.0
 MODELS_TIMEOUT_S = 10.0  # GET /v1/models from the decode workers, end to end

@@ -41,11 +41,11 @@ from aiohttp import web
 from splitserve.auth import access_middlewares
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
+from splitserve.engine.io import FLUSH_WAIT_S
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
 from splitserve.router.client import send
-from splitserve.engine.async_engine import FLUSH_WAIT_S
 from splitserve.server.generation import RID, json_error, serve_generation
 from splitserve.server.validation import REQUEST_ID
 from splitserve.server.worker_metrics import WorkerMetrics

@@ -180,6 +180,12 @@ class Checker:
                 if live:
                     self.violation(f"{worker.name}: room {room} has quarantined pages while live ({r.state})")
                     return
+        for rid, seq in engine._seqs.items():  # every sequence the engine runs is a room's here
+            rec = role.rooms.get(seq.room) if seq.room is not None else None
+            if rec is None or rec.seq is not seq:
+                self.violation(f"{worker.name}: the engine runs sequence {rid} of room {seq.room}, which no record "
+                               f"holds (the pages it takes are no one's)")
+                return
         # the allocator's account is free + cached + owned = total by construction; what must hold is
         # that the owned pages are what the rooms hold: one reference per holder of a shared page
         shared = [n for n in alloc._refs.values() if n]
