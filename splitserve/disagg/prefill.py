@@ -10,7 +10,6 @@ the scheduler at admission and freed by the table's ``FreePages`` once every wri
 from __future__ import annotations
 
 import functools
-import logging
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl
@@ -25,9 +24,6 @@ from splitserve.disagg.transfer_worker import Cancel as CancelTransfer
 from splitserve.disagg.transfer_worker import Notify, ResetPeer, TransferWorker, Write
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import InvalidRequest, RequestOutput
-from splitserve.log_sparsely import worth_logging
-
-log = logging.getLogger(__name__)
 
 
 class PrefillRole(DisaggRole):
@@ -46,12 +42,6 @@ class PrefillRole(DisaggRole):
                                       lambda: not self.loop.loop_stalled(), silence_s=self.deadlines.peer_silence_s,
                                       ended_s=self.deadlines.tombstone_s,
                                       bind=self.edges.bind or functools.partial(ZmqRouterEndpoint, secret=self.secret))
-        self._resets_owed: set[Peer] = set()  # sessions over whose transfer reset a hand-over did not take
-        self.reset_handovers_failed = 0
-
-    def tick(self, now: float) -> list[RequestOutput]:
-        self._pay_resets()
-        return super().tick(now)
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
         out: list[RequestOutput] = []
@@ -114,28 +104,11 @@ class PrefillRole(DisaggRole):
                               completion_tokens=0)]
 
     def _disconnect(self, peer: Peer) -> None:
-        # our side of its transfer: its writes are reported failed (not a fence: decode's is);
-        # the session is forgotten even if that hand-over fails, and the reset is then owed (else
-        # the transfer thread would keep a connection to a session that is over, for good)
-        self._resets_owed.add(peer)
-        try:
-            self._pay_resets()
-        finally:
-            super()._disconnect(peer)
-
-    def _pay_resets(self) -> None:
-        """Hand the transfer thread the resets owed; if a hand-over raises, it and the rest stay
-        owed until the next tick."""
-        for peer in sorted(self._resets_owed):
-            try:
-                self.transfer.submit(ResetPeer(peer, forget=True))
-            except Exception:
-                self.reset_handovers_failed += 1
-                if worth_logging(self.reset_handovers_failed):
-                    log.exception("%s: the transfer reset of session %s could not be handed over (%d so far); "
-                                  "it is owed", self.name, peer, self.reset_handovers_failed)
-                return
-            self._resets_owed.discard(peer)
+        # our side of its transfer: its writes are reported failed (not a fence: decode's is), then
+        # the control thread forgets the session (each owed if its hand-over raises)
+        self._hand_over(f"the transfer reset of session {peer}",
+                        functools.partial(self.transfer.submit, ResetPeer(peer, forget=True)))
+        super()._disconnect(peer)
 
     def _close(self) -> None:
         if self.backend is not None:

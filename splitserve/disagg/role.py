@@ -23,6 +23,7 @@ anything else it cannot hold, changing nothing), so a bad peer fails its room, n
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -128,6 +129,8 @@ class DisaggRole:
         self.outcomes: Counter = Counter()  # (outcome, reason) -> count, from CountOutcome
         self.notices: Counter = Counter()
         self.action_failures = 0
+        self._owed: deque[tuple[str, Callable[[], None]]] = deque()  # hand-overs that raised, oldest first
+        self.handovers_owed = 0  # times one raised and was left owed
         self._unwedge = threading.Event()
         self._wedge_loop = faults.wedge_loop
         self.clock = time.monotonic  # the only clock the role reads (a simulator swaps it)
@@ -207,6 +210,7 @@ class DisaggRole:
         if self._wedge_loop and self.table.live_rooms():
             self._wedge()
         out: list[RequestOutput] = []
+        self._pay_owed()
         self._check_threads(out)
         for peer, fresh in self.control.take_heard().items():
             self._execute(self._noted(self.table.handle(PeerHeard(peer, fresh), now), None, now, "PeerHeard"), out)
@@ -424,7 +428,27 @@ class DisaggRole:
         return []
 
     def _disconnect(self, peer: Peer) -> None:
-        self.control.forget(peer)
+        self._hand_over(f"forgetting session {peer}", functools.partial(self.control.forget, peer))
+
+    def _hand_over(self, what: str, call: Callable[[], None]) -> None:
+        """A hand-over to a thread that must happen (what a session's end leaves for the threads
+        to do): if it raises, it is owed, and tried again at every tick until it goes through —
+        else the thread would keep what belongs to a session that is over, for good."""
+        self._owed.append((what, call))
+        self._pay_owed()
+
+    def _pay_owed(self) -> None:
+        while self._owed:
+            what, call = self._owed[0]
+            try:
+                call()
+            except Exception:
+                self.handovers_owed += 1
+                if worth_logging(self.handovers_owed):
+                    log.exception("%s: %s could not be handed over (%d so far); it is owed", self.name, what,
+                                  self.handovers_owed)
+                return
+            self._owed.popleft()
 
     def _do_role(self, a, out: list[RequestOutput]) -> None:
         raise TypeError(f"{self.name} worker got an unexpected action {a!r}")
