@@ -10,13 +10,16 @@ One record per room (:class:`RoomRecord`): the request, the engine's sequence on
 and the room's pages. Every other structure is derived from the records: the rid index, decode's
 page queue (rooms, each checked against its record when it reaches the head), the quarantined
 page count (kept as records enter and leave quarantine), the gauges. A record lives from the
-request's arrival until it is answered *and* holds no page; pages have one owner at a time — the
-allocator's free list, the room's record, or (decoding) the room's sequence.
+request's arrival until it is answered, holds no page *and* has no sequence in the engine (a
+preempted one holds none but takes some again); pages have one owner at a time — the allocator's
+free list, the room's record, or (decoding) the room's sequence.
 
 Carrying out actions (:meth:`DisaggRole._execute`) never stops half way: an action that raises is
 logged and counted, its room is failed *through the table* (``LocalFailure(internal_error)``,
 whose actions — the client's answer, freeing or quarantining the pages — run next), and the rest
-of the list still runs. Fields a peer sends are checked against what this worker knows before
+of the list still runs. What a session's end leaves for the threads (the control thread forgets
+it; prefill's transfer thread drops its connection) is a hand-over that must happen: one that
+raises is owed and tried again at every tick (:meth:`DisaggRole._hand_over`). Fields a peer sends are checked against what this worker knows before
 they reach the engine (the table checks a ``KVDone``'s length and first token; the engine refuses
 anything else it cannot hold, changing nothing), so a bad peer fails its room, never the worker.
 """
