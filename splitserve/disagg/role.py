@@ -19,9 +19,10 @@ logged and counted, its room is failed *through the table* (``LocalFailure(inter
 whose actions — the client's answer, freeing or quarantining the pages — run next), and the rest
 of the list still runs. What a session's end leaves for the threads (the control thread forgets
 it; prefill's transfer thread drops its connection) is a hand-over that must happen: one that
-raises is owed and tried again at every tick (:meth:`DisaggRole._hand_over`). Fields a peer sends are checked against what this worker knows before
-they reach the engine (the table checks a ``KVDone``'s length and first token; the engine refuses
-anything else it cannot hold, changing nothing), so a bad peer fails its room, never the worker.
+raises is owed and tried again at every tick (:meth:`DisaggRole._hand_over`). Fields a peer sends
+are checked against what this worker knows before they reach the engine (the table checks a
+``KVDone``'s length and first token; the engine refuses anything else it cannot hold, changing
+nothing), so a bad peer fails its room, never the worker.
 """
 
 from __future__ import annotations
@@ -43,11 +44,10 @@ from splitserve.disagg.room_timelines import RoomTimelines, describe, room_of
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
 from splitserve.engine.sequence import Sequence
-from splitserve.outcomes import Ending, Reason
 from splitserve.log_sparsely import worth_logging
+from splitserve.outcomes import Ending, Reason
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass(eq=False)

@@ -62,12 +62,16 @@ class InlineExecutor(concurrent.futures.Executor):
     one thread. ``SimLoop.run_in_executor`` calls it directly; ``submit`` is for anyone else."""
 
     def submit(self, fn, *args, **kwargs):
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except Exception as exc:
-            future.set_exception(exc)
-        return future
+        return _settled(concurrent.futures.Future(), fn, *args, **kwargs)
+
+
+def _settled(future, fn, *args, **kwargs):
+    """``future`` (either kind) with the answer of ``fn(*args, **kwargs)``, called now."""
+    try:
+        future.set_result(fn(*args, **kwargs))
+    except Exception as exc:
+        future.set_exception(exc)
+    return future
 
 
 class Idle(Exception):
@@ -134,12 +138,7 @@ class SimLoop(asyncio.SelectorEventLoop):
         done (not one that a thread's completion settles a loop turn later)."""
         if not isinstance(executor, InlineExecutor):
             return super().run_in_executor(executor, func, *args)
-        future = self.create_future()
-        try:
-            future.set_result(func(*args))
-        except Exception as exc:
-            future.set_exception(exc)
-        return future
+        return _settled(self.create_future(), func, *args)
 
     def _write_to_self(self) -> None:
         pass  # call_soon_threadsafe from this very thread: the callback is queued, nothing to wake

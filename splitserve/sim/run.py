@@ -138,14 +138,6 @@ class Totals:
         if not result.ok:
             self.failed.append(result.seed)
 
-    def merge(self, other: "Totals") -> None:
-        for name in ("seeds", "requests", "sim_s", "checks", "starved", "wall_s"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.endings.update(other.endings)
-        self.faults.update(other.faults)
-        self.effects.update(other.effects)
-        self.failed += other.failed
-
     def report(self, wall_s: Optional[float] = None) -> list[str]:
         wall_s = self.wall_s if wall_s is None else wall_s
         hours = self.sim_s / 3600
