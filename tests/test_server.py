@@ -590,3 +590,14 @@ def test_a_request_id_reused_right_after_an_abort_gets_its_own_answer(server):
             break
         assert resp.status_code == 200, (i, resp.status_code, resp.text)
         assert resp.json()["output_ids"] == want, (i, resp.text)
+
+
+@pytest.mark.parametrize("room", ["²", "٣", "9" * 5000, str(2**63), "-1", "1e3", "0x10"])
+def test_a_room_that_is_not_a_room_number_is_400(server, room):
+    """``/debug/rooms/{room}`` takes a decimal number in [0, 2**63), ASCII digits only: "²" passes
+    ``str.isdigit`` and 5,000 digits exceed Python's int-parsing limit; both are the client's error."""
+    r = requests.get(f"{server.url}/debug/rooms/{room}", timeout=10)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "room" in err["message"] and len(err["message"]) < 200
+    assert requests.get(f"{server.url}/debug/rooms/{2**63 - 1}", timeout=10).status_code == 404

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import re
 import signal
 import sys
 import threading
@@ -47,7 +48,7 @@ from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
 from splitserve.router.client import send
 from splitserve.server.generation import RID, json_error, serve_generation
-from splitserve.server.validation import REQUEST_ID
+from splitserve.server.validation import MAX_ROOM, REQUEST_ID
 from splitserve.server.worker_metrics import WorkerMetrics
 from splitserve.tls import server_context
 
@@ -241,13 +242,27 @@ async def _debug_timeline(request: web.Request) -> web.Response:
     state = request.app[STATE]
     _require_ready(state)
     rid, room = request.match_info.get("rid"), request.match_info.get("room")
-    if room is not None and not room.isdigit():
-        raise web.HTTPBadRequest(text=f"a room is a number, not {room!r}")
-    found = getattr(state.engine, "timeline", lambda **kw: None)(rid=rid, room=int(room) if room else None)
+    if room is not None:
+        room = _room_number(room)
+    found = getattr(state.engine, "timeline", lambda **kw: None)(rid=rid, room=room)
     if found is None:
         what = f"request {rid!r}" if rid is not None else f"room {room}"
         return json_error(f"{what} is neither live nor among the recently ended ones on this worker", 404)
     return web.json_response(found)
+
+
+_ROOM = re.compile(r"[0-9]{1,%d}" % len(str(MAX_ROOM - 1)))  # ASCII digits: str.isdigit also takes "²"
+
+
+def _room_number(text: str) -> int:
+    """A room from a URL: a decimal number in [0, 2**63), else 400 (never parsed when it is longer
+    than the largest room: Python refuses to parse ints of more than 4,300 digits)."""
+    if _ROOM.fullmatch(text) and int(text) < MAX_ROOM:
+        return int(text)
+    shown = text if len(text) <= 32 else text[:32] + "..."
+    raise web.HTTPBadRequest(text=f"a room is a decimal number in [0, 2**63), not {shown!r}")
+
+
 async def _flush_cache(request: web.Request) -> web.Response:
     """Drop every prefix-cache page no request owns (as SGLang's ``/flush_cache``); 503 if the
     engine loop is in a step longer than ``FLUSH_WAIT_S``."""
