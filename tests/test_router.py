@@ -302,8 +302,16 @@ def test_bad_input_is_refused_without_touching_workers(fakes, start_router):
     assert_openai_error(requests.post(router.url + "/generate", json={"text": 1}, timeout=5), 400)
     error = assert_openai_error(requests.post(url, json={"model": "other", "prompt": "x"}, timeout=5), 404)
     assert MODEL in error["message"] and error["code"] == "model_not_found"
+    surrogates = [("/v1/completions", '{"prompt": "hi \\ud800"}', "prompt"),
+                  ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}',
+                   "messages[0].content"),
+                  ("/generate", '{"input_ids": [1], "cache_salt": "\\ud800"}', "cache_salt")]
+    for path, raw, param in surrogates:  # legal JSON, not text: the router could not even forward it
+        error = assert_openai_error(requests.post(router.url + path, data=raw.encode(), timeout=5), 400)
+        assert error["param"] == param and "surrogate" in error["message"]
     assert prefill.requests == [] and decode.requests == []
-    assert router.metric("splitserve_router_requests_total", outcome="bad_request") == 6
+    assert router.metric("splitserve_router_requests_total", outcome="bad_request") == 9
+    assert "Traceback" not in router.output()
 
 
 @pytest.mark.parametrize("case", ["429", "500", "reset", "refused", "429-stream"])

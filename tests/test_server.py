@@ -601,3 +601,20 @@ def test_a_room_that_is_not_a_room_number_is_400(server, room):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and "room" in err["message"] and len(err["message"]) < 200
     assert requests.get(f"{server.url}/debug/rooms/{2**63 - 1}", timeout=10).status_code == 404
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", '{"prompt": "hi \\ud800", "max_tokens": 2}', "prompt"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
+     "messages[0].content"),
+    ("/generate", '{"text": "x", "sampling_params": {"stop": ["\\ud800"]}}', "sampling_params.stop[0]"),
+    ("/generate", '{"input_ids": [5, 6], "cache_salt": "\\ud800"}', "cache_salt"),
+])
+def test_a_lone_surrogate_is_400_without_a_traceback(server, path, body, param):
+    """Legal JSON, not text: refused at the edge, before the tokenizer or the engine loop sees it."""
+    tracebacks = server.stderr().count("Traceback")
+    r = requests.post(server.url + path, data=body.encode(), headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and "surrogate" in err["message"]
+    assert server.stderr().count("Traceback") == tracebacks, server.output_tail()

@@ -317,3 +317,41 @@ def test_generate_context_limit():
 def test_unknown_endpoint_is_a_programming_error():
     with pytest.raises(ValueError):
         validate_request({}, "embeddings")
+
+
+# -- text: no lone surrogates ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body,endpoint,param", [
+    ({"prompt": "hi \ud800 there"}, "completions", "prompt"),
+    ({"prompt": "x", "stop": ["ok", "\udfff"]}, "completions", "stop[1]"),
+    ({"prompt": "x", "cache_salt": "\ud800"}, "completions", "cache_salt"),
+    ({"prompt": "x", "user": "\ud800"}, "completions", "user"),
+    ({"prompt": "x", "model": "\ud800"}, "completions", "model"),
+    ({"prompt": "x", "\ud800": 1}, "completions", None),
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, "chat", "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}, "chat",
+     "messages[0].content[0].text"),
+    ({"messages": [{"role": "user", "content": "x", "name": "\ud800"}]}, "chat", "messages[0].name"),
+    ({"text": "\ud800"}, "generate", "text"),
+    ({"input_ids": [1], "sampling_params": {"stop": "\ud800"}}, "generate", "sampling_params.stop"),
+    ({"input_ids": [1], "cache_salt": "\ud800"}, "generate", "cache_salt"),
+])
+def test_a_lone_surrogate_anywhere_is_refused_naming_its_field(body, endpoint, param, byte_tokenizer):
+    """A lone surrogate is legal JSON ("\\ud800") but no text: it cannot be encoded as UTF-8, so it
+    would raise wherever the request is hashed (``cache_salt``), tokenized or forwarded. It is
+    refused before any of that, raw or already parsed, with or without a tokenizer."""
+    import json
+
+    raw = json.dumps(body).encode()
+    assert b"\\ud" in raw.lower()
+    for given in (raw, body):
+        for tok in (None, byte_tokenizer):
+            err = bad(given, endpoint, tokenizer=tok)
+            assert err.param == param and "surrogate" in str(err), str(err)
+            str(err).encode("utf-8")  # the message itself is printable and encodable
+
+
+def test_a_surrogate_pair_is_one_character_and_accepted(byte_tokenizer):
+    r = ok(b'{"prompt": "smile \\ud83d\\ude00", "cache_salt": "\\ud83d\\ude00"}', tokenizer=byte_tokenizer)
+    assert r.prompt_text == "smile \U0001F600" and r.cache_salt == "\U0001F600"

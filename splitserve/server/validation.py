@@ -6,7 +6,8 @@ therefore refuse the same requests with the same messages.
 
 Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending field:
 
-- The body must be a JSON object (:func:`parse_json_body` for raw bytes; NaN/Infinity refused).
+- The body must be a JSON object (:func:`parse_json_body` for raw bytes; NaN/Infinity refused),
+  and no string in it, nor a field name, may hold a lone surrogate (:func:`check_text`).
 - Types are strict: a bool is not an int, ``1.0`` is not an int, a number may be an int or float.
 - ``max_tokens`` (``max_completion_tokens`` in chat, ``max_new_tokens`` in ``/generate``) is an
   int >= 1; absent, it is :data:`DEFAULT_MAX_TOKENS`, lowered to what the context leaves when the
@@ -143,6 +144,36 @@ def parse_json_body(raw: bytes | str) -> dict:
     return body
 
 
+def check_text(body: Any) -> None:
+    """Refuse a lone surrogate (``"\\ud800"``, legal JSON) anywhere in a parsed body, keys
+    included: it is no character and cannot be encoded as UTF-8, so it would raise wherever the
+    request is hashed (``cache_salt``), tokenized, logged or forwarded. One pass over the body,
+    iterative (any depth); a pure-ASCII string is skipped in constant time."""
+    todo: list[tuple[Any, str]] = [(body, "")]
+    while todo:
+        value, path = todo.pop()
+        if isinstance(value, str):
+            if not value.isascii() and not _encodable(value):
+                raise InvalidRequest(f"{path or 'the request body'} holds a lone surrogate (\\ud800-\\udfff "
+                                     "without its pair): not text", path or None)
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str) and not key.isascii() and not _encodable(key):
+                    where = f"`{path}`" if path else "the request body"
+                    raise InvalidRequest(f"a field name in {where} holds a lone surrogate: not text", path or None)
+                todo.append((item, f"{path}.{key}" if path else str(key)))
+        elif isinstance(value, list):
+            todo.extend((item, f"{path}[{i}]") for i, item in enumerate(value))
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 REQUEST_ID = "X-Request-Id"  # the header that carries a request id (the router's, on the OpenAI routes)
 
 
@@ -165,6 +196,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         raise ValueError(f"endpoint must be one of {ENDPOINTS}, not {endpoint!r}")
     if not isinstance(body, dict):
         body = parse_json_body(body)
+    check_text(body)
     _check_fields(body, _KNOWN[endpoint], "")
     defaults = dict(generation_defaults or {})
     if endpoint == "generate":
