@@ -1,9 +1,11 @@
-"""Sampling: greedy, top-k, top-p, and randomness that depends only on (seed, position)."""
+"""Sampling: greedy, top-k, top-p, randomness that depends only on (seed, position), and logits
+that are not finite numbers (NaN, inf, overflow at a tiny temperature)."""
 
+import pytest
 import torch
 
 from splitserve.engine.io import SamplingParams
-from splitserve.engine.sampler import mix_seed, sample_batch, sample_token
+from splitserve.engine.sampler import NoFiniteLogits, greedy_tokens, mix_seed, sample_batch, sample_token
 
 
 def test_greedy_is_argmax():
@@ -49,3 +51,33 @@ def test_sampling_follows_the_distribution():
 
 def test_mix_seed_spreads_neighbours():
     assert len({mix_seed(s, p) for s in range(20) for p in range(20)}) == 400
+
+
+def test_a_tiny_temperature_is_near_greedy_never_garbage():
+    """T = 1e-308 overflowed logits / T to inf, softmax to NaN, and the pick fell on the last token
+    of the sort (token 2047 of the tiny model, every time). Any T > 0 is near-greedy as T shrinks."""
+    torch.manual_seed(3)
+    logits = torch.randn(2048) * 5
+    best = int(torch.argmax(logits))
+    for t in (1e-308, 5e-324, 1e-30, 1e-6):
+        for extra in ({}, {"top_k": 50}, {"top_p": 0.9}):
+            p = SamplingParams(temperature=t, **extra)
+            assert {sample_token(logits, p, 9, pos) for pos in range(20)} == {best}, (t, extra)
+    tied = torch.tensor([1.0, 4.0, 4.0, -2.0])  # a tie at the top: either best, nothing else
+    assert {sample_token(tied, SamplingParams(temperature=1e-308), 1, pos) for pos in range(60)} == {1, 2}
+
+
+def test_nan_logits_never_win_and_a_row_without_a_finite_one_raises():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[nan, 0.5, 2.0, nan], [1.0, inf, nan, 3.0]])
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1e-308)):
+        for pos in range(20):
+            assert sample_batch(logits, [params] * 2, [4, 4], [pos, pos]) == [2, 1], params
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=5.0, top_k=3, top_p=0.99)):
+        drawn = [sample_batch(logits, [params] * 2, [4, 4], [pos, pos]) for pos in range(60)]
+        assert {a for a, _ in drawn} == {1, 2} and {b for _, b in drawn} == {1}, params  # a NaN never; +inf always
+    for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)):
+        for row in (torch.full((5,), nan), torch.full((5,), -inf)):
+            with pytest.raises(NoFiniteLogits):
+                sample_batch(row[None], [params], [0], [0])
+    assert greedy_tokens(torch.stack([torch.full((3,), nan), torch.tensor([0.0, 1.0, nan])])) == [None, 1]

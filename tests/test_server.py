@@ -618,3 +618,13 @@ def test_a_lone_surrogate_is_400_without_a_traceback(server, path, body, param):
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and "surrogate" in err["message"]
     assert server.stderr().count("Traceback") == tracebacks, server.output_tail()
+
+
+def test_a_tiny_temperature_answers_the_greedy_tokens(server):
+    def ids(temperature):
+        r = post(server, "/generate", {"input_ids": [5, 6, 7], "sampling_params": {
+            "max_new_tokens": 6, "temperature": temperature, "ignore_eos": True, "seed": 1}})
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    assert ids(1e-308) == ids(5e-324) == ids(0)

@@ -4,9 +4,17 @@ Each sampled token uses one uniform number from a generator seeded by ``mix(seed
 picks the token whose cumulative probability first exceeds it. So a seeded request produces the
 same tokens whatever it is batched with, after a preemption, and on whichever worker it runs
 (prefill samples the first token, decode the rest).
+
+Logits that are not finite numbers: a NaN never wins (it counts as ``-inf``), a ``+inf`` wins over
+every finite logit, and a row with no logit above ``-inf`` raises :class:`NoFiniteLogits` (the
+engine fails that request alone). Temperature scales ``logits - max``, which is 0 at the best
+token and never positive: no temperature > 0, however small, overflows it to a NaN, and a
+temperature near 0 is near-greedy.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -28,11 +36,44 @@ def uniform_for(seed: int, position: int) -> float:
     return torch.rand((), generator=g, dtype=torch.float64).item()
 
 
+class NoFiniteLogits(ValueError):
+    """The model gave no logit above ``-inf`` (all NaN, say) for a token: nothing can be sampled."""
+
+
+def _finite_first(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with NaN as ``-inf``; the same tensor when it holds none (no copy)."""
+    nan = torch.isnan(logits)
+    return logits.masked_fill(nan, float("-inf")) if bool(nan.any()) else logits
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``(logits - max) / temperature`` in float64: 0 at the best, never positive, never NaN."""
+    x = _finite_first(logits.double())
+    top = float(x.max())
+    if top == float("inf"):  # the +inf logits are the candidates, alike
+        return torch.where(x == top, 0.0, float("-inf")).to(x.dtype)
+    if top == float("-inf"):
+        raise NoFiniteLogits("the model gave no finite logit for this token")
+    return (x - top) / temperature
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[Optional[int]]:
+    """The argmax of each row of ``logits`` [B, vocab], NaN never winning; None for a row with no
+    logit above ``-inf``."""
+    x = _finite_first(logits)
+    best = torch.argmax(x, dim=-1)
+    top = x.gather(-1, best[:, None])[:, 0]
+    return [int(t) if ok else None for t, ok in zip(best.tolist(), (top > float("-inf")).tolist())]
+
+
 def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
     """One token from ``logits`` [vocab] (float32) for the token at absolute ``position``."""
     if params.greedy:
-        return int(torch.argmax(logits).item())
-    logits = logits.double() / params.temperature
+        token = greedy_tokens(logits[None])[0]
+        if token is None:
+            raise NoFiniteLogits("the model gave no finite logit for this token")
+        return token
+    logits = _scaled(logits, params.temperature)
     if params.top_k > 0:
         k = min(params.top_k, logits.numel())
         kth = torch.topk(logits, k).values[-1]
@@ -47,13 +88,19 @@ def sample_token(logits: torch.Tensor, params: SamplingParams, seed: int, positi
     cum = torch.cumsum(sorted_probs, dim=-1)
     u = uniform_for(seed, position) * cum[-1].item()
     idx = int(torch.searchsorted(cum, torch.tensor([u], dtype=cum.dtype), right=True).item())
-    idx = min(idx, int((sorted_probs > 0).sum().item()) - 1)
+    idx = min(idx, int((sorted_probs > 0).sum().item()) - 1)  # the best has probability >= 1/vocab: idx >= 0
     return int(order[idx].item())
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
                  positions: list[int]) -> list[int]:
-    """Tokens for each row of ``logits`` [B, vocab]; greedy rows in one argmax."""
-    greedy = torch.argmax(logits, dim=-1).tolist()
-    return [greedy[i] if p.greedy else sample_token(logits[i], p, seeds[i], positions[i])
-            for i, p in enumerate(params)]
+    """Tokens for each row of ``logits`` [B, vocab]; greedy rows in one argmax. Raises
+    NoFiniteLogits for a row with nothing to sample (the engine samples row by row instead, to
+    fail only that row's request: :meth:`LLMEngine._advance`)."""
+    greedy = greedy_tokens(logits) if any(p.greedy for p in params) else [None] * len(params)
+    tokens = []
+    for i, p in enumerate(params):
+        if p.greedy and greedy[i] is None:
+            raise NoFiniteLogits("the model gave no finite logit for this token")
+        tokens.append(greedy[i] if p.greedy else sample_token(logits[i], p, seeds[i], positions[i]))
+    return tokens
