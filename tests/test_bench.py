@@ -15,6 +15,7 @@ import pytest
 import requests
 
 from conftest import REPO
+from splitserve.bench.client import Target, body_of
 from splitserve.bench.stats import Record, meets, parse_slos, summarize
 from splitserve.bench.workload import Maker, Workload
 
@@ -93,6 +94,17 @@ def test_workloads_are_seeded_and_within_their_bounds():
     for bad in (dict(kind="x"), dict(range_ratio=1.0), dict(cancel_fraction=2), dict(prompt_format="bytes")):
         with pytest.raises(ValueError):
             Workload(**bad).check()
+
+
+def test_request_body_takes_a_servers_own_fields():
+    spec = Maker(Workload(prompt_format="text", input_len=5, output_len=9)).random_request()
+    plain = body_of(spec, Target("http://x"))
+    assert (plain["max_tokens"], plain["ignore_eos"], plain["prompt"]) == (9, True, spec.prompt)
+    assert "min_tokens" not in plain and "model" not in plain
+    # llama-cpp-python ignores ignore_eos; min_tokens is how it gives every answer its length
+    extra = body_of(spec, Target("http://x", "m", extra_body={"min_tokens": 9, "temperature": 0.5}))
+    assert (extra["min_tokens"], extra["temperature"], extra["model"]) == (9, 0.5, "m")
+    assert body_of(spec, Target("http://x")) == plain  # no state shared between targets
 
 
 def test_bench_against_a_server_writes_json_and_plots_and_really_cancels(server, tmp_path):

@@ -6,7 +6,9 @@ so that every answer has its ``max_tokens`` (vLLM, SGLang and splitserve take it
 carries generated tokens is a completion chunk with ``text`` or a chat chunk with ``content``
 (not the chat stream's opening role-only chunk, nor the usage chunk). A request is an error unless
 it answered 200, ended with ``data: [DONE]`` and carried no error event; with ``ignore_eos`` also
-unless it produced exactly ``max_tokens`` tokens.
+unless it produced exactly ``max_tokens`` tokens. A server that takes other fields gets them through
+``Target.extra_body`` (llama-cpp-python ignores ``ignore_eos`` but takes ``min_tokens``; it sends no
+usage chunk, so its tokens are the events that carried text).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
 
 import aiohttp
 
@@ -28,6 +30,8 @@ class Target:
     url: str  # base URL, e.g. http://127.0.0.1:8000
     model: Optional[str] = None
     ignore_eos: bool = True
+    extra_body: Mapping[str, object] = field(default_factory=dict)
+    """More fields for every request's body (they override the ones built here)."""
 
 
 def body_of(spec: Spec, target: Target) -> dict:
@@ -41,6 +45,7 @@ def body_of(spec: Spec, target: Target) -> dict:
         body["messages"] = spec.messages
     else:
         body["prompt"] = spec.prompt
+    body.update(target.extra_body)
     return body
 
 
