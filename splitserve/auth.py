@@ -1,15 +1,25 @@
-"""API keys on the HTTP API of a worker and of the router (``docs/security.md``).
+"""API keys on the HTTP API of a worker and of the router: which key opens which route
+(``docs/security.md`` has the table and the reasons).
 
-A key comes from ``--api-key KEY``, ``--api-key-file PATH`` (its first line) or the environment
-(:data:`API_KEY_ENV`; the router's key for its workers from ``--worker-api-key``,
-``--worker-api-key-file`` or :data:`WORKER_API_KEY_ENV`): :func:`load_key` takes them in that
-order and refuses two at once, an empty key, or one that cannot travel in an HTTP header.
+Four keys, each from ``--NAME KEY``, ``--NAME-file PATH`` (its first line) or the environment
+(:data:`KEYS`; :func:`load_key` takes them in that order and refuses two at once, an empty key, or
+one that cannot travel in an HTTP header):
 
-:func:`api_key_middleware` then guards every route but ``/health`` (and ``/metrics`` unless
-``protect_metrics``): deny by default, so a route added later is guarded too. A request without
-``Authorization: Bearer <key>``, or with another key, gets 401 with an OpenAI error body
-(``invalid_api_key``) and ``WWW-Authenticate: Bearer``, and is counted; the key is compared in
-constant time (:func:`hmac.compare_digest`). A key is never logged.
+- the **client** key (``--api-key``): generation and the model list;
+- the **worker** key (``--worker-api-key``): on the router the key it sends its workers, on a worker
+  the key it takes from the router. It opens every route of a worker, and only a caller holding it
+  may send the bootstrap fields of a split request (:func:`bootstrap_refusal`);
+- the **admin** key (``--admin-api-key``): the cache, the worker set, the debug routes;
+- the **metrics** key (``--metrics-api-key``): ``/metrics`` only (a scraper's key).
+
+Each route belongs to one class (:data:`ROUTER_ROUTES`, :data:`WORKER_ROUTES`): ``open``,
+``client``, ``metrics`` or ``admin``; a route in neither table is ``admin``, so one added later is
+guarded (deny by default). A process given no key is open. Given any key, a route needs a key that
+opens its class (:meth:`Access.opens`); a class none of whose keys was given falls back as
+:meth:`Access.openers` says. A request without a key or with one this process does not know gets
+401 with an OpenAI error body (``invalid_api_key``) and ``WWW-Authenticate: Bearer``; a known key
+that does not open the route gets 403 (``permission_denied``); both are counted. Keys are compared
+in constant time (:func:`hmac.compare_digest`) and never logged.
 """
 
 from __future__ import annotations
@@ -29,9 +39,30 @@ log = logging.getLogger(__name__)
 
 API_KEY_ENV = "SPLITSERVE_API_KEY"
 WORKER_API_KEY_ENV = "SPLITSERVE_WORKER_API_KEY"
-OPEN_PATHS = ("/health",)
-METRICS_PATH = "/metrics"
+ADMIN_API_KEY_ENV = "SPLITSERVE_ADMIN_API_KEY"
+METRICS_API_KEY_ENV = "SPLITSERVE_METRICS_API_KEY"
 MAX_KEY_CHARS = 4096
+
+CLIENT, WORKER, ADMIN, METRICS = "client", "worker", "admin", "metrics"
+"""The keys, by name; also the names of the route classes (but ``worker``, which is no route class)."""
+OPEN = "open"
+METRICS_PATH = "/metrics"
+KEYS = {CLIENT: ("api_key", "--api-key", API_KEY_ENV),
+        WORKER: ("worker_api_key", "--worker-api-key", WORKER_API_KEY_ENV),
+        ADMIN: ("admin_api_key", "--admin-api-key", ADMIN_API_KEY_ENV),
+        METRICS: ("metrics_api_key", "--metrics-api-key", METRICS_API_KEY_ENV)}
+"""Each key's config field, flag (its file: the flag with ``-file``) and environment variable."""
+
+GENERATION = ("/v1/completions", "/v1/chat/completions", "/generate")
+ROUTER_ROUTES = {**dict.fromkeys(GENERATION, CLIENT), "/v1/models": CLIENT, "/health": OPEN, "/metrics": METRICS,
+                 "/workers": ADMIN, "/debug/requests/{rid}": ADMIN, "/flush_cache": ADMIN}
+WORKER_ROUTES = {**dict.fromkeys(GENERATION, CLIENT), "/v1/models": CLIENT, "/get_model_info": CLIENT,
+                 "/health": OPEN, "/metrics": METRICS, "/get_server_info": METRICS, "/debug/requests": ADMIN,
+                 "/debug/requests/{rid}": ADMIN, "/debug/rooms/{room}": ADMIN, "/flush_cache": ADMIN}
+"""The class of every route, by its path as aiohttp names it (``resource.canonical``)."""
+
+ACCESS = web.RequestKey("splitserve_access", object)
+"""On every request: ``(Access, the name of the key it presented or None)``."""
 
 
 def load_key(value: Optional[str], path: Optional[str], env_name: str, flag: str = "--api-key",
@@ -63,14 +94,19 @@ def load_key(value: Optional[str], path: Optional[str], env_name: str, flag: str
 
 
 def with_keys(config, environ: Optional[Mapping[str, str]] = None):
-    """``config`` (a ``ServerConfig`` or ``RouterConfig``) with its keys loaded from wherever they
-    were given (``api_key`` set, ``api_key_file`` None; the router's ``worker_api_key`` too)."""
-    changes = {"api_key": load_key(config.api_key, config.api_key_file, API_KEY_ENV, "--api-key", environ),
-               "api_key_file": None}
-    if hasattr(config, "worker_api_key"):
-        changes["worker_api_key"] = load_key(config.worker_api_key, config.worker_api_key_file, WORKER_API_KEY_ENV,
-                                             "--worker-api-key", environ)
-        changes["worker_api_key_file"] = None
+    """``config`` (a ``ServerConfig`` or ``RouterConfig``) with every key it has a field for loaded
+    from wherever it was given (the key set, its file None). ValueError for a bad key, or for one
+    key given in two roles (each role's key must be its own, or a client key would open more)."""
+    changes: dict[str, Optional[str]] = {}
+    where: dict[str, str] = {}
+    for field, flag, env in KEYS.values():
+        if hasattr(config, field):
+            key = load_key(getattr(config, field), getattr(config, field + "_file"), env, flag, environ)
+            changes[field], changes[field + "_file"] = key, None
+            if key is not None:
+                if key in where:
+                    raise ValueError(f"{where[key]} and {flag} are the same key: give each its own")
+                where[key] = flag
     return dataclasses.replace(config, **changes)
 
 
@@ -89,50 +125,135 @@ def bearer(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
+def bearer_token(header: Optional[str]) -> Optional[bytes]:
+    """The token of an ``Authorization: Bearer <token>`` header value, or None."""
+    if not header:
+        return None
+    scheme, _, token = header.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token.encode("utf-8", "surrogateescape")
+
+
 def key_matches(header: Optional[str], key: bytes) -> bool:
     """Whether an ``Authorization`` header value carries ``key`` as a Bearer token (constant time
     in the token)."""
-    if not header:
-        return False
-    scheme, _, token = header.strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return False
-    return hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key)
+    token = bearer_token(header)
+    return token is not None and hmac.compare_digest(token, key)
+
+
+@dataclasses.dataclass(frozen=True)
+class Access:
+    """Who may call what on one process: its incoming keys (by name), whether it is a worker (the
+    worker key opens everything there) and whether ``/metrics`` is guarded."""
+
+    keys: Mapping[str, bytes]
+    on_worker: bool
+    protect_metrics: bool = False
+
+    @classmethod
+    def of(cls, config, on_worker: bool) -> "Access":
+        """The access of a ``ServerConfig`` (``on_worker``) or a ``RouterConfig`` (whose worker key
+        is the one it sends, not one it takes)."""
+        names = (CLIENT, WORKER, ADMIN, METRICS) if on_worker else (CLIENT, ADMIN, METRICS)
+        keys = {name: getattr(config, KEYS[name][0]).encode("utf-8") for name in names
+                if getattr(config, KEYS[name][0], None)}
+        return cls(keys, on_worker, getattr(config, "protect_metrics", False))
+
+    def openers(self, kind: str) -> Optional[frozenset]:
+        """The keys that open a route of class ``kind``, or None when it is open to anyone.
+
+        - No key given to this process: every route is open.
+        - ``open``: open. ``client``: the client key (and on a worker the worker key); open when
+          none of them is set.
+        - ``metrics``: the metrics or the admin key (on a worker also the worker key); when none of
+          them is set, whatever opens ``client``.
+        - ``admin`` (and any class not known): the admin key (on a worker also the worker key);
+          when none of them is set, no key at all (the route is closed on a keyed process).
+        """
+        if not self.keys or kind == OPEN:
+            return None
+        worker = {WORKER} if self.on_worker else set()
+        if kind in (CLIENT, METRICS):
+            own = ({CLIENT} if kind == CLIENT else {METRICS, ADMIN}) | worker
+            if own & self.keys.keys():
+                return frozenset(own & self.keys.keys())
+            return self.openers(CLIENT) if kind == METRICS else None
+        return frozenset(({ADMIN} | worker) & self.keys.keys())
+
+    def who(self, header: Optional[str]) -> Optional[str]:
+        """The name of the key an ``Authorization`` header carries, or None (none, or not ours).
+        Every key is compared, in constant time."""
+        token = bearer_token(header)
+        found = None
+        for name, key in self.keys.items():
+            if token is not None and hmac.compare_digest(token, key):
+                found = name
+        return found
+
+    def may(self, kind: str, who: Optional[str]) -> bool:
+        openers = self.openers(kind)
+        return openers is None or who in openers
+
+
+def caller_may(request: web.Request, kind: str) -> bool:
+    """Whether the caller of ``request`` (as the access middleware saw it) opens class ``kind``;
+    true on an app without the middleware."""
+    seen = request.get(ACCESS)
+    return seen is None or seen[0].may(kind, seen[1])
+
+
+def caller_is(request: web.Request, name: str) -> bool:
+    """Whether ``request`` presented this process's key ``name`` (``worker``: the router's)."""
+    seen = request.get(ACCESS)
+    return seen is not None and seen[1] == name
 
 
 def unauthorized_counter(registry):
-    """``splitserve_http_unauthorized_total{why}`` on ``registry`` (both reasons there from the start)."""
+    """``splitserve_http_unauthorized_total{why}`` on ``registry`` (every reason there from the start)."""
     counter = registry.counter("splitserve_http_unauthorized_total",
-                               "Requests refused 401 for a missing or wrong API key.", ["why"])
-    for why in ("missing", "wrong"):
+                               "Requests refused for a missing or wrong API key (401), or for a key that does not "
+                               "open the route (403).", ["why"])
+    for why in ("missing", "wrong", "forbidden"):
         counter.labels(why=why)
     return counter
 
 
-def access_middlewares(config, registry) -> list:
-    """The middleware that asks ``config.api_key`` of every request (none without a key), its
-    refusals counted in ``splitserve_http_unauthorized_total`` on ``registry`` — a series there
-    from the start, key or not. Every route but /health (and /metrics, unless ``protect_metrics``)
-    needs the key: docs/security.md. The router's app and the worker's build theirs here."""
+def access_middlewares(config, registry, routes: Mapping[str, str], on_worker: bool) -> list:
+    """The middleware that checks every request of an app against ``routes`` (its route classes)
+    and the keys of ``config``, its refusals counted in ``splitserve_http_unauthorized_total`` on
+    ``registry``. The router's app and the worker's build theirs here."""
     refused = unauthorized_counter(registry)
-    if not config.api_key:
-        return []
-    return [api_key_middleware(config.api_key, config.protect_metrics, lambda why: refused.labels(why=why).inc())]
+    return [access_middleware(Access.of(config, on_worker), routes, lambda why: refused.labels(why=why).inc())]
 
 
-def api_key_middleware(key: str, protect_metrics: bool, on_refused: Callable[[str], None]):
-    """An aiohttp middleware: 401 for every route but the open ones unless the request carries
-    ``key``; ``on_refused(why)`` counts each refusal (``missing`` or ``wrong``)."""
-    expected = key.encode("utf-8")
-    open_paths = set(OPEN_PATHS) | (set() if protect_metrics else {METRICS_PATH})
+def access_middleware(access: Access, routes: Mapping[str, str], on_refused: Callable[[str], None]):
+    """An aiohttp middleware: a route of ``routes`` (an unknown one is ``admin``) answers only a
+    caller whose key opens its class; ``on_refused(why)`` counts each refusal (``missing``,
+    ``wrong`` or ``forbidden``)."""
+    flags = {name: flag for name, (_, flag, _) in KEYS.items()}
 
     @web.middleware
     async def require_api_key(request: web.Request, handler):
-        if request.path in open_paths:
-            return await handler(request)
         header = request.headers.get("Authorization")
-        if key_matches(header, expected):
+        who = access.who(header) if access.keys else None
+        request[ACCESS] = (access, who)
+        resource = request.match_info.route.resource
+        kind = routes.get(resource.canonical, ADMIN) if resource is not None else CLIENT  # unmatched: 404/405
+        if request.path == METRICS_PATH and not access.protect_metrics:
+            kind = OPEN
+        openers = access.openers(kind)
+        if openers is None or who in openers:
             return await handler(request)
+        if who is not None:
+            on_refused("forbidden")
+            needs = " or ".join(sorted(flags[name] for name in openers)) if openers else None
+            message = (f"this API key does not open {request.method} {request.path}: it needs the key given as "
+                       f"{needs}" if needs else
+                       f"{request.method} {request.path} is closed on this server: it opens with --admin-api-key, "
+                       "and this server was given none")
+            return web.json_response(error_body(message, 403, code="permission_denied"), status=403)
         why = "missing" if not header or not header.strip().partition(" ")[2].strip() else "wrong"
         on_refused(why)
         message = ("this server requires an API key: send the header 'Authorization: Bearer <key>'" if why == "missing"

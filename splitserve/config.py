@@ -91,13 +91,31 @@ class ServerConfig:
     """A write to the client that cannot complete this long (it stopped reading) ends the request:
     the connection is dropped and the request aborted, its pages freed."""
     api_key: Optional[str] = field(default=None, repr=False)
-    """Require `Authorization: Bearer KEY` on every route but /health (and /metrics, see
-    --protect-metrics); also from --api-key-file or $SPLITSERVE_API_KEY. A key on the command line
-    is visible to other users in `ps`: prefer the file or the environment."""
+    """The clients' key (`Authorization: Bearer KEY`): generation and the model list, for clients
+    that reach this worker directly (behind the router give --worker-api-key instead). Any key
+    closes every route but /health to callers without one (docs/security.md: which key opens
+    which route). Also from --api-key-file or $SPLITSERVE_API_KEY; a key on the command line is
+    visible to other users in `ps`: prefer the file or the environment (so for every key)."""
     api_key_file: Optional[str] = None
-    """A file whose first line is the API key (chmod 600)."""
+    """A file whose first line is the clients' key (chmod 600; so for every key file)."""
+    worker_api_key: Optional[str] = field(default=None, repr=False)
+    """The router's key (its --worker-api-key): opens every route, and only its holder may send the
+    bootstrap fields of a split request. Also from --worker-api-key-file or $SPLITSERVE_WORKER_API_KEY."""
+    worker_api_key_file: Optional[str] = None
+    """A file whose first line is the router's key."""
+    admin_api_key: Optional[str] = field(default=None, repr=False)
+    """The operators' key: /flush_cache, /debug/*, and what /metrics shows. Also from
+    --admin-api-key-file or $SPLITSERVE_ADMIN_API_KEY."""
+    admin_api_key_file: Optional[str] = None
+    """A file whose first line is the operators' key."""
+    metrics_api_key: Optional[str] = field(default=None, repr=False)
+    """A scraper's key: /metrics and /get_server_info only. Also from --metrics-api-key-file or
+    $SPLITSERVE_METRICS_API_KEY."""
+    metrics_api_key_file: Optional[str] = None
+    """A file whose first line is the scraper's key."""
     protect_metrics: bool = False
-    """With an API key, /metrics requires it too (/health always stays open)."""
+    """With any key, /metrics needs one that opens it (the metrics or admin key; without either, the
+    clients' key); without this it is open to anyone (/health always is)."""
     inject_faults: str = ""
     """Testing only, off when empty: comma-separated stall_writes, fail_writes, notify_drop=P, control_drop=P,
     control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop
@@ -189,18 +207,30 @@ class RouterConfig:
     max_connections: int = 4096
     """Client connections held open at once; the newest past it gets 503 at once and is closed."""
     api_key: Optional[str] = field(default=None, repr=False)
-    """Clients must send `Authorization: Bearer KEY` on every route but /health (and /metrics, see
-    --protect-metrics); also from --api-key-file or $SPLITSERVE_API_KEY. Prefer the file or the
-    environment: `ps` shows a command line."""
+    """The clients' key (`Authorization: Bearer KEY`): generation and the model list. Any key
+    closes every route but /health to callers without one (docs/security.md: which key opens which
+    route). Also from --api-key-file or $SPLITSERVE_API_KEY; prefer the file or the environment
+    (so for every key): `ps` shows a command line."""
     api_key_file: Optional[str] = None
-    """A file whose first line is the clients' API key (chmod 600)."""
+    """A file whose first line is the clients' key (chmod 600; so for every key file)."""
+    admin_api_key: Optional[str] = field(default=None, repr=False)
+    """The operators' key: /flush_cache, /workers, /debug/*, what /metrics and /health's details
+    show. Also from --admin-api-key-file or $SPLITSERVE_ADMIN_API_KEY."""
+    admin_api_key_file: Optional[str] = None
+    """A file whose first line is the operators' key."""
+    metrics_api_key: Optional[str] = field(default=None, repr=False)
+    """A scraper's key: /metrics and /health's details only. Also from --metrics-api-key-file or
+    $SPLITSERVE_METRICS_API_KEY."""
+    metrics_api_key_file: Optional[str] = None
+    """A file whose first line is the scraper's key."""
     protect_metrics: bool = False
-    """With an API key, /metrics requires it too (/health always stays open)."""
+    """With any key, /metrics needs one that opens it (the metrics or admin key; without either, the
+    clients' key); without this it is open to anyone (/health always is)."""
     worker_api_key: Optional[str] = field(default=None, repr=False)
-    """The key the router sends to its workers (their --api-key), never the client's; also from
+    """The key the router sends to its workers (their --worker-api-key), never a client's; also from
     --worker-api-key-file or $SPLITSERVE_WORKER_API_KEY."""
     worker_api_key_file: Optional[str] = None
-    """A file whose first line is the workers' API key."""
+    """A file whose first line is the workers' key."""
     prefill: tuple[WorkerAddress, ...] = ()
     decode: tuple[WorkerAddress, ...] = ()
 

@@ -47,10 +47,10 @@ import time
 import urllib.error
 import urllib.request
 import secrets
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence, TextIO
 
-from splitserve.auth import API_KEY_ENV, WORKER_API_KEY_ENV, load_key
+from splitserve.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, METRICS_API_KEY_ENV, WORKER_API_KEY_ENV, load_key
 from splitserve.cpus import allowed_cpus, check_cpus, cpu_cores, format_cpu_list, split_between_workers
 
 TAIL_LINES = 30
@@ -98,11 +98,17 @@ class LaunchConfig:
     (or, with --prefill-cpus, the CPUs it leaves)."""
     api_key: Optional[str] = field(default=None, repr=False)
     """Clients of the router must send `Authorization: Bearer KEY`; also from --api-key-file or
-    $SPLITSERVE_API_KEY (`ps` shows a command line: prefer those). The workers then get a key of
-    their own, drawn at random and known only to the router. Keys reach the children through their
-    environment, never their command lines."""
+    $SPLITSERVE_API_KEY (`ps` shows a command line: prefer those). The workers then take only the
+    router's key, drawn at random and known to the router and them. Keys reach the children through
+    their environment, never their command lines."""
     api_key_file: Optional[str] = None
     """A file whose first line is the clients' API key (chmod 600)."""
+    admin_api_key: Optional[str] = field(default=None, repr=False)
+    """The operators' key of the router and every worker (/flush_cache, /workers, /debug/*,
+    /metrics; `splitserve top` needs it); also from --admin-api-key-file or $SPLITSERVE_ADMIN_API_KEY.
+    Unset while a client key is set: launch draws one and writes it to a file (mode 0600) it names."""
+    admin_api_key_file: Optional[str] = None
+    """A file whose first line is the operators' key."""
     cluster_secret_file: Optional[str] = None
     """The workers' --cluster-secret-file (their control plane authenticated and encrypted);
     unset: launch draws a fresh secret into a private temporary file for this run."""
@@ -202,10 +208,17 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     else:
         prefill_cpus = decode_cpus = None
     client_key = load_key(config.api_key, config.api_key_file, API_KEY_ENV, environ=environ)
-    worker_key = secrets.token_urlsafe(32) if client_key else None
+    admin_key = load_key(config.admin_api_key, config.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key",
+                         environ)
+    keyed = bool(client_key or admin_key)  # then every process is keyed: docs/security.md
+    worker_key = secrets.token_urlsafe(32) if keyed else None  # the router's, known to it and its workers only
+    admin_key = admin_key or (secrets.token_urlsafe(32) if keyed else None)
+    if admin_key is not None and admin_key == client_key:
+        raise ValueError("--api-key and --admin-api-key are the same key: give each its own")
     # keys travel in the environment only (an empty variable is no key: nothing stray is inherited)
-    worker_env = {API_KEY_ENV: worker_key or "", WORKER_API_KEY_ENV: ""}
-    router_env = {API_KEY_ENV: client_key or "", WORKER_API_KEY_ENV: worker_key or ""}
+    worker_env = {API_KEY_ENV: "", WORKER_API_KEY_ENV: worker_key or "", ADMIN_API_KEY_ENV: admin_key or "",
+                  METRICS_API_KEY_ENV: ""}
+    router_env = {**worker_env, API_KEY_ENV: client_key or ""}
     ports = free_ports(2 * config.num_prefill + config.num_decode, avoid=(config.port,))
     cli = (python, "-m", "splitserve.cli")
     extra = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
@@ -231,13 +244,17 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
                                   "--port", str(port)) + extra + cpus,
             url=url, health_url=url + "/health", note=where.lstrip("; "), env=worker_env))
         router_args += ["--decode", url]
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
-    router_url = f"http://{host}:{config.port}"
+    router_url = _router_url(config)
     specs.append(ChildSpec(
         "router", cli + ("router", "--host", config.host, "--port", str(config.port), "--policy", config.policy,
                          *router_args, *shlex.split(config.router_args)),
         url=router_url, health_url=router_url + "/health", note="the endpoint for clients", env=router_env))
     return specs
+
+
+def _router_url(config: LaunchConfig) -> str:
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
+    return f"http://{host}:{config.port}"
 
 
 def _placement(sets: Optional[list[tuple[int, ...]]], i: int, cores_of: CoresOf) -> tuple[tuple[str, ...], str]:
@@ -317,7 +334,8 @@ class Supervisor:
     """Runs, watches and stops a list of children; :meth:`run` returns launch's exit code."""
 
     def __init__(self, specs: Sequence[ChildSpec], ready_timeout_s: float = 300.0, stop_timeout_s: float = 40.0,
-                 out: TextIO = sys.stdout, echo: Optional[TextIO] = sys.stderr, title: str = "splitserve launch"):
+                 out: TextIO = sys.stdout, echo: Optional[TextIO] = sys.stderr, title: str = "splitserve launch",
+                 notes: Sequence[str] = ()):
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             raise ValueError(f"child names must be unique: {names}")
@@ -326,6 +344,7 @@ class Supervisor:
         self.stop_timeout_s = stop_timeout_s
         self.out, self.echo = out, echo
         self.title = title
+        self.notes = list(notes)  # more lines for the summary
         self.children: list[Child] = []
         self._signals: list[int] = []
         self._echo_lock = threading.Lock()
@@ -428,6 +447,7 @@ class Supervisor:
             key = " -H 'Authorization: Bearer <your API key>'" if (router.spec.env or {}).get(API_KEY_ENV) else ""
             lines.append(f"splitserve ready: {url}  try: curl {url}/v1/completions{key} -H 'Content-Type: "
                          f"application/json' -d '{{\"prompt\": \"Hello, my name is\", \"max_tokens\": 16}}'")
+        lines += self.notes
         lines.append("Ctrl-C stops every process.")
         self.say("\n".join(lines))
 
@@ -471,12 +491,25 @@ def run_launch(config: LaunchConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="splitserve-launch-") as folder:  # mode 700, removed at the end
         secret_file = config.cluster_secret_file
         if secret_file is None:
-            secret_file = os.path.join(folder, "cluster-secret")
-            with open(os.open(secret_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-                f.write(secrets.token_urlsafe(32) + "\n")
+            secret_file = _private_file(folder, "cluster-secret", secrets.token_urlsafe(32))
+        notes = []
         try:
+            if load_key(config.admin_api_key, config.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key") is None \
+                    and load_key(config.api_key, config.api_key_file, API_KEY_ENV) is not None:
+                admin_file = _private_file(folder, "admin-api-key", secrets.token_urlsafe(32))
+                config = replace(config, admin_api_key_file=admin_file)
+                notes.append(f"the operators' key (admin) is in {admin_file} while launch runs: "
+                             f"splitserve top --router {_router_url(config)} --admin-api-key-file {admin_file}")
             specs = build_specs(config, secret_file=secret_file)
         except ValueError as exc:
             print(f"splitserve launch: {exc}", file=sys.stderr, flush=True)
             return 2
-        return Supervisor(specs, config.ready_timeout_s, config.stop_timeout_s).run()
+        return Supervisor(specs, config.ready_timeout_s, config.stop_timeout_s, notes=notes).run()
+
+
+def _private_file(folder: str, name: str, text: str) -> str:
+    """``text`` in a new file ``name`` of ``folder`` that only we can read (mode 0600)."""
+    path = os.path.join(folder, name)
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(text + "\n")
+    return path

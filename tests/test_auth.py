@@ -5,7 +5,10 @@ stays open (``/health``, ``/metrics``) and what ``--protect-metrics`` closes."""
 
 from __future__ import annotations
 
+import asyncio
 import os
+import re
+from pathlib import Path
 
 import pytest
 import requests
@@ -17,6 +20,9 @@ openai = pytest.importorskip("openai")
 
 CLIENT_KEY = "client-key-0123456789"
 WORKER_KEY = "worker-key-9876543210"
+ADMIN_KEY = "admin-key-5555555555"
+METRICS_KEY = "metrics-key-7777777777"
+WORKERS_CLIENT_KEY = "a-worker-s-own-client-key"
 
 
 def key_file(tmp_path_factory, name: str, key: str) -> str:
@@ -51,8 +57,11 @@ def test_a_bad_key_is_refused_naming_where_it_came_from(value, path, words):
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory):
     client, worker = key_file(tmp_path_factory, "client", CLIENT_KEY), key_file(tmp_path_factory, "worker", WORKER_KEY)
-    cluster = Cluster(prefill=1, decode=1, backend="tcp", worker_args=["--api-key-file", worker],
-                      router_args=["--api-key-file", client, "--worker-api-key-file", worker])
+    admin = key_file(tmp_path_factory, "admin", ADMIN_KEY)
+    cluster = Cluster(prefill=1, decode=1, backend="tcp",
+                      worker_args=["--worker-api-key-file", worker, "--admin-api-key-file", admin],
+                      router_args=["--api-key-file", client, "--worker-api-key-file", worker, "--admin-api-key-file",
+                                   admin])
     with cluster:
         yield cluster
 
@@ -125,3 +134,176 @@ def test_a_bad_key_file_exits_2_naming_it(tmp_path, capsys):
             main(argv)
         assert info.value.code == 2
         assert f"-api-key-file {empty}: the API key is empty" in capsys.readouterr().err
+
+
+# -- which key opens which route: docs/security.md's tables, against the real apps ---------------------------------
+
+SECURITY_MD = Path(__file__).resolve().parent.parent / "docs" / "security.md"
+ALL_KEYS = {"client": CLIENT_KEY, "worker": WORKER_KEY, "admin": ADMIN_KEY, "metrics": METRICS_KEY}
+
+
+def doc_tables() -> tuple[dict, dict]:
+    """docs/security.md's route table ({(method, path): {"router": class, "worker": class}}, "-"
+    where the app has no such route) and class table ({class: {"router": keys, "worker": keys}})."""
+    text = SECURITY_MD.read_text()
+    routes = {(m, path): {"router": r, "worker": w} for m, path, r, w in
+              re.findall(r"^\| `(GET|POST) (\S+)` \| (\S+) \| (\S+) \|$", text, re.M)}
+    classes = {}
+    for name, router, worker in re.findall(r"^\| (open|client|metrics|admin) \| ([^|]+) \| ([^|]+) \|$", text, re.M):
+        classes[name] = {side: None if keys.strip() == "anyone" else {k.strip() for k in keys.split(",")}
+                         for side, keys in (("router", router), ("worker", worker))}
+    assert routes and set(classes) == {"open", "client", "metrics", "admin"}, "the tables of docs/security.md moved"
+    return routes, classes
+
+
+def app_routes(app) -> set:
+    return {(r.method, r.resource.canonical) for r in app.router.routes() if r.method != "HEAD"}
+
+
+def concrete(path: str) -> str:
+    return path.replace("{rid}", "some-rid").replace("{room}", "7")
+
+
+async def walk(client, side: str, routes: set, doc_routes: dict, classes: dict) -> list[str]:
+    """Every route with no key, an unknown key and each key of ``ALL_KEYS``; what differs from the docs."""
+    wrong = []
+    for method, path in sorted(routes):
+        kind = doc_routes[(method, path)][side]
+        openers = classes[kind][side]
+        for name, key in [("none", None), ("unknown", "not-a-key-of-ours"), *ALL_KEYS.items()]:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            r = await client.request(method, concrete(path), headers=headers, json={})
+            await r.read()
+            if openers is None or name in openers:
+                expected = "not 401/403"
+                ok = r.status not in (401, 403)
+            else:
+                expected = 403 if name in ALL_KEYS and not (side == "router" and name == "worker") else 401
+                ok = r.status == expected
+            if not ok:
+                wrong.append(f"{side} {method} {path} with the {name} key: {r.status}, the docs say {expected}")
+    return wrong
+
+
+def test_every_route_opens_with_the_keys_of_this_table(byte_tokenizer):
+    """Each route of the router's app and the worker's app, with every key, against docs/security.md;
+    every route of each app is in the table (a route added later without a row fails here)."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from splitserve.config import RouterConfig, ServerConfig, WorkerAddress
+    from splitserve.router.app import create_app as router_app
+    from splitserve.server.app import create_app as worker_app
+    from test_server import FakeEngine
+
+    class Engine(FakeEngine):  # what the admin routes ask of an engine
+        def debug_requests(self):
+            return []
+
+        def flush_cache(self):
+            return 0
+
+    doc_routes, classes = doc_tables()
+    down = "http://127.0.0.1:9"
+    apps = {
+        "router": lambda: router_app(RouterConfig(
+            prefill=(WorkerAddress(down, 9),), decode=(WorkerAddress(down),), api_key=CLIENT_KEY,
+            admin_api_key=ADMIN_KEY, metrics_api_key=METRICS_KEY, worker_api_key=WORKER_KEY, protect_metrics=True)),
+        "worker": lambda: worker_app(Engine(byte_tokenizer), ServerConfig(
+            api_key=WORKERS_CLIENT_KEY, worker_api_key=WORKER_KEY, admin_api_key=ADMIN_KEY,
+            metrics_api_key=METRICS_KEY, protect_metrics=True)),
+    }
+    keys = dict(ALL_KEYS)
+
+    async def main():
+        wrong = []
+        for side, make in apps.items():
+            app = make()
+            routes = app_routes(app)
+            documented = {route for route, sides in doc_routes.items() if sides[side] != "-"}
+            assert routes == documented, f"{side}: routes without a row in docs/security.md: " \
+                                         f"{routes - documented}; rows without a route: {documented - routes}"
+            ALL_KEYS["client"] = CLIENT_KEY if side == "router" else WORKERS_CLIENT_KEY
+            async with TestClient(TestServer(app)) as client:
+                wrong += await walk(client, side, routes, doc_routes, classes)
+        return wrong
+
+    try:
+        wrong = asyncio.run(main())
+    finally:
+        ALL_KEYS.update(keys)
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("side", ["router", "worker"])
+def test_a_client_key_never_opens_the_admin_routes(side, byte_tokenizer):
+    """With only a client key, /flush_cache and the debug routes are closed to it (403) and to
+    anyone (401); generation and /metrics (its fallback) take it."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from splitserve.config import RouterConfig, ServerConfig, WorkerAddress
+    from splitserve.router.app import create_app as router_app
+    from splitserve.server.app import create_app as worker_app
+    from test_server import FakeEngine
+
+    if side == "router":
+        app = router_app(RouterConfig(prefill=(WorkerAddress("http://127.0.0.1:9", 9),),
+                                      decode=(WorkerAddress("http://127.0.0.1:9"),), api_key=CLIENT_KEY,
+                                      protect_metrics=True))
+        admin = [("POST", "/flush_cache"), ("GET", "/workers"), ("GET", "/debug/requests/x")]
+    else:
+        app = worker_app(FakeEngine(byte_tokenizer), ServerConfig(api_key=CLIENT_KEY, protect_metrics=True))
+        admin = [("POST", "/flush_cache"), ("GET", "/debug/requests"), ("GET", "/debug/rooms/1")]
+    keyed = {"Authorization": f"Bearer {CLIENT_KEY}"}
+
+    async def main():
+        async with TestClient(TestServer(app)) as client:
+            for method, path in admin:
+                r = await client.request(method, path, headers=keyed)
+                body = await r.json()
+                assert r.status == 403 and body["error"]["code"] == "permission_denied", (path, r.status, body)
+                assert "--admin-api-key" in body["error"]["message"]
+                assert (await client.request(method, path)).status == 401
+            assert (await client.get("/metrics", headers=keyed)).status == 200
+            assert (await client.get("/metrics")).status == 401
+            r = await client.post("/v1/completions", headers=keyed, json={"prompt": "Hi", "max_tokens": 1})
+            assert r.status not in (401, 403)
+            metrics = await (await client.get("/metrics", headers=keyed)).text()
+            assert 'splitserve_http_unauthorized_total{why="forbidden"} 3' in metrics
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("on_worker, given, client, metrics, admin", [
+    # no key at all: everything open
+    (False, (), "open", "open", "open"),
+    (True, (), "open", "open", "open"),
+    # a client key alone: /metrics falls back to it, admin is closed
+    (False, ("client",), {"client"}, {"client"}, set()),
+    (True, ("client",), {"client"}, {"client"}, set()),
+    # an admin key alone: generation open, metrics and admin by the admin key
+    (False, ("admin",), "open", {"admin"}, {"admin"}),
+    # a metrics key alone: generation open, admin closed
+    (False, ("metrics",), "open", {"metrics"}, set()),
+    # the router's key on a worker opens everything there; a client key beside it opens generation too
+    (True, ("worker",), {"worker"}, {"worker"}, {"worker"}),
+    (True, ("client", "worker"), {"client", "worker"}, {"worker"}, {"worker"}),
+    (True, ("client", "worker", "admin", "metrics"), {"client", "worker"}, {"metrics", "admin", "worker"},
+     {"admin", "worker"}),
+])
+def test_with_some_keys_only_each_class_falls_back_as_documented(on_worker, given, client, metrics, admin):
+    from splitserve.auth import Access
+
+    access = Access({name: ALL_KEYS[name].encode() for name in given}, on_worker)
+    for kind, want in (("open", "open"), ("client", client), ("metrics", metrics), ("admin", admin),
+                       ("a class added later", admin)):
+        got = access.openers(kind)
+        assert (got is None and want == "open") or got == want, (kind, got, want)
+
+
+def test_one_key_in_two_roles_is_refused():
+    from splitserve.auth import with_keys
+    from splitserve.config import RouterConfig, ServerConfig
+
+    with pytest.raises(ValueError, match="--api-key and --admin-api-key are the same key"):
+        with_keys(RouterConfig(api_key="k" * 20, admin_api_key="k" * 20), environ={})
+    with pytest.raises(ValueError, match="--api-key and --worker-api-key are the same key"):
+        with_keys(ServerConfig(api_key="k" * 20), environ={"SPLITSERVE_WORKER_API_KEY": "k" * 20})

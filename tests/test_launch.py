@@ -195,11 +195,17 @@ def test_build_specs_hands_keys_over_in_the_environment_never_the_command_line(t
                             (LaunchConfig(split_cpus=False), {"SPLITSERVE_API_KEY": "the-clients-key"})):
         specs = build_specs(config, python="py", environ=environ)
         *workers, router = specs
-        worker_key = router.env["SPLITSERVE_WORKER_API_KEY"]
+        worker_key, admin_key = router.env["SPLITSERVE_WORKER_API_KEY"], router.env["SPLITSERVE_ADMIN_API_KEY"]
         assert router.env["SPLITSERVE_API_KEY"] == "the-clients-key" and len(worker_key) >= 32
-        assert all(w.env["SPLITSERVE_API_KEY"] == worker_key for w in workers)
+        assert len(admin_key) >= 32 and admin_key != worker_key
+        for w in workers:  # the router's key and the operators', never the clients'
+            assert w.env["SPLITSERVE_WORKER_API_KEY"] == worker_key and w.env["SPLITSERVE_ADMIN_API_KEY"] == admin_key
+            assert not w.env["SPLITSERVE_API_KEY"]
         for spec in specs:
-            assert not any(k in " ".join(spec.argv) for k in ("the-clients-key", worker_key, "api-key"))
+            assert not any(k in " ".join(spec.argv) for k in ("the-clients-key", worker_key, admin_key, "api-key"))
+    own = build_specs(LaunchConfig(split_cpus=False, api_key="the-clients-key"), python="py",
+                      environ={"SPLITSERVE_ADMIN_API_KEY": "the-operators-key"})
+    assert all(s.env["SPLITSERVE_ADMIN_API_KEY"] == "the-operators-key" for s in own)
     secured = build_specs(LaunchConfig(split_cpus=False), python="py", environ={}, secret_file="/run/s")
     assert all(s.argv[s.argv.index("--cluster-secret-file") + 1] == "/run/s" for s in secured[:-1])
     plain = build_specs(LaunchConfig(split_cpus=False), python="py", environ={"SPLITSERVE_WORKER_API_KEY": "stray"})

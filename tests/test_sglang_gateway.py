@@ -25,7 +25,7 @@ KEYED = {"Authorization": f"Bearer {WORKER_KEY}"}
 @pytest.fixture(scope="module")
 def gateway():
     bootstrap = free_port()
-    keyed = {"SPLITSERVE_API_KEY": WORKER_KEY}
+    keyed = {"SPLITSERVE_WORKER_API_KEY": WORKER_KEY}  # the gateway is the workers' router
     procs = [ServerProcess("--role", "prefill", "--bootstrap-port", str(bootstrap), env=keyed),
              ServerProcess("--role", "decode", env=keyed), ServerProcess()]
     router = None

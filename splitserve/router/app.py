@@ -43,7 +43,7 @@ from typing import Optional, Union
 import aiohttp
 from aiohttp import web
 
-from splitserve.auth import access_middlewares, bearer
+from splitserve.auth import ROUTER_ROUTES, access_middlewares, bearer
 from splitserve.config import RouterConfig
 from splitserve.engine.io import FLUSH_WAIT_S
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
@@ -123,7 +123,8 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     if not 0 <= config.cache_threshold <= 1 or config.cache_balance_abs < 0:
         raise ValueError("--cache-threshold must be in [0, 1] and --cache-balance-abs at least 0")
     registry = registry or Registry()
-    middlewares = [_bounded_send, _error_middleware, *access_middlewares(config, registry)]
+    access = access_middlewares(config, registry, ROUTER_ROUTES, on_worker=False)
+    middlewares = [_bounded_send, _error_middleware, *access]
     check_client_bounds(config)
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[ROUTER] = RouterState(config, registry)

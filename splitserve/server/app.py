@@ -39,7 +39,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from splitserve.auth import access_middlewares
+from splitserve.auth import WORKER_ROUTES, access_middlewares
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.engine.io import FLUSH_WAIT_S
@@ -91,7 +91,8 @@ STATE = web.AppKey("splitserve_worker", WorkerState)
 
 def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None) -> web.Application:
     registry = registry or Registry()
-    middlewares = [_bounded_send, _http_middleware, *access_middlewares(config, registry)]
+    access = access_middlewares(config, registry, WORKER_ROUTES, on_worker=True)
+    middlewares = [_bounded_send, _http_middleware, *access]
     check_client_bounds(config)
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     state = WorkerState(engine, config, registry)
