@@ -14,6 +14,11 @@ loop), and the screen shows:
   time left before its deadline, peer; a request past half its deadline (``late``) in red.
 
 ``--once`` prints one frame and exits (for scripts); otherwise the view refreshes until Ctrl-C.
+
+On a keyed deployment top sends the operators' key (``--admin-api-key``, ``--admin-api-key-file``
+or ``$SPLITSERVE_ADMIN_API_KEY``) to the routers and the workers alike: it opens ``/workers``,
+``/metrics`` and ``/debug/requests`` everywhere (``docs/security.md``). ``splitserve launch
+--api-key-file`` writes the one it draws to a file and names it in its summary.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from splitserve.auth import ADMIN_API_KEY_ENV, bearer, load_key
 from splitserve.metrics import parse_exposition
 
 ASK_TIMEOUT_S = 2.0
@@ -51,8 +57,8 @@ class WorkerView:
     rates: dict = field(default_factory=dict)  # (outcome, reason) -> per second since the last poll
 
 
-def _get(url: str, timeout: float = ASK_TIMEOUT_S) -> bytes:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
+def _get(url: str, headers: Optional[dict] = None, timeout: float = ASK_TIMEOUT_S) -> bytes:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
         return resp.read()
 
 
@@ -66,7 +72,8 @@ def _describe(exc: BaseException) -> str:
 class Top:
     """Polls the deployment; :meth:`render` draws what the last poll saw."""
 
-    def __init__(self, routers: list[str], workers: list[str], rows: int = OLDEST_ROWS):
+    def __init__(self, routers: list[str], workers: list[str], rows: int = OLDEST_ROWS, key: Optional[str] = None):
+        self.headers = bearer(key) if key else {}  # the operators' key, to routers and workers alike
         self.routers = [u.rstrip("/") for u in routers]
         self.named = [u.rstrip("/") for u in workers]
         self.rows = rows
@@ -105,14 +112,14 @@ class Top:
 
     def _router_workers(self, router: str):
         try:
-            return json.loads(_get(router + "/workers"))["workers"]
+            return json.loads(_get(router + "/workers", self.headers))["workers"]
         except Exception as exc:
             return _describe(exc)
 
     def _fill(self, view: WorkerView) -> None:
         try:
-            view.samples = parse_exposition(_get(view.url + "/metrics").decode("utf-8"))
-            view.rows = json.loads(_get(view.url + "/debug/requests"))
+            view.samples = parse_exposition(_get(view.url + "/metrics", self.headers).decode("utf-8"))
+            view.rows = json.loads(_get(view.url + "/debug/requests", self.headers))
         except Exception as exc:
             view.error = _describe(exc)
             return
@@ -234,6 +241,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rows", type=int, default=OLDEST_ROWS,
                     help=f"oldest live requests shown (default: {OLDEST_ROWS})")
     ap.add_argument("--once", action="store_true", help="print one frame and exit")
+    ap.add_argument("--admin-api-key", default=None, metavar="KEY",
+                    help="the operators' key of a keyed deployment, sent to routers and workers (`ps` shows a "
+                         f"command line: prefer --admin-api-key-file or ${ADMIN_API_KEY_ENV})")
+    ap.add_argument("--admin-api-key-file", default=None, metavar="PATH",
+                    help="a file whose first line is the operators' key")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -243,7 +255,12 @@ def main(args: argparse.Namespace) -> int:
     if not args.interval > 0:
         print("splitserve top: --interval must be a positive number of seconds")
         return 2
-    top = Top(args.router, args.worker, args.rows)
+    try:
+        key = load_key(args.admin_api_key, args.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key")
+    except ValueError as exc:
+        print(f"splitserve top: {exc}")
+        return 2
+    top = Top(args.router, args.worker, args.rows, key)
     console = Console()
     try:
         top.poll()

@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import requests
 
 from cluster import Cluster, RouterProcess, pages_back_to_total
+from conftest import REPO
 from splitserve.auth import load_key
 
 openai = pytest.importorskip("openai")
@@ -107,6 +110,25 @@ def test_workers_take_only_their_own_key_and_the_router_sends_it(keyed):
     r = requests.post(keyed.url + "/generate", json=body, headers={"Authorization": f"Bearer {CLIENT_KEY}"},
                       timeout=60)
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 2
+
+
+def test_top_reads_a_keyed_deployment_with_the_operators_key(keyed, tmp_path):
+    """``splitserve top --once`` through the keyed router: with the admin key (its file, or the
+    environment) it shows both workers; without it, the router's 401."""
+    def top(*args, **env):
+        out = subprocess.run([sys.executable, "-m", "splitserve.cli", "top", "--once", "--router", keyed.url, *args],
+                             capture_output=True, text=True, timeout=60, cwd=REPO,
+                             env={**os.environ, "COLUMNS": "300", "PYTHONPATH": str(REPO), **env})
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    admin = tmp_path / "admin"
+    admin.write_text(ADMIN_KEY + "\n")
+    admin.chmod(0o600)
+    for shown in (top("--admin-api-key-file", str(admin)), top(SPLITSERVE_ADMIN_API_KEY=ADMIN_KEY)):
+        assert "2 workers" in shown and "HTTP" not in shown and "unreachable" not in shown, shown
+        assert all(w.url in shown for w in keyed.workers), shown
+    assert f"router {keyed.url}: HTTP 401" in top()
 
 
 def test_protect_metrics_closes_metrics_but_never_health(tmp_path_factory):
