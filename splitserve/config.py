@@ -50,8 +50,9 @@ class ServerConfig:
     drain_timeout_s: float = 30.0
     """On SIGTERM, how long in-flight requests may take before they are ended with an error."""
     loop_stall_s: float = 30.0
-    """The engine loop must begin an iteration at least this often (longer than the slowest forward
-    pass). Past it the worker is wedged: /health answers 503 (the router takes it out of rotation),
+    """The engine loop must move at least this often: begin an iteration, or finish a decoder layer
+    of a forward pass (so a long step is not a wedge; the bound must exceed the slowest layer, not
+    the slowest step). Past it the worker is wedged: /health answers 503 (the router takes it out of rotation),
     the requests it holds are answered 503 (loop_stalled), and a prefill/decode worker stops
     answering its peers' heartbeats, so that they declare it lost and free what they hold for it."""
     bootstrap_port: int = 8998

@@ -105,3 +105,68 @@ def test_a_hung_transfer_thread_is_seen_and_its_peers_are_let_go():
         assert health.status_code == 503 and "transfer thread" in health.text, health.text
         pages_back_to_total(D, 10)
         kill9(P)
+
+
+
+
+class _FakeClock:
+    """The engine loop's clock, moved by the test alone (a layer "takes" what the test says)."""
+
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_slow_step_that_moves_is_not_a_wedge_and_a_stuck_layer_is(monkeypatch):
+    """Issue 18 part 5: a 2,048-token step at load 13 outlasted ``--loop-stall-s`` and the worker
+    declared itself wedged. The loop's age is the age of its last progress (an iteration begun or
+    a decoder layer finished), not of its last iteration. An in-process colocated engine loop over
+    the tiny model (4 decoder layers) on a fake clock, under a 1.5 s bound: a forward hook moves
+    the clock during each layer and asks ``loop_stalled()``. A step of 4 layers of 1 s each is
+    never stalled (it was from its second layer on before); a layer of 2 s is."""
+    import asyncio
+
+    from conftest import CACHE_DIR
+    from splitserve.config import EngineConfig
+    from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.engine.engine import ModelParts
+    from splitserve.engine.io import GenerateRequest, SamplingParams
+    from splitserve.models.loader import load_model
+    from splitserve.sim.model import ByteTokenizer
+    from splitserve.testing.tiny import tiny_model_path
+
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))
+    model, spec = load_model(tiny_model_path("llama"))
+    clock, layer_s, seen = _FakeClock(), [], []
+    ae = AsyncEngine(EngineConfig(model="tiny", max_total_tokens=256, max_running_requests=2), loop_stall_s=1.5,
+                     parts=ModelParts(model, spec, ByteTokenizer()))  # ids in, ids out: no tokenizer to load
+    ae.clock = clock  # the loop's one clock (the simulator swaps it the same way)
+    for i, layer in enumerate(model.model.layers):
+        def slow(module, args, out, i=i):
+            clock.t += layer_s[i]
+            seen.append(ae.loop_stalled())
+        layer.register_forward_hook(slow)
+
+    async def one(times: list[float]) -> list[bool]:
+        layer_s[:], seen[:] = times, []
+        req = GenerateRequest(rid=f"step-{times}", prompt_ids=tuple(range(5, 40)),
+                              sampling=SamplingParams(temperature=0.0, max_tokens=1))
+        outs = [out async for out in ae.submit(req)]
+        assert outs[-1].finished and outs[-1].error is None and sum(len(o.token_ids) for o in outs) == 1, outs
+        return list(seen)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, ae.start, loop)
+        assert len(model.model.layers) == 4
+        moving = await one([1.0, 1.0, 1.0, 1.0])
+        assert moving == [False] * 4, moving
+        stuck = await one([0.5, 2.0, 0.5, 0.5])
+        assert stuck == [False, True, False, False], stuck
+
+    try:
+        asyncio.run(main())
+    finally:
+        ae.shutdown()

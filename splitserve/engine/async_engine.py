@@ -8,8 +8,9 @@ What the loop does with a request is its **role**'s business (:class:`Role`): ``
 module: the engine alone), or one side of a disaggregated pair (``disagg/prefill.py``,
 ``disagg/decode.py``). The loop calls the role at fixed points of each iteration, in order:
 
-1. note that an iteration begins (``last_iteration``: ``/health``, the metrics and the control
-   threads judge a wedged loop by its age, from outside);
+1. note that an iteration begins (``last_progress``: ``/health``, the metrics and the control
+   threads judge a wedged loop by its age, from outside; a forward pass moves it too, after each
+   decoder layer, so a slow step is not taken for a stuck loop);
 2. take the inbox's events — waiting up to ``role.wait_s()`` when there is no work — and hand each
    to the role: ``admit`` (a new request), ``abort``, or ``on_event`` (what the role's own threads
    posted);
@@ -42,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Optional, Protocol
 
 from splitserve.config import EngineConfig
-from splitserve.engine.engine import LLMEngine, StepReport
+from splitserve.engine.engine import LLMEngine, ModelParts, StepReport
 from splitserve.engine.io import (FLUSH_WAIT_S, EngineError, GenerateRequest, InvalidRequest, NotReady, Overloaded,
                                   RequestOutput)
 from splitserve.outcomes import Ending, Reason
@@ -190,8 +191,11 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig, role: Optional[Role] = None, loop_stall_s: float = 30.0):
+    def __init__(self, config: EngineConfig, role: Optional[Role] = None, loop_stall_s: float = 30.0,
+                 parts: Optional[ModelParts] = None):
+        """``parts``: what the engine runs (default: loaded from ``config.model`` at :meth:`start`)."""
         self.config = config
+        self.parts = parts
         self.role: Role = role or ColocatedRole()
         self.loop_stall_s = loop_stall_s
         self.engine: Optional[LLMEngine] = None
@@ -203,15 +207,16 @@ class AsyncEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self.clock = time.monotonic  # the only clock the loop reads (a simulator swaps it)
-        self.last_iteration = self.clock()
-        """When the engine loop last began an iteration (monotonic); a wedged loop stops moving it."""
+        self.last_progress = self.clock()
+        """When the engine loop last moved (monotonic): began an iteration, or finished a decoder
+        layer of a forward pass (``note_progress``); a wedged loop stops moving it."""
 
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
         """Load the model, start the role (its threads) and the engine thread. Blocking: run it in
         an executor."""
-        self.engine = LLMEngine(self.config)
+        self.engine = LLMEngine(self.config, self.parts, progress=self.note_progress)
         self.role.start(self)
         self.start_loop(loop)
 
@@ -219,7 +224,7 @@ class AsyncEngine:
         """Start the engine thread over ``self.engine`` (``thread=False``: the caller drives
         ``_iterate_once`` itself)."""
         self._loop = loop
-        self.last_iteration = self.clock()
+        self.last_progress = self.clock()
         if thread:
             self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
             self._thread.start()
@@ -246,20 +251,25 @@ class AsyncEngine:
 
     # -- health, read from any thread ---------------------------------------------------------
 
+    def note_progress(self) -> None:
+        """Engine thread, during a forward pass (after each decoder layer): the loop moves."""
+        self.last_progress = self.clock()
+
     def loop_age(self) -> float:
-        """Seconds since the engine loop last began an iteration (an idle loop begins one at least
-        every ``IDLE_WAIT_S``; a forward pass may take longer; a wedged loop never does)."""
-        return self.clock() - self.last_iteration
+        """Seconds since the engine loop last moved: began an iteration (an idle loop begins one at
+        least every ``IDLE_WAIT_S``) or finished a layer of a forward pass. A step of any length
+        keeps it at most one layer's time; a wedged loop lets it grow."""
+        return self.clock() - self.last_progress
 
     def loop_stalled(self) -> bool:
-        """The loop has not begun an iteration within ``loop_stall_s``: it is wedged or dead."""
+        """The loop has not moved within ``loop_stall_s``: it is wedged or dead."""
         return self.ready and self.loop_age() > self.loop_stall_s
 
     def health_problem(self) -> Optional[str]:
         """Why this worker cannot serve now although it started (None when it can): a wedged
         engine loop, or a thread of its role that hangs. Any thread may ask; it never waits."""
         if self.loop_stalled():
-            return f"the engine loop has made no iteration for {self.loop_age():.0f}s (--loop-stall-s {self.loop_stall_s:g})"
+            return f"the engine loop has made no progress for {self.loop_age():.0f}s (--loop-stall-s {self.loop_stall_s:g})"
         problem = getattr(self.role, "health_problem", None)
         return problem() if problem is not None and self.ready else None
 
@@ -269,7 +279,7 @@ class AsyncEngine:
         if not self.ready or self.draining:
             raise NotReady("the server is not ready" if not self.ready else "the server is draining")
         if self.loop_stalled():
-            raise NotReady(f"the engine loop has made no iteration for {self.loop_age():.0f}s "
+            raise NotReady(f"the engine loop has made no progress for {self.loop_age():.0f}s "
                            f"(--loop-stall-s {self.loop_stall_s:g})")
         if len(self._streams) >= self.config.max_running_requests + self.config.max_waiting_requests:
             raise Overloaded(f"{len(self._streams)} requests in flight; the waiting queue is full")
@@ -372,7 +382,7 @@ class AsyncEngine:
         """One iteration of the loop (module docstring); False once told to stop. ``wait``: block
         on an empty inbox for up to the role's ``wait_s`` (a benchmark driving the loop passes False)."""
         engine, role = self.engine, self.role
-        now = self.last_iteration = self.clock()
+        now = self.last_progress = self.clock()
         outputs: list[RequestOutput] = []
         timeout = role.wait_s(now) if wait and not engine.has_work() else 0.0
         for ev in self._take_events(timeout):

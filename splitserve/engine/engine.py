@@ -78,10 +78,11 @@ class EngineStats:
 @dataclass(frozen=True)
 class ModelParts:
     """What the engine runs: the model, what it knows of it (``ModelSpec``), its tokenizer, and how
-    a forward pass is run over the KV pool (``make_runner(model, kv)`` -> an object whose
-    ``run(batch)`` returns the logits [S, vocab] of the sequences that sample). Production loads
-    them from ``config.model`` (:func:`load_parts`); the simulator (``splitserve/sim/``) passes a
-    fake forward pass, while the scheduler, pages, sequences and sampling stay this engine's."""
+    a forward pass is run over the KV pool (``make_runner(model, kv, progress)`` -> an object whose
+    ``run(batch)`` returns the logits [S, vocab] of the sequences that sample, calling ``progress()``
+    as it goes). Production loads them from ``config.model`` (:func:`load_parts`); the simulator
+    (``splitserve/sim/``) passes a fake forward pass, while the scheduler, pages, sequences and
+    sampling stay this engine's."""
 
     model: object
     spec: object
@@ -99,7 +100,9 @@ def load_parts(config: EngineConfig) -> ModelParts:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, parts: Optional[ModelParts] = None):
+    def __init__(self, config: EngineConfig, parts: Optional[ModelParts] = None,
+                 progress: Callable[[], None] = lambda: None):
+        """``progress``: called during a forward pass (after each decoder layer), from this thread."""
         self.config = config
         parts = parts or load_parts(config)
         self.model, self.spec, self.tokenizer = parts.model, parts.spec, parts.tokenizer
@@ -111,7 +114,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
                                    config.max_batch_tokens, config.chunked_prefill)
         self.prompt_tokens_computed = 0  # a counter: prompt tokens whose KV this engine computed
-        self.runner = parts.make_runner(self.model, self.kv)
+        self.runner = parts.make_runner(self.model, self.kv, progress)
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
         self._eos = frozenset(self.spec.eos_token_ids)

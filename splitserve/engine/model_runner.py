@@ -1,7 +1,9 @@
 """Runs one scheduled batch through the model: flattens the sequences' new tokens, builds the
 attention metadata once for all layers (``layers/attention.py``), and returns the logits of the
 sequences that sample. It gives the model the compiled per-layer ops when they are available
-(``layers/ops.py``), else the model keeps the PyTorch reference ops.
+(``layers/ops.py``), else the model keeps the PyTorch reference ops, and the ``progress`` callback
+the model calls after each decoder layer: a long step reports that it moves, so the engine loop's
+watchdog tells a slow step from a stuck one (``engine/async_engine.py``).
 
 Decoding sequences (one new token) go first in the flat batch, in scheduling order, then the
 prefill chunks: the decode rows are then rows 0..B-1, which the batched decode attention reads
@@ -13,6 +15,7 @@ Shapes: ``T`` = total new tokens in the step, ``S`` = sequences that sample a to
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -26,8 +29,9 @@ log = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv: KVPool):
+    def __init__(self, model: torch.nn.Module, kv: KVPool, progress: Callable[[], None] = lambda: None):
         self.model = model
+        self.model.progress = progress  # after each layer of a forward pass
         self.kv = kv
         self.page_size = kv.layout.page_size
         self.device = kv.buffer.device

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,10 @@ class DecoderArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False
+
+
+def _no_progress() -> None:
+    pass
 
 
 def _required(config: dict, key: str):
@@ -147,12 +151,13 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
 
-    def forward(self, input_ids, positions, meta, kv, ops):
+    def forward(self, input_ids, positions, meta, kv, ops, progress: Callable[[], None]):
         residual = self.embed_tokens(input_ids)  # [T, hidden]
         rope = ops.rope_tables(*self.rotary.cos_sin(positions), residual.dtype)  # once for all layers
         delta = None
         for layer in self.layers:
             residual, delta = layer(residual, delta, rope, meta, kv, ops)
+            progress()
         return ops.add_rms_norm(delta, residual, self.norm)[0]
 
 
@@ -170,6 +175,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = self.parse_config(config)
         self.ops: TorchOps = TorchOps()  # the per-layer small ops; the model runner may swap in compiled ones
+        self.progress: Callable[[], None] = _no_progress  # called after each layer; the model runner sets it
         self.model = DecoderModel(self.args)
         if not self.args.tie_word_embeddings:
             self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
@@ -205,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVPool) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed, before lm_head)."""
-        return self.model(input_ids, positions, meta, kv, self.ops)
+        return self.model(input_ids, positions, meta, kv, self.ops, self.progress)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] float32. Pass only the rows you sample from."""

@@ -144,13 +144,13 @@ async def _loop_watchdog(app: web.Application):
             engine = state.engine
             now_stalled = bool(getattr(engine, "loop_stalled", lambda: False)())
             if now_stalled:
-                ending = Ending(Reason.LOOP_STALLED, f"the engine loop has made no iteration for "
+                ending = Ending(Reason.LOOP_STALLED, f"the engine loop has made no progress for "
                                                      f"{engine.loop_age():.1f}s (--loop-stall-s {engine.loop_stall_s:g})")
                 answered = engine.fail_streams(ending)
                 if not stalled or answered:
                     log.error("%s; %d requests answered 503", ending.message, answered)
             elif stalled:
-                log.warning("the engine loop is iterating again")
+                log.warning("the engine loop moves again")
             stalled = now_stalled
 
     task = asyncio.ensure_future(watch())

@@ -38,8 +38,9 @@ class WorkerMetrics:
         gauge("splitserve_ready", "1 when the worker accepts requests, 0 while loading or draining.",
               read=lambda: 1 if engine.ready and not engine.draining else 0)
         gauge("splitserve_engine_loop_age_seconds",
-              "Seconds since the engine loop last began an iteration, read at scrape time (an idle loop begins one "
-              "at least every 0.5 s; past --loop-stall-s the worker is wedged).",
+              "Seconds since the engine loop last moved (began an iteration, or finished a decoder layer of a "
+              "forward pass), read at scrape time (an idle loop begins one at least every 0.5 s; past "
+              "--loop-stall-s the worker is wedged).",
               read=lambda: round(engine.loop_age(), 3) if getattr(engine, "ready", False)
               and hasattr(engine, "loop_age") else None)
         counter("splitserve_engine_loop_errors_total", "Exceptions that escaped the role into the engine loop "

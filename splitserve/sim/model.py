@@ -93,8 +93,8 @@ class Cost:
 class FakeRunner:
     """``ModelRunner``'s place in the engine (module docstring)."""
 
-    def __init__(self, model: "FakeModel", kv: KVPool):
-        self.model = model
+    def __init__(self, model: "FakeModel", kv: KVPool, progress=None):
+        self.model = model  # progress: unused (a simulated step takes no time on the loop's clock while it runs)
         self.kv = kv
         self.page_size = kv.layout.page_size
         self.slots = kv.buffer.numpy().reshape(kv.layout.num_pages, 2, self.page_size)  # a view: [page, k|v, slot]

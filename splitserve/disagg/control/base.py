@@ -221,10 +221,10 @@ class ControlThread(SupervisedThread):
         if alive == self._wedged:
             self._wedged = not alive
             if self._wedged:
-                log.error("the engine loop has made no iteration within --loop-stall-s: heartbeats withheld, "
+                log.error("the engine loop has made no progress within --loop-stall-s: heartbeats withheld, "
                           "so that peers declare this worker lost and free what they hold for it")
             else:
-                log.warning("the engine loop is iterating again: heartbeats resume")
+                log.warning("the engine loop moves again: heartbeats resume")
         return alive
 
     # -- what each side fills in -------------------------------------------------------------------
