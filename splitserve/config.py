@@ -196,8 +196,8 @@ class RouterConfig:
     ssl_ca_certs: Optional[str] = None
     """With TLS: require every client to present a certificate signed by these CAs (PEM)."""
     worker_ca_certs: Optional[str] = None
-    """CA certificates (PEM) that https:// workers' certificates must be signed by (default: the
-    system's); their host names are checked too."""
+    """CA certificates (PEM) that https:// workers' certificates must be signed by, in place of the
+    system's (only these are trusted; unset: the system's); their host names are checked too."""
     worker_ssl_certfile: Optional[str] = None
     """The router's client certificate for workers that require one (their --ssl-ca-certs)."""
     worker_ssl_keyfile: Optional[str] = None

@@ -32,15 +32,19 @@ def server_context(certfile: Optional[str], keyfile: Optional[str], ca_certs: Op
 def client_context(ca_certs: Optional[str], certfile: Optional[str], keyfile: Optional[str],
                    prefix: str = "--worker") -> Optional[ssl.SSLContext]:
     """The router's context for ``https://`` workers, or None for the system's trust and no client
-    certificate. Worker certificates are always verified, host name included."""
+    certificate. Worker certificates are always verified, host name included. ``ca_certs``
+    replaces the system's CAs: only those of that file are trusted (any public CA's certificate
+    for a worker's host name is not)."""
     if ca_certs is None and certfile is None and keyfile is None:
         return None
     if (certfile is None) != (keyfile is None):
         raise ValueError(f"{prefix}-ssl-certfile and {prefix}-ssl-keyfile go together")
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    if ca_certs is not None:
+    if ca_certs is None:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    else:  # as create_default_context, without loading the system's CAs
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # verifies the certificate and the host name
         _load_ca(ctx, ca_certs, f"{prefix}-ca-certs")
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if certfile is not None:
         _load_chain(ctx, certfile, keyfile, f"{prefix}-ssl")
     return ctx

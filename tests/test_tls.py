@@ -154,3 +154,45 @@ def test_tls_contexts_refuse_what_they_cannot_use(certs):
     assert client_context(certs["ca.pem"], None, None).check_hostname
     with pytest.raises(ValueError, match="go together"):
         client_context(None, certs["ca-client.pem"], None)
+
+
+def _handshake(ctx: ssl.SSLContext, certfile: str, keyfile: str) -> None:
+    """A TLS handshake from ``ctx`` to a server on loopback presenting ``certfile``; raises if refused."""
+    import socket
+    import threading
+
+    server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_ctx.load_cert_chain(certfile, keyfile)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = listener.accept()
+        try:
+            with server_ctx.wrap_socket(conn, server_side=True):
+                pass
+        except (ssl.SSLError, OSError):
+            pass
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        with socket.create_connection(listener.getsockname(), timeout=10) as raw:
+            with ctx.wrap_socket(raw, server_hostname="127.0.0.1"):
+                pass
+    finally:
+        listener.close()
+        thread.join(10)
+
+
+def test_worker_ca_certs_replace_the_system_cas(certs, monkeypatch):
+    """The system's store (``SSL_CERT_FILE``, as OpenSSL reads it) trusts the other CA; with
+    ``--worker-ca-certs`` naming our CA only, a worker certificate of the other CA is refused."""
+    from splitserve.tls import client_context
+
+    monkeypatch.setenv("SSL_CERT_FILE", certs["other-ca.pem"])
+    other = (certs["other-ca-server.pem"], certs["other-ca-server.key"])
+    _handshake(ssl.create_default_context(), *other)  # the simulated system store is in effect
+    _handshake(client_context(None, certs["ca-client.pem"], certs["ca-client.key"]), *other)  # default: the system's
+    with pytest.raises(ssl.SSLCertVerificationError, match="unable to get local issuer certificate"):
+        _handshake(client_context(certs["ca.pem"], None, None), *other)
+    _handshake(client_context(certs["ca.pem"], None, None), certs["ca-server.pem"], certs["ca-server.key"])
