@@ -329,3 +329,27 @@ def test_one_key_in_two_roles_is_refused():
         with_keys(RouterConfig(api_key="k" * 20, admin_api_key="k" * 20), environ={})
     with pytest.raises(ValueError, match="--api-key and --worker-api-key are the same key"):
         with_keys(ServerConfig(api_key="k" * 20), environ={"SPLITSERVE_WORKER_API_KEY": "k" * 20})
+
+
+def test_a_keyed_router_s_health_shows_status_only_to_anonymous_callers():
+    """Anonymous callers (and the clients' key) see only the status; a key that reads /metrics also
+    sees each worker's URL, load and last error."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from splitserve.config import RouterConfig, WorkerAddress
+    from splitserve.router.app import create_app
+
+    down = "http://127.0.0.1:9"
+    app = create_app(RouterConfig(prefill=(WorkerAddress(down, 9),), decode=(WorkerAddress(down),),
+                                  api_key=CLIENT_KEY, admin_api_key=ADMIN_KEY, metrics_api_key=METRICS_KEY))
+
+    async def main():
+        async with TestClient(TestServer(app)) as client:
+            for key in (None, CLIENT_KEY, "not-a-key"):
+                r = await client.get("/health", headers={"Authorization": f"Bearer {key}"} if key else {})
+                assert r.status == 503 and await r.json() == {"status": "unavailable"}, key
+            for key in (ADMIN_KEY, METRICS_KEY):
+                r = await client.get("/health", headers={"Authorization": f"Bearer {key}"})
+                body = await r.json()
+                assert r.status == 503 and body["prefill"][0]["url"] == down and "error" in body["decode"][0]
+    asyncio.run(main())

@@ -5,6 +5,7 @@ Routes::
     POST /v1/completions, /v1/chat/completions, /generate   to one prefill + one decode worker
     GET  /v1/models                                         a healthy decode worker's answer
     GET  /health                                            200 if a prefill and a decode worker are up
+                                                            (their details only with a key: docs/security.md)
     GET  /metrics                                           Prometheus (``splitserve_router_*``)
     GET  /workers                                           every worker: role, health, legs in flight
     GET  /debug/requests/{rid}                              one request on the router and both its workers
@@ -43,7 +44,7 @@ from typing import Optional, Union
 import aiohttp
 from aiohttp import web
 
-from splitserve.auth import ROUTER_ROUTES, access_middlewares, bearer
+from splitserve.auth import METRICS, ROUTER_ROUTES, access_middlewares, bearer, caller_may
 from splitserve.config import RouterConfig
 from splitserve.engine.io import FLUSH_WAIT_S
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
@@ -272,14 +273,18 @@ async def _models_of(session: aiohttp.ClientSession, worker: Worker) -> web.Resp
 
 
 async def _health(request: web.Request) -> web.Response:
+    """The status (200 ok / 503 unavailable) to anyone; the model and every worker's URL, load and
+    last error only to a caller who may read /metrics (anyone on a router without keys)."""
     workers = request.app[ROUTER].workers
 
     def view(w: Worker) -> dict:
         return {"url": w.url, "healthy": w.healthy, "in_flight": w.in_flight,
                 **({"error": w.last_error} if not w.healthy else {})}
 
-    body = {"status": "ok" if workers.ready() else "unavailable", "model": workers.model_name(),
-            "prefill": [view(w) for w in workers.prefill], "decode": [view(w) for w in workers.decode]}
+    body = {"status": "ok" if workers.ready() else "unavailable"}
+    if caller_may(request, METRICS):
+        body.update(model=workers.model_name(), prefill=[view(w) for w in workers.prefill],
+                    decode=[view(w) for w in workers.decode])
     return web.json_response(body, status=200 if workers.ready() else 503)
 
 

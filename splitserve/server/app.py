@@ -39,7 +39,7 @@ from typing import Optional
 
 from aiohttp import web
 
-from splitserve.auth import WORKER_ROUTES, access_middlewares
+from splitserve.auth import METRICS, WORKER_ROUTES, access_middlewares, caller_may
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.engine.io import FLUSH_WAIT_S
@@ -217,13 +217,15 @@ async def _http_middleware(request: web.Request, handler):
 
 async def _health(request: web.Request) -> web.Response:
     """200 when ready; 503 while loading or draining, and while the engine loop or one of the
-    role's threads is wedged (``--loop-stall-s``)."""
+    role's threads is wedged (``--loop-stall-s``: what is wedged only to a caller who may read
+    /metrics)."""
     state = request.app[STATE]
     engine = state.engine
     problem = getattr(engine, "health_problem", lambda: None)()
     if problem is not None:
-        return web.json_response({"status": "stalled", "problem": problem, "loop_age_s": round(engine.loop_age(), 3),
-                                  "loop_stall_s": engine.loop_stall_s}, status=503)
+        details = {"problem": problem, "loop_age_s": round(engine.loop_age(), 3), "loop_stall_s": engine.loop_stall_s}
+        return web.json_response({"status": "stalled", **(details if caller_may(request, METRICS) else {})},
+                                 status=503)
     if state.accepting():
         return web.json_response({"status": "ok"})
     status = "draining" if state.draining or state.engine.draining else "loading"
