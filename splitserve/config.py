@@ -121,7 +121,8 @@ class ServerConfig:
     """Testing only, off when empty: comma-separated stall_writes, fail_writes, notify_drop=P, control_drop=P,
     control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop
     blocks for good once it holds a request, until shutdown), hang_transfer (the transfer thread
-    blocks for good once a write is in flight)."""
+    blocks for good once a write is in flight), block_zmq_io (the ZMQ I/O thread blocks for good
+    once a room arrives)."""
 
 
 def field_help(cls) -> dict[str, str]:

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import requests
 
 from cluster import Cluster, metric, metrics, pages_back_to_total, post_generate
+from conftest import ServerProcess, free_port
 from test_faults import DEADLINES, GREEDY, kill9, prompt, wait_for
 
 LOOP_STALL_S = 2.0
@@ -107,6 +108,32 @@ def test_a_hung_transfer_thread_is_seen_and_its_peers_are_let_go():
         kill9(P)
 
 
+
+
+def test_a_blocked_zmq_io_thread_is_seen_by_health():
+    """Issue 18 part 5 (stop 15, libzmq #3575): the ZMQ I/O thread moves every control socket's
+    bytes, and blocked it froze a decode's whole control plane while ``/health`` said 200. Decode
+    ``D`` blocks it as soon as a room arrives (``--inject-faults block_zmq_io``: a monitor whose
+    reader is closed, then an event). Within the loop bound ``/health`` answers 503 naming it (a
+    loopback probe through the context stops coming back; it stayed 200 before), the probe's age
+    shows in ``/metrics``, and the room still ends by its own deadline."""
+    D = ServerProcess("--role", "decode", "--transfer-backend", "tcp", "--loop-stall-s", str(LOOP_STALL_S),
+                      "--prealloc-s", "3", "--inject-faults", "block_zmq_io").start()
+    try:
+        assert requests.get(D.url + "/health", timeout=5).status_code == 200
+        assert metric(metrics(D), "splitserve_zmq_io_age_seconds", role="decode") < LOOP_STALL_S
+        extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": free_port(), "bootstrap_room": 7}
+        with ThreadPoolExecutor(1) as pool:
+            leg = pool.submit(post_generate, D.url, prompt(20, 1), 2, timeout=30, extra=extra, **GREEDY)
+            health = wait_for("decode's /health fails naming the ZMQ I/O thread",
+                              lambda: (r := requests.get(D.url + "/health", timeout=5)).status_code == 503 and r.text,
+                              LOOP_STALL_S + SLACK_S, interval=0.2)
+            assert "ZMQ I/O thread" in health, health
+            assert metric(metrics(D), "splitserve_zmq_io_age_seconds", role="decode") > LOOP_STALL_S
+            resp = leg.result(30)
+            assert resp.status_code >= 500, resp.text
+    finally:
+        kill9(D)  # a blocked I/O thread never lets the process's context end
 
 
 class _FakeClock:

@@ -58,7 +58,8 @@ class DecodeRole(DisaggRole):
                                      self.deadlines.heartbeat_interval_s, self.deadlines.prealloc_s,
                                      self.faults.control, lambda: not self.loop.loop_stalled(),
                                      silence_s=self.deadlines.peer_silence_s,
-                                     dial=self.edges.dial or functools.partial(ZmqDealer, secret=self.secret))
+                                     dial=self.edges.dial or functools.partial(ZmqDealer, secret=self.secret),
+                                     io_probe=self._io_probe())
 
     def stats(self) -> dict:
         stats = super().stats()

@@ -102,6 +102,9 @@ class Edges:
     """Decode: ``dial(address, identity)`` -> one session's control connection (default a ZMQ DEALER)."""
     transfer_opts: dict = field(default_factory=dict)
     """Extra options for the transfer backend and the receiving links."""
+    io_probe: Optional[Callable] = None
+    """``io_probe()`` -> what watches the ZMQ I/O thread (default ``control.io_probe.IoProbe`` on the
+    process's context; a simulator, which has no ZMQ, returns None)."""
     threads: bool = True
     """Start the control and transfer threads."""
 
@@ -113,6 +116,7 @@ class Faults:
     transfer: object = None  # transfer_worker.FaultConfig
     control: object = None  # control.ControlFaults
     wedge_loop: bool = False
+    block_zmq_io: bool = False
 
 
 class DisaggRole:
@@ -136,6 +140,7 @@ class DisaggRole:
         self.handovers_owed = 0  # times one raised and was left owed
         self._unwedge = threading.Event()
         self._wedge_loop = faults.wedge_loop
+        self._block_zmq_io = faults.block_zmq_io
         self.clock = time.monotonic  # the only clock the role reads (a simulator swaps it)
         self.timelines = RoomTimelines(self.name, lambda: self.clock())
         self._hung_reported = False
@@ -165,6 +170,11 @@ class DisaggRole:
         if self.edges.threads:
             self.transfer.start()
             self.control.start()
+
+    def _io_probe(self):
+        from splitserve.disagg.control.io_probe import IoProbe
+
+        return (self.edges.io_probe or IoProbe)()
 
     def _transfer_opts(self) -> dict:
         opts = {"host": self.advertise_host, "secret": self.secret} if self.server.transfer_backend == "tcp" else {}
@@ -212,6 +222,11 @@ class DisaggRole:
         then what is due by the clock."""
         if self._wedge_loop and self.table.live_rooms():
             self._wedge()
+        if self._block_zmq_io and self.table.live_rooms():
+            from splitserve.disagg.control.io_probe import block_io_thread
+
+            self._block_zmq_io = False
+            block_io_thread()
         out: list[RequestOutput] = []
         self._pay_owed()
         self._check_threads(out)
@@ -238,11 +253,16 @@ class DisaggRole:
 
     def health_problem(self) -> Optional[str]:
         """Why this worker cannot serve although its engine loop runs (any thread may ask): a
-        transfer or control thread that stopped beating (hung in a call that never returns)."""
+        transfer or control thread that stopped beating (hung in a call that never returns), or a
+        ZMQ I/O thread that moves no probe (blocked: no control socket moves a frame)."""
         stall = self.loop.loop_stall_s
         for thread in (self.transfer, self.control):
             if thread is not None and thread.alive() and thread.age() > stall:
                 return f"the {thread.name} thread has made no iteration for {thread.age():.0f}s (--loop-stall-s {stall:g})"
+        io_age = self.control.io_age() if self.control is not None else None
+        if io_age is not None and io_age > stall:
+            return (f"the ZMQ I/O thread has moved no probe for {io_age:.0f}s (--loop-stall-s {stall:g}): "
+                    "no control socket of this worker moves")
         return None
 
     def _check_threads(self, out: list[RequestOutput]) -> None:
@@ -277,6 +297,7 @@ class DisaggRole:
             "transfer_peers": self.transfer.peer_count(),
             "thread_restarts": {t.name: t.restarts for t in (self.control, self.transfer)},
             "thread_age": {t.name: round(t.age(), 3) for t in (self.control, self.transfer)},
+            "zmq_io_age": None if (io_age := self.control.io_age()) is None else round(io_age, 3),
         }
 
     def debug_rows(self, now: float) -> list[dict]:

@@ -25,8 +25,9 @@ def parse_faults(spec: str) -> Faults:
     ``stall_writes``, ``fail_writes``, ``notify_drop=P``, ``control_drop=P``, ``control_delay=P``,
     ``control_delay_s=S``, ``control_duplicate=P``, ``seed=N``, ``wedge_loop`` (the engine loop blocks
     as soon as it holds a room, until shutdown), ``hang_transfer`` (the transfer thread blocks once
-    a write is in flight)."""
-    transfer, control, wedge = {}, {}, False
+    a write is in flight), ``block_zmq_io`` (the ZMQ I/O thread blocks for good as soon as a room
+    arrives)."""
+    transfer, control, wedge, block_io = {}, {}, False, False
     for item in filter(None, (x.strip() for x in spec.split(","))):
         key, _, value = item.partition("=")
         try:
@@ -34,6 +35,8 @@ def parse_faults(spec: str) -> Faults:
                 transfer[key] = True
             elif key == "wedge_loop" and not value:
                 wedge = True
+            elif key == "block_zmq_io" and not value:
+                block_io = True
             elif key == "hang_transfer" and not value:
                 transfer["hang"] = True
             elif key in ("control_drop", "control_delay", "control_duplicate", "control_delay_s"):
@@ -46,7 +49,7 @@ def parse_faults(spec: str) -> Faults:
                 raise ValueError
         except ValueError:
             raise ValueError(f"unknown fault {item!r}; see `splitserve serve --help`") from None
-    return Faults(FaultConfig(**transfer), ControlFaults(**control), wedge)
+    return Faults(FaultConfig(**transfer), ControlFaults(**control), wedge, block_io)
 
 
 def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadlines) -> AsyncEngine:

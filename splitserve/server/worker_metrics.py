@@ -99,6 +99,9 @@ class WorkerMetrics:
             gauge("splitserve_thread_age_seconds", "Prefill/decode: seconds since each supervised thread began its last "
                   "iteration (past --loop-stall-s it hangs: /health fails).", ["role", "thread"],
                   read=lambda: {(role, k): v for k, v in (self._stat("thread_age") or {}).items()})
+            gauge("splitserve_zmq_io_age_seconds", "Prefill/decode: seconds since the ZMQ I/O thread (it moves every "
+                  "control socket's bytes) last moved a loopback probe, sent every 0.5 s (past --loop-stall-s it is "
+                  "blocked: /health fails).", ["role"], read=lambda: self._of_role("zmq_io_age"))
             counter("splitserve_thread_restarts_total", "Prefill/decode: restarts of each supervised thread since start "
                     "(a crash that was caught).", ["role", "thread"],
                     read=lambda: {(role, k): n for k, n in (self._stat("thread_restarts") or {}).items()})

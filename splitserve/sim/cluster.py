@@ -128,7 +128,7 @@ class SimWorker:
         edges = Edges(incarnation=cluster.new_incarnation, transfer_opts={"network": self.tview},
                       bind=lambda host, port: cluster.net.bind(host, port, self.wake_control),
                       dial=lambda address, ident: cluster.net.dial(self.host, address, ident, self.wake_control),
-                      threads=False)
+                      io_probe=lambda: None, threads=False)
         role_cls = PrefillRole if kind == "prefill" else DecodeRole
         self.role = role = role_cls(server, sim.deadlines, edges=edges)
         role.clock = loop.time

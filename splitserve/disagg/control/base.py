@@ -20,6 +20,11 @@ decode: :func:`~splitserve.disagg.control.decode.zmq_dial`, connect / send / rec
 one iteration of the thread's loop is ``step()``: ``serve()`` polls the real sockets and calls it,
 a simulator (``splitserve/sim/``) passes simulated transports and calls ``step()`` itself.
 
+**The ZMQ I/O thread watched.** A thread's own beat cannot show that the context's I/O thread,
+which moves every socket's bytes, is blocked (``control/io_probe.py``): each side's ``step()``
+also steps an :class:`~splitserve.disagg.control.io_probe.IoProbe` (a loopback round trip through
+it), whose age :meth:`ControlThread.io_age` gives ``/health``.
+
 **Liveness off the inbox.** Any authentic frame from a peer shows it lives. The thread notes that
 in ``_heard`` (one entry per peer, however many frames), and the engine loop takes the notes
 (:meth:`ControlThread.take_heard`) before it judges silence — they never queue behind the
@@ -82,8 +87,12 @@ class ControlThread(SupervisedThread):
     """The outbox, fault injection, liveness notes and counters of bad frames."""
 
     def __init__(self, name: str, incarnation: str, post: Callable[[object], None], heartbeat_s: float,
-                 faults: Optional[ControlFaults], loop_alive: Optional[Callable[[], bool]] = None):
+                 faults: Optional[ControlFaults], loop_alive: Optional[Callable[[], bool]] = None,
+                 io_probe=None):
+        """``io_probe``: an ``IoProbe`` of the context this thread's sockets use (None: not watched,
+        as in a simulator, which has no ZMQ)."""
         super().__init__(name=name)
+        self._io_probe = io_probe
         self.incarnation = incarnation
         self._loop_alive = loop_alive or (lambda: True)
         self._wedged = False
@@ -122,6 +131,10 @@ class ControlThread(SupervisedThread):
     def dropped(self) -> dict[str, int]:
         """Frames and connections dropped so far, by why (read from any thread)."""
         return dict(self.bad_frames)
+
+    def io_age(self) -> Optional[float]:
+        """Seconds since the ZMQ I/O thread last moved a probe (None when not watched); any thread."""
+        return self._io_probe.age() if self._io_probe is not None else None
 
     def take_heard(self) -> dict[Peer, bool]:
         """Thread-safe: the peers heard from since the last call, each with whether it answered our
@@ -166,8 +179,15 @@ class ControlThread(SupervisedThread):
         except BlockingIOError:
             pass
 
+    def _step_probe(self) -> None:
+        if self._io_probe is not None:
+            self._io_probe.step()
+
     def _close_wake(self) -> None:
-        """After the thread has stopped."""
+        """After the thread has stopped (the I/O probe's sockets go too)."""
+        if self._io_probe is not None:
+            self._io_probe.close()
+            self._io_probe = None
         with self._wake_lock:
             if not self._wake_closed:
                 self._wake_closed = True

@@ -76,8 +76,8 @@ class DecodeControl(ControlThread):
     def __init__(self, name: str, ours: p.Info, links: ReceiveLinks, post: Callable[[object], None],
                  heartbeat_s: float, info_wait_s: float, faults: Optional[ControlFaults] = None,
                  loop_alive: Optional[Callable[[], bool]] = None, silence_s: Optional[float] = None,
-                 dial: Optional[Callable[[str, bytes], "ZmqDealer"]] = None):
-        super().__init__("control-decode", ours.incarnation, post, heartbeat_s, faults, loop_alive)
+                 dial: Optional[Callable[[str, bytes], "ZmqDealer"]] = None, io_probe=None):
+        super().__init__("control-decode", ours.incarnation, post, heartbeat_s, faults, loop_alive, io_probe)
         self._info_wait_s = info_wait_s  # a room waits this long for its session (its PREALLOC limit)
         self._silence_s = silence_s if silence_s is not None else 5 * heartbeat_s
         self.name = name
@@ -116,6 +116,7 @@ class DecodeControl(ControlThread):
         """One iteration: rooms asking for a session, the frames waiting on the connections in
         ``readable`` (None: on every one), the outbox, each session's timers, heartbeats."""
         self.beat()
+        self._step_probe()
         self._take_requests()
         for pf in list(self._prefills.values()):
             if (readable is None or pf.conn in readable) and self._prefills.get(pf.name) is pf:

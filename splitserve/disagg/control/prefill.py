@@ -54,8 +54,9 @@ class PrefillControl(ControlThread):
     def __init__(self, host: str, port: int, info: p.Info, transfer, post: Callable[[object], None],
                  heartbeat_s: float, faults: Optional[ControlFaults] = None,
                  loop_alive: Optional[Callable[[], bool]] = None, silence_s: Optional[float] = None,
-                 ended_s: float = 900.0, bind: Optional[Callable[[str, int], "ZmqRouterEndpoint"]] = None):
-        super().__init__("control-prefill", info.incarnation, post, heartbeat_s, faults, loop_alive)
+                 ended_s: float = 900.0, bind: Optional[Callable[[str, int], "ZmqRouterEndpoint"]] = None,
+                 io_probe=None):
+        super().__init__("control-prefill", info.incarnation, post, heartbeat_s, faults, loop_alive, io_probe)
         self.info = info
         self._transfer = transfer
         self._silence_s = silence_s if silence_s is not None else 5 * heartbeat_s
@@ -90,6 +91,7 @@ class PrefillControl(ControlThread):
         """One iteration: the frames waiting (if ``readable``), the outbox, sessions' expiry and
         heartbeats."""
         self.beat()
+        self._step_probe()
         if readable:
             self._receive()
         self._flush_outbox()
