@@ -150,7 +150,7 @@ class Access:
 
     keys: Mapping[str, bytes]
     on_worker: bool
-    protect_metrics: bool = False
+    protect_metrics: bool = True
 
     @classmethod
     def of(cls, config, on_worker: bool) -> "Access":
@@ -159,7 +159,7 @@ class Access:
         names = (CLIENT, WORKER, ADMIN, METRICS) if on_worker else (CLIENT, ADMIN, METRICS)
         keys = {name: getattr(config, KEYS[name][0]).encode("utf-8") for name in names
                 if getattr(config, KEYS[name][0], None)}
-        return cls(keys, on_worker, getattr(config, "protect_metrics", False))
+        return cls(keys, on_worker, getattr(config, "protect_metrics", True))
 
     def openers(self, kind: str) -> Optional[frozenset]:
         """The keys that open a route of class ``kind``, or None when it is open to anyone.

@@ -114,9 +114,10 @@ class ServerConfig:
     $SPLITSERVE_METRICS_API_KEY."""
     metrics_api_key_file: Optional[str] = None
     """A file whose first line is the scraper's key."""
-    protect_metrics: bool = False
+    protect_metrics: bool = True
     """With any key, /metrics needs one that opens it (the metrics or admin key; without either, the
-    clients' key); without this it is open to anyone (/health always is)."""
+    clients' key); --no-protect-metrics leaves it open to anyone, and its prefix-cache counters then
+    tell anyone whether a prompt was served before (docs/security.md)."""
     inject_faults: str = ""
     """Testing only, off when empty: comma-separated stall_writes, fail_writes, notify_drop=P, control_drop=P,
     control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop
@@ -225,9 +226,10 @@ class RouterConfig:
     $SPLITSERVE_METRICS_API_KEY."""
     metrics_api_key_file: Optional[str] = None
     """A file whose first line is the scraper's key."""
-    protect_metrics: bool = False
+    protect_metrics: bool = True
     """With any key, /metrics needs one that opens it (the metrics or admin key; without either, the
-    clients' key); without this it is open to anyone (/health always is)."""
+    clients' key); --no-protect-metrics leaves it open to anyone, and its prefix-cache counters then
+    tell anyone whether a prompt was served before (docs/security.md)."""
     worker_api_key: Optional[str] = field(default=None, repr=False)
     """The key the router sends to its workers (their --worker-api-key), never a client's; also from
     --worker-api-key-file or $SPLITSERVE_WORKER_API_KEY."""

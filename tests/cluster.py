@@ -36,6 +36,7 @@ from typing import Optional, Sequence
 import requests
 
 from conftest import REPO, STARTUP_TIMEOUT_S, ServerProcess, free_port, log_dir
+from splitserve.auth import bearer
 from splitserve.metrics import parse_exposition
 
 PORT_TAKEN = ("cannot listen", "Address already in use", "address already in use")
@@ -285,11 +286,13 @@ def generate(url: str, ids: Sequence[int], max_new_tokens: int, stream: bool = F
 # -- metrics ---------------------------------------------------------------------------------------
 
 
-def metrics(worker) -> dict:
+def metrics(worker, api_key: str = "") -> dict:
     """A worker's ``/metrics`` as ``{(name, frozenset(labels)): value}``; ``worker``: anything with
-    ``url``, or a URL."""
+    ``url``, or a URL; ``api_key``: a key that opens its ``/metrics``, if it is keyed."""
     url = worker if isinstance(worker, str) else worker.url
-    return parse_exposition(requests.get(url.rstrip("/") + "/metrics", timeout=10).text)
+    r = requests.get(url.rstrip("/") + "/metrics", timeout=10, headers=bearer(api_key) if api_key else {})
+    r.raise_for_status()
+    return parse_exposition(r.text)
 
 
 def metric(samples: dict, name: str, **labels) -> float:
@@ -317,15 +320,16 @@ def pages_back_to_total(worker, timeout: float = 20.0, api_key: str = "") -> dic
     """Flush ``worker``'s prefix cache and poll its ``/metrics`` until ``splitserve_kv_pages_free``
     equals ``splitserve_kv_pages_total`` (nothing owned, quarantined or cached) and every live
     lifecycle queue gauge is 0; the last samples. Raises AssertionError with what was seen (and the
-    worker's log tail) after ``timeout``. ``api_key``: the worker's, for ``/flush_cache``."""
+    worker's log tail) after ``timeout``. ``api_key``: one that opens the worker's ``/flush_cache``
+    and ``/metrics`` (its admin key, or the router's)."""
     deadline = time.monotonic() + timeout
     seen = "nothing"
     url = worker if isinstance(worker, str) else worker.url
     while True:
         try:
             requests.post(url.rstrip("/") + "/flush_cache", timeout=10,
-                          headers={"Authorization": f"Bearer {api_key}"} if api_key else {}).raise_for_status()
-            samples = metrics(worker)
+                          headers=bearer(api_key) if api_key else {}).raise_for_status()
+            samples = metrics(worker, api_key)
             free = samples.get(("splitserve_kv_pages_free", frozenset()))
             total = samples.get(("splitserve_kv_pages_total", frozenset()))
             queues = live_queues(samples)

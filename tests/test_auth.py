@@ -1,7 +1,7 @@
 """API keys (``splitserve/auth.py``, ``docs/security.md``): how a key is loaded, and a real router
 in front of real keyed workers: the official ``openai`` client without a key, with a wrong one and
 with the right one; the router reaches its workers with their own key, never the client's; what
-stays open (``/health``, ``/metrics``) and what ``--protect-metrics`` closes."""
+stays open (``/health``), what ``/metrics`` takes, and which key opens each route (docs/security.md)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import requests
 from cluster import Cluster, RouterProcess, pages_back_to_total
 from conftest import REPO
 from splitserve.auth import load_key
+from test_server import FakeEngine
 
 openai = pytest.importorskip("openai")
 
@@ -26,6 +27,16 @@ WORKER_KEY = "worker-key-9876543210"
 ADMIN_KEY = "admin-key-5555555555"
 METRICS_KEY = "metrics-key-7777777777"
 WORKERS_CLIENT_KEY = "a-worker-s-own-client-key"
+
+
+class Engine(FakeEngine):
+    """The fake engine of test_server, with what /debug/requests, /flush_cache and /metrics ask of it."""
+
+    def debug_requests(self):
+        return []
+
+    def flush_cache(self):
+        return 0
 
 
 def key_file(tmp_path_factory, name: str, key: str) -> str:
@@ -86,7 +97,7 @@ def test_the_openai_client_needs_the_router_s_key(keyed):
     chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                  max_tokens=4, temperature=0, stream=True))
     assert chunks[-1].choices[0].finish_reason == "length"
-    counts = requests.get(keyed.url + "/metrics", timeout=10).text  # open without --protect-metrics
+    counts = requests.get(keyed.url + "/metrics", timeout=10, headers={"Authorization": f"Bearer {ADMIN_KEY}"}).text
     assert 'splitserve_http_unauthorized_total{why="missing"} 2' in counts
     assert 'splitserve_http_unauthorized_total{why="wrong"} 4' in counts
     for w in keyed.workers:
@@ -103,7 +114,9 @@ def test_workers_take_only_their_own_key_and_the_router_sends_it(keyed):
                 assert r.status_code == 401, (w.role, path, headers, r.text)
                 assert r.json()["error"]["code"] == "invalid_api_key" and r.headers["WWW-Authenticate"]
         assert requests.get(w.url + "/health", timeout=10).status_code == 200
-        assert requests.get(w.url + "/metrics", timeout=10).status_code == 200
+        assert requests.get(w.url + "/metrics", timeout=10).status_code == 401
+        assert requests.get(w.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                            timeout=10).status_code == 200
         r = requests.get(w.url + "/get_model_info", headers={"Authorization": f"Bearer {WORKER_KEY}"}, timeout=10)
         assert r.status_code == 200
     # through the router, with the clients' key: the workers got theirs
@@ -131,17 +144,38 @@ def test_top_reads_a_keyed_deployment_with_the_operators_key(keyed, tmp_path):
     assert f"router {keyed.url}: HTTP 401" in top()
 
 
-def test_protect_metrics_closes_metrics_but_never_health(tmp_path_factory):
-    client = key_file(tmp_path_factory, "client", CLIENT_KEY)
-    router = RouterProcess([("http://127.0.0.1:9", 9)], ["http://127.0.0.1:9"], "--api-key-file", client,
-                           "--protect-metrics", wait_healthy=False).start()
-    try:
-        assert requests.get(router.url + "/health", timeout=5).status_code == 503  # no worker up, but open
-        assert requests.get(router.url + "/metrics", timeout=5).status_code == 401
-        ok = requests.get(router.url + "/metrics", headers={"Authorization": f"Bearer {CLIENT_KEY}"}, timeout=5)
-        assert ok.status_code == 200 and "splitserve_http_unauthorized_total" in ok.text
-    finally:
-        router.stop()
+@pytest.mark.parametrize("side", ["router", "worker"])
+def test_metrics_need_a_key_wherever_a_key_is_set(side, byte_tokenizer):
+    """The prefix cache's counters tell whether a prompt was served before: with a client key only,
+    /metrics takes that key (its fallback) and refuses anonymous readers; --no-protect-metrics
+    opens it to anyone, and a process without keys is open."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from splitserve.config import RouterConfig, ServerConfig, WorkerAddress
+    from splitserve.router.app import create_app as router_app
+    from splitserve.server.app import create_app as worker_app
+
+    def app(**keys):
+        if side == "router":
+            down = "http://127.0.0.1:9"
+            return router_app(RouterConfig(prefill=(WorkerAddress(down, 9),), decode=(WorkerAddress(down),), **keys))
+        return worker_app(Engine(byte_tokenizer), ServerConfig(**keys))
+
+    keyed = {"Authorization": f"Bearer {CLIENT_KEY}"}
+
+    async def status(application, headers=None) -> int:
+        async with TestClient(TestServer(application)) as client:
+            r = await client.get("/metrics", headers=headers or {})
+            text = await r.text()
+            assert r.status != 200 or "splitserve_http_unauthorized_total" in text
+            return r.status
+
+    async def main():
+        assert await status(app(api_key=CLIENT_KEY)) == 401
+        assert await status(app(api_key=CLIENT_KEY), keyed) == 200
+        assert await status(app(api_key=CLIENT_KEY, protect_metrics=False)) == 200
+        assert await status(app()) == 200
+    asyncio.run(main())
 
 
 def test_a_bad_key_file_exits_2_naming_it(tmp_path, capsys):
@@ -215,14 +249,6 @@ def test_every_route_opens_with_the_keys_of_this_table(byte_tokenizer):
     from splitserve.config import RouterConfig, ServerConfig, WorkerAddress
     from splitserve.router.app import create_app as router_app
     from splitserve.server.app import create_app as worker_app
-    from test_server import FakeEngine
-
-    class Engine(FakeEngine):  # what the admin routes ask of an engine
-        def debug_requests(self):
-            return []
-
-        def flush_cache(self):
-            return 0
 
     doc_routes, classes = doc_tables()
     down = "http://127.0.0.1:9"
@@ -265,7 +291,6 @@ def test_a_client_key_never_opens_the_admin_routes(side, byte_tokenizer):
     from splitserve.config import RouterConfig, ServerConfig, WorkerAddress
     from splitserve.router.app import create_app as router_app
     from splitserve.server.app import create_app as worker_app
-    from test_server import FakeEngine
 
     if side == "router":
         app = router_app(RouterConfig(prefill=(WorkerAddress("http://127.0.0.1:9", 9),),
@@ -273,7 +298,7 @@ def test_a_client_key_never_opens_the_admin_routes(side, byte_tokenizer):
                                       protect_metrics=True))
         admin = [("POST", "/flush_cache"), ("GET", "/workers"), ("GET", "/debug/requests/x")]
     else:
-        app = worker_app(FakeEngine(byte_tokenizer), ServerConfig(api_key=CLIENT_KEY, protect_metrics=True))
+        app = worker_app(Engine(byte_tokenizer), ServerConfig(api_key=CLIENT_KEY, protect_metrics=True))
         admin = [("POST", "/flush_cache"), ("GET", "/debug/requests"), ("GET", "/debug/rooms/1")]
     keyed = {"Authorization": f"Bearer {CLIENT_KEY}"}
 

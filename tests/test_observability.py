@@ -9,6 +9,11 @@ same ``D`` behind router ``R2`` take the requests whose transfer stalls: such a 
 (Debian's package; ``.ci/run`` installs it, and tmux) scrapes all five processes every second
 with ``deploy/alerts.yml``. Under ``CI=true`` a missing ``prometheus`` or ``tmux`` fails its test
 instead of skipping it.
+
+The stack is keyed as an operator would key it (``docs/security.md``): the routers and the workers
+share the router's key, the operators' key (this test's reads of ``/debug``, ``/workers``, and
+``splitserve top``) and a scraper's key, which Prometheus sends (``deploy/prometheus.yml``'s
+``credentials_file``); the clients' routes stay open (no client key).
 """
 
 from __future__ import annotations
@@ -31,11 +36,26 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cluster import Cluster, RouterProcess, free_port, metrics
 from conftest import REPO, log_dir
+from splitserve.auth import bearer
 from test_faults import Call, wait_for
 
 STALL_FLOOR_S = 8.0  # P2's transfer deadline: a stalled request is late after 4 s, fails at 8 s
 DEPLOY = REPO / "deploy"
 IN_CI = os.environ.get("CI") == "true"
+KEYS = {"worker": "the-routers-key-for-its-workers", "admin": "the-operators-key", "metrics": "the-scrapers-key"}
+ADMIN = bearer(KEYS["admin"])  # what this test's own reads of /debug, /workers and /metrics send
+
+
+def key_files() -> dict[str, str]:
+    """Each of ``KEYS`` in a file of its own (mode 0600), by name."""
+    folder = log_dir("keys-")
+    paths = {}
+    for name, key in KEYS.items():
+        path = folder / name
+        path.write_text(key + "\n")
+        path.chmod(0o600)
+        paths[name] = str(path)
+    return paths
 
 
 def need(tool: str) -> str:
@@ -50,7 +70,7 @@ class Prometheus:
     """Debian's ``prometheus`` scraping the stack every second with ``deploy/alerts.yml``; the
     scrape configuration is ``deploy/prometheus.yml`` with the stack's addresses and 1 s intervals."""
 
-    def __init__(self, jobs: dict[str, list[str]]):
+    def __init__(self, jobs: dict[str, list[str]], metrics_key_file: str):
         self.dir = log_dir("prometheus-")
         config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())
         config["global"].update(scrape_interval="1s", evaluation_interval="1s")
@@ -58,6 +78,8 @@ class Prometheus:
         assert {job["job_name"] for job in config["scrape_configs"]} == set(jobs)
         for job in config["scrape_configs"]:
             job["static_configs"] = [{"targets": [u.removeprefix("http://") for u in jobs[job["job_name"]]]}]
+            assert set(job["authorization"]) == {"credentials_file"}, job  # the scraper's key, from its file
+            job["authorization"]["credentials_file"] = metrics_key_file
         self.config = self.dir / "prometheus.yml"
         self.config.write_text(yaml.safe_dump(config))
         self.port = free_port()
@@ -93,12 +115,16 @@ class Prometheus:
 class Stack:
     def __init__(self):
         self.started = time.time()
-        self.cluster = Cluster(prefill=2, decode=1, router=False, prefill_args=[
+        self.keys = key_files()
+        keyed = [arg for name in KEYS for arg in (f"--{name}-api-key-file", self.keys[name])]
+        self.cluster = Cluster(prefill=2, decode=1, router=False, worker_args=keyed, prefill_args=[
             [], ["--inject-faults", "stall_writes", "--transfer-floor-s", str(STALL_FLOOR_S)]]).start()
         self.P1, self.P2 = self.cluster.prefill
         self.D = self.cluster.decode[0]
-        self.R = RouterProcess([(self.P1.url, self.P1.bootstrap_port)], [self.D.url], "--health-interval-s", "0.5")
-        self.R2 = RouterProcess([(self.P2.url, self.P2.bootstrap_port)], [self.D.url], "--health-interval-s", "0.5")
+        self.R = RouterProcess([(self.P1.url, self.P1.bootstrap_port)], [self.D.url], "--health-interval-s", "0.5",
+                               *keyed)
+        self.R2 = RouterProcess([(self.P2.url, self.P2.bootstrap_port)], [self.D.url], "--health-interval-s", "0.5",
+                                *keyed)
         self.prometheus = None
         self.stalls: list[Call] = []
 
@@ -107,7 +133,7 @@ class Stack:
         if shutil.which("prometheus"):
             self.prometheus = Prometheus({"splitserve-router": [self.R.url, self.R2.url],
                                           "splitserve-prefill": [self.P1.url, self.P2.url],
-                                          "splitserve-decode": [self.D.url]})
+                                          "splitserve-decode": [self.D.url]}, self.keys["metrics"])
         return self
 
     @property
@@ -123,7 +149,7 @@ class Stack:
 
     def wait_late(self, rid: str, timeout: float = STALL_FLOOR_S + 10) -> dict:
         def late():
-            rows = requests.get(self.P2.url + "/debug/requests", timeout=5).json()
+            rows = requests.get(self.P2.url + "/debug/requests", timeout=5, headers=ADMIN).json()
             return next((r for r in rows if r["rid"] == rid and r["late"]), None)
         return wait_for(f"{rid} late on P2", late, timeout, 0.1)
 
@@ -195,7 +221,7 @@ def scrape(stack) -> dict[str, tuple[str, set, int]]:
     """Every process's ``/metrics``: name (a counter with its ``_total``) -> (type, label names, samples)."""
     out: dict[str, tuple[str, set, int]] = {}
     for proc in stack.processes:
-        text = requests.get(proc.url + "/metrics", timeout=10).text
+        text = requests.get(proc.url + "/metrics", timeout=10, headers=bearer(KEYS["metrics"])).text
         for fam in text_string_to_metric_families(text):
             name = fam.name + "_total" if fam.type == "counter" else fam.name
             labels = {k for s in fam.samples for k in s.labels if k != "le"}
@@ -206,7 +232,8 @@ def scrape(stack) -> dict[str, tuple[str, set, int]]:
 
 def silent_peers(worker) -> set[str]:
     """The peers of ``splitserve_peer_silence_seconds`` on ``worker`` now."""
-    return {dict(labels)["peer"] for name, labels in metrics(worker) if name == "splitserve_peer_silence_seconds"}
+    return {dict(labels)["peer"] for name, labels in metrics(worker, KEYS["admin"])
+            if name == "splitserve_peer_silence_seconds"}
 
 
 def union(a: dict, b: dict) -> dict:
@@ -222,13 +249,13 @@ def test_every_metric_in_the_table_is_emitted(stack):
     call = stack.stall("table-stall")
     stack.wait_late("table-stall")
     during = scrape(stack)
-    live = requests.get(stack.P2.url + "/debug/requests/table-stall", timeout=5).json()  # a live request's timeline
+    live = requests.get(stack.P2.url + "/debug/requests/table-stall", timeout=5, headers=ADMIN).json()  # a live request's timeline
     assert live["live"] and [s["state"] for s in live["steps"]][-1] == "TRANSFERRING", live
     assert live["steps"][-1]["duration_s"] >= STALL_FLOOR_S / 2, live  # in TRANSFERRING until now
     # per-peer series are there while a room depends on the peer: P2 and D see each other now
     peers = silent_peers(stack.D), silent_peers(stack.P2)
     assert [len(p) for p in peers] == [1, 1], peers
-    late = [n for n in (requests.get(stack.P2.url + "/metrics", timeout=5).text.splitlines())
+    late = [n for n in (requests.get(stack.P2.url + "/metrics", timeout=5, headers=ADMIN).text.splitlines())
             if n.startswith('splitserve_requests_late{role="prefill",state="TRANSFERRING"}')]
     assert late and float(late[0].split()[-1]) >= 1, late
     resp, _ = call.outcome(STALL_FLOOR_S + 20)
@@ -267,7 +294,7 @@ def test_one_request_id_on_both_legs_and_the_joined_timelines(stack):
     assert bad.status_code == 400 and "X-Request-Id" in bad.json()["error"]["message"]
 
     for rid in ("ops-chat-1", "ops-gen-1"):
-        joined = requests.get(f"{R.url}/debug/requests/{rid}", timeout=10).json()
+        joined = requests.get(f"{R.url}/debug/requests/{rid}", timeout=10, headers=ADMIN).json()
         assert joined["router"]["outcome"] == "finished" and joined["router"]["prefill"] == stack.P1.url
         by_role = {w["role"]: w["timeline"] for w in joined["workers"]}
         assert [s["state"] for s in by_role["prefill"]["steps"]][:5] == [
@@ -279,9 +306,9 @@ def test_one_request_id_on_both_legs_and_the_joined_timelines(stack):
         times = [s["time"] for s in joined["steps"]]
         assert times == sorted(times) and len(times) == sum(len(t["steps"]) for t in by_role.values())
         room = joined["router"]["room"]
-        assert requests.get(f"{stack.D.url}/debug/rooms/{room}", timeout=5).json()["rid"] == rid
-    assert requests.get(R.url + "/debug/requests/never-seen", timeout=10).status_code == 404
-    assert requests.get(stack.D.url + "/debug/requests/never-seen", timeout=10).status_code == 404
+        assert requests.get(f"{stack.D.url}/debug/rooms/{room}", timeout=5, headers=ADMIN).json()["rid"] == rid
+    assert requests.get(R.url + "/debug/requests/never-seen", timeout=10, headers=ADMIN).status_code == 404
+    assert requests.get(stack.D.url + "/debug/requests/never-seen", timeout=10, headers=ADMIN).status_code == 404
     # every process logs the same id, and each worker's end-of-request line carries the timeline
     wait_for("the end lines", lambda: all("ops-gen-1" in w.stderr() for w in (stack.P1, stack.D)), 5)
     for w, last in ((stack.P1, "FINISHED(transferred)"), (stack.D, "FINISHED(length)")):
@@ -289,7 +316,7 @@ def test_one_request_id_on_both_legs_and_the_joined_timelines(stack):
         assert re.search(r"timeline: .*QUEUED|timeline: PREALLOC", line) and last in line, line
     assert "rid=ops-gen-1" in R.output()
 
-    workers = requests.get(R.url + "/workers", timeout=5).json()
+    workers = requests.get(R.url + "/workers", timeout=5, headers=ADMIN).json()
     assert {(w["role"], w["url"], w["healthy"]) for w in workers["workers"]} == {
         ("prefill", stack.P1.url, True), ("decode", stack.D.url, True)}
 
@@ -302,7 +329,7 @@ def test_top_in_tmux_shows_the_stalled_request_late(stack):
     tmux = [need("tmux"), "-L", f"splitserve-test-{os.getpid()}", "-f", "/dev/null"]
     session = "top"
     cmd = (f"cd {REPO} && env -u COLUMNS -u LINES PYTHONPATH={REPO} {sys.executable} -m splitserve.cli top "
-           f"--router {stack.R.url} "
+           f"--router {stack.R.url} --admin-api-key-file {stack.keys['admin']} "
            f"--router {stack.R2.url} --interval 0.3")
     subprocess.run([*tmux, "new-session", "-d", "-s", session, "-x", "230", "-y", "50", cmd], check=True)
     try:
@@ -320,7 +347,7 @@ def test_top_in_tmux_shows_the_stalled_request_late(stack):
         assert "oldest live requests" in text and "prefill" in text and "decode" in text, text
         row = next(x for x in text.splitlines() if "top-stall" in x and "LATE" in x)
         assert row.startswith("│ " + stack.P2.url) or stack.P2.url in row, row
-        rows = requests.get(stack.P2.url + "/debug/requests", timeout=5).json()
+        rows = requests.get(stack.P2.url + "/debug/requests", timeout=5, headers=ADMIN).json()
         assert any(r["rid"] == "top-stall" and r["state"] == "TRANSFERRING" and r["late"] for r in rows), rows
         colored = next(x for x in screen(colors=True).splitlines() if "top-stall" in x and "LATE" in x)
         assert re.search(r"\x1b\[[0-9;]*31m", colored), repr(colored)  # late rows are red
