@@ -61,7 +61,8 @@ class ServerConfig:
     """The host peers should use to reach this worker (default: --host)."""
     cluster_secret_file: Optional[str] = None
     """Prefill and decode roles: a file holding a secret shared by the cluster's workers (at least
-    16 bytes, e.g. `head -c 32 /dev/urandom | base64`). Every control connection (and the tcp
+    32 random bytes as hex or base64, e.g. `head -c 32 /dev/urandom | base64`; chmod 600: a file
+    other users can read is refused). Every control connection (and the tcp
     transfer backend) is then authenticated and encrypted with CURVE keys derived from it; a peer
     without it is refused. Without it the control plane is open to anyone who reaches it (a warning
     at start)."""

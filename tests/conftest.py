@@ -78,6 +78,17 @@ def _die_with_parent() -> None:
         pass
 
 
+def write_cluster_secret(path) -> str:
+    """A fresh cluster secret in ``path`` as an operator makes one (32 random bytes, hex; mode
+    0600); the path, for ``--cluster-secret-file``."""
+    import secrets
+
+    path = Path(path)
+    path.write_text(secrets.token_hex(32) + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

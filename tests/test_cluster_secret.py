@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from cluster import Cluster, metrics, post_generate
-from conftest import free_port
+from conftest import free_port, write_cluster_secret
 from splitserve.disagg import protocol as p
 
 SECURED, OPEN = 0, 1  # the two pairs: prefill i with decode i
@@ -126,12 +126,8 @@ def zmtp_message(msg) -> bytes:
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("secrets")
-    ours, theirs = folder / "ours", folder / "theirs"
-    ours.write_text("the cluster's own secret, 32+ bytes long\n")
-    theirs.write_text("somebody else's secret, 32+ bytes long\n")
-    for f in (ours, theirs):
-        f.chmod(0o600)
-    ours_args, theirs_args = ["--cluster-secret-file", str(ours)], ["--cluster-secret-file", str(theirs)]
+    ours, theirs = write_cluster_secret(folder / "ours"), write_cluster_secret(folder / "theirs")
+    ours_args, theirs_args = ["--cluster-secret-file", ours], ["--cluster-secret-file", theirs]
     cluster = Cluster(prefill=2, decode=3, backend="tcp", router=False, prefill_args=[ours_args, []],
                       decode_args=[ours_args, [], theirs_args])
     with cluster:
@@ -250,18 +246,64 @@ def test_one_warning_without_a_secret_and_no_transfer_metadata_anywhere(pairs):
         assert "tcp://" not in w.stderr() and "agent_metadata" not in w.stderr(), w.output_tail()
 
 
-def test_a_secret_file_that_cannot_serve_is_refused_naming_it(tmp_path):
-    from splitserve.disagg.control.curve import ClusterSecret, derive_keys
+def test_a_secret_file_that_cannot_serve_is_refused_naming_it(tmp_path, caplog):
+    """At least 32 random bytes as hex or base64, in a file other users cannot read (its group may,
+    with a warning); each refusal names the file and never repeats what it holds."""
+    import base64
+    import secrets
 
-    short = tmp_path / "short"
-    short.write_text("too short\n")
-    with pytest.raises(ValueError, match=f"--cluster-secret-file {short}: a cluster secret has at least 16 bytes"):
-        ClusterSecret.load(str(short))
+    from splitserve.disagg.control.curve import ClusterSecret
+
+    def secret_file(name: str, text: str, mode: int = 0o600) -> str:
+        path = tmp_path / name
+        path.write_text(text + "\n")
+        path.chmod(mode)
+        return str(path)
+
+    raw = secrets.token_bytes(32)
+    for name, text, words in [
+        ("short", secrets.token_hex(16), "at least 32 random bytes, this one 16"),
+        ("short64", base64.b64encode(secrets.token_bytes(31)).decode(), "at least 32 random bytes, this one 31"),
+        ("phrase", "the cluster's own secret, 32+ bytes long", "written as hex or base64"),
+    ]:
+        with pytest.raises(ValueError, match=f"--cluster-secret-file {tmp_path / name}: a cluster secret") as info:
+            ClusterSecret.load(secret_file(name, text))
+        assert words in str(info.value) and text not in str(info.value)
+    for mode in (0o644, 0o604, 0o602):
+        with pytest.raises(ValueError, match="every user of this machine can read or change it .*chmod 600"):
+            ClusterSecret.load(secret_file(f"open{mode:o}", raw.hex(), mode))
     with pytest.raises(ValueError, match="cannot read it"):
         ClusterSecret.load(str(tmp_path / "missing"))
-    a, b = ClusterSecret(b"s" * 32), ClusterSecret(b"s" * 32)
-    assert (a.bind_public, a.connect_public) == (b.bind_public, b.connect_public)  # every holder derives the same
-    assert derive_keys(b"s" * 32, b"bind") != derive_keys(b"t" * 32, b"bind") and "s" * 32 not in repr(a)
+    caplog.set_level("WARNING")
+    shared = ClusterSecret.load(secret_file("group", raw.hex(), 0o440))  # a Kubernetes Secret volume with fsGroup
+    assert "can be read by its group (mode 440)" in caplog.text
+    same = [ClusterSecret.load(secret_file(name, text)) for name, text in (
+        ("hex", raw.hex()), ("b64", base64.b64encode(raw).decode()), ("url", base64.urlsafe_b64encode(raw).decode()),
+        ("bare", base64.urlsafe_b64encode(raw).decode().rstrip("=")))]
+    assert {(s.bind_public, s.connect_public) for s in [shared, *same]} == {(shared.bind_public, shared.connect_public)}
+    assert raw.hex() not in repr(shared)
+
+
+def test_the_curve_keys_are_derived_with_hkdf():
+    """RFC 5869's first test vector, and each role's key is HKDF-SHA256 of the secret as
+    ``cryptography`` computes it."""
+    import zmq
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+    from zmq.utils import z85
+
+    from splitserve.disagg.control.curve import HKDF_SALT, derive_keys, hkdf_sha256
+
+    ikm, salt, info = bytes.fromhex("0b" * 22), bytes.fromhex("000102030405060708090a0b0c"), bytes.fromhex("f0f1f2f3f4"
+                                                                                                             "f5f6f7f8f9")
+    assert hkdf_sha256(ikm, salt, info, 42).hex() == ("3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5b"
+                                                      "f34007208d5b887185865")
+    secret = bytes(range(32))
+    for role in (b"bind", b"connect"):
+        want = HKDF(hashes.SHA256(), 32, HKDF_SALT, b"splitserve curve v2 " + role).derive(secret)
+        public, private = derive_keys(secret, role)
+        assert private == z85.encode(want) and public == zmq.curve_public(private)
+    assert derive_keys(secret, b"bind") != derive_keys(secret, b"connect") != derive_keys(bytes(32), b"connect")
 
 
 def test_closing_a_bootstrap_port_amid_refused_handshakes_leaves_its_context_serving(monkeypatch):

@@ -27,7 +27,9 @@ from typing import ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: decode's control identity names its session; 3: registrations name a cached prefix
+PROTOCOL_VERSION = 4
+"""2: decode's control identity names its session; 3: registrations name a cached prefix; 4: the
+cluster secret's CURVE keys are derived by HKDF (``control/curve.py``)."""
 MAX_FRAME_BYTES = 1 << 20  # 1 MiB: a page list of 64k pages, or NIXL metadata, fits with room to spare
 
 _REGISTRY: dict[str, type] = {}

@@ -2,9 +2,12 @@
 (the control plane, and the tcp transfer backend), and the ZAP handler that admits only holders.
 The design and its replay protection: ``docs/protocol.md``; the threat model: ``docs/security.md``.
 
-From the secret every holder derives the same two CURVE key pairs, one for the side that binds
-(prefill's bootstrap port, a tcp receiver) and one for the side that connects
-(:func:`derive_keys`, HMAC-SHA256 of the secret with the role's name). A connecting socket must
+The secret is at least 32 random bytes, written in its file as hex or base64 (:func:`parse_secret`;
+``head -c 32 /dev/urandom | base64``); a file that other users can read is refused, one its group
+can read is warned about (a Kubernetes Secret volume with ``fsGroup`` is 0440). From the secret
+every holder derives the same two CURVE key pairs, one for the side that binds (prefill's bootstrap
+port, a tcp receiver) and one for the side that connects (:func:`derive_keys`: HKDF-SHA256, RFC 5869,
+with the role's name in its ``info``). A connecting socket must
 know the binding side's public key to speak at all, and proves in the handshake that it holds
 the connecting side's secret key; the :class:`ZapGuard` of the binding side's ZMQ context
 (``inproc://zeromq.zap.01``) admits only that public key. So a connection from a process without
@@ -17,12 +20,15 @@ Nothing here logs a key or the secret.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import logging
 import os
 import queue
 import stat
+import string
 import threading
 from collections import Counter
 from typing import Optional
@@ -35,7 +41,9 @@ from splitserve.log_sparsely import worth_logging
 
 log = logging.getLogger(__name__)
 
-MIN_SECRET_BYTES = 16
+MIN_SECRET_BYTES = 32
+HOW_TO_MAKE = "`head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`"
+HKDF_SALT = b"splitserve cluster secret"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"splitserve"
 FAILED = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its credentials were refused",
@@ -46,11 +54,51 @@ PROTOCOL_ERRORS = {zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "one side has a c
                    zmq.PROTOCOL_ERROR_ZMTP_KEY_EXCHANGE: "it does not hold our cluster secret"}
 
 
+def hkdf_sha256(ikm: bytes, salt: bytes, info: bytes, length: int = 32) -> bytes:
+    """HKDF with HMAC-SHA256 (RFC 5869): extract with ``salt``, expand with ``info`` to ``length`` bytes."""
+    if not 0 < length <= 255 * 32:
+        raise ValueError(f"HKDF-SHA256 gives 1 to {255 * 32} bytes, not {length}")
+    prk = hmac.new(salt or bytes(32), ikm, hashlib.sha256).digest()
+    okm, block = b"", b""
+    for i in range(1, -(-length // 32) + 1):
+        block = hmac.new(prk, block + info + bytes([i]), hashlib.sha256).digest()
+        okm += block
+    return okm[:length]
+
+
 def derive_keys(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
     """A CURVE key pair (public, secret; Z85) for ``role`` (``b"bind"`` or ``b"connect"``)."""
-    raw = hmac.new(secret, b"splitserve cluster secret v1 " + role, hashlib.sha256).digest()
+    raw = hkdf_sha256(secret, HKDF_SALT, b"splitserve curve v2 " + role)
     secret_z85 = z85.encode(raw)
     return zmq.curve_public(secret_z85), secret_z85
+
+
+def parse_secret(text: bytes) -> bytes:
+    """The secret's bytes from the text of its file: hex, or base64 (standard or URL-safe, padded
+    or not, wrapped or not); ValueError (never repeating the text) unless it holds at least
+    ``MIN_SECRET_BYTES``."""
+    try:
+        word = "".join(text.decode("ascii").split())  # base64 may come wrapped in lines
+    except UnicodeDecodeError:
+        word = ""
+    raw = None
+    if word and len(word) % 2 == 0 and all(c in string.hexdigits for c in word):
+        raw = bytes.fromhex(word)
+    elif word and all(c in BASE64_CHARS for c in word):
+        bare = word.rstrip("=").replace("-", "+").replace("_", "/")  # either alphabet, padded or not
+        try:
+            raw = base64.b64decode(bare + "=" * (-len(bare) % 4), validate=True)
+        except (binascii.Error, ValueError):
+            raw = None
+    if raw is None:
+        raise ValueError(f"a cluster secret is written as hex or base64, e.g. {HOW_TO_MAKE}")
+    if len(raw) < MIN_SECRET_BYTES:
+        raise ValueError(f"a cluster secret has at least {MIN_SECRET_BYTES} random bytes, this one {len(raw)} "
+                         f"(e.g. {HOW_TO_MAKE})")
+    return raw
+
+
+BASE64_CHARS = frozenset(string.ascii_letters + string.digits + "+/-_=")
 
 
 class ClusterSecret:
@@ -58,8 +106,7 @@ class ClusterSecret:
 
     def __init__(self, secret: bytes):
         if len(secret) < MIN_SECRET_BYTES:
-            raise ValueError(f"a cluster secret has at least {MIN_SECRET_BYTES} bytes (e.g. "
-                             "`head -c 32 /dev/urandom | base64 > FILE`)")
+            raise ValueError(f"a cluster secret has at least {MIN_SECRET_BYTES} random bytes (e.g. {HOW_TO_MAKE})")
         self.bind_public, self.bind_secret = derive_keys(secret, b"bind")
         self.connect_public, self.connect_secret = derive_keys(secret, b"connect")
         self._guards: dict[int, tuple[ZapGuard, int]] = {}  # by context: the guard, its users
@@ -70,19 +117,23 @@ class ClusterSecret:
 
     @classmethod
     def load(cls, path: str, warn: bool = True) -> "ClusterSecret":
-        """The secret in file ``path`` (its bytes, trailing whitespace dropped); ValueError naming
-        the file (never its content) when it cannot be read or is too short."""
+        """The secret in file ``path`` (:func:`parse_secret`); ValueError naming the file (never its
+        content) when it cannot be read, is open to other users, or is not a secret. One its group
+        may read is warned about (``warn``)."""
         try:
             with open(path, "rb") as f:
-                data = f.read(1 << 16).rstrip()
+                data = f.read(1 << 16)
             mode = os.stat(path).st_mode
         except OSError as exc:
             raise ValueError(f"--cluster-secret-file {path}: cannot read it: {exc}") from None
-        if warn and mode & (stat.S_IRWXG | stat.S_IRWXO):
-            log.warning("--cluster-secret-file %s can be read by other users (mode %o): chmod 600 it", path,
-                        stat.S_IMODE(mode))
+        if mode & stat.S_IRWXO:
+            raise ValueError(f"--cluster-secret-file {path}: every user of this machine can read or change it "
+                             f"(mode {stat.S_IMODE(mode):o}): chmod 600 it")
+        if warn and mode & stat.S_IRWXG:
+            log.warning("--cluster-secret-file %s can be read by its group (mode %o): chmod 600 it unless that "
+                        "group is only the workers", path, stat.S_IMODE(mode))
         try:
-            return cls(data)
+            return cls(parse_secret(data))
         except ValueError as exc:
             raise ValueError(f"--cluster-secret-file {path}: {exc}") from None
 
