@@ -10,14 +10,16 @@ room.
 
 from __future__ import annotations
 
+import json
 import random
+import socket
 import threading
 import time
 
 import pytest
 import requests
 
-from cluster import pages_back_to_total, post_generate
+from cluster import metric, metrics, pages_back_to_total, post_generate
 from conftest import ServerProcess
 from fake_prefill import FakePrefill, decode_info
 from splitserve.disagg import protocol as p
@@ -103,6 +105,58 @@ def test_a_room_that_ends_while_waiting_for_pages_leaves_the_page_queue(setup):
     assert waited < SLACK_S, f"C waited {waited:.1f}s for one page while 6 were free"
     b.join(15)
     pages_back_to_total(decode, 20)
+
+
+def test_a_full_pool_with_work_it_cannot_schedule_does_not_spin(setup):
+    """Issue 18 part 5: ``B`` holds 14 of the 16 pages (its prefill answers late); ``A`` (the other
+    2) decodes its first token and needs a third page for the next: the engine has work it can
+    schedule none of. The loop spun on it (a core busy: 0.73 of one on a busy machine against 0.06
+    idle; thousands of empty steps a second). Now it waits for an event or a deadline as an idle
+    loop does (at most the role's 50 ms): over the window the empty steps are bounded by its
+    wake-ups (100 a second is twice the 50 ms cadence); then ``B``'s client hangs up and ``A`` ends."""
+    decode, fake = setup
+    held = {}
+
+    def on_register(fake, peer, reg):
+        if reg.prompt_len == 32:
+            fake.kv_done(peer, reg, 5)  # A: at once
+        else:
+            held[reg.room] = (peer, reg)  # B: later
+
+    fake.on_register = on_register
+    body = json.dumps({"input_ids": list(range(300, 524)), "sampling_params": {"max_new_tokens": 4},
+                       "bootstrap_host": fake.host, "bootstrap_port": fake.port, "bootstrap_room": 21}).encode()
+    b_client = socket.create_connection(("127.0.0.1", decode.port))  # B's client: hangs up when told
+    b_client.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    deadline = time.monotonic() + 30
+    while not held and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert held, f"B never registered\n{decode.output_tail(3000)}"
+    a_done = []
+    a_extra = {"bootstrap_host": fake.host, "bootstrap_port": fake.port, "bootstrap_room": 22}
+    a = threading.Thread(target=lambda: a_done.append(_swallow(lambda: (post_generate(
+        decode.url, list(range(100, 132)), 40, timeout=60, extra=a_extra, temperature=0, ignore_eos=True), a_extra))))
+    a.start()
+
+    def a_decoding() -> bool:
+        rows = requests.get(decode.url + "/debug/requests", timeout=5).json()
+        return any(row["room"] == 22 and row["state"] == "DECODING" for row in rows)
+
+    deadline = time.monotonic() + 30
+    while not a_decoding() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a_decoding(), f"A never decoded\n{decode.output_tail(3000)}"
+    before, t0 = metric(metrics(decode), "splitserve_engine_unschedulable_steps_total"), time.monotonic()
+    time.sleep(2.0)
+    empty = metric(metrics(decode), "splitserve_engine_unschedulable_steps_total") - before
+    window = time.monotonic() - t0
+    assert 0 < empty <= 100 * window, f"{empty:.0f} steps that scheduled nothing in {window:.1f}s"
+    b_client.close()  # B's pages come back (its prefill settles its writes); A decodes on
+    a.join(60)
+    resp, _ = a_done[0]
+    assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 40, resp.text
+    pages_back_to_total(decode, 10)
 
 
 def _swallow(fn):

@@ -15,7 +15,9 @@ module: the engine alone), or one side of a disaggregated pair (``disagg/prefill
    to the role: ``admit`` (a new request), ``abort``, or ``on_event`` (what the role's own threads
    posted);
 3. ``role.tick(now)``: what is due by the clock (deadlines, queues that wait for memory);
-4. if the engine has work, one ``engine.step()`` and ``role.after_step(report)``;
+4. if the engine has work, one ``engine.step()`` and ``role.after_step(report)``; a step that
+   could schedule nothing (no pages for any of its work: only an event or a due deadline can
+   change that) makes the next iteration wait as an idle one does, instead of spinning;
 5. post the outputs to their streams.
 
 A simulator (``splitserve/sim/``) runs the same loop without its thread: it swaps ``clock``,
@@ -207,6 +209,7 @@ class AsyncEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
         self.clock = time.monotonic  # the only clock the loop reads (a simulator swaps it)
+        self._unschedulable = False  # the last step had work and could schedule none of it
         self.last_progress = self.clock()
         """When the engine loop last moved (monotonic): began an iteration, or finished a decoder
         layer of a forward pass (``note_progress``); a wedged loop stops moving it."""
@@ -332,6 +335,7 @@ class AsyncEngine:
                  "pages_owned": s.pages_owned, "queues": {"waiting": s.waiting, "running": s.running},
                  "preemptions": s.preemptions, "cache_hit_tokens": s.cache_hit_tokens,
                  "prompt_tokens_computed": s.prompt_tokens_computed, "cache_evictions": s.cache_evictions,
+                 "unschedulable_steps": s.unschedulable_steps,
                  "loop_errors": self.loop_errors}
         stats.update(self.role.stats())
         return stats
@@ -384,7 +388,7 @@ class AsyncEngine:
         engine, role = self.engine, self.role
         now = self.last_progress = self.clock()
         outputs: list[RequestOutput] = []
-        timeout = role.wait_s(now) if wait and not engine.has_work() else 0.0
+        timeout = role.wait_s(now) if wait and (self._unschedulable or not engine.has_work()) else 0.0
         for ev in self._take_events(timeout):
             if isinstance(ev, _Stop):
                 outputs += self._contained(role.fail_all, ev.ending)
@@ -395,10 +399,16 @@ class AsyncEngine:
                 continue
             outputs += self._contained(self._dispatch, ev)
         outputs += self._contained(role.tick, self.clock())
+        self._unschedulable = False
         if engine.has_work():
-            outputs += self._contained(lambda _: role.after_step(engine.step()), None)
+            outputs += self._contained(self._step, None)
         self._post(outputs)
         return True
+
+    def _step(self, _) -> list[RequestOutput]:
+        report = self.engine.step()
+        self._unschedulable = not report.scheduled
+        return self.role.after_step(report)
 
     def call_on_loop(self, fn: Callable[[], object], timeout: float = 5.0):
         """Thread-safe: run ``fn`` on the engine loop and return its result (TimeoutError if the

@@ -54,6 +54,9 @@ class StepReport:
     """Lost their pages to make room; they recompute later."""
     failed: list[tuple[Sequence, RequestOutput]] = field(default_factory=list)
     """Were in a forward pass that raised: ended (out of every queue), with their error delta."""
+    scheduled: int = 0
+    """Sequences in the step's batch; 0: the engine had work and could schedule none of it (no
+    pages for any: nothing changes until an event frees some)."""
 
     @property
     def outputs(self) -> list[RequestOutput]:
@@ -73,6 +76,7 @@ class EngineStats:
     cache_hit_tokens: int  # counters since start: prompt tokens found in the prefix cache...
     prompt_tokens_computed: int  # ...and prompt tokens computed
     cache_evictions: int
+    unschedulable_steps: int  # a counter: steps with work of which nothing could be scheduled
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,
                                    config.max_batch_tokens, config.chunked_prefill)
         self.prompt_tokens_computed = 0  # a counter: prompt tokens whose KV this engine computed
+        self.unschedulable_steps = 0  # a counter: steps that found work and could schedule none of it
         self.runner = parts.make_runner(self.model, self.kv, progress)
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(config.seed)
@@ -230,7 +235,8 @@ class LLMEngine:
                            pages_owned=a.num_owned, waiting=len(self.scheduler.waiting),
                            running=len(self.scheduler.running), preemptions=self.scheduler.num_preemptions,
                            cache_hit_tokens=self.scheduler.cache_hit_tokens,
-                           prompt_tokens_computed=self.prompt_tokens_computed, cache_evictions=a.evictions)
+                           prompt_tokens_computed=self.prompt_tokens_computed, cache_evictions=a.evictions,
+                           unschedulable_steps=self.unschedulable_steps)
 
     def flush_cache(self) -> int:
         """Drop every cached page no one owns (engine loop only); how many."""
@@ -240,8 +246,10 @@ class LLMEngine:
 
     def step(self) -> StepReport:
         batch = self.scheduler.schedule()
-        report = StepReport(admitted=list(self.scheduler.admitted), preempted=list(self.scheduler.preempted))
+        report = StepReport(admitted=list(self.scheduler.admitted), preempted=list(self.scheduler.preempted),
+                            scheduled=len(batch))
         if not batch:
+            self.unschedulable_steps += 1
             return report
         try:
             logits = self.runner.run(batch)

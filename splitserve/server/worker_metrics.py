@@ -45,6 +45,9 @@ class WorkerMetrics:
               and hasattr(engine, "loop_age") else None)
         counter("splitserve_engine_loop_errors_total", "Exceptions that escaped the role into the engine loop "
                 "(each failed every live request through the role).", read=lambda: self._stat("loop_errors"))
+        counter("splitserve_engine_unschedulable_steps_total", "Engine steps that had work and could schedule none of "
+                "it (no KV pages for any: overload; the loop then waits for an event instead of spinning).",
+                read=lambda: self._stat("unschedulable_steps"))
         gauge("splitserve_kv_pages_free", "Free KV cache pages.", read=lambda: self._stat("pages_free"))
         gauge("splitserve_kv_pages_total", "KV cache pages in the pool.", read=lambda: self._stat("pages_total"))
         gauge("splitserve_kv_usage_ratio", "KV pages owned by requests over all pages (cached pages are reclaimable "

@@ -53,7 +53,7 @@ log = logging.getLogger(__name__)
 HTTP_PORT = 8000
 BOOTSTRAP_PORT = 8998
 ITERATION_S = 0.00005  # an engine loop iteration that runs no forward pass
-SPIN_S = 0.001  # how often a loop with work it cannot schedule comes back (the real one spins)
+SPIN_S = 0.001  # how often a loop with work it cannot schedule comes back (the real one waits <= 50 ms)
 
 
 class _WakingInbox(queue.SimpleQueue):
@@ -225,9 +225,9 @@ class SimWorker:
         self.cluster.checker.after_iteration(self, now)
         engine = self.ae.engine
         if engine.has_work() and not self.runner.cost_s:
-            # work, but nothing the scheduler could run (the pool is exhausted): the real loop spins
-            # without waiting; here it comes back every SPIN_S, and the requests it holds are
-            # excused for failing (overload, not a fault)
+            # work, but nothing the scheduler could run (the pool is exhausted): the real loop waits
+            # for an event or its next deadline (at most the role's 50 ms); here it comes back every
+            # SPIN_S, sooner, and the requests it holds are excused for failing (overload, not a fault)
             self.cluster.faults.starved(self, now)
             self.engine_act.at_or_before(max(self.busy_until, now + SPIN_S))
         elif engine.has_work() or not self.ae._inbox.empty():
