@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Builds llama.cpp's reference server (llama-cpp-python 0.3.36, from source) into a scratch venv
+# outside the repo; bench/vs_refs.py finds it with --llamacpp-python or SPLITSERVE_REF_LLAMACPP.
+# It is never a dependency of splitserve. On 2 cores the build takes about 20 minutes; it runs
+# at the lowest priority on one compile job so that the machine stays usable meanwhile.
+#
+#   bash bench/refs/setup_llamacpp.sh [VENV]     (VENV defaults to /work/refs/llamacpp)
+set -euo pipefail
+VENV=${1:-/work/refs/llamacpp}
+PY=${PYTHON:-python3}          # CPython 3.11 here
+"$PY" -m venv "$VENV"
+"$VENV/bin/pip" install --upgrade pip==24.3.1
+# PyPI has only the sdist for 0.3.36, so pip compiles the bundled llama.cpp with CMake. GGML_NATIVE
+# (the default) tunes it for this CPU (AVX2 here), as a user building it on their box would get.
+CMAKE_BUILD_PARALLEL_LEVEL=1 MAKEFLAGS=-j1 CMAKE_ARGS="-DGGML_NATIVE=ON" \
+  nice -n 19 "$VENV/bin/pip" install --no-cache-dir --no-binary llama-cpp-python \
+  "llama-cpp-python[server]==0.3.36"
+"$VENV/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
