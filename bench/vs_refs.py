@@ -444,7 +444,7 @@ def memory_lines(name: str, runs: list[Measured], model: Model) -> list[str]:
             weights = model.gguf.stat().st_size if name == "colocated-quant" else model.float32_bytes
             pool = model.kv_pool_bytes(4, pool_tokens)  # float32 KV (what --dtype auto/float32 gives here)
             text += (f"   = weights {weights / MB:.0f} MB ({'the GGUF file' if name == 'colocated-quant' else 'float32'})"
-                     f" + KV pool {pool / MB:.0f} MB ({pool_tokens} tokens, float32) + {(row['rss'] - weights - pool) / MB:+.0f} MB")
+                     f" + KV pool {pool / MB:.0f} MB ({pool_tokens} tokens, float32) + overhead {(row['rss'] - weights - pool) / MB:.0f} MB")
         lines.append(text)
     return lines
 
