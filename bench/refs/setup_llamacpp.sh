@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds llama.cpp's reference server (llama-cpp-python 0.3.36, from source) into a scratch venv
 # outside the repo; bench/vs_refs.py finds it with --llamacpp-python or SPLITSERVE_REF_LLAMACPP.
-# It is never a dependency of splitserve. On 2 cores the build takes about 20 minutes; it runs
-# at the lowest priority on one compile job so that the machine stays usable meanwhile.
+# It is never a dependency of splitserve. On 2 idle cores the build takes about 20 minutes (95 here
+# while other work kept the load average at 10-15); it runs at the lowest priority on one compile
+# job so that the machine stays usable meanwhile.
 #
 #   bash bench/refs/setup_llamacpp.sh [VENV]     (VENV defaults to /work/refs/llamacpp)
 set -euo pipefail
