@@ -199,6 +199,14 @@ def test_engine_with_compiled_ops_matches_transformers(compiled, monkeypatch):
         assert list(outs[r.rid].token_ids) == hf_greedy(model, list(r.prompt_ids), 20), r.rid
 
 
+def test_loading_the_kernels_twice_builds_them_once(compiled):
+    """cpp_extension.load appends its libraries to the flags it is given: they once went into the
+    next build name, so every later load in a process built the kernels again."""
+    name = kernels.build_name()
+    assert kernels.load(force=True) is compiled.k
+    assert kernels.build_name() == name
+
+
 def test_a_failed_build_falls_back_to_the_torch_ops(monkeypatch, caplog):
     from torch.utils import cpp_extension
 

@@ -25,8 +25,8 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 # -fopenmp: at::parallel_for is inline OpenMP; the module then uses the libgomp.so.1 torch loaded
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp")
+LDFLAGS = ("-fopenmp",)  # tuples: cpp_extension.load appends torch's libraries to the lists it is given
 ENV_SWITCH = "SPLITSERVE_KERNELS"
 
 _lock = threading.Lock()
@@ -86,8 +86,8 @@ def _build(name: str):
             tmp = source.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(text)
             os.replace(tmp, source)
-        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=CFLAGS + [f"-DSPLITSERVE_OPS={name}"],
-                           extra_ldflags=LDFLAGS, build_directory=str(build_dir), is_python_module=False,
+        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=[*CFLAGS, f"-DSPLITSERVE_OPS={name}"],
+                           extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), is_python_module=False,
                            verbose=False)
         log.info("compiled CPU kernels loaded from %s", build_dir)
         return getattr(torch.ops, name)
