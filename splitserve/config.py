@@ -16,6 +16,12 @@ class EngineConfig:
     """float32, bfloat16, float16, or auto: on CPU bfloat16 where the CPU has native bf16
     (AVX512-BF16/AMX), else float32, and float32 for the tiny test models; on GPU the checkpoint's
     dtype. The choice is logged at start."""
+    quantization: str = "auto"
+    """Weights' types: auto keeps a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K tensors as they are (the
+    matmuls run on them; other quantized types and float checkpoints are expanded to --dtype); none
+    expands everything; int8 (Q8_0) and int4 (Q4_1 projections, Q8_0 embedding and head) quantize
+    at load what is not already so, in groups of 32. Needs the compiled CPU kernels (without them
+    auto expands everything). Prefill and decode workers must agree (their handshake compares it)."""
     device: str = "cpu"
     """Where the model runs: cpu (tested), or cuda (optional, untested here)."""
     page_size: int = 16

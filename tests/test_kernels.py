@@ -5,7 +5,9 @@
   keys, on random pages: GQA group sizes 1-4, lengths at and across page boundaries, shuffled page
   tables, mixed prefill + decode batches in any row order.
 - The compiled ops (``layers/cpu_kernels.cpp`` through ``layers/ops.py``) against the PyTorch
-  reference ops, float32 and bfloat16, and the whole engine with them against transformers.
+  reference ops, float32 and bfloat16, and the whole engine with them against transformers; the
+  compiled prefill attention and float32 matmul (``matmul_kernels.cpp``) against float64, and
+  their batch invariance: a row's bits alone, in a batch, and in a prompt chunk of any size.
 - Packed bf16 weights (``layers/linear.py``) against the dense ones.
 - The fallback: a failed kernel build leaves the PyTorch ops in place.
 
@@ -74,8 +76,9 @@ def run_batch(pool: RandomPool, seqs, H: int, ops=None, dtype=torch.float32):
     new_kv = torch.randn(T, 2, Hkv, D, generator=pool.g).to(dtype)
     pool.layer[meta.slot_pages, :, meta.slot_offsets] = new_kv
     scale = D ** -0.5
-    decode = (ops or TorchOps()).decode_attention
-    out = paged_attention(q, new_kv[:, 0], new_kv[:, 1], pool.layer, meta, scale, decode)
+    ops = ops or TorchOps()
+    out = paged_attention(q, new_kv[:, 0], new_kv[:, 1], pool.layer, meta, scale, ops.decode_attention,
+                          ops.prefill_attention)
     refs = []
     for (start, q_len), pages, s in zip(seqs, pages_of, meta.seqs):
         keys, values = pool.keys_values(pages, start + q_len)
@@ -127,6 +130,34 @@ def test_compiled_decode_attention_matches_the_reference(compiled, dtype, H, Hkv
     pool = RandomPool(Hkv, D, dtype=dtype, seed=3)  # also inside a mixed batch
     out, refs = run_batch(pool, [(0, 5), (6, 1), (3, 1)], H, ops=compiled, dtype=dtype)
     assert_matches(out, refs, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("H,Hkv,D", [(6, 3, 64), (4, 4, 20)])  # D 20: no whole vectors
+def test_compiled_prefill_attention_matches_naive_attention(compiled, dtype, H, Hkv, D):
+    """Prompts from their start and later chunks (reading earlier keys back from the pages), at
+    and across page boundaries, beside decode rows."""
+    pool = RandomPool(Hkv, D, dtype=dtype, seed=9)
+    out, refs = run_batch(pool, [(0, 7), (5, 1), (4, 9), (0, PAGE), (PAGE, 2 * PAGE + 1)], H, ops=compiled, dtype=dtype)
+    assert_matches(out, refs, 1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_attention_of_a_row_is_the_same_alone_in_a_chunk_or_decoding(compiled, dtype):
+    """Batch invariance: a row at position p gives the same bits as a decode row (kv_len p + 1),
+    in a prompt's one chunk, or in a later chunk starting anywhere before it."""
+    H, Hkv, D, n = 9, 3, 64, 3 * PAGE + 2
+    pool = RandomPool(Hkv, D, dtype=dtype, seed=10)
+    pages = torch.tensor(pool.pages_for(n))
+    q = torch.randn(n, H, D, generator=pool.g).to(dtype)
+    whole = compiled.k.prefill_attention(q, pool.layer, pages, 0, 0.125)
+    for start in (1, PAGE - 1, PAGE, n - 2):
+        assert torch.equal(compiled.k.prefill_attention(q[start:], pool.layer, pages, start, 0.125), whole[start:])
+    for p in range(n):
+        alone = compiled.k.decode_attention(q[p:p + 1], pool.layer, pages[None], torch.tensor([p + 1]), 0.125)
+        assert torch.equal(alone[0], whole[p]), p
+    batch = compiled.k.decode_attention(q, pool.layer, pages[None].expand(n, -1), torch.arange(1, n + 1), 0.125)
+    assert torch.equal(batch, whole)
 
 
 def test_compiled_decode_attention_reads_q_through_a_strided_view(compiled):
@@ -199,6 +230,23 @@ def test_engine_with_compiled_ops_matches_transformers(compiled, monkeypatch):
         assert list(outs[r.rid].token_ids) == hf_greedy(model, list(r.prompt_ids), 20), r.rid
 
 
+@pytest.mark.parametrize("N,K", [(50, 64), (7, 37), (130, 200)])
+def test_compiled_float32_linear_matches_and_is_batch_invariant(compiled, N, K):
+    """linear_f32 against float64, and each row the same bits alone and in batches of any size
+    (K 37 and 200: a tail of K % 8; N 7, 50, 130: partial tiles and blocks; a strided x and w)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(N, 2 * K, generator=g)[:, :K]
+    bias = torch.randn(N, generator=g)
+    x = torch.randn(23, 3 * K, generator=g)[:, K:2 * K]
+    y = compiled.linear(x, w, bias)
+    ref = x.double() @ w.double().T + bias.double()
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for m in (1, 2, 3, 5, 16):
+        for at in (0, 23 - m):
+            assert torch.equal(compiled.linear(x[at:at + m], w, bias), y[at:at + m]), (m, at)
+    assert (compiled.linear(x, w, None).double() - (ref - bias.double())).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_loading_the_kernels_twice_builds_them_once(compiled):
     """cpp_extension.load appends its libraries to the flags it is given: they once went into the
     next build name, so every later load in a process built the kernels again."""
@@ -265,3 +313,83 @@ def test_a_packed_model_gives_the_dense_models_logits(tmp_path, family, tied):
     assert model.pack_weights() == 4 * spec.num_layers + 1  # qkv, o, gate_up, down per layer; the head
     for ours, ref in zip(logits(), dense):
         assert (ours - ref).abs().max() <= 0.02 * ref.std()
+
+
+# -- batch invariance of the whole model -----------------------------------------------------------
+
+
+def last_logits(model, seqs, work, s) -> torch.Tensor:
+    """One step of ``work`` (test_models.PagedSequences); the logits of sequence ``s``'s last new
+    token, computed with the step's other sampling rows as the engine does (one head call)."""
+    ids, positions, meta = seqs.step(work)
+    with torch.inference_mode():
+        hidden = model(ids, positions, meta, seqs.kv)
+        rows = torch.tensor([m.q_start + m.q_len - 1 for m in meta.seqs])
+        logits = model.compute_logits(hidden[rows])
+    return logits[[w[0] for w in work].index(s)]
+
+
+def logits_every_way(model, spec, prompt: list[int]) -> dict[str, torch.Tensor]:
+    """The last prompt token's logits: the prompt in one chunk, in chunks of several sizes, the
+    token decoded alone after the rest, in a decode batch of 16 and beside another prompt's chunk."""
+    from test_models import PagedSequences, run_step
+
+    n, out = len(prompt), {}
+    for chunks in ([n], [16, 16, n - 32], [1, n - 1], [n - 1, 1], [5] * (n // 5) + [n % 5]):
+        seqs = PagedSequences(spec, num_pages=64)
+        s = seqs.add(prompt)
+        for size in chunks[:-1]:
+            run_step(model, seqs, [(s, size)])
+        out[f"chunks {chunks}"] = last_logits(model, seqs, [(s, chunks[-1])], s)
+    seqs = PagedSequences(spec, num_pages=256)
+    others = [seqs.add([(7 * i + j) % 500 + 3 for j in range(3 + i)]) for i in range(15)]
+    s = seqs.add(prompt)
+    run_step(model, seqs, [(o, len(seqs.tokens[o])) for o in others] + [(s, n - 1)])
+    for o in others:
+        seqs.tokens[o].append(11)
+    out["in a decode batch of 16"] = last_logits(model, seqs, [(o, 1) for o in others[:7]] + [(s, 1)]
+                                                 + [(o, 1) for o in others[7:]], s)
+    seqs = PagedSequences(spec, num_pages=64)
+    s = seqs.add(prompt)
+    run_step(model, seqs, [(s, n - 1)])
+    late = seqs.add(prompt[::-1] * 2)
+    out["beside a prompt chunk"] = last_logits(model, seqs, [(late, 2 * n), (s, 1)], s)
+    return out
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_a_row_computed_alone_and_in_a_chunk_gives_the_same_logits(compiled, quantization, monkeypatch):
+    """Batch invariance, which the token-identical recompute of a lost transfer relies on: with
+    the compiled kernels a prompt's last token gets the same logits, bit for bit, however the
+    prompt is chunked and whatever else shares its steps: its own chunk, decoded alone, in a
+    decode batch of 16, beside another prompt. On the tiny model in float32 (dense weights through
+    linear_f32) and with its weights quantized at load (int8: Q8_0; int4: Q4_1, embedding and
+    head Q8_0).
+    (The PyTorch ops do not promise it: BLAS and SDPA add in orders that follow the batch; the
+    last test below states by how much.)"""
+    from splitserve.models.loader import load_model
+    from splitserve.testing.tiny import tiny_model_path
+
+    monkeypatch.setenv(kernels.ENV_SWITCH, "1")
+    model, spec = load_model(tiny_model_path(), dtype="float32", quantization=quantization)
+    assert model.set_ops(compiled) == (4 * spec.num_layers + 1 if quantization == "none" else 0)  # + the head
+    assert spec.quantization == {"none": "none", "int8": "Q8_0:30", "int4": "Q4_1:28,Q8_0:2"}[quantization]
+    ways = logits_every_way(model, spec, [(5 * i) % 400 + 3 for i in range(37)])
+    first = ways.pop("chunks [37]")
+    for way, logits in ways.items():
+        assert torch.equal(logits, first), f"{way}: max |dlogit| {(logits - first).abs().max():.3g}"
+
+
+def test_the_pytorch_ops_differ_by_rounding_only():
+    """Without the compiled kernels (SPLITSERVE_KERNELS=0: the PyTorch reference ops, BLAS's sgemm
+    and SDPA) the same logits agree to float32 rounding, not to the bit: here within 1e-5 of the
+    logits' scale (measured ~1e-6)."""
+    from splitserve.models.loader import load_model
+    from splitserve.testing.tiny import tiny_model_path
+
+    model, spec = load_model(tiny_model_path(), dtype="float32", quantization="none")
+    ways = logits_every_way(model, spec, [(5 * i) % 400 + 3 for i in range(37)])
+    first = ways.pop("chunks [37]")
+    worst = max((logits - first).abs().max().item() for logits in ways.values())
+    print(f"\nPyTorch ops: max |dlogit| {worst:.3g} (logits std {first.std():.3g})")
+    assert worst <= 1e-5 * first.std().item()

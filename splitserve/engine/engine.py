@@ -99,7 +99,7 @@ def load_parts(config: EngineConfig) -> ModelParts:
     from splitserve.models.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(config.model)
-    model, spec = load_model(model_dir, dtype=config.dtype, device=config.device)
+    model, spec = load_model(model_dir, dtype=config.dtype, device=config.device, quantization=config.quantization)
     return ModelParts(model, spec, load_tokenizer(model_dir))
 
 

@@ -1,9 +1,9 @@
 """Runs one scheduled batch through the model: flattens the sequences' new tokens, builds the
 attention metadata once for all layers (``layers/attention.py``), and returns the logits of the
-sequences that sample. It gives the model the compiled per-layer ops when they are available
-(``layers/ops.py``), else the model keeps the PyTorch reference ops, and the ``progress`` callback
-the model calls after each decoder layer: a long step reports that it moves, so the engine loop's
-watchdog tells a slow step from a stuck one (``engine/async_engine.py``).
+sequences that sample. It gives the model the compiled per-layer ops and float32 matmuls when
+they are available (``layers/ops.py``), else the model keeps the PyTorch reference ops, and the
+``progress`` callback the model calls after each decoder layer: a long step reports that it moves,
+so the engine loop's watchdog tells a slow step from a stuck one (``engine/async_engine.py``).
 
 Decoding sequences (one new token) go first in the flat batch, in scheduling order, then the
 prefill chunks: the decode rows are then rows 0..B-1, which the batched decode attention reads
@@ -36,9 +36,10 @@ class ModelRunner:
         self.page_size = kv.layout.page_size
         self.device = kv.buffer.device
         self.dtype = kv.layout.dtype
-        self.model.ops = best_ops(self.device, self.dtype)  # compiled kernels where available
         packed = model.pack_weights() if packing_available(self.dtype, self.device) else 0
-        log.info("model ops: %s; packed weights: %d", self.model.ops.name, packed)
+        dense = model.set_ops(best_ops(self.device, self.dtype))  # compiled kernels where available
+        log.info("model ops: %s; packed weights: %d; dense float32 weights through the kernels: %d",
+                 self.model.ops.name, packed, dense)
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:

@@ -13,9 +13,12 @@ last ``q_len`` of its ``kv_len`` tokens. Two kinds of sequence, each on its own 
 
 * **decode** (``q_len == 1``): one query row each. All of them attend in one call, through a
   block table [B, max_pages] of their pages (padded; an additive mask hides the padding).
-* **prefill** (``q_len > 1``): one SDPA call each. A prompt computed from its start attends to its
-  own new keys/values (causal, nothing read back from the pool); a later chunk, or a recomputed
-  sequence, reads its earlier keys from its pages.
+* **prefill** (``q_len > 1``): one call each. In PyTorch (``prefill_attention``) one SDPA: a
+  prompt computed from its start attends to its own new keys/values (causal, nothing read back
+  from the pool); a later chunk, or a recomputed sequence, reads its earlier keys from its pages.
+  The compiled kernel reads every key from the pages, each row exactly as a decode row at its
+  position would (``cpu_kernels.cpp``: the same logits however a prompt is chunked; SDPA's are
+  not: its blocked softmax sums in another order than a decode row's, ~1e-6 apart in float32).
 
 Grouped-query attention goes through SDPA's ``enable_gqa`` (no ``repeat_interleave``).
 """
@@ -87,8 +90,7 @@ def build_metadata(seqs: Sequence[tuple[int, int, Sequence[int]]], page_size: in
             decode_pages.append(pages[:n_pages])
             decode_lens.append(kv_len)
         else:
-            if start > 0:  # reads earlier keys back from its pages
-                s.page_table = torch.tensor(pages[:n_pages], dtype=torch.long, device=device)
+            s.page_table = torch.tensor(pages[:n_pages], dtype=torch.long, device=device)
             prefills.append(s)
         row += q_len
     meta = AttentionMetadata(slot_pages=torch.tensor(slot_pages, dtype=torch.long, device=device),
@@ -151,9 +153,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_laye
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
                     meta: AttentionMetadata, scale: float,
-                    decode: Callable = decode_attention_reference) -> torch.Tensor:
+                    decode: Callable = decode_attention_reference,
+                    prefill: Callable = prefill_attention) -> torch.Tensor:
     """Attention of the new tokens [T, H, D] (their k, v [T, Hkv, D] already in ``kv_layer``).
-    ``decode(q [B, H, D], kv_layer, meta, scale) -> [B, H, D]`` runs the decode rows."""
+    ``decode(q [B, H, D], kv_layer, meta, scale) -> [B, H, D]`` runs the decode rows,
+    ``prefill(q [n, H, D], k, v [n, Hkv, D], kv_layer, s, scale) -> [n, H, D]`` each prefill chunk."""
     if meta.all_decode:
         return decode(q if meta.decode_rows is None else q[meta.decode_rows], kv_layer, meta, scale)
     out = torch.empty_like(q)
@@ -162,5 +166,5 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer:
         out[rows] = decode(q[rows], kv_layer, meta, scale)
     for s in meta.prefills:
         rows = slice(s.q_start, s.q_start + s.q_len)
-        out[rows] = prefill_attention(q[rows], k[rows], v[rows], kv_layer, s, scale)
+        out[rows] = prefill(q[rows], k[rows], v[rows], kv_layer, s, scale)
     return out

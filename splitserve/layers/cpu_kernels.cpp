@@ -4,11 +4,20 @@
 // PyTorch reference of each one is in layers/ops.py (TorchOps) and tests/test_kernels.py checks
 // them against each other. float32 and bfloat16 tensors; arithmetic in float32 with one rounding
 // to the tensor's dtype at the end. Plain loops written so that the compiler vectorizes them
-// (-O3 -march=native -fno-trapping-math; `omp simd` reductions), AVX-512 intrinsics for the
-// attention's inner loops where the CPU has them; threads through ATen's pool (at::parallel_for,
-// so torch.set_num_threads applies).
+// (-O3 -march=native -fno-trapping-math), AVX-512 or AVX2 intrinsics for the attention's inner
+// loops where the CPU has them; threads through ATen's pool (at::parallel_for, so
+// torch.set_num_threads applies).
+//
+// Batch invariance: a row's result never depends on the other rows of the call or on how many
+// there are. Every reduction (a dot product, a softmax's sum, a norm's sum of squares) adds in an
+// order fixed by its length alone: written out as 8 (16) interleaved partial sums combined
+// pairwise, never left to the vectorizer, whose order may follow a buffer's alignment. The
+// attention of a prompt's row and of a decoding row at the same position is one routine
+// (attend_item), so a token's logits are the same whether it was computed in a prefill chunk of
+// any size or alone (what the recompute after a lost transfer relies on).
 //
 //   decode_attention   one query row per sequence over its paged KV, read in place (no gather)
+//   prefill_attention  the rows of one prompt chunk over the sequence's paged KV, each as decode would
 //   add_rms_norm       residual += x (rounded like the reference's add), then RMSNorm of it
 //   rope_store         rotary embedding of q and k in place, then k and v into their pool slots
 //   silu_mul           the SwiGLU gate: silu(gate) * up from the fused gate|up projection
@@ -18,7 +27,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX2__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -93,34 +102,96 @@ void check_last_dim_contiguous(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.stride(-1) == 1, name, " must be contiguous in its last dimension");
 }
 
-// -- decode attention -----------------------------------------------------------------------------
+// -- attention ------------------------------------------------------------------------------------
 
-// softmax of scores[0..L) in place; returns 1 / sum of the exponentials (applied at the end)
+// x[0] + ... + x[7], in one fixed order
+inline float sum8(const float* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
+
+#if defined(__AVX2__) && defined(__FMA__)
+inline float hsum8(__m256 v) {
+  float x[8];
+  _mm256_storeu_ps(x, v);
+  return sum8(x);
+}
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+// fast_exp on 8 lanes, the same operations
+inline __m256 fast_exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.4426950408889634f));
+  const __m256 n = _mm256_floor_ps(t);
+  const __m256 f = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(2.1690609111081347e-4f);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.2443081525922439e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.6784725525079721e-3f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.5483524724955019e-2f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.4022979581402090e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.9314698705749367e-1f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+// softmax of scores[0..L) in place, unnormalized; returns 1 / sum of the exponentials (applied at
+// the end). The sum: lane t % 8 of 8 partial sums, in order of t.
 inline float softmax_unnormalized(float* __restrict scores, int64_t L) {
   float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-  for (int64_t t = 0; t < L; ++t) m = scores[t] > m ? scores[t] : m;
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < L; ++t) {
+  for (int64_t t = 0; t < L; ++t) m = scores[t] > m ? scores[t] : m;  // exact in any order
+  float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 vm = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= L; t += 8) {
+    const __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t), vm));
+    _mm256_storeu_ps(scores + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  if (t < L) {  // the tail on a padded vector, its missing lanes adding nothing
+    float tail[8] = {m, m, m, m, m, m, m, m};
+    std::memcpy(tail, scores + t, (L - t) * sizeof(float));
+    __m256 e = fast_exp8(_mm256_sub_ps(_mm256_loadu_ps(tail), vm));
+    _mm256_storeu_ps(tail, e);
+    std::memcpy(scores + t, tail, (L - t) * sizeof(float));
+    for (int64_t j = L - t; j < 8; ++j) tail[j] = 0.f;
+    acc = _mm256_add_ps(acc, _mm256_loadu_ps(tail));
+    t = L;
+  }
+  _mm256_storeu_ps(part, acc);
+#else
+  for (; t < L; ++t) {
     const float e = fast_exp(scores[t] - m);
     scores[t] = e;
-    sum += e;
+    part[t % 8] += e;
   }
-  return 1.f / sum;
+#endif
+  return 1.f / sum8(part);
 }
 
 // One page's rows of one kv head: scores[i] = q . K[i] (n rows, row stride rs), and
-// acc += sum_i w[i] V[i]. The generic versions take any D; with AVX-512 and D a multiple of 16,
-// DV = D / 16 vectors per row stay in registers.
+// acc += sum_i w[i] V[i] (in order of i). The dot product: 8 partial sums (lane d % 8).
 template <typename T>
 inline void page_scores(const float* q, const T* k, int64_t rs, int64_t n, int64_t D, float* out) {
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (int64_t i = 0; i < n; ++i) {
+      const T* r = k + i * rs;
+      __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), load8(r));
+      for (int64_t d = 8; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(r + d), a);
+      out[i] = hsum8(a);
+    }
+    return;
+  }
+#endif
   for (int64_t i = 0; i < n; ++i) {
     const T* r = k + i * rs;
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t d = 0; d < D; ++d) s += q[d] * to_float(r[d]);
-    out[i] = s;
+    float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    for (int64_t d = 0; d < D; ++d) part[d % 8] += q[d] * to_float(r[d]);
+    out[i] = sum8(part);
   }
 }
 
@@ -130,7 +201,7 @@ inline void page_accumulate(const float* w, const T* v, int64_t rs, int64_t n, i
     const T* r = v + i * rs;
     const float wi = w[i];
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) acc[d] += wi * to_float(r[d]);
+    for (int64_t d = 0; d < D; ++d) acc[d] += wi * to_float(r[d]);  // elementwise: any vectorization
   }
 }
 
@@ -202,99 +273,171 @@ inline void attend_group_v(int64_t gb, const float* q, const T* kv, const int64_
 }
 #endif
 
-// q [B, H, D]; kv [num_pages, 2, P, Hkv, D] (one layer of the pool, any outer strides); table
-// [B, max_pages] int64; lens [B] int64; out [B, H, D]. Work item = (sequence, kv head); its G
-// query heads share every key and value row it loads (AVX-512: up to 16 / DV heads per pass).
+// The layout of one layer of the pool: kv [num_pages, 2, P, Hkv, D], any outer strides.
+struct KVView {
+  int64_t P, Hkv, D, s_page, s_kv, s_row, s_head;
+  explicit KVView(const at::Tensor& kv)
+      : P(kv.size(2)), Hkv(kv.size(3)), D(kv.size(4)), s_page(kv.stride(0)), s_kv(kv.stride(1)),
+        s_row(kv.stride(2)), s_head(kv.stride(3)) {}
+};
+
+// One work item: the G query heads of kv head h in one row (q: its first head, heads qsH apart)
+// attend the first L tokens held in `pages`; the result goes to out (heads osH apart). Every row
+// of a decode batch and of a prefill chunk goes through here (AVX-512: up to 16 / DV heads at once,
+// each key and value row loaded once for them).
+template <typename T, int DV>
+void attend_item(const T* q, int64_t qsH, const T* kvp, const KVView& kv, int64_t h, const int64_t* pages,
+                 int64_t L, float scale, int64_t G, T* out, int64_t osH, std::vector<float>& qf,
+                 std::vector<float>& acc, std::vector<float>& scores) {
+  const int64_t D = kv.D, P = kv.P;
+  qf.resize(G * D);
+  acc.resize(G * D);
+  scores.resize(G * L);
+  for (int64_t g = 0; g < G; ++g) {
+    load(q + g * qsH, qf.data() + g * D, D);
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= scale;
+  }
+#if defined(__AVX512F__)
+  if constexpr (DV > 0) {
+    constexpr int64_t gmax = 16 / DV;
+    for (int64_t g0 = 0; g0 < G; g0 += gmax) {
+      attend_group_v<T, DV>(std::min(gmax, G - g0), qf.data() + g0 * D, kvp + h * kv.s_head, pages, L, P,
+                            kv.s_page, kv.s_kv, kv.s_row, scores.data(), acc.data() + g0 * D);
+    }
+  } else
+#endif
+  {
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t t0 = 0; t0 < L; t0 += P) {
+        const T* k = kvp + pages[t0 / P] * kv.s_page + h * kv.s_head;
+        page_scores(qf.data() + g * D, k, kv.s_row, std::min(P, L - t0), D, scores.data() + t0);
+      }
+      const float inv = softmax_unnormalized(scores.data(), L);
+      float* ag = acc.data() + g * D;
+      std::fill(ag, ag + D, 0.f);
+      for (int64_t t0 = 0; t0 < L; t0 += P) {
+        const T* v = kvp + pages[t0 / P] * kv.s_page + kv.s_kv + h * kv.s_head;
+        page_accumulate(scores.data() + t0, v, kv.s_row, std::min(P, L - t0), D, ag);
+      }
+      for (int64_t d = 0; d < D; ++d) ag[d] *= inv;
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) store(acc.data() + g * D, out + g * osH, D);
+}
+
+// q [B, H, D]; kv one layer of the pool; table [B, max_pages] int64; lens [B] int64; out [B, H, D].
+// Work item = (sequence, kv head).
 template <typename T, int DV>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
                            const at::Tensor& lens, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t P = kv.size(2), Hkv = kv.size(3);
-  const int64_t G = H / Hkv;
-  const int64_t qsB = q.stride(0), qsH = q.stride(1);
-  const int64_t kvs0 = kv.stride(0), kvs1 = kv.stride(1), kvs2 = kv.stride(2), kvs3 = kv.stride(3);
-  const int64_t tsB = table.stride(0);
-  const int64_t osB = out.stride(0), osH = out.stride(1);
+  const KVView view(kv);
+  const int64_t G = H / view.Hkv;
+  const int64_t qsB = q.stride(0), qsH = q.stride(1), tsB = table.stride(0), osB = out.stride(0), osH = out.stride(1);
   const T* qp = q.data_ptr<T>();
   const T* kvp = kv.data_ptr<T>();
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const float fscale = float(scale);
-
   int64_t work = 0;  // multiply-adds of the whole call
   for (int64_t b = 0; b < B; ++b) work += lp[b] * H * D * 2;
-  at::parallel_for(0, B * Hkv, grain_for(work, B * Hkv), [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+  at::parallel_for(0, B * view.Hkv, grain_for(work, B * view.Hkv), [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / Hkv, h = item % Hkv;
-      const int64_t L = lp[b];
-      const int64_t* pages = tp + b * tsB;
-      scores.resize(G * L);
-      for (int64_t g = 0; g < G; ++g) {
-        load(qp + b * qsB + (h * G + g) * qsH, qf.data() + g * D, D);
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] *= fscale;
-      }
-#if defined(__AVX512F__)
-      if constexpr (DV > 0) {
-        constexpr int64_t gmax = 16 / DV;
-        for (int64_t g0 = 0; g0 < G; g0 += gmax) {
-          attend_group_v<T, DV>(std::min(gmax, G - g0), qf.data() + g0 * D, kvp + h * kvs3, pages, L, P, kvs0,
-                                kvs1, kvs2, scores.data(), acc.data() + g0 * D);
-        }
-      } else
-#endif
-      {
-        for (int64_t g = 0; g < G; ++g) {
-          for (int64_t t0 = 0; t0 < L; t0 += P) {
-            const T* k = kvp + pages[t0 / P] * kvs0 + h * kvs3;
-            page_scores(qf.data() + g * D, k, kvs2, std::min(P, L - t0), D, scores.data() + t0);
-          }
-          const float inv = softmax_unnormalized(scores.data(), L);
-          float* ag = acc.data() + g * D;
-          std::fill(ag, ag + D, 0.f);
-          for (int64_t t0 = 0; t0 < L; t0 += P) {
-            const T* v = kvp + pages[t0 / P] * kvs0 + kvs1 + h * kvs3;
-            page_accumulate(scores.data() + t0, v, kvs2, std::min(P, L - t0), D, ag);
-          }
-          for (int64_t d = 0; d < D; ++d) ag[d] *= inv;
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) store(acc.data() + g * D, op + b * osB + (h * G + g) * osH, D);
+      const int64_t b = item / view.Hkv, h = item % view.Hkv;
+      attend_item<T, DV>(qp + b * qsB + h * G * qsH, qsH, kvp, view, h, tp + b * tsB, lp[b], float(scale), G,
+                         op + b * osB + h * G * osH, osH, qf, acc, scores);
     }
   });
 }
 
-template <typename T>
-void decode_attention_dispatch(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
-                               const at::Tensor& lens, double scale, at::Tensor& out) {
+// q [n, H, D]: a chunk of one sequence's rows, row i at position start + i (its keys already in the
+// pool: rope_store ran first); pages [>= ceil((start + n) / P)] int64. Work item = (row, kv head).
+template <typename T, int DV>
+void prefill_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& pages, int64_t start,
+                            double scale, at::Tensor& out) {
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const KVView view(kv);
+  const int64_t G = H / view.Hkv;
+  const int64_t qsT = q.stride(0), qsH = q.stride(1), osT = out.stride(0), osH = out.stride(1);
+  const T* qp = q.data_ptr<T>();
+  const T* kvp = kv.data_ptr<T>();
+  const int64_t* pp = pages.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t work = n * (start + n) * H * D * 2;
+  at::parallel_for(0, n * view.Hkv, grain_for(work, n * view.Hkv), [&](int64_t begin, int64_t end) {
+    std::vector<float> qf, acc, scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t i = item / view.Hkv, h = item % view.Hkv;
+      attend_item<T, DV>(qp + i * qsT + h * G * qsH, qsH, kvp, view, h, pp, start + i + 1, float(scale), G,
+                         op + i * osT + h * G * osH, osH, qf, acc, scores);
+    }
+  });
+}
+
+template <typename T, template <typename, int> class Impl>
+struct ByHeadDim {
+  template <typename... Args>
+  static void run(int64_t D, Args&&... args) {
 #if defined(__AVX512F__)
-  switch (q.size(2)) {
-    case 64: return decode_attention_impl<T, 4>(q, kv, table, lens, scale, out);
-    case 128: return decode_attention_impl<T, 8>(q, kv, table, lens, scale, out);
-    case 256: return decode_attention_impl<T, 16>(q, kv, table, lens, scale, out);
-    default: break;
-  }
+    switch (D) {
+      case 64: return Impl<T, 4>::run(args...);
+      case 128: return Impl<T, 8>::run(args...);
+      case 256: return Impl<T, 16>::run(args...);
+      default: break;
+    }
 #endif
-  decode_attention_impl<T, 0>(q, kv, table, lens, scale, out);
+    Impl<T, 0>::run(args...);
+  }
+};
+
+template <typename T, int DV>
+struct DecodeImpl {
+  template <typename... Args>
+  static void run(Args&&... args) { decode_attention_impl<T, DV>(args...); }
+};
+template <typename T, int DV>
+struct PrefillImpl {
+  template <typename... Args>
+  static void run(Args&&... args) { prefill_attention_impl<T, DV>(args...); }
+};
+
+void check_attention(const at::Tensor& q, const at::Tensor& kv) {
+  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5, "q must be [rows, H, D] and kv [pages, 2, P, Hkv, D]");
+  TORCH_CHECK(kv.size(1) == 2 && kv.size(4) == q.size(2) && q.size(1) % kv.size(3) == 0, "q / kv shapes disagree");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "attention: float32 or bfloat16 only");
+  check_last_dim_contiguous(q, "q");
+  check_last_dim_contiguous(kv, "kv");
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
                             const at::Tensor& lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && kv.dim() == 5 && table.dim() == 2 && lens.dim() == 1, "bad ranks");
-  TORCH_CHECK(kv.size(1) == 2 && kv.size(4) == q.size(2) && q.size(1) % kv.size(3) == 0, "q / kv shapes disagree");
+  check_attention(q, kv);
+  TORCH_CHECK(table.dim() == 2 && lens.dim() == 1, "table must be [B, max_pages] and lens [B]");
   TORCH_CHECK(table.size(0) == q.size(0) && lens.size(0) == q.size(0), "one table row and length per query row");
-  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
   TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "table and lens must be int64");
-  check_last_dim_contiguous(q, "q");
-  check_last_dim_contiguous(kv, "kv");
   auto table_c = table.contiguous(), lens_c = lens.contiguous();
   auto out = at::empty(q.sizes(), q.options());
   if (q.scalar_type() == at::kFloat) {
-    decode_attention_dispatch<float>(q, kv, table_c, lens_c, scale, out);
+    ByHeadDim<float, DecodeImpl>::run(q.size(2), q, kv, table_c, lens_c, scale, out);
   } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "decode_attention: float32 or bfloat16 only");
-    decode_attention_dispatch<bf16>(q, kv, table_c, lens_c, scale, out);
+    ByHeadDim<bf16, DecodeImpl>::run(q.size(2), q, kv, table_c, lens_c, scale, out);
+  }
+  return out;
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& pages, int64_t start,
+                             double scale) {
+  check_attention(q, kv);
+  TORCH_CHECK(pages.dim() == 1 && pages.scalar_type() == at::kLong, "pages must be int64 [n_pages]");
+  TORCH_CHECK(start >= 0 && pages.size(0) * kv.size(2) >= start + q.size(0), "pages do not hold start + rows tokens");
+  auto pages_c = pages.contiguous();
+  auto out = at::empty(q.sizes(), q.options());
+  if (q.scalar_type() == at::kFloat) {
+    ByHeadDim<float, PrefillImpl>::run(q.size(2), q, kv, pages_c, start, scale, out);
+  } else {
+    ByHeadDim<bf16, PrefillImpl>::run(q.size(2), q, kv, pages_c, start, scale, out);
   }
   return out;
 }
@@ -326,10 +469,12 @@ void add_rms_norm_impl(const at::Tensor& x, at::Tensor& residual, const at::Tens
         for (int64_t j = 0; j < N; ++j) r[j] = to_float(from_float<T>(r[j] + a[j]));
         store(r.data(), ri, N);
       }
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < N; ++j) ss += r[j] * r[j];
-      const float inv = 1.f / std::sqrt(ss / float(N) + feps);
+      float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};  // a fixed order (see the top)
+      int64_t c = 0;
+      for (; c + 8 <= N; c += 8)
+        for (int l = 0; l < 8; ++l) part[l] += r[c + l] * r[c + l];
+      for (; c < N; ++c) part[c % 8] += r[c] * r[c];
+      const float inv = 1.f / std::sqrt(sum8(part) / float(N) + feps);
 #pragma omp simd
       for (int64_t j = 0; j < N; ++j) r[j] = r[j] * inv * w[j];
       store(r.data(), op + i * N, N);
@@ -464,6 +609,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 // SPLITSERVE_OPS: the op namespace, set by the builder (one per build, so two builds never clash)
 TORCH_LIBRARY(SPLITSERVE_OPS, m) {
   m.def("decode_attention(Tensor q, Tensor kv, Tensor table, Tensor lens, float scale) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor kv, Tensor pages, int start, float scale) -> Tensor");
   m.def("add_rms_norm(Tensor? x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def("rope_store(Tensor(a!) qkv, Tensor cos, Tensor sin, int H, int Hkv, Tensor(b!) kv, Tensor pages, "
         "Tensor offsets) -> ()");
@@ -472,6 +618,7 @@ TORCH_LIBRARY(SPLITSERVE_OPS, m) {
 
 TORCH_LIBRARY_IMPL(SPLITSERVE_OPS, CPU, m) {
   m.impl("decode_attention", &decode_attention);
+  m.impl("prefill_attention", &prefill_attention);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_store", &rope_store);
   m.impl("silu_mul", &silu_mul);

@@ -1,11 +1,12 @@
-"""The compiled CPU kernels (``cpu_kernels.cpp``): built on first use, cached on disk, optional.
+"""The compiled CPU kernels (``cpu_kernels.cpp``, ``matmul_kernels.cpp``): built on first use, cached
+on disk, optional.
 
 ``load()`` returns the extension module, or None, and the model then runs the PyTorch reference
 ops (``layers/ops.py``): when ``SPLITSERVE_KERNELS=0`` (the test suite sets it for every test
 but the kernels' own), or when the build fails (no C++ compiler, no ninja, a compile error;
 logged once with the reason). The build goes through ``torch.utils.cpp_extension.load`` into
 ``$SPLITSERVE_CACHE/kernels`` (else ``~/.cache/splitserve/kernels``) under a name hashed from the
-source, the compiler flags, the torch version and this CPU's instruction-set flags (the code is
+sources, the compiler flags, the torch version and this CPU's instruction-set flags (the code is
 built for the CPU it runs on, ``-march=native``), so a later start loads it in a fraction of a
 second; processes building at once wait on the build folder's lock. Environment read at call time.
 """
@@ -23,7 +24,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "matmul_kernels.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP; the module then uses the libgomp.so.1 torch loaded
 CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp")
 LDFLAGS = ("-fopenmp",)  # tuples: cpp_extension.load appends torch's libraries to the lists it is given
@@ -52,13 +53,14 @@ def _cpu_flags() -> str:
 
 
 def build_name() -> str:
-    key = "\0".join([SOURCE.read_text(), " ".join(CFLAGS + LDFLAGS), torch.__version__, _cpu_flags()])
+    sources = [s.read_text() for s in SOURCES]
+    key = "\0".join([*sources, " ".join(CFLAGS + LDFLAGS), torch.__version__, _cpu_flags()])
     return "splitserve_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
 def load(force: bool = False):
     """The kernels' op namespace (``torch.ops.<name>``: ``decode_attention``, ``add_rms_norm``,
-    ``rope_store``, ``silu_mul``), building them if needed; None when switched off or unavailable.
+    ``rope_store``, ``silu_mul``, the ``quant_*`` ops of ``layers/quant.py``), building them if needed; None when switched off or unavailable.
     ``force``: ignore the switch (the kernels' own tests)."""
     if not force and not enabled():
         return None
@@ -78,15 +80,18 @@ def _build(name: str):
         if not (build_dir / f"{name}.so").is_file():
             log.info("building the compiled CPU kernels into %s (once per machine and version: seconds to a "
                      "minute)", build_dir)
-        # the source copied in: the build command then names the same file from any checkout (ninja
-        # rebuilds, 8 s, when a command changes; the name already says which source it is)
-        source = build_dir / SOURCE.name
-        text = SOURCE.read_text()
-        if not source.is_file() or source.read_text() != text:
-            tmp = source.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(text)
-            os.replace(tmp, source)
-        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=[*CFLAGS, f"-DSPLITSERVE_OPS={name}"],
+        # the sources copied in: the build command then names the same files from any checkout (ninja
+        # rebuilds, 8 s, when a command changes; the name already says which sources they are)
+        sources = []
+        for original in SOURCES:
+            source = build_dir / original.name
+            text = original.read_text()
+            if not source.is_file() or source.read_text() != text:
+                tmp = source.with_suffix(f".{os.getpid()}.tmp")
+                tmp.write_text(text)
+                os.replace(tmp, source)
+            sources.append(str(source))
+        cpp_extension.load(name=name, sources=sources, extra_cflags=[*CFLAGS, f"-DSPLITSERVE_OPS={name}"],
                            extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), is_python_module=False,
                            verbose=False)
         log.info("compiled CPU kernels loaded from %s", build_dir)

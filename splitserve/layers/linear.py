@@ -8,6 +8,14 @@ Tensor parallelism (docs/design.md §5, coming later) is not built. When it is, 
 slice: output-dim parts (q, k, v, gate, up) split by rows, ``o_proj``/``down_proj`` by columns
 followed by an all-reduce. Nothing else in the models needs to change.
 
+Quantized weights (``layers/quant.py``): a layer told ``expect_quantized(kind)`` before loading
+(the loader decides which, ``models/quantized.py``) makes no dense weight, collects its parts' raw
+blocks (``stage_part``) and packs them as one ``QuantWeight`` (``finish_quantized``).
+
+Dense float32 weights on CPU run through the compiled ``linear_f32`` (``Linear.kernel``, set by
+the model's ``set_ops``) where the kernels are built: unlike BLAS it gives a row the same bits
+whatever the batch (``matmul_kernels.cpp``).
+
 Packed weights (bfloat16 on CPU): ``Linear.pack`` swaps the dense weight for oneDNN's packed
 (blocked) copy, which every call then uses as is. The plain ``F.linear`` on a bfloat16 weight
 reorders it into that layout on every call: packing once makes the decoder's matmuls ~1.3-2x
@@ -17,11 +25,13 @@ faster on this CPU (``bench/engine.py``); the results are the same bits.
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from splitserve.layers.quant import QuantWeight
 
 log = logging.getLogger(__name__)
 
@@ -50,20 +60,53 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Te
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def placeholder(like: nn.Parameter) -> nn.Parameter:
+    """An empty parameter of ``like``'s dtype and device, standing where a dense weight was."""
+    return nn.Parameter(like.new_empty(0), requires_grad=False)
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` that may run through a packed weight (``pack``)."""
+    """``nn.Linear`` that may run through a packed weight (``pack``) or a quantized one (``quant``)."""
 
     packed: Optional[torch.Tensor] = None
+    quant: Optional[QuantWeight] = None
+    kernel: Optional[Callable] = None  # kernel(x, weight, bias) for the dense weight instead of F.linear
+    quant_kind: Optional[str] = None  # set before loading: the weight arrives as raw blocks of it
+    _staged: Optional[dict] = None
+
+    def expect_quantized(self, kind: str) -> None:
+        """The weight will arrive as raw ``kind`` blocks (``stage_part``): no dense copy is made."""
+        self.quant_kind = kind
+        self._staged = {}
+        self.weight = placeholder(self.weight)
+
+    def stage_part(self, part: Optional[str], raw: torch.Tensor) -> None:
+        """Raw blocks [rows, bytes] of one part (None: the whole weight) of an ``expect_quantized`` layer."""
+        self._staged[part] = raw
+
+    def parts(self) -> list[Optional[str]]:
+        return [None]
+
+    def finish_quantized(self, ops) -> None:
+        """Pack the staged parts, in order, into the layer's ``QuantWeight``."""
+        raw = torch.cat([self._staged.pop(p) for p in self.parts()])
+        self.quant = QuantWeight(self.quant_kind, raw, self.in_features, ops,
+                                 None if self.bias is None else self.bias.detach())
+        self._staged = None
 
     def pack(self, batch_hint: int = 16) -> None:
         """Keep only oneDNN's packed copy of the weight; the dense ``weight`` becomes an empty
         placeholder (load weights before packing)."""
         self.packed = pack_weight(self.weight.detach(), batch_hint)
-        self.weight = nn.Parameter(self.weight.new_empty(0), requires_grad=False)
+        self.weight = placeholder(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.linear(x)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
+        if self.kernel is not None:
+            return self.kernel(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -80,6 +123,9 @@ class MergedLinear(Linear):
             self.offsets[name] = (start, size)
             start += size
 
+    def parts(self) -> list[Optional[str]]:
+        return list(self.offsets)
+
     def part(self, name: str, kind: str) -> torch.Tensor:
         """The rows of ``weight`` or ``bias`` (``kind``) that hold part ``name``: a view to load into."""
         start, size = self.offsets[name]
@@ -87,3 +133,24 @@ class MergedLinear(Linear):
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return y.split(self.sizes, dim=-1)
+
+
+class Embedding(nn.Embedding):
+    """``nn.Embedding`` whose table may be a ``QuantWeight`` (the rows looked up are dequantized);
+    a tied logits head shares it (``quant.linear``)."""
+
+    quant: Optional[QuantWeight] = None
+    quant_kind: Optional[str] = None
+    _staged: Optional[dict] = None
+    expect_quantized = Linear.expect_quantized
+    stage_part = Linear.stage_part
+    parts = Linear.parts
+
+    def finish_quantized(self, ops) -> None:
+        self.quant = QuantWeight(self.quant_kind, self._staged.pop(None), self.embedding_dim, ops)
+        self._staged = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant.rows(ids).to(self.weight.dtype).view(*ids.shape, self.embedding_dim)
+        return super().forward(ids)

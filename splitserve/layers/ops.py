@@ -10,7 +10,10 @@ switched off (``layers/kernels.py``), else the reference. Shapes::
     rope_store(qkv [T, (H + 2 Hkv) D], tables, H, Hkv, kv_layer, meta)
         rotates the q and k heads of qkv in place, then writes k and v into their pool slots
     decode_attention(q [B, H, D], kv_layer, meta, scale) -> [B, H, D]   (the decode rows)
+    prefill_attention(q [n, H, D], k, v [n, Hkv, D], kv_layer, s, scale) -> [n, H, D]   (one chunk)
     silu_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]                (the SwiGLU gate)
+    linear                                                              None, or linear(x, weight, bias)
+        for dense float32 weights (TorchOps: None, F.linear)
 
 ``kv_layer``: [num_pages, 2, page_size, Hkv, D], one layer of the pool (``engine/kv_pool.py``).
 """
@@ -24,11 +27,13 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.layers import kernels
-from splitserve.layers.attention import AttentionMetadata, decode_attention_reference, write_kv
+from splitserve.layers.attention import (AttentionMetadata, SeqAttention, decode_attention_reference,
+                                        prefill_attention, write_kv)
 
 
 class TorchOps:
     name = "torch"
+    linear = None
 
     def add_rms_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor,
                      norm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +59,10 @@ class TorchOps:
                          scale: float) -> torch.Tensor:
         return decode_attention_reference(q, kv_layer, meta, scale)
 
+    def prefill_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_layer: torch.Tensor,
+                          s: SeqAttention, scale: float) -> torch.Tensor:
+        return prefill_attention(q, k, v, kv_layer, s, scale)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -66,6 +75,7 @@ class CompiledOps(TorchOps):
 
     def __init__(self, module: ModuleType):
         self.k = module
+        self.linear = module.linear_f32
 
     def add_rms_norm(self, x, residual, norm):
         return self.k.add_rms_norm(x, residual, norm.weight, norm.eps), residual  # residual updated in place
@@ -78,6 +88,9 @@ class CompiledOps(TorchOps):
 
     def decode_attention(self, q, kv_layer, meta, scale):
         return self.k.decode_attention(q, kv_layer, meta.block_table, meta.decode_lens, scale)
+
+    def prefill_attention(self, q, k, v, kv_layer, s, scale):
+        return self.k.prefill_attention(q, kv_layer, s.page_table, s.kv_len - s.q_len, scale)
 
     def silu_mul(self, gate_up):
         return self.k.silu_mul(gate_up)

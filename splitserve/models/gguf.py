@@ -15,15 +15,18 @@ What a conversion writes, and whose code does it (``transformers``' GGUF integra
   ``rope.dimension_count``, for llama); a Mistral file (llama architecture, named mistral) as
   ``LlamaForCausalLM`` (splitserve's llama covers it); a llama ``rope_freqs`` tensor (Llama 3.1+)
   as the ``llama3`` rope scaling whose factors it holds (transformers drops that tensor).
-- the weights as safetensors (shards of at most SHARD_BYTES, with an index beyond one): every
-  tensor dequantized by ``gguf.quants.dequantize``, renamed by transformers'
-  ``get_gguf_hf_weights_map`` and passed through its tensor processor, which undoes the Q/K row
-  permutation llama.cpp applies to llama (its rotary layout; qwen2/qwen3 files are not permuted).
-  F16 and BF16 tensors are stored in their own dtype, F32 and the quantized types (dequantized
-  exactly, in float32) in float32; config.json's ``dtype`` names the type most weights are stored
-  in. The compute dtype is ``--dtype``'s business. A tensor with no place in the model, a missing
-  one or a wrong shape is an error naming it; so is a tensor type outside TENSOR_TYPES or an
-  architecture outside ARCHITECTURES.
+- the weights as safetensors (shards of at most SHARD_BYTES, with an index beyond one), renamed by
+  transformers' ``get_gguf_hf_weights_map`` and passed through its tensor processor, which undoes
+  the Q/K row permutation llama.cpp applies to llama (its rotary layout, a permutation of rows;
+  qwen2/qwen3 files are not permuted). Tensors of the types the kernels run on (``layers/quant.TYPES``:
+  Q8_0, Q4_0, Q4_1, Q4_K) are stored as their raw blocks, uint8 [rows, bytes per row], listed with their type
+  and shape in ``quantized.json`` (``models/quantized.py``, which decides at load whether they stay
+  quantized: ``--quantization``). F16 and BF16 tensors are stored in their own dtype; F32 and the
+  other quantized types dequantized by ``gguf.quants.dequantize`` (exactly, in float32) in float32;
+  config.json's ``dtype`` names the type most weights expand to. The compute dtype is
+  ``--dtype``'s business. A tensor with no place in the model, a missing one or a wrong shape is
+  an error naming it; so is a tensor type outside TENSOR_TYPES or an architecture outside
+  ARCHITECTURES.
 - the tokenizer: ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` (transformers' conversion
   of the ``tokenizer.ggml.*`` metadata, chat template included), saved with ``save_pretrained``.
 - ``generation_config.json``: bos/pad from the metadata; EOS ids ``tokenizer.ggml.eos_token_id``,
@@ -31,7 +34,7 @@ What a conversion writes, and whose code does it (``transformers``' GGUF integra
 - ``gguf_source.json`` (last, so its presence marks a finished folder): the source file, its
   identity, tensor types, the versions used and how long the conversion took.
 
-The conversion holds one shard of dequantized weights in memory at a time, never the whole model.
+The conversion holds one shard of weights in memory at a time, never the whole model.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import functools
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -51,10 +55,10 @@ from splitserve.models.cache import build_once, cache_root
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the kernels' types as raw blocks (1: everything dequantized)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 ARCHITECTURE_NOTES = {"llama": "llama (Llama 2/3, Mistral, SmolLM2)", "qwen2": "qwen2", "qwen3": "qwen3"}
-# GGML type name -> the torch dtype its tensors are stored in after conversion
+# GGML type name -> the torch dtype its tensors expand to (layers/quant.TYPES are stored as raw blocks)
 TENSOR_TYPES = {
     "F32": "float32", "F16": "float16", "BF16": "bfloat16",
     "Q8_0": "float32", "Q4_0": "float32", "Q4_1": "float32", "Q5_0": "float32", "Q5_1": "float32",
@@ -212,11 +216,14 @@ def _llama3_rope(config, factors, src: Path) -> dict:
 
 
 def _write_weights(reader, arch: str, config, skeleton, out: Path, src: Path) -> str:
-    """Dequantize, rename and un-permute every tensor into safetensors shards; returns config.json's
-    ``dtype`` (the dtype most weights are stored in)."""
+    """Rename and un-permute every tensor into safetensors shards (the kernels' types as raw
+    blocks, the rest dequantized); returns config.json's ``dtype`` (what most weights expand to)."""
     import torch
     from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                           get_gguf_hf_weights_map)
+
+    from splitserve.layers.quant import TYPES as KEPT
+    from splitserve.models.quantized import Stored, write_manifest
 
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
     with _one_gguf_name_table():
@@ -228,32 +235,41 @@ def _write_weights(reader, arch: str, config, skeleton, out: Path, src: Path) ->
     files: list[Path] = []
     unplaced: list[str] = []
     elements: Counter = Counter()
+    raw: dict[str, Stored] = {}
     for tensor in reader.tensors:
         if tensor.name == ROPE_FREQS:
             continue  # became the rope scaling in config.json
-        weights = dequantize(tensor)
-        result = processor.process(weights=weights.float().numpy(), name=tensor.name,
+        kind = tensor.tensor_type.name
+        kept = kind in KEPT and len(tensor.shape) == 2
+        weights = torch.from_numpy(tensor.data.copy()) if kept else dequantize(tensor)  # a copy: not the mmap
+        # the processor only permutes rows: raw rows [N, bytes] go through it as they are
+        result = processor.process(weights=weights.numpy() if kept else weights.float().numpy(), name=tensor.name,
                                    tensor_key_mapping=name_map, parsed_parameters={"tensors": {}})
         hf_name = name_map.get(result.name)
         if expected.get(hf_name) is None:  # no place in the model, or placed already
             unplaced.append(tensor.name)
             continue
         value = torch.from_numpy(result.weights.copy()).to(weights.dtype)
-        if tuple(value.shape) != expected[hf_name]:
-            raise GGUFError(f"{src.name}: tensor {tensor.name} ({hf_name}) has shape {tuple(value.shape)}; "
+        shape = (int(tensor.shape[1]), int(tensor.shape[0])) if kept else tuple(value.shape)  # GGUF: [K, N]
+        if shape != expected[hf_name]:
+            raise GGUFError(f"{src.name}: tensor {tensor.name} ({hf_name}) has shape {shape}; "
                             f"the model needs {expected[hf_name]}")
+        if kept:
+            raw[hf_name] = Stored(kind, shape)
         if shard and sum(t.nbytes for t in shard.values()) + value.nbytes > SHARD_BYTES:
             files.append(_save_shard(shard, out, len(files) + 1))
             shard = {}
         shard[hf_name] = value
         expected[hf_name] = None  # placed
-        elements[str(value.dtype).removeprefix("torch.")] += value.numel()
+        elements[TENSOR_TYPES[kind] if kept else str(value.dtype).removeprefix("torch.")] += math.prod(shape)
     if unplaced:
         raise GGUFError(f"{src.name}: tensor(s) with no place in a {ARCHITECTURES[arch]}: {_some(unplaced)}")
     missing = [name for name, shape in expected.items() if shape is not None]
     if missing:
         raise GGUFError(f"{src.name}: the model needs tensor(s) the file lacks: {_some(missing)}")
     files.append(_save_shard(shard, out, len(files) + 1))
+    if raw:
+        write_manifest(out, raw)
     if len(files) == 1:
         os.rename(files[0], out / "model.safetensors")
     else:

@@ -27,9 +27,10 @@ from torch import nn
 
 from splitserve.engine.kv_pool import KVPool
 from splitserve.layers.attention import AttentionMetadata, paged_attention
-from splitserve.layers.linear import Linear, MergedLinear, pack_weight, packed_linear
+from splitserve.layers.linear import Embedding, Linear, MergedLinear, pack_weight, packed_linear
 from splitserve.layers.norm import RMSNorm
 from splitserve.layers.ops import TorchOps
+from splitserve.layers.quant import RawQuant
 from splitserve.layers.rotary import RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,15 @@ def parse_rope(config: dict) -> tuple[float, Optional[dict]]:
     return theta, params
 
 
+def _dense_shape(module: nn.Module) -> tuple[int, ...]:
+    """The shape of a module's weight as the checkpoint holds it (a quantized layer's own is empty)."""
+    if isinstance(module, Linear):
+        return (module.out_features, module.in_features)
+    if isinstance(module, Embedding):
+        return (module.num_embeddings, module.embedding_dim)
+    return tuple(module.weight.shape)
+
+
 class Attention(nn.Module):
     def __init__(self, args: DecoderArgs, layer_idx: int):
         super().__init__()
@@ -110,7 +120,7 @@ class Attention(nn.Module):
         q = qkv[:, :H * D].view(T, H, D)
         new_kv = qkv[:, H * D:].view(T, 2, Hkv, D)  # k | v
         o = paged_attention(q, new_kv[:, 0], new_kv[:, 1], kv_layer, meta, self.scale,
-                            ops.decode_attention)  # [T, H, D]
+                            ops.decode_attention, ops.prefill_attention)  # [T, H, D]
         return self.o_proj(o.flatten(1))  # [T, hidden]
 
 
@@ -146,7 +156,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, args: DecoderArgs):
         super().__init__()
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed_tokens = Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.rotary = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
@@ -178,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
         self.progress: Callable[[], None] = _no_progress  # called after each layer; the model runner sets it
         self.model = DecoderModel(self.args)
         if not self.args.tie_word_embeddings:
-            self.lm_head = nn.Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
+            self.lm_head = Linear(self.args.hidden_size, self.args.vocab_size, bias=False)
         self._packed_head: Optional[torch.Tensor] = None  # set by pack_weights
 
     @classmethod
@@ -208,6 +218,16 @@ class LlamaForCausalLM(nn.Module):
             mlp_bias=bool(config.get("mlp_bias", False)),
         )
 
+    def set_ops(self, ops: TorchOps) -> int:
+        """Run the per-layer ops through ``ops`` (``layers/ops.py``), and the dense float32 weights
+        through its ``linear`` where it has one; returns the number of layers given it."""
+        self.ops = ops
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.quant is None and m.packed is None
+                   and m.weight.dtype == torch.float32]
+        for m in linears:
+            m.kernel = ops.linear
+        return len(linears) if ops.linear is not None else 0
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVPool) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed, before lm_head)."""
@@ -217,24 +237,63 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] float32. Pass only the rows you sample from."""
         if self._packed_head is not None:
             return packed_linear(hidden, self._packed_head).float()
-        weight = self.model.embed_tokens.weight if self.args.tie_word_embeddings else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if not self.args.tie_word_embeddings:
+            return self.lm_head(hidden).float()
+        embed = self.model.embed_tokens
+        if embed.quant is not None:
+            return embed.quant.linear(hidden).float()
+        if self.ops.linear is not None and embed.weight.dtype == torch.float32:
+            return self.ops.linear(hidden, embed.weight, None)
+        return F.linear(hidden, embed.weight).float()
 
     def pack_weights(self, batch_hint: int = 16) -> int:
         """Switch every projection and the logits head to packed weights (``layers/linear.py``;
         call ``linear.packing_available`` first). A tied head keeps the embedding it shares, so
         its packed copy is extra memory (vocab x hidden). Returns the number of weights packed."""
-        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed is None]
+        linears = [m for m in self.modules() if isinstance(m, Linear) and m.packed is None and m.quant is None]
         for m in linears:
-            m.pack(batch_hint)
-        if self.args.tie_word_embeddings:
+            m.pack(batch_hint)  # an untied head is one of them
+        if self.args.tie_word_embeddings and self.model.embed_tokens.quant is None:
             self._packed_head = pack_weight(self.model.embed_tokens.weight.detach(), batch_hint)
-        else:
-            self._packed_head = pack_weight(self.lm_head.weight.detach(), batch_hint)
-            self.lm_head.weight = nn.Parameter(self.lm_head.weight.new_empty(0), requires_grad=False)
-        return len(linears) + 1
+            return len(linears) + 1
+        return len(linears)
 
     # -- weights ---------------------------------------------------------------------------------
+
+    def quantizable(self) -> dict[str, tuple[str, list[str]]]:
+        """The layers whose weight may be quantized: module path -> (role, the checkpoint tensors
+        that fill it, in order). Roles: ``linear`` (the projections), ``embedding`` (the token
+        embedding, which a tied model's logits head shares) and ``head`` (an untied head)."""
+        parts: dict[str, list[str]] = {}
+        for name in self.checkpoint_names():
+            module_path, kind = name.rsplit(".", 1)
+            target = self._target_module(module_path)
+            if kind == "weight" and isinstance(self.get_submodule(target), (Linear, Embedding)):
+                parts.setdefault(target, []).append(name)
+        roles = {"model.embed_tokens": "embedding", "lm_head": "head"}
+        return {path: (roles.get(path, "linear"), names) for path, names in parts.items()}
+
+    def expect_quantized(self, kinds: dict[str, str]) -> None:
+        """Before loading: the layers (module path -> type) whose weights arrive as raw blocks."""
+        for path, kind in kinds.items():
+            self.get_submodule(path).expect_quantized(kind)
+
+    def finish_quantized(self, ops) -> int:
+        """After loading: pack every quantized layer's blocks (``ops``: the compiled kernels).
+        Returns the number of layers quantized."""
+        layers = [m for m in self.modules() if isinstance(m, (Linear, Embedding)) and m.quant_kind is not None
+                  and m.quant is None]
+        for m in layers:
+            m.finish_quantized(ops)
+        return len(layers)
+
+    def _target_module(self, module_path: str) -> str:
+        """The module a checkpoint module path loads into (``q_proj`` -> ``qkv_proj``)."""
+        parent, _, leaf = module_path.rpartition(".")
+        if leaf in self.packed_modules:
+            merged = self.packed_modules[leaf][0]
+            return f"{parent}.{merged}" if parent else merged
+        return module_path
 
     def checkpoint_names(self) -> list[str]:
         """The checkpoint tensors this model needs, by their Hugging Face names."""
@@ -265,21 +324,36 @@ class LlamaForCausalLM(nn.Module):
                 continue
             module_path, kind = name.rsplit(".", 1)
             parent, _, leaf = module_path.rpartition(".")
+            part = None
             if leaf in self.packed_modules:
                 merged, part = self.packed_modules[leaf]
                 if f"{parent}.{merged}.{kind}" not in params:
                     unused.append(name)
                     continue
-                target = self.get_submodule(f"{parent}.{merged}").part(part, kind)
+                module = self.get_submodule(f"{parent}.{merged}")
+                target = module.part(part, kind) if module.quant_kind is None or kind != "weight" else None
+                rows = module.offsets[part][1]
+                expected = (rows, module.in_features) if kind == "weight" else (rows,)
             elif name in params:
+                module = self.get_submodule(module_path)
                 target = params[name]
+                expected = _dense_shape(module) if kind == "weight" else tuple(target.shape)
             else:
                 unused.append(name)
                 continue
-            if target.shape != tensor.shape:
-                raise ValueError(f"shape mismatch for {name}: checkpoint {tuple(tensor.shape)}, "
-                                 f"model expects {tuple(target.shape)}")
-            target.copy_(tensor)
+            quantized = isinstance(tensor, RawQuant)
+            if quantized != (kind == "weight" and getattr(module, "quant_kind", None) is not None):
+                raise ValueError(f"{name}: the loader's plan and the tensor disagree (raw blocks: {quantized})")
+            shape = tuple(tensor.shape)
+            if shape != tuple(expected):
+                raise ValueError(f"shape mismatch for {name}: checkpoint {shape}, "
+                                 f"model expects {tuple(expected)}")
+            if quantized:
+                if tensor.kind != module.quant_kind:
+                    raise ValueError(f"{name}: raw {tensor.kind} blocks for a layer expecting {module.quant_kind}")
+                module.stage_part(part, tensor.raw)
+            else:
+                target.copy_(tensor)
             missing.discard(name)
         if unused:
             log.warning("ignored %d checkpoint tensors the model does not use: %s%s", len(unused),

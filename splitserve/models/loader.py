@@ -25,13 +25,14 @@ from typing import Iterator, Optional, Union
 import torch
 from torch import nn
 
-from splitserve.models import get_model_class, supported_architectures
+from splitserve.models import get_model_class, quantized, supported_architectures
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 
 log = logging.getLogger(__name__)
+_KERNELS = object()  # load_model's default: load the compiled kernels
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]  # generation_config.json's first, then config.json's
     generation_defaults: dict  # temperature / top_p / top_k, those generation_config.json sets
     tie_word_embeddings: bool
+    quantization: str = "none"  # the weights' types: "none" or e.g. "Q4_1:210,Q8_0:1" (quantized.Plan.summary)
 
 
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "xavier_uniform_",
@@ -80,9 +82,11 @@ def _without_random_init():
 
 
 def load_model(model_dir: Union[str, os.PathLike], dtype: Union[str, torch.dtype] = "auto",
-               device: Union[str, torch.device] = "cpu") -> tuple[nn.Module, ModelSpec]:
+               device: Union[str, torch.device] = "cpu", quantization: str = "auto",
+               kernels=_KERNELS) -> tuple[nn.Module, ModelSpec]:
     """Load the checkpoint in ``model_dir``. ``dtype``: auto (``resolve_dtype``), float32,
-    bfloat16 or float16."""
+    bfloat16 or float16. ``quantization``: auto, none, int8 or int4 (``models/quantized.py``);
+    ``kernels``: the compiled kernels' namespace, None for none (default: ``kernels.load()`` on CPU)."""
     path = Path(model_dir).expanduser().resolve()
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
@@ -96,11 +100,21 @@ def load_model(model_dir: Union[str, os.PathLike], dtype: Union[str, torch.dtype
     device = torch.device(device)
     torch_dtype = resolve_dtype(dtype, device, config, path)
 
+    if kernels is _KERNELS:
+        from splitserve.layers import kernels as compiled
+
+        kernels = compiled.load() if device.type == "cpu" else None
+    stored = quantized.read_manifest(path)
     with _without_random_init(), torch.device("meta"):
         model = model_cls(config)
+        plan = quantized.make_plan(model.quantizable(), stored, quantization, kernels)
+        model.expect_quantized(plan.layers)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
-    model.load_weights(iter_weights(files))
+    model.load_weights(quantized.prepared(iter_weights(files), stored, plan, torch_dtype))
+    if plan.layers:
+        model.finish_quantized(kernels)
     model.eval().requires_grad_(False)
+    log.info("--quantization %s: %s", quantization, plan.summary())
 
     generation = read_generation_config(path)
     args = model.args
@@ -119,6 +133,7 @@ def load_model(model_dir: Union[str, os.PathLike], dtype: Union[str, torch.dtype
         eos_token_ids=_eos_ids(generation.get("eos_token_id"), config.get("eos_token_id")),
         generation_defaults={k: generation[k] for k in GENERATION_DEFAULT_KEYS if generation.get(k) is not None},
         tie_word_embeddings=args.tie_word_embeddings,
+        quantization=plan.summary(),
     )
     return model, spec
 

@@ -1,0 +1,622 @@
+// The decoder's matmuls, batch-invariant (built with cpu_kernels.cpp by layers/kernels.py):
+//
+//   linear_f32     y = x W^T (+ b) on a float32 [N, K] weight as it is
+//   quant_linear   the same on a quantized weight kept as GGUF blocks (layers/quant.py)
+//   quant_pack     a GGUF tensor's rows repacked for quant_linear; quant_rows: rows dequantized
+//
+// Batch invariance: each output element is computed by the same operations in the same order
+// whatever the number of rows in the call (M) and whichever other rows share it, so a row gives the
+// same bits alone, in a decode batch or inside a prefill chunk of any size (what the recompute of a
+// lost transfer relies on; BLAS's sgemm does not promise it: its kernels and its blocking of K
+// change with M). The rows are tiled 1-4 at a time, which shares loads, never arithmetic; threads
+// split the output columns (at::parallel_for), which changes no arithmetic either.
+//
+// float32: per output, 8 partial sums over k (lane k % 8), fma in order of k, added pairwise at the
+// end; the weight is read as it is (a tied embedding needs no second copy).
+//
+// Quantized weights: GGUF's Q8_0, Q4_0, Q4_1 and Q4_K rows (their block bytes as llama.cpp writes
+// them), repacked once by `quant_pack` into groups of 8 output rows whose blocks are interleaved 4
+// bytes at a time: one 32-byte load then holds 4 consecutive k of 8 rows, lane r = row r, so a
+// multiply-add of those bytes against 4 bytes of activations broadcast gives 8 outputs at once and
+// the 32 outputs of one block need no horizontal sums. Same bytes as the file (Q4_K: its 6-bit
+// scales unpacked, 148 bytes per 256 instead of 144).
+//
+//   group block of 8 rows (one per 32 k; Q4_K one per 256 k):
+//   Q8_0  d[8] f16 | 8 x 32 B     vector g, lane r: row r's int8 q[4g .. 4g+3]
+//   Q4_0  d[8] f16 | 4 x 32 B     vector i, lane r: row r's bytes qs[4i .. 4i+3] (low nibble k, high k+16)
+//   Q4_1  d[8] f16 | m[8] f16 | 4 x 32 B                                      (as Q4_0)
+//   Q4_K  d[8] f16 | dmin[8] f16 | sc[8 sub][8 rows] u8 | m[8][8] u8 | 4 chunks x 8 x 32 B
+//         chunk j vector i, lane r: row r's qs[32j + 4i ..]: low nibble sub-block 2j, high 2j+1
+//
+// Activations are quantized per row in blocks of 32 (as llama.cpp's Q8_0/Q8_1 activations):
+// int8 q = round(x / d), d = max|x| / 127, with the block's integer sum S (for Q4_0's offset) and
+// s = d * S (for the Q4_1/Q4_K minimum). One output, per block: an exact integer dot product of
+// the block, then acc = fma(float(dot), dw * dx, acc) (and acc = fma(m, s, acc) for a minimum),
+// over the blocks in order.
+//
+// AVX2 (+FMA, F16C) kernels; elsewhere plain loops with the same arithmetic per element (std::fma),
+// which keep the batch invariance (not necessarily an AVX2 machine's bits).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QK_AVX2 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12;  // GGML type ids
+constexpr int64_t ROWS = 8;  // output rows per group
+
+inline float half_to_float(uint16_t h) { return float(c10::Half(h, c10::Half::from_bits())); }
+
+struct Kind {
+  int64_t block;      // k per block of the file
+  int64_t raw_bytes;  // bytes of one block of one row in the file
+  int64_t grp_bytes;  // bytes of one packed block of a group of 8 rows
+};
+
+Kind kind_info(int64_t kind) {
+  switch (kind) {
+    case kQ8_0: return {32, 34, 16 + 256};
+    case kQ4_0: return {32, 18, 16 + 128};
+    case kQ4_1: return {32, 20, 32 + 128};
+    case kQ4_K: return {256, 144, 32 + 128 + 1024};
+  }
+  TORCH_CHECK(false, "unsupported quantized type id ", kind, " (supported: Q4_0 2, Q4_1 3, Q8_0 8, Q4_K 12)");
+}
+
+// Q4_K's packed 6-bit scale and minimum of sub-block j (llama.cpp's get_scale_min_k4)
+inline void q4k_scale_min(const uint8_t* q, int j, uint8_t& sc, uint8_t& m) {
+  if (j < 4) {
+    sc = q[j] & 63;
+    m = q[j + 4] & 63;
+  } else {
+    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+// -- packing ----------------------------------------------------------------------------------------
+
+// raw [N, K / block * raw_bytes] uint8 (the file's rows) -> [ceil(N / 8), K / block * grp_bytes]
+at::Tensor quant_pack(const at::Tensor& raw, int64_t kind, int64_t K) {
+  const Kind ki = kind_info(kind);
+  TORCH_CHECK(raw.dim() == 2 && raw.scalar_type() == at::kByte && raw.is_contiguous(),
+              "raw must be contiguous uint8 [N, bytes]");
+  TORCH_CHECK(K % ki.block == 0 && raw.size(1) == K / ki.block * ki.raw_bytes, "raw rows do not hold K = ", K,
+              " values of this type");
+  const int64_t N = raw.size(0), nb = K / ki.block, G = (N + ROWS - 1) / ROWS;
+  auto out = at::zeros({G, nb * ki.grp_bytes}, raw.options());
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t row_bytes = raw.size(1), grp_row = out.size(1);
+  at::parallel_for(0, G, 16, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      for (int64_t r = 0; r < ROWS && g * ROWS + r < N; ++r) {
+        const uint8_t* row = src + (g * ROWS + r) * row_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* blk = row + b * ki.raw_bytes;
+          uint8_t* gb = dst + g * grp_row + b * ki.grp_bytes;
+          if (kind == kQ8_0 || kind == kQ4_0) {
+            std::memcpy(gb + 2 * r, blk, 2);
+            const int64_t vecs = kind == kQ8_0 ? 8 : 4;
+            for (int64_t i = 0; i < vecs; ++i) std::memcpy(gb + 16 + 32 * i + 4 * r, blk + 2 + 4 * i, 4);
+          } else if (kind == kQ4_1) {
+            std::memcpy(gb + 2 * r, blk, 2);
+            std::memcpy(gb + 16 + 2 * r, blk + 2, 2);
+            for (int64_t i = 0; i < 4; ++i) std::memcpy(gb + 32 + 32 * i + 4 * r, blk + 4 + 4 * i, 4);
+          } else {  // Q4_K
+            std::memcpy(gb + 2 * r, blk, 2);
+            std::memcpy(gb + 16 + 2 * r, blk + 2, 2);
+            for (int j = 0; j < 8; ++j) q4k_scale_min(blk + 4, j, gb[32 + 8 * j + r], gb[96 + 8 * j + r]);
+            const uint8_t* qs = blk + 16;
+            for (int64_t c = 0; c < 4; ++c)
+              for (int64_t i = 0; i < 8; ++i) std::memcpy(gb + 160 + 256 * c + 32 * i + 4 * r, qs + 32 * c + 4 * i, 4);
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// -- dequantization (rows: the embedding lookup; all rows: tests and expansion) ---------------------
+
+// row n of a packed weight into float out[K]: the gguf library's arithmetic (exact products, one rounding)
+void dequant_row(const uint8_t* packed, int64_t grp_row, const Kind& ki, int64_t kind, int64_t K, int64_t n,
+                 float* out) {
+  const int64_t g = n / ROWS, r = n % ROWS, nb = K / ki.block;
+  const uint8_t* base = packed + g * grp_row;
+  uint16_t h;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* gb = base + b * ki.grp_bytes;
+    float* o = out + b * ki.block;
+    std::memcpy(&h, gb + 2 * r, 2);
+    const float d = half_to_float(h);
+    if (kind == kQ8_0) {
+      for (int64_t i = 0; i < 32; ++i) o[i] = d * float(int8_t(gb[16 + 32 * (i / 4) + 4 * r + i % 4]));
+    } else if (kind == kQ4_0 || kind == kQ4_1) {
+      float m = 0.f;
+      if (kind == kQ4_1) {
+        std::memcpy(&h, gb + 16 + 2 * r, 2);
+        m = half_to_float(h);
+      }
+      const uint8_t* qs = gb + (kind == kQ4_1 ? 32 : 16);
+      for (int64_t i = 0; i < 16; ++i) {
+        const uint8_t byte = qs[32 * (i / 4) + 4 * r + i % 4];
+        if (kind == kQ4_1) {
+          o[i] = d * float(byte & 0xF) + m;
+          o[i + 16] = d * float(byte >> 4) + m;
+        } else {
+          o[i] = d * float(int(byte & 0xF) - 8);
+          o[i + 16] = d * float(int(byte >> 4) - 8);
+        }
+      }
+    } else {  // Q4_K: (d * sc) * q - dmin * m per sub-block of 32
+      std::memcpy(&h, gb + 16 + 2 * r, 2);
+      const float dmin = half_to_float(h);
+      for (int64_t c = 0; c < 4; ++c) {
+        const float d1 = d * float(gb[32 + 8 * (2 * c) + r]), m1 = dmin * float(gb[96 + 8 * (2 * c) + r]);
+        const float d2 = d * float(gb[32 + 8 * (2 * c + 1) + r]), m2 = dmin * float(gb[96 + 8 * (2 * c + 1) + r]);
+        for (int64_t l = 0; l < 32; ++l) {
+          const uint8_t byte = gb[160 + 256 * c + 32 * (l / 4) + 4 * r + l % 4];
+          o[64 * c + l] = d1 * float(byte & 0xF) - m1;
+          o[64 * c + 32 + l] = d2 * float(byte >> 4) - m2;
+        }
+      }
+    }
+  }
+}
+
+// packed [G, bytes]; rows int64 [T] in [0, N) -> float32 [T, K]
+at::Tensor quant_rows(const at::Tensor& packed, int64_t kind, int64_t N, int64_t K, const at::Tensor& rows) {
+  const Kind ki = kind_info(kind);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(0) == (N + ROWS - 1) / ROWS && packed.size(1) == K / ki.block * ki.grp_bytes,
+              "packed weight does not match N, K and the type");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong, "rows must be int64 [T]");
+  auto idx = rows.contiguous();
+  const int64_t T = idx.size(0);
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(ip[t] >= 0 && ip[t] < N, "row ", ip[t], " out of range [0, ", N, ")");
+  auto out = at::empty({T, K}, packed.options().dtype(at::kFloat));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t grp_row = packed.size(1);
+  at::parallel_for(0, T, T * K < (int64_t(1) << 18) ? std::max<int64_t>(T, 1) : 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) dequant_row(pp, grp_row, ki, kind, K, ip[t], op + t * K);
+  });
+  return out;
+}
+
+// -- activations ----------------------------------------------------------------------------------
+
+// x [M, K] -> per row and block of 32: int8 q[32], d, s = d * sum(q), S = sum(q)
+struct Acts {
+  std::vector<int8_t> q;
+  std::vector<float> d, s;
+  std::vector<int32_t> sum;
+  int64_t K = 0, nb = 0;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return float(x); }
+
+template <typename T>
+void quantize_rows(const T* x, int64_t xs, int64_t M, int64_t K, Acts& a) {
+  a.K = K;
+  a.nb = K / 32;
+  a.q.resize(M * K);
+  a.d.resize(M * a.nb);
+  a.s.resize(M * a.nb);
+  a.sum.resize(M * a.nb);
+  at::parallel_for(0, M, M * K < (int64_t(1) << 16) ? std::max<int64_t>(M, 1) : 1, [&](int64_t m0, int64_t m1) {
+    float buf[32];
+    for (int64_t m = m0; m < m1; ++m) {
+      for (int64_t b = 0; b < a.nb; ++b) {
+        const T* src = x + m * xs + 32 * b;
+        for (int i = 0; i < 32; ++i) buf[i] = to_float(src[i]);
+        int8_t* q = a.q.data() + m * K + 32 * b;
+        float amax = 0.f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(buf[i]));
+        const float d = amax / 127.f;
+        const float id = d != 0.f ? 1.f / d : 0.f;
+        int32_t sum = 0;
+#if defined(QK_AVX2)
+        const __m256 vid = _mm256_set1_ps(id);
+        __m256i iv[4];
+        for (int c = 0; c < 4; ++c) {
+          const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(buf + 8 * c), vid);
+          iv[c] = _mm256_cvtps_epi32(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+        }
+        const __m256i s = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_hadd_epi32(s4, s4);
+        s4 = _mm_hadd_epi32(s4, s4);
+        sum = _mm_cvtsi128_si32(s4);
+        // int32 -> int8 (|q| <= 127: no saturation); packs interleave 128-bit lanes, the permute undoes it
+        const __m256i p16a = _mm256_packs_epi32(iv[0], iv[1]), p16b = _mm256_packs_epi32(iv[2], iv[3]);
+        const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                            _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+#else
+        for (int i = 0; i < 32; ++i) {
+          const int32_t v = int32_t(std::nearbyint(buf[i] * id));
+          q[i] = int8_t(v);
+          sum += v;
+        }
+#endif
+        a.d[m * a.nb + b] = d;
+        a.sum[m * a.nb + b] = sum;
+        a.s[m * a.nb + b] = d * float(sum);
+      }
+    }
+  });
+}
+
+// -- the tiles: MR activation rows x one group of 8 output rows -----------------------------------
+
+#if defined(QK_AVX2)
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+inline __m256 load_half8(const uint8_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load_u8x8(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Q4_0 (MIN false) and Q4_1 (MIN true), one block of 32 k per step
+template <int MR, bool MIN>
+inline void tile_q4(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t K = a.K;
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* gb = grp + b * (MIN ? 160 : 144);
+    const uint8_t* qs = gb + (MIN ? 32 : 16);
+    __m256i p[MR];
+    for (int m = 0; m < MR; ++m) p[m] = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+      const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      for (int m = 0; m < MR; ++m) {
+        const int8_t* xq = a.q.data() + (m0 + m) * K + 32 * b;
+        // 8 products of <= 2 * 15 * 127 in each int16 lane: <= 30480, no saturation
+        p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * i)));
+        p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * i)));
+      }
+    }
+    const __m256 dw = load_half8(gb);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = (m0 + m) * a.nb + b;
+      __m256i dot = _mm256_madd_epi16(p[m], ones);
+      if (!MIN) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * a.sum[at]));  // (q - 8) . x
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[at])), acc[m]);
+      if (MIN) acc[m] = _mm256_fmadd_ps(load_half8(gb + 16), _mm256_set1_ps(a.s[at]), acc[m]);
+    }
+  }
+}
+
+template <int MR>
+inline void tile_q8(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int64_t K = a.K;
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* gb = grp + b * 272;
+    __m256i s[MR];
+    for (int m = 0; m < MR; ++m) s[m] = _mm256_setzero_si256();
+    for (int g = 0; g < 8; ++g) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 16 + 32 * g));
+      const __m256i aw = _mm256_sign_epi8(w, w);  // |w| (as unsigned: -128 -> 128)
+      for (int m = 0; m < MR; ++m) {
+        const __m256i x = bcast4(a.q.data() + (m0 + m) * K + 32 * b + 4 * g);
+        // |w| * (x with w's sign): 2 products of <= 128 * 127 per int16 lane
+        s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones));
+      }
+    }
+    const __m256 dw = load_half8(gb);
+    for (int m = 0; m < MR; ++m) {
+      const int64_t at = (m0 + m) * a.nb + b;
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[m]), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[at])), acc[m]);
+    }
+  }
+}
+
+template <int MR>
+inline void tile_q4k(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc) {
+  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const int64_t K = a.K, nsb = K / 256;
+  for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint8_t* gb = grp + sb * 1184;
+    const __m256 d = load_half8(gb), dmin = load_half8(gb + 16);
+    for (int sub = 0; sub < 8; ++sub) {
+      const int64_t c = sub / 2, shift = (sub % 2) * 4, k0 = 256 * sb + 32 * sub;
+      __m256i p[MR];
+      for (int m = 0; m < MR; ++m) p[m] = _mm256_setzero_si256();
+      for (int i = 0; i < 8; ++i) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 160 + 256 * c + 32 * i));
+        const __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, int(shift)), mask);
+        for (int m = 0; m < MR; ++m)
+          p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(q, bcast4(a.q.data() + (m0 + m) * K + k0 + 4 * i)));
+      }
+      const __m256 scale = _mm256_mul_ps(d, load_u8x8(gb + 32 + 8 * sub));
+      const __m256 minimum = _mm256_mul_ps(dmin, load_u8x8(gb + 96 + 8 * sub));
+      for (int m = 0; m < MR; ++m) {
+        const int64_t at = (m0 + m) * a.nb + k0 / 32;
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[m], ones));
+        acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(a.d[at])), acc[m]);
+        acc[m] = _mm256_fnmadd_ps(minimum, _mm256_set1_ps(a.s[at]), acc[m]);
+      }
+    }
+  }
+}
+
+template <int MR>
+inline void tile(int64_t kind, const uint8_t* grp, const Acts& a, int64_t m0, float* res) {
+  __m256 acc[MR];
+  switch (kind) {
+    case kQ4_0: tile_q4<MR, false>(grp, a, m0, acc); break;
+    case kQ4_1: tile_q4<MR, true>(grp, a, m0, acc); break;
+    case kQ8_0: tile_q8<MR>(grp, a, m0, acc); break;
+    default: tile_q4k<MR>(grp, a, m0, acc); break;
+  }
+  for (int m = 0; m < MR; ++m) _mm256_storeu_ps(res + 8 * m, acc[m]);
+}
+#else
+// the same arithmetic per output element, one lane at a time
+template <int MR>
+inline void tile(int64_t kind, const uint8_t* grp, const Acts& a, int64_t m0, float* res) {
+  const Kind ki = kind_info(kind);
+  for (int m = 0; m < MR; ++m) {
+    const int8_t* xq = a.q.data() + (m0 + m) * a.K;
+    for (int r = 0; r < 8; ++r) {
+      float acc = 0.f;
+      uint16_t h;
+      for (int64_t b = 0; b < a.K / ki.block; ++b) {
+        const uint8_t* gb = grp + b * ki.grp_bytes;
+        std::memcpy(&h, gb + 2 * r, 2);
+        const float dw = half_to_float(h);
+        if (kind == kQ8_0 || kind == kQ4_0 || kind == kQ4_1) {
+          const int64_t at = (m0 + m) * a.nb + b;
+          int32_t dot = 0;
+          if (kind == kQ8_0) {
+            for (int i = 0; i < 32; ++i) dot += int32_t(int8_t(gb[16 + 32 * (i / 4) + 4 * r + i % 4])) * xq[32 * b + i];
+          } else {
+            const uint8_t* qs = gb + (kind == kQ4_1 ? 32 : 16);
+            for (int i = 0; i < 16; ++i) {
+              const uint8_t byte = qs[32 * (i / 4) + 4 * r + i % 4];
+              dot += int32_t(byte & 0xF) * xq[32 * b + i] + int32_t(byte >> 4) * xq[32 * b + 16 + i];
+            }
+            if (kind == kQ4_0) dot -= 8 * a.sum[at];
+          }
+          acc = std::fma(float(dot), dw * a.d[at], acc);
+          if (kind == kQ4_1) {
+            std::memcpy(&h, gb + 16 + 2 * r, 2);
+            acc = std::fma(half_to_float(h), a.s[at], acc);
+          }
+        } else {
+          std::memcpy(&h, gb + 16 + 2 * r, 2);
+          const float dmin = half_to_float(h);
+          for (int sub = 0; sub < 8; ++sub) {
+            const int64_t c = sub / 2, shift = (sub % 2) * 4, k0 = 256 * b + 32 * sub, at = (m0 + m) * a.nb + k0 / 32;
+            int32_t dot = 0;
+            for (int l = 0; l < 32; ++l)
+              dot += int32_t((gb[160 + 256 * c + 32 * (l / 4) + 4 * r + l % 4] >> shift) & 0xF) * xq[k0 + l];
+            const float scale = dw * float(gb[32 + 8 * sub + r]), minimum = dmin * float(gb[96 + 8 * sub + r]);
+            acc = std::fma(float(dot), scale * a.d[at], acc);
+            acc = std::fma(-minimum, a.s[at], acc);
+          }
+        }
+      }
+      res[8 * m + r] = acc;
+    }
+  }
+}
+#endif
+
+constexpr int64_t MR_MAX = 4;
+constexpr int64_t GROUP_CHUNK = 16;  // groups of weights kept hot while the row tiles pass over them
+
+void tile_rows(int64_t mr, int64_t kind, const uint8_t* grp, const Acts& a, int64_t m0, float* res) {
+  switch (mr) {
+    case 1: return tile<1>(kind, grp, a, m0, res);
+    case 2: return tile<2>(kind, grp, a, m0, res);
+    case 3: return tile<3>(kind, grp, a, m0, res);
+    default: return tile<4>(kind, grp, a, m0, res);
+  }
+}
+
+inline void store_out(float v, float* o) { *o = v; }
+inline void store_out(float v, at::BFloat16* o) { *o = at::BFloat16(v); }
+
+template <typename T>
+void quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
+                       const std::optional<at::Tensor>& bias, at::Tensor& out) {
+  const int64_t M = x.size(0), K = x.size(1), G = packed.size(0), grp_row = packed.size(1);
+  Acts a;
+  quantize_rows<T>(x.data_ptr<T>(), x.stride(0), M, K, a);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+  T* op = out.data_ptr<T>();
+  const int64_t os = out.stride(0);
+  // one thread below ~256 KiB of weights at batch 1 (waking the pool costs about what it saves)
+  const int64_t work = G * grp_row * std::max<int64_t>(M, 4) / 4;
+  at::parallel_for(0, G, work < (int64_t(1) << 18) ? G : 1, [&](int64_t g0, int64_t g1) {
+    float res[MR_MAX * 8];
+    for (int64_t c0 = g0; c0 < g1; c0 += GROUP_CHUNK) {
+      const int64_t c1 = std::min(g1, c0 + GROUP_CHUNK);
+      for (int64_t m0 = 0; m0 < M; m0 += MR_MAX) {
+        const int64_t mr = std::min(MR_MAX, M - m0);
+        for (int64_t g = c0; g < c1; ++g) {
+          tile_rows(mr, kind, pp + g * grp_row, a, m0, res);
+          const int64_t n0 = g * ROWS, nr = std::min(ROWS, N - n0);
+          for (int64_t m = 0; m < mr; ++m) {
+            T* o = op + (m0 + m) * os + n0;
+            for (int64_t r = 0; r < nr; ++r) store_out(bp ? res[8 * m + r] + bp[n0 + r] : res[8 * m + r], o + r);
+          }
+        }
+      }
+    }
+  });
+}
+
+// x [M, K] float32 or bfloat16 (unit last stride); packed from quant_pack; bias float32 [N] or None
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
+                        const std::optional<at::Tensor>& bias) {
+  const Kind ki = kind_info(kind);
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [M, K] with a unit last stride");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % ki.block == 0, "K = ", K, " is not a multiple of the type's block ", ki.block);
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+              packed.size(0) == (N + ROWS - 1) / ROWS && packed.size(1) == K / ki.block * ki.grp_bytes,
+              "packed weight does not match x's K, N and the type");
+  if (bias.has_value() && bias->defined())
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be float32 [N]");
+  auto out = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0) return out;
+  if (x.scalar_type() == at::kFloat) {
+    quant_linear_impl<float>(x, packed, kind, N, bias, out);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "quant_linear: float32 or bfloat16 activations only");
+    quant_linear_impl<at::BFloat16>(x, packed, kind, N, bias, out);
+  }
+  return out;
+}
+
+
+// -- float32 ----------------------------------------------------------------------------------------
+
+inline float sum8(const float* x) { return ((x[0] + x[1]) + (x[2] + x[3])) + ((x[4] + x[5]) + (x[6] + x[7])); }
+
+// MR rows of x times NR rows of w over all of K into res[MR][NR]
+template <int MR, int NR>
+inline void tile_f32(const float* x, int64_t xs, const float* w, int64_t ws, int64_t K, float* res) {
+#if defined(QK_AVX2)
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = _mm256_loadu_ps(w + n * ws + k);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_loadu_ps(x + m * xs + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  if (k < K) {  // the last K % 8: masked loads, the other lanes add +0
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(K - k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = _mm256_maskload_ps(w + n * ws + k, mask);
+    for (int m = 0; m < MR; ++m) {
+      const __m256 xv = _mm256_maskload_ps(x + m * xs + k, mask);
+      for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  float lanes[8];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      _mm256_storeu_ps(lanes, acc[m][n]);
+      res[m * NR + n] = sum8(lanes);
+    }
+#else
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int64_t k = 0; k < K; ++k) part[k % 8] = std::fma(x[m * xs + k], w[n * ws + k], part[k % 8]);
+      res[m * NR + n] = sum8(part);
+    }
+#endif
+}
+
+template <int MR>
+inline void tile_f32_n(int64_t nr, const float* x, int64_t xs, const float* w, int64_t ws, int64_t K, float* res) {
+  switch (nr) {
+    case 1: return tile_f32<MR, 1>(x, xs, w, ws, K, res);
+    case 2: return tile_f32<MR, 2>(x, xs, w, ws, K, res);
+    default: return tile_f32<MR, 3>(x, xs, w, ws, K, res);
+  }
+}
+
+constexpr int64_t F32_NR = 3, F32_MR = 4, F32_NB = 48;  // a tile of 4 x 3 outputs; 48 weight rows hot in L2
+
+// x [M, K] float32 (unit last stride); w [N, K] float32 (unit last stride); bias float32 [N] or None
+at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and w [N, K] must share K");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "linear_f32: float32 only");
+  TORCH_CHECK(x.stride(1) == 1 && w.stride(1) == 1, "x and w need a unit last stride");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "bias must be float32 [N]");
+    bp = bias->data_ptr<float>();
+  }
+  auto out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t xs = x.stride(0), ws = w.stride(0), blocks = (N + F32_NB - 1) / F32_NB;
+  const int64_t work = M * N * K;
+  at::parallel_for(0, blocks, work < (int64_t(1) << 19) ? blocks : 1, [&](int64_t b0, int64_t b1) {
+    float res[F32_MR * F32_NR];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t nb0 = b * F32_NB, nb1 = std::min(N, nb0 + F32_NB);
+      for (int64_t m0 = 0; m0 < M; m0 += F32_MR) {
+        const int64_t mr = std::min(F32_MR, M - m0);
+        for (int64_t n0 = nb0; n0 < nb1; n0 += F32_NR) {
+          const int64_t nr = std::min(F32_NR, nb1 - n0);
+          const float* xt = xp + m0 * xs;
+          const float* wt = wp + n0 * ws;
+          switch (mr) {
+            case 1: tile_f32_n<1>(nr, xt, xs, wt, ws, K, res); break;
+            case 2: tile_f32_n<2>(nr, xt, xs, wt, ws, K, res); break;
+            case 3: tile_f32_n<3>(nr, xt, xs, wt, ws, K, res); break;
+            default: tile_f32_n<4>(nr, xt, xs, wt, ws, K, res); break;
+          }
+          for (int64_t m = 0; m < mr; ++m)
+            for (int64_t n = 0; n < nr; ++n)
+              op[(m0 + m) * N + n0 + n] = bp ? res[m * nr + n] + bp[n0 + n] : res[m * nr + n];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(SPLITSERVE_OPS, m) {
+  m.def("quant_pack(Tensor raw, int kind, int K) -> Tensor");
+  m.def("quant_rows(Tensor packed, int kind, int N, int K, Tensor rows) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int kind, int N, Tensor? bias) -> Tensor");
+  m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(SPLITSERVE_OPS, CPU, m) {
+  m.impl("quant_pack", &quant_pack);
+  m.impl("quant_rows", &quant_rows);
+  m.impl("quant_linear", &quant_linear);
+  m.impl("linear_f32", &linear_f32);
+}
