@@ -1,7 +1,8 @@
 """Bootstrap info (``splitserve/disagg/bootstrap.py``): the model identity two workers compare
 before exchanging KV pages. Same checkpoint anywhere: same identity; another tokenizer or other
-weights under the same config.json (two quantizations of one model): another identity, so the pair
-refuses each other with ``incompatible_peer`` naming ``model``."""
+weights under the same config.json (two quantizations of one model), or the same weights loaded in
+other types (``--quantization``): another identity, so the pair refuses each other with
+``incompatible_peer`` naming ``model``."""
 
 from __future__ import annotations
 
@@ -69,3 +70,15 @@ def test_one_changed_tensor_changes_the_identity(tmp_path, weights):
     a = checkpoint(tmp_path / "a", weights)
     b = checkpoint(tmp_path / "b", {**weights, "model.norm.weight": weights["model.norm.weight"] + 1})
     assert model_identity(a) != model_identity(b)
+
+
+def test_the_same_file_loaded_in_other_types_is_another_model(tmp_path, weights):
+    """One GGUF file served with its quantized tensors kept (``--quantization auto``) and expanded
+    (``none``) computes other logits: the pair refuses each other, naming both."""
+    a = checkpoint(tmp_path / "a", weights)
+    kept = SimpleNamespace(path=a.path, architecture=a.architecture, quantization="Q4_1:210,Q8_0:1")
+    expanded = SimpleNamespace(path=a.path, architecture=a.architecture, quantization="none")
+    assert model_identity(kept).endswith("/Q4_1:210,Q8_0:1") and model_identity(expanded).endswith("/none")
+    assert model_identity(kept).split("/")[0] == model_identity(expanded).split("/")[0]
+    assert mismatch(kept, expanded) == f"model (ours {model_identity(kept)}, peer's {model_identity(expanded)})"
+    assert mismatch(kept, SimpleNamespace(**vars(kept))) is None

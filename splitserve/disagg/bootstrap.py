@@ -34,10 +34,12 @@ def new_incarnation() -> str:
 
 
 def model_identity(spec) -> str:
-    """``architecture:fingerprint`` of the checkpoint folder: config.json (parsed, so formatting does
-    not count), every tokenizer file present (a different vocabulary or chat template turns the same
-    text into different tokens), and the weights (two quantizations of one model share a config).
-    Bit-identical checkpoints get the same identity wherever they live."""
+    """``architecture:fingerprint/quantization`` of the checkpoint folder: config.json (parsed, so
+    formatting does not count), every tokenizer file present (a different vocabulary or chat
+    template turns the same text into different tokens), and the weights (two quantizations of one
+    model share a config); then the types the worker loaded them in (``--quantization``: one file
+    served quantized and expanded gives other logits). Bit-identical checkpoints loaded alike get
+    the same identity wherever they live."""
     path = Path(spec.path)
     digest = hashlib.sha256()
     try:
@@ -48,7 +50,7 @@ def model_identity(spec) -> str:
         digest.update(weights_fingerprint(path).encode())
     except (OSError, ValueError):
         return f"{spec.architecture}:unknown"
-    return f"{spec.architecture}:{digest.hexdigest()[:12]}"
+    return f"{spec.architecture}:{digest.hexdigest()[:12]}/{getattr(spec, 'quantization', 'none')}"
 
 
 def weights_fingerprint(path: Path) -> str:
