@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 
+import msgpack
 import pytest
 import requests
 
@@ -156,6 +157,64 @@ def test_a_full_pool_with_work_it_cannot_schedule_does_not_spin(setup):
     a.join(60)
     resp, _ = a_done[0]
     assert resp.status_code == 200 and len(resp.json()["output_ids"]) == 40, resp.text
+
+
+def test_a_link_takes_writes_only_into_the_pages_of_its_own_rooms(setup):
+    """Issue 18, 4.1: whoever holds a receiving link's metadata (the fake prefill got it in
+    ``RegisterPeer``) writes junk over decode's whole pool while none of its rooms waits for KV.
+    The tcp link refuses every byte of it (the write fails, naming why), and a prompt answered from
+    decode's prefix cache answers as before, token for token. (The fake's honest writes, of zeros
+    into each room's pages, land.)"""
+    import torch
+
+    from splitserve.disagg.transfer.base import Span, create_backend, page_spans
+
+    decode, fake = setup
+    fake.on_register = answer_with(5)
+    ask(decode, fake, 16, seed=76)  # the fake's session has a link now
+    link = fake.messages(p.RegisterPeer)[-1]
+    nbytes = msgpack.unpackb(link.agent_metadata)["nbytes"]
+    page_nbytes = nbytes // PAGES
+
+    def write(writer, spans) -> object:
+        handle = writer.write(link.agent_name, spans, b"")
+        deadline = time.monotonic() + 30
+        while writer.poll(handle).pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return writer.poll(handle)
+
+    honest = create_backend("tcp", "honest-writer", torch.zeros(nbytes, dtype=torch.uint8))
+    junk = create_backend("tcp", "junk-writer", torch.randint(0, 256, (nbytes,), dtype=torch.uint8,
+                                                               generator=torch.Generator().manual_seed(1)))
+    try:
+        for writer in (honest, junk):
+            writer.add_peer(link.agent_name, link.agent_metadata)
+        wrote = []
+
+        def zeros_then_done(fake, peer, reg):  # on the fake's thread: the bytes land before KVDone is sent
+            wrote.append(write(honest, page_spans(reg.pages, reg.pages, page_nbytes)))
+            fake.kv_done(peer, reg, 5)
+
+        fake.on_register = zeros_then_done
+        rng = random.Random(77)
+        ids = [rng.randint(10, 2000) for _ in range(3 * PAGE)]  # two whole pages go to the prefix cache
+
+        def answer() -> list:
+            extra = {"bootstrap_host": fake.host, "bootstrap_port": fake.port, "bootstrap_room": rng.getrandbits(63)}
+            r = post_generate(decode.url, ids, 6, extra=extra, temperature=0)
+            assert r.status_code == 200, r.text
+            return r.json()["output_ids"]
+
+        first = answer()
+        assert answer() == first and wrote and all(w.done for w in wrote), wrote  # the cache's pages, the same KV
+        state = write(junk, [Span(0, 0, nbytes)])
+        assert state.failed and "not_writable" in state.reason, state
+        assert answer() == first, "junk landed in decode's cached pages"
+    finally:
+        honest.close()
+        junk.close()
+
+
     pages_back_to_total(decode, 10)
 
 

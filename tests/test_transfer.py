@@ -407,6 +407,40 @@ def test_tcp_receiver_refusal_reaches_the_writer():
         b.close()
 
 
+def test_tcp_receiving_link_takes_writes_only_into_the_pages_it_was_given():
+    """A link built with ``writable_page_nbytes`` (decode's) lands a write only where every page it
+    touches is allowed now: nothing before ``allow_pages``, the allowed pages after, nothing once
+    revoked; a page two keys allow stays open until both revoke it. A refused write lands no byte
+    and fails naming ``not_writable``; its notification is never delivered."""
+    tag = uuid.uuid4().hex[:8]
+    src, dst = filled_pool(7), KVPool(LAYOUT)
+    a, b = TcpBackend(f"p-{tag}", src.buffer), TcpBackend(f"d-{tag}", dst.buffer, writable_page_nbytes=P)
+    try:
+        a.add_peer(b.agent_name, b.metadata())
+
+        def write(local, remote, notif=b""):
+            return wait_state(a, a.write(b.agent_name, page_spans(local, remote, P), notif))
+
+        refused = write([0, 1], [2, 3], b"early")
+        assert refused.failed and "not_writable" in refused.reason, refused
+        b.allow_pages("room-1", [2, 3, 4])
+        b.allow_pages("room-2", [4, 5])
+        assert write([0, 1, 2], [2, 3, 4], b"ok").done
+        assert wait_notifs(b, 1) == [(a.agent_name, b"ok")]
+        straddles = write([3, 4], [5, 6])  # page 6 was never given
+        assert straddles.failed and "not_writable" in straddles.reason
+        b.revoke_pages("room-1")
+        assert write([5], [2]).failed  # room-1's own page: closed
+        assert write([5], [4]).done  # shared with room-2: still open
+        b.revoke_pages("room-2", [4])
+        assert write([6], [4]).failed and write([6], [5]).done  # a page revoked by name; the other stays
+        assert_pages(dst, src, [0, 1, 5, 6], [2, 3, 4, 5])  # the last write to land on each; no other byte
+        assert b.notifications() == [] and b.stats()["bad_frames"] == 4
+    finally:
+        a.close()
+        b.close()
+
+
 # -- nixl specifics -----------------------------------------------------------------------------
 
 

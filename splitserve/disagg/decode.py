@@ -46,7 +46,7 @@ class DecodeRole(DisaggRole):
 
     def _start(self) -> None:
         self.links = ReceiveLinks(self.server.transfer_backend, f"decode-{self.incarnation}", self.engine.kv.buffer,
-                                  **self._transfer_opts())
+                                  page_nbytes=self.engine.layout.page_nbytes, **self._transfer_opts())
         self.transfer = TransferWorker(None, self.loop.post_event, self.faults.transfer, links=self.links)
         self.table = DecodeTable(self.deadlines, self.incarnation, self.engine.layout.page_size,
                                  vocab_size=self.engine.spec.vocab_size)
@@ -124,6 +124,7 @@ class DecodeRole(DisaggRole):
             self._serve_page_queue(out)
         elif isinstance(a, StartDecode):
             rec = self.rooms[a.room]
+            self.links.revoke(a.room)  # every write landed: the pages are closed to prefill before they decode
             seq, outputs = self.engine.start_decoding(rec.req, rec.pages, a.first_token,  # checks before it changes
                                                       cached_pages=rec.cached_pages)
             self.kv_bytes_received += (len(rec.pages) - rec.cached_pages) * self.engine.layout.page_nbytes
@@ -166,6 +167,17 @@ class DecodeRole(DisaggRole):
             rec.want_pages, rec.cached_pages = 0, len(cached)
             self.engine.scheduler.cache_hit_tokens += len(cached) * page_size
             out += self._feed(PagesReserved(rec.room, tuple(rec.pages), len(cached) * page_size))
+
+    def _send(self, peer: Peer, msg) -> None:
+        if isinstance(msg, p.RegisterRoom):  # its target pages open to that prefill's link, before it can write
+            self.links.allow(peer, msg.room, msg.pages)
+        super()._send(peer, msg)
+
+    def _free_room(self, room: int, named=None) -> None:
+        rec = self.rooms.get(room)
+        if rec is not None:  # closed to the link before they are free
+            self.links.revoke(room, None if rec.gives_back_all(named) else named)
+        super()._free_room(room, named)
 
     def _disconnect(self, peer: Peer) -> None:
         # The fence, before any page of the peer's rooms is freed by the actions that follow;

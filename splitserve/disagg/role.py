@@ -74,13 +74,17 @@ class RoomRecord:
         """Pages the room holds no more: ``named`` ones of its own (before it decodes: e.g. its
         cached prefix, given back while the rest is quarantined), else — and always once it has a
         sequence, whose pages may have grown past what the table saw — every page it holds."""
-        if named is not None and self.seq is None and set(named) < set(self.pages):
+        if not self.gives_back_all(named):
             self.pages = [p for p in self.pages if p not in set(named)]
             return list(named)
         pages, self.pages = self.pages, []
         if self.seq is not None:
             pages, self.seq.pages = pages + self.seq.pages, []
         return pages
+
+    def gives_back_all(self, named: Optional[tuple[int, ...]]) -> bool:
+        """Whether :meth:`take_pages` with ``named`` takes every page the room holds."""
+        return named is None or self.seq is not None or not set(named) < set(self.pages)
 
     @property
     def holds_pages(self) -> bool:

@@ -218,6 +218,16 @@ class TransferBackend(ABC):
     def notifications(self) -> list[tuple[str, bytes]]:
         """``(writer agent name, notif)`` received since the last call, in arrival order per writer."""
 
+    def allow_pages(self, key: object, pages: Sequence[int]) -> None:
+        """As a receiving link (``links.py``): let writes land in ``pages`` (page ids of the pool)
+        on behalf of ``key`` (a room). A backend that can refuse writes outside the pages it was
+        given does (tcp, built with ``writable_page_nbytes``); NIXL's one-sided writes reach the whole
+        registered pool whatever the receiver says: there this is a no-op."""
+
+    def revoke_pages(self, key: object, pages: Optional[Sequence[int]] = None) -> None:
+        """Take back what :meth:`allow_pages` gave ``key`` (its ``pages`` only, or all); when it
+        returns, no write into them lands any more (where the backend can refuse writes)."""
+
     @abstractmethod
     def close(self) -> None:
         """Release every handle, forget every peer, deregister the pool. Idempotent. When it

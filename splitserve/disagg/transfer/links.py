@@ -33,7 +33,7 @@ import itertools
 import logging
 import os
 import threading
-from typing import Any, Hashable
+from typing import Any, Hashable, Optional
 
 import torch
 
@@ -62,11 +62,19 @@ def keep_ucx_off_shared_memory() -> None:
 
 
 class ReceiveLinks:
-    def __init__(self, backend: str, agent_prefix: str, buffer: torch.Tensor, **opts: Any):
+    """``page_nbytes``: the pool's page size; a tcp link then takes writes only into the pages
+    :meth:`allow` gave its writer (the target pages of that writer's registered rooms), NIXL's
+    into any page of the pool (``docs/security.md``)."""
+
+    def __init__(self, backend: str, agent_prefix: str, buffer: torch.Tensor, page_nbytes: Optional[int] = None,
+                 **opts: Any):
         if backend == "nixl":
             keep_ucx_off_shared_memory()
+        if backend == "tcp" and page_nbytes is not None:
+            opts = {**opts, "writable_page_nbytes": page_nbytes}
         self._backend, self._prefix, self._buffer, self._opts = backend, agent_prefix, buffer, opts
         self._links: dict[Hashable, TransferBackend] = {}
+        self._writer_of: dict[Hashable, Hashable] = {}  # room -> the writer whose link its pages are open on
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
         self._closed = False
@@ -86,6 +94,24 @@ class ReceiveLinks:
                 log.info("receiving link %s opened for %s", name, writer)
             return link.agent_name, link.metadata()
 
+    def allow(self, writer: Hashable, room: Hashable, pages) -> None:
+        """Open ``pages`` of the pool to ``writer``'s link for ``room`` (before its registration is
+        sent: prefill writes once it has it). No link (fenced already): nothing can land, nothing to open."""
+        with self._lock:
+            link = self._links.get(writer)
+            if link is not None:
+                self._writer_of[room] = writer
+                link.allow_pages(room, pages)
+
+    def revoke(self, room: Hashable, pages=None) -> None:
+        """Close ``room``'s pages (``pages`` only, or all) to the writer they were opened to: its
+        KV has come, or the pages leave the room. A no-op for a room never allowed."""
+        with self._lock:
+            writer = self._writer_of.get(room) if pages is not None else self._writer_of.pop(room, None)
+            link = self._links.get(writer) if writer is not None else None
+            if link is not None:
+                link.revoke_pages(room, pages)
+
     def close(self, writer: Hashable) -> bool:
         """Fence ``writer``: when this returns, nothing it wrote can land any more. False if it had
         no link."""
@@ -93,6 +119,8 @@ class ReceiveLinks:
             link = self._links.pop(writer, None)
             if link is None:
                 return False
+            for room in [r for r, w in self._writer_of.items() if w == writer]:
+                del self._writer_of[room]
             link.close()
             self.fenced += 1
         log.info("receiving link %s for %s closed: its writes are fenced", link.agent_name, writer)
@@ -112,5 +140,6 @@ class ReceiveLinks:
         with self._lock:
             self._closed = True
             links, self._links = list(self._links.values()), {}
+            self._writer_of.clear()
         for link in links:
             link.close()

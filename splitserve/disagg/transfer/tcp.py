@@ -27,7 +27,12 @@ writer's are CURVE: only holders connect, and the KV bytes are encrypted on the 
 The receiver trusts nothing: messages over the size limit are dropped by ZMQ (``MAXMSGSIZE``);
 a frame that is malformed, addressed to another agent name (a previous incarnation), or whose
 offset falls outside the buffer is refused, counted in ``stats()["bad_frames"]``, logged, and
-fails its whole write (the answer to its last frame says why). An unexpected error in the loop
+fails its whole write (the answer to its last frame says why). A receiving link (a decode
+worker's, built with ``writable_page_nbytes``) also refuses every byte that falls outside the
+pages it was told its writer may fill (:meth:`TcpBackend.allow_pages`: the target pages of the
+rooms registered with that writer, until they leave the room): whoever learns a link's address
+and agent name can write into no other page of the pool. Bytes are copied under the lock that
+:meth:`TcpBackend.revoke_pages` takes, so once it returns nothing lands in those pages any more. An unexpected error in the loop
 is logged and the loop goes on; the thread ends only at :meth:`~TcpBackend.close`.
 
 A peer that dies leaves its writes PENDING: the caller's transfer deadline ends them.
@@ -96,6 +101,7 @@ class TcpBackend(TransferBackend):
         max_notif_bytes: int = 64 << 10,
         send_hwm: int = 16,
         secret: Any = None,
+        writable_page_nbytes: Optional[int] = None,
         **opts: Any,
     ):
         super().__init__(agent_name, buffer)
@@ -111,9 +117,14 @@ class TcpBackend(TransferBackend):
         self._secret = secret  # control/curve.ClusterSecret: CURVE on the receiver and every writer's socket
         self._peers: dict[str, _Peer] = {}
         self._closed = False
+        if writable_page_nbytes is not None and writable_page_nbytes <= 0:
+            raise ValueError("writable_page_nbytes must be positive")
+        # a receiving link: writes land only in the pages allowed (allow_pages); None: anywhere in the buffer
+        self._writable = _WritablePages(writable_page_nbytes) if writable_page_nbytes else None
         self._receiver = _Receiver(
             self._ctx, agent_name, self._bytes, host, port,
             max_msg=max(max_frame_bytes, max_notif_bytes + _HEADER_SLACK), hwm=send_hwm, secret=secret,
+            writable=self._writable,
         )
         self._receiver.start()
         self._receiver.ready.wait()
@@ -133,6 +144,14 @@ class TcpBackend(TransferBackend):
         """Receiver counters: frames handled, bad frames refused, bytes written into our buffer."""
         r = self._receiver
         return {"frames": r.frames, "bad_frames": r.bad_frames, "bytes_received": r.bytes_received}
+
+    def allow_pages(self, key: object, pages: Sequence[int]) -> None:
+        if self._writable is not None:
+            self._writable.allow(key, pages)
+
+    def revoke_pages(self, key: object, pages: Optional[Sequence[int]] = None) -> None:
+        if self._writable is not None:
+            self._writable.revoke(key, pages)
 
     def add_peer(self, peer_name: str, metadata: bytes) -> None:
         known = self._peers.get(peer_name)
@@ -275,14 +294,53 @@ class TcpBackend(TransferBackend):
                 h.state = DONE if ok is True else refused(f"refused_by_peer: {answer.get('reason', '?')}")
 
 
+class _WritablePages:
+    """The pages of a receiving link that writes may land in, by key (a room), each page counted
+    once per key that holds it. The receiver checks and copies under ``lock``; ``allow`` and
+    ``revoke`` (any thread) take it too."""
+
+    def __init__(self, page_nbytes: int):
+        self.page_nbytes = page_nbytes
+        self.lock = threading.Lock()
+        self._by_key: dict[object, set[int]] = {}
+        self._holders: collections.Counter = collections.Counter()  # page -> keys that allow it
+
+    def allow(self, key: object, pages: Sequence[int]) -> None:
+        with self.lock:
+            held = self._by_key.setdefault(key, set())
+            for page in set(pages) - held:
+                held.add(page)
+                self._holders[page] += 1
+
+    def revoke(self, key: object, pages: Optional[Sequence[int]] = None) -> None:
+        with self.lock:
+            held = self._by_key.get(key)
+            if held is None:
+                return
+            for page in held if pages is None else held & set(pages):
+                self._holders[page] -= 1
+                if not self._holders[page]:
+                    del self._holders[page]
+            if pages is None:
+                del self._by_key[key]
+            else:
+                held.difference_update(pages)
+
+    def covers(self, offset: int, nbytes: int) -> bool:
+        """Whether every page the bytes touch is allowed (call with ``lock`` held)."""
+        first, last = offset // self.page_nbytes, (offset + nbytes - 1) // self.page_nbytes
+        return all(page in self._holders for page in range(first, last + 1))
+
+
 class _Receiver(threading.Thread):
     """Owns the ROUTER socket: writes incoming payloads into the buffer, queues notifications,
     answers each write's last frame. Survives bad frames; stops at :meth:`stop`."""
 
     def __init__(self, ctx: zmq.Context, agent_name: str, dst: np.ndarray, host: str, port: int,
-                 max_msg: int, hwm: int, secret: Any = None):
+                 max_msg: int, hwm: int, secret: Any = None, writable: Optional[_WritablePages] = None):
         super().__init__(name=f"tcp-transfer-rx-{agent_name}", daemon=True)
         self._ctx, self._agent_name, self._dst = ctx, agent_name, dst
+        self._writable = writable
         self._bind = f"tcp://{host}:{port if port else '*'}"
         self._max_msg, self._hwm = max_msg, hwm
         self._secret = secret
@@ -364,6 +422,23 @@ class _Receiver(threading.Thread):
             except Exception as e:
                 self._refuse(f"bad frame: {type(e).__name__}: {e}")
 
+    def _land(self, off: int, payload) -> Optional[str]:
+        """Copy ``payload`` to ``off`` (a receiving link: only into pages allowed now); why not, or None."""
+        guard = self._writable
+        if guard is None:
+            self._copy(off, payload)
+            return None
+        with guard.lock:
+            if not guard.covers(off, len(payload)):
+                return (f"not_writable: {len(payload)} B at offset {off} fall outside the pages of the rooms "
+                        "registered with this link's writer")
+            self._copy(off, payload)
+        return None
+
+    def _copy(self, off: int, payload) -> None:
+        self._dst[off : off + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+        self.bytes_received += len(payload)
+
     def _refuse(self, reason: str) -> None:
         self.bad_frames += 1
         if worth_logging(self.bad_frames, first=10):
@@ -393,11 +468,10 @@ class _Receiver(threading.Thread):
                 state[1] = f"wrong_peer: addressed to {header.get('to')!r}, this is {self._agent_name!r}"
             elif off < 0 or off + len(payload) > len(self._dst):
                 state[1] = f"bad_span: {len(payload)} B at offset {off} outside the {len(self._dst)} B buffer"
+            elif len(payload):
+                state[1] = self._land(off, payload)
             if state[1] is not None:
                 self._refuse(f"write {wid} from {frm!r}: {state[1]}")
-            elif len(payload):
-                self._dst[off : off + len(payload)] = np.frombuffer(payload, dtype=np.uint8)
-                self.bytes_received += len(payload)
         if not last:
             return
         del self._writes[(frm, wid)]
