@@ -309,8 +309,11 @@ def test_bad_input_is_refused_without_touching_workers(fakes, start_router):
     for path, raw, param in surrogates:  # legal JSON, not text: the router could not even forward it
         error = assert_openai_error(requests.post(router.url + path, data=raw.encode(), timeout=5), 400)
         assert error["param"] == param and "surrogate" in error["message"]
+    stops = {"input_ids": [1], "sampling_params": {"stop": [f"s{i}" for i in range(17)]}}  # capped as on workers
+    assert assert_openai_error(requests.post(router.url + "/generate", json=stops, timeout=5),
+                               400)["param"] == "sampling_params.stop"
     assert prefill.requests == [] and decode.requests == []
-    assert router.metric("splitserve_router_requests_total", outcome="bad_request") == 9
+    assert router.metric("splitserve_router_requests_total", outcome="bad_request") == 10
     assert "Traceback" not in router.output()
 
 

@@ -390,6 +390,11 @@ def test_generate_with_text_and_input_ids(server):
      "tools"),
     ("/generate", {"text": "x", "sampling_params": {"top_k": -5}}, "sampling_params.top_k"),
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 10**7}}, "sampling_params.max_new_tokens"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop": [f"s{i}" for i in range(17)]}}, "sampling_params.stop"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop": "s" * 257}}, "sampling_params.stop"),
+    ("/generate", {"input_ids": [1], "sampling_params": {"stop_token_ids": list(range(65))}},
+     "sampling_params.stop_token_ids"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stop": ["s" * 257]}, "stop"),
 ])
 def test_bad_input_is_400_with_openai_error_body(server, path, body, param):
     kw = {"data": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}

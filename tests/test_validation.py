@@ -355,3 +355,31 @@ def test_a_lone_surrogate_anywhere_is_refused_naming_its_field(body, endpoint, p
 def test_a_surrogate_pair_is_one_character_and_accepted(byte_tokenizer):
     r = ok(b'{"prompt": "smile \\ud83d\\ude00", "cache_salt": "\\ud83d\\ude00"}', tokenizer=byte_tokenizer)
     assert r.prompt_text == "smile \U0001F600" and r.cache_salt == "\U0001F600"
+
+
+# -- caps on stop conditions -------------------------------------------------------------------------
+
+
+def test_stop_conditions_are_capped_in_count_and_length_on_every_route():
+    """One request's stop conditions are bounded (``MAX_STOP*``): what matching them costs per
+    token, and what the worker holds for them, cannot grow with what a client sends."""
+    from splitserve.server.validation import MAX_OPENAI_STOP, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+
+    assert MAX_OPENAI_STOP <= MAX_STOP and MAX_STOP * MAX_STOP_CHARS <= 4096
+    long_ok, too_long = "s" * MAX_STOP_CHARS, "s" * (MAX_STOP_CHARS + 1)
+    ids_ok, too_many_ids = list(range(MAX_STOP_TOKEN_IDS)), list(range(MAX_STOP_TOKEN_IDS + 1))
+    routes = [({"prompt": "x"}, "completions", "", MAX_OPENAI_STOP),
+              ({"messages": [{"role": "user", "content": "x"}]}, "chat", "", MAX_OPENAI_STOP),
+              ({"input_ids": [1]}, "generate", "sampling_params.", MAX_STOP)]
+    for base, endpoint, prefix, count in routes:
+        def body(**fields):
+            return {**base, "sampling_params": fields} if prefix else {**base, **fields}
+
+        stops = [f"{i:02d}" + long_ok[2:] for i in range(count)]
+        r = ok(body(stop=stops, stop_token_ids=ids_ok), endpoint)
+        assert len(r.sampling.stop) == count and r.sampling.stop_token_ids == tuple(ids_ok)
+        bad(body(stop=stops + ["more"]), endpoint, param=prefix + "stop", match=f"at most {count}")
+        bad(body(stop=["a", too_long]), endpoint, param=prefix + "stop", match=f"{MAX_STOP_CHARS} characters")
+        bad(body(stop=too_long), endpoint, param=prefix + "stop", match=f"{MAX_STOP_CHARS} characters")
+        bad(body(stop_token_ids=too_many_ids), endpoint, param=prefix + "stop_token_ids",
+            match=f"at most {MAX_STOP_TOKEN_IDS}")

@@ -9,20 +9,93 @@ Decoding uses the "prefix offset" method: each step decodes a short window of re
 (with and without the newest) and takes the difference, so cost per token stays constant and
 tokenizers that merge a leading space into the next token (sentencepiece) come out right. The
 window starts with the prompt's last few tokens for the same reason.
+
+Stop strings are matched by one automaton over all of a request's stop strings (Aho-Corasick,
+:class:`StopMatcher`), fed each new character once: a character costs at most two steps on
+average, whatever the stop list, and the automaton's state says at once how much of the text's
+tail may still become a stop string (its depth: what is held back). A request's stop list is
+capped (``server/validation.py``, ``MAX_STOP*``); its automaton is built off the engine loop, at
+validation on the tokenizer's thread, and handed in with the request (``GenerateRequest.stop_matcher``);
+each distinct list's is built once and shared (:func:`stop_matcher`).
 """
 
 from __future__ import annotations
 
+import functools
+from typing import Optional
+
 _PROMPT_CONTEXT = 5
+STOP_MATCHERS_KEPT = 64  # distinct stop lists whose automaton is kept (each at most ~1.3 MB, 30 ms to build)
+
+
+class StopMatcher:
+    """The Aho-Corasick automaton of a set of stop strings: immutable, shared by every request
+    with the same stop list. State 0 is the empty match; a state is the longest tail of the text
+    that is a prefix of some stop string, and ``depth[state]`` its length."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        goto: list[dict[str, int]] = [{}]
+        depth, ends = [0], [0]  # ends[s]: the longest stop string that is a suffix of state s (0: none)
+        for stop in stops:
+            s = 0
+            for c in stop:
+                nxt = goto[s].get(c)
+                if nxt is None:
+                    nxt = goto[s][c] = len(goto)
+                    goto.append({})
+                    depth.append(depth[s] + 1)
+                    ends.append(0)
+                s = nxt
+            ends[s] = len(stop)
+        fail = [0] * len(goto)
+        order = list(goto[0].values())  # breadth first: a state's failure is shallower, so done first
+        for u in order:
+            for c, v in goto[u].items():
+                f = fail[u]
+                while f and c not in goto[f]:
+                    f = fail[f]
+                fail[v] = goto[f].get(c, 0)  # f is shallower than u: never v itself
+                ends[v] = max(ends[v], ends[fail[v]])
+                order.append(v)
+        self.goto, self.fail, self.depth, self.ends = goto, fail, depth, ends
+
+    def feed(self, state: int, chunk: str) -> tuple[int, Optional[int], int]:
+        """Advance from ``state`` over ``chunk``: the new state, where in ``chunk`` the earliest
+        stop string that completes in it begins (it may be negative: begun before the chunk;
+        None if none completes), and the steps taken."""
+        goto, fail, ends = self.goto, self.fail, self.ends
+        hit: Optional[int] = None
+        steps = 0
+        for i, c in enumerate(chunk):
+            while state and c not in goto[state]:
+                state = fail[state]
+                steps += 1
+            state = goto[state].get(c, 0)
+            steps += 1
+            if ends[state]:
+                start = i + 1 - ends[state]
+                hit = start if hit is None else min(hit, start)
+        return state, hit, steps
+
+
+@functools.lru_cache(maxsize=STOP_MATCHERS_KEPT)
+def stop_matcher(stops: tuple[str, ...]) -> StopMatcher:
+    """The automaton of ``stops`` (built once per distinct list, then shared)."""
+    return StopMatcher(stops)
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...] = (),
+                 matcher: Optional[StopMatcher] = None):
+        """``matcher``: the automaton of ``stop`` if the caller has it (built off the engine loop)."""
         self._tok = tokenizer
         self._ids: list[int] = list(prompt_ids[-_PROMPT_CONTEXT:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._stop = tuple(s for s in stop if s)
+        stop = tuple(s for s in stop if s)
+        self._matcher = (matcher or stop_matcher(stop)) if stop else None
+        self._state = 0  # of the matcher, after every character of ``text``
+        self.match_steps = 0  # steps the matcher took (a count: bounded by twice the characters fed)
         self.text = ""  # the output text decoded so far (after a stop: cut before the stop string)
         self._released = 0  # characters of ``text`` already handed out
         self.stopped = False  # a stop string was found
@@ -62,19 +135,15 @@ class IncrementalDetokenizer:
         return self._tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _check_stop(self, start: int) -> None:
-        if not self._stop:
+        if self._matcher is None:
             return
-        longest = max(len(s) for s in self._stop)
-        window_start = max(0, start - longest + 1)
-        hits = [i for i in (self.text.find(s, window_start) for s in self._stop) if i >= 0]
-        if hits:
-            self.text = self.text[:min(hits)]
+        self._state, hit, steps = self._matcher.feed(self._state, self.text[start:])
+        self.match_steps += steps
+        if hit is not None:
+            self.text = self.text[:start + hit]
             self.stopped = True
 
     def _holdback(self) -> int:
-        """Length of the longest tail of ``text`` that is a proper prefix of a stop string."""
-        for k in range(min(len(self.text), max((len(s) for s in self._stop), default=1) - 1), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self._stop):
-                return k
-        return 0
+        """Length of the longest tail of ``text`` that is a proper prefix of a stop string (a
+        complete one would have stopped the text)."""
+        return self._matcher.depth[self._state] if self._matcher is not None else 0

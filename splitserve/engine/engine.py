@@ -188,7 +188,7 @@ class LLMEngine:
                        cache_salt=req.cache_salt,
                        sampling=req.sampling, seed=seed,
                        room=req.bootstrap.room if room_owned and req.bootstrap is not None else None)
-        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop)
+        seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop, req.stop_matcher)
         return seq
 
     def live_sequences(self) -> list[Sequence]:

@@ -51,6 +51,9 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     bootstrap: Optional[Bootstrap] = None  # set on prefill and decode workers, None when colocated
     cache_salt: str = ""  # prefix-cache pages are shared only among requests with the same salt
+    stop_matcher: Optional[object] = field(default=None, compare=False, repr=False)
+    """The automaton of ``sampling.stop`` (``engine/detokenizer.StopMatcher``), built off the engine
+    loop at validation; None: the engine builds it."""
 
 
 @dataclass(frozen=True)

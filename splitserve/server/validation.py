@@ -14,8 +14,10 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
   prompt is long. An explicit value that does not fit the context is an error with both numbers.
 - ``temperature`` >= 0 (0 is greedy; default: the model's generation_config, else 1.0),
   ``top_p`` in (0, 1], ``top_k`` >= 0 with 0 or -1 meaning no limit (stored as 0).
-- ``stop``: a string or a list of strings (at most 4 for the OpenAI endpoints), none empty.
-  ``stop_token_ids``: token ids. ``seed``: int in [0, 2**63). ``ignore_eos``: bool.
+- ``stop``: a string or a list of strings, none empty, each at most :data:`MAX_STOP_CHARS`
+  characters, at most :data:`MAX_OPENAI_STOP` of them on the OpenAI endpoints and :data:`MAX_STOP`
+  on ``/generate``. ``stop_token_ids``: at most :data:`MAX_STOP_TOKEN_IDS` token ids.
+  ``seed``: int in [0, 2**63). ``ignore_eos``: bool.
 - Empty prompts and empty ``messages`` are refused; token ids must be ints in the vocabulary.
 - Every field of the OpenAI API that we do not implement is refused with its name (``n`` > 1,
   ``best_of`` > 1, ``echo``, ``suffix``, ``logprobs``, ``logit_bias``, penalties, ``tools`` ...),
@@ -35,14 +37,21 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from splitserve.engine.detokenizer import stop_matcher
 from splitserve.engine.io import DEFAULT_MAX_TOKENS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams
 from splitserve.outcomes import Reason
 
 ENDPOINTS = ("completions", "chat", "generate")
-MAX_OPENAI_STOP = 4
+# Caps on one request's stop conditions, on every route (docs/security.md, "One request's input"):
+# with them, matching stop strings costs a bounded amount per generated token and holds a bounded
+# automaton (engine/detokenizer.py), whatever a client sends.
+MAX_OPENAI_STOP = 4  # stop strings on /v1/completions and /v1/chat/completions (the OpenAI API's own cap)
+MAX_STOP = 16  # stop strings on /generate
+MAX_STOP_CHARS = 256  # characters in one stop string
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids, every route
 MAX_SEED = 2**63
 MAX_ROOM = 2**63
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -109,6 +118,9 @@ class ValidatedRequest:
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
     cache_salt: str = ""
+    stop_matcher: Optional[object] = field(default=None, compare=False, repr=False)
+    """The automaton of ``sampling.stop``, built with a tokenizer (on the worker's tokenizer
+    thread, not the engine loop's)."""
 
     def generate_request(self, rid: Optional[str] = None) -> GenerateRequest:
         """The engine request; ``rid`` defaults to the client's ``rid``."""
@@ -119,7 +131,7 @@ class ValidatedRequest:
         if self.bootstrap_room is not None and self.bootstrap_host is not None and self.bootstrap_port is not None:
             bootstrap = Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
         return GenerateRequest(rid=rid, prompt_ids=self.prompt_ids, sampling=self.sampling, bootstrap=bootstrap,
-                               cache_salt=self.cache_salt)
+                               cache_salt=self.cache_salt, stop_matcher=self.stop_matcher)
 
 
 def parse_json_body(raw: bytes | str) -> dict:
@@ -208,7 +220,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         _check_fields(sp, _KNOWN_SAMPLING, "sampling_params.")
         if sp.get("seed") is not None and sp.get("sampling_seed") is not None:
             raise InvalidRequest("give seed or sampling_seed, not both", "sampling_params.seed")
-        fields, prefix, max_key, max_stop = sp, "sampling_params.", "max_new_tokens", None
+        fields, prefix, max_key, max_stop = sp, "sampling_params.", "max_new_tokens", MAX_STOP
     else:
         fields, prefix, max_key, max_stop = body, "", "max_tokens", MAX_OPENAI_STOP
         if endpoint == "chat" and body.get("max_completion_tokens") is not None:
@@ -232,7 +244,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     ignore_eos = _opt_bool(fields, "ignore_eos", prefix)
     stop = _stop(fields.get("stop"), prefix + "stop", max_stop)
     stop_token_ids = _token_ids(fields.get("stop_token_ids"), prefix + "stop_token_ids", vocab_size,
-                                allow_empty=True) or ()
+                                allow_empty=True, max_count=MAX_STOP_TOKEN_IDS) or ()
 
     stream = _opt_bool(body, "stream", "") or False
     include_usage = False
@@ -284,6 +296,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None, prompt_text=prompt_text,
         messages=messages, max_tokens_set=max_tokens_set, rid=rid, bootstrap_host=bootstrap_host,
         bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room, cache_salt=cache_salt,
+        stop_matcher=stop_matcher(stop) if stop and tokenizer is not None else None,
     )
 
 
@@ -369,26 +382,32 @@ def _opt_str(obj: dict, key: str, prefix: str) -> Optional[str]:
     return v
 
 
-def _stop(v: Any, name: str, max_count: Optional[int]) -> tuple[str, ...]:
+def _stop(v: Any, name: str, max_count: int) -> tuple[str, ...]:
     if v is None:
         return ()
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise InvalidRequest(f"{name} must be a string or a list of strings", name)
-    if max_count is not None and len(stops) > max_count:
+    if len(stops) > max_count:
         raise InvalidRequest(f"{name} takes at most {max_count} strings, got {len(stops)}", name)
     if any(s == "" for s in stops):
         raise InvalidRequest(f"{name} strings must not be empty", name)
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        longest = max(len(s) for s in stops)
+        raise InvalidRequest(f"{name} strings take at most {MAX_STOP_CHARS} characters, got {longest}", name)
     return tuple(dict.fromkeys(stops))
 
 
-def _token_ids(v: Any, name: str, vocab_size: Optional[int], allow_empty: bool = False) -> Optional[list[int]]:
+def _token_ids(v: Any, name: str, vocab_size: Optional[int], allow_empty: bool = False,
+               max_count: Optional[int] = None) -> Optional[list[int]]:
     if v is None:
         return None
     if not isinstance(v, list):
         raise InvalidRequest(f"{name} must be a list of token ids, not {_type_name(v)}", name)
     if not v and not allow_empty:
         raise InvalidRequest(f"{name} is empty", name)
+    if max_count is not None and len(v) > max_count:
+        raise InvalidRequest(f"{name} takes at most {max_count} token ids, got {len(v)}", name)
     for i, t in enumerate(v):
         if isinstance(t, bool) or not isinstance(t, int):
             raise InvalidRequest(f"{name}[{i}] must be an integer token id, not {_type_name(t)}", name)
