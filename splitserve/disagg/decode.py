@@ -158,7 +158,8 @@ class DecodeRole(DisaggRole):
                 queue.popleft()
                 continue
             prompt = rec.req.prompt_ids
-            cached = allocator.match(page_keys(prompt, page_size, (len(prompt) - 1) // page_size, rec.req.cache_salt))
+            cached = allocator.match(page_keys(prompt, page_size, (len(prompt) - 1) // page_size,
+                                               rec.req.cache_salt)) if allocator.cache_enabled else []
             if not allocator.can_allocate(rec.want_pages - len(cached)):
                 allocator.free(cached)  # taken again when the room's turn comes
                 return  # first come, first served

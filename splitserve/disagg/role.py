@@ -250,10 +250,32 @@ class DisaggRole:
             out += self._feed(LocalFailure(room, ending.reason, ending.detail))
         for rec in list(self.rooms.values()):
             if not rec.answered:
-                rec.answered = True
-                self.room_of.pop(rec.req.rid, None)
-                out.append(RequestOutput.ended(rec.req.rid, ending))
+                out.append(self._answer_untaken(rec, ending, "fail_all"))
         return out
+
+    def fail_request(self, rid: str, ending: Ending) -> list[RequestOutput]:
+        """``rid``'s admission raised: its room fails through the table if the table took it;
+        else (it raised before) it is answered here, and its record forgotten."""
+        room = self.room_of.get(rid)
+        if room is None:  # no record was made
+            return [RequestOutput.ended(rid, ending)]
+        out = self._feed(LocalFailure(room, ending.reason, ending.detail)) if room in self.table.live_rooms() else []
+        rec = self.rooms.get(room)
+        if rec is not None and not rec.answered:
+            out.append(self._answer_untaken(rec, ending, "fail_request"))
+        return out
+
+    def _answer_untaken(self, rec: RoomRecord, ending: Ending, cause: str) -> RequestOutput:
+        """Answer a request the table never took (its admission raised first): its timeline ends,
+        and its record goes once nothing of it is left here."""
+        rec.answered = True
+        self.room_of.pop(rec.req.rid, None)
+        now = self.clock()
+        if rec.timeline is not None and rec.timeline.live:
+            rec.timeline.end(f"{ending.outcome.value}({ending.reason.value})", now, cause)
+            self.timelines.ended(rec.timeline)
+        self._forget_if_done(rec)
+        return RequestOutput.ended(rec.req.rid, ending)
 
     def health_problem(self) -> Optional[str]:
         """Why this worker cannot serve although its engine loop runs (any thread may ask): a

@@ -24,7 +24,11 @@ A simulator (``splitserve/sim/``) runs the same loop without its thread: it swap
 builds the engine with a fake forward pass, starts with ``start_loop(loop, thread=False)`` and
 calls ``_iterate_once(wait=False)`` itself.
 
-No exception ends the loop: one that escapes a role is logged and counted, and the role fails
+No exception ends the loop. One request's own data fails that request alone: an exception while
+a request is admitted (``role.admit``: its prompt, sampling parameters, stop strings and salt are
+taken in there) fails it through the role (``role.fail_request``), and the engine fails the one
+sequence whose token could not be sampled or checked (``StepReport.failed``). Any other exception
+that escapes a role is a bug in what the requests share: logged and counted, and the role fails
 whatever it holds through its own bookkeeping (``role.fail_all``), so nothing is left pinned.
 
 Admission is decided on the asyncio side from its own count of requests in flight, so a full
@@ -101,6 +105,7 @@ class Role(Protocol):
     def tick(self, now: float) -> list[RequestOutput]: ...
     def after_step(self, report: StepReport) -> list[RequestOutput]: ...
     def fail_all(self, ending: Ending) -> list[RequestOutput]: ...
+    def fail_request(self, rid: str, ending: Ending) -> list[RequestOutput]: ...
     def wait_s(self, now: float) -> float: ...
     def stats(self) -> dict: ...
     def debug_rows(self, now: float) -> list[dict]: ...
@@ -157,6 +162,11 @@ class ColocatedRole:
     def fail_all(self, ending: Ending) -> list[RequestOutput]:
         return self._ended(self.engine.abort_all(ending), "fail_all")
 
+    def fail_request(self, rid: str, ending: Ending) -> list[RequestOutput]:
+        """``rid``'s admission raised: end it (it may or may not be in the engine yet)."""
+        out = self.engine.abort(rid, ending) or RequestOutput.ended(rid, ending)
+        return self._ended([out], "fail_request")
+
     def _ended(self, outputs: list[RequestOutput], cause: str) -> list[RequestOutput]:
         now = time.monotonic()
         for out in outputs:
@@ -204,6 +214,7 @@ class AsyncEngine:
         self.ready = False
         self.draining = False
         self.loop_errors = 0
+        self.request_errors = 0  # admissions that raised: each failed its own request only
         self._inbox: "queue.SimpleQueue[object]" = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # asyncio thread only
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -336,7 +347,7 @@ class AsyncEngine:
                  "preemptions": s.preemptions, "cache_hit_tokens": s.cache_hit_tokens,
                  "prompt_tokens_computed": s.prompt_tokens_computed, "cache_evictions": s.cache_evictions,
                  "unschedulable_steps": s.unschedulable_steps,
-                 "loop_errors": self.loop_errors}
+                 "loop_errors": self.loop_errors, "request_errors": self.request_errors}
         stats.update(self.role.stats())
         return stats
 
@@ -431,10 +442,22 @@ class AsyncEngine:
 
     def _dispatch(self, ev: object) -> list[RequestOutput]:
         if isinstance(ev, AddRequest):
-            return self.role.admit(ev.req)
+            return self._admit(ev.req)
         if isinstance(ev, AbortRequest):
             return self.role.abort(ev.rid, ev.ending)
         return self.role.on_event(ev)
+
+    def _admit(self, req: GenerateRequest) -> list[RequestOutput]:
+        """``role.admit``; an exception there is about this request's own data (or a bug it alone
+        met): logged, counted, and this request alone is failed. If failing it raises too, the
+        bug is in what the requests share: ``_contained`` fails them all."""
+        try:
+            return self.role.admit(req)
+        except Exception as exc:
+            self.request_errors += 1
+            log.exception("request %s: its admission failed; failing that request alone", req.rid)
+            return self.role.fail_request(req.rid, Ending(
+                Reason.INTERNAL_ERROR, f"internal error admitting the request: {type(exc).__name__}: {exc}"))
 
     def _contained(self, fn, arg) -> list[RequestOutput]:
         """``fn(arg)``; an exception that escapes it is a bug: logged, counted, and every live

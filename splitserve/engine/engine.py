@@ -28,8 +28,8 @@ from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
 from splitserve.engine.kv_pool import KVLayout, KVPool
 from splitserve.engine.model_runner import ModelRunner
-from splitserve.engine.page_allocator import PageAllocator
-from splitserve.engine.sampler import sample_batch
+from splitserve.engine.page_allocator import PageAllocator, salt_key
+from splitserve.engine.sampler import NoFiniteLogits, greedy_tokens, sample_token
 from splitserve.engine.scheduler import ScheduledSeq, Scheduler
 from splitserve.engine.sequence import Sequence
 from splitserve.outcomes import Ending, Reason
@@ -53,7 +53,8 @@ class StepReport:
     preempted: list[Sequence] = field(default_factory=list)
     """Lost their pages to make room; they recompute later."""
     failed: list[tuple[Sequence, RequestOutput]] = field(default_factory=list)
-    """Were in a forward pass that raised: ended (out of every queue), with their error delta."""
+    """Were in a forward pass that raised, or their own token could not be sampled or checked:
+    ended (out of every queue), with their error delta."""
     scheduled: int = 0
     """Sequences in the step's batch; 0: the engine had work and could schedule none of it (no
     pages for any: nothing changes until an event frees some)."""
@@ -185,7 +186,7 @@ class LLMEngine:
         self.check_fits(req, prompt_only=prefill_only)
         seed = req.sampling.seed if req.sampling.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(rid=req.rid, token_ids=list(req.prompt_ids), num_prompt_tokens=len(req.prompt_ids),
-                       cache_salt=req.cache_salt,
+                       cache_salt=req.cache_salt, salt_key=salt_key(req.cache_salt),
                        sampling=req.sampling, seed=seed,
                        room=req.bootstrap.room if room_owned and req.bootstrap is not None else None)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop, req.stop_matcher)
@@ -262,6 +263,10 @@ class LLMEngine:
         return report
 
     def _advance(self, batch: list[ScheduledSeq], logits: torch.Tensor, report: StepReport) -> None:
+        """Account the batch's computed tokens, then sample and check each sampling sequence's
+        token. What is done with one sequence's own data (its sampling parameters, its stop
+        strings, its text) is done for it alone: an exception there fails that request
+        (``report.failed``), never the batch."""
         sampling = [item for item in batch if item.samples]
         for item in batch:
             seq = item.seq
@@ -273,21 +278,37 @@ class LLMEngine:
                 report.chunks.append(seq)
         if not sampling:  # only prompt chunks ran: nothing to sample
             return
-        tokens = sample_batch(logits, [i.seq.sampling for i in sampling], [i.seq.seed for i in sampling],
-                              [len(i.seq) for i in sampling])
-        for item, token in zip(sampling, tokens):
+        greedy = greedy_tokens(logits) if any(i.seq.sampling.greedy for i in sampling) else None
+        for row, item in enumerate(sampling):
             seq = item.seq
-            seq.token_ids.append(token)
+            try:
+                token = self._sample(logits, row, seq, greedy)
+                seq.token_ids.append(token)
+                if not seq.prefill_only:
+                    self._check_finish(seq, token)
+                    delta = self._delta(seq, token)
+            except Exception as exc:
+                log.exception("request %s: sampling or checking its token failed; failing that request alone", seq.rid)
+                ending = Ending(Reason.INTERNAL_ERROR, f"sampling or checking a token failed: {type(exc).__name__}: {exc}")
+                if (out := self.abort(seq.rid, ending)) is not None:
+                    report.failed.append((seq, out))
+                continue
             if seq.prefill_only:  # the first token is the room's; the sequence waits for its transfer
                 self._seqs.pop(seq.rid, None)
                 self.scheduler.detach(seq)
                 report.first_tokens.append(seq)
                 continue
-            self._check_finish(seq, token)
-            report.sampled.append((seq, self._delta(seq, token)))
+            report.sampled.append((seq, delta))
             if seq.finish_reason is not None:
                 self._seqs.pop(seq.rid, None)
                 self.scheduler.finish(seq)
+
+    def _sample(self, logits: torch.Tensor, row: int, seq: Sequence, greedy: Optional[list]) -> int:
+        if not seq.sampling.greedy:
+            return sample_token(logits[row], seq.sampling, seq.seed, len(seq))
+        if greedy[row] is None:
+            raise NoFiniteLogits("the model gave no finite logit for this token")
+        return greedy[row]
 
     def _check_finish(self, seq: Sequence, token: int) -> None:
         p = seq.sampling

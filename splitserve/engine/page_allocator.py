@@ -37,12 +37,19 @@ from typing import Optional
 PageKey = bytes
 
 
+def salt_key(salt: str) -> PageKey:
+    """The key a chain of page keys starts from: the hash of the request's ``cache_salt``. Any
+    string hashes (``surrogatepass``: a lone surrogate, refused at the edge anyway, cannot make it
+    raise), and different strings hash apart."""
+    return hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+
+
 def page_keys(tokens: Sequence[int], page_size: int, n_pages: int, salt: str = "",
               parent: Optional[PageKey] = None) -> list[PageKey]:
     """The keys of the first ``n_pages`` full pages of ``tokens`` (after the page whose key is
-    ``parent``, if given: then ``tokens`` start at that page's end)."""
+    ``parent``, if given: then ``tokens`` start at that page's end; else from ``salt_key(salt)``)."""
     keys: list[PageKey] = []
-    prev = parent if parent is not None else hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    prev = parent if parent is not None else salt_key(salt)
     for i in range(n_pages):
         page = tokens[i * page_size:(i + 1) * page_size]
         if len(page) < page_size:

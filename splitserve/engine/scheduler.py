@@ -171,9 +171,9 @@ class Scheduler:
         """The prefix-cache keys of the sequence's first ``n`` full pages (memoized on it)."""
         have = len(seq.page_keys)
         if have < n:
-            parent = seq.page_keys[-1] if have else None
+            parent = seq.page_keys[-1] if have else seq.salt_key  # the salt was hashed at admission
             seq.page_keys += page_keys(seq.token_ids[have * self.page_size:], self.page_size, n - have,
-                                       seq.cache_salt, parent)
+                                       parent=parent)
         return seq.page_keys[:n]
 
     def _take_cached_prefix(self, seq: Sequence) -> bool:

@@ -41,6 +41,7 @@ class Sequence:
     room: Optional[int] = None  # disaggregated: the bootstrap room; its pages belong to the room
     prefill_only: bool = False  # prefill worker: pages for the whole prompt at admission, no decode
     cache_salt: str = ""  # the prefix cache shares pages only among requests with the same salt
+    salt_key: bytes = b""  # the salt's hash, where its chain of page keys starts (page_allocator.salt_key)
     page_keys: list = field(default_factory=list)  # prefix-cache keys of its first full pages (of its tokens)
     indexed: int = 0  # how many of ``pages`` have been offered to the prefix cache
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission

@@ -48,6 +48,8 @@ class WorkerMetrics:
         counter("splitserve_engine_unschedulable_steps_total", "Engine steps that had work and could schedule none of "
                 "it (no KV pages for any: overload; the loop then waits for an event instead of spinning).",
                 read=lambda: self._stat("unschedulable_steps"))
+        counter("splitserve_engine_request_errors_total", "Exceptions while admitting one request on the engine "
+                "loop (each failed that request alone).", read=lambda: self._stat("request_errors"))
         gauge("splitserve_kv_pages_free", "Free KV cache pages.", read=lambda: self._stat("pages_free"))
         gauge("splitserve_kv_pages_total", "KV cache pages in the pool.", read=lambda: self._stat("pages_total"))
         gauge("splitserve_kv_usage_ratio", "KV pages owned by requests over all pages (cached pages are reclaimable "
