@@ -18,6 +18,7 @@ import asyncio
 import json
 import signal
 import socket
+import threading
 import time
 import types
 
@@ -171,6 +172,65 @@ def test_fake_engine_error_mid_stream_is_an_error_event_then_done(byte_tokenizer
             assert e.get("meta_info", {}).get("finish_reason") is None
             assert "usage" not in e
     run_app(FakeEngine(byte_tokenizer), test)
+
+
+class GatedTokenizer:
+    """``byte_tokenizer`` whose tokenizing of a text holding ``LONG`` waits until the gate opens
+    (or 60 s), counting the tokenizations begun and ended; its copies share the gate and counts."""
+
+    def __init__(self, inner, gate=None, counts=None):
+        self.inner = inner
+        self.gate = gate or threading.Event()
+        self.counts = counts if counts is not None else {"begun": 0, "ended": 0}
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __len__(self):
+        return len(self.inner)
+
+    def __deepcopy__(self, memo):
+        import copy
+
+        return GatedTokenizer(copy.deepcopy(self.inner, memo), self.gate, self.counts)
+
+    def encode(self, text, *a, **kw):
+        if "LONG" in text:
+            self.counts["begun"] += 1
+            self.gate.wait(60)
+            self.counts["ended"] += 1
+        return self.inner.encode(text, *a, **kw)
+
+
+def test_a_short_request_is_not_held_behind_long_tokenizations(byte_tokenizer):
+    """Two long prompts are being tokenized (their tokenizer waits on a gate); a short request sent
+    then is answered while both are still held, and they are answered once the gate opens. With
+    one tokenizer thread the short one waited behind them (issue 18, 4.4)."""
+    from splitserve.server.tokenize_lanes import SHORT_BODY_BYTES
+
+    tok = GatedTokenizer(byte_tokenizer)
+    body = b'{"prompt": "LONG", "max_tokens": 2' + b" " * SHORT_BODY_BYTES + b"}"  # a long body: the long lane
+
+    async def test(client, app):
+        try:
+            longs = [asyncio.ensure_future(client.post("/v1/completions", data=body,
+                                                       headers={"Content-Type": "application/json"}))
+                     for _ in range(2)]
+            for _ in range(600):
+                if tok.counts["begun"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert tok.counts["begun"] == 1  # the first is held, the second waits behind it in its lane
+            r = await asyncio.wait_for(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}), 30)
+            assert r.status == 200 and (await r.json())["usage"]["completion_tokens"] == 2
+            assert tok.counts == {"begun": 1, "ended": 0} and not any(t.done() for t in longs)
+        finally:
+            tok.gate.set()
+        for t in longs:
+            r = await asyncio.wait_for(t, 30)
+            assert r.status == 200, await r.text()
+        assert tok.counts == {"begun": 2, "ended": 2}
+    run_app(FakeEngine(tok), test)
 
 
 def test_fake_engine_bug_in_submit_is_a_500_and_the_worker_keeps_serving(byte_tokenizer):
@@ -633,3 +693,16 @@ def test_a_tiny_temperature_answers_the_greedy_tokens(server):
         return r.json()["output_ids"]
 
     assert ids(1e-308) == ids(5e-324) == ids(0)
+
+
+@pytest.mark.parametrize("path,field", [("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")])
+def test_a_prompt_that_cannot_fit_is_refused_by_its_length_before_it_is_tokenized(server, info, path, field):
+    """7.6 MiB of text (just under the body cap): at least so many tokens that it cannot fit,
+    known from its length alone; refused, and the worker answers the next request."""
+    text = "a " * int(3.8 * (1 << 20))
+    body = {"prompt": text} if field == "prompt" else {"messages": [{"role": "user", "content": text}]}
+    r = post(server, path, body)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "at least" in err["message"] and "characters" in err["message"], err
+    assert post(server, "/v1/completions", {"prompt": "next", "max_tokens": 2}).status_code == 200

@@ -383,3 +383,78 @@ def test_stop_conditions_are_capped_in_count_and_length_on_every_route():
         bad(body(stop=too_long), endpoint, param=prefix + "stop", match=f"{MAX_STOP_CHARS} characters")
         bad(body(stop_token_ids=too_many_ids), endpoint, param=prefix + "stop_token_ids",
             match=f"at most {MAX_STOP_TOKEN_IDS}")
+
+
+# -- a prompt too long in characters to fit ----------------------------------------------------------
+
+
+class CountingTokenizer:
+    """``byte_tokenizer`` that counts what it tokenizes."""
+
+    def __init__(self, inner):
+        self.inner, self.encoded = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def encode(self, text, *a, **kw):
+        self.encoded += 1
+        return self.inner.encode(text, *a, **kw)
+
+    def apply_chat_template(self, *a, **kw):
+        self.encoded += bool(kw.get("tokenize"))
+        return self.inner.apply_chat_template(*a, **kw)
+
+
+def test_a_prompt_too_long_in_characters_is_refused_before_it_is_tokenized(byte_tokenizer):
+    from splitserve.server.validation import max_chars_per_token
+
+    per = max_chars_per_token(byte_tokenizer)
+    assert per == 4  # one byte a token, but "</s>" in the text is one token of 4 characters
+    tok = CountingTokenizer(byte_tokenizer)
+    kw = dict(tokenizer=tok, max_context=100, chars_per_token=per)
+    err = bad({"prompt": "a" * 400}, param="prompt", match="at least 100 tokens (400 characters", **kw)
+    assert "more than 4" in str(err) and tok.encoded == 0
+    bad({"prompt": "a" * 200, "max_tokens": 60}, param="max_tokens", match="at least 50 tokens", **kw)
+    bad({"messages": [{"role": "user", "content": "a" * 390}]}, "chat", param="prompt", match="at least", **kw)
+    bad({"text": "a" * 400}, "generate", param="prompt", match="at least", **kw)
+    assert tok.encoded == 0
+    # what may fit is tokenized and checked as before: exact counts in the message
+    bad({"prompt": "a" * 396}, param="prompt", match="prompt has 396 tokens", **kw)
+    assert tok.encoded == 1
+    assert ok({"prompt": "</s>" * 99}, **kw).prompt_ids == (257,) * 99  # the bound is a bound: it fits
+
+
+def test_the_characters_per_token_bound_holds_and_is_refused_where_it_is_not_known(byte_tokenizer):
+    """The bound is derived from the tokenizer's own parts (``max_chars_per_token``): checked on
+    the tiny model's tokenizer against texts made of its longest tokens, and refused for parts
+    that may drop characters."""
+    import copy
+    import json as _json
+
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from tokenizers import Tokenizer
+
+    from splitserve.server.validation import max_chars_per_token
+    from splitserve.testing.tiny import build_tiny_model
+
+    import tempfile
+    tiny = AutoTokenizer.from_pretrained(str(build_tiny_model(tempfile.mkdtemp(), arch="llama")))
+    per = max_chars_per_token(tiny)
+    vocab = tiny.get_vocab()
+    longest = sorted(vocab, key=len)[-20:]
+    for text in ["".join(tiny.convert_tokens_to_string([t]) for t in longest) * 30, "<|im_start|>" * 500,
+                 " " * 5000, "日本語🙂" * 700, "a" * 10000]:
+        assert len(tiny.encode(text)) * per >= len(text), text[:40]
+
+    spec = _json.loads(byte_tokenizer.backend_tokenizer.to_str())
+
+    def variant(**parts):
+        return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(_json.dumps({**copy.deepcopy(spec), **parts})))
+
+    assert max_chars_per_token(variant(normalizer={"type": "NFC"})) == 16  # 4 characters may compose into one
+    assert max_chars_per_token(variant(normalizer={"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "_"}, {"type": "Replace", "pattern": {"String": " "}, "content": "_"}]})) == 4
+    assert max_chars_per_token(variant(normalizer={"type": "Strip", "strip_left": True, "strip_right": True})) is None
+    assert max_chars_per_token(variant(pre_tokenizer={"type": "Whitespace"})) is None
+    assert max_chars_per_token(object()) is None  # not a fast tokenizer

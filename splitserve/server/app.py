@@ -34,7 +34,6 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 from aiohttp import web
@@ -48,6 +47,7 @@ from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
 from splitserve.router.client import send
 from splitserve.server.generation import RID, json_error, serve_generation
+from splitserve.server.tokenize_lanes import TokenizeLanes
 from splitserve.server.validation import MAX_ROOM, REQUEST_ID
 from splitserve.server.worker_metrics import WorkerMetrics
 from splitserve.tls import server_context
@@ -68,7 +68,7 @@ class WorkerState:
         self.draining = False
         self.started_at = int(time.time())
         self.inflight: set[asyncio.Task] = set()  # generation handlers now running
-        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.tokenize = TokenizeLanes()  # validation and tokenization, off the event loop
 
     def accepting(self) -> bool:
         return bool(self.engine.ready) and not self.draining and not self.engine.draining
@@ -125,7 +125,7 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 
 
 async def _on_cleanup(app: web.Application) -> None:
-    app[STATE].tokenize_pool.shutdown(wait=False)
+    app[STATE].tokenize.shutdown()
 
 
 WATCHDOG_S = 0.5  # how often the HTTP side looks at the engine loop's age

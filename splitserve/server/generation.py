@@ -1,7 +1,8 @@
 """Serving one generation request (``/v1/completions``, ``/v1/chat/completions``, ``/generate``).
 
 The path of a request: refuse it at once if the worker is not accepting (503); read and validate
-the body off the event loop (tokenizing a long prompt must not stall other streams); submit it
+the body off the event loop, in the lane for its size (``tokenize_lanes.py``: tokenizing a long
+prompt must stall neither other streams nor short requests); submit it
 to the engine (which may refuse: 429 with ``Retry-After``, 503, 400); then either wait for the
 whole answer or stream it as server-sent events.
 
@@ -89,9 +90,10 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             engine = state.engine
             spec = engine.spec
             check = functools.partial(validate_request, raw, endpoint, served_model_name=state.model_name,
-                                      tokenizer=engine.tokenizer, max_context=spec.max_context,
-                                      vocab_size=spec.vocab_size, generation_defaults=spec.generation_defaults)
-            req: ValidatedRequest = await asyncio.get_running_loop().run_in_executor(state.tokenize_pool, check)
+                                      max_context=spec.max_context, vocab_size=spec.vocab_size,
+                                      generation_defaults=spec.generation_defaults)
+            req: ValidatedRequest = await state.tokenize.run(  # in its lane (tokenize_lanes.py)
+                len(raw), engine.tokenizer, lambda tok, per: check(tokenizer=tok, chars_per_token=per))
             rid = req.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
             request[RID] = rid  # echoed in the answer's X-Request-Id header (app.py)
             stream = engine.submit(req.generate_request(rid))

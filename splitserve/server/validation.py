@@ -12,6 +12,8 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
 - ``max_tokens`` (``max_completion_tokens`` in chat, ``max_new_tokens`` in ``/generate``) is an
   int >= 1; absent, it is :data:`DEFAULT_MAX_TOKENS`, lowered to what the context leaves when the
   prompt is long. An explicit value that does not fit the context is an error with both numbers.
+  A text prompt too long in characters to fit in tokens is refused before it is tokenized
+  (:func:`max_chars_per_token`: a token stands for at most so many characters).
 - ``temperature`` >= 0 (0 is greedy; default: the model's generation_config, else 1.0),
   ``top_p`` in (0, 1], ``top_k`` >= 0 with 0 or -1 meaning no limit (stored as 0).
 - ``stop``: a string or a list of strings, none empty, each at most :data:`MAX_STOP_CHARS`
@@ -199,11 +201,14 @@ def check_request_id(rid: Optional[str], param: str) -> Optional[str]:
 
 def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[str] = None, tokenizer=None,
                      max_context: Optional[int] = None, vocab_size: Optional[int] = None,
-                     generation_defaults: Optional[Mapping[str, Any]] = None) -> ValidatedRequest:
+                     generation_defaults: Optional[Mapping[str, Any]] = None,
+                     chars_per_token: Optional[int] = None) -> ValidatedRequest:
     """Check a request body (dict, or raw JSON bytes/str) for ``endpoint`` and return it in the
     engine's terms. With a ``tokenizer`` the prompt is tokenized (chat through the chat template
     with the generation prompt) and checked against ``max_context``; ``vocab_size`` bounds token
-    ids. Raises InvalidRequest (400, or 404 for an unknown model) naming the field."""
+    ids. ``chars_per_token`` (:func:`max_chars_per_token` of the tokenizer): a text prompt whose
+    length in characters already proves it cannot fit ``max_context`` is refused before it is
+    tokenized. Raises InvalidRequest (400, or 404 for an unknown model) naming the field."""
     if endpoint not in ENDPOINTS:
         raise ValueError(f"endpoint must be one of {ENDPOINTS}, not {endpoint!r}")
     if not isinstance(body, dict):
@@ -271,14 +276,17 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         prompt_text, prompt_ids = _generate_prompt(body, vocab_size)
     else:
         messages = _messages(body.get("messages", _ABSENT))
-    if tokenizer is not None and prompt_ids is None:
-        prompt_ids = _tokenize(tokenizer, prompt_text, messages)
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty after tokenization", "messages" if messages else "prompt")
-
     max_tokens_set = max_tokens is not None
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
+    if tokenizer is not None and prompt_ids is None:
+        if chars_per_token and max_context is not None:
+            chars = len(prompt_text) if messages is None else len(_render(tokenizer, messages))
+            _fit_context(-(-chars // chars_per_token), max_tokens, max_tokens_set, max_context, prefix + max_key,
+                         bound=f"{chars} characters, and no token of this model stands for more than {chars_per_token}")
+        prompt_ids = _tokenize(tokenizer, prompt_text, messages)
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty after tokenization", "messages" if messages else "prompt")
     if prompt_ids is not None and max_context is not None:
         max_tokens = _fit_context(len(prompt_ids), max_tokens, max_tokens_set, max_context, prefix + max_key)
 
@@ -515,13 +523,108 @@ def _tokenize(tokenizer, text: Optional[str], messages: Optional[tuple[dict, ...
     return [int(t) for t in ids]
 
 
-def _fit_context(n_prompt: int, max_tokens: int, explicit: bool, max_context: int, param: str) -> int:
+def _render(tokenizer, messages: tuple[dict, ...]) -> str:
+    """The text the chat template makes of ``messages`` (what ``_tokenize`` then tokenizes)."""
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    except Exception as e:
+        raise InvalidRequest(f"the chat template refused these messages: {e}", "messages") from None
+
+
+def _fit_context(n_prompt: int, max_tokens: int, explicit: bool, max_context: int, param: str,
+                 bound: Optional[str] = None) -> int:
+    """``max_tokens`` as the context leaves it, or InvalidRequest. ``bound``: ``n_prompt`` is a
+    lower bound on the prompt's tokens, for the reason it says."""
     if n_prompt + max_tokens <= max_context:
         return max_tokens
+    has = f"has {n_prompt} tokens" if bound is None else f"has at least {n_prompt} tokens ({bound})"
     if explicit:
-        raise InvalidRequest(f"prompt has {n_prompt} tokens and {param} is {max_tokens}, but the model's "
+        raise InvalidRequest(f"prompt {has} and {param} is {max_tokens}, but the model's "
                              f"context is {max_context}", param)
     if n_prompt >= max_context:
-        raise InvalidRequest(f"prompt has {n_prompt} tokens, but the model's context is {max_context} "
+        raise InvalidRequest(f"prompt {has}, but the model's context is {max_context} "
                              f"(at least one token must be left to generate)", "prompt")
     return max_context - n_prompt
+
+
+# -- how many characters one token can stand for -----------------------------------------------------
+
+_KEEPS = {"Prepend", "NFD", "NFKD", "Lowercase"}  # normalizers that never shorten a text
+_COMPOSES = {"NFC", "NFKC"}  # may fold up to MAX_COMPOSED characters into one
+MAX_COMPOSED = 4
+"""The most characters Unicode composes into one (the longest canonical decomposition, e.g.
+U+1F82 GREEK SMALL LETTER ALPHA WITH PSILI AND VARIA AND YPOGEGRAMMENI)."""
+_SPLITS = {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "UnicodeScripts"}  # keep every character
+
+
+def max_chars_per_token(tokenizer) -> Optional[int]:
+    """At most how many characters of a prompt one token of ``tokenizer`` stands for, or None when
+    no such bound is known (then a prompt is tokenized before its length is checked).
+
+    Why it holds, for a Hugging Face fast tokenizer. It normalizes the text, splits it
+    (pre-tokenizer) and cuts each piece into tokens of its vocabulary, whose strings, joined, are
+    the pieces again. So one token stands for at most as many characters of the normalized text as
+    its string is long: with ``ByteLevel`` each character of a token's string is one byte, and a
+    character is at least one byte; with ``Metaspace`` each is one character (``▁`` a space); a
+    byte-fallback token (``<0xE3>``) stands for less than one; and an added token found in the text
+    as is (``<|im_start|>``) for its content. Normalizing can shorten a text only by composing
+    characters (NFC, NFKC), at most :data:`MAX_COMPOSED` into one. So a text of ``C`` characters
+    has at least ``C / (L * S)`` tokens, where ``L`` is the longest token string (vocabulary and
+    added tokens) and ``S`` is 4 with a composing normalizer, else 1; a chat template only adds
+    text (the bound is taken on what it renders). A step that may drop characters (a normalizer
+    that strips or replaces, a pre-tokenizer that removes whitespace), a fused unknown token
+    (WordPiece's ``[UNK]`` for a whole word) or a tokenizer of another kind: no bound (None).
+    Measured: 43 for the tiny model, 81 for SmolLM2 (its longest token is a newline and 80
+    spaces); the byte tokenizer of the tests: 4 (``</s>``)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:
+        return None
+    model = spec.get("model") or {}
+    fold = _normalizer_fold(spec.get("normalizer"))
+    pre = spec.get("pre_tokenizer")
+    if fold is None or not _keeps_characters(pre):
+        return None
+    byte_level = "ByteLevel" in json.dumps(pre)
+    if model.get("type") == "BPE":
+        if model.get("unk_token") is not None and model.get("fuse_unk") and not model.get("byte_fallback") \
+                and not byte_level:
+            return None  # a run of unknown characters may become one token
+    elif model.get("type") != "Unigram" or not model.get("byte_fallback"):
+        return None
+    vocab = model.get("vocab")
+    strings = vocab.keys() if isinstance(vocab, dict) else [piece[0] for piece in vocab or ()]
+    longest = max([len(s) for s in strings] + [len(a.get("content", "")) for a in spec.get("added_tokens") or ()],
+                  default=0)
+    return longest * fold if longest > 0 else None
+
+
+def _normalizer_fold(n: Optional[dict]) -> Optional[int]:
+    """How many characters the normalizer may fold into one (1: it never shortens); None: unknown."""
+    if n is None:
+        return 1
+    kind = n.get("type")
+    if kind == "Sequence":
+        folds = [_normalizer_fold(x) for x in n.get("normalizers") or ()]
+        return None if None in folds else max(folds, default=1)  # composing twice composes no further
+    if kind in _KEEPS:
+        return 1
+    if kind in _COMPOSES:
+        return MAX_COMPOSED
+    if kind == "Replace":
+        pattern, content = (n.get("pattern") or {}).get("String"), n.get("content")
+        if isinstance(pattern, str) and isinstance(content, str) and len(content) >= len(pattern) > 0:
+            return 1
+    return None
+
+
+def _keeps_characters(p: Optional[dict]) -> bool:
+    if p is None:
+        return True
+    kind = p.get("type")
+    if kind == "Sequence":
+        return all(_keeps_characters(x) for x in p.get("pretokenizers") or ())
+    return kind in _SPLITS and p.get("behavior") != "Removed"

@@ -44,6 +44,7 @@ from splitserve.router import app as router_app
 from splitserve.router.proxy import ROOM_BITS
 from splitserve.router.workers import HealthChecker
 from splitserve.server import app as worker_app
+from splitserve.server.tokenize_lanes import TokenizeLanes
 from splitserve.sim.clock import InlineExecutor
 from splitserve.sim.http import Session, prepare_app, serve
 from splitserve.sim.model import Cost, FakeModel, fake_parts
@@ -149,7 +150,7 @@ class SimWorker:
         self._wrap_edges()
         self.app = prepare_app(worker_app.create_app(ae, server), self._finding)
         self.state = self.app[worker_app.STATE]
-        self.state.tokenize_pool = InlineExecutor()
+        self.state.tokenize = TokenizeLanes(executor=InlineExecutor())
         self._watchdog = worker_app._loop_watchdog(self.app)
         asyncio.ensure_future(self._watchdog.__anext__())
         self.engine_act.at_or_before(loop.time())
