@@ -10,7 +10,8 @@ they live, then alone again once they ended; medians over all rounds):
            allowed (``MAX_STOP`` x ``MAX_STOP_CHARS``), built to be almost completed by the text
            at every character
   prompts  two text prompts just under the body cap (``--prompt-mib``), of a context's worth of
-           tokens many times over: refused (400) once they are known not to fit
+           tokens many times over: refused (400) once they are known not to fit; the short
+           request is sent at the same moment as they are
 
 Printed: each case's median latency of the short request (``--short-tokens`` greedy tokens of a
 3-token prompt) alone and beside, and their ratio; the target is at most 2x for ``stops`` and
@@ -19,7 +20,9 @@ Printed: each case's median latency of the short request (``--short-tokens`` gre
     .venv/bin/python bench/neighbours.py [--model tiny|smollm2|DIR] [--cases plain,stops,prompts]
         [--rounds 3] [--samples 5] [--short-tokens 4] [--prompt-mib 7.6]
 
-It starts ``splitserve serve`` itself on a free port (127.0.0.1) and stops it at the end.
+It starts ``splitserve serve`` itself on a free port (127.0.0.1) and stops it at the end; the
+neighbours are sent by ``curl`` (other processes, so this one's own threads do not slow the short
+request).
 """
 
 from __future__ import annotations
@@ -77,16 +80,26 @@ def run_case(url: str, case: str, args) -> tuple[list[float], list[float], list[
     for _ in range(args.rounds):
         alone += [short_latency(url, args.short_tokens) for _ in range(args.samples)]
         threads = []
-        for path, body in neighbours(case, args):
-            def send(path=path, body=body):
-                r = requests.post(url + path, data=body, headers={"Content-Type": "application/json"}, timeout=900)
-                statuses.append(r.status_code)
+        for i, (path, body) in enumerate(neighbours(case, args)):
+            body_file = LOG.parent / f"{case}-{i}.json"
+            body_file.write_bytes(body)
+
+            def send(path=path, body_file=body_file):  # from another process: not this one's GIL
+                out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-H",
+                                      "Content-Type: application/json", "--data-binary", f"@{body_file}",
+                                      url + path], capture_output=True, text=True, timeout=900)
+                statuses.append(int(out.stdout or 0))
 
             threads.append(threading.Thread(target=send, daemon=True))
         for t in threads:
             t.start()
-        time.sleep(args.settle_s)  # the neighbours are in: being tokenized, or generating
-        while any(t.is_alive() for t in threads) and len(beside) < args.samples * (_ + 1):
+        # the neighbours are in (generating), or just sent (prompts: their bodies are on the way,
+        # then parsed and checked): each beside-sample is sent while one of them is still open,
+        # the first one at once for prompts
+        time.sleep(0.0 if case == "prompts" else args.settle_s)
+        for i in range(args.samples):
+            if i and not any(t.is_alive() for t in threads):
+                break
             beside.append(short_latency(url, args.short_tokens))
         for t in threads:
             t.join()
