@@ -23,13 +23,14 @@ import asyncio
 import threading
 
 import pytest
+from conftest import CACHE_DIR
 
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import merge_outputs
 from splitserve.engine.io import Bootstrap, GenerateRequest, SamplingParams
 from splitserve.outcomes import Reason
-from splitserve.testing.tiny import build_tiny_model
+from splitserve.models.resolve import resolve_model_dir
 
 GOOD = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 PROMPT = tuple(range(10, 50))
@@ -46,8 +47,10 @@ def loop():
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama"))
+def model():
+    with pytest.MonkeyPatch.context() as mp:  # the tiny model the servers of the suite use, built once
+        mp.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))
+        return resolve_model_dir("tiny")
 
 
 def config(model: str) -> EngineConfig:

@@ -425,7 +425,7 @@ def test_a_prompt_too_long_in_characters_is_refused_before_it_is_tokenized(byte_
     assert ok({"prompt": "</s>" * 99}, **kw).prompt_ids == (257,) * 99  # the bound is a bound: it fits
 
 
-def test_the_characters_per_token_bound_holds_and_is_refused_where_it_is_not_known(byte_tokenizer):
+def test_the_characters_per_token_bound_holds_and_is_refused_where_it_is_not_known(byte_tokenizer, monkeypatch):
     """The bound is derived from the tokenizer's own parts (``max_chars_per_token``): checked on
     the tiny model's tokenizer against texts made of its longest tokens, and refused for parts
     that may drop characters."""
@@ -435,11 +435,12 @@ def test_the_characters_per_token_bound_holds_and_is_refused_where_it_is_not_kno
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
     from tokenizers import Tokenizer
 
+    from conftest import CACHE_DIR
+    from splitserve.models.resolve import resolve_model_dir
     from splitserve.server.validation import max_chars_per_token
-    from splitserve.testing.tiny import build_tiny_model
 
-    import tempfile
-    tiny = AutoTokenizer.from_pretrained(str(build_tiny_model(tempfile.mkdtemp(), arch="llama")))
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))  # the tiny model the servers of the suite use
+    tiny = AutoTokenizer.from_pretrained(resolve_model_dir("tiny"))
     per = max_chars_per_token(tiny)
     vocab = tiny.get_vocab()
     longest = sorted(vocab, key=len)[-20:]
