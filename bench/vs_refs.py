@@ -515,6 +515,10 @@ def report(results: dict[str, list[Measured]], args: argparse.Namespace, model: 
     return {"table": table, "ratios": ratios}
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"comma-separated, of {', '.join(SETUPS)} "
@@ -541,6 +545,7 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=900, help="seconds a server may take to start")
     ap.add_argument("--result-json", type=Path, default=None, help="write every figure here")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _interrupted)  # a server up is stopped on the way out (see measure)
 
     wanted = [s.strip() for s in args.setups.split(",") if s.strip()]
     unknown = [s for s in wanted if s not in SETUPS]
