@@ -587,14 +587,20 @@ def main() -> int:
         f"stream x {args.one_requests} requests, {args.concurrency} streams x {args.many_requests} requests; "
         f"{args.rounds} round(s) of {', '.join(setups)}; references {refs}; logs {logs}")
     results: dict[str, list[Measured]] = {name: [] for name in setups}
-    for r in range(args.rounds):
-        say(f"  round {r + 1}")
-        for name in (setups if r % 2 == 0 else setups[::-1]):
-            server = make_server(name, args, model, refs, logs / f"{name}-{r}.log")
-            try:
-                results[name].append(measure(server, args, seed=r, say=say))
-            except RuntimeError as exc:
-                say(f"    {name}: FAILED: {exc}")
+    try:
+        for r in range(args.rounds):
+            say(f"  round {r + 1}")
+            for name in (setups if r % 2 == 0 else setups[::-1]):
+                server = make_server(name, args, model, refs, logs / f"{name}-{r}.log")
+                try:
+                    results[name].append(measure(server, args, seed=r, say=say))
+                except RuntimeError as exc:
+                    say(f"    {name}: FAILED: {exc}")
+                    continue
+                for line in memory_lines(name, results[name], model):
+                    say("  " + line)
+    except KeyboardInterrupt:  # what was measured until then is still reported
+        say("  interrupted: the figures below are of the set-ups measured until then")
     results = {k: v for k, v in results.items() if v}
     summary = report(results, args, model, say)
     say(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
