@@ -364,7 +364,7 @@ def measure(server: Server, args: argparse.Namespace, seed: int, say: Callable[[
         say(f"    {server.name:<16} one stream  {m.one.output_throughput:7.1f} tok/s  TTFT p50 "
             f"{m.one.ttft_ms['p50']:7.0f} ms  ITL p50 {m.one.itl_ms['p50']:6.1f} ms   load average "
             f"{m.load['start']:.1f} -> {m.load['one']:.1f}  (up in {m.startup_s:.0f} s)")
-        if server.name != "llamacpp":
+        if "many" in args.phases and server.name != "llamacpp":
             many = Workload(**{**workload.__dict__, "seed": seed + 1000})
             m.many = phase(server, model_name, many, Load(requests=args.many_requests, concurrency=args.concurrency,
                                                           warmup=min(args.concurrency, 4)))
@@ -524,6 +524,8 @@ def main() -> int:
     ap.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"comma-separated, of {', '.join(SETUPS)} "
                     "(default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="times each set-up is measured (default: %(default)s)")
+    ap.add_argument("--phases", default="one,many", help="one (a single stream), many (--concurrency streams) or "
+                    "both (default: %(default)s)")
     ap.add_argument("--one-requests", type=int, default=4, help="requests of the one-stream phase (default: %(default)s)")
     ap.add_argument("--many-requests", type=int, default=32, help="requests of the many-stream phase (default: %(default)s)")
     ap.add_argument("--concurrency", type=int, default=16, help="streams of the many-stream phase (default: %(default)s)")
