@@ -585,8 +585,10 @@ def main() -> int:
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     say(f"model {model.gguf.name} ({model.gguf.stat().st_size / MB:.0f} MB; float32 checkpoint for vLLM "
         f"{model.float32_dir}, {model.float32_bytes / MB:.0f} MB)")
-    say(f"streaming /v1/completions, {args.prompt_words}-word prompts, {args.output_tokens} tokens greedy; one "
-        f"stream x {args.one_requests} requests, {args.concurrency} streams x {args.many_requests} requests; "
+    phases = [f"one stream x {args.one_requests} requests"] if "one" in args.phases else []
+    phases += [f"{args.concurrency} streams x {args.many_requests} requests"] if "many" in args.phases else []
+    say(f"streaming /v1/completions, {args.prompt_words}-word prompts, {args.output_tokens} tokens greedy; "
+        f"{', '.join(phases)}; "
         f"{args.rounds} round(s) of {', '.join(setups)}; references {refs}; logs {logs}")
     results: dict[str, list[Measured]] = {name: [] for name in setups}
     try:
