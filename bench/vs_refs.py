@@ -359,11 +359,13 @@ def measure(server: Server, args: argparse.Namespace, seed: int, say: Callable[[
         m.startup_s = time.monotonic() - t0
         m.sample = sample_answer(server, model_name)
         m.load["start"] = load_average()
-        m.one = phase(server, model_name, workload, Load(requests=args.one_requests, concurrency=1, warmup=1))
-        m.load["one"] = load_average()
-        say(f"    {server.name:<16} one stream  {m.one.output_throughput:7.1f} tok/s  TTFT p50 "
-            f"{m.one.ttft_ms['p50']:7.0f} ms  ITL p50 {m.one.itl_ms['p50']:6.1f} ms   load average "
-            f"{m.load['start']:.1f} -> {m.load['one']:.1f}  (up in {m.startup_s:.0f} s)")
+        say(f"    {server.name:<16} up in {m.startup_s:.0f} s, load average {m.load['start']:.1f}")
+        if "one" in args.phases:
+            m.one = phase(server, model_name, workload, Load(requests=args.one_requests, concurrency=1, warmup=1))
+            m.load["one"] = load_average()
+            say(f"    {server.name:<16} one stream  {m.one.output_throughput:7.1f} tok/s  TTFT p50 "
+                f"{m.one.ttft_ms['p50']:7.0f} ms  ITL p50 {m.one.itl_ms['p50']:6.1f} ms   load average "
+                f"{m.load['one']:.1f}")
         if "many" in args.phases and server.name != "llamacpp":
             many = Workload(**{**workload.__dict__, "seed": seed + 1000})
             m.many = phase(server, model_name, many, Load(requests=args.many_requests, concurrency=args.concurrency,
@@ -398,8 +400,9 @@ def markdown(table: dict, n: int, threads: int) -> list[str]:
     lines = [f"| server | 1 stream: tok/s, TTFT p50, ITL p50 | {n} streams: tok/s, TTFT p50, ITL p50 / p99 |",
              "|---|---|---|"]
     for name, row in table.items():
-        one = f"{row['one_tok_s']:.1f}, {ms(row['one_ttft_p50'])}, {ms(row['one_itl_p50'])}"
-        many = ("serves one request at a time" if row["many_tok_s"] is None else
+        one = ("-" if row["one_tok_s"] is None else
+               f"{row['one_tok_s']:.1f}, {ms(row['one_ttft_p50'])}, {ms(row['one_itl_p50'])}")
+        many = ("serves one request at a time" if name == "llamacpp" else "-" if row["many_tok_s"] is None else
                 f"{row['many_tok_s']:.1f}, {ms(row['many_ttft_p50'])}, {ms(row['many_itl_p50'])} / "
                 f"{ms(row['many_itl_p99'])}")
         lines.append(f"| {DESCRIBED[name].format(threads=threads)} | {one} | {many} |")
