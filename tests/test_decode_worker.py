@@ -223,3 +223,24 @@ def _swallow(fn):
         return fn()
     except Exception as exc:  # handed to the test as a value
         return exc
+
+
+def test_a_lone_surrogate_salt_is_refused_and_the_live_rooms_go_on(setup):
+    """Issue 18, 4.2: a ``cache_salt`` of "\\ud800" raised in the engine loop (hashing it for the
+    prefix cache) and its catch-all failed every live room. It is refused at the edge (400), and a
+    room decoding meanwhile finishes with all its tokens."""
+    decode, fake = setup
+    fake.on_register = answer_with(5)
+    done = []
+    live = threading.Thread(target=lambda: done.append(ask(decode, fake, 40, max_new_tokens=40, seed=41)[0]))
+    live.start()
+    body = ('{"input_ids": %s, "sampling_params": {"max_new_tokens": 4}, "cache_salt": "\\ud800", '
+            '"bootstrap_host": "%s", "bootstrap_port": %d, "bootstrap_room": 4242}'
+            % (list(range(10, 30)), fake.host, fake.port))
+    r = requests.post(decode.url + "/generate", data=body.encode(), headers={"Content-Type": "application/json"},
+                      timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+    live.join(60)
+    assert done and done[0].status_code == 200, (done, decode.output_tail(3000))
+    assert "engine loop error" not in decode.output_tail(20000)
+    pages_back_to_total(decode, 10)
