@@ -495,8 +495,8 @@ def report(results: dict[str, list[Measured]], args: argparse.Namespace, model: 
                     pair[key] = per
                     cells.append(spread(per, ".2f") + ("x" if per else ""))
                 ratios[f"{a}/{b}"] = pair
-                say(f"{a + ' / ' + b:<28}" + "".join(f"{c:>22}" for c in cells[:3 if b == 'llamacpp' else 7]))
-        say(f"{'columns:':<28}" + "".join(f"{label.replace('N ', f'{n} '):>22}" for _, label, *_ in FIGURES))
+                say(f"{a + ' / ' + b:<28}" + "".join(f"{c:>24}" for c in cells[:3 if b == 'llamacpp' else 7]))
+        say(f"{'columns:':<28}" + "".join(f"{label.replace('N ', f'{n} '):>24}" for _, label, *_ in FIGURES))
 
     say("")
     for line in markdown(table, n, args.threads):
