@@ -105,7 +105,8 @@ def main() -> None:
     common = ["serve", "--model", "tiny", "--host", "127.0.0.1", "--transfer-backend", "nixl"]
     procs = [Proc("prefill", *common, "--role", "prefill", "--port", str(ports["prefill"]), "--bootstrap-port",
                   str(ports["bootstrap"]), "--inject-faults", "stall_writes", "--transfer-floor-s", str(args.floor_s)),
-             Proc("decode", *common, "--role", "decode", "--port", str(ports["decode"]))]
+             Proc("decode", *common, "--role", "decode", "--port", str(ports["decode"]), "--allowed-prefill",
+                  f"127.0.0.1:{ports['bootstrap']}")]
     results: dict[float, list[tuple[float, float]]] = {}
     rng = random.Random(0)
     try:

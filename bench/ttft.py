@@ -82,7 +82,7 @@ def main() -> None:
         "prefill": spawn("prefill", ["serve", *common, "--role", "prefill", "--port", str(ports["prefill"]),
                           "--bootstrap-port", str(ports["bootstrap"]), "--transfer-backend", args.backend]),
         "decode": spawn("decode", ["serve", *common, "--role", "decode", "--port", str(ports["decode"]),
-                         "--transfer-backend", args.backend]),
+                         "--transfer-backend", args.backend, "--allowed-prefill", f"127.0.0.1:{ports['bootstrap']}"]),
         "colocated": spawn("colocated", ["serve", *common, "--port", str(ports["colocated"])]),
     }
     try:

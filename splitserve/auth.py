@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import hmac
+import ipaddress
 import logging
 import os
 import stat
@@ -208,6 +209,91 @@ def caller_is(request: web.Request, name: str) -> bool:
     """Whether ``request`` presented this process's key ``name`` (``worker``: the router's)."""
     seen = request.get(ACCESS)
     return seen is not None and seen[1] == name
+
+
+@dataclasses.dataclass(frozen=True)
+class AllowedPrefill:
+    """``--allowed-prefill``: the bootstrap addresses a decode worker may be sent to."""
+
+    addresses: frozenset  # (host, port or None for any port), hosts lower-case
+    networks: tuple  # ipaddress networks: any address in them, any port
+
+    def __contains__(self, address: tuple) -> bool:
+        host, port = address[0].lower(), address[1]
+        if (host, port) in self.addresses or (host, None) in self.addresses:
+            return True
+        try:
+            ip = ipaddress.ip_address(host.strip("[]"))
+        except ValueError:
+            return False
+        return any(ip in net for net in self.networks)
+
+
+def parse_allowed_prefill(text: Optional[str]) -> Optional[AllowedPrefill]:
+    """``--allowed-prefill``: comma-separated ``HOST:PORT`` (a prefill's bootstrap address, as the
+    router names it: the host of its URL; ``[V6]:PORT`` for IPv6), ``HOST`` (any port there) or
+    ``NETWORK/BITS`` (any address in it, any port); None when unset. ValueError naming an entry
+    that is none of them."""
+    if text is None:
+        return None
+    addresses, networks = set(), []
+    for entry in (e.strip() for e in text.split(",")):
+        if "/" in entry:
+            try:
+                networks.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
+                continue
+            except ValueError:
+                raise ValueError(f"--allowed-prefill: {entry!r} is not a network (NETWORK/BITS)") from None
+        host, port = entry, None
+        if entry.startswith("["):
+            host, _, rest = entry[1:].partition("]")
+            host = f"[{host}]"
+            if rest:
+                port = rest.removeprefix(":") if rest.startswith(":") else "bad"
+        elif entry.count(":") == 1:
+            host, port = entry.split(":")
+        try:
+            port = None if port is None else int(port)
+        except ValueError:
+            port = 0
+        if not host or host == "[]" or port is not None and not 0 < port < 65536 or " " in host:
+            raise ValueError(f"--allowed-prefill: {entry!r} is not HOST:PORT, HOST or NETWORK/BITS")
+        addresses.add((host.lower(), port))
+    return AllowedPrefill(frozenset(addresses), tuple(networks))
+
+
+def check_bootstrap_trust(config) -> None:
+    """At a worker's start: ValueError for a malformed ``--allowed-prefill``, or for a decode worker
+    that could take no bootstrap address at all (neither the router's key nor a list)."""
+    allowed = parse_allowed_prefill(config.allowed_prefill)
+    if config.role == "decode" and allowed is None and not config.worker_api_key:
+        raise ValueError("--role decode dials the prefill that a request names: give it the router's key "
+                         "(--worker-api-key, then only the router may name one) or --allowed-prefill HOST:PORT,... "
+                         "(the prefills' bootstrap addresses)")
+
+
+def bootstrap_refusal(request: web.Request, host: Optional[str], port: Optional[int], room: Optional[int],
+                      role: str, allowed: Optional[AllowedPrefill]) -> Optional[str]:
+    """Why a generation request's bootstrap fields may not be taken from this caller, or None.
+    A decode worker dials the address they name and hands it its receiving link: a worker with the
+    router's key takes them only from its holder, and a decode worker with ``--allowed-prefill``
+    (or without the router's key, which must then have the list) only for an address on it."""
+    if host is None and port is None and room is None:
+        return None
+    seen = request.get(ACCESS)
+    access, who = seen if seen is not None else (None, None)
+    keyed = access is not None and WORKER in access.keys
+    if keyed and who != WORKER:
+        return ("bootstrap_host, bootstrap_port and bootstrap_room are taken only from the router: a request "
+                "carrying them needs the router's key (--worker-api-key)")
+    if role != "decode" or host is None:
+        return None
+    if allowed is None:
+        return None if keyed else ("this decode worker takes a bootstrap address only from the router's key "
+                                   "(--worker-api-key) or on its --allowed-prefill list, and was given neither")
+    if (host, port) in allowed:
+        return None
+    return f"the bootstrap address {host}:{port} is not on this decode worker's --allowed-prefill list"
 
 
 def unauthorized_counter(registry):

@@ -72,6 +72,12 @@ class ServerConfig:
     transfer backend) is then authenticated and encrypted with CURVE keys derived from it; a peer
     without it is refused. Without it the control plane is open to anyone who reaches it (a warning
     at start)."""
+    allowed_prefill: Optional[str] = None
+    """Decode role: the prefills whose bootstrap address a request may name, comma-separated
+    HOST:PORT (their bootstrap port; the host as the router names it, the host of the prefill's
+    URL), HOST (any port there) or NETWORK/BITS (any address in it). Decode dials that address and hands it its KV pool's link, so a
+    decode without the router's key (--worker-api-key) needs this list; with the key, only the
+    router may name an address, and this list, if given, must hold it too."""
     transfer_backend: str = "nixl"
     """How KV pages cross between workers: nixl (UCX; shared memory, TCP, RDMA) or tcp (built in)."""
     cpus: Optional[str] = None

@@ -225,7 +225,7 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     extra += tuple(shlex.split(config.worker_args))  # the worker refuses what it does not know, at start
     secret_file = secret_file or config.cluster_secret_file
     extra += ("--cluster-secret-file", secret_file) if secret_file else ()  # the path, never the secret
-    specs, router_args = [], []
+    specs, router_args, bootstraps = [], [], []
     for i in range(config.num_prefill):
         port, bootstrap = ports.pop(), ports.pop()
         url = f"http://127.0.0.1:{port}"
@@ -235,13 +235,16 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
                                    "--port", str(port), "--bootstrap-port", str(bootstrap)) + extra + cpus,
             url=url, health_url=url + "/health", note=f"bootstrap port {bootstrap}{where}", env=worker_env))
         router_args += ["--prefill", url, str(bootstrap)]
+        bootstraps.append(bootstrap)
+    # decode dials only these prefills, whoever names one (keyed, only the router may name any)
+    allowed = ("--allowed-prefill", ",".join(f"127.0.0.1:{port}" for port in bootstraps))
     for i in range(config.num_decode):
         port = ports.pop()
         url = f"http://127.0.0.1:{port}"
         cpus, where = _placement(decode_cpus, i, cores_of)
         specs.append(ChildSpec(
             f"decode-{i}", cli + ("serve", "--role", "decode", "--model", config.model, "--host", "127.0.0.1",
-                                  "--port", str(port)) + extra + cpus,
+                                  "--port", str(port)) + allowed + extra + cpus,
             url=url, health_url=url + "/health", note=where.lstrip("; "), env=worker_env))
         router_args += ["--decode", url]
     router_url = _router_url(config)

@@ -78,6 +78,20 @@ def _die_with_parent() -> None:
         pass
 
 
+def role_of(args: list[str]) -> str:
+    return args[args.index("--role") + 1] if "--role" in args[:-1] else "colocated"
+
+
+def split_defaults(args: list[str], env: dict, trusted_prefill: str) -> list[str]:
+    """``args`` of a ``serve``, with what a split worker of the tests needs unless they say
+    otherwise: a decode worker trusts the bootstrap addresses on ``trusted_prefill``."""
+    trust = ("--allowed-prefill", "--worker-api-key", "--worker-api-key-file")
+    if role_of(args) == "decode" and not any(a.split("=")[0] in trust for a in args) \
+            and "SPLITSERVE_WORKER_API_KEY" not in env:
+        args = [*args, "--allowed-prefill", trusted_prefill]
+    return args
+
+
 def write_cluster_secret(path) -> str:
     """A fresh cluster secret in ``path`` as an operator makes one (32 random bytes, hex; mode
     0600); the path, for ``--cluster-secret-file``."""
@@ -101,12 +115,18 @@ class ServerProcess:
     ``ServerProcess("--max-running-requests", "1").start()`` returns once ``/health`` answers 200
     (or raises with the server's output). ``url`` is its base URL; ``stop()`` sends SIGTERM, waits,
     kills if need be and returns the exit code; ``send_signal`` and ``wait`` drive it by hand.
+
+    A decode worker takes bootstrap addresses on ``trusted_prefill`` (``--allowed-prefill``: every
+    test's prefills listen there) unless its options say whom it trusts (``--allowed-prefill``, or
+    the router's key) — as a deployment must say (``docs/security.md``).
     """
+
+    trusted_prefill = "127.0.0.1"
 
     def __init__(self, *args: str, model: str = "tiny", cache_dir: Path = CACHE_DIR,
                  startup_timeout: float = STARTUP_TIMEOUT_S, env: Optional[dict] = None,
                  subcommand: str = "serve", tls: Optional[dict] = None):
-        self.args = list(args)
+        self.args = split_defaults(list(args), env or {}, self.trusted_prefill)
         self.model = model
         self.cache_dir = Path(cache_dir)
         self.startup_timeout = startup_timeout

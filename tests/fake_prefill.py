@@ -34,7 +34,7 @@ from splitserve.disagg.transfer.base import create_backend
 
 
 class FakePrefill:
-    def __init__(self, info: p.Info, heartbeat_s: float = 0.2):
+    def __init__(self, info: p.Info, heartbeat_s: float = 0.2, host: str = "127.0.0.1"):
         self.incarnation = uuid.uuid4().hex[:16]
         self.info = dataclasses.replace(info, incarnation=self.incarnation, backend="tcp")
         self.heartbeat_s = heartbeat_s
@@ -45,7 +45,7 @@ class FakePrefill:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self.host = "127.0.0.1"
+        self.host = host  # any 127.x address is this host's loopback
         self.port = self._sock.bind_to_random_port(f"tcp://{self.host}")
         self._writer = create_backend("tcp", f"fake-prefill-{self.incarnation}", torch.zeros(4096, dtype=torch.uint8),
                                       host=self.host)

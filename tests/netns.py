@@ -208,6 +208,8 @@ class NetnsServer(ServerProcess):
     """``splitserve serve`` inside namespace ``ns``, listening on ``host`` (an address of ``ns``).
     ``get`` and ``post_generate`` talk to it from inside ``ns``."""
 
+    trusted_prefill = "10.0.0.0/8"  # the namespaces' addresses (NetnsPair)
+
     def __init__(self, ns: str, host: str, *args: str, **kwargs):
         super().__init__(*args, **kwargs)
         self.netns = ns

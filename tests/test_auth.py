@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,10 @@ WORKERS_CLIENT_KEY = "a-worker-s-own-client-key"
 
 
 class Engine(FakeEngine):
-    """The fake engine of test_server, with what /debug/requests, /flush_cache and /metrics ask of it."""
+    """The fake engine of test_server, with what /debug/requests, /flush_cache and /metrics ask of
+    it (``role``: where a prefill or decode worker's metrics hang their counters)."""
+
+    role = types.SimpleNamespace()
 
     def debug_requests(self):
         return []
@@ -378,3 +382,60 @@ def test_a_keyed_router_s_health_shows_status_only_to_anonymous_callers():
                 body = await r.json()
                 assert r.status == 503 and body["prefill"][0]["url"] == down and "error" in body["decode"][0]
     asyncio.run(main())
+
+
+# -- who may name the prefill a decode worker dials (the bootstrap fields) ----------------------------------------
+
+FIELDS = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room": 12345}
+
+
+@pytest.mark.parametrize("role, config, calls", [
+    # the router's key set: only its holder sends bootstrap fields (the clients' key may generate without them)
+    ("decode", {"api_key": CLIENT_KEY, "worker_api_key": WORKER_KEY},
+     [(CLIENT_KEY, FIELDS, "--worker-api-key"), (WORKER_KEY, FIELDS, None), (CLIENT_KEY, {}, None)]),
+    ("prefill", {"api_key": CLIENT_KEY, "worker_api_key": WORKER_KEY},
+     [(CLIENT_KEY, FIELDS, "--worker-api-key"), (WORKER_KEY, FIELDS, None)]),
+    # no router's key: decode takes the addresses on its list only (an address, a host, a network)
+    ("decode", {"allowed_prefill": "127.0.0.1:8998,prefill-3.internal,10.1.0.0/16"},
+     [(None, FIELDS, None), (None, {**FIELDS, "bootstrap_port": 8999}, "--allowed-prefill"),
+      (None, {**FIELDS, "bootstrap_host": "PREFILL-3.internal", "bootstrap_port": 1}, None),
+      (None, {**FIELDS, "bootstrap_host": "10.1.200.3"}, None),
+      (None, {**FIELDS, "bootstrap_host": "10.2.0.1"}, "--allowed-prefill"),
+      (None, {**FIELDS, "bootstrap_host": "evil.example"}, "--allowed-prefill")]),
+    # both: the router's key, and its list too
+    ("decode", {"worker_api_key": WORKER_KEY, "allowed_prefill": "127.0.0.1:8998"},
+     [(WORKER_KEY, FIELDS, None), (WORKER_KEY, {**FIELDS, "bootstrap_port": 9000}, "--allowed-prefill")]),
+    # neither (run_server refuses to start so; an app built without it refuses every address)
+    ("decode", {}, [(None, FIELDS, "was given neither")]),
+])
+def test_bootstrap_fields_come_only_from_the_router_or_an_allowed_address(role, config, calls, byte_tokenizer):
+    """Issue 18, 4.1: a decode worker dials the address the bootstrap fields name and hands it its
+    KV pool's link; so they are taken only from the router's key, or for an address on the list."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from splitserve.config import ServerConfig
+    from splitserve.server.app import create_app
+
+    app = create_app(Engine(byte_tokenizer), ServerConfig(role=role, **config))
+
+    async def main():
+        async with TestClient(TestServer(app)) as client:
+            for key, fields, refused in calls:
+                r = await client.post("/generate", headers={"Authorization": f"Bearer {key}"} if key else {},
+                                      json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, **fields})
+                body = await r.json()
+                if refused is None:
+                    assert r.status == 200, (key, fields, body)
+                else:
+                    assert r.status == 403 and body["error"]["code"] == "bootstrap_not_allowed", (key, fields, body)
+                    assert refused in body["error"]["message"], body
+    asyncio.run(main())
+
+
+def test_a_decode_worker_that_would_trust_any_address_does_not_start(tmp_path):
+    """Neither the router's key nor --allowed-prefill: exit 2 naming both, before the model loads."""
+    out = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--role", "decode", "--port", "0"],
+                         capture_output=True, text=True, timeout=120, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "SPLITSERVE_WORKER_API_KEY": ""})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "--worker-api-key" in out.stderr and "--allowed-prefill" in out.stderr, out.stderr[-2000:]

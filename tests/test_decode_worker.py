@@ -218,6 +218,25 @@ def test_a_link_takes_writes_only_into_the_pages_of_its_own_rooms(setup):
     pages_back_to_total(decode, 10)
 
 
+def test_a_bootstrap_address_off_the_allowed_list_is_never_dialed(setup):
+    """Issue 18, 4.1: a client names a prefill of its own (``127.0.0.2``, not on this decode's
+    ``--allowed-prefill 127.0.0.1``): 403 naming the list, and the address is never dialed — no
+    ``get_info``, no ``register_peer`` with the link's metadata. One on the list is served."""
+    decode, fake = setup
+    with FakePrefill(fake.info, host="127.0.0.2") as stranger:
+        stranger.on_register = answer_with(5)
+        resp, _ = ask(decode, stranger, 20, seed=90)
+        assert resp.status_code == 403, (resp.status_code, resp.text)
+        error = resp.json()["error"]
+        assert error["code"] == "bootstrap_not_allowed" and "--allowed-prefill" in error["message"], error
+        time.sleep(1.0)  # a dial would have asked for its info by now
+        assert stranger.received == [], stranger.received
+    fake.on_register = answer_with(5)
+    ok, _ = ask(decode, fake, 20, seed=91)
+    assert ok.status_code == 200, ok.text
+    pages_back_to_total(decode, 10)
+
+
 def _swallow(fn):
     try:
         return fn()

@@ -175,6 +175,9 @@ def test_build_specs_command_lines():
     assert p0[:8] == ("py", "-m", "splitserve.cli", "serve", "--role", "prefill", "--model", "/m")
     assert p0[-2:] == ("--transfer-backend", "tcp") and "--bootstrap-port" in p0
     assert specs[2].argv[4:6] == ("--role", "decode") and "--bootstrap-port" not in specs[2].argv
+    bootstraps = [s.argv[s.argv.index("--bootstrap-port") + 1] for s in specs[:2]]
+    decode = specs[2].argv  # it dials only the prefills launch started
+    assert decode[decode.index("--allowed-prefill") + 1] == ",".join(f"127.0.0.1:{b}" for b in bootstraps)
     router = specs[3].argv
     assert router[3:5] == ("router", "--host") and "8123" in router
     prefill_args = [router[i + 1:i + 3] for i, a in enumerate(router) if a == "--prefill"]

@@ -38,7 +38,8 @@ from typing import Optional
 
 from aiohttp import web
 
-from splitserve.auth import METRICS, WORKER_ROUTES, access_middlewares, caller_may
+from splitserve.auth import (METRICS, WORKER_ROUTES, access_middlewares, caller_may, check_bootstrap_trust,
+                             parse_allowed_prefill)
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.engine.io import FLUSH_WAIT_S
@@ -69,6 +70,7 @@ class WorkerState:
         self.started_at = int(time.time())
         self.inflight: set[asyncio.Task] = set()  # generation handlers now running
         self.tokenize = TokenizeLanes()  # validation and tokenization, off the event loop
+        self.allowed_prefill = parse_allowed_prefill(config.allowed_prefill)  # whose bootstrap fields decode takes
 
     def accepting(self) -> bool:
         return bool(self.engine.ready) and not self.draining and not self.engine.draining
@@ -352,6 +354,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
     one exits 2."""
     try:
         check_client_bounds(server_config)
+        check_bootstrap_trust(server_config)
         ssl_context = server_context(server_config.ssl_certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs)
         if server_config.cluster_secret_file:  # read now: a bad file stops the worker at once
             from splitserve.disagg.control.curve import ClusterSecret

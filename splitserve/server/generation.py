@@ -29,6 +29,7 @@ from typing import AsyncIterator, Optional
 
 from aiohttp import web
 
+from splitserve.auth import bootstrap_refusal
 from splitserve.engine.io import EngineError, NotReady, RequestOutput
 from splitserve.http_util import read_body
 from splitserve.outcomes import Reason
@@ -94,6 +95,11 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
                                       generation_defaults=spec.generation_defaults)
             req: ValidatedRequest = await state.tokenize.run(  # in its lane (tokenize_lanes.py)
                 len(raw), engine.tokenizer, lambda tok, per: check(tokenizer=tok, chars_per_token=per))
+            refusal = bootstrap_refusal(request, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room,
+                                        state.config.role, state.allowed_prefill)
+            if refusal is not None:  # whom decode would dial and hand its KV pool: docs/security.md
+                result.ended(Reason.BAD_REQUEST)
+                return json_error(refusal, 403, param="bootstrap_host", code="bootstrap_not_allowed")
             rid = req.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
             request[RID] = rid  # echoed in the answer's X-Request-Id header (app.py)
             stream = engine.submit(req.generate_request(rid))

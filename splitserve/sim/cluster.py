@@ -121,9 +121,11 @@ class SimWorker:
         self.transfer_act = _Activity(loop, self._transfer_run)
         self.control_pause = self.transfer_pause = 0.0
 
+        prefills = ",".join(f"{host}:{BOOTSTRAP_PORT}" for slot, host in cluster.hosts.items()
+                            if slot.startswith("prefill"))  # decode takes bootstrap addresses of these only
         server = ServerConfig(host=self.host, port=HTTP_PORT, role=kind, bootstrap_port=BOOTSTRAP_PORT,
                               transfer_backend="fake", loop_stall_s=sim.loop_stall_s,
-                              advertise_host=cluster.advertise.get(self.slot))
+                              advertise_host=cluster.advertise.get(self.slot), allowed_prefill=prefills)
         engine_config = sim.engine_config(kind)
         self.tview = cluster.tnet.view(self)
         edges = Edges(incarnation=cluster.new_incarnation, transfer_opts={"network": self.tview},
