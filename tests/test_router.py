@@ -138,6 +138,17 @@ def sse(events: list[dict], then_hang: bool = False, delay: float = 0.0):
     return behaviour
 
 
+def error_then_hang(status: int):
+    """Error headers, then the start of a body whose rest never comes (until ``end_hangs``)."""
+    async def behaviour(fake, request, _body):
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        await resp.write(b'{"error": ')
+        await fake.release.wait()
+        return resp
+    return behaviour
+
+
 def drop_connection():
     async def behaviour(fake, request, _body):
         request.transport.close()
@@ -414,6 +425,21 @@ def test_client_disconnect_closes_both_legs(stream, fakes, start_router):
     wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="client_disconnect") == 1,
              what="the outcome metric")
     assert router.metric("splitserve_router_requests_in_flight") == 0
+
+
+def test_a_client_gone_before_a_failure_reached_it_is_counted_as_leaving(fakes, start_router):
+    """Issue 18 part 5: decode answers 502 and its error body does not come; the router has taken
+    the failure as the answer (it closed the prefill leg) and reads that body when the client
+    hangs up. The client never saw the failure: it is counted ``client_disconnect`` (it was
+    counted ``decode_failed``)."""
+    prefill, decode = fakes(hang()), fakes(error_then_hang(502))
+    router = start_router([(prefill.url, 1)], [decode.url])
+    sock = raw_request(router.url, "/v1/completions", COMPLETION)
+    assert prefill.aborted.wait(5.0), "the router did not take decode's failure as the answer"
+    sock.close()
+    assert decode.aborted.wait(5.0), "the decode leg was not closed"
+    assert_outcome(router, "client_disconnect")
+    assert router.metric("splitserve_router_requests_total", outcome="decode_failed") == 0
 
 
 def test_unhealthy_worker_leaves_rotation_and_comes_back(fakes, start_router):

@@ -9,6 +9,7 @@
   off its stream, or ended it without ``[DONE]``), ``client_disconnect``, ``client_timeout`` (the
   client did not send its body within ``client_body_timeout_s``, 408, or stopped reading for
   ``client_write_timeout_s``), ``timeout`` (``request_timeout_s`` passed), ``internal`` (a bug).
+  A client that had gone before the answer — whatever it was — reached it counts as leaving.
 - ``requests_in_flight``: generation requests now inside the router.
 - ``request_seconds{outcome}``: end-to-end latency, from receipt to the end of the answer.
 - ``time_to_first_token_seconds{endpoint}`` and ``inter_token_latency_seconds{endpoint}``: what a

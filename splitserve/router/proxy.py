@@ -303,7 +303,8 @@ class Exchange:
                 await self.client.prepare(self.response)
             await self.client.write(self.response, event.encode("utf-8") + b"data: [DONE]\n\n")
             await self.client.finish(self.response)
-        except ClientLost as exc:
+        except ClientLost as exc:  # the client had gone: counted as its leaving, not as the failure
+            self.outcome = exc.outcome
             log.info("room %d: the error event did not reach the client: %s", self.room, exc)
 
     def _close_legs(self) -> None:
@@ -329,9 +330,11 @@ ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "
 
 
 async def forward(state, request: web.Request) -> web.StreamResponse:
-    """The handler body of every generation endpoint (``state`` is the app's RouterState). A
-    refusal is returned unsent (the app's middleware sends it, bounded); the exchange's answer is
-    sent here, so that a client that does not take it is counted as what it is."""
+    """The handler body of every generation endpoint (``state`` is the app's RouterState). Every
+    answer is sent here, bounded — a refusal as the exchange's — so that a client that had gone
+    before it could take it is counted as leaving (``client_disconnect`` / ``client_timeout``),
+    never as the failure it was not there to see; so is a cancellation of the handler (aiohttp's
+    sign that the client's connection was lost), whatever the exchange was doing then."""
     clock = asyncio.get_running_loop().time
     started = clock()
     endpoint = ENDPOINTS[request.path]
@@ -356,12 +359,16 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
             rid = validated.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
         except InvalidRequest as exc:
             outcome, status = "bad_request", exc.status
-            return web.json_response(engine_error_body(exc), status=exc.status)
+            response = web.json_response(engine_error_body(exc), status=exc.status)
+            outcome = await send(request, response, config.client_write_timeout_s) or outcome
+            return response
         picked = state.pick_workers(routing_key(validated))
         if isinstance(picked, str):
             outcome, status = "no_workers", 503
-            return web.json_response(error_body(picked, 503, code="no_healthy_workers"), status=503,
-                                     headers={"Retry-After": "1"})
+            response = web.json_response(error_body(picked, 503, code="no_healthy_workers"), status=503,
+                                         headers={"Retry-After": "1"})
+            outcome = await send(request, response, config.client_write_timeout_s) or outcome
+            return response
         prefill, decode = picked
         room = state.new_room()
         legs = f" prefill={prefill.url} decode={decode.url}"
@@ -381,6 +388,9 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
             outcome, status = exchange.outcome, exchange.status
         outcome = await send(request, response, config.client_write_timeout_s) or outcome
         return response
+    except asyncio.CancelledError:
+        outcome = "client_disconnect"
+        raise
     finally:
         metrics.in_flight.dec()
         seconds = clock() - started

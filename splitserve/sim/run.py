@@ -28,6 +28,7 @@ from splitserve.sim.workload import CURRENT, Client, draw_clients, reference_tex
 
 OVERLOAD_CODES = ("overloaded", "queue_full", "no_healthy_workers")
 ROUTER_LEFT = ("hung_up", "stopped_reading")
+LEAVING = {"hung_up": "client_disconnect", "stopped_reading": "client_timeout"}  # what the router counts
 
 
 class FaultLog:
@@ -322,10 +323,10 @@ class Run:
         router's record of each, ``state.recent``, says which outcome it counted):
 
         - a client with a whole answer was counted ``finished``; one with an error, a failure;
-        - a client that left (hung up, stopped reading) was counted as leaving
-          (``client_disconnect`` / ``client_timeout``), or as the failure the router was
-          answering when it left — never ``finished``;
-        - a refused request (no pair to pick) as the refusal, even if its client had left;
+        - a client that left (hung up, stopped reading) before its answer ended was counted as
+          leaving (``client_disconnect`` / ``client_timeout``), whatever the router was answering
+          (a refusal, a worker's error) — never ``finished``, never a failure it did not see;
+        - a refused request (no pair to pick) as the refusal;
         - a client that left before the router took its request: ``client_disconnect``;
 
         and every outcome's counter equals the number of requests recorded with it."""
@@ -338,7 +339,7 @@ class Run:
             ending = client.ending()
             entry = recent.get(client.rid)
             if client.refused:
-                got = "no_workers"
+                got = LEAVING.get(ending, "no_workers")
             elif entry is None:
                 got = "client_disconnect" if ending in ROUTER_LEFT else None
             else:
@@ -346,7 +347,7 @@ class Run:
             if ending == "finished":
                 ok = got == "finished"
             elif ending in ROUTER_LEFT:
-                ok = got is not None and got != "finished"
+                ok = got in LEAVING.values()
             else:
                 ok = got not in (None, "finished", "client_disconnect", "client_timeout")
             if not ok:
