@@ -181,11 +181,11 @@ def reset_lost_with_its_handover(original):
     from splitserve.disagg.role import DisaggRole
     from splitserve.disagg.transfer_worker import ResetPeer
 
-    def disconnect(self, peer):
+    def disconnect(self, a):
         try:
-            self.transfer.submit(ResetPeer(peer, forget=True))
+            self.transfer.submit(ResetPeer(a.peer, forget=True))
         finally:
-            DisaggRole._disconnect(self, peer)
+            DisaggRole._disconnect(self, a)
 
     return disconnect
 

@@ -27,8 +27,8 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.control import DecodeControl
 from splitserve.disagg.control.decode import ZmqDealer
 from splitserve.disagg.lifecycle import (
-    DecodeStep, DecodeTable, Finished, FromPeer, LocalFailure, PagesReserved, Peer, QuarantinePages, Reason,
-    ReleaseQuarantine, ReservePages, StartDecode,
+    DecodeStep, DecodeTable, DisconnectPeer, Finished, FromPeer, LocalFailure, PagesReserved, Peer,
+    QuarantinePages, Reason, ReleaseQuarantine, ReservePages, StartDecode,
 )
 from splitserve.disagg.role import DisaggRole, RoomRecord
 from splitserve.disagg.transfer.links import ReceiveLinks
@@ -36,6 +36,7 @@ from splitserve.disagg.transfer_worker import KVNotification, TransferWorker
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import RequestOutput
 from splitserve.engine.page_allocator import page_keys
+from splitserve.log_sparsely import worth_logging
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ class DecodeRole(DisaggRole):
     links = None
 
     def _start(self) -> None:
-        self.links = ReceiveLinks(self.server.transfer_backend, f"decode-{self.incarnation}", self.engine.kv.buffer,
-                                  page_nbytes=self.engine.layout.page_nbytes, **self._transfer_opts())
+        self.links = (self.edges.links or ReceiveLinks)(self.server.transfer_backend, f"decode-{self.incarnation}",
+                                                        self.engine.kv.buffer, page_nbytes=self.engine.layout.page_nbytes,
+                                                        **self._transfer_opts())
+        self._unfenced: dict[Peer, set[int]] = {}  # a peer whose fence raised -> its rooms whose pages stay
         self.transfer = TransferWorker(None, self.loop.post_event, self.faults.transfer, links=self.links)
         self.table = DecodeTable(self.deadlines, self.incarnation, self.engine.layout.page_size,
                                  vocab_size=self.engine.spec.vocab_size)
@@ -79,6 +82,8 @@ class DecodeRole(DisaggRole):
         return super().on_event(event)
 
     def tick(self, now: float) -> list[RequestOutput]:
+        if self._unfenced:
+            self._fence_again()
         out = super().tick(now)
         self._serve_page_queue(out)
         return out
@@ -139,7 +144,7 @@ class DecodeRole(DisaggRole):
             self.pages_quarantined += len(rec.pages)
         elif isinstance(a, ReleaseQuarantine):
             rec = self.rooms.get(a.room)
-            if rec is not None:
+            if rec is not None and not self._kept_unfenced(rec):
                 self.pages_quarantined -= len(rec.pages)
                 rec.quarantined = False
                 self._free_room(a.room)
@@ -176,15 +181,57 @@ class DecodeRole(DisaggRole):
 
     def _free_room(self, room: int, named=None) -> None:
         rec = self.rooms.get(room)
+        if rec is not None and self._kept_unfenced(rec):
+            return
         if rec is not None:  # closed to the link before they are free
             self.links.revoke(room, None if rec.gives_back_all(named) else named)
         super()._free_room(room, named)
 
-    def _disconnect(self, peer: Peer) -> None:
+    def _kept_unfenced(self, rec: RoomRecord) -> bool:
+        """A room of a peer whose fence failed, before its KV was complete (``StartDecode``: after it
+        every write has landed): its pages stay quarantined — a late write may still land in them —
+        until a fence goes through (True: kept)."""
+        if rec.seq is not None or not any(rec.room in rooms for rooms in self._unfenced.values()):
+            return False
+        if not rec.quarantined:
+            rec.pages, rec.quarantined = rec.take_pages(), True
+            self.pages_quarantined += len(rec.pages)
+        return True
+
+    def _disconnect(self, a: DisconnectPeer) -> None:
         # The fence, before any page of the peer's rooms is freed by the actions that follow;
         # then the control thread ends the session (the next room for that address opens a new one).
-        self.links.close(peer)
-        super()._disconnect(peer)
+        try:
+            self.links.close(a.peer)
+        except Exception:  # unfenced: its rooms' pages are kept (_kept_unfenced) until a fence goes through
+            self.notices["fence_failed"] += 1
+            log.exception("decode: fencing %s failed; the pages of its %d rooms stay quarantined until a fence "
+                          "goes through (tried again at every tick)", a.peer, len(a.rooms))
+            self._unfenced.setdefault(a.peer, set()).update(a.rooms)
+        super()._disconnect(a)
+
+    def _fence_again(self) -> None:
+        """Every tick: the fences that failed, tried again (each on its own: one that keeps failing
+        holds up nothing else); once one goes through, its rooms' kept pages are released."""
+        for peer in list(self._unfenced):
+            try:
+                self.links.close(peer)
+            except Exception:
+                n = self.notices["fence_failed"] = self.notices["fence_failed"] + 1
+                if worth_logging(n):
+                    log.exception("decode: fencing %s failed again (%d fence failures so far)", peer, n)
+                continue
+            self._release_unfenced(peer)
+
+    def _release_unfenced(self, peer: Peer) -> None:
+        for room in self._unfenced.pop(peer, ()):
+            rec = self.rooms.get(room)
+            if rec is not None and rec.quarantined and rec.seq is None:
+                log.info("decode: %s fenced at last: room %d's %d quarantined pages released", peer, room,
+                         len(rec.pages))
+                self.pages_quarantined -= len(rec.pages)
+                rec.quarantined = False
+                self._free_room(room)  # closed to the link (revoked), then free
 
     def _close(self) -> None:
         if self.links is not None:

@@ -15,7 +15,7 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl
 from splitserve.disagg.control.prefill import ZmqRouterEndpoint
 from splitserve.disagg.lifecycle import (
-    CancelWrites, ChunkDone, Enqueue, ForwardDone, LocalFailure, Peer, PrefillTable, Reason, ResetTransfer,
+    CancelWrites, ChunkDone, DisconnectPeer, Enqueue, ForwardDone, LocalFailure, Peer, PrefillTable, Reason, ResetTransfer,
     Scheduled, StartWrite, WriteFailed,
 )
 from splitserve.disagg.role import DisaggRole, RoomRecord
@@ -104,12 +104,12 @@ class PrefillRole(DisaggRole):
                               finish_reason="prefill_done", prompt_tokens=len(rec.req.prompt_ids),
                               completion_tokens=0)]
 
-    def _disconnect(self, peer: Peer) -> None:
+    def _disconnect(self, a: DisconnectPeer) -> None:
         # our side of its transfer: its writes are reported failed (not a fence: decode's is), then
         # the control thread forgets the session (each owed if its hand-over raises)
-        self._hand_over(f"the transfer reset of session {peer}",
-                        functools.partial(self.transfer.submit, ResetPeer(peer, forget=True)))
-        super()._disconnect(peer)
+        self._hand_over(f"the transfer reset of session {a.peer}",
+                        functools.partial(self.transfer.submit, ResetPeer(a.peer, forget=True)))
+        super()._disconnect(a)
 
     def _close(self) -> None:
         if self.backend is not None:

@@ -106,6 +106,9 @@ class Edges:
     """Decode: ``dial(address, identity)`` -> one session's control connection (default a ZMQ DEALER)."""
     transfer_opts: dict = field(default_factory=dict)
     """Extra options for the transfer backend and the receiving links."""
+    links: Optional[Callable] = None
+    """Decode: ``links(backend, agent_prefix, buffer, **opts)`` -> its receiving links (default
+    ``transfer.links.ReceiveLinks``)."""
     io_probe: Optional[Callable] = None
     """``io_probe()`` -> what watches the ZMQ I/O thread (default ``control.io_probe.IoProbe`` on the
     process's context; a simulator, which has no ZMQ, returns None)."""
@@ -393,7 +396,7 @@ class DisaggRole:
             self._notice(a)
         elif isinstance(a, DisconnectPeer):
             log.warning("peer %s lost: %s", a.peer, a.detail)
-            self._disconnect(a.peer)
+            self._disconnect(a)
         else:
             self._do_role(a, out)
 
@@ -477,8 +480,8 @@ class DisaggRole:
     def _success(self, rec: RoomRecord) -> list[RequestOutput]:
         return []
 
-    def _disconnect(self, peer: Peer) -> None:
-        self._hand_over(f"forgetting session {peer}", functools.partial(self.control.forget, peer))
+    def _disconnect(self, a: DisconnectPeer) -> None:
+        self._hand_over(f"forgetting session {a.peer}", functools.partial(self.control.forget, a.peer))
 
     def _hand_over(self, what: str, call: Callable[[], None]) -> None:
         """A hand-over to a thread that must happen (what a session's end leaves for the threads

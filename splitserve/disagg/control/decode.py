@@ -171,7 +171,7 @@ class DecodeControl(ControlThread):
             del self._prefills[pf.name]
         pf.conn.close()
         if pf.peer is not None:
-            self._links.close(pf.peer)  # idempotent: the engine may have fenced it already
+            self._close_link(pf.peer)  # idempotent: the engine may have fenced it already
             if lost:
                 log.warning("session %s ended: %s", pf.peer, why)
                 self._post(PeerLost(pf.peer, why))
@@ -185,7 +185,16 @@ class DecodeControl(ControlThread):
         pf = self._prefills.get(peer.name)
         if pf is not None and pf.peer == peer:
             self._end(pf, "declared lost", lost=False)
-        self._links.close(peer)
+        self._close_link(peer)
+
+    def _close_link(self, peer: Peer) -> None:
+        """Close ``peer``'s receiving link here too; if that raises, the session still ends (and its
+        ``PeerLost`` is posted): the engine loop's fence is the one its pages wait for, and it keeps
+        them quarantined while it fails (``disagg/decode.py``)."""
+        try:
+            self._links.close(peer)
+        except Exception:
+            log.exception("closing the receiving link of %s failed (the engine loop's fence keeps its pages)", peer)
 
     def _tick(self, pf: _Session, now: float) -> None:
         pf.waiting = [(room, since) for room, since in pf.waiting if now - since <= self._info_wait_s]

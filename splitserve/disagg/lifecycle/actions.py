@@ -103,10 +103,13 @@ class ResetTransfer:
 @dataclass(frozen=True)
 class DisconnectPeer:
     """``peer`` is declared lost: close the control and transfer connections to that incarnation,
-    so that none of its writes can land, and forget its transfer metadata."""
+    so that none of its writes can land, and forget its transfer metadata. ``rooms``: the rooms
+    bound to it, whose memory the actions after this one free (a decode whose fence fails keeps
+    theirs quarantined instead)."""
 
     peer: Peer
     detail: str
+    rooms: tuple[int, ...] = ()
 
 
 # -- memory ----------------------------------------------------------------------------------------

@@ -331,7 +331,7 @@ class RoomTable:
         """Rule 5: a lost peer fails all its rooms. The disconnect comes first: it is what makes
         sure none of the peer's writes can still land when their pages are freed."""
         peer, rooms = lost
-        out.append(DisconnectPeer(peer, detail))
+        out.append(DisconnectPeer(peer, detail, tuple(sorted(rooms))))
         out.append(Notice(self.role, NoticeKind.PEER_LOST, None, f"{peer}: {detail}; {len(rooms)} rooms"))
         for room in sorted(rooms):
             self._on_peer_lost(room, peer, f"{peer}: {detail}", now, out)
