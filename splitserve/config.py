@@ -63,6 +63,14 @@ class ServerConfig:
     answering its peers' heartbeats, so that they declare it lost and free what they hold for it."""
     bootstrap_port: int = 8998
     """Prefill role: the port of the bootstrap (control) endpoint decode workers connect to."""
+    max_control_sessions: int = 256
+    """Prefill role: decode sessions registered at once (each holds a transfer connection); a new
+    one past it is refused until one ends (docs/security.md)."""
+    max_control_sessions_per_address: int = 32
+    """Prefill role: registered decode sessions at once from one source IP address."""
+    control_session_rate: float = 20.0
+    """Prefill role: new decode sessions accepted a second, on average (bursts of twice as many);
+    more are refused, to be registered again a second later."""
     advertise_host: Optional[str] = None
     """The host peers should use to reach this worker (default: --host)."""
     cluster_secret_file: Optional[str] = None

@@ -17,6 +17,7 @@ import zmq
 from conftest import free_port
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl, identity, peer_of
+from splitserve.disagg.control.prefill import SessionLimits
 from splitserve.disagg.lifecycle import FromPeer, Peer, PeerInfo, PeerLost
 from splitserve.disagg.transfer_worker import AddPeer
 
@@ -121,6 +122,67 @@ def test_prefill_answers_link_registrations_and_holds_back_rooms_that_come_befor
         while not [e for e in events if isinstance(e, FromPeer)] and time.monotonic() < deadline:
             time.sleep(0.01)
         assert [e.msg for e in events if isinstance(e, FromPeer)] == [early]
+
+
+class _Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_new_control_sessions_are_capped_in_total_per_address_and_in_rate():
+    """Issue 18 part 5: nothing capped the decode sessions a prefill registers (each holds a
+    transfer connection), at once, per source address, or per second. Real sockets, each session
+    connecting from its own loopback address (``tcp://127.0.0.N:0;...``: the address prefill sees is
+    the connection's, not a name the sender gives); the control thread's clock is the test's. With
+    at most 4 sessions, 2 per address and 1 new a second (a burst of 2), a refused ``register_peer``
+    is never answered and is counted by why; a decode's next session replaces its own at the caps."""
+    events, transfer, clock = [], _Transfer(), _Clock()
+    port = free_port()
+    control = PrefillControl("127.0.0.1", port, INFO, transfer, events.append, heartbeat_s=100, silence_s=1000,
+                             limits=SessionLimits(max_sessions=4, max_per_address=2, rate=1.0))
+    control.clock = clock
+    control.start()
+    ctx = zmq.Context()
+    socks = []
+
+    def session(n: int, source: str, name: str = "", number: int = 1) -> zmq.Socket:
+        peer = Peer(name or f"decode:{n}", f"d{n}", number)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, identity(peer))
+        sock.connect(f"tcp://{source}:0;127.0.0.1:{port}")
+        sock.send(p.encode(p.RegisterPeer(peer.incarnation, "pf1", f"link-{n}-{number}", b"md")))
+        socks.append(sock)
+        return sock
+
+    def answered(sock: zmq.Socket) -> bool:
+        return any(isinstance(m, p.PeerRegistered) for m in _recv_all(sock, 0.3))
+
+    def refused() -> dict:
+        return {k: n for k, n in control.sessions_refused().items() if n}
+
+    try:
+        s1, s2 = session(1, "127.0.0.1"), session(2, "127.0.0.1")
+        assert answered(s1) and answered(s2)
+        assert not answered(session(3, "127.0.0.1")) and refused() == {"per_address": 1}
+        s4 = session(4, "127.0.0.2")
+        assert not answered(s4) and refused() == {"per_address": 1, "rate": 1}
+        clock.t += 2  # the rate's bucket fills again (2 at most)
+        s4.send(p.encode(p.RegisterPeer("d4", "pf1", "link-4-1", b"md")))  # decode re-sends it
+        assert answered(s4) and answered(session(5, "127.0.0.3"))
+        clock.t += 2
+        assert not answered(session(6, "127.0.0.4")) and refused() == {"per_address": 1, "rate": 1, "limit": 1}
+        assert control.sizes()["sessions"] == 4 and len([c for c in transfer.commands if isinstance(c, AddPeer)]) == 4
+        assert answered(session(1, "127.0.0.1", "decode:1", 2))  # decode 1's next session replaces its first
+        assert control.sizes()["sessions"] == 4 and refused() == {"per_address": 1, "rate": 1, "limit": 1}
+    finally:
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+        control.close()
 
 
 def test_decode_resends_its_link_until_answered_and_a_forgotten_session_makes_way_for_the_next():

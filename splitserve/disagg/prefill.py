@@ -13,7 +13,7 @@ import functools
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl
-from splitserve.disagg.control.prefill import ZmqRouterEndpoint
+from splitserve.disagg.control.prefill import SessionLimits, ZmqRouterEndpoint
 from splitserve.disagg.lifecycle import (
     CancelWrites, ChunkDone, DisconnectPeer, Enqueue, ForwardDone, LocalFailure, Peer, PrefillTable, Reason, ResetTransfer,
     Scheduled, StartWrite, WriteFailed,
@@ -42,7 +42,10 @@ class PrefillRole(DisaggRole):
                                       lambda: not self.loop.loop_stalled(), silence_s=self.deadlines.peer_silence_s,
                                       ended_s=self.deadlines.tombstone_s,
                                       bind=self.edges.bind or functools.partial(ZmqRouterEndpoint, secret=self.secret),
-                                      io_probe=self._io_probe())
+                                      io_probe=self._io_probe(),
+                                      limits=SessionLimits(self.server.max_control_sessions,
+                                                           self.server.max_control_sessions_per_address,
+                                                           self.server.control_session_rate))
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
         out: list[RequestOutput] = []
@@ -66,6 +69,7 @@ class PrefillRole(DisaggRole):
     def stats(self) -> dict:
         stats = super().stats()
         stats["kv_transfer_bytes"] = self.kv_bytes_written
+        stats["sessions_refused"] = self.control.sessions_refused()
         return stats
 
     def _do_role(self, a, out: list[RequestOutput]) -> None:

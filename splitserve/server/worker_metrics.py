@@ -96,6 +96,11 @@ class WorkerMetrics:
             gauge("splitserve_control_ended_sessions", "Prefill: decode sessions that ended and are remembered (never "
                   "answered again; forgotten after --tombstone-s).", ["role"],
                   read=lambda: self._of_role("control", "ended"))
+            if role == "prefill":
+                counter("splitserve_control_sessions_refused_total", "Prefill: new decode sessions refused by the "
+                        "session limits since start, by why (limit: --max-control-sessions; per_address: "
+                        "--max-control-sessions-per-address; rate: --control-session-rate).", ["role", "why"],
+                        read=lambda: {(role, k): n for k, n in (self._stat("sessions_refused") or {}).items()})
             gauge("splitserve_transfer_peers", "Prefill: peers with a transfer connection (a NIXL remote agent each).",
                   ["role"], read=lambda: self._of_role("transfer_peers"))
             counter("splitserve_control_bad_frames_total", "Prefill/decode: control frames dropped since start, by why "

@@ -139,11 +139,18 @@ class RouterEndpoint:
     closed: bool = False
     fail_recv: int = 0  # fault injection: the next recv() calls raise (a crashing control thread)
 
+    last_source: Optional[str] = None  # the host the message recv last returned came from
+
     def recv(self) -> Optional[list[bytes]]:
         if self.fail_recv:
             self.fail_recv -= 1
             raise RuntimeError("simulated control-thread crash (recv raised)")
-        return self.inbox.popleft() if self.inbox else None
+        if not self.inbox:
+            return None
+        parts = self.inbox.popleft()
+        dealer = self.peers.get(parts[0])
+        self.last_source = dealer.host if dealer is not None else None
+        return parts
 
     def send(self, ident: bytes, frame: bytes) -> None:
         dealer = self.peers.get(ident)

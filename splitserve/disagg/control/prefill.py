@@ -19,12 +19,19 @@ next. A room message from a session that is not registered is dropped and counte
 
 Every per-peer structure here is bounded: registered sessions by silence, ended ones by time and
 count, unregistered senders by ``MAX_UNREGISTERED``.
+
+**Session limits** (:class:`SessionLimits`; ``docs/security.md``): a link registration that would
+open a new session is refused — dropped, counted in ``refused`` by why, never answered, so decode
+re-sends it and ends the session at the silence bound — when ``max_sessions`` are registered
+(``limit``), when ``max_per_address`` of them come from its source IP address (``per_address``: the
+address the connection comes from, never the name a sender gives), or when more than ``rate`` new
+sessions a second (bursts of ``2 x rate``) were accepted lately (``rate``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -34,6 +41,7 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.control.base import MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults, ControlThread, identity, peer_of
 from splitserve.disagg.lifecycle import FromPeer, Peer, PeerLost, Reason
 from splitserve.disagg.transfer_worker import AddPeer, ResetPeer
+from splitserve.log_sparsely import worth_logging
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +50,25 @@ MAX_UNREGISTERED = 4096
 ROOM_MESSAGES = (p.RegisterRoom, p.AbortRoom)
 
 
+@dataclass(frozen=True)
+class SessionLimits:
+    """How many decode sessions a prefill takes (the options ``--max-control-sessions``,
+    ``--max-control-sessions-per-address``, ``--control-session-rate``)."""
+
+    max_sessions: int = 256
+    max_per_address: int = 32
+    rate: float = 20.0  # new sessions a second; a burst of 2 x rate
+
+    def __post_init__(self):
+        if self.max_sessions < 1 or self.max_per_address < 1 or not self.rate > 0:
+            raise ValueError("the control session limits must be positive")
+
+
 @dataclass
 class _Session:
     agent_name: str
     last_heard: float
+    source: Optional[str] = None  # the IP address its link registration came from
 
 
 class PrefillControl(ControlThread):
@@ -55,8 +78,13 @@ class PrefillControl(ControlThread):
                  heartbeat_s: float, faults: Optional[ControlFaults] = None,
                  loop_alive: Optional[Callable[[], bool]] = None, silence_s: Optional[float] = None,
                  ended_s: float = 900.0, bind: Optional[Callable[[str, int], "ZmqRouterEndpoint"]] = None,
-                 io_probe=None):
+                 io_probe=None, limits: SessionLimits = SessionLimits()):
         super().__init__("control-prefill", info.incarnation, post, heartbeat_s, faults, loop_alive, io_probe)
+        self.limits = limits
+        self.refused: Counter = Counter()
+        """New sessions refused by the limits, by why (``limit``, ``per_address``, ``rate``)."""
+        self._tokens, self._tokens_at = 2 * limits.rate, None  # the rate's bucket, filled at ``rate`` a second
+        self._source: Optional[str] = None  # where the message being handled came from
         self.info = info
         self._transfer = transfer
         self._silence_s = silence_s if silence_s is not None else 5 * heartbeat_s
@@ -73,6 +101,10 @@ class PrefillControl(ControlThread):
     def sizes(self) -> dict[str, int]:
         """Per-peer structures, for the metrics (read from any thread)."""
         return {"sessions": len(self._sessions), "ended": len(self._ended), "unregistered": len(self._unregistered)}
+
+    def sessions_refused(self) -> dict[str, int]:
+        """New sessions refused by the limits so far, by why, each why shown (read from any thread)."""
+        return {why: self.refused[why] for why in ("limit", "per_address", "rate")}
 
     # -- the thread ---------------------------------------------------------------------------------
 
@@ -122,6 +154,7 @@ class PrefillControl(ControlThread):
             return
         msg = self._decode(frame, str(sender))
         if msg is not None:
+            self._source = getattr(self.endpoint, "last_source", None)  # where this message came from
             self._dispatch(sender, msg, self.clock())
 
     def _dispatch(self, sender: Peer, msg, now: float) -> None:
@@ -184,13 +217,39 @@ class PrefillControl(ControlThread):
         if sender in self._ended:
             return  # a late one from a session that is over
         if sender not in self._sessions:
-            for old in [s for s in self._sessions if (s.name, s.incarnation) == (sender.name, sender.incarnation)]:
+            replaced = [s for s in self._sessions if (s.name, s.incarnation) == (sender.name, sender.incarnation)]
+            why = self._over_limits(len(replaced), now)
+            if why is not None:
+                self.refused[why] += 1
+                n = sum(self.refused.values())
+                if worth_logging(n):
+                    log.warning("decode session %s from %s refused (%s; %d refused so far)", sender, self._source,
+                                why, n)
+                return
+            for old in replaced:
                 self._end(old, f"replaced by its session {sender.session}")
-            self._sessions[sender] = _Session(msg.agent_name, now)
+            self._sessions[sender] = _Session(msg.agent_name, now, self._source)
             self._unregistered.pop(sender, None)
             self._transfer.submit(AddPeer(sender, msg.agent_name, msg.agent_metadata))
             self._note_heard(sender, fresh=False)
         self._send_faulty(self._to(sender), p.encode(p.PeerRegistered(self.incarnation, msg.agent_name)))
+
+    def _over_limits(self, replacing: int, now: float) -> Optional[str]:
+        """Why a new session may not be registered now (None: it may; it takes a token of the rate).
+        ``replacing``: sessions of the same decode that it would end."""
+        lim = self.limits
+        if len(self._sessions) - replacing >= lim.max_sessions:
+            return "limit"
+        if self._source is not None and \
+                sum(1 for s in self._sessions.values() if s.source == self._source) - replacing >= lim.max_per_address:
+            return "per_address"
+        if self._tokens_at is not None:
+            self._tokens = min(2 * lim.rate, self._tokens + (now - self._tokens_at) * lim.rate)
+        self._tokens_at = now
+        if self._tokens < 1:
+            return "rate"
+        self._tokens -= 1
+        return None
 
     def _expire(self, now: float) -> None:
         """End sessions silent past the bound; forget ended and unregistered ones past theirs."""
@@ -251,11 +310,19 @@ class ZmqRouterEndpoint:
         """Connections refused for authentication, by why (``zap``, ``handshake``)."""
         return {f"authentication_{k}": n for k, n in self._guard.failures.items()} if self._guard else {}
 
+    last_source: Optional[str] = None
+    """The IP address the message :meth:`recv` last returned came from (its connection's peer)."""
+
     def recv(self) -> Optional[list[bytes]]:
         try:
-            return self.sock.recv_multipart(zmq.NOBLOCK)
+            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        try:
+            self.last_source = frames[-1].get("Peer-Address")
+        except zmq.ZMQError:
+            self.last_source = None
+        return [f.bytes for f in frames]
 
     def send(self, ident: bytes, frame: bytes) -> None:
         try:
