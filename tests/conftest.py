@@ -159,6 +159,11 @@ class ServerProcess:
                 raise
         raise AssertionError("unreachable")
 
+    def spawn(self) -> "ServerProcess":
+        """Start it without waiting until it is ready (``wait_ready`` waits)."""
+        self._spawn(free_port())
+        return self
+
     def _spawn(self, port: int) -> None:
         self.port = port
         self.cache_dir.mkdir(parents=True, exist_ok=True)

@@ -706,3 +706,22 @@ def test_a_prompt_that_cannot_fit_is_refused_by_its_length_before_it_is_tokenize
     err = r.json()["error"]
     assert err["param"] == "prompt" and "at least" in err["message"] and "characters" in err["message"], err
     assert post(server, "/v1/completions", {"prompt": "next", "max_tokens": 2}).status_code == 200
+
+
+def test_sigterm_while_a_prefill_loads_its_model_exits_0():
+    """Issue 18 part 5: a prefill sent SIGTERM while its model loaded died with ``terminate called
+    without an active exception`` (SIGABRT, exit -6): the interpreter finalized under the thread
+    still loading the model in native code. SIGTERM as soon as the load begins (its ``--dtype``
+    line): exit 0, no C++ terminate."""
+    proc = ServerProcess("--role", "prefill", "--bootstrap-port", str(free_port())).spawn()
+    try:
+        deadline = time.monotonic() + 120
+        while "--dtype auto" not in proc.stderr() and proc.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert "--dtype auto" in proc.stderr(), proc.output_tail()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(60)
+    finally:
+        proc.stop()
+    assert rc == 0 and "terminate called" not in proc.stderr(), (rc, proc.output_tail())
+    assert "exiting" in proc.stderr(), proc.output_tail()

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import os
 import re
 import signal
 import sys
@@ -351,7 +352,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
     port cannot be bound or the model fails to load). ``deadlines``: the lifecycle limits of a
     prefill or decode worker (``disagg.lifecycle.Deadlines``; defaults when None). The CPU
     placement (``--cpus``, ``--threads``) is applied first, before any thread of ours starts; a bad
-    one exits 2."""
+    one exits 2. A SIGTERM/SIGINT before the worker is ready exits 0 at once (``_exit_now``)."""
+    for sig in (signal.SIGTERM, signal.SIGINT):  # until the event loop takes them over
+        signal.signal(sig, lambda signum, _frame: _exit_now(f"received {signal.Signals(signum).name} while starting"))
     try:
         check_client_bounds(server_config)
         check_bootstrap_trust(server_config)
@@ -414,9 +417,8 @@ async def _serve(engine, server_config: ServerConfig, ssl_context=None) -> int:
     stop_wait = asyncio.ensure_future(stop.wait())
     await asyncio.wait({started, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
     if not started.done():  # a signal while loading: nothing is in flight, just leave
-        log.info("stopping before the model finished loading")
         await runner.cleanup()
-        return 0
+        _exit_now("stopping before the model finished loading")
     if started.exception() is not None:
         exc = started.exception()
         log.error("the engine failed to start", exc_info=exc)
@@ -431,6 +433,21 @@ async def _serve(engine, server_config: ServerConfig, ssl_context=None) -> int:
     await runner.cleanup()
     log.info("stopped")
     return 0
+
+
+def _exit_now(why: str) -> None:
+    """Exit 0 without the interpreter's finalization: nothing is in flight yet, and the thread that
+    loads the model may be inside native code (torch's thread pool, NIXL's threads), whose static
+    destructors, run under it at a normal exit, end the process in ``std::terminate`` (``terminate
+    called without an active exception``, SIGABRT)."""
+    log.info("%s: exiting", why)
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(0)
 
 
 def _start_in_thread(engine, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
