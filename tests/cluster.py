@@ -44,9 +44,10 @@ HTTP_TIMEOUT_S = 120.0
 
 
 class RouterProcess:
-    """``splitserve router`` on a free port; ``start()`` returns once it printed its ready line and,
-    with ``wait_healthy`` (the default), ``/health`` answers 200 (a prefill and a decode worker are
-    up). ``wait_healthy=False`` is for tests of a router whose workers are down or fake."""
+    """``splitserve router`` on a free port; ``start()`` returns once it listens (its ready line, or
+    the line that says it is not ready yet) and, with ``wait_healthy`` (the default), ``/health``
+    answers 200 (a prefill and a decode worker are up). ``wait_healthy=False`` is for tests of a
+    router whose workers are down or fake."""
 
     def __init__(self, prefill: Sequence[tuple[str, int]], decode: Sequence[str], *args: str,
                  startup_timeout: float = 60.0, wait_healthy: bool = True, tls: Optional[dict] = None):
@@ -82,7 +83,9 @@ class RouterProcess:
                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             deadline = time.monotonic() + self.startup_timeout
             while time.monotonic() < deadline and self.proc.poll() is None:
-                if "splitserve router ready" in self.output() and (not self.wait_healthy or self._healthy()):
+                listening = any(line in self.output() for line in ("splitserve router ready",
+                                                                   "splitserve router listening"))
+                if listening and (not self.wait_healthy or self._healthy()):
                     return self
                 time.sleep(0.1)
             self.stop()

@@ -841,6 +841,27 @@ def test_the_bounds_are_options_with_defaults_and_must_be_positive(capsys):
         create_app(RouterConfig(client_write_timeout_s=0, **workers))
 
 
+def test_ready_and_models_wait_for_a_usable_pair(fakes, start_router):
+    """Issue 18 part 5: the router printed "ready ... try: curl" with 0 of 1 prefill and 0 of 1
+    decode up, and ``/v1/models`` answered 200 once a decode was up with no prefill: a client that
+    believed either got 503. With the decode up and the prefill down it says it listens and is not
+    ready, ``/v1/models`` answers 503 naming the prefill; once the prefill is up it prints its ready
+    line and ``/v1/models`` answers."""
+    prefill, decode = fakes(), fakes()
+    prefill.health_status = 503
+    router = start_router([(prefill.url, 1)], [decode.url], "--health-interval-s", "0.2")
+    out = router.output()
+    assert "splitserve router listening" in out and "prefill 0/1 up, decode 1/1 up" in out, out
+    assert "ready" not in out.replace("not ready", ""), out
+    r = requests.get(router.url + "/v1/models", timeout=5)
+    assert "no healthy prefill worker" in assert_openai_error(r, 503)["message"]
+    prefill.health_status = 200
+    wait_for(lambda: "splitserve router ready" in router.output(), what="the ready line")
+    assert "prefill 1/1 up, decode 1/1 up" in router.output().split("splitserve router ready")[1]
+    r = requests.get(router.url + "/v1/models", timeout=5)
+    assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL, r.text
+
+
 def test_models_is_answered_by_any_healthy_decode_worker(fakes, start_router):
     """The first decode worker in rotation accepts ``/v1/models`` and never answers (a wedged
     worker that health checks have not caught yet): another healthy one answers instead, at once."""

@@ -3,7 +3,8 @@
 Routes::
 
     POST /v1/completions, /v1/chat/completions, /generate   to one prefill + one decode worker
-    GET  /v1/models                                         a healthy decode worker's answer
+    GET  /v1/models                                         a healthy decode worker's answer (503 until a
+                                                            prefill and a decode worker are up)
     GET  /health                                            200 if a prefill and a decode worker are up
                                                             (their details only with a key: docs/security.md)
     GET  /metrics                                           Prometheus (``splitserve_router_*``)
@@ -19,7 +20,9 @@ own queues decide what they accept). The session and the health checker live as 
 says it is ready already knows which workers are up.
 
 :func:`run_router` is what the CLI runs: listen (a busy port fails at once, exit 1), print a ready
-line with a curl example, serve until SIGTERM/SIGINT, then stop: requests in flight get
+line with a curl example once a usable pair is up (a healthy prefill and a healthy decode worker;
+until then a line that says it listens and is not ready; again each time a pair is back after
+none was), serve until SIGTERM/SIGINT, then stop: requests in flight get
 :data:`SHUTDOWN_GRACE_S` to finish, after which their handlers are cancelled, which closes their
 legs, so the workers abort them. The runner cancels a handler whose client disconnects
 (``handler_cancellation=True``): that is how a waiting non-streaming request notices.
@@ -240,9 +243,9 @@ async def _models(request: web.Request) -> web.Response:
     last answer or failure, within ``MODELS_TIMEOUT_S``."""
     state = request.app[ROUTER]
     healthy = state.workers.healthy(DECODE)
-    if not healthy:
-        message = f"no healthy decode worker: {describe_all(state.workers.decode)}"
-        return web.json_response(error_body(message, 503, code="no_healthy_workers"), status=503)
+    missing = state.workers.missing()
+    if missing is not None:  # no usable pair: a generation would be refused, so the model is not served
+        return web.json_response(error_body(missing, 503, code="no_healthy_workers"), status=503)
     asks = [asyncio.ensure_future(_models_of(state.session, w)) for w in healthy]
     answer = None
     try:
@@ -324,8 +327,9 @@ async def _serve(app: web.Application, config: RouterConfig, ssl_context=None) -
         print(f"splitserve router: cannot listen on {config.host}:{config.port}: {exc}", file=sys.stderr, flush=True)
         await runner.cleanup()
         return 1
-    print(ready_line(runner, config, app[ROUTER].workers), flush=True)
+    announce = asyncio.ensure_future(_announce_readiness(runner, config, app[ROUTER].workers))
     await stop.wait()
+    announce.cancel()
     in_flight = sum(w.in_flight for w in app[ROUTER].workers.decode)
     log.info("stopping: %d requests in flight get up to %.0f s to finish", in_flight, SHUTDOWN_GRACE_S)
     await runner.cleanup()
@@ -333,10 +337,39 @@ async def _serve(app: web.Application, config: RouterConfig, ssl_context=None) -
     return 0
 
 
+READY_POLL_S = 0.2  # how often the router looks whether a usable pair came (or went)
+
+
+async def _announce_readiness(runner: web.AppRunner, config: RouterConfig, workers: WorkerSet) -> None:
+    """Say that the router is ready (with a curl to try) when a usable pair is up, and only then:
+    at start, else as soon as one comes; and again after a spell without one (logged)."""
+    ready = workers.ready()
+    print(ready_line(runner, config, workers) if ready else waiting_line(runner, config, workers), flush=True)
+    while True:
+        await asyncio.sleep(READY_POLL_S)
+        now = workers.ready()
+        if now and not ready:
+            print(ready_line(runner, config, workers), flush=True)
+        elif ready and not now:
+            log.warning("not ready: %s", workers.missing())
+        ready = now
+
+
+def _up(workers: WorkerSet) -> dict[str, str]:
+    return {role: f"{len(workers.healthy(role))}/{len(ws)}" for role, ws in
+            ((PREFILL, workers.prefill), (DECODE, workers.decode))}
+
+
+def waiting_line(runner: web.AppRunner, config: RouterConfig, workers: WorkerSet) -> str:
+    url = bound_url(runner, config.host, config.port, tls=config.ssl_certfile is not None)
+    up = _up(workers)
+    return (f"splitserve router listening: {url} (policy {config.policy}; prefill {up[PREFILL]} up, decode "
+            f"{up[DECODE]} up); not ready until a prefill and a decode worker are up")
+
+
 def ready_line(runner: web.AppRunner, config: RouterConfig, workers: WorkerSet) -> str:
     url = bound_url(runner, config.host, config.port, tls=config.ssl_certfile is not None)
-    up = {role: f"{len(workers.healthy(role))}/{len(ws)}" for role, ws in
-          ((PREFILL, workers.prefill), (DECODE, workers.decode))}
+    up = _up(workers)
     model = workers.model_name()
     example = ('{"model": "%s", "prompt": "Hello, my name is", "max_tokens": 16}' % model if model else
                '{"prompt": "Hello, my name is", "max_tokens": 16}')

@@ -70,7 +70,14 @@ class WorkerSet:
         return [w for w in (self.prefill if role == PREFILL else self.decode) if w.healthy]
 
     def ready(self) -> bool:
+        """A usable pair is up: a healthy prefill and a healthy decode worker."""
         return bool(self.healthy(PREFILL)) and bool(self.healthy(DECODE))
+
+    def missing(self) -> Optional[str]:
+        """Why there is no usable pair (None when there is), naming each role without a healthy worker."""
+        gone = [f"no healthy {role} worker: {describe_all(ws)}" for role, ws in
+                ((PREFILL, self.prefill), (DECODE, self.decode)) if not self.healthy(role)]
+        return "; ".join(gone) or None
 
     def model_name(self) -> Optional[str]:
         """The served model's name as the healthy decode workers report it (else any worker's)."""
