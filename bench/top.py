@@ -33,6 +33,8 @@ from pathlib import Path
 
 import requests
 
+from splitserve.disagg.control.curve import write_secret_file
+
 POLL_S = 0.02
 LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-top-bench-"))
 
@@ -102,7 +104,8 @@ def main() -> None:
         raise SystemExit("tmux is not installed (apt-get install tmux)")
     ports = {k: free_port() for k in ("prefill", "bootstrap", "decode", "router")}
     prefill, decode, router = (f"http://127.0.0.1:{ports[k]}" for k in ("prefill", "decode", "router"))
-    common = ["serve", "--model", "tiny", "--host", "127.0.0.1", "--transfer-backend", "nixl"]
+    common = ["serve", "--model", "tiny", "--host", "127.0.0.1", "--transfer-backend", "nixl",
+              "--cluster-secret-file", write_secret_file(str(LOG_DIR / "cluster-secret"))]
     procs = [Proc("prefill", *common, "--role", "prefill", "--port", str(ports["prefill"]), "--bootstrap-port",
                   str(ports["bootstrap"]), "--inject-faults", "stall_writes", "--transfer-floor-s", str(args.floor_s)),
              Proc("decode", *common, "--role", "decode", "--port", str(ports["decode"]), "--allowed-prefill",

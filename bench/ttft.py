@@ -22,6 +22,8 @@ from pathlib import Path
 
 import requests
 
+from splitserve.disagg.control.curve import write_secret_file
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -78,10 +80,11 @@ def main() -> None:
 
     ports = {k: free_port() for k in ("prefill", "bootstrap", "decode", "router", "colocated")}
     common = ["--model", args.model, "--host", "127.0.0.1"]
+    secret = ["--cluster-secret-file", write_secret_file(str(LOG_DIR / "cluster-secret"))]
     procs = {
-        "prefill": spawn("prefill", ["serve", *common, "--role", "prefill", "--port", str(ports["prefill"]),
+        "prefill": spawn("prefill", ["serve", *common, *secret, "--role", "prefill", "--port", str(ports["prefill"]),
                           "--bootstrap-port", str(ports["bootstrap"]), "--transfer-backend", args.backend]),
-        "decode": spawn("decode", ["serve", *common, "--role", "decode", "--port", str(ports["decode"]),
+        "decode": spawn("decode", ["serve", *common, *secret, "--role", "decode", "--port", str(ports["decode"]),
                          "--transfer-backend", args.backend, "--allowed-prefill", f"127.0.0.1:{ports['bootstrap']}"]),
         "colocated": spawn("colocated", ["serve", *common, "--port", str(ports["colocated"])]),
     }

@@ -272,6 +272,18 @@ def check_bootstrap_trust(config) -> None:
                          "(the prefills' bootstrap addresses)")
 
 
+def check_control_plane(config) -> None:
+    """At a worker's start: ValueError for a prefill or decode worker with neither a cluster secret
+    nor ``--insecure-control-plane``. Without the secret, whoever reaches its control sockets speaks
+    the protocol, and on the tcp backend can write into decode's KV pool (docs/security.md): that is
+    a choice an operator makes by name, never a default."""
+    if config.role in ("prefill", "decode") and not config.cluster_secret_file and not config.insecure_control_plane:
+        raise ValueError(f"--role {config.role} needs --cluster-secret-file FILE, the secret every prefill and "
+                         "decode worker of the cluster shares (make one: head -c 32 /dev/urandom | base64 > FILE; "
+                         "chmod 600 FILE), or --insecure-control-plane to run without one on a network no one "
+                         "else can reach")
+
+
 def bootstrap_refusal(request: web.Request, host: Optional[str], port: Optional[int], room: Optional[int],
                       role: str, allowed: Optional[AllowedPrefill]) -> Optional[str]:
     """Why a generation request's bootstrap fields may not be taken from this caller, or None.

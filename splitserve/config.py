@@ -78,8 +78,12 @@ class ServerConfig:
     32 random bytes as hex or base64, e.g. `head -c 32 /dev/urandom | base64`; chmod 600: a file
     other users can read is refused). Every control connection (and the tcp
     transfer backend) is then authenticated and encrypted with CURVE keys derived from it; a peer
-    without it is refused. Without it the control plane is open to anyone who reaches it (a warning
-    at start)."""
+    without it is refused. A prefill or decode worker without it refuses to start unless
+    --insecure-control-plane is given (then it warns at start)."""
+    insecure_control_plane: bool = False
+    """Prefill and decode roles: run without --cluster-secret-file, the control plane and the tcp
+    transfer open to anyone who reaches their ports (only on a network no one else can reach;
+    docs/security.md)."""
     allowed_prefill: Optional[str] = None
     """Decode role: the prefills whose bootstrap address a request may name, comma-separated
     HOST:PORT (their bootstrap port; the host as the router names it, the host of the prefill's

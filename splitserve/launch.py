@@ -494,7 +494,9 @@ def run_launch(config: LaunchConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="splitserve-launch-") as folder:  # mode 700, removed at the end
         secret_file = config.cluster_secret_file
         if secret_file is None:
-            secret_file = _private_file(folder, "cluster-secret", secrets.token_hex(32))  # 32 random bytes
+            from splitserve.disagg.control.curve import write_secret_file
+
+            secret_file = write_secret_file(os.path.join(folder, "cluster-secret"))
         notes = []
         try:
             if load_key(config.admin_api_key, config.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key") is None \

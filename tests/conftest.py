@@ -82,25 +82,29 @@ def role_of(args: list[str]) -> str:
     return args[args.index("--role") + 1] if "--role" in args[:-1] else "colocated"
 
 
+def write_cluster_secret(path) -> str:
+    """A fresh cluster secret in a new file ``path`` as an operator makes one (32 random bytes,
+    hex; mode 0600); the path, for ``--cluster-secret-file``."""
+    from splitserve.disagg.control.curve import write_secret_file
+
+    return write_secret_file(str(path))
+
+
+CLUSTER_SECRET = write_cluster_secret(LOGS / "cluster-secret")  # the one the tests' split workers share
+
+
 def split_defaults(args: list[str], env: dict, trusted_prefill: str) -> list[str]:
     """``args`` of a ``serve``, with what a split worker of the tests needs unless they say
-    otherwise: a decode worker trusts the bootstrap addresses on ``trusted_prefill``."""
+    otherwise: a decode worker trusts the bootstrap addresses on ``trusted_prefill``, and prefill
+    and decode workers share ``CLUSTER_SECRET`` (a test about its absence says
+    ``--insecure-control-plane``)."""
+    given = {a.split("=")[0] for a in args}
     trust = ("--allowed-prefill", "--worker-api-key", "--worker-api-key-file")
-    if role_of(args) == "decode" and not any(a.split("=")[0] in trust for a in args) \
-            and "SPLITSERVE_WORKER_API_KEY" not in env:
+    if role_of(args) == "decode" and not given & set(trust) and "SPLITSERVE_WORKER_API_KEY" not in env:
         args = [*args, "--allowed-prefill", trusted_prefill]
+    if role_of(args) in ("prefill", "decode") and not given & {"--cluster-secret-file", "--insecure-control-plane"}:
+        args = [*args, "--cluster-secret-file", CLUSTER_SECRET]
     return args
-
-
-def write_cluster_secret(path) -> str:
-    """A fresh cluster secret in ``path`` as an operator makes one (32 random bytes, hex; mode
-    0600); the path, for ``--cluster-secret-file``."""
-    import secrets
-
-    path = Path(path)
-    path.write_text(secrets.token_hex(32) + "\n")
-    path.chmod(0o600)
-    return str(path)
 
 
 def free_port() -> int:

@@ -12,10 +12,13 @@ another secret, or with none, is refused naming authentication on both sides."""
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -24,7 +27,7 @@ import pytest
 import requests
 
 from cluster import Cluster, metrics, post_generate
-from conftest import free_port, write_cluster_secret
+from conftest import REPO, free_port, write_cluster_secret
 from splitserve.disagg import protocol as p
 
 SECURED, OPEN = 0, 1  # the two pairs: prefill i with decode i
@@ -128,8 +131,9 @@ def pairs(tmp_path_factory):
     folder = tmp_path_factory.mktemp("secrets")
     ours, theirs = write_cluster_secret(folder / "ours"), write_cluster_secret(folder / "theirs")
     ours_args, theirs_args = ["--cluster-secret-file", ours], ["--cluster-secret-file", theirs]
-    cluster = Cluster(prefill=2, decode=3, backend="tcp", router=False, prefill_args=[ours_args, []],
-                      decode_args=[ours_args, [], theirs_args])
+    open_args = ["--insecure-control-plane"]
+    cluster = Cluster(prefill=2, decode=3, backend="tcp", router=False, prefill_args=[ours_args, open_args],
+                      decode_args=[ours_args, open_args, theirs_args])
     with cluster:
         relays = [Relay(pf.bootstrap_port) for pf in cluster.prefill]
         try:
@@ -359,3 +363,14 @@ def test_closing_a_bootstrap_port_amid_refused_handshakes_leaves_its_context_ser
         assert not ended.is_alive(), "the context can no longer be terminated"
     finally:
         strangers.term()
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_split_worker_without_a_secret_does_not_start_unless_told_insecure(role):
+    """No --cluster-secret-file and no --insecure-control-plane: exit 2 naming both, before the
+    model loads (with the flag, the pairs above start and warn)."""
+    out = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--role", role, "--port", "0",
+                          "--allowed-prefill", "127.0.0.1"], capture_output=True, text=True, timeout=120,
+                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "--cluster-secret-file" in out.stderr and "--insecure-control-plane" in out.stderr, out.stderr[-2000:]

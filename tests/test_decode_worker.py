@@ -35,6 +35,7 @@ SLACK_S = 5.0  # on top of a bound, for two busy shared cores
 @pytest.fixture(scope="module")
 def setup():
     decode = ServerProcess("--role", "decode", "--transfer-backend", "tcp", "--page-size", str(PAGE),
+                           "--insecure-control-plane",  # the fake prefill speaks plaintext
                            "--max-total-tokens", str(PAGE * PAGES), *DEADLINES).start()
     try:
         with FakePrefill(decode_info(decode)) as fake:

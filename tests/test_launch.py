@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 import pytest
 import requests
 
-from conftest import CACHE_DIR, REPO, free_port, log_dir
+from conftest import CACHE_DIR, CLUSTER_SECRET, REPO, free_port, log_dir
 from splitserve.cpus import format_cpu_list, parse_cpu_list
 from splitserve.launch import ChildSpec, LaunchConfig, build_specs
 
@@ -306,7 +306,7 @@ def test_launch_end_to_end(launch):
     its ``/get_server_info``), disjoint when there are CPUs enough, the router on every CPU;
     SIGTERM stops everything. Until ``serve --role prefill|decode`` exist, colocated workers
     stand in (same command lines, ``--role colocated``, no bootstrap port)."""
-    specs = build_specs(LaunchConfig(port=free_port(), ready_timeout_s=120))
+    specs = build_specs(LaunchConfig(port=free_port(), ready_timeout_s=120), secret_file=CLUSTER_SECRET)
     if not _disaggregated_roles_exist():
         stand_ins = []
         for s in specs:

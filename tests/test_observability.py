@@ -117,8 +117,10 @@ class Stack:
         self.started = time.time()
         self.keys = key_files()
         keyed = [arg for name in KEYS for arg in (f"--{name}-api-key-file", self.keys[name])]
-        self.cluster = Cluster(prefill=2, decode=1, router=False, worker_args=keyed, prefill_args=[
-            [], ["--inject-faults", "stall_writes", "--transfer-floor-s", str(STALL_FLOOR_S)]]).start()
+        # an open control plane, so that bad_frames reach the parser and are counted as dropped
+        stalled = ["--inject-faults", "stall_writes", "--transfer-floor-s", str(STALL_FLOOR_S)]
+        self.cluster = Cluster(prefill=2, decode=1, router=False, worker_args=[*keyed, "--insecure-control-plane"],
+                               prefill_args=[[], stalled]).start()
         self.P1, self.P2 = self.cluster.prefill
         self.D = self.cluster.decode[0]
         self.R = RouterProcess([(self.P1.url, self.P1.bootstrap_port)], [self.D.url], "--health-interval-s", "0.5",

@@ -40,7 +40,7 @@ from typing import Optional
 from aiohttp import web
 
 from splitserve.auth import (METRICS, WORKER_ROUTES, access_middlewares, caller_may, check_bootstrap_trust,
-                             parse_allowed_prefill)
+                             check_control_plane, parse_allowed_prefill)
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.engine.io import FLUSH_WAIT_S
@@ -358,6 +358,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
     try:
         check_client_bounds(server_config)
         check_bootstrap_trust(server_config)
+        check_control_plane(server_config)
         ssl_context = server_context(server_config.ssl_certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs)
         if server_config.cluster_secret_file:  # read now: a bad file stops the worker at once
             from splitserve.disagg.control.curve import ClusterSecret

@@ -27,6 +27,7 @@ import hmac
 import logging
 import os
 import queue
+import secrets
 import stat
 import string
 import threading
@@ -99,6 +100,14 @@ def parse_secret(text: bytes) -> bytes:
 
 
 BASE64_CHARS = frozenset(string.ascii_letters + string.digits + "+/-_=")
+
+
+def write_secret_file(path: str) -> str:
+    """A new cluster secret (32 random bytes, hex) in a new file ``path`` that only we can read
+    (mode 0600, never world-readable even for a moment); ``path``, for ``--cluster-secret-file``."""
+    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return str(path)
 
 
 class ClusterSecret:
