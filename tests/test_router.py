@@ -872,3 +872,31 @@ def test_models_is_answered_by_any_healthy_decode_worker(fakes, start_router):
     r = requests.get(router.url + "/v1/models", timeout=8)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL, r.text
     assert time.monotonic() - started < 5.0
+
+
+@pytest.mark.parametrize("where", ["worker", "router"])
+def test_a_client_gone_as_its_body_completes_is_not_missed(where):
+    """The router closes a leg the moment the other leg is refused; the worker's handler may be
+    cancelled just as it reads the last of the body. That cancellation must not be lost (Python
+    3.11's ``asyncio.wait_for`` drops it when its inner future is done: the request then went on
+    with its client gone, a decode room held until its deadline)."""
+    from splitserve.http_util import read_body as worker_read_body
+    from splitserve.router.client import read_body as router_read_body
+
+    read_body = worker_read_body if where == "worker" else router_read_body
+
+    async def main() -> None:
+        body = asyncio.get_running_loop().create_future()
+
+        class Request:
+            def read(self):
+                return body
+
+        task = asyncio.ensure_future(read_body(Request(), 30.0, 1 << 20))
+        await asyncio.sleep(0)  # the read is under way
+        body.set_result(b"{}")  # the body is in ...
+        task.cancel()  # ... and the client is gone, in the same turn of the loop
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
