@@ -90,6 +90,11 @@ class ServerConfig:
     URL), HOST (any port there) or NETWORK/BITS (any address in it). Decode dials that address and hands it its KV pool's link, so a
     decode without the router's key (--worker-api-key) needs this list; with the key, only the
     router may name an address, and this list, if given, must hold it too."""
+    kv_failure_policy: str = "fail"
+    """Decode role: what a request whose KV will not come (its prefill lost or failed, a transfer
+    or bootstrap timeout), before its first token, becomes: recompute (decode computes the prompt
+    itself into pages no late write can reach, and answers as if the KV had come) or fail (it
+    fails with its reason). docs/lifecycle.md, "The fallback"."""
     transfer_backend: str = "nixl"
     """How KV pages cross between workers: nixl (UCX; shared memory, TCP, RDMA) or tcp (built in)."""
     cpus: Optional[str] = None

@@ -236,12 +236,13 @@ def test_decode_refusal_reaches_the_client_and_prefill_lets_go(split):
 # -- no bootstrap fields -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("who", ["P", "D"])
 @pytest.mark.parametrize("path, body", [
     ("/generate", {"input_ids": [10, 11, 12], "sampling_params": {"max_new_tokens": 4}}),
     ("/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
 ], ids=["generate", "completions"])
-def test_no_bootstrap_fields_is_a_400_naming_bootstrap_room(split, who, path, body):
+def test_no_bootstrap_fields_is_a_400_naming_bootstrap_room_on_prefill(split, path, body):
+    """A prefill worker cannot serve a request alone (decode can: tests/test_decode_alone.py)."""
+    who = "P"
     worker = split.workers[who]
     resp = requests.post(worker.url + path, json=body, timeout=30)
     REFUSED[(who, "failed", "bad_request")] += 1

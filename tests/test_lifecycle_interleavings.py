@@ -67,7 +67,7 @@ FIRST_TOKEN = 42
 DEADLINES = Deadlines(
     bootstrap_s=6, queue_s=4, prefill_stall_s=3, transfer_floor_s=3, transfer_s_per_gib=0,
     write_drain_s=4, prealloc_s=5, kv_wait_s=12, decode_stall_s=3, quarantine_resend_s=2, register_resend_s=7,
-    pending_registration_s=7, heartbeat_interval_s=1, heartbeat_misses=3, tombstone_s=40,
+    pending_registration_s=7, heartbeat_interval_s=1, heartbeat_misses=3, tombstone_s=40, reclaim_s=8,
 )
 
 

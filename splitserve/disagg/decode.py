@@ -11,8 +11,17 @@ writes. Reserved pages are the room's record's until ``StartDecode`` gives them 
 sequence; the pages a remote write may still reach are quarantined on the record until the table
 releases them (its cached prefix is given back at once).
 
-From the engine's step report: each sampled token (``DecodeStep``, or ``Finished`` on the last)
-and a forward pass that failed (``LocalFailure``). A decoding sequence may be preempted and
+A request with no bootstrap fields came with no prefill (*decode alone*): it gets a local room
+id (negative, so never a router's), waits for its pages, and its prompt runs here
+(``ComputePrompt``), exactly as on a colocated worker. So does a room whose KV will not come,
+under ``--kv-failure-policy recompute`` (``docs/lifecycle.md``, *The fallback*): the table decides
+when no write of the lost prefill can reach its pages; the link's permission for them is revoked
+before the engine computes into them, and a room of a peer whose fence failed never computes (it
+fails with its reason, its pages kept quarantined).
+
+From the engine's step report: each prompt chunk of a room computing its prompt here
+(``PromptChunk``), each sampled token (``DecodeStep``, or ``Finished`` on the last) and a forward
+pass that failed (``LocalFailure``). A decoding sequence may be preempted and
 recompute its KV locally: its writes have all landed, so the engine may free and reallocate its
 pages as for any sequence.
 """
@@ -20,21 +29,22 @@ pages as for any sequence.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
-from collections import deque
+from collections import Counter, deque
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import DecodeControl
 from splitserve.disagg.control.decode import ZmqDealer
 from splitserve.disagg.lifecycle import (
-    DecodeStep, DecodeTable, DisconnectPeer, Finished, FromPeer, LocalFailure, PagesReserved, Peer,
-    QuarantinePages, Reason, ReleaseQuarantine, ReservePages, StartDecode,
+    ComputePrompt, DecodeStep, DecodeTable, DisconnectPeer, Finished, FromPeer, KVFallback, LocalFailure,
+    PagesReserved, Peer, PromptChunk, QuarantinePages, Reason, ReleaseQuarantine, ReservePages, StartDecode,
 )
 from splitserve.disagg.role import DisaggRole, RoomRecord
 from splitserve.disagg.transfer.links import ReceiveLinks
 from splitserve.disagg.transfer_worker import KVNotification, TransferWorker
 from splitserve.engine.engine import StepReport
-from splitserve.engine.io import RequestOutput
+from splitserve.engine.io import GenerateRequest, RequestOutput
 from splitserve.engine.page_allocator import page_keys
 from splitserve.log_sparsely import worth_logging
 
@@ -52,7 +62,11 @@ class DecodeRole(DisaggRole):
         self._unfenced: dict[Peer, set[int]] = {}  # a peer whose fence raised -> its rooms whose pages stay
         self.transfer = TransferWorker(None, self.loop.post_event, self.faults.transfer, links=self.links)
         self.table = DecodeTable(self.deadlines, self.incarnation, self.engine.layout.page_size,
-                                 vocab_size=self.engine.spec.vocab_size)
+                                 vocab_size=self.engine.spec.vocab_size,
+                                 kv_failure_policy=self.server.kv_failure_policy)
+        self._local_rooms = itertools.count(-1, -1)  # rooms of requests that came alone: never a router's
+        self.fallbacks: Counter = Counter()  # reason -> rooms that recomputed their prompt (KVFallback)
+        self.prompts_computed = 0  # a counter: rooms whose prompt ran here (alone, or a fallback)
         self._page_queue: deque[int] = deque()  # rooms waiting for pages, first come first served
         self.pages_quarantined = 0
         self.kv_bytes_received = 0  # a counter: KV bytes prefill wrote into this worker's pages
@@ -70,10 +84,20 @@ class DecodeRole(DisaggRole):
         stats["kv_transfer_bytes"] = self.kv_bytes_received
         stats["links_open"] = len(self.links.writers())
         stats["links_fenced"] = self.links.fenced
+        stats["kv_fallbacks"] = dict(self.fallbacks)
+        stats["prompts_computed"] = self.prompts_computed
         return stats
 
+    def check(self, req: GenerateRequest) -> None:
+        self.engine.check_fits(req)  # without bootstrap fields: served alone
+
+    def admit(self, req: GenerateRequest) -> list[RequestOutput]:
+        if req.bootstrap is None:
+            return self._admit_room(req, next(self._local_rooms), alone=True)
+        return super().admit(req)
+
     def _arrived(self, rec, out: list[RequestOutput]) -> None:
-        if rec is not None and not rec.answered:
+        if rec is not None and not rec.answered and rec.req.bootstrap is not None:
             self.control.want_info(rec.room, rec.req.bootstrap.host, rec.req.bootstrap.port)
 
     def on_event(self, event: object) -> list[RequestOutput]:
@@ -90,6 +114,9 @@ class DecodeRole(DisaggRole):
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
         out: list[RequestOutput] = []
+        for seq in report.chunks:
+            if (rec := self._record_of(seq)) is not None:
+                out += self._feed(PromptChunk(rec.room))
         for seq, delta in report.sampled:
             if (rec := self._record_of(seq)) is not None:
                 out.append(delta)
@@ -138,6 +165,12 @@ class DecodeRole(DisaggRole):
                 out.append(delta)
                 if delta.finished:
                     self._after_token(rec, delta, out)
+        elif isinstance(a, ComputePrompt):
+            self._compute_prompt(a, out)
+        elif isinstance(a, KVFallback):
+            self.fallbacks[a.reason.value] += 1
+            log.info("decode: room %d (%s) falls back to computing its prompt here: %s: %s", a.room, a.rid,
+                     a.reason.value, a.detail)
         elif isinstance(a, QuarantinePages):
             rec = self.rooms[a.room]
             rec.pages, rec.quarantined = rec.take_pages(), True
@@ -150,6 +183,21 @@ class DecodeRole(DisaggRole):
                 self._free_room(a.room)
         else:
             super()._do_role(a, out)
+
+    def _compute_prompt(self, a: ComputePrompt, out: list[RequestOutput]) -> None:
+        """The room's prompt runs here, into its own pages (its cached prefix kept): closed to every
+        prefill's link first. A room of a peer whose fence failed may still be written: it fails
+        with its reason instead (its pages stay quarantined, ``_kept_unfenced``)."""
+        rec = self.rooms[a.room]
+        if any(a.room in rooms for rooms in self._unfenced.values()):
+            out += self._feed(LocalFailure(a.room, a.reason or Reason.INTERNAL_ERROR,
+                                           "its KV will not come, and its pages may still be written by a prefill "
+                                           "whose fence failed: not recomputed"))
+            return
+        self.links.revoke(a.room)
+        seq = self.engine.start_prefill(rec.req, rec.pages, a.room, cached_pages=rec.cached_pages)
+        rec.seq, rec.pages = seq, []  # the pages are the sequence's now
+        self.prompts_computed += 1
 
     def _serve_page_queue(self, out: list[RequestOutput]) -> None:
         """Give pages to the rooms at the head of the queue while they fit — first the pages of

@@ -205,7 +205,9 @@ class DisaggRole:
         self.engine.check_fits(req, prompt_only=self.prompt_only)
 
     def admit(self, req: GenerateRequest) -> list[RequestOutput]:
-        room = req.bootstrap.room
+        return self._admit_room(req, req.bootstrap.room)
+
+    def _admit_room(self, req: GenerateRequest, room: int, alone: bool = False) -> list[RequestOutput]:
         if room in self.rooms:
             if self.on_outcome is not None:  # never reached the lifecycle, which counts the rest
                 self.on_outcome("failed", Reason.BAD_REQUEST.value)
@@ -213,7 +215,7 @@ class DisaggRole:
                                                        f"bootstrap_room {room} is already in use on this worker"))]
         self.rooms[room] = RoomRecord(room, req, timeline=self.timelines.start(req.rid, room, None, self.clock()))
         self.room_of[req.rid] = room
-        out = self._feed(RequestArrived(room, req.rid, len(req.prompt_ids)))
+        out = self._feed(RequestArrived(room, req.rid, len(req.prompt_ids), alone=alone))
         self._arrived(self.rooms.get(room), out)
         return out
 

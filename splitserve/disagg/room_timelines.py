@@ -9,6 +9,9 @@ is carried out):
   left it is the room of the event being handled (only that room ever moves to another live
   state), and the state it moved to is asked of the table afterwards (``state_of``).
 - ``NotifyClient`` alone (a request refused on arrival) ends a room that never had a state.
+- ``KVFallback`` and ``ComputePrompt`` name a decode room that moved (to ``RECLAIMING`` or
+  ``PREFILLING``) whatever the event's room: a lost peer or a deadline moves rooms of their own.
+  The step shows why (``kv_fallback(peer_lost)``).
 
 The same pass counts for the metrics what only the actions show: a prefill room's writes
 (``StartWrite`` → ``WriteDone``, per write and per request, and the bytes), and transfers that
@@ -21,8 +24,8 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from splitserve.disagg.lifecycle import (
-    FromPeer, LocalFailure, NotifyClient, ObserveStateTime, Outcome, QuarantinePages, StartWrite, WriteDone,
-    WriteFailed,
+    ComputePrompt, FromPeer, KVFallback, LocalFailure, NotifyClient, ObserveStateTime, Outcome, QuarantinePages,
+    StartWrite, WriteDone, WriteFailed,
 )
 from splitserve.timeline import Timeline, TimelineBook
 
@@ -62,6 +65,7 @@ class RoomTimelines(TimelineBook):
     def note(self, actions: list, focus: Optional[int], now: float, cause: str,
              state_of: Callable[[int], object]) -> None:
         pending: list[ObserveStateTime] = []
+        moved: dict[int, str] = {}  # rooms a fallback or a computed prompt moved -> the step's event
         for a in actions:
             if isinstance(a, ObserveStateTime):
                 pending.append(a)
@@ -72,17 +76,22 @@ class RoomTimelines(TimelineBook):
                 self._end(a, last, now, cause)
             elif isinstance(a, QuarantinePages):
                 self.released(a.room, "quarantined", now)
+            elif isinstance(a, KVFallback):
+                moved[a.room] = f"{cause}: kv_fallback({a.reason.value})"
+            elif isinstance(a, ComputePrompt):
+                moved.setdefault(a.room, cause)
             elif isinstance(a, StartWrite):
                 self._writes[(a.room, a.write_id)] = now
                 t = self._transfers.setdefault(a.room, [now, 0])
                 t[1] += len(a.src_pages) * self.page_nbytes
-        self._moved(focus, pending, now, cause)
-        tl = self.by_room.get(focus) if focus is not None else None
-        if tl is not None and tl.live:
-            state = state_of(focus)
-            name = getattr(state, "value", None)
-            if isinstance(name, str) and tl.enter(name, now, cause) and name not in QUEUE_STATES.get(self.role, ()):
-                self.started_work(tl, now)
+        self._moved(focus, pending, now, moved.get(focus, cause))
+        for room in ([focus] if focus is not None and focus not in moved else []) + list(moved):
+            tl = self.by_room.get(room)
+            if tl is not None and tl.live:
+                name = getattr(state_of(room), "value", None)
+                if isinstance(name, str) and tl.enter(name, now, moved.get(room, cause)) \
+                        and name not in QUEUE_STATES.get(self.role, ()):
+                    self.started_work(tl, now)
 
     def event(self, event: object, now: float) -> None:
         """An event the role is about to hand its table: a write's report."""

@@ -176,9 +176,24 @@ class LLMEngine:
             self.scheduler.detach(seq)
         return seq, [out]
 
-    def _new_sequence(self, req: GenerateRequest, room_owned: bool, prefill_only: bool = False) -> Sequence:
-        """``room_owned``: the pages belong to the request's bootstrap room (disaggregated roles);
-        a colocated worker ignores bootstrap fields."""
+    def start_prefill(self, req: GenerateRequest, pages: list[int], room: int, cached_pages: int = 0) -> Sequence:
+        """Decode worker: run the prompt here, into ``pages`` (the room's: the first
+        ``cached_pages`` from this worker's prefix cache, the rest to be computed), then generate —
+        the same steps as a request on a colocated worker once its pages are in hand. The
+        pages belong to ``room``. Raises InvalidRequest (changing nothing) for too few pages."""
+        if len(pages) * self.layout.page_size < len(req.prompt_ids):
+            raise InvalidRequest(f"{len(pages)} pages cannot hold a prompt of {len(req.prompt_ids)} tokens")
+        seq = self._new_sequence(req, room_owned=True, room=room)
+        seq.pages, seq.indexed = list(pages), cached_pages
+        seq.num_computed = seq.cached_tokens = cached_pages * self.layout.page_size
+        self._seqs[req.rid] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def _new_sequence(self, req: GenerateRequest, room_owned: bool, prefill_only: bool = False,
+                      room: Optional[int] = None) -> Sequence:
+        """``room_owned``: the pages belong to the request's bootstrap room (disaggregated roles),
+        or to ``room`` when given; a colocated worker ignores bootstrap fields."""
         if req.rid in self._seqs:
             raise InvalidRequest(f"request id {req.rid!r} is already running", param="rid")
         if not req.prompt_ids:
@@ -188,7 +203,8 @@ class LLMEngine:
         seq = Sequence(rid=req.rid, token_ids=list(req.prompt_ids), num_prompt_tokens=len(req.prompt_ids),
                        cache_salt=req.cache_salt, salt_key=salt_key(req.cache_salt),
                        sampling=req.sampling, seed=seed,
-                       room=req.bootstrap.room if room_owned and req.bootstrap is not None else None)
+                       room=room if room is not None else
+                       req.bootstrap.room if room_owned and req.bootstrap is not None else None)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop, req.stop_matcher)
         return seq
 

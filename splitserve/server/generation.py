@@ -30,7 +30,7 @@ from typing import AsyncIterator, Optional
 from aiohttp import web
 
 from splitserve.auth import bootstrap_refusal
-from splitserve.engine.io import EngineError, NotReady, RequestOutput
+from splitserve.engine.io import EngineError, InvalidRequest, NotReady, RequestOutput
 from splitserve.http_util import read_body
 from splitserve.outcomes import Reason
 from splitserve.server import openai_protocol as proto
@@ -100,6 +100,11 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             if refusal is not None:  # whom decode would dial and hand its KV pool: docs/security.md
                 result.ended(Reason.BAD_REQUEST)
                 return json_error(refusal, 403, param="bootstrap_host", code="bootstrap_not_allowed")
+            given = [f for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if getattr(req, f) is not None]
+            if state.config.role == "decode" and 0 < len(given) < 3:  # alone has none: a split request has all
+                raise InvalidRequest(f"{', '.join(given)} without the other bootstrap fields: a split request names "
+                                     "bootstrap_host, bootstrap_port and bootstrap_room, one served by decode alone "
+                                     "none of them", param="bootstrap_room")
             rid = req.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
             request[RID] = rid  # echoed in the answer's X-Request-Id header (app.py)
             stream = engine.submit(req.generate_request(rid))

@@ -24,7 +24,7 @@ from splitserve.sim.clock import stable_seed
 DEADLINES = Deadlines(bootstrap_s=12.0, queue_s=12.0, prefill_stall_s=6.0, transfer_floor_s=3.0, transfer_s_per_gib=4.0,
                       write_drain_s=6.0, prealloc_s=9.0, kv_wait_s=15.0, decode_stall_s=6.0, register_resend_s=1.0,
                       quarantine_resend_s=1.0, pending_registration_s=12.0, heartbeat_interval_s=1.0,
-                      heartbeat_misses=4, tombstone_s=22.0, request_timeout_s=20.0)
+                      heartbeat_misses=4, tombstone_s=22.0, request_timeout_s=20.0, reclaim_s=11.0)
 
 # faults that may fail the requests they touch (a request they touch is excused for failing)
 FATAL = ("kill", "partition", "wedge", "hang_transfer", "hang_control", "crash_transfer", "crash_control",

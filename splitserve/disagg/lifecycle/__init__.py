@@ -7,6 +7,8 @@ Prefill side, one room (``prefill.py``)::
 Decode side, one room (``decode.py``)::
 
     PREALLOC -> AWAITING_KV -> DECODING -> FINISHED | ABORTED | FAILED(reason)
+    PREALLOC -> PREFILLING -> DECODING                       (decode alone, or its KV lost: recomputed)
+    AWAITING_KV -> [RECLAIMING ->] PREFILLING -> DECODING    (its KV lost: recomputed)
 
 The engine loop owns one table per role (``PrefillTable`` or ``DecodeTable``) and, each iteration:
 
@@ -22,15 +24,15 @@ are listed in ``docs/lifecycle.md``.
 """
 
 from splitserve.disagg.lifecycle.actions import (
-    Action, Cancel, CancelWrites, CountOutcome, DisconnectPeer, Enqueue, FreePages, LogTerminal, Notice,
+    Action, Cancel, CancelWrites, ComputePrompt, CountOutcome, KVFallback, DisconnectPeer, Enqueue, FreePages, LogTerminal, Notice,
     NoticeKind, NotifyClient, ObserveStateTime, QuarantinePages, ReleaseQuarantine, ReservePages,
     ResetTransfer, SendToPeer, StartDecode, StartWrite,
 )
 from splitserve.disagg.lifecycle.deadlines import DeadlineHeap, Deadlines
 from splitserve.disagg.lifecycle.decode import DecodeTable
 from splitserve.disagg.lifecycle.events import (
-    ChunkDone, ClientAbort, DecodeStep, Finished, ForwardDone, FromPeer, LocalFailure, PagesReserved,
-    PeerHeard, PeerInfo, PeerLost, RequestArrived, Scheduled, WriteDone, WriteFailed,
+    ChunkDone, ClientAbort, DecodeStep, Finished, ForwardDone, FromPeer, KVLost, LocalFailure, PagesReserved,
+    PeerHeard, PeerInfo, PeerLost, PromptChunk, RequestArrived, Scheduled, WriteDone, WriteFailed,
 )
 from splitserve.disagg.lifecycle.peers import Peer, PeerTable
 from splitserve.disagg.lifecycle.prefill import PrefillTable
@@ -40,7 +42,8 @@ from splitserve.disagg.lifecycle.states import (
 from splitserve.disagg.lifecycle.table import RoomTable
 
 __all__ = [
-    "Action", "Cancel", "CancelWrites", "ChunkDone", "ClientAbort", "CountOutcome", "DeadlineHeap",
+    "Action", "Cancel", "CancelWrites", "ChunkDone", "ClientAbort", "ComputePrompt", "CountOutcome", "KVFallback",
+    "KVLost", "PromptChunk", "DeadlineHeap",
     "Deadlines", "DecodeState", "DecodeStep", "DecodeTable", "DisconnectPeer", "Ending", "Enqueue",
     "Finished", "ForwardDone", "FreePages", "FromPeer", "LocalFailure", "LogTerminal", "Notice",
     "NoticeKind", "NotifyClient", "ObserveStateTime", "Outcome", "PagesReserved", "Peer", "PeerHeard",

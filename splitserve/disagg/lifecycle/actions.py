@@ -65,6 +65,30 @@ class StartDecode:
     first_token: int
 
 
+@dataclass(frozen=True)
+class ComputePrompt:
+    """Decode: compute the room's prompt here, into the pages the room holds (those past its cached
+    prefix), then generate from it as if the KV had come: the room came alone, or its KV will not
+    come (``KVFallback`` came first). No write of a prefill can reach those pages any more."""
+
+    room: int
+    rid: str
+    reason: Optional[Reason] = None
+    """Why its KV will not come (a fallback), or None: it came alone."""
+
+
+@dataclass(frozen=True)
+class KVFallback:
+    """Decode: the room learned, before its first token, that its KV will not come (``reason``);
+    it recomputes the prompt instead of failing (``--kv-failure-policy recompute``). Counted in
+    ``splitserve_kv_fallback_total{reason}``."""
+
+    room: int
+    rid: str
+    reason: Reason
+    detail: str = ""
+
+
 # -- transfer --------------------------------------------------------------------------------------
 
 
@@ -231,7 +255,7 @@ class Notice:
 
 
 Action = Union[
-    SendToPeer, Enqueue, ReservePages, Cancel, StartDecode, StartWrite, CancelWrites, ResetTransfer,
+    SendToPeer, Enqueue, ReservePages, Cancel, StartDecode, ComputePrompt, KVFallback, StartWrite, CancelWrites, ResetTransfer,
     DisconnectPeer, FreePages, QuarantinePages, ReleaseQuarantine, NotifyClient, LogTerminal,
     CountOutcome, ObserveStateTime, Notice,
 ]

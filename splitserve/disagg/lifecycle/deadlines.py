@@ -45,6 +45,11 @@ class Deadlines:
     forward pass and transfer. -> FAILED(transfer_timeout)."""
     decode_stall_s: float = 30.0
     """Decode DECODING: the next decode step must happen. -> FAILED(stalled)."""
+    reclaim_s: float = 45.0
+    """Decode RECLAIMING: a room whose KV will not come, falling back to computing its prompt, waits
+    this long for prefill to settle its writes (or to be declared lost) before it computes into its
+    pages. -> FAILED(its reason), the pages quarantined. Longer than prefill's ``write_drain_s``
+    plus the peer-silence bound, after which prefill has settled or declared the session lost."""
     register_resend_s: float = 5.0
     """Decode AWAITING_KV: the registration is sent again this often until the KV comes (prefill
     takes a duplicate as a no-op), so a lost one costs a delay, not the request. Not a deadline."""

@@ -5,8 +5,16 @@ States, in order::
     PREALLOC      the request is here; waiting for KV pages and the prefill's info   (prealloc_s)
     AWAITING_KV   RegisterRoom sent, and again every register_resend_s (prefill may
                   now write into the pages)                                          (kv_wait_s)
-    DECODING      every write landed (KVDone, checked); generating                   (decode_stall_s per step)
+    RECLAIMING    the KV will not come, and a write may still land: AbortRoom sent
+                  (again every quarantine_resend_s) until prefill settles its writes
+                  or is declared lost and fenced                                     (reclaim_s)
+    PREFILLING    the prompt runs here, into the room's own pages                    (prefill_stall_s per chunk)
+    DECODING      every write landed (KVDone, checked), or the prompt ran here;
+                  generating                                                         (decode_stall_s per step)
     FINISHED(stop|length) | ABORTED | FAILED(reason)
+
+Two ways lead to ``PREFILLING`` (the request came alone, or its KV will not come and the room
+falls back to computing its prompt): ``recompute.py``.
 
 The room registers with prefill once it holds both its pages and a compatible prefill's info. From
 that moment prefill may write into those pages, so a room that ends before ``KVDone`` keeps them
@@ -27,17 +35,18 @@ from typing import Optional
 
 from splitserve.disagg import protocol
 from splitserve.disagg.lifecycle.actions import (
-    Action, FreePages, Notice, NoticeKind, QuarantinePages, ReleaseQuarantine, ReservePages, SendToPeer,
-    StartDecode,
+    Action, FreePages, Notice, NoticeKind, QuarantinePages, ReleaseQuarantine,
+    ReservePages, SendToPeer, StartDecode,
 )
 from splitserve.disagg.lifecycle.events import (
-    DecodeStep, Finished, PagesReserved, PeerInfo, RequestArrived,
+    DecodeStep, Finished, KVLost, PagesReserved, PeerInfo, PromptChunk, RequestArrived,
 )
 from splitserve.disagg.lifecycle.deadlines import Deadlines
 from splitserve.disagg.lifecycle.peers import Peer
 from splitserve.disagg.lifecycle.states import (
     DecodeState, Ending, Outcome, Reason, Role, State, ending_from_peer, is_terminal,
 )
+from splitserve.disagg.lifecycle.recompute import KV_FAILURE_POLICIES, PromptHere
 from splitserve.disagg.lifecycle.table import Room, RoomTable
 
 S = DecodeState
@@ -58,15 +67,29 @@ class DecodeRoom(Room):
     """Prefill said no write can still land."""
     quarantined: bool = False
     first_token: Optional[int] = None
+    alone: bool = False
+    """It came with no prefill: decode computes its prompt."""
+    fallback: Optional[Ending] = None
+    """Why its KV will not come, once it fell back to computing its prompt here."""
+    reclaimed: bool = False
+    """It computes its prompt here: no write of a prefill can reach its pages."""
 
 
-class DecodeTable(RoomTable):
+
+class DecodeTable(PromptHere, RoomTable):
     role = Role.DECODE
     _held_label = "quarantined"
 
-    def __init__(self, deadlines: Deadlines, incarnation: str, page_size: int, vocab_size: Optional[int] = None):
-        """``vocab_size``: the model's, to check the first token a prefill sends (None: unchecked)."""
+    def __init__(self, deadlines: Deadlines, incarnation: str, page_size: int, vocab_size: Optional[int] = None,
+                 kv_failure_policy: str = "fail"):
+        """``vocab_size``: the model's, to check the first token a prefill sends (None: unchecked).
+        ``kv_failure_policy``: ``recompute`` (a room whose KV will not come computes its prompt
+        here) or ``fail`` (it fails with its reason)."""
         super().__init__(deadlines, incarnation, page_size)
+        if kv_failure_policy not in KV_FAILURE_POLICIES:
+            raise ValueError(f"kv_failure_policy must be one of {', '.join(KV_FAILURE_POLICIES)}, "
+                             f"got {kv_failure_policy!r}")
+        self.recompute = kv_failure_policy == "recompute"
         self.vocab_size = vocab_size
         self._quarantined_pages = 0
 
@@ -80,6 +103,7 @@ class DecodeTable(RoomTable):
 
     def _admit(self, ev: RequestArrived, now: float, out: list[Action]) -> None:
         r = self._new_room(DecodeRoom, ev, S.PREALLOC, now)
+        r.alone = ev.alone
         self._arm(r, self.cfg.prealloc_s, now)
         out.append(ReservePages(r.room, r.n_pages))
 
@@ -90,14 +114,26 @@ class DecodeTable(RoomTable):
             case PeerInfo(room=room, peer=peer, mismatch=mismatch):
                 self._on_peer_info(room, peer, mismatch, now, out)
             case DecodeStep(room=room, new_pages=new_pages):
+                self._first_token_here(room, now, out)
                 r = self._live_room_in(room, S.DECODING, event, out, tuple(new_pages))
                 if r is not None:
                     r.pages += tuple(new_pages)
                     self._arm(r, self.cfg.decode_stall_s, now)
             case Finished(room=room, reason=reason):
+                self._first_token_here(room, now, out)
                 r = self._live_room_in(room, S.DECODING, event, out)
                 if r is not None:
                     self._end(r, Ending(reason), now, out)
+            case PromptChunk(room=room):
+                r = self._live_room_in(room, S.PREFILLING, event, out)
+                if r is not None:
+                    self._arm(r, self.cfg.prefill_stall_s, now)
+            case KVLost(room=room, detail=detail):
+                r = self._rooms.get(room)
+                if r is not None and r.state in (S.PREALLOC, S.AWAITING_KV) and not r.alone:
+                    self._kv_lost(r, Ending(Reason.PEER_FAILED, detail or "its KV will not come"), now, out)
+                else:
+                    self._out_of_order(room, event, out)
             case _:
                 super()._on_event(event, now, out)
 
@@ -135,8 +171,11 @@ class DecodeTable(RoomTable):
         if r is None or r.state is not S.PREALLOC or r.peer is not None:
             self._out_of_order(room, PeerInfo(room, peer, mismatch), out)
             return
+        if r.alone:
+            self._out_of_order(room, PeerInfo(room, peer, mismatch), out)
+            return
         if self.peers.is_lost(peer):
-            self._end(r, Ending(Reason.PEER_LOST, f"bootstrap info names {peer}, declared lost"), now, out)
+            self._kv_lost(r, Ending(Reason.PEER_LOST, f"bootstrap info names {peer}, declared lost"), now, out)
             return
         # Fetched info is fresh: it proves ``peer`` is what runs under its name now.
         for lost in self.peers.heard(peer, now, fresh=True):
@@ -144,11 +183,14 @@ class DecodeTable(RoomTable):
         r.peer = peer
         self.peers.bind(peer, room, now)
         if mismatch:
-            self._end(r, Ending(Reason.INCOMPATIBLE_PEER, f"{mismatch} differs from {peer}"), now, out)
+            self._kv_lost(r, Ending(Reason.INCOMPATIBLE_PEER, f"{mismatch} differs from {peer}"), now, out)
             return
         self._register_if_ready(r, now, out)
 
     def _register_if_ready(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
+        if r.alone and r.pages:
+            self._compute_here(r, now, out)
+            return
         if not r.pages or r.peer is None:
             return
         self._send_registration(r, now, out)
@@ -169,6 +211,8 @@ class DecodeTable(RoomTable):
         r = self._rooms.get(room)
         if r is not None and r.state is S.AWAITING_KV and self._reachable(r.peer):
             self._send_registration(r, now, out)
+        elif r is not None and r.state is S.RECLAIMING and self._reachable(r.peer):
+            self._send_abort(r, now, out)
 
     # == messages from prefill ==================================================================
 
@@ -211,16 +255,19 @@ class DecodeTable(RoomTable):
         if is_terminal(r.state):  # quarantined: every write has landed after all
             r.kv_done = True
             self._release(r, now, out)
+        elif r.state is S.RECLAIMING:  # every write has landed: the pages are the room's alone again
+            r.kv_done = True
+            self._compute_here(r, now, out)
         elif r.state is not S.AWAITING_KV:
             out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"KVDone in {r.state.value}"))
         elif msg.num_tokens != r.prompt_len:
             r.kv_done = True
-            self._end(r, Ending(Reason.TRANSFER_ERROR,
-                                f"KV of {msg.num_tokens} tokens arrived for a prompt of {r.prompt_len}"), now, out)
+            self._kv_lost(r, Ending(Reason.TRANSFER_ERROR,
+                                    f"KV of {msg.num_tokens} tokens arrived for a prompt of {r.prompt_len}"), now, out)
         elif self.vocab_size is not None and not 0 <= msg.first_token < self.vocab_size:
             r.kv_done = True  # every write has landed; only the token is wrong
-            self._end(r, Ending(Reason.TRANSFER_ERROR, f"the first token {msg.first_token} from {r.peer} is not a "
-                                f"token of this model (vocabulary of {self.vocab_size})"), now, out)
+            self._kv_lost(r, Ending(Reason.TRANSFER_ERROR, f"the first token {msg.first_token} from {r.peer} is not "
+                                    f"a token of this model (vocabulary of {self.vocab_size})"), now, out)
         else:
             r.kv_done, r.first_token = True, msg.first_token
             self._timers.cancel(("resend", r.room))
@@ -231,23 +278,43 @@ class DecodeTable(RoomTable):
     def _on_room_failed(self, r: DecodeRoom, msg: protocol.RoomFailed, now: float, out: list[Action]) -> None:
         if is_terminal(r.state):
             out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"RoomFailed({msg.reason}) after {r.ending}"))
+        elif r.state in (S.RECLAIMING, S.PREFILLING):  # it no longer waits for that prefill's KV
+            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"RoomFailed({msg.reason}) in {r.state.value}"))
         else:
-            self._end(r, ending_from_peer(msg.reason), now, out)
+            self._kv_lost(r, ending_from_peer(msg.reason), now, out)
 
     def _on_writes_settled(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         r.settled = True
         if is_terminal(r.state):
             self._release(r, now, out)
+        elif r.state is S.RECLAIMING:
+            self._compute_here(r, now, out)
         elif r.state is S.AWAITING_KV:  # its RoomFailed was lost or overtaken
-            self._end(r, Ending(Reason.PEER_FAILED, "prefill settled its writes without sending the KV"), now, out)
+            self._kv_lost(r, Ending(Reason.PEER_FAILED, "prefill settled its writes without sending the KV"), now, out)
         else:
             out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"WritesSettled in {r.state.value}"))
 
     # == the end of a room ======================================================================
 
+    def _on_deadline(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
+        late = self.cfg.request_timeout_s is not None and now >= r.born + self.cfg.request_timeout_s
+        if not late and r.state in (S.PREALLOC, S.AWAITING_KV):
+            self._kv_lost(r, self._timeout_ending(r, now), now, out)  # a lack of pages ends it: not a KV failure
+        else:
+            super()._on_deadline(r, now, out)
+
     def _timeout_ending(self, r: DecodeRoom, now: float) -> Ending:
         waited = f"{now - r.entered:g}s"
+        if r.state is S.RECLAIMING:
+            return Ending(r.fallback.reason, f"{r.fallback.detail}; its writes did not settle in {waited}")
+        if r.state is S.PREFILLING:
+            if r.fallback is not None:
+                return Ending(r.fallback.reason, f"{r.fallback.detail}; recomputing its prompt here made no "
+                              f"progress in {waited}")
+            return Ending(Reason.STALLED, f"no chunk of its prompt computed here in {waited}")
         if r.state is S.PREALLOC:
+            if r.alone:
+                return Ending(Reason.OVERLOADED, f"no KV pages in {waited}")
             if r.peer is None:
                 missing = "bootstrap info from prefill" + ("" if r.pages else " nor KV pages")
                 return Ending(Reason.BOOTSTRAP_TIMEOUT, f"no {missing} in {waited}")
@@ -257,13 +324,14 @@ class DecodeTable(RoomTable):
         return Ending(Reason.STALLED, f"no decode step in {waited}")
 
     def _writes_may_land(self, r: DecodeRoom) -> bool:
-        return r.registered and not r.kv_done and not r.settled and self._reachable(r.peer)
+        return r.registered and not r.reclaimed and not r.kv_done and not r.settled and self._reachable(r.peer)
 
     def _after_end(self, r: DecodeRoom, last: State, now: float, out: list[Action]) -> None:
         self._timers.cancel(("resend", r.room))
-        # Tell prefill, unless it told us, is lost, or already finished its part (KVDone).
+        # Tell prefill, unless it told us, is lost, already finished its part (KVDone), or was
+        # told when the room fell back.
         if (r.ending.outcome is not Outcome.FINISHED and not r.ending.from_peer and not r.kv_done
-                and self._reachable(r.peer)):
+                and r.fallback is None and self._reachable(r.peer)):
             out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, r.ending.reason.value)))
         if self._writes_may_land(r):
             if r.cached_pages:  # shared, never a write target: given back at once
@@ -292,7 +360,11 @@ class DecodeTable(RoomTable):
         r = self._rooms.get(room)
         if r is None:
             return
-        if not is_terminal(r.state):
+        if r.state is S.RECLAIMING:  # the disconnect (emitted just before) fenced the peer's writes
+            self._compute_here(r, now, out)
+        elif r.state in (S.PREALLOC, S.AWAITING_KV):
+            self._kv_lost(r, Ending(Reason.PEER_LOST, detail), now, out)
+        elif not is_terminal(r.state):
             self._end(r, Ending(Reason.PEER_LOST, detail), now, out)
         else:  # quarantined: the disconnect (emitted just before) fences the peer's writes
             self._release(r, now, out)

@@ -23,11 +23,14 @@ from splitserve.disagg.lifecycle.states import Reason
 
 @dataclass(frozen=True)
 class RequestArrived:
-    """The request reached this worker (tokenized) with its ``bootstrap_room``."""
+    """The request reached this worker (tokenized) with its ``bootstrap_room``. ``alone``
+    (decode): it came with no prefill (no bootstrap fields; ``room`` is a local id): decode
+    computes its prompt itself."""
 
     room: int
     rid: str
     prompt_len: int
+    alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,3 +167,20 @@ class Finished:
     def __post_init__(self):
         if self.reason not in (Reason.STOP, Reason.LENGTH):
             raise ValueError(f"Finished needs Reason.STOP or Reason.LENGTH, got {self.reason}")
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """A chunk of a ``PREFILLING`` room's prompt ran on this worker (its stall deadline starts again)."""
+
+    room: int
+
+
+@dataclass(frozen=True)
+class KVLost:
+    """Someone who knows says the room's KV will not come (the router: its prefill leg was refused
+    or failed before prefill accepted the room). Under ``recompute`` decode computes the prompt
+    itself, else the room fails ``peer_failed``."""
+
+    room: int
+    detail: str = ""

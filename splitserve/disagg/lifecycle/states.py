@@ -7,6 +7,8 @@ Prefill side, in order::
 Decode side, in order::
 
     PREALLOC -> AWAITING_KV -> DECODING -> (terminal)
+    PREALLOC -> PREFILLING -> DECODING                      a request sent to decode alone
+    PREALLOC | AWAITING_KV -> [RECLAIMING ->] PREFILLING    its KV will not come: recomputed here
 
 Terminal, on both sides: ``Outcome.FINISHED``, ``Outcome.ABORTED``, ``Outcome.FAILED`` with a
 :class:`Reason` (``splitserve/outcomes.py``: one vocabulary from here to the HTTP answer). Live
@@ -45,8 +47,15 @@ class DecodeState(enum.Enum):
     """The request is here; waiting for KV pages and the prefill worker's bootstrap info."""
     AWAITING_KV = "AWAITING_KV"
     """Registered with prefill (pages reserved and sent); waiting for every write and the first token."""
+    RECLAIMING = "RECLAIMING"
+    """The room's KV will not come (its prefill was lost, failed or too slow) and a write of it
+    may still land in its pages: waiting until none can (prefill settles its writes, or is
+    declared lost and fenced) before the prompt is computed here, into those same pages."""
+    PREFILLING = "PREFILLING"
+    """The prompt runs on this worker, into the room's own pages: the request came with no
+    prefill (decode alone), or its KV will not come and it is recomputed here."""
     DECODING = "DECODING"
-    """The KV has landed; generating tokens."""
+    """The KV has landed (or was computed here); generating tokens."""
 
 
 State = Union[PrefillState, DecodeState, Outcome]
