@@ -72,7 +72,12 @@ class ServerConfig:
     """Prefill role: new decode sessions accepted a second, on average (bursts of twice as many);
     more are refused, to be registered again a second later."""
     advertise_host: Optional[str] = None
-    """The host peers should use to reach this worker (default: --host)."""
+    """The host peers and the router should use to reach this worker (default: --host); on
+    Kubernetes the pod's IP (status.podIP)."""
+    worker_id: Optional[str] = None
+    """This worker's id, stable across its restarts (reported on /health and /get_server_info with
+    the incarnation drawn at each start; the router tracks workers by them); default
+    ROLE@ADVERTISE_HOST:PORT."""
     cluster_secret_file: Optional[str] = None
     """Prefill and decode roles: a file holding a secret shared by the cluster's workers (at least
     32 random bytes as hex or base64, e.g. `head -c 32 /dev/urandom | base64`; chmod 600: a file

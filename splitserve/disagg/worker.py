@@ -9,11 +9,12 @@ colocated worker, composed with another role.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.disagg.control import ControlFaults
 from splitserve.disagg.lifecycle import Deadlines
-from splitserve.disagg.role import Faults
+from splitserve.disagg.role import Edges, Faults
 from splitserve.disagg.transfer_worker import FaultConfig
 from splitserve.engine.async_engine import AsyncEngine
 
@@ -52,7 +53,9 @@ def parse_faults(spec: str) -> Faults:
     return Faults(FaultConfig(**transfer), ControlFaults(**control), wedge, block_io)
 
 
-def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadlines) -> AsyncEngine:
+def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadlines,
+                    incarnation: Optional[str] = None) -> AsyncEngine:
+    """``incarnation``: the process start's id (the one its ``/health`` reports); drawn when None."""
     from splitserve.disagg.decode import DecodeRole
     from splitserve.disagg.prefill import PrefillRole
 
@@ -64,4 +67,5 @@ def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadl
     faults = parse_faults(server.inject_faults)
     if server.inject_faults:
         log.warning("fault injection is ON: %s", server.inject_faults)
-    return AsyncEngine(config, cls(server, deadlines.validate(), faults), loop_stall_s=server.loop_stall_s)
+    edges = Edges(incarnation=lambda: incarnation) if incarnation else Edges()
+    return AsyncEngine(config, cls(server, deadlines.validate(), faults, edges), loop_stall_s=server.loop_stall_s)

@@ -62,8 +62,15 @@ END_GRACE_S = 5.0  # after the engine ended the live requests, time for their ha
 class WorkerState:
     """Everything the handlers share: the engine, config, metrics and requests in flight."""
 
-    def __init__(self, engine, config: ServerConfig, registry: Registry):
+    def __init__(self, engine, config: ServerConfig, registry: Registry, incarnation: Optional[str] = None):
+        from splitserve.disagg.bootstrap import new_incarnation
+        from splitserve.discovery.record import check_id, default_worker_id
+
         self.engine = engine
+        self.worker_id = check_id(config.worker_id or default_worker_id(
+            config.role, config.advertise_host or config.host, config.port), "--worker-id")
+        self.incarnation = incarnation or new_incarnation()
+        """This process start's id: the one its control plane uses (``make_engine`` is given it)."""
         self.config = config
         self.registry = registry
         self.metrics = WorkerMetrics(registry, engine, config.role)
@@ -72,6 +79,21 @@ class WorkerState:
         self.inflight: set[asyncio.Task] = set()  # generation handlers now running
         self.tokenize = TokenizeLanes()  # validation and tokenization, off the event loop
         self.allowed_prefill = parse_allowed_prefill(config.allowed_prefill)  # whose bootstrap fields decode takes
+
+    def identity(self) -> dict:
+        """Who this worker is (on ``/health`` and ``/get_server_info``): id, incarnation, role."""
+        return {"id": self.worker_id, "incarnation": self.incarnation, "role": self.config.role}
+
+    def pairing(self) -> dict:
+        """What a router pairs workers by (``/get_server_info``): the model fingerprint, the control
+        protocol version, the transfer backend and, for a prefill, its bootstrap port. Empty until
+        the role started (a colocated worker has none)."""
+        info = getattr(getattr(self.engine, "role", None), "info", None)
+        if info is None:
+            return {}
+        return {"model_fingerprint": info.model, "protocol_version": info.protocol_version,
+                "transfer_backend": info.backend,
+                "bootstrap_port": self.config.bootstrap_port if self.config.role == "prefill" else None}
 
     def accepting(self) -> bool:
         return bool(self.engine.ready) and not self.draining and not self.engine.draining
@@ -92,13 +114,15 @@ class WorkerState:
 STATE = web.AppKey("splitserve_worker", WorkerState)
 
 
-def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None) -> web.Application:
+def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None,
+               incarnation: Optional[str] = None) -> web.Application:
+    """``incarnation``: this process start's id (drawn when None)."""
     registry = registry or Registry()
     access = access_middlewares(config, registry, WORKER_ROUTES, on_worker=True)
     middlewares = [_bounded_send, _http_middleware, *access]
     check_client_bounds(config)
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
-    state = WorkerState(engine, config, registry)
+    state = WorkerState(engine, config, registry, incarnation)
     state.connections = ConnectionCap(config.max_connections, registry)
     app[STATE] = state
     app.on_cleanup.append(_on_cleanup)
@@ -224,15 +248,16 @@ async def _health(request: web.Request) -> web.Response:
     /metrics)."""
     state = request.app[STATE]
     engine = state.engine
+    who = state.identity()
     problem = getattr(engine, "health_problem", lambda: None)()
     if problem is not None:
         details = {"problem": problem, "loop_age_s": round(engine.loop_age(), 3), "loop_stall_s": engine.loop_stall_s}
-        return web.json_response({"status": "stalled", **(details if caller_may(request, METRICS) else {})},
+        return web.json_response({"status": "stalled", **who, **(details if caller_may(request, METRICS) else {})},
                                  status=503)
     if state.accepting():
-        return web.json_response({"status": "ok"})
+        return web.json_response({"status": "ok", **who})
     status = "draining" if state.draining or state.engine.draining else "loading"
-    return web.json_response({"status": status}, status=503)
+    return web.json_response({"status": status, **who}, status=503)
 
 
 async def _debug_requests(request: web.Request) -> web.Response:
@@ -320,6 +345,7 @@ async def _server_info(request: web.Request) -> web.Response:
     stats = engine.stats()
     placement = current_placement()
     return web.json_response({
+        **state.identity(), **state.pairing(),
         "model_path": spec.path, "tokenizer_path": spec.path, "served_model_name": state.model_name,
         "host": state.config.host, "port": state.config.port, "context_length": spec.max_context,
         "dtype": str(spec.dtype).replace("torch.", ""), "device": cfg.device, "page_size": cfg.page_size,
@@ -373,11 +399,17 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
         print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
         return 2
     log.info("CPU placement: %s", placement.describe())
-    return asyncio.run(_serve(make_engine(engine_config, server_config, deadlines), server_config, ssl_context))
+    from splitserve.disagg.bootstrap import new_incarnation
+
+    incarnation = new_incarnation()
+    engine = make_engine(engine_config, server_config, deadlines, incarnation)
+    return asyncio.run(_serve(engine, server_config, ssl_context, incarnation))
 
 
-def make_engine(engine_config: EngineConfig, server_config: ServerConfig, deadlines=None):
-    """The engine for the worker's role: colocated, or a prefill / decode worker of a split pair."""
+def make_engine(engine_config: EngineConfig, server_config: ServerConfig, deadlines=None,
+                incarnation: Optional[str] = None):
+    """The engine for the worker's role: colocated, or a prefill / decode worker of a split pair
+    (whose control plane then uses ``incarnation``, the one ``/health`` reports)."""
     if server_config.role == "colocated":
         from splitserve.engine.async_engine import AsyncEngine
 
@@ -385,10 +417,10 @@ def make_engine(engine_config: EngineConfig, server_config: ServerConfig, deadli
     from splitserve.disagg.lifecycle import Deadlines
     from splitserve.disagg.worker import engine_for_role
 
-    return engine_for_role(engine_config, server_config, deadlines or Deadlines())
+    return engine_for_role(engine_config, server_config, deadlines or Deadlines(), incarnation)
 
 
-async def _serve(engine, server_config: ServerConfig, ssl_context=None) -> int:
+async def _serve(engine, server_config: ServerConfig, ssl_context=None, incarnation: Optional[str] = None) -> int:
     loop = asyncio.get_running_loop()
     stop, force = asyncio.Event(), asyncio.Event()
 
@@ -399,7 +431,7 @@ async def _serve(engine, server_config: ServerConfig, ssl_context=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
 
-    app = create_app(engine, server_config)
+    app = create_app(engine, server_config, incarnation=incarnation)
     state = app[STATE]
     # keepalive_timeout also closes a connection whose request head has not all come by then
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE_S,

@@ -1,0 +1,158 @@
+"""A worker's identity and its discovery record, and their validation.
+
+Every worker has an **id** (``--worker-id``: stable across its restarts; default
+``ROLE@ADVERTISE_HOST:PORT``) and an **incarnation** (drawn at each process start, the same one its
+control plane uses). It reports both on ``/health`` and ``/get_server_info``; the router tracks
+workers by them, so a process that answers on a worker's old port is never taken for it, and a
+restarted worker is a new incarnation whose old one has ended.
+
+A :class:`WorkerRecord` is what a worker registers in discovery (``etcd.py``) and what
+``POST /workers`` takes. It names the addresses a decode worker will dial (the prefill's URL host
+and bootstrap port), so whoever can write it steers KV traffic: :func:`parse_record` accepts only
+a JSON object of bounded size with exactly the known fields, each of its type and shape, and the
+URL a plain ``http(s)://HOST:PORT`` (no user info, path, query or fragment). ValueError names the
+first field that is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+import json
+import re
+from typing import Optional
+from urllib.parse import urlsplit
+
+PREFILL, DECODE = "prefill", "decode"
+ROLES = (PREFILL, DECODE)
+BACKENDS = ("nixl", "tcp")
+MAX_RECORD_BYTES = 4096
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@\[\]-]{0,127}")
+INCARNATION_PATTERN = re.compile(r"[A-Za-z0-9]{1,64}")
+MODEL_PATTERN = re.compile(r"[\x21-\x7e]{1,256}")
+HOST_PATTERN = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+
+
+def default_worker_id(role: str, host: str, port: int) -> str:
+    """The id of a worker started without ``--worker-id``: its role and advertised address."""
+    return f"{role}@{host}:{port}"
+
+
+def check_id(value: object, what: str = "id") -> str:
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
+        raise ValueError(f"{what}: a worker id is 1-128 characters of letters, digits and ._:@-[] "
+                         f"starting with a letter or digit, not {_show(value)}")
+    return value
+
+
+def check_incarnation(value: object, what: str = "incarnation") -> str:
+    if not isinstance(value, str) or not INCARNATION_PATTERN.fullmatch(value):
+        raise ValueError(f"{what}: an incarnation is 1-64 letters and digits, not {_show(value)}")
+    return value
+
+
+def check_url(value: object, what: str = "url") -> str:
+    """``http(s)://HOST:PORT`` (a trailing slash dropped), HOST a DNS name or an IP address."""
+    if not isinstance(value, str) or len(value) > 300:
+        raise ValueError(f"{what}: a URL is a string of at most 300 characters, not {_show(value)}")
+    url = value.rstrip("/")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"{what}: {_show(value)} is not http(s)://HOST:PORT") from None
+    host = parts.hostname or ""
+    if (parts.scheme not in ("http", "https") or port is None or not 0 < port < 65536 or parts.username is not None
+            or parts.password is not None or parts.path or parts.query or parts.fragment or not _host_ok(host)):
+        raise ValueError(f"{what}: {_show(value)} is not http(s)://HOST:PORT (no user, path, query or fragment)")
+    return url
+
+
+def _host_ok(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return bool(HOST_PATTERN.fullmatch(host))
+
+
+def check_port(value: object, what: str = "bootstrap_port") -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value < 65536:
+        raise ValueError(f"{what}: a port is an integer in 1-65535, not {_show(value)}")
+    return value
+
+
+def _show(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRecord:
+    """One worker as discovery names it."""
+
+    id: str
+    incarnation: str
+    role: str  # prefill | decode
+    url: str  # its HTTP API, as the router reaches it
+    bootstrap_port: Optional[int]  # prefill: its control endpoint (on the URL's host); decode: None
+    model: str  # the model fingerprint (bootstrap.model_identity: quantization included)
+    protocol_version: int
+    transfer_backend: str  # nixl | tcp
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+    @property
+    def identity(self) -> tuple[str, str]:
+        return self.id, self.incarnation
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(WorkerRecord))
+
+
+def parse_record(data: bytes | str | dict) -> WorkerRecord:
+    """A :class:`WorkerRecord` from its JSON (or an already parsed object); ValueError naming what
+    is wrong. Nothing about it is trusted: size, fields, types and shapes are all checked."""
+    if isinstance(data, (bytes, str)):
+        if len(data) > MAX_RECORD_BYTES:
+            raise ValueError(f"a worker record is at most {MAX_RECORD_BYTES} bytes, not {len(data)}")
+        try:
+            data = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ValueError(f"a worker record is a JSON object: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("a worker record is a JSON object")
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"unknown fields in a worker record: {', '.join(map(_show, unknown[:5]))}")
+    role = data.get("role")
+    if role not in ROLES:
+        raise ValueError(f"role: prefill or decode, not {_show(role)}")
+    port = data.get("bootstrap_port")
+    if role == PREFILL:
+        port = check_port(port)
+    elif port is not None:
+        raise ValueError("bootstrap_port: a decode worker has none")
+    model = data.get("model")
+    if not isinstance(model, str) or not MODEL_PATTERN.fullmatch(model):
+        raise ValueError(f"model: a fingerprint is 1-256 printable characters, not {_show(model)}")
+    version = data.get("protocol_version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 1 << 31:
+        raise ValueError(f"protocol_version: a non-negative integer, not {_show(version)}")
+    backend = data.get("transfer_backend")
+    if backend not in BACKENDS:
+        raise ValueError(f"transfer_backend: one of {', '.join(BACKENDS)}, not {_show(backend)}")
+    return WorkerRecord(check_id(data.get("id")), check_incarnation(data.get("incarnation")), role,
+                        check_url(data.get("url")), port, model, version, backend)
+
+
+def identity_of(body: object) -> Optional[tuple[str, str]]:
+    """``(id, incarnation)`` from a worker's ``/health`` answer, or None when it carries none
+    that is well formed (then it is no splitserve worker this router can trust)."""
+    if not isinstance(body, dict):
+        return None
+    try:
+        return check_id(body.get("id")), check_incarnation(body.get("incarnation"))
+    except ValueError:
+        return None
