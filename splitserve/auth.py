@@ -56,7 +56,7 @@ KEYS = {CLIENT: ("api_key", "--api-key", API_KEY_ENV),
 
 GENERATION = ("/v1/completions", "/v1/chat/completions", "/generate")
 ROUTER_ROUTES = {**dict.fromkeys(GENERATION, CLIENT), "/v1/models": CLIENT, "/health": OPEN, "/metrics": METRICS,
-                 "/workers": ADMIN, "/debug/requests/{rid}": ADMIN, "/flush_cache": ADMIN}
+                 "/workers": ADMIN, "/workers/{id}": ADMIN, "/debug/requests/{rid}": ADMIN, "/flush_cache": ADMIN}
 WORKER_ROUTES = {**dict.fromkeys(GENERATION, CLIENT), "/v1/models": CLIENT, "/get_model_info": CLIENT,
                  "/health": OPEN, "/metrics": METRICS, "/get_server_info": METRICS, "/debug/requests": ADMIN,
                  "/debug/requests/{rid}": ADMIN, "/debug/rooms/{room}": ADMIN, "/flush_cache": ADMIN}

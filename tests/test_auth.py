@@ -207,7 +207,7 @@ def doc_tables() -> tuple[dict, dict]:
     where the app has no such route) and class table ({class: {"router": keys, "worker": keys}})."""
     text = SECURITY_MD.read_text()
     routes = {(m, path): {"router": r, "worker": w} for m, path, r, w in
-              re.findall(r"^\| `(GET|POST) (\S+)` \| (\S+) \| (\S+) \|$", text, re.M)}
+              re.findall(r"^\| `(GET|POST|DELETE) (\S+)` \| (\S+) \| (\S+) \|$", text, re.M)}
     classes = {}
     for name, router, worker in re.findall(r"^\| (open|client|metrics|admin) \| ([^|]+) \| ([^|]+) \|$", text, re.M):
         classes[name] = {side: None if keys.strip() == "anyone" else {k.strip() for k in keys.split(",")}
@@ -221,7 +221,7 @@ def app_routes(app) -> set:
 
 
 def concrete(path: str) -> str:
-    return path.replace("{rid}", "some-rid").replace("{room}", "7")
+    return path.replace("{rid}", "some-rid").replace("{room}", "7").replace("{id}", "some-id")
 
 
 async def walk(client, side: str, routes: set, doc_routes: dict, classes: dict) -> list[str]:

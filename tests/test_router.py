@@ -77,7 +77,8 @@ class FakeWorker:
         self.port = self.runner.addresses[0][1]
 
     async def _health(self, request):
-        return web.json_response({"status": "ok"}, status=self.health_status)
+        return web.json_response({"status": "ok", "id": f"fake-{self.port}", "incarnation": "fake1"},
+                                 status=self.health_status)
 
     async def _models(self, request):
         if self.models_hang:

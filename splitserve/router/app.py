@@ -8,7 +8,9 @@ Routes::
     GET  /health                                            200 if a prefill and a decode worker are up
                                                             (their details only with a key: docs/security.md)
     GET  /metrics                                           Prometheus (``splitserve_router_*``)
-    GET  /workers                                           every worker: role, health, legs in flight
+    GET  /workers                                           every worker: identity, role, state, legs in flight
+    POST /workers, DELETE /workers/{id}                     add a worker; drain one, then remove it
+                                                            (``membership.py``)
     GET  /debug/requests/{rid}                              one request on the router and both its workers
     POST /flush_cache                                       every worker's ``/flush_cache``, at once
 
@@ -52,7 +54,7 @@ from splitserve.config import RouterConfig
 from splitserve.engine.io import FLUSH_WAIT_S
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
-from splitserve.router import debug
+from splitserve.router import debug, membership
 from splitserve.router.client import send
 from splitserve.router.legs import describe_error
 from splitserve.router.metrics import RouterMetrics
@@ -85,6 +87,7 @@ class RouterState:
         self.metrics = RouterMetrics(registry, self.workers)
         self.recent = debug.RecentRequests()
         self.session: Optional[aiohttp.ClientSession] = None  # set at startup (needs the running loop)
+        self.checker: Optional[HealthChecker] = None  # likewise
         self.background: set[asyncio.Task] = set()
         self.connections: Optional[ConnectionCap] = None  # set by create_app
         self.worker_ssl = None  # the ssl.SSLContext for https:// workers, if configured
@@ -93,14 +96,9 @@ class RouterState:
 
     def pick_workers(self, key: str = "") -> Union[tuple[Worker, Worker], str]:
         """A (prefill, decode) pair by the policy among healthy workers (each role chosen on its
-        own), for a request whose routing key is ``key``; or why there is none."""
-        picked = []
-        for role, workers in ((PREFILL, self.workers.prefill), (DECODE, self.workers.decode)):
-            healthy = self.workers.healthy(role)
-            if not healthy:
-                return f"no healthy {role} worker: {describe_all(workers)}"
-            picked.append(self.policies[role].pick(healthy, key))
-        return picked[0], picked[1]
+        own, among those that pair: ``WorkerSet.pick_pair``), for a request whose routing key is
+        ``key``; or why there is none."""
+        return self.workers.pick_pair(self.policies, key)
 
     def spawn(self, coro) -> asyncio.Task:
         """Run ``coro`` in the background, owned by the app (cancelled at cleanup)."""
@@ -144,6 +142,8 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/workers", lambda request: debug.workers(request.app[ROUTER]))
+    app.router.add_post("/workers", _add_worker)
+    app.router.add_delete("/workers/{id}", _remove_worker)
     app.router.add_get("/debug/requests/{rid}",
                        lambda request: debug.request_timelines(request.app[ROUTER], request.match_info["rid"]))
     return app
@@ -162,8 +162,8 @@ async def _session_and_health_checks(app: web.Application):
     # the workers' key on every leg, health check and /v1/models; a client's own header is never passed on
     headers = bearer(state.config.worker_api_key) if state.config.worker_api_key else None
     state.session = aiohttp.ClientSession(connector=connector, headers=headers)
-    checker = HealthChecker(state.workers, state.session, state.config.health_interval_s,
-                            state.config.health_failures)
+    checker = state.checker = HealthChecker(state.workers, state.session, state.config.health_interval_s,
+                                            state.config.health_failures)
     await checker.check_all()
     checks = asyncio.ensure_future(_checks_after_first(checker))
     try:
@@ -213,6 +213,14 @@ async def _error_middleware(request: web.Request, handler):
 
 async def _generation(request: web.Request) -> web.StreamResponse:
     return await forward(request.app[ROUTER], request)
+
+
+async def _add_worker(request: web.Request) -> web.Response:
+    return await membership.add(request.app[ROUTER], request)
+
+
+async def _remove_worker(request: web.Request) -> web.Response:
+    return await membership.remove(request.app[ROUTER], request.match_info["id"])
 
 
 async def _flush_cache(request: web.Request) -> web.Response:

@@ -1,7 +1,8 @@
 """The router's views for operators: ``GET /workers`` and ``GET /debug/requests/{rid}``.
 
-- ``/workers``: every worker the router knows, its role, health (and why not), legs in flight,
-  bootstrap port and model: what ``splitserve top`` starts from.
+- ``/workers``: every worker the router knows, its role, identity (id, incarnation), state,
+  health (and why not), legs in flight, bootstrap port, model and what it pairs by: what
+  ``splitserve top`` starts from.
 - ``/debug/requests/{rid}``: one request as the router and both its workers saw it. The router
   keeps a record of each request (:class:`RecentRequests`: live ones, and the last
   :data:`RECENT_REQUESTS` ended ones) with the pair of workers it chose; it asks both for their
@@ -59,7 +60,9 @@ class RecentRequests:
 def worker_view(w: Worker) -> dict:
     return {"role": w.role, "url": w.url, "bootstrap_port": w.bootstrap_port, "healthy": w.healthy,
             "in_flight": w.in_flight, "model": w.model, "failures": w.failures,
-            "error": None if w.healthy else w.last_error}
+            "error": None if w.healthy else w.last_error, "id": w.id, "incarnation": w.incarnation,
+            "state": w.state, "source": w.source, "restarts": w.restarts, "model_fingerprint": w.fingerprint,
+            "protocol_version": w.protocol_version, "transfer_backend": w.backend}
 
 
 async def workers(state) -> web.Response:

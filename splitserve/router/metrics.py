@@ -14,6 +14,8 @@
 - ``request_seconds{outcome}``: end-to-end latency, from receipt to the end of the answer.
 - ``time_to_first_token_seconds{endpoint}`` and ``inter_token_latency_seconds{endpoint}``: what a
   streaming client sees, from the SSE events the router passes on (:class:`TokenTimes`).
+- ``pairings_refused_total``: healthy decode workers left out of a request's pair because they
+  differ from its prefill (``WorkerSet.pick_pair``).
 - ``worker_healthy{role,url}`` and ``worker_in_flight{role,url}``: derived at scrape time from the
   worker objects the router routes with (one source of truth).
 """
@@ -100,6 +102,10 @@ class RouterMetrics:
         registry.derived_gauge("splitserve_router_worker_healthy", "1 if the worker is in rotation, else 0.",
                                ["role", "url"],
                                read=lambda: {(w.role, w.url): int(w.healthy) for w in workers.all()})
+        registry.derived_counter("splitserve_router_pairings_refused_total",
+                                 "Healthy decode workers left out of a request's pair because their model "
+                                 "fingerprint, protocol version or transfer backend differs from its prefill's.",
+                                 read=lambda: workers.refused_pairings)
         registry.derived_gauge("splitserve_router_worker_in_flight", "Request legs now open to the worker.",
                                ["role", "url"], read=lambda: {(w.role, w.url): w.in_flight for w in workers.all()})
 

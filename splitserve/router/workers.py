@@ -1,31 +1,62 @@
-"""The router's view of its workers: addresses, health, and requests in flight.
+"""The router's view of its workers: identity, addresses, health, membership and requests in flight.
 
 A :class:`Worker` is one prefill or decode worker as the router sees it. Its fields are changed
-only on the router's event loop (the health checker and the request handlers), so no locks.
+only on the router's event loop (the health checker, the membership API and discovery, and the
+request handlers), so no locks.
 
-Health: :class:`HealthChecker` GETs ``/health`` on every worker every ``health_interval_s``
+**Identity.** Every worker reports an id and an incarnation on ``/health``
+(``discovery/record.py``); the router tracks workers by them, not by address. A worker the router
+was told about with its identity (a discovery record, ``POST /workers`` after its first probe) is
+*pinned*: an answer on its URL from any other identity is another process on that port, and the
+worker is out of rotation at once (never after a count of failures: it must get no leg). A static
+worker (``--prefill``/``--decode``) is pinned to the id it first answers with; the same id with a new
+incarnation is that worker restarted (accepted: its old incarnation has ended, :attr:`Worker.restarts`
+counts it), another id is a foreign process. A discovered worker's incarnation is fixed by its record
+(its next incarnation registers a record of its own). An answer that carries no well-formed identity
+is no splitserve worker, and is never taken for one.
+
+**Health.** :class:`HealthChecker` GETs ``/health`` on every worker every ``health_interval_s``
 (all workers at once, each check bounded by a timeout). ``health_failures`` consecutive failures
 take a worker out of rotation; one success brings it back. A worker starts out of rotation until
 its first successful check, so the router never sends a request to a worker it has not seen up.
 When a worker comes (back) up, the checker also asks its ``/v1/models`` for the served model's
-name, which is how the router learns what clients may put in ``model``.
+name (which is how the router learns what clients may put in ``model``) and its
+``/get_server_info`` for what pairs are formed by (:meth:`Worker.pairs_with`).
+
+**Membership.** A worker is in the set from :meth:`WorkerSet.add` until :meth:`WorkerSet.remove`;
+:meth:`WorkerSet.drain` marks it *draining* (it gets no new legs, its exchanges end by their own
+bounds) and removes it once no leg to it is open, or at a bound. A worker's states, as the router
+sees them: ``unchecked`` (added, no answer yet) -> ``healthy`` <-> ``unhealthy``; any of them ->
+``draining`` -> removed.
+
+**Pairs.** :meth:`WorkerSet.pick_pair` forms a (prefill, decode) pair only of workers that agree on
+the model fingerprint, the protocol version and the transfer backend (a worker that has not said
+pairs with anyone: the control handshake still refuses a mismatch); a healthy decode worker left out
+for the chosen prefill because it differs is a pairing refused, counted by the router's metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import json
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 from urllib.parse import urlsplit
 
 import aiohttp
 
 from splitserve.config import RouterConfig, WorkerAddress
+from splitserve.discovery.record import identity_of
 
 log = logging.getLogger(__name__)
 
 PREFILL, DECODE = "prefill", "decode"
+STATIC, API, DISCOVERY = "static", "api", "discovery"
+"""Where a worker came from: the command line, ``POST /workers``, or discovery."""
+_serial = itertools.count(1)
 
 
 @dataclass(eq=False)
@@ -38,15 +69,51 @@ class Worker:
     in_flight: int = 0  # request legs now open to this worker
     model: Optional[str] = None  # served model name, from its /v1/models
     last_error: str = "not checked yet"
+    id: Optional[str] = None  # the worker's own id (None until a static worker first answers)
+    incarnation: Optional[str] = None  # its process start
+    source: str = STATIC
+    fixed_incarnation: bool = False  # discovery: only this incarnation is this worker
+    draining: bool = False  # no new legs; removed once its legs ended
+    restarts: int = 0  # new incarnations seen at this worker's id (static and API workers)
+    fingerprint: Optional[str] = None  # model fingerprint, from its record or /get_server_info
+    protocol_version: Optional[int] = None
+    backend: Optional[str] = None
+    serial: int = field(default_factory=lambda: next(_serial))
+    """The router's own number for this worker object (a new incarnation of a discovered worker is
+    a new object): what per-worker state (the cache-aware index) is keyed by."""
 
     @property
     def host(self) -> str:
         """The host part of the URL (what the router sends as ``bootstrap_host``)."""
         return urlsplit(self.url).hostname or ""
 
+    @property
+    def key(self) -> str:
+        """This worker's identity as one string, ``ID/INCARNATION`` (its URL until it is known)."""
+        return f"{self.id}/{self.incarnation}" if self.id else self.url
+
+    @property
+    def state(self) -> str:
+        if self.draining:
+            return "draining"
+        if self.healthy:
+            return "healthy"
+        return "unchecked" if self.last_error == "not checked yet" else "unhealthy"
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining
+
+    def pairs_with(self, other: "Worker") -> bool:
+        """Whether KV can cross between this worker and ``other``: every pairing field both know agrees."""
+        return all(a is None or b is None or a == b for a, b in
+                   ((self.fingerprint, other.fingerprint), (self.protocol_version, other.protocol_version),
+                    (self.backend, other.backend)))
+
     def describe(self) -> str:
         extra = f" bootstrap port {self.bootstrap_port}" if self.role == PREFILL else ""
-        return f"{self.role} worker {self.url}{extra}"
+        who = f" ({self.id}, incarnation {self.incarnation})" if self.id else ""
+        return f"{self.role} worker {self.url}{extra}{who}"
 
 
 @dataclass(eq=False)
@@ -55,6 +122,10 @@ class WorkerSet:
 
     prefill: list[Worker] = field(default_factory=list)
     decode: list[Worker] = field(default_factory=list)
+    on_remove: list[Callable[[Worker], None]] = field(default_factory=list)
+    """Called with each worker as it leaves the set (per-worker state is dropped there)."""
+    refused_pairings: int = 0
+    """Healthy decode workers left out of a pair because they differ from its prefill."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> "WorkerSet":
@@ -66,18 +137,80 @@ class WorkerSet:
     def all(self) -> list[Worker]:
         return self.prefill + self.decode
 
+    def of_role(self, role: str) -> list[Worker]:
+        return self.prefill if role == PREFILL else self.decode
+
     def healthy(self, role: str) -> list[Worker]:
-        return [w for w in (self.prefill if role == PREFILL else self.decode) if w.healthy]
+        """The workers of ``role`` that may get a new leg: healthy and not draining."""
+        return [w for w in self.of_role(role) if w.routable]
+
+    def find(self, worker_id: str) -> list[Worker]:
+        """The workers (every incarnation the set holds) with this id."""
+        return [w for w in self.all() if w.id == worker_id]
+
+    def add(self, worker: Worker) -> Worker:
+        """Add ``worker``; ValueError when one not draining has its id or its URL already."""
+        for other in self.all():
+            if other.draining:
+                continue
+            if worker.id is not None and other.id == worker.id:
+                raise ValueError(f"a worker with id {worker.id!r} is already in the set: {other.describe()}")
+            if other.url == worker.url:
+                raise ValueError(f"a worker at {worker.url} is already in the set: {other.describe()}")
+        self.of_role(worker.role).append(worker)
+        log.info("%s joined (%s)", worker.describe(), worker.source)
+        return worker
+
+    def remove(self, worker: Worker) -> None:
+        members = self.of_role(worker.role)
+        if worker in members:
+            members.remove(worker)
+            log.info("%s left the set", worker.describe())
+            for callback in self.on_remove:
+                callback(worker)
+
+    async def drain(self, worker: Worker, bound_s: float, poll_s: float = 0.1) -> None:
+        """No new legs to ``worker``; removed once none is open (or after ``bound_s``: every leg has
+        a bound of its own, so this one only guards against a count that went wrong)."""
+        if not worker.draining:
+            worker.draining = True
+            log.info("%s is draining: %d legs in flight", worker.describe(), worker.in_flight)
+        deadline = time.monotonic() + bound_s
+        while worker.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(poll_s)
+        if worker.in_flight > 0:
+            log.warning("%s still counts %d legs after %.0f s: removed", worker.describe(), worker.in_flight,
+                        bound_s)
+        self.remove(worker)
 
     def ready(self) -> bool:
-        """A usable pair is up: a healthy prefill and a healthy decode worker."""
-        return bool(self.healthy(PREFILL)) and bool(self.healthy(DECODE))
+        """A usable pair is up: a healthy prefill and a healthy decode worker that pair."""
+        return any(p.pairs_with(d) for p in self.healthy(PREFILL) for d in self.healthy(DECODE))
 
     def missing(self) -> Optional[str]:
         """Why there is no usable pair (None when there is), naming each role without a healthy worker."""
         gone = [f"no healthy {role} worker: {describe_all(ws)}" for role, ws in
                 ((PREFILL, self.prefill), (DECODE, self.decode)) if not self.healthy(role)]
+        if not gone and not self.ready():
+            gone = ["no healthy prefill and decode worker agree on the model fingerprint, protocol version and "
+                    f"transfer backend: {describe_pairing(self.healthy(PREFILL) + self.healthy(DECODE))}"]
         return "; ".join(gone) or None
+
+    def pick_pair(self, policies: dict, key: str = ""):
+        """A (prefill, decode) pair by the role's policies among the routable workers that pair
+        (the prefill first, among those with a decode to pair with; then its decode), for a request
+        whose routing key is ``key``; or why there is none (a string)."""
+        prefills, decodes = self.healthy(PREFILL), self.healthy(DECODE)
+        for role, workers in ((PREFILL, prefills), (DECODE, decodes)):
+            if not workers:
+                return f"no healthy {role} worker: {describe_all(self.of_role(role))}"
+        candidates = [p for p in prefills if any(p.pairs_with(d) for d in decodes)]
+        if not candidates:
+            return self.missing() or "no pair"
+        prefill = policies[PREFILL].pick(candidates, key)
+        matching = [d for d in decodes if prefill.pairs_with(d)]
+        self.refused_pairings += len(decodes) - len(matching)
+        return prefill, policies[DECODE].pick(matching, key)
 
     def model_name(self) -> Optional[str]:
         """The served model's name as the healthy decode workers report it (else any worker's)."""
@@ -97,6 +230,8 @@ class HealthChecker:
         self.interval_s = interval_s
         self.failures_to_remove = max(1, failures_to_remove)
         self.timeout = aiohttp.ClientTimeout(total=max(0.5, min(5.0, interval_s)))
+        self.on_new_incarnation: list[Callable[[Worker], None]] = []
+        """Called with a static or API worker whose id came back with a new incarnation."""
 
     async def run(self) -> None:
         while True:
@@ -112,11 +247,22 @@ class HealthChecker:
         await asyncio.gather(*(self.check(w) for w in self.workers.all()))
 
     async def check(self, worker: Worker) -> None:
-        error = await self._probe(worker)
+        status, body, error = await self.probe(worker.url)
+        if error is None:
+            error = self._identity_error(worker, body)
+            if error is not None:  # another process on its address: out at once, not after a count
+                if worker.healthy:
+                    log.warning("%s: %s, out of rotation", worker.describe(), error)
+                worker.healthy, worker.failures, worker.last_error = False, worker.failures + 1, error
+                return
+            if status != 200:
+                error = f"/health answered {status}" + (f" ({body['status']})" if isinstance(body.get("status"), str)
+                                                        else "")
         if error is None:
             if not worker.healthy:
                 log.info("%s is healthy, in rotation", worker.describe())
                 worker.model = await self._model_name(worker) or worker.model
+                await self._pairing(worker)
             worker.healthy, worker.failures, worker.last_error = True, 0, ""
             return
         worker.failures += 1
@@ -126,15 +272,44 @@ class HealthChecker:
             log.warning("%s failed %d health checks (%s), out of rotation", worker.describe(), worker.failures,
                         error)
 
-    async def _probe(self, worker: Worker) -> Optional[str]:
+    def _identity_error(self, worker: Worker, body: dict) -> Optional[str]:
+        """Why the answer is not from ``worker`` (None when it is); learns a static worker's identity."""
+        seen = identity_of(body)
+        if seen is None:
+            return f"{worker.url} answers /health without a worker identity: not a splitserve worker"
+        seen_id, seen_incarnation = seen
+        if worker.id is None:
+            worker.id, worker.incarnation = seen
+            log.info("%s answers as %s, incarnation %s", worker.url, seen_id, seen_incarnation)
+            return None
+        if seen_id != worker.id or (worker.fixed_incarnation and seen_incarnation != worker.incarnation):
+            return (f"another process answers at {worker.url}: {seen_id} incarnation {seen_incarnation}, not "
+                    f"{worker.id} incarnation {worker.incarnation}")
+        if seen_incarnation != worker.incarnation:
+            log.info("%s restarted: incarnation %s -> %s", worker.describe(), worker.incarnation, seen_incarnation)
+            worker.incarnation = seen_incarnation
+            worker.restarts += 1
+            worker.healthy = False  # a new process: its model and pairing are asked again
+            worker.fingerprint = worker.protocol_version = worker.backend = None
+            for callback in self.on_new_incarnation:
+                callback(worker)
+        return None
+
+    async def probe(self, url: str) -> tuple[int, dict, Optional[str]]:
+        """``/health`` of ``url``: its status, its JSON body (``{}`` when it is none) and why it could
+        not be read (None when it was)."""
         try:
-            async with self.session.get(worker.url + "/health", timeout=self.timeout) as resp:
-                await resp.read()
-                return None if resp.status == 200 else f"/health answered {resp.status}"
+            async with self.session.get(url + "/health", timeout=self.timeout) as resp:
+                raw = await resp.read()  # bounded by the check's timeout
+                try:
+                    body = json.loads(raw) if len(raw) <= 65536 else {}
+                except ValueError:
+                    body = {}
+                return resp.status, body if isinstance(body, dict) else {}, None
         except asyncio.TimeoutError:
-            return "/health timed out"
+            return 0, {}, "/health timed out"
         except aiohttp.ClientError as exc:
-            return f"/health failed: {type(exc).__name__}: {exc}"
+            return 0, {}, f"/health failed: {type(exc).__name__}: {exc}"
 
     async def _model_name(self, worker: Worker) -> Optional[str]:
         try:
@@ -147,6 +322,31 @@ class HealthChecker:
         except (asyncio.TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
             return None
 
+    async def _pairing(self, worker: Worker) -> None:
+        """The model fingerprint, protocol version and transfer backend from ``/get_server_info``
+        (a worker without them, or that does not answer, keeps what its record said, or None)."""
+        try:
+            async with self.session.get(worker.url + "/get_server_info", timeout=self.timeout) as resp:
+                info = json.loads(await resp.read()) if resp.status == 200 else {}
+        except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
+            return
+        if not isinstance(info, dict):
+            return
+        fingerprint, version, backend = (info.get(k) for k in ("model_fingerprint", "protocol_version",
+                                                              "transfer_backend"))
+        if isinstance(fingerprint, str) and len(fingerprint) <= 256:
+            worker.fingerprint = fingerprint
+        if isinstance(version, int) and not isinstance(version, bool):
+            worker.protocol_version = version
+        if isinstance(backend, str) and len(backend) <= 16:
+            worker.backend = backend
+
 
 def describe_all(workers: Iterable[Worker]) -> str:
-    return ", ".join(f"{w.url} ({'up' if w.healthy else 'down: ' + w.last_error})" for w in workers)
+    return ", ".join(f"{w.url} ({'up' if w.routable else 'draining' if w.draining else 'down: ' + w.last_error})"
+                     for w in workers)
+
+
+def describe_pairing(workers: Iterable[Worker]) -> str:
+    return ", ".join(f"{w.role} {w.url} ({w.fingerprint}, protocol {w.protocol_version}, {w.backend})"
+                     for w in workers)
