@@ -7,6 +7,8 @@
   (activations rounded to int8 per block of 32, the dequantized weight), and the plain float
   product within what that rounding costs; each row the same bits alone and in batches of any
   size; bfloat16 activations, a bias, output counts not a multiple of 8.
+- The float32 projections' packed matmul (``linear_f32_packed``) against float64, each row the
+  same bits alone and in batches of any size, partial panels and row tiles.
 - ``--quantization`` on a Hugging Face checkpoint (int8, int4) and a made-up GGUF file holding
   Q8_0 / Q4_0 / Q4_1 tensors (auto keeps them, none expands them, int8 requantizes): which layers
   end up quantized, the model's identity (``spec.quantization``), and the logits against the
@@ -97,6 +99,24 @@ def test_a_weight_that_does_not_fit_its_type_is_refused(ops):
     qw = QuantWeight("Q4_1", raw, 32, ops)
     with pytest.raises(RuntimeError, match="does not match"):
         qw.ops.quant_linear(torch.zeros(1, 64), qw.packed, qw.type_id, 4, None)
+
+
+@pytest.mark.parametrize("N,K", [(50, 64), (7, 37), (130, 200)])
+def test_packed_float32_linear_matches_and_is_batch_invariant(ops, N, K):
+    """N 7, 50, 130: a panel of 16 columns partly empty, one group of panels and several; M up to
+    23: row tiles of every size; a strided x and w."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(N, 2 * K, generator=g)[:, :K]
+    bias = torch.randn(N, generator=g)
+    x = torch.randn(23, 3 * K, generator=g)[:, K:2 * K]
+    packed = ops.f32_pack(w.contiguous())
+    y = ops.linear_f32_packed(x.contiguous(), packed, N, bias)
+    ref = x.double() @ w.double().T + bias.double()
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    for m in (1, 2, 3, 5, 7, 16):
+        for at in (0, 23 - m):
+            assert torch.equal(ops.linear_f32_packed(x[at:at + m].contiguous(), packed, N, bias), y[at:at + m]), (m, at)
+    assert torch.equal(ops.linear_f32_packed(x.contiguous(), packed, N, None) + bias, y)
 
 
 # -- --quantization -------------------------------------------------------------------------------

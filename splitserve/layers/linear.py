@@ -12,9 +12,10 @@ Quantized weights (``layers/quant.py``): a layer told ``expect_quantized(kind)``
 (the loader decides which, ``models/quantized.py``) makes no dense weight, collects its parts' raw
 blocks (``stage_part``) and packs them as one ``QuantWeight`` (``finish_quantized``).
 
-Dense float32 weights on CPU run through the compiled ``linear_f32`` (``Linear.kernel``, set by
-the model's ``set_ops``) where the kernels are built: unlike BLAS it gives a row the same bits
-whatever the batch (``matmul_kernels.cpp``).
+Dense float32 weights on CPU run through the compiled kernels where they are built: the model's
+``set_ops`` repacks each projection once into panels of 16 output columns (``Linear.pack_f32``,
+the dense weight dropped) for ``linear_f32_packed``, which, unlike BLAS, gives a row the same bits
+whatever the batch, at BLAS's speed on prompt chunks (``matmul_kernels.cpp``).
 
 Packed weights (bfloat16 on CPU): ``Linear.pack`` swaps the dense weight for oneDNN's packed
 (blocked) copy, which every call then uses as is. The plain ``F.linear`` on a bfloat16 weight
@@ -70,7 +71,8 @@ class Linear(nn.Linear):
 
     packed: Optional[torch.Tensor] = None
     quant: Optional[QuantWeight] = None
-    kernel: Optional[Callable] = None  # kernel(x, weight, bias) for the dense weight instead of F.linear
+    f32_packed: Optional[torch.Tensor] = None  # the weight in linear_f32_packed's panels (pack_f32)
+    f32_linear: Optional[Callable] = None  # f32_linear(x, f32_packed, N, bias)
     quant_kind: Optional[str] = None  # set before loading: the weight arrives as raw blocks of it
     _staged: Optional[dict] = None
 
@@ -100,13 +102,23 @@ class Linear(nn.Linear):
         self.packed = pack_weight(self.weight.detach(), batch_hint)
         self.weight = placeholder(self.weight)
 
+    def pack_f32(self, pack: Callable, linear: Callable) -> None:
+        """Keep only the float32 weight repacked by ``pack`` (the kernels' ``f32_pack``), which every
+        call then runs through ``linear`` (``linear_f32_packed``); ``weight`` becomes a placeholder."""
+        self.f32_packed = pack(self.weight.detach().contiguous())
+        self.f32_linear = linear
+        self.weight = placeholder(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.linear(x)
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        if self.kernel is not None:
-            return self.kernel(x, self.weight, self.bias)
+        if self.f32_packed is not None:
+            if x.dim() != 2:
+                return self(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+            bias = None if self.bias is None else self.bias.detach()
+            return self.f32_linear(x if x.stride(-1) == 1 else x.contiguous(), self.f32_packed, self.out_features, bias)
         return F.linear(x, self.weight, self.bias)
 
 

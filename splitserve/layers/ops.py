@@ -13,7 +13,9 @@ switched off (``layers/kernels.py``), else the reference. Shapes::
     prefill_attention(q [n, H, D], k, v [n, Hkv, D], kv_layer, s, scale) -> [n, H, D]   (one chunk)
     silu_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]                (the SwiGLU gate)
     linear                                                              None, or linear(x, weight, bias)
-        for dense float32 weights (TorchOps: None, F.linear)
+        for dense float32 weights (TorchOps: None, F.linear); the tied logits head's
+    pack_linear, linear_packed      None, or pack(weight) -> packed once and linear_packed(x, packed,
+        N, bias): the projections' float32 weights (faster on many rows; the same bits per row)
 
 ``kv_layer``: [num_pages, 2, page_size, Hkv, D], one layer of the pool (``engine/kv_pool.py``).
 """
@@ -34,6 +36,8 @@ from splitserve.layers.attention import (AttentionMetadata, SeqAttention, decode
 class TorchOps:
     name = "torch"
     linear = None
+    pack_linear = None
+    linear_packed = None
 
     def add_rms_norm(self, x: Optional[torch.Tensor], residual: torch.Tensor,
                      norm) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +80,8 @@ class CompiledOps(TorchOps):
     def __init__(self, module: ModuleType):
         self.k = module
         self.linear = module.linear_f32
+        self.pack_linear = module.f32_pack
+        self.linear_packed = module.linear_f32_packed
 
     def add_rms_norm(self, x, residual, norm):
         return self.k.add_rms_norm(x, residual, norm.weight, norm.eps), residual  # residual updated in place

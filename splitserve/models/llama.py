@@ -220,13 +220,20 @@ class LlamaForCausalLM(nn.Module):
 
     def set_ops(self, ops: TorchOps) -> int:
         """Run the per-layer ops through ``ops`` (``layers/ops.py``), and the dense float32 weights
-        through its ``linear`` where it has one; returns the number of layers given it."""
+        through its matmuls where it has them: the projections repacked once for its
+        ``linear_packed`` (their dense weights dropped), a tied head through its ``linear`` on the
+        embedding as it is. Returns the number of weights given them (a tied head counted)."""
         self.ops = ops
+        if ops.linear_packed is None:
+            return 0
         linears = [m for m in self.modules() if isinstance(m, Linear) and m.quant is None and m.packed is None
-                   and m.weight.dtype == torch.float32]
+                   and m.weight.dtype == torch.float32 and m.f32_packed is None and m.weight.numel()]
         for m in linears:
-            m.kernel = ops.linear
-        return len(linears) if ops.linear is not None else 0
+            m.pack_f32(ops.pack_linear, ops.linear_packed)
+        packed = sum(1 for m in self.modules() if isinstance(m, Linear) and m.f32_packed is not None)
+        tied = self.args.tie_word_embeddings and self.model.embed_tokens.quant is None \
+            and self.model.embed_tokens.weight.dtype == torch.float32
+        return packed + int(tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: KVPool) -> torch.Tensor:
