@@ -15,7 +15,8 @@ class EngineConfig:
     dtype: str = "auto"
     """float32, bfloat16, float16, or auto: on CPU bfloat16 where the CPU has native bf16
     (AVX512-BF16/AMX), else float32, and float32 for the tiny test models; on GPU the checkpoint's
-    dtype. The choice is logged at start."""
+    dtype. The choice is logged at start; an explicit CPU dtype slower than float32 there (bfloat16
+    without native bf16, float16) is warned about."""
     quantization: str = "auto"
     """Weights' types: auto keeps a GGUF file's Q8_0, Q4_0, Q4_1 and Q4_K tensors as they are (the
     matmuls run on them; other quantized types and float checkpoints are expanded to --dtype); none

@@ -220,21 +220,31 @@ def test_bfloat16_load_runs_close_to_float32(tmp_path):
     assert torch.equal(lp.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
-def test_dtype_auto_is_bf16_on_a_bf16_cpu_and_float32_for_tiny_models(tmp_path, monkeypatch, caplog):
-    from splitserve.models import loader
+def test_dtype_auto_is_bf16_on_a_bf16_cpu_and_float32_for_tiny_models(tmp_path, caplog):
+    """The CPU's flags are a parameter: an AMX or AVX512-BF16 CPU computes in bfloat16, an
+    AVX2-only one in float32; an explicit dtype slower than float32 there is warned about."""
     from splitserve.testing.tiny import REPORT_NAME
 
     caplog.set_level("INFO", logger="splitserve.models.loader")
     make_checkpoint(tmp_path, "Llama", {}, {})
-    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
-    assert load_model(tmp_path)[1].dtype == torch.bfloat16
-    assert "--dtype auto: bfloat16" in caplog.text
-    assert load_model(tmp_path, dtype="float32")[1].dtype == torch.float32  # an explicit choice stands
-    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: False)
-    assert load_model(tmp_path)[1].dtype == torch.float32
-    monkeypatch.setattr(loader, "cpu_has_bf16", lambda: True)
+    amx, avx512_bf16, avx2 = {"avx2", "avx512f", "amx_bf16"}, {"avx2", "avx512f", "avx512_bf16"}, {"avx2", "fma"}
+    assert load_model(tmp_path, cpu_flags=amx)[1].dtype == torch.bfloat16
+    assert "--dtype auto: bfloat16 (the CPU has native bf16 (amx_bf16))" in caplog.text
+    assert load_model(tmp_path, cpu_flags=avx512_bf16)[1].dtype == torch.bfloat16
+    assert load_model(tmp_path, dtype="float32", cpu_flags=amx)[1].dtype == torch.float32  # an explicit choice stands
+    assert load_model(tmp_path, cpu_flags=avx2)[1].dtype == torch.float32
+    assert "--dtype auto: float32 (the CPU has no native bf16" in caplog.text
+    assert "slower than float32" not in caplog.text
+    caplog.clear()
+    assert load_model(tmp_path, dtype="bfloat16", cpu_flags=avx2)[1].dtype == torch.bfloat16
+    assert "--dtype bfloat16 is slower than float32 here: this CPU has no native bf16" in caplog.text
+    caplog.clear()
+    load_model(tmp_path, dtype="bfloat16", cpu_flags=amx)
+    assert "slower than float32" not in caplog.text
+    load_model(tmp_path, dtype="float16", cpu_flags=amx)
+    assert "--dtype float16 is slower than float32 here" in caplog.text
     (tmp_path / REPORT_NAME).write_text("{}")  # what the tiny builder leaves in its folder
-    assert load_model(tmp_path)[1].dtype == torch.float32
+    assert load_model(tmp_path, cpu_flags=amx)[1].dtype == torch.float32
     assert "a tiny test model" in caplog.text
 
 

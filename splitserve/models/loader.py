@@ -20,7 +20,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import Iterable, Iterator, Optional, Union
 
 import torch
 from torch import nn
@@ -83,10 +83,11 @@ def _without_random_init():
 
 def load_model(model_dir: Union[str, os.PathLike], dtype: Union[str, torch.dtype] = "auto",
                device: Union[str, torch.device] = "cpu", quantization: str = "auto",
-               kernels=_KERNELS) -> tuple[nn.Module, ModelSpec]:
+               kernels=_KERNELS, cpu_flags: Optional[Iterable[str]] = None) -> tuple[nn.Module, ModelSpec]:
     """Load the checkpoint in ``model_dir``. ``dtype``: auto (``resolve_dtype``), float32,
     bfloat16 or float16. ``quantization``: auto, none, int8 or int4 (``models/quantized.py``);
-    ``kernels``: the compiled kernels' namespace, None for none (default: ``kernels.load()`` on CPU)."""
+    ``kernels``: the compiled kernels' namespace, None for none (default: ``kernels.load()`` on CPU);
+    ``cpu_flags``: the CPU's instruction-set flags ``--dtype`` decides by (default: this CPU's)."""
     path = Path(model_dir).expanduser().resolve()
     if not path.is_dir():
         raise FileNotFoundError(f"model directory {str(path)!r} does not exist")
@@ -98,7 +99,7 @@ def load_model(model_dir: Union[str, os.PathLike], dtype: Union[str, torch.dtype
     model_cls = get_model_class(architectures[0])
     files = safetensors_files(path)
     device = torch.device(device)
-    torch_dtype = resolve_dtype(dtype, device, config, path)
+    torch_dtype = resolve_dtype(dtype, device, config, path, cpu_flags)
 
     if kernels is _KERNELS:
         from splitserve.layers import kernels as compiled
@@ -204,15 +205,36 @@ def iter_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def cpu_has_bf16() -> bool:
-    """True when this CPU computes bfloat16 natively (AVX512-BF16 or AMX-BF16, from /proc/cpuinfo):
-    bfloat16 matmuls then run at about twice the float32 speed instead of being emulated."""
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # CPU flags under which bfloat16 matmuls run natively
+
+
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags (``/proc/cpuinfo``; empty where it cannot be read)."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
     except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+        return frozenset()
+
+
+def cpu_dtype(flags: Iterable[str]) -> tuple[torch.dtype, str]:
+    """What ``--dtype auto`` computes in on a CPU with ``flags``, and why. bfloat16 where the CPU
+    runs it natively (AVX512-BF16 or AMX-BF16: oneDNN's bf16 matmuls there are ~1.5-20x float32's
+    speed, most on prompt chunks, and the KV pool takes half the memory); float32 elsewhere, where
+    bf16 is emulated (measured on an AVX2 CPU: 0.38x float32 at batch 16)."""
+    native = [f for f in NATIVE_BF16 if f in set(flags)]
+    if native:
+        return torch.bfloat16, f"the CPU has native bf16 ({', '.join(native)})"
+    return torch.float32, "the CPU has no native bf16 (AVX512-BF16, AMX-BF16): bf16 would be emulated"
+
+
+def slower_than_float32(dtype: torch.dtype, flags: Iterable[str]) -> Optional[str]:
+    """Why an explicit CPU ``dtype`` runs slower than float32 on a CPU with ``flags``, else None."""
+    if dtype == torch.bfloat16 and not set(NATIVE_BF16) & set(flags):
+        return "this CPU has no native bf16 (AVX512-BF16, AMX-BF16): its bf16 matmuls are emulated"
+    if dtype == torch.float16:
+        return "the compiled CPU kernels run float32 and bfloat16 only: float16 runs the PyTorch ops"
+    return None
 
 
 def is_test_model(path: Optional[Path]) -> bool:
@@ -223,30 +245,35 @@ def is_test_model(path: Optional[Path]) -> bool:
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device, config: dict,
-                  path: Optional[Path] = None) -> torch.dtype:
+                  path: Optional[Path] = None, flags: Optional[Iterable[str]] = None) -> torch.dtype:
     """The compute dtype. ``auto`` on CPU: float32 for the tiny test models (the exact-match tests
-    against transformers need float32's margins); otherwise bfloat16 where the CPU has native
-    bf16 (``cpu_has_bf16``), else float32 (emulated bf16 is slower than float32). On a GPU:
-    the checkpoint's own dtype. The choice is logged."""
+    against transformers need float32's margins), otherwise ``cpu_dtype``; on a GPU the
+    checkpoint's own dtype. The choice is logged; an explicit CPU dtype slower than float32 there
+    (``slower_than_float32``) is logged as a warning. ``flags``: the CPU's (default: this one's)."""
     if isinstance(dtype, torch.dtype):
         if dtype not in DTYPES.values():
             raise ValueError(f"unsupported dtype {dtype}; supported: auto, {', '.join(DTYPES)}")
-        return dtype
-    if dtype == "auto":
+        picked = dtype
+    elif dtype == "auto":
         if device.type != "cpu":
             saved = config.get("dtype") or config.get("torch_dtype")  # transformers 5 / 4 spelling
             picked, why = DTYPES.get(saved, torch.float32), f"the checkpoint's dtype on {device.type}"
         elif is_test_model(path):
             picked, why = torch.float32, "a tiny test model"
-        elif cpu_has_bf16():
-            picked, why = torch.bfloat16, "the CPU has native bf16 (AVX512-BF16/AMX)"
         else:
-            picked, why = torch.float32, "the CPU has no native bf16"
+            picked, why = cpu_dtype(cpu_flags() if flags is None else flags)
         log.info("--dtype auto: %s (%s)", str(picked).removeprefix("torch."), why)
         return picked
-    if dtype not in DTYPES:
+    elif dtype in DTYPES:
+        picked = DTYPES[dtype]
+    else:
         raise ValueError(f"unsupported dtype {dtype!r}; supported: auto, {', '.join(DTYPES)}")
-    return DTYPES[dtype]
+    if device.type == "cpu":
+        slower = slower_than_float32(picked, cpu_flags() if flags is None else flags)
+        if slower:
+            log.warning("--dtype %s is slower than float32 here: %s (--dtype auto picks the fastest)",
+                        str(picked).removeprefix("torch."), slower)
+    return picked
 
 
 def _eos_ids(*sources) -> tuple[int, ...]:
