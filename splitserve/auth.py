@@ -59,7 +59,8 @@ ROUTER_ROUTES = {**dict.fromkeys(GENERATION, CLIENT), "/v1/models": CLIENT, "/he
                  "/workers": ADMIN, "/workers/{id}": ADMIN, "/debug/requests/{rid}": ADMIN, "/flush_cache": ADMIN}
 WORKER_ROUTES = {**dict.fromkeys(GENERATION, CLIENT), "/v1/models": CLIENT, "/get_model_info": CLIENT,
                  "/health": OPEN, "/metrics": METRICS, "/get_server_info": METRICS, "/debug/requests": ADMIN,
-                 "/debug/requests/{rid}": ADMIN, "/debug/rooms/{room}": ADMIN, "/flush_cache": ADMIN}
+                 "/debug/requests/{rid}": ADMIN, "/debug/rooms/{room}": ADMIN, "/flush_cache": ADMIN,
+                 "/abort_request": ADMIN}
 """The class of every route, by its path as aiohttp names it (``resource.canonical``)."""
 
 ACCESS = web.RequestKey("splitserve_access", object)

@@ -37,7 +37,7 @@ from typing import Callable, Optional
 
 from splitserve.config import ServerConfig
 from splitserve.disagg.lifecycle import (
-    Cancel, ClientAbort, CountOutcome, Deadlines, DisconnectPeer, FreePages, LocalFailure, LogTerminal, Notice,
+    Cancel, ClientAbort, CountOutcome, Deadlines, DisconnectPeer, FreePages, KVLost, LocalFailure, LogTerminal, Notice,
     NotifyClient, ObserveStateTime, Outcome, Peer, PeerHeard, PeerLost, RequestArrived, SendToPeer,
 )
 from splitserve.disagg.room_timelines import RoomTimelines, describe, room_of
@@ -222,6 +222,17 @@ class DisaggRole:
     def abort(self, rid: str, ending: Ending) -> list[RequestOutput]:
         room = self.room_of.get(rid)
         return self._feed(ClientAbort(room, ending.detail)) if room is not None else []
+
+    def abort_request(self, rid: Optional[str], room: Optional[int], kv_lost: bool,
+                      detail: str) -> tuple[bool, list[RequestOutput]]:
+        """``POST /abort_request``: the room of ``rid`` (or ``room``), if it is here and not
+        answered yet, ends as its client's abort, or (``kv_lost``) learns that its KV will not
+        come (decode: ``KVLost``). Whether it was here."""
+        room = self.room_of.get(rid) if room is None else room
+        rec = self.rooms.get(room) if room is not None else None
+        if rec is None or rec.answered or (rid is not None and rec.req.rid != rid):
+            return False, []
+        return True, self._feed(KVLost(room, detail) if kv_lost else ClientAbort(room, detail))
 
     def on_event(self, event: object) -> list[RequestOutput]:
         return self._feed(event)

@@ -101,6 +101,8 @@ class Role(Protocol):
     def check(self, req: GenerateRequest) -> None: ...
     def admit(self, req: GenerateRequest) -> list[RequestOutput]: ...
     def abort(self, rid: str, ending: Ending) -> list[RequestOutput]: ...
+    def abort_request(self, rid: Optional[str], room: Optional[int], kv_lost: bool,
+                      detail: str) -> tuple[bool, list[RequestOutput]]: ...
     def on_event(self, event: object) -> list[RequestOutput]: ...
     def tick(self, now: float) -> list[RequestOutput]: ...
     def after_step(self, report: StepReport) -> list[RequestOutput]: ...
@@ -139,6 +141,13 @@ class ColocatedRole:
     def abort(self, rid: str, ending: Ending) -> list[RequestOutput]:
         out = self.engine.abort(rid, ending)
         return self._ended([out], "AbortRequest") if out is not None else []
+
+    def abort_request(self, rid: Optional[str], room: Optional[int], kv_lost: bool,
+                      detail: str) -> tuple[bool, list[RequestOutput]]:
+        """``POST /abort_request`` (a colocated worker has no rooms, and no KV to lose)."""
+        if rid is None or self.engine.sequence(rid) is None:
+            return False, []
+        return True, self.abort(rid, Ending(Reason.CLIENT_ABORT, detail))
 
     def on_event(self, event: object) -> list[RequestOutput]:
         raise TypeError(f"unknown engine event {event!r}")
@@ -427,6 +436,18 @@ class AsyncEngine:
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(_Call(fn, future))
         return future.result(timeout)
+
+    def abort_request(self, rid: Optional[str], room: Optional[int], kv_lost: bool, detail: str,
+                      timeout: float = FLUSH_WAIT_S) -> bool:
+        """Thread-safe: end ``rid`` (or ``room``'s request) for a stated cause (``POST
+        /abort_request``): its client left, or (``kv_lost``, decode) its KV will not come. Whether
+        it was here. TimeoutError if the loop does not get to it within ``timeout``."""
+        def on_loop() -> bool:
+            found, outputs = self.role.abort_request(rid, room, kv_lost, detail)
+            self._post(outputs)
+            return found
+
+        return self.call_on_loop(on_loop, timeout)
 
     def flush_cache(self, timeout: float = FLUSH_WAIT_S) -> int:
         """Thread-safe: drop every cached page no one owns; how many (``POST /flush_cache``).

@@ -9,6 +9,7 @@ Routes::
     GET  /debug/requests                         every live request (room, state, age, deadline, late, peer)
     GET  /debug/requests/{rid}, /debug/rooms/{room}  one request's timeline on this worker (live or recent)
     POST /flush_cache                            drop the prefix cache's unowned pages
+    POST /abort_request                          end one request for a stated cause (server/abort_request.py)
 
 :func:`create_app` builds the application around an engine (anything with the ``AsyncEngine``
 interface, so tests can hand in a fake); :func:`run_server` is what ``splitserve serve`` runs:
@@ -48,6 +49,7 @@ from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
 from splitserve.router.client import send
+from splitserve.server import abort_request
 from splitserve.server.generation import RID, json_error, serve_generation
 from splitserve.server.tokenize_lanes import TokenizeLanes
 from splitserve.server.validation import MAX_ROOM, REQUEST_ID
@@ -140,6 +142,7 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
     app.router.add_get("/debug/requests/{rid}", _debug_timeline)
     app.router.add_get("/debug/rooms/{room}", _debug_timeline)
     app.router.add_post("/flush_cache", _flush_cache)
+    app.router.add_post("/abort_request", _abort_request)
     return app
 
 
@@ -305,6 +308,12 @@ async def _flush_cache(request: web.Request) -> web.Response:
         return json_error(f"the engine loop did not get to the flush within {FLUSH_WAIT_S:g} s (a long step?); "
                           "try again", 503, code="loop_busy", headers={"Retry-After": "1"})
     return web.json_response({"flushed_pages": flushed})
+
+
+async def _abort_request(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    _require_ready(state)
+    return await abort_request.handle(request, state, json_error)
 
 
 def _require_ready(state: WorkerState) -> None:

@@ -23,7 +23,7 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BYTES_BUCKETS = tuple(float(4 ** k * 4096) for k in range(11))  # 4 KiB .. 4 GiB
 # the live states where a request waits rather than runs (requests_waiting / requests_running)
-WAITING_STATES = {"BOOTSTRAPPING", "QUEUED", "PREALLOC", "AWAITING_KV", "waiting"}
+WAITING_STATES = {"BOOTSTRAPPING", "QUEUED", "PREALLOC", "AWAITING_KV", "RECLAIMING", "waiting"}
 COLOCATED_STATES = ("WAITING", "RUNNING")
 
 
@@ -128,6 +128,12 @@ class WorkerMetrics:
             gauge("splitserve_receive_links_fenced",
                   "Decode: receiving links closed since start to fence a lost prefill session.",
                   read=lambda: self._stat("links_fenced"))
+            counter("splitserve_kv_fallback_total", "Decode: rooms that learned, before their first token, that their "
+                    "KV would not come, and recomputed their prompt here instead of failing (--kv-failure-policy "
+                    "recompute), by why (peer_lost, peer_failed, transfer_timeout, ...).", ["reason"],
+                    read=lambda: {(k,): n for k, n in (self._stat("kv_fallbacks") or {}).items()})
+            counter("splitserve_decode_prompts_computed_total", "Decode: prompts computed on this worker (requests "
+                    "that came alone, and KV fallbacks).", read=lambda: self._stat("prompts_computed"))
 
         self.http_inflight = registry.gauge("splitserve_http_inflight_requests",
                                             "Generation requests the HTTP front end is serving now.")
