@@ -132,7 +132,7 @@ def test_stream_options():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("best_of", 3), ("echo", True), ("suffix", "end"), ("logprobs", 1), ("logprobs", 0),
+    ("n", 2), ("best_of", 3), ("echo", True), ("suffix", "end"),
     ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
 ])
 def test_unsupported_completion_fields_are_named(field, value):
@@ -140,7 +140,7 @@ def test_unsupported_completion_fields_are_named(field, value):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("logprobs", True), ("top_logprobs", 2), ("logit_bias", {"1": 1}),
+    ("n", 2), ("logit_bias", {"1": 1}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]), ("function_call", "auto"), ("response_format", {"type": "json_object"}),
     ("presence_penalty", 1), ("frequency_penalty", 0.1), ("parallel_tool_calls", True), ("audio", {}),
@@ -150,6 +150,37 @@ def test_unsupported_chat_fields_are_named(field, value):
     err = bad({"messages": [{"role": "user", "content": "hi"}], field: value}, "chat", param=field,
               match="not supported")
     assert err.param == field
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    ("completions", {"logprobs": 21}, "logprobs"), ("completions", {"logprobs": -1}, "logprobs"),
+    ("completions", {"logprobs": True}, "logprobs"), ("completions", {"logprobs": 10**6}, "logprobs"),
+    ("completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": 1}, "logprobs"), ("chat", {"logprobs": True, "top_logprobs": 10**3}, "top_logprobs"),
+    ("chat", {"top_logprobs": 2}, "top_logprobs"), ("chat", {"logprobs": False, "top_logprobs": 2}, "top_logprobs"),
+    ("chat", {"logprobs": True, "top_logprobs": 2.0}, "top_logprobs"),
+    ("generate", {"return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num"),
+    ("generate", {"top_logprobs_num": 3}, "top_logprobs_num"),
+    ("generate", {"return_logprob": True, "logprob_start_len": -2}, "logprob_start_len"),
+    ("generate", {"return_text_in_logprobs": "yes"}, "return_text_in_logprobs"),
+])
+def test_bad_logprobs_fields_are_named(endpoint, body, param):
+    base = {"completions": {"prompt": "hi"}, "chat": {"messages": [{"role": "user", "content": "hi"}]},
+            "generate": {"input_ids": [1]}}[endpoint]
+    assert bad({**base, **body}, endpoint, param=param).param == param
+
+
+def test_logprobs_fields_set_the_alternatives():
+    assert ok({"prompt": "hi", "logprobs": 0}).sampling.logprobs == 0
+    assert ok({"prompt": "hi", "logprobs": 20}).sampling.logprobs == 20
+    assert ok({"prompt": "hi"}).sampling.logprobs is None
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    assert ok({**chat, "logprobs": True}, "chat").sampling.logprobs == 0
+    assert ok({**chat, "logprobs": True, "top_logprobs": 5}, "chat").sampling.logprobs == 5
+    assert ok({**chat, "logprobs": False, "top_logprobs": 0}, "chat").sampling.logprobs is None
+    gen = ok({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True,
+              "logprob_start_len": -1}, "generate")
+    assert gen.sampling.logprobs == 3 and gen.return_text_in_logprobs
 
 
 def test_noop_values_of_unsupported_fields_are_accepted():
@@ -279,7 +310,7 @@ def test_generate_errors():
         param="sampling_params.repetition_penalty")
     bad({"input_ids": [1], "sampling_params": {"seed": 1, "sampling_seed": 2}}, "generate",
         param="sampling_params.seed")
-    bad({"input_ids": [1], "return_logprob": True}, "generate", param="return_logprob")
+    bad({"input_ids": [1], "return_logprob": 1}, "generate", param="return_logprob")
     bad({"input_ids": [1], "stream_options": {"include_usage": True}, "stream": True}, "generate",
         param="stream_options")
     bad({"input_ids": [1], "model": "other"}, "generate", param="model", status=404)

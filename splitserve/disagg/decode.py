@@ -158,7 +158,7 @@ class DecodeRole(DisaggRole):
             rec = self.rooms[a.room]
             self.links.revoke(a.room)  # every write landed: the pages are closed to prefill before they decode
             seq, outputs = self.engine.start_decoding(rec.req, rec.pages, a.first_token,  # checks before it changes
-                                                      cached_pages=rec.cached_pages)
+                                                      cached_pages=rec.cached_pages, first_logprobs=a.first_logprobs)
             self.kv_bytes_received += (len(rec.pages) - rec.cached_pages) * self.engine.layout.page_nbytes
             rec.seq, rec.pages = seq, []  # the pages are the sequence's now
             for delta in outputs:

@@ -58,7 +58,8 @@ class PrefillRole(DisaggRole):
                 out += self._feed(ChunkDone(rec.room, seq.num_computed // page_size))
         for seq in report.first_tokens:
             if (rec := self._record_of(seq)) is not None:
-                out += self._feed(ForwardDone(rec.room, seq.token_ids[-1]))
+                lp = seq.first_logprob
+                out += self._feed(ForwardDone(rec.room, seq.token_ids[-1], lp.to_bytes() if lp is not None else b""))
         for seq, failed in report.failed:
             if (rec := self._record_of(seq)) is not None:
                 out += self._feed(LocalFailure(rec.room, Reason.INTERNAL_ERROR, failed.error))

@@ -27,9 +27,10 @@ from typing import ClassVar
 
 import msgpack
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """2: decode's control identity names its session; 3: registrations name a cached prefix; 4: the
-cluster secret's CURVE keys are derived by HKDF (``control/curve.py``)."""
+cluster secret's CURVE keys are derived by HKDF (``control/curve.py``); 5: ``KVDone`` carries the
+first token's logprobs."""
 MAX_FRAME_BYTES = 1 << 20  # 1 MiB: a page list of 64k pages, or NIXL metadata, fits with room to spare
 
 _REGISTRY: dict[str, type] = {}
@@ -153,6 +154,9 @@ class KVDone:
     incarnation: str  # the prefill worker's
     first_token: int
     num_tokens: int  # tokens whose KV was written (the prompt length)
+    first_logprobs: bytes = b""
+    """The first token's logprobs when the request asks for them (``engine/io.TokenLogprob.to_bytes``:
+    a float32 and up to 20 (id, float32) pairs, 164 bytes at most); empty otherwise."""
 
 
 @message("heartbeat")

@@ -25,11 +25,11 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
+from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput, TokenLogprob
 from splitserve.engine.kv_pool import KVLayout, KVPool
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.page_allocator import PageAllocator, salt_key
-from splitserve.engine.sampler import NoFiniteLogits, greedy_tokens, sample_token
+from splitserve.engine.sampler import NoFiniteLogits, greedy_tokens, sample_token, token_logprobs
 from splitserve.engine.scheduler import ScheduledSeq, Scheduler
 from splitserve.engine.sequence import Sequence
 from splitserve.outcomes import Ending, Reason
@@ -150,14 +150,20 @@ class LLMEngine:
         return seq
 
     def start_decoding(self, req: GenerateRequest, pages: list[int], first_token: int,
-                       cached_pages: int = 0) -> tuple[Sequence, list[RequestOutput]]:
+                       cached_pages: int = 0, first_logprobs: bytes = b"") -> tuple[Sequence, list[RequestOutput]]:
         """Decode worker: the prompt's KV is in ``pages`` — the first ``cached_pages`` from this
         worker's prefix cache, the rest written by a prefill worker — and prefill sampled
-        ``first_token``. Emits that token, then the sequence decodes like any other; the prompt's
+        ``first_token`` (and computed its logprobs, ``TokenLogprob.to_bytes``, when the request
+        asks for them). Emits that token, then the sequence decodes like any other; the prompt's
         full pages join the prefix cache. Raises InvalidRequest (changing nothing) for a token
-        outside the vocabulary or too few pages."""
+        outside the vocabulary, logprobs missing or malformed, or too few pages."""
         if not 0 <= first_token < self.spec.vocab_size:
             raise InvalidRequest(f"first token {first_token} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        first_lp = None
+        if req.sampling.logprobs is not None:
+            first_lp = TokenLogprob.from_bytes(first_logprobs, req.sampling.logprobs, self.spec.vocab_size)
+        elif first_logprobs:
+            raise InvalidRequest("logprobs arrived for a request that asked for none")
         if len(pages) * self.layout.page_size < len(req.prompt_ids):
             raise InvalidRequest(f"{len(pages)} pages cannot hold a prompt of {len(req.prompt_ids)} tokens")
         seq = self._new_sequence(req, room_owned=True)
@@ -168,7 +174,7 @@ class LLMEngine:
         seq.token_ids.append(first_token)
         self._check_finish(seq, first_token)
         self._seqs[req.rid] = seq
-        out = self._delta(seq, first_token)
+        out = self._delta(seq, first_token, first_lp)
         if seq.finish_reason is None:
             self.scheduler.add(seq)
         else:
@@ -299,10 +305,15 @@ class LLMEngine:
             seq = item.seq
             try:
                 token = self._sample(logits, row, seq, greedy)
+                lp = None
+                if seq.sampling.logprobs is not None:
+                    lp = token_logprobs(logits[row:row + 1], [token], [seq.sampling.logprobs])[0]
                 seq.token_ids.append(token)
-                if not seq.prefill_only:
+                if seq.prefill_only:
+                    seq.first_logprob = lp  # travels to decode with the first token
+                else:
                     self._check_finish(seq, token)
-                    delta = self._delta(seq, token)
+                    delta = self._delta(seq, token, lp)
             except Exception as exc:
                 log.exception("request %s: sampling or checking its token failed; failing that request alone", seq.rid)
                 ending = Ending(Reason.INTERNAL_ERROR, f"sampling or checking a token failed: {type(exc).__name__}: {exc}")
@@ -340,11 +351,12 @@ class LLMEngine:
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.spec.max_context:
             seq.finish_reason = "length"
 
-    def _delta(self, seq: Sequence, token: int) -> RequestOutput:
+    def _delta(self, seq: Sequence, token: int, logprob: Optional[TokenLogprob] = None) -> RequestOutput:
         finished = seq.finish_reason is not None
         return RequestOutput(rid=seq.rid, token_ids=(token,), text=seq.detok.release(final=finished),
                              finished=finished, finish_reason=seq.finish_reason,
-                             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens)
+                             prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
+                             logprobs=(logprob,) if logprob is not None else ())
 
     # -- offline use --------------------------------------------------------------------------
 
@@ -364,4 +376,5 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
     return RequestOutput(rid=last.rid, token_ids=tuple(t for o in outs for t in o.token_ids),
                          text="".join(o.text for o in outs), finished=last.finished,
                          finish_reason=last.finish_reason, error=last.error, reason=last.reason,
-                         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens)
+                         prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
+                         logprobs=tuple(lp for o in outs for lp in o.logprobs))

@@ -7,6 +7,8 @@ only sees token ids and :class:`SamplingParams`. It answers with a stream of
 
 from __future__ import annotations
 
+import math
+import struct
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -14,6 +16,8 @@ from splitserve.outcomes import Ending, Reason
 
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request names none (documented in the README and ``--help``)."""
+MAX_TOP_LOGPROBS = 20
+"""The most alternatives per token a request may ask logprobs for (OpenAI's cap on ``top_logprobs``)."""
 FLUSH_WAIT_S = 30.0
 """How long ``POST /flush_cache`` waits for the engine loop (one step of a long prompt can take
 seconds); the router gives a worker's flush that and a margin."""
@@ -29,10 +33,49 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: Optional[int] = None
+    """None: no logprobs; k in [0, MAX_TOP_LOGPROBS]: each generated token's logprob and the k most
+    likely tokens' (``TokenLogprob``), from the raw logits (before temperature and any mask)."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model's raw distribution (``log_softmax`` of the
+    logits before temperature, top-k/top-p and any mask: OpenAI's convention), and the ``top``
+    most likely tokens as (token id, logprob), most likely first. ``-inf`` stays ``-inf`` here
+    (the JSON answer writes it as -9999.0, as vLLM does)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+    _HEAD = struct.Struct("<f")
+    _ENTRY = struct.Struct("<if")
+
+    def to_bytes(self) -> bytes:
+        """The wire form (prefill to decode, with the first token): float32, exactly as computed."""
+        return self._HEAD.pack(self.logprob) + b"".join(self._ENTRY.pack(t, lp) for t, lp in self.top)
+
+    @classmethod
+    def from_bytes(cls, data: bytes, top: int, vocab_size: int) -> "TokenLogprob":
+        """Parse :meth:`to_bytes` from a peer, expecting ``top`` alternatives (or fewer when the
+        vocabulary is smaller); raises InvalidRequest for anything else: a wrong size, a token
+        outside the vocabulary, a logprob that is NaN or positive."""
+        want = min(top, vocab_size)
+        if len(data) != cls._HEAD.size + want * cls._ENTRY.size:
+            raise InvalidRequest(f"first token's logprobs of {len(data)} bytes; expected {want} alternatives")
+        (lp,) = cls._HEAD.unpack_from(data)
+        entries = [cls._ENTRY.unpack_from(data, cls._HEAD.size + i * cls._ENTRY.size) for i in range(want)]
+        for value in [lp] + [v for _, v in entries]:
+            if math.isnan(value) or value > 0.0:
+                raise InvalidRequest(f"first token's logprob {value} is not a log-probability")
+        for t, _ in entries:
+            if not 0 <= t < vocab_size:
+                raise InvalidRequest(f"first token's alternative {t} is outside the vocabulary")
+        return cls(lp, tuple(entries))
 
 
 @dataclass(frozen=True)
@@ -73,6 +116,8 @@ class RequestOutput:
     reason: Optional[Reason] = None  # why it failed or was aborted (set with ``error``)
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token of ``token_ids`` when the request asked for logprobs, else empty."""
 
     @classmethod
     def ended(cls, rid: str, ending: Ending, **counts: int) -> "RequestOutput":

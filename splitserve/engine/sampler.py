@@ -10,6 +10,11 @@ every finite logit, and a row with no logit above ``-inf`` raises :class:`NoFini
 engine fails that request alone). Temperature scales ``logits - max``, which is 0 at the best
 token and never positive: no temperature > 0, however small, overflows it to a NaN, and a
 temperature near 0 is near-greedy.
+
+Logprobs (:func:`token_logprobs`) are the log-softmax of the raw logits, before temperature,
+top-k, top-p and any mask (OpenAI's convention: they describe the model, not the draw), computed
+in float64 and rounded to float32 so that the value a client reads is the same whichever worker
+computed it (prefill sends the first token's to decode as float32).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from splitserve.engine.io import SamplingParams
+from splitserve.engine.io import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
 
@@ -55,6 +60,29 @@ def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     if top == float("-inf"):
         raise NoFiniteLogits("the model gave no finite logit for this token")
     return (x - top) / temperature
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> list[TokenLogprob]:
+    """For each row of ``logits`` [B, vocab]: the logprob of ``tokens[row]`` and the ``top[row]``
+    most likely tokens (ties by the lower id first) under the raw distribution."""
+    x = _finite_first(logits.double())
+    best = x.max(dim=-1, keepdim=True).values
+    inf = best == float("inf")
+    if bool(inf.any()):  # rows with +inf logits: those tokens share the mass, alike
+        x = torch.where(inf, torch.where(x == float("inf"), 0.0, float("-inf")), x)
+    lp = torch.log_softmax(x, dim=-1).float()
+    chosen = lp.gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    k = min(max(top, default=0), lp.shape[-1])
+    if k:
+        # a stable sort of -lp: equal logprobs keep the lower id first, the same on every worker
+        order = torch.sort(-lp, dim=-1, stable=True).indices[:, :k]
+        values = lp.gather(-1, order)
+        ids, vals = order.tolist(), values.tolist()
+    out = []
+    for row, c in enumerate(chosen):
+        n = min(top[row], k)
+        out.append(TokenLogprob(c, tuple(zip(ids[row][:n], vals[row][:n])) if n else ()))
+    return out
 
 
 def greedy_tokens(logits: torch.Tensor) -> list[Optional[int]]:

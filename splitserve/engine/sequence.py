@@ -45,6 +45,7 @@ class Sequence:
     page_keys: list = field(default_factory=list)  # prefix-cache keys of its first full pages (of its tokens)
     indexed: int = 0  # how many of ``pages`` have been offered to the prefix cache
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
+    first_logprob: Optional[object] = None  # prefill-only: the first token's TokenLogprob, for its room
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -116,7 +116,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             return engine_error_response(exc)
         if req.stream:
             return await _stream(state, request, endpoint, req, rid, stream, acc, result, started)
-        return await _unary(state, endpoint, rid, stream, acc, result, started)
+        return await _unary(state, endpoint, req, rid, stream, acc, result, started)
     except asyncio.CancelledError:
         result.ended(Reason.CLIENT_ABORT)
         raise
@@ -186,8 +186,22 @@ def _finish(result: Result, acc: proto.Accumulator) -> Optional[int]:
     return None
 
 
-async def _unary(state, endpoint: str, rid: str, stream, acc: proto.Accumulator, result: Result,
-                 started: float) -> web.Response:
+@functools.lru_cache(maxsize=4)
+def token_strings(tokenizer) -> proto.TokenStrings:
+    """The token texts of a worker's tokenizer, for logprobs (one cache per tokenizer)."""
+    return proto.TokenStrings(tokenizer)
+
+
+def _strings(state, req: ValidatedRequest) -> Optional[proto.TokenStrings]:
+    """Token texts for the answer's logprobs; None when the request asked for none (or, on
+    ``/generate``, for no texts in them)."""
+    if req.sampling.logprobs is None or (req.endpoint == "generate" and not req.return_text_in_logprobs):
+        return None
+    return token_strings(state.engine.tokenizer)
+
+
+async def _unary(state, endpoint: str, req: ValidatedRequest, rid: str, stream, acc: proto.Accumulator,
+                 result: Result, started: float) -> web.Response:
     try:
         async for _ in _consume(stream, acc):
             pass
@@ -197,12 +211,13 @@ async def _unary(state, endpoint: str, rid: str, stream, acc: proto.Accumulator,
     if status is not None:
         return web.json_response(_error_of(acc), status=status)
     model, created = state.model_name, int(time.time())
+    strings = _strings(state, req)
     if endpoint == "completions":
-        body = proto.completion_response(rid, model, created, acc)
+        body = proto.completion_response(rid, model, created, acc, strings)
     elif endpoint == "chat":
-        body = proto.chat_response(rid, model, created, acc)
+        body = proto.chat_response(rid, model, created, acc, strings)
     else:
-        body = proto.generate_response(rid, acc, started)
+        body = proto.generate_response(rid, acc, started, req.sampling.logprobs is not None, strings)
     return web.json_response(body)
 
 
@@ -210,6 +225,9 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
                   acc: proto.Accumulator, result: Result, started: float) -> web.StreamResponse:
     sse = SSEWriter(request, state.config.client_write_timeout_s)
     model, created = state.model_name, int(time.time())
+    strings = _strings(state, req)
+    sent = 0  # tokens whose logprobs have been sent: the rest ride with the next chunk that has text
+    offset = 0  # completions: the text offset of the next token's logprobs
     try:
         await sse.start()
         if endpoint == "chat":
@@ -219,14 +237,23 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
                 break
             if endpoint == "generate":
                 if out.token_ids or out.text or out.finished:
-                    await sse.send(proto.generate_chunk(rid, acc, started))
+                    await sse.send(proto.generate_chunk(rid, acc, started, req.sampling.logprobs is not None, strings))
             elif out.text or out.finished:
                 reason = acc.finish_reason if out.finished else None
+                logprobs = None
+                if strings is not None:
+                    ids, lps = acc.token_ids[sent:], acc.logprobs[sent:]
+                    sent = len(acc.token_ids)
+                    if endpoint == "chat":
+                        logprobs = proto.chat_logprobs(strings, ids, lps)
+                    else:
+                        logprobs = proto.completion_logprobs(strings, ids, lps, offset)
+                        offset += sum(len(t) for t in logprobs["tokens"])
                 if endpoint == "chat":
                     delta = {"content": out.text} if out.text else {}
-                    await sse.send(proto.chat_chunk(rid, model, created, delta, reason))
+                    await sse.send(proto.chat_chunk(rid, model, created, delta, reason, logprobs))
                 else:
-                    await sse.send(proto.completion_chunk(rid, model, created, out.text, reason))
+                    await sse.send(proto.completion_chunk(rid, model, created, out.text, reason, logprobs))
         status = _finish(result, acc)
         if status is not None:
             await sse.send(_error_of(acc))

@@ -4,15 +4,25 @@ router can build the same shapes.
 
 An answer is accumulated from engine deltas in :class:`Accumulator`; builders take it (or one
 delta) and return a dict ready for ``json.dumps``.
+
+Logprobs (when the request asks for them) come in each API's own shape: completions' ``tokens``,
+``token_logprobs``, ``top_logprobs`` (token text -> logprob) and ``text_offset``; chat's
+``content`` list of ``{token, logprob, bytes, top_logprobs}``; ``/generate``'s ``meta_info``
+``output_token_logprobs`` / ``output_top_logprobs`` as ``[logprob, token_id, text or null]``
+(SGLang's). Values are the raw model's (``engine/sampler.py``); a logprob of ``-inf`` is written
+as ``-9999.0`` (JSON has no infinity; vLLM's convention). Token texts come from
+:class:`TokenStrings`.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from splitserve.engine.io import EngineError, RequestOutput
+from splitserve.engine.io import EngineError, RequestOutput, TokenLogprob
 from splitserve.outcomes import Reason
 
 # HTTP status -> OpenAI error ``type`` and default ``code`` (the client maps the status to its
@@ -60,6 +70,8 @@ class Accumulator:
     last_token_at: Optional[float] = None
     token_gaps: list[float] = field(default_factory=list)
     """Seconds between consecutive deltas that carried tokens (the inter-token latencies)."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """One per token of ``token_ids`` when the request asked for logprobs."""
 
     def add(self, out: RequestOutput) -> None:
         if out.token_ids:
@@ -71,6 +83,7 @@ class Accumulator:
             self.last_token_at = now
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
         if out.prompt_tokens:
             self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens, len(self.token_ids))
@@ -89,27 +102,135 @@ class Accumulator:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
 
-def completion_response(rid: str, model: str, created: int, acc: Accumulator) -> dict:
+# -- logprobs ------------------------------------------------------------------------------------
+
+NEG_INF_LOGPROB = -9999.0
+"""What a logprob of ``-inf`` is written as (JSON has no infinity)."""
+
+
+def _lp(value: float) -> float:
+    return value if value > NEG_INF_LOGPROB else NEG_INF_LOGPROB
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's byte-level alphabet (a byte-level BPE token's characters -> bytes)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+def _decodes_byte_level(tokenizer) -> bool:
+    """Whether the tokenizer's decoder is byte-level (GPT-2's alphabet): then a token's string
+    spells its bytes."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder")
+    except Exception:
+        return False
+    return '"ByteLevel"' in json.dumps(decoder)
+
+
+class TokenStrings:
+    """A token id's text (``tokenizer.decode([id])``) and its bytes — its own bytes where the
+    tokenizer's vocabulary says them (a byte-level BPE token, a ``<0xNN>`` byte-fallback token;
+    a token may be part of one UTF-8 character), else its text's UTF-8 — cached (bounded)."""
+
+    def __init__(self, tokenizer, cache_size: int = 65536):
+        self.tokenizer = tokenizer
+        self.byte_level = _decodes_byte_level(tokenizer)
+        self.text = functools.lru_cache(maxsize=cache_size)(self._text)
+        self.bytes = functools.lru_cache(maxsize=cache_size)(self._bytes)
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    def _bytes(self, token: int) -> list[int]:
+        piece = self.tokenizer.convert_ids_to_tokens(token)
+        if isinstance(piece, str) and piece:
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return [int(piece[3:5], 16)]
+                except ValueError:
+                    pass
+            if self.byte_level and all(c in _BYTE_DECODER for c in piece):
+                return [_BYTE_DECODER[c] for c in piece]
+        return list(self.text(token).encode("utf-8"))
+
+
+def completion_logprobs(strings: TokenStrings, token_ids: list[int], logprobs: list[TokenLogprob],
+                        offset: int = 0) -> dict:
+    """The completions ``logprobs`` object of these tokens; ``offset``: the text offset of the first."""
+    texts = [strings.text(t) for t in token_ids]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": texts, "token_logprobs": [_lp(lp.logprob) for lp in logprobs],
+            "top_logprobs": [{strings.text(t): _lp(v) for t, v in lp.top} for lp in logprobs],
+            "text_offset": offsets}
+
+
+def chat_logprobs(strings: TokenStrings, token_ids: list[int], logprobs: list[TokenLogprob]) -> dict:
+    """The chat ``logprobs`` object of these tokens."""
+    def entry(t: int, v: float) -> dict:
+        return {"token": strings.text(t), "logprob": _lp(v), "bytes": strings.bytes(t)}
+
+    return {"content": [dict(entry(t, lp.logprob), top_logprobs=[entry(a, v) for a, v in lp.top])
+                        for t, lp in zip(token_ids, logprobs)], "refusal": None}
+
+
+def generate_logprobs(strings: Optional[TokenStrings], token_ids: list[int], logprobs: list[TokenLogprob]) -> dict:
+    """SGLang's ``meta_info`` logprob fields; ``strings`` None: no token texts (null)."""
+    def entry(t: int, v: float) -> list:
+        return [_lp(v), t, strings.text(t) if strings is not None else None]
+
+    return {"output_token_logprobs": [entry(t, lp.logprob) for t, lp in zip(token_ids, logprobs)],
+            "output_top_logprobs": [[entry(a, v) for a, v in lp.top] for lp in logprobs],
+            "input_token_logprobs": [], "input_top_logprobs": []}
+
+
+# -- answers and chunks -------------------------------------------------------------------------
+
+
+def completion_response(rid: str, model: str, created: int, acc: Accumulator,
+                        strings: Optional[TokenStrings] = None) -> dict:
+    """``strings``: give it when the request asked for logprobs."""
+    logprobs = completion_logprobs(strings, acc.token_ids, acc.logprobs) if strings is not None else None
     return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": acc.full_text, "logprobs": None, "finish_reason": acc.finish_reason}],
+            "choices": [{"index": 0, "text": acc.full_text, "logprobs": logprobs, "finish_reason": acc.finish_reason}],
             "usage": acc.usage()}
 
 
-def chat_response(rid: str, model: str, created: int, acc: Accumulator) -> dict:
+def chat_response(rid: str, model: str, created: int, acc: Accumulator,
+                  strings: Optional[TokenStrings] = None) -> dict:
+    logprobs = chat_logprobs(strings, acc.token_ids, acc.logprobs) if strings is not None else None
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": model,
             "choices": [{"index": 0, "message": {"role": "assistant", "content": acc.full_text},
-                         "logprobs": None, "finish_reason": acc.finish_reason}],
+                         "logprobs": logprobs, "finish_reason": acc.finish_reason}],
             "usage": acc.usage()}
 
 
-def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: Optional[str]) -> dict:
+def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: Optional[str],
+                     logprobs: Optional[dict] = None) -> dict:
     return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
-def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: Optional[str]) -> dict:
+def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: Optional[str],
+               logprobs: Optional[dict] = None) -> dict:
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(endpoint: str, rid: str, model: str, created: int, acc: Accumulator) -> dict:
@@ -129,11 +250,18 @@ def generate_meta(rid: str, acc: Accumulator, started: float) -> dict:
     return meta
 
 
-def generate_response(rid: str, acc: Accumulator, started: float) -> dict:
-    return {"text": acc.full_text, "output_ids": list(acc.token_ids), "meta_info": generate_meta(rid, acc, started)}
+def generate_response(rid: str, acc: Accumulator, started: float, logprobs: bool = False,
+                      strings: Optional[TokenStrings] = None) -> dict:
+    """``logprobs``: the request asked for them (``return_logprob``); ``strings``: name each
+    token's text in them (``return_text_in_logprobs``)."""
+    meta = generate_meta(rid, acc, started)
+    if logprobs:
+        meta.update(generate_logprobs(strings, acc.token_ids, acc.logprobs))
+    return {"text": acc.full_text, "output_ids": list(acc.token_ids), "meta_info": meta}
 
 
-def generate_chunk(rid: str, acc: Accumulator, started: float) -> dict:
+def generate_chunk(rid: str, acc: Accumulator, started: float, logprobs: bool = False,
+                   strings: Optional[TokenStrings] = None) -> dict:
     """A streamed ``/generate`` chunk. As SGLang by default, ``text`` and ``output_ids`` are
-    cumulative (the whole answer so far), so a client keeps the last chunk."""
-    return generate_response(rid, acc, started)
+    cumulative (the whole answer so far), so a client keeps the last chunk; so are its logprobs."""
+    return generate_response(rid, acc, started, logprobs, strings)

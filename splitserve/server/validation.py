@@ -21,6 +21,12 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
   on ``/generate``. ``stop_token_ids``: at most :data:`MAX_STOP_TOKEN_IDS` token ids.
   ``seed``: int in [0, 2**63). ``ignore_eos``: bool.
 - Empty prompts and empty ``messages`` are refused; token ids must be ints in the vocabulary.
+- Logprobs (values from the raw logits, before temperature and any mask: ``engine/sampler.py``):
+  completions ``logprobs``, an int in [0, :data:`MAX_TOP_LOGPROBS`] (the alternatives per token);
+  chat ``logprobs`` (bool) and ``top_logprobs`` (int in [0, 20], only with ``logprobs: true``);
+  ``/generate`` SGLang's ``return_logprob`` (bool), ``top_logprobs_num`` (int in [0, 20], only
+  with ``return_logprob``), ``return_text_in_logprobs`` (bool) and ``logprob_start_len`` (-1:
+  none of the prompt's).
 - Every field of the OpenAI API that we do not implement is refused with its name (``n`` > 1,
   ``best_of`` > 1, ``echo``, ``suffix``, ``logprobs``, ``logit_bias``, penalties, ``tools`` ...),
   except at its no-op value (``n: 1``, ``echo: false``, ``presence_penalty: 0`` ...); ``null``
@@ -43,7 +49,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from splitserve.engine.detokenizer import stop_matcher
-from splitserve.engine.io import DEFAULT_MAX_TOKENS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams
+from splitserve.engine.io import (
+    DEFAULT_MAX_TOKENS, MAX_TOP_LOGPROBS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams,
+)
 from splitserve.outcomes import Reason
 
 ENDPOINTS = ("completions", "chat", "generate")
@@ -64,19 +72,19 @@ _ANY_BOOL = object()  # a switch with no effect on the tokens (logging, reasonin
 
 # Fields of the OpenAI API we do not implement, with the value that means "not used".
 _NOOP = {
-    "n": 1, "best_of": 1, "echo": False, "suffix": "", "logprobs": False, "top_logprobs": 0,
+    "n": 1, "best_of": 1, "echo": False, "suffix": "",
     "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "tools": [], "tool_choice": "none",
     "functions": [], "function_call": "none", "parallel_tool_calls": _ABSENT, "store": False,
     "metadata": _ABSENT, "modalities": ["text"], "audio": _ABSENT, "prediction": _ABSENT,
     "reasoning_effort": _ABSENT, "service_tier": _ABSENT, "web_search_options": _ABSENT,
     "response_format": {"type": "text"}, "verbosity": _ABSENT,
     # fields SGLang's gateway adds to every request it forwards, at their defaults
-    "return_text_in_logprobs": False, "return_hidden_states": False, "background": False,
+    "return_hidden_states": False, "background": False,
     "return_bytes": False, "return_entropy": False, "continue_final_message": False,
     "log_metrics": _ANY_BOOL, "no_logs": _ANY_BOOL, "separate_reasoning": _ANY_BOOL, "stream_reasoning": _ANY_BOOL,
     # SGLang /generate sampling_params and request fields
     "min_p": 0, "repetition_penalty": 1, "min_new_tokens": 0, "skip_special_tokens": True,
-    "spaces_between_special_tokens": True, "no_stop_trim": False, "return_logprob": False,
+    "spaces_between_special_tokens": True, "no_stop_trim": False,
     "regex": _ABSENT, "json_schema": _ABSENT, "ebnf": _ABSENT, "image_data": _ABSENT, "lora_path": _ABSENT,
 }
 
@@ -93,7 +101,8 @@ _KNOWN = {
                        "modalities", "audio", "prediction", "reasoning_effort", "service_tier",
                        "web_search_options", "verbosity"},
     "generate": {"model", "text", "input_ids", "sampling_params", "stream", "rid", "bootstrap_host", "bootstrap_port",
-                 "bootstrap_room", "cache_salt", "return_logprob", "image_data", "lora_path", "return_text_in_logprobs",
+                 "bootstrap_room", "cache_salt", "return_logprob", "top_logprobs_num", "logprob_start_len",
+                 "image_data", "lora_path", "return_text_in_logprobs",
                  "log_metrics", "return_hidden_states", "background", "no_logs", "return_bytes", "return_entropy"},
 }
 _KNOWN_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
@@ -120,6 +129,7 @@ class ValidatedRequest:
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
     cache_salt: str = ""
+    return_text_in_logprobs: bool = False  # /generate: each logprob entry names its token's text
     stop_matcher: Optional[object] = field(default=None, compare=False, repr=False)
     """The automaton of ``sampling.stop``, built with a tokenizer (on the worker's tokenizer
     thread, not the engine loop's)."""
@@ -268,6 +278,8 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     cache_salt = _opt_str(body, "cache_salt", "") or ""
     if len(cache_salt) > 256:
         raise InvalidRequest("cache_salt must be at most 256 characters", "cache_salt")
+    logprobs = _logprobs(body, endpoint)
+    return_text_in_logprobs = bool(_opt_bool(body, "return_text_in_logprobs", ""))
 
     prompt_ids, prompt_text, messages = None, None, None
     if endpoint == "completions":
@@ -298,17 +310,37 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         top_p=_pick(top_p, defaults.get("top_p"), 1.0),
         top_k=int(_pick(top_k, defaults.get("top_k"), 0)),
         seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=bool(ignore_eos),
+        logprobs=logprobs,
     )
     return ValidatedRequest(
         endpoint=endpoint, sampling=sampling, model=model, stream=stream, include_usage=include_usage,
         prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None, prompt_text=prompt_text,
         messages=messages, max_tokens_set=max_tokens_set, rid=rid, bootstrap_host=bootstrap_host,
         bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room, cache_salt=cache_salt,
-        stop_matcher=stop_matcher(stop) if stop and tokenizer is not None else None,
+        return_text_in_logprobs=return_text_in_logprobs, stop_matcher=stop_matcher(stop) if stop and tokenizer is not None else None,
     )
 
 
 # -- pieces ----------------------------------------------------------------------------------------
+
+
+def _logprobs(body: dict, endpoint: str) -> Optional[int]:
+    """How many alternatives per token the request wants logprobs for; None: no logprobs."""
+    if endpoint == "completions":
+        return _opt_int(body, "logprobs", "", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if endpoint == "chat":
+        on, top, top_key = _opt_bool(body, "logprobs", ""), body.get("top_logprobs"), "top_logprobs"
+    else:
+        on, top, top_key = _opt_bool(body, "return_logprob", ""), body.get("top_logprobs_num"), "top_logprobs_num"
+        start = _opt_int(body, "logprob_start_len", "", minimum=-1)
+        if start is not None and start != -1:
+            raise InvalidRequest("logprob_start_len other than -1 (the prompt's logprobs) is not supported yet",
+                                 "logprob_start_len")
+    k = _opt_int(body, top_key, "", minimum=0, maximum=MAX_TOP_LOGPROBS)
+    if k and not on:
+        flag = "logprobs" if endpoint == "chat" else "return_logprob"
+        raise InvalidRequest(f"{top_key} needs {flag}: true", top_key)
+    return (k or 0) if on else None
 
 
 def _type_name(v: Any) -> str:

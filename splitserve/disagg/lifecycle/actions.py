@@ -63,6 +63,7 @@ class StartDecode:
     room: int
     rid: str
     first_token: int
+    first_logprobs: bytes = b""  # from prefill, with the token (the engine checks them)
 
 
 @dataclass(frozen=True)

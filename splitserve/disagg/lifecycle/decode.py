@@ -273,7 +273,7 @@ class DecodeTable(PromptHere, RoomTable):
             self._timers.cancel(("resend", r.room))
             self.peers.unbind(r.peer, r.room)  # prefill's part is over: losing it now costs nothing
             self._enter(r, S.DECODING, self.cfg.decode_stall_s, now, out)
-            out.append(StartDecode(r.room, r.rid, msg.first_token))
+            out.append(StartDecode(r.room, r.rid, msg.first_token, msg.first_logprobs))
 
     def _on_room_failed(self, r: DecodeRoom, msg: protocol.RoomFailed, now: float, out: list[Action]) -> None:
         if is_terminal(r.state):

@@ -104,6 +104,7 @@ class ForwardDone:
 
     room: int
     first_token: int
+    first_logprobs: bytes = b""  # its logprobs when the request asks for them (TokenLogprob.to_bytes)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ class PrefillRoom(Room):
     writes: dict[int, int] = field(default_factory=dict)
     """Writes not yet settled: write_id -> pages."""
     first_token: Optional[int] = None
+    first_logprobs: bytes = b""  # the first token's logprobs (TokenLogprob.to_bytes), if asked for
     told_settled: bool = False
     """Decode has been told that no write for this room can still land."""
 
@@ -259,9 +260,10 @@ class PrefillTable(RoomTable):
                 if r is not None:
                     self._write_pages(r, min(ready, r.n_pages), out)
                     self._arm(r, self.cfg.prefill_stall_s, now)
-            case ForwardDone(room=room, first_token=token):
+            case ForwardDone(room=room, first_token=token, first_logprobs=logprobs):
                 r = self._live_room_in(room, S.PREFILLING, event, out)
                 if r is not None:
+                    r.first_logprobs = logprobs
                     self._on_forward_done(r, token, now, out)
             case WriteDone(room=room, write_id=wid):
                 r = self._settle(room, wid, event, out)
@@ -333,7 +335,7 @@ class PrefillTable(RoomTable):
         self._end(r, Ending(Reason.TRANSFERRED), now, out)
 
     def _kv_done(self, r: PrefillRoom) -> protocol.KVDone:
-        return protocol.KVDone(r.room, self.incarnation, r.first_token, r.prompt_len)
+        return protocol.KVDone(r.room, self.incarnation, r.first_token, r.prompt_len, r.first_logprobs)
 
     def _answer_again(self, r: PrefillRoom) -> Optional[protocol.KVDone]:
         return self._kv_done(r) if r.ending.reason is Reason.TRANSFERRED else None
