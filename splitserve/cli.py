@@ -142,8 +142,8 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
             raise SystemExit(f"--prefill {item[0]}: bootstrap port {item[1]!r} is not a number") from None
         prefill.append(WorkerAddress(item[0].rstrip("/"), port))
     decode = [WorkerAddress(url.rstrip("/")) for url in args.decode]
-    if not prefill or not decode:
-        raise SystemExit("the router needs at least one --prefill and one --decode worker")
+    if (not prefill or not decode) and not args.discovery:
+        raise SystemExit("the router needs at least one --prefill and one --decode worker, or --discovery")
     from splitserve.auth import with_keys
 
     try:

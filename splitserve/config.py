@@ -79,6 +79,27 @@ class ServerConfig:
     """This worker's id, stable across its restarts (reported on /health and /get_server_info with
     the incarnation drawn at each start; the router tracks workers by them); default
     ROLE@ADVERTISE_HOST:PORT."""
+    discovery: Optional[str] = None
+    """Prefill and decode roles: register in etcd, etcd://HOST:PORT/PREFIX (etcds:// for TLS), under
+    a lease kept alive while the worker runs; routers with the same --discovery find it there. Its
+    record names http://ADVERTISE_HOST:PORT (--advertise-host) and, for a prefill, its bootstrap port."""
+    discovery_ttl_s: float = 10.0
+    """The lease of the discovery record: a worker that stops refreshing it (crashed, partitioned)
+    leaves every router's rotation this long after its last refresh (long enough that a live worker's
+    keepalive thread, unscheduled for seconds on a busy machine, does not drop out)."""
+    discovery_grace_s: float = 5.0
+    """On SIGTERM the lease is revoked first (routers stop sending new requests), then the worker
+    goes on serving, and taking what was already routed to it, this long before it drains."""
+    discovery_ca_certs: Optional[str] = None
+    """CA certificates (PEM) etcd's certificate must be signed by (TLS to etcd; etcds:// also turns it on)."""
+    discovery_certfile: Optional[str] = None
+    """A client certificate (PEM) for an etcd that requires one (with --discovery-keyfile)."""
+    discovery_keyfile: Optional[str] = None
+    """The private key of --discovery-certfile."""
+    discovery_user: Optional[str] = None
+    """An etcd user (etcd's auth; with --discovery-password-file)."""
+    discovery_password_file: Optional[str] = None
+    """A file whose first line is --discovery-user's password (chmod 600)."""
     cluster_secret_file: Optional[str] = None
     """Prefill and decode roles: a file holding a secret shared by the cluster's workers (at least
     32 random bytes as hex or base64, e.g. `head -c 32 /dev/urandom | base64`; chmod 600: a file
@@ -271,6 +292,21 @@ class RouterConfig:
     --worker-api-key-file or $SPLITSERVE_WORKER_API_KEY."""
     worker_api_key_file: Optional[str] = None
     """A file whose first line is the workers' key."""
+    discovery: Optional[str] = None
+    """Find workers in etcd, etcd://HOST:PORT/PREFIX (etcds:// for TLS): the prefix is watched,
+    workers registered there are added and those whose record goes are drained and removed; while
+    etcd is unreachable the workers known are kept (docs/deploy.md). Beside or instead of
+    --prefill/--decode."""
+    discovery_ca_certs: Optional[str] = None
+    """CA certificates (PEM) etcd's certificate must be signed by (TLS to etcd; etcds:// also turns it on)."""
+    discovery_certfile: Optional[str] = None
+    """A client certificate (PEM) for an etcd that requires one (with --discovery-keyfile)."""
+    discovery_keyfile: Optional[str] = None
+    """The private key of --discovery-certfile."""
+    discovery_user: Optional[str] = None
+    """An etcd user (etcd's auth; with --discovery-password-file)."""
+    discovery_password_file: Optional[str] = None
+    """A file whose first line is --discovery-user's password (chmod 600)."""
     prefill: tuple[WorkerAddress, ...] = ()
     decode: tuple[WorkerAddress, ...] = ()
 

@@ -56,6 +56,7 @@ from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.router import debug, membership
 from splitserve.router.client import send
+from splitserve.router.discovery import Discovery
 from splitserve.router.legs import describe_error
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import CacheKnobs, Policy, make_policy
@@ -88,6 +89,7 @@ class RouterState:
         self.recent = debug.RecentRequests()
         self.session: Optional[aiohttp.ClientSession] = None  # set at startup (needs the running loop)
         self.checker: Optional[HealthChecker] = None  # likewise
+        self.discovery = Discovery(self, registry)  # started at startup when --discovery is given
         self.background: set[asyncio.Task] = set()
         self.connections: Optional[ConnectionCap] = None  # set by create_app
         self.worker_ssl = None  # the ssl.SSLContext for https:// workers, if configured
@@ -113,8 +115,13 @@ ROUTER = web.AppKey("splitserve_router", RouterState)
 
 def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web.Application:
     make_policy(config.policy)  # an unknown policy fails here, with the list of known ones
-    if not config.prefill or not config.decode:
-        raise ValueError("the router needs at least one prefill and one decode worker")
+    if (not config.prefill or not config.decode) and not config.discovery:
+        raise ValueError("the router needs at least one prefill and one decode worker, or --discovery")
+    if config.discovery:
+        from splitserve.discovery.etcd import Credentials, parse_target
+
+        parse_target(config.discovery)
+        Credentials.of(config)
     for name in BOUNDS:
         value = getattr(config, name)
         if not value > 0:
@@ -166,9 +173,12 @@ async def _session_and_health_checks(app: web.Application):
                                             state.config.health_failures)
     await checker.check_all()
     checks = asyncio.ensure_future(_checks_after_first(checker))
+    if state.config.discovery:
+        state.discovery.start(asyncio.get_running_loop())
     try:
         yield
     finally:
+        await asyncio.get_running_loop().run_in_executor(None, state.discovery.stop)
         checks.cancel()
         for task in list(state.background):
             task.cancel()

@@ -395,6 +395,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
         check_bootstrap_trust(server_config)
         check_control_plane(server_config)
         ssl_context = server_context(server_config.ssl_certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs)
+        if server_config.discovery:  # likewise a bad --discovery
+            _check_discovery(server_config)
         if server_config.cluster_secret_file:  # read now: a bad file stops the worker at once
             from splitserve.disagg.control.curve import ClusterSecret
 
@@ -470,11 +472,49 @@ async def _serve(engine, server_config: ServerConfig, ssl_context=None, incarnat
         return 1
 
     print(_ready_line(runner, server_config, state.model_name), flush=True)
+    registration = _register(state, runner, ssl_context is not None) if server_config.discovery else None
     await stop_wait
+    if registration is not None:  # routers stop sending first; what they already sent is still served
+        await loop.run_in_executor(None, registration.revoke)
+        log.info("discovery: serving %.1f s more before draining", server_config.discovery_grace_s)
+        try:
+            await asyncio.wait_for(force.wait(), server_config.discovery_grace_s)
+        except asyncio.TimeoutError:
+            pass
     await _drain(state, server_config.drain_timeout_s, force)
     await runner.cleanup()
     log.info("stopped")
     return 0
+
+
+def _check_discovery(config: ServerConfig) -> None:
+    """ValueError for a ``--discovery`` this worker cannot register with."""
+    from splitserve.discovery.etcd import Credentials, parse_target
+
+    parse_target(config.discovery)
+    Credentials.of(config)
+    if config.role not in ("prefill", "decode"):
+        raise ValueError("--discovery registers prefill and decode workers (--role prefill|decode)")
+    if not config.discovery_ttl_s >= 2 or not config.discovery_grace_s >= 0:
+        raise ValueError("--discovery-ttl-s must be at least 2 and --discovery-grace-s at least 0")
+    if (config.advertise_host or config.host) in ("0.0.0.0", "::", ""):
+        raise ValueError(f"--discovery: routers cannot reach {config.host}; give --advertise-host (on "
+                         "Kubernetes the pod's IP, status.podIP)")
+
+
+def _register(state: WorkerState, runner: web.AppRunner, tls: bool):
+    """Put this worker's record in etcd under a lease kept alive by a thread (``discovery/etcd.py``)."""
+    from splitserve.discovery.etcd import Credentials, Registration, parse_target
+    from splitserve.discovery.record import WorkerRecord
+
+    config, pairing = state.config, state.pairing()
+    port = runner.addresses[0][1] if runner.addresses else config.port
+    host = config.advertise_host or config.host
+    url = f"{'https' if tls else 'http'}://{'[%s]' % host if ':' in host else host}:{port}"
+    record = WorkerRecord(state.worker_id, state.incarnation, config.role, url, pairing["bootstrap_port"],
+                          pairing["model_fingerprint"], pairing["protocol_version"], pairing["transfer_backend"])
+    return Registration(parse_target(config.discovery), record, config.discovery_ttl_s,
+                        Credentials.of(config)).start()
 
 
 def _exit_now(why: str) -> None:

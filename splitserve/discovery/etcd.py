@@ -1,0 +1,308 @@
+"""Discovery through etcd (the v3 API, over its JSON gateway, with ``etcd3gw``).
+
+``--discovery etcd://HOST:PORT/PREFIX`` (``etcds://`` for TLS) names the etcd and the prefix
+under which a cluster's workers register, one key per worker id: ``PREFIX/workers/ID``, its value
+the worker's :class:`~splitserve.discovery.record.WorkerRecord` as JSON.
+
+- **A worker** (:class:`Registration`) puts its record under a lease of ``--discovery-ttl-s``
+  (default 10 s) and keeps the lease alive from a thread of its own, refreshing every third of the
+  TTL: a plain thread that sleeps and does blocking HTTP, so neither the engine loop nor the HTTP
+  event loop can starve it (on a busy 2-core machine a thread can still go unscheduled for seconds,
+  which is why the TTL is 10 s and not 2). A lease that expired anyway (etcd unreachable longer
+  than the TTL) is granted anew and the record put again. On SIGTERM :meth:`Registration.revoke`
+  revokes the lease first, so routers stop sending new legs before the worker drains.
+- **A router** (:class:`Watcher`) lists the prefix, then watches it, and lists again at every change
+  it is told of and at least every :data:`RELIST_S`: the list is the truth, the watch only makes it
+  prompt. Every value is validated (``record.parse_record``); one that is not a record is logged
+  and counted, never used. A list that fails (etcd down, partitioned, refusing our credentials)
+  changes nothing: the router keeps the workers it knows and keeps health-checking them, and
+  tries again with backoff (:data:`BACKOFF_S`, doubled to :data:`BACKOFF_MAX_S`), logging when
+  the outage starts and ends; ``splitserve_router_discovery_up`` shows it.
+
+Why ``etcd3gw`` (tried here against etcd 3.4.23, beside ``aetcd`` 1.0.0, which also works): it is
+pure Python over HTTP (``requests``), so the servers gain no gRPC or protobuf binaries, and its
+calls block, which is what a keepalive thread that no event loop may starve wants. It has no
+user/password call, so :func:`client` authenticates through the gateway's ``/v3/auth/authenticate``
+itself and sends the token on every request (again after a refusal: tokens expire).
+TLS: ``--discovery-ca-certs`` (the CA etcd's certificate must be signed by),
+``--discovery-certfile``/``--discovery-keyfile`` (a client certificate, for etcd's
+``--client-cert-auth``); auth: ``--discovery-user`` and ``--discovery-password-file``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Callable, Optional
+from urllib.parse import urlsplit
+
+log = logging.getLogger(__name__)
+
+RELIST_S = 1.0  # the longest a change can go unseen while etcd is up (the watch is usually faster)
+BACKOFF_S, BACKOFF_MAX_S = 0.5, 8.0
+REQUEST_TIMEOUT_S = 5.0  # one call to etcd
+KEY_DIR = "workers"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    host: str
+    port: int
+    prefix: str  # no trailing slash, starts with "/"
+    tls: bool = False
+
+    @property
+    def key_prefix(self) -> str:
+        return f"{self.prefix}/{KEY_DIR}/"
+
+    def key(self, worker_id: str) -> str:
+        return self.key_prefix + worker_id
+
+    def __str__(self) -> str:
+        return f"{'etcds' if self.tls else 'etcd'}://{self.host}:{self.port}{self.prefix}"
+
+
+def parse_target(text: str) -> Target:
+    """``etcd://HOST:PORT/PREFIX`` (or ``etcds://``); ValueError naming what is wrong."""
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError:
+        port, parts = None, None
+    if parts is None or parts.scheme not in ("etcd", "etcds") or not parts.hostname or port is None \
+            or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"--discovery: {text!r} is not etcd://HOST:PORT/PREFIX")
+    prefix = "/" + parts.path.strip("/")
+    if prefix == "/" or any(not seg or seg in (".", "..") for seg in prefix[1:].split("/")):
+        raise ValueError(f"--discovery: {text!r} needs a prefix (etcd://HOST:PORT/PREFIX), e.g. /splitserve")
+    return Target(parts.hostname, port, prefix, parts.scheme == "etcds")
+
+
+@dataclasses.dataclass(frozen=True)
+class Credentials:
+    """TLS and auth for etcd, from the ``--discovery-*`` flags."""
+
+    ca_certs: Optional[str] = None
+    certfile: Optional[str] = None
+    keyfile: Optional[str] = None
+    user: Optional[str] = None
+    password_file: Optional[str] = None
+
+    @classmethod
+    def of(cls, config) -> "Credentials":
+        creds = cls(config.discovery_ca_certs, config.discovery_certfile, config.discovery_keyfile,
+                    config.discovery_user, config.discovery_password_file)
+        if (creds.certfile is None) != (creds.keyfile is None):
+            raise ValueError("--discovery-certfile and --discovery-keyfile go together")
+        if (creds.user is None) != (creds.password_file is None):
+            raise ValueError("--discovery-user and --discovery-password-file go together")
+        return creds
+
+    def password(self) -> str:
+        try:
+            with open(self.password_file, encoding="utf-8") as f:
+                lines = f.read(4096).splitlines()
+        except OSError as exc:
+            raise ValueError(f"--discovery-password-file {self.password_file}: {exc}") from None
+        if not lines or not lines[0]:
+            raise ValueError(f"--discovery-password-file {self.password_file}: empty")
+        return lines[0]
+
+
+def client(target: Target, creds: Credentials = Credentials()):
+    """An ``etcd3gw`` client for ``target``, authenticated when ``creds`` name a user."""
+    import requests
+    from etcd3gw.client import Etcd3Client
+
+    session = requests.Session()
+    if creds.ca_certs:
+        session.verify = creds.ca_certs
+    if creds.certfile:
+        session.cert = (creds.certfile, creds.keyfile)
+    protocol = "https" if target.tls or creds.ca_certs or creds.certfile else "http"
+    etcd = Etcd3Client(host=target.host, port=target.port, protocol=protocol, timeout=REQUEST_TIMEOUT_S,
+                       api_path="/v3/", session=session)
+    if creds.user:
+        _authenticate(etcd, creds)
+        post = etcd.post
+
+        def post_again_after_refusal(url, *args, **kwargs):
+            try:
+                return post(url, *args, **kwargs)
+            except Exception as exc:  # an expired token: once more with a new one
+                if "token" not in str(exc).lower() and "auth" not in str(exc).lower():
+                    raise
+                _authenticate(etcd, creds)
+                return post(url, *args, **kwargs)
+
+        etcd.post = post_again_after_refusal
+    return etcd
+
+
+def _authenticate(etcd, creds: Credentials) -> None:
+    etcd.session.headers.pop("Authorization", None)
+    answer = etcd.session.post(etcd.get_url("/auth/authenticate"), json={"name": creds.user,
+                                                                         "password": creds.password()},
+                               timeout=REQUEST_TIMEOUT_S)
+    if answer.status_code != 200 or not isinstance(answer.json().get("token"), str):
+        raise ConnectionError(f"etcd refused user {creds.user!r}: {answer.status_code} {answer.text[:200]}")
+    etcd.session.headers["Authorization"] = answer.json()["token"]
+
+
+class Registration:
+    """A worker's record in etcd under a lease kept alive by a thread of its own."""
+
+    def __init__(self, target: Target, record, ttl_s: float, creds: Credentials = Credentials(),
+                 make_client: Callable = client):
+        self.target, self.record, self.ttl_s, self.creds = target, record, max(2, int(round(ttl_s))), creds
+        self.key = target.key(record.id)
+        self.make_client = make_client
+        self.registered = threading.Event()  # the record is in etcd (as far as the last call knew)
+        self._stop = threading.Event()
+        self._lease = None
+        self._etcd = None
+        self._thread = threading.Thread(target=self._run, name="discovery-keepalive", daemon=True)
+
+    def start(self) -> "Registration":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        backoff = BACKOFF_S
+        while not self._stop.is_set():
+            try:
+                if self._etcd is None:
+                    self._etcd = self.make_client(self.target, self.creds)
+                if self._lease is None:
+                    self._put()
+                elif self._lease.refresh() <= 0:  # the lease expired meanwhile: register again
+                    log.warning("discovery: the lease of %s expired; registering again", self.key)
+                    self._lease = None
+                    continue
+                if not self.registered.is_set():
+                    log.info("discovery: registered %s in %s (lease %.0f s)", self.record.id, self.target, self.ttl_s)
+                    self.registered.set()
+                backoff = BACKOFF_S
+                self._stop.wait(self.ttl_s / 3)
+            except Exception as exc:  # etcd unreachable: keep trying, the lease may still be alive
+                if self.registered.is_set():
+                    log.warning("discovery: cannot reach etcd %s (%s: %s); retrying", self.target,
+                                type(exc).__name__, exc)
+                self.registered.clear()
+                self._stop.wait(backoff)
+                backoff = min(BACKOFF_MAX_S, backoff * 2, self.ttl_s / 3)
+
+    def _put(self) -> None:
+        lease = self._etcd.lease(ttl=self.ttl_s)
+        self._etcd.put(self.key, self.record.to_json().decode(), lease=lease)
+        self._lease = lease
+
+    def revoke(self) -> bool:
+        """Stop the keepalive and revoke the lease (its record goes with it); whether etcd said so."""
+        self._stop.set()
+        self._thread.join(REQUEST_TIMEOUT_S + 1)
+        lease, self._lease = self._lease, None
+        self.registered.clear()
+        if lease is None:
+            return False
+        try:
+            lease.revoke()
+            log.info("discovery: revoked the lease of %s", self.key)
+            return True
+        except Exception as exc:  # it expires by its TTL instead
+            log.warning("discovery: could not revoke the lease of %s (%s); it ends within %.0f s", self.key,
+                        exc, self.ttl_s)
+            return False
+
+
+class Watcher:
+    """A router's view of the prefix: calls ``on_records(records, invalid)`` with every valid
+    record after each successful list (``invalid``: (key, why) of the rest), and ``on_outage(why)``
+    / ``on_outage(None)`` when lists start and stop failing. Runs in threads of its own; the
+    callbacks are called from them (the router hands them to its event loop)."""
+
+    def __init__(self, target: Target, on_records: Callable, on_outage: Callable, creds: Credentials = Credentials(),
+                 make_client: Callable = client):
+        self.target, self.creds = target, creds
+        self.on_records, self.on_outage = on_records, on_outage
+        self.make_client = make_client
+        self.changed = threading.Event()
+        self._stop = threading.Event()
+        self._cancel_watch: Optional[Callable] = None
+        self._thread = threading.Thread(target=self._run, name="discovery-watch", daemon=True)
+
+    def start(self) -> "Watcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.changed.set()
+        self._end_watch()
+        self._thread.join(REQUEST_TIMEOUT_S + 1)
+
+    def _run(self) -> None:
+        from splitserve.discovery.record import parse_record
+
+        etcd, backoff, down = None, BACKOFF_S, None
+        while not self._stop.is_set():
+            try:
+                if etcd is None:
+                    etcd = self.make_client(self.target, self.creds)
+                self.changed.clear()
+                listed = etcd.get_prefix(self.target.key_prefix)
+            except Exception as exc:
+                why = f"{type(exc).__name__}: {exc}"[:300]
+                if down is None:
+                    log.warning("discovery: etcd %s unreachable (%s); keeping the workers known, retrying",
+                                self.target, why)
+                    self.on_outage(why)
+                down = why
+                self._end_watch()
+                etcd = None
+                self._stop.wait(backoff)
+                backoff = min(BACKOFF_MAX_S, backoff * 2)
+                continue
+            if down is not None:
+                log.info("discovery: etcd %s reachable again", self.target)
+                self.on_outage(None)
+                down = None
+            backoff = BACKOFF_S
+            records, invalid = [], []
+            for value, meta in listed:
+                key = meta.get("key", b"")
+                key = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+                try:
+                    record = parse_record(value)
+                    if key != self.target.key(record.id):
+                        raise ValueError(f"its key is not {self.target.key_prefix}ID for its id {record.id!r}")
+                    records.append(record)
+                except ValueError as exc:
+                    invalid.append((key[:200], str(exc)[:300]))
+            self.on_records(records, invalid)
+            if self._cancel_watch is None:
+                self._watch(etcd)
+            self.changed.wait(RELIST_S)
+
+    def _watch(self, etcd) -> None:
+        try:
+            events, cancel = etcd.watch_prefix(self.target.key_prefix)
+        except Exception:  # the next list finds out what is wrong
+            return
+        self._cancel_watch = cancel
+
+        def pump() -> None:
+            for _ in events:
+                self.changed.set()
+
+        threading.Thread(target=pump, name="discovery-watch-events", daemon=True).start()
+
+    def _end_watch(self) -> None:
+        cancel, self._cancel_watch = self._cancel_watch, None
+        if cancel is not None:
+            try:
+                cancel()
+            except Exception:
+                pass
