@@ -42,13 +42,13 @@ class Workers:
         self.etcd = etcd
         self.procs: dict[str, ServerProcess] = {}
 
-    def spawn(self, name: str, *extra: str) -> ServerProcess:
+    def spawn(self, name: str, *extra: str, model: str = "tiny") -> ServerProcess:
         role = "prefill" if name.startswith("p") else "decode"
         args = ["--role", role, "--worker-id", name, "--discovery", self.etcd.url(), "--discovery-ttl-s", TTL_S,
                 "--discovery-grace-s", "2", *extra]
         if role == "prefill":
             args += ["--bootstrap-port", str(free_port())]
-        proc = ServerProcess(*args)
+        proc = ServerProcess(*args, model=model)
         proc.name, proc.role = name, role
         proc.spawn()
         self.procs[name] = proc
@@ -226,6 +226,39 @@ def test_a_worker_killed_is_out_of_rotation_and_gets_nothing_after(cluster):
     del cluster.procs["d2"]
     series = [labels for name, labels in cluster.router.metrics() if name.startswith("splitserve_router_worker_")]
     assert series and not [ls for ls in series if ("url", victim.url) in ls]  # its series went with it
+
+
+def test_two_fingerprints_under_one_name_are_never_paired_across(cluster, tmp_path_factory):
+    """A rolling upgrade's middle: workers of another checkpoint (other weights), served under the
+    same name, beside the ones there: every request is served by a pair of one fingerprint (a
+    crossed pair would fail its handshake), and the router counts the pairings it refused."""
+    from splitserve.testing.tiny import build_tiny_model
+
+    other = str(build_tiny_model(tmp_path_factory.mktemp("other-weights"), seed=7))
+    cluster.ensure("p1", "d1")
+    procs = [cluster.spawn(name, "--served-model-name", "tiny", model=other) for name in ("pb", "db")]
+    for p in procs:
+        p.wait_ready()
+    wait_for("pb and db in rotation", lambda: {"pb", "db"} <= set(routable(cluster)))
+    fingerprints = {w["id"]: w["model_fingerprint"] for w in listed(cluster)}
+    assert fingerprints["pb"] == fingerprints["db"] != fingerprints["p1"] == fingerprints["d1"], fingerprints
+    old = [p for n, p in cluster.procs.items() if n not in ("pb", "db")]
+    before = {p.name: finished(p) for p in cluster.procs.values()}
+    refused = cluster.router.metric("splitserve_router_pairings_refused_total")
+    for i in range(12):
+        r = requests.post(cluster.router.url + "/generate", json={"input_ids": [7, i], "sampling_params":
+                                                                  {"max_new_tokens": 3}}, timeout=60)
+        assert r.status_code == 200, r.text
+    served = {name: finished(p) - before[name] for name, p in cluster.procs.items()}
+    new_pairs = served["pb"]
+    assert new_pairs == served["db"] > 0, served  # pb's requests all went to db, and only they
+    assert sum(served[p.name] for p in old if p.role == "prefill") == \
+        sum(served[p.name] for p in old if p.role == "decode") == 12 - new_pairs, served
+    assert cluster.router.metric("splitserve_router_pairings_refused_total") > refused
+    for p in procs:
+        p.stop(timeout=30)
+        del cluster.procs[p.name]
+    wait_for("pb and db gone", lambda: not {"pb", "db"} & {w["id"] for w in listed(cluster)})
 
 
 @pytest.mark.long
