@@ -104,6 +104,11 @@ def main(argv: list[str] | None = None) -> int:
             deadlines.validate()
         except ValueError as exc:
             raise SystemExit(f"splitserve serve: {exc}") from None
+        from splitserve.disagg.lifecycle.recompute import KV_FAILURE_POLICIES
+
+        if args.kv_failure_policy not in KV_FAILURE_POLICIES:
+            raise SystemExit(f"splitserve serve: --kv-failure-policy must be one of {', '.join(KV_FAILURE_POLICIES)}, "
+                             f"got {args.kv_failure_policy!r}")
         from splitserve.auth import with_keys
 
         try:

@@ -117,7 +117,7 @@ class ServerConfig:
     URL), HOST (any port there) or NETWORK/BITS (any address in it). Decode dials that address and hands it its KV pool's link, so a
     decode without the router's key (--worker-api-key) needs this list; with the key, only the
     router may name an address, and this list, if given, must hold it too."""
-    kv_failure_policy: str = "fail"
+    kv_failure_policy: str = "recompute"
     """Decode role: what a request whose KV will not come (its prefill lost or failed, a transfer
     or bootstrap timeout), before its first token, becomes: recompute (decode computes the prompt
     itself into pages no late write can reach, and answers as if the KV had come) or fail (it
@@ -176,7 +176,8 @@ class ServerConfig:
     clients' key); --no-protect-metrics leaves it open to anyone, and its prefix-cache counters then
     tell anyone whether a prompt was served before (docs/security.md)."""
     inject_faults: str = ""
-    """Testing only, off when empty: comma-separated stall_writes, fail_writes, notify_drop=P, control_drop=P,
+    """Testing only, off when empty: comma-separated stall_writes, stall_writes_after=N (each room's first N
+    writes land, the rest stall), fail_writes, notify_drop=P, control_drop=P,
     control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop
     blocks for good once it holds a request, until shutdown), hang_transfer (the transfer thread
     blocks for good once a write is in flight), block_zmq_io (the ZMQ I/O thread blocks for good

@@ -97,11 +97,16 @@ def split_defaults(args: list[str], env: dict, trusted_prefill: str) -> list[str
     """``args`` of a ``serve``, with what a split worker of the tests needs unless they say
     otherwise: a decode worker trusts the bootstrap addresses on ``trusted_prefill``, and prefill
     and decode workers share ``CLUSTER_SECRET`` (a test about its absence says
-    ``--insecure-control-plane``)."""
+    ``--insecure-control-plane``). A decode worker fails a room whose KV will not come
+    (``--kv-failure-policy fail``) unless the test says otherwise: most fault tests are about
+    what a failure frees and tells; the recompute fallback (the product's default) has its own
+    (``test_kv_fallback.py``, ``test_recompute_faults.py``)."""
     given = {a.split("=")[0] for a in args}
     trust = ("--allowed-prefill", "--worker-api-key", "--worker-api-key-file")
     if role_of(args) == "decode" and not given & set(trust) and "SPLITSERVE_WORKER_API_KEY" not in env:
         args = [*args, "--allowed-prefill", trusted_prefill]
+    if role_of(args) == "decode" and "--kv-failure-policy" not in given:
+        args = [*args, "--kv-failure-policy", "fail"]
     if role_of(args) in ("prefill", "decode") and not given & {"--cluster-secret-file", "--insecure-control-plane"}:
         args = [*args, "--cluster-secret-file", CLUSTER_SECRET]
     return args

@@ -125,7 +125,8 @@ class SimWorker:
                             if slot.startswith("prefill"))  # decode takes bootstrap addresses of these only
         server = ServerConfig(host=self.host, port=HTTP_PORT, role=kind, bootstrap_port=BOOTSTRAP_PORT,
                               transfer_backend="fake", loop_stall_s=sim.loop_stall_s,
-                              advertise_host=cluster.advertise.get(self.slot), allowed_prefill=prefills)
+                              advertise_host=cluster.advertise.get(self.slot), allowed_prefill=prefills,
+                              kv_failure_policy=sim.kv_failure_policy)
         engine_config = sim.engine_config(kind)
         self.tview = cluster.tnet.view(self)
         edges = Edges(incarnation=cluster.new_incarnation, transfer_opts={"network": self.tview},

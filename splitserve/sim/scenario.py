@@ -73,6 +73,7 @@ class Scenario:
     sampled: float = 0.1  # share with temperature > 0 (the rest greedy: checked against the reference)
     shared_prefix: float = 0.4  # share of prompts that start with one of the seed's few prefixes
     shared_decode_name: bool = False
+    kv_failure_policy: str = "fail"  # decode's --kv-failure-policy
     step_s: float = 0.002
     token_s: float = 0.00005
     eos_every: int = 24
