@@ -15,7 +15,8 @@ a NIXL error after posting, a tcp write whose connection broke): its session is 
 first, so that prefill never tells decode ``WritesSettled`` for it and decode fences it.
 
 Fault injection (off unless configured, read once at start): ``stall_writes`` keeps every new
-write pending until released (to strike "mid-transfer" for real), ``fail_writes`` fails them,
+write pending until released (to strike "mid-transfer" for real), ``stall_writes_after=N`` lets
+each room's first N writes land and stalls the rest (some chunks written), ``fail_writes`` fails them,
 ``notify_drop=P`` drops that fraction of notifications (a ``KVDone`` lost on its way),
 ``hang_transfer`` blocks the thread for good once a write is in flight.
 """
@@ -90,6 +91,7 @@ class KVNotification:
 @dataclass(frozen=True)
 class FaultConfig:
     stall_writes: bool = False
+    stall_writes_after: int = 0
     fail_writes: bool = False
     notify_drop: float = 0.0
     hang: bool = False
@@ -117,6 +119,7 @@ class TransferWorker(SupervisedThread):
         self._agents: dict[Peer, tuple[str, bytes]] = {}  # peer -> (agent name, metadata)
         self._inflight: dict[int, _InFlight] = {}
         self._notifies: list[tuple[Peer, Handle]] = []
+        self._writes_of: dict[int, int] = {}  # room -> writes started (stall_writes_after only)
 
     def submit(self, command: object) -> None:
         """Thread-safe: queue a command for the transfer thread."""
@@ -224,7 +227,11 @@ class TransferWorker(SupervisedThread):
         if self._faults.fail_writes:
             self._post(WriteFailed(cmd.room, cmd.write_id, "injected transfer failure"))
             return
-        if self._faults.stall_writes:  # pending until cancelled or reset
+        if self._faults.stall_writes_after:
+            seen = self._writes_of[cmd.room] = self._writes_of.get(cmd.room, 0) + 1
+            if len(self._writes_of) > 4096:  # fault injection only: kept small
+                self._writes_of.pop(next(iter(self._writes_of)))
+        if self._faults.stall_writes or (self._faults.stall_writes_after and seen > self._faults.stall_writes_after):
             self._inflight[cmd.write_id] = _InFlight(cmd.room, cmd.write_id, cmd.peer, None)
             return
         try:

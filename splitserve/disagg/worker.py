@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 def parse_faults(spec: str) -> Faults:
     """``--inject-faults`` (off when empty; read once at start), comma-separated:
-    ``stall_writes``, ``fail_writes``, ``notify_drop=P``, ``control_drop=P``, ``control_delay=P``,
+    ``stall_writes``, ``stall_writes_after=N``, ``fail_writes``, ``notify_drop=P``, ``control_drop=P``, ``control_delay=P``,
     ``control_delay_s=S``, ``control_duplicate=P``, ``seed=N``, ``wedge_loop`` (the engine loop blocks
     as soon as it holds a room, until shutdown), ``hang_transfer`` (the transfer thread blocks once
     a write is in flight), ``block_zmq_io`` (the ZMQ I/O thread blocks for good as soon as a room
@@ -42,6 +42,8 @@ def parse_faults(spec: str) -> Faults:
                 transfer["hang"] = True
             elif key in ("control_drop", "control_delay", "control_duplicate", "control_delay_s"):
                 control[key.removeprefix("control_")] = float(value)
+            elif key == "stall_writes_after":
+                transfer[key] = int(value)
             elif key == "notify_drop":
                 transfer["notify_drop"] = float(value)
             elif key == "seed":
