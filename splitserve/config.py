@@ -249,6 +249,17 @@ class RouterConfig:
     """Streaming requests: a worker answers its status as soon as it accepts or refuses one; a leg
     whose response headers have not come this long after it was sent fails with 504 (without
     streaming the headers come with the whole answer: request_timeout_s bounds them)."""
+    max_retries: int = 2
+    """A leg that fails before anything reached the client (connection refused or broken, 503,
+    429) is tried again on another worker of its role, with a new bootstrap room, at most this
+    many times per request (0: never; docs/router.md)."""
+    retry_budget_ratio: float = 0.2
+    """Retries over the last --retry-budget-window-s may number at most this share of the requests
+    received then..."""
+    retry_budget_min: int = 10
+    """...plus this many (so that a quiet router may still retry)."""
+    retry_budget_window_s: float = 10.0
+    """The window of the retry budget, in seconds."""
     ssl_certfile: Optional[str] = None
     """Serve HTTPS with this certificate (PEM; with --ssl-keyfile)."""
     ssl_keyfile: Optional[str] = None

@@ -61,6 +61,7 @@ from splitserve.router.legs import describe_error
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import CacheKnobs, Policy, make_policy
 from splitserve.router.proxy import ENDPOINTS, ROOM_BITS, forward
+from splitserve.router.retry import RetryBudget
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
 from splitserve.server.openai_protocol import error_body
 from splitserve.tls import client_context, server_context
@@ -87,6 +88,8 @@ class RouterState:
         self.registry = registry
         self.metrics = RouterMetrics(registry, self.workers)
         self.recent = debug.RecentRequests()
+        self.retry_budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min,
+                                        config.retry_budget_window_s)
         self.session: Optional[aiohttp.ClientSession] = None  # set at startup (needs the running loop)
         self.checker: Optional[HealthChecker] = None  # likewise
         self.discovery = Discovery(self, registry)  # started at startup when --discovery is given
@@ -96,11 +99,16 @@ class RouterState:
         self.new_room = functools.partial(secrets.randbits, ROOM_BITS)
         """Draws each request's ``bootstrap_room`` (the simulator draws from its seed)."""
 
-    def pick_workers(self, key: str = "") -> Union[tuple[Worker, Worker], str]:
+    def can_pick(self, exclude: Optional[dict] = None) -> bool:
+        """Whether :meth:`pick_workers` would find a pair with ``exclude``."""
+        return self.workers.has_pair(exclude)
+
+    def pick_workers(self, key: str = "", exclude: Optional[dict] = None) -> Union[tuple[Worker, Worker], str]:
         """A (prefill, decode) pair by the policy among healthy workers (each role chosen on its
         own, among those that pair: ``WorkerSet.pick_pair``), for a request whose routing key is
-        ``key``; or why there is none."""
-        return self.workers.pick_pair(self.policies, key)
+        ``key``, but none in ``exclude`` (role -> the workers that failed the request being
+        retried); or why there is none."""
+        return self.workers.pick_pair(self.policies, key, exclude)
 
     def spawn(self, coro) -> asyncio.Task:
         """Run ``coro`` in the background, owned by the app (cancelled at cleanup)."""
@@ -129,6 +137,10 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     for name in ("cache_block_chars", "cache_balance_rel", "cache_index_blocks"):
         if not getattr(config, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
+    if config.max_retries < 0 or config.retry_budget_ratio < 0 or config.retry_budget_min < 0:
+        raise ValueError("--max-retries, --retry-budget-ratio and --retry-budget-min must be at least 0")
+    if not config.retry_budget_window_s > 0:
+        raise ValueError(f"--retry-budget-window-s must be positive, not {config.retry_budget_window_s}")
     if not 0 <= config.cache_threshold <= 1 or config.cache_balance_abs < 0:
         raise ValueError("--cache-threshold must be in [0, 1] and --cache-balance-abs at least 0")
     registry = registry or Registry()

@@ -8,7 +8,9 @@
   :data:`RECENT_REQUESTS` ended ones) with the pair of workers it chose; it asks both for their
   timeline of ``rid`` (``/debug/requests/{rid}`` on a worker) at once, each within
   :data:`ASK_TIMEOUT_S`, and joins them: the router's record, each worker's answer, and every
-  step of both in the order of their wall-clock times. A request the router does not remember
+  step of both in the order of their wall-clock times. A request tried again (``retry.py``) has
+  one attempt per room in its record, each with its pair and the id its workers know it by
+  (``proxy.attempt_rid``); every attempt's pair is asked. A request the router does not remember
   is asked of every worker.
 """
 
@@ -43,9 +45,25 @@ class RecentRequests:
         self._entries.pop(rid, None)
         self._entries[rid] = {"rid": rid, "room": room, "endpoint": endpoint, "prefill": prefill, "decode": decode,
                               "arrived": round(time.time() - (time.monotonic() - started), 6), "live": True,
-                              "outcome": None, "status": None, "seconds": None, "ttft_s": None}
+                              "outcome": None, "status": None, "seconds": None, "ttft_s": None,
+                              "attempts": [{"room": room, "rid": rid, "prefill": prefill, "decode": decode,
+                                            "failed": None}]}
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
+
+    def retried(self, rid: str, role: str, cause: str) -> None:
+        """The last attempt's ``role`` leg failed for ``cause`` and the request is tried again."""
+        entry = self._entries.get(rid)
+        if entry is not None:
+            entry["attempts"][-1]["failed"] = f"{role}: {cause}"
+
+    def attempt(self, rid: str, room: int, worker_rid: str, prefill: str, decode: str) -> None:
+        """A new attempt (a retry) of request ``rid``: its room, the id its workers know it by, its pair."""
+        entry = self._entries.get(rid)
+        if entry is not None:
+            entry.update(room=room, prefill=prefill, decode=decode)
+            entry["attempts"].append({"room": room, "rid": worker_rid, "prefill": prefill, "decode": decode,
+                                      "failed": None})
 
     def end(self, rid: str, outcome: str, status: int, seconds: float, ttft: Optional[float]) -> None:
         entry = self._entries.get(rid)
@@ -72,11 +90,13 @@ async def workers(state) -> web.Response:
 
 async def request_timelines(state, rid: str) -> web.Response:
     entry = state.recent.get(rid)
-    if entry is not None:
-        targets = [w for w in state.workers.all() if w.url in (entry["prefill"], entry["decode"])]
+    if entry is not None:  # each attempt's pair, asked for the id that attempt had there
+        by_url = {w.url: w for w in state.workers.all()}
+        targets = [(by_url[url], a["rid"]) for a in entry["attempts"] for url in (a["prefill"], a["decode"])
+                   if url in by_url]
     else:
-        targets = state.workers.all()
-    answers = await asyncio.gather(*(_ask(state.session, w, rid) for w in targets))
+        targets = [(w, rid) for w in state.workers.all()]
+    answers = await asyncio.gather(*(_ask(state.session, w, worker_rid) for w, worker_rid in targets))
     found = [a for a in answers if a.get("timeline") is not None]
     if entry is None and not found:
         message = f"request {rid!r} is neither live nor among the recently ended ones on the router or its workers"
@@ -87,7 +107,7 @@ async def request_timelines(state, rid: str) -> web.Response:
 
 
 async def _ask(session: aiohttp.ClientSession, w: Worker, rid: str) -> dict:
-    answer = {"role": w.role, "url": w.url, "timeline": None, "error": None}
+    answer = {"role": w.role, "url": w.url, "rid": rid, "timeline": None, "error": None}
     try:
         async with session.get(f"{w.url}/debug/requests/{quote(rid, safe='')}",
                                timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as resp:

@@ -10,6 +10,8 @@
   client did not send its body within ``client_body_timeout_s``, 408, or stopped reading for
   ``client_write_timeout_s``), ``timeout`` (``request_timeout_s`` passed), ``internal`` (a bug).
   A client that had gone before the answer — whatever it was — reached it counts as leaving.
+- ``retries_total{role,cause}``: legs tried again on another worker (``retry.CAUSES``), and
+  ``retries_denied_total{reason}``: failed legs that qualified and were not (``retry.DENIALS``).
 - ``requests_in_flight``: generation requests now inside the router.
 - ``request_seconds{outcome}``: end-to-end latency, from receipt to the end of the answer.
 - ``time_to_first_token_seconds{endpoint}`` and ``inter_token_latency_seconds{endpoint}``: what a
@@ -27,6 +29,7 @@ import time
 from typing import Optional
 
 from splitserve.metrics import Registry
+from splitserve.router.retry import CAUSES, DENIALS
 from splitserve.router.workers import WorkerSet
 
 OUTCOMES = ("finished", "bad_request", "no_workers", "prefill_failed", "decode_failed", "client_disconnect",
@@ -99,6 +102,17 @@ class RouterMetrics:
         self.itl = registry.histogram("splitserve_router_inter_token_latency_seconds",
                                       "Streaming: time between two consecutive events with generated tokens passed "
                                       "to the client.", ["endpoint"], buckets=ITL_BUCKETS)
+        self.retries = registry.counter("splitserve_router_retries_total",
+                                        "Legs tried again on another worker of their role, with a new room, by the "
+                                        "role and why the leg failed.", ["role", "cause"])
+        self.retries_denied = registry.counter("splitserve_router_retries_denied_total",
+                                               "Failed legs that could have been tried again and were not, by why "
+                                               "not.", ["reason"])
+        for role in ("prefill", "decode"):
+            for cause in CAUSES:
+                self.retries.labels(role=role, cause=cause)
+        for reason in DENIALS:
+            self.retries_denied.labels(reason=reason)
         registry.derived_gauge("splitserve_router_worker_healthy", "1 if the worker is in rotation, else 0.",
                                ["role", "url"],
                                read=lambda: {(w.role, w.url): int(w.healthy) for w in workers.all()})

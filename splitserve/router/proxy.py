@@ -50,6 +50,12 @@ The bounds (options of ``splitserve router``; ``docs/router.md`` has the table a
 body), ``worker_connect_timeout_s`` and, streaming, ``worker_header_timeout_s`` per leg (504),
 ``client_write_timeout_s`` per write to the client, ``request_timeout_s`` end to end (504).
 
+Before anything reached the client, a leg that failed because its worker did not take the request
+(unreachable, gone, 503, 429: ``retry.py``) ends this exchange and :func:`forward` starts a new one,
+with a new room and both legs new, on another worker of that role (:class:`RetryGate`: at most
+``max_retries``, within the deadline and the retry budget). The exchange asks the gate at the
+failure, so that a request that will not be tried again gets the answer it would have got anyway.
+
 Time is the event loop's (``loop.time()``, the monotonic clock), and rooms come from the state's
 ``new_room``: so the same code runs on the simulator's virtual-time loop (``splitserve/sim/``).
 """
@@ -61,12 +67,13 @@ import contextlib
 import json
 import logging
 import uuid
-from typing import Optional
+from typing import Callable, Optional
 
 import aiohttp
 from aiohttp import web
 
 from splitserve.engine.io import InvalidRequest
+from splitserve.router import retry
 from splitserve.router.client import ClientLost, ClientWriter, read_body, send
 from splitserve.router.legs import Leg, NoHeaders, describe_error
 from splitserve.router.metrics import TokenTimes
@@ -94,8 +101,10 @@ class Exchange:
     """The two legs of one request and the answer built from them (:meth:`run`)."""
 
     def __init__(self, state, request: web.Request, body: dict, stream: bool, prefill: Worker, decode: Worker,
-                 room: int, deadline: float, rid: str = "", started: Optional[float] = None):
+                 room: int, deadline: float, rid: str = "", started: Optional[float] = None,
+                 retry_gate: Optional[Callable[[str, Worker, str], bool]] = None):
         self.state = state
+        self.retry_gate = retry_gate
         self.config = state.config
         self.request = request
         self.body = body
@@ -113,6 +122,10 @@ class Exchange:
         self.client = ClientWriter(request, self.config.client_write_timeout_s)
         self.response: Optional[web.StreamResponse] = None  # the client's response, once prepared
         self.decode_stream: Optional[DecodeStream] = None  # decode's SSE body, once its headers came (streaming)
+        self.retry: Optional[tuple[str, Worker, str]] = None
+        """(role, worker, cause) when a leg failed before anything reached the client in a way that
+        another worker of its role may be tried for (``retry.cause``) and ``retry_gate`` (the
+        caller's rules: attempts, budget, deadline) let it: the answer returned is then not sent."""
 
     @staticmethod
     def clock() -> float:
@@ -198,12 +211,23 @@ class Exchange:
     async def _prefill_failed(self) -> web.Response:
         self.decode.abort()  # at once: the decode worker must not wait for KV that will not come
         self.outcome = "prefill_failed"
+        self._may_retry(self.prefill, PREFILL)
         return await self._leg_error(self.prefill, PREFILL)
 
     async def _decode_failed(self) -> web.Response:
         self.prefill.abort()  # nobody will come for its KV
         self.outcome = "decode_failed"
+        self._may_retry(self.decode, DECODE)
         return await self._leg_error(self.decode, DECODE)
+
+    def _may_retry(self, leg: Leg, role: str, error: Optional[BaseException] = None) -> None:
+        """``leg`` failed: is the request to be tried again (:attr:`retry`)? Only if it failed in a
+        way another worker may be tried for, before the client's answer began, and the gate agrees."""
+        error = error if error is not None else leg.error
+        why = retry.cause(error, None if error is not None else leg.response.status)
+        if why is not None and self.response is None and self.retry_gate is not None \
+                and self.retry_gate(role, leg.worker, why):
+            self.retry = (role, leg.worker, why)
 
     async def _leg_error(self, leg: Leg, role: str) -> web.Response:
         exc = leg.error
@@ -252,7 +276,9 @@ class Exchange:
         except asyncio.TimeoutError:
             raise Deadline() from None
         except aiohttp.ClientError as exc:
+            self.prefill.abort()
             self.outcome, self.status = "decode_failed", 502
+            self._may_retry(self.decode, DECODE, exc)
             message = f"the decode worker {self.decode.worker.url} broke off its answer: {describe_error(exc)}"
             return web.json_response(error_body(message, 502, code="worker_unreachable"), status=502)
         self.decode.release()
@@ -264,6 +290,14 @@ class Exchange:
         if self.decode_stream is None:
             self.decode_stream = DecodeStream(resp, self._wait)
         decode_in = self.decode_stream
+        if decode_in.broke is not None:  # before anything reached the client: another decode may take it
+            self._may_retry(self.decode, DECODE, decode_in.broke)
+            if self.retry is not None:
+                self.prefill.abort()
+                self.outcome, self.status = "decode_failed", 502
+                message = f"the decode worker {self.decode.worker.url} broke off its stream: " \
+                          f"{describe_error(decode_in.broke)}"
+                return web.json_response(error_body(message, 502, code="worker_unreachable"), status=502)
         if decode_in.failed:
             self.prefill.abort()  # decode decided first, and failed: nobody will come for prefill's KV
         elif not self.prefill_handed_off:
@@ -322,6 +356,73 @@ class Exchange:
                 self.prefill.abort()
 
 
+def attempt_rid(rid: str, attempt: int) -> str:
+    """The request id a worker gets for attempt ``attempt`` (0 first) of request ``rid``: ``rid``
+    itself, then ``rid~N`` (cut to 256 characters): a worker may still hold the id of an attempt
+    that was closed a moment ago, and would refuse the same id again while it does."""
+    if attempt == 0:
+        return rid
+    suffix = f"~{attempt}"
+    return rid[:256 - len(suffix)] + suffix
+
+
+def _fresh_room(state, used: list[int]) -> int:
+    """A room drawn for this request's next attempt, never one of its earlier attempts'."""
+    while True:
+        room = state.new_room()
+        if room not in used:
+            return room
+
+
+class RetryGate:
+    """Whether a request whose leg just failed is tried again as retry number ``n`` (from 1), and
+    then the pair it goes to (``retry.py``, ``docs/router.md``). ``failed``: role -> the workers
+    that failed this request so far (the next attempt goes to none of them)."""
+
+    def __init__(self, state, n: int, failed: dict, deadline: float, rid: str):
+        self.state, self.n, self.failed, self.deadline, self.rid = state, n, failed, deadline, rid
+        self.delay = 0.0
+        self.role: Optional[str] = None
+
+    def __call__(self, role: str, worker: Worker, why: str) -> bool:
+        """A leg of ``role`` on ``worker`` failed for ``why`` (``retry.CAUSES``): may it be tried
+        again? Counted either way; a yes takes one retry from the budget."""
+        state, metrics = self.state, self.state.metrics
+        now = asyncio.get_running_loop().time()
+        self.failed[role].add(worker)
+        if self.n > state.config.max_retries:
+            denied = "max_retries"
+        elif not state.can_pick(self.failed):
+            denied = "no_other_worker"
+        else:
+            self.delay = retry.backoff(self.n, retry.jitter_unit(state.new_room()))
+            if now + self.delay >= self.deadline:
+                denied = "deadline"
+            elif not state.retry_budget.spend(now):
+                denied = "budget"
+            else:
+                denied = None
+        if denied is not None:
+            metrics.retries_denied.labels(reason=denied).inc()
+            log.info("rid=%s: the %s leg failed (%s); not tried again: %s", self.rid, role, why, denied)
+            return False
+        self.role = role
+        metrics.retries.labels(role=role, cause=why).inc()
+        state.recent.retried(self.rid, role, why)
+        return True
+
+    async def next_pair(self, key: str) -> Optional[tuple[Worker, Worker]]:
+        """After the backoff, the pair for the retry (None if no other worker is in rotation by then)."""
+        await asyncio.sleep(self.delay)
+        if not self.state.can_pick(self.failed):
+            self.state.metrics.retries_denied.labels(reason="no_other_worker").inc()
+            return None
+        prefill, decode = self.state.pick_workers(key, exclude=self.failed)
+        log.info("rid=%s: retry %d (the %s leg failed) on prefill=%s decode=%s", self.rid, self.n, self.role,
+                 prefill.url, decode.url)
+        return prefill, decode
+
+
 def _pass_headers(resp: aiohttp.ClientResponse) -> dict:
     return {k: resp.headers[k] for k in PASS_HEADERS if k in resp.headers}
 
@@ -370,22 +471,41 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
             outcome = await send(request, response, config.client_write_timeout_s) or outcome
             return response
         prefill, decode = picked
-        room = state.new_room()
-        legs = f" prefill={prefill.url} decode={decode.url}"
-        body.update(bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
-        if endpoint == "generate":  # SGLang's field; the OpenAI routes carry it as X-Request-Id
-            body["rid"] = rid
         request[REQUEST_ID] = rid  # echoed to the client (app.py)
-        state.recent.start(rid, room, endpoint, prefill.url, decode.url, started)
-        exchange = Exchange(state, request, body, validated.stream, prefill, decode, room,
-                            started + config.request_timeout_s, rid, started)
-        try:
-            response = await exchange.run()
-        except Exception:  # a bug: the middleware answers 500; count it as what it is
-            exchange.outcome, exchange.status = "internal", 500
-            raise
-        finally:
-            outcome, status = exchange.outcome, exchange.status
+        deadline = started + config.request_timeout_s
+        state.retry_budget.request(clock())
+        rooms: list[int] = []
+        failed: dict[str, set] = {PREFILL: set(), DECODE: set()}  # workers that failed this request, by role
+        while True:
+            room = _fresh_room(state, rooms)
+            attempt = len(rooms)
+            rooms.append(room)
+            worker_rid = attempt_rid(rid, attempt)
+            legs = f" prefill={prefill.url} decode={decode.url}" + (f" attempt={attempt + 1}" if attempt else "")
+            leg_body = dict(body, bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port,
+                            bootstrap_room=room)
+            if endpoint == "generate":  # SGLang's field; the OpenAI routes carry it as X-Request-Id
+                leg_body["rid"] = worker_rid
+            if attempt == 0:
+                state.recent.start(rid, room, endpoint, prefill.url, decode.url, started)
+            else:
+                state.recent.attempt(rid, room, worker_rid, prefill.url, decode.url)
+            gate = RetryGate(state, attempt + 1, failed, deadline, rid)
+            exchange = Exchange(state, request, leg_body, validated.stream, prefill, decode, room, deadline,
+                                worker_rid, started, gate)
+            try:
+                response = await exchange.run()
+            except Exception:  # a bug: the middleware answers 500; count it as what it is
+                exchange.outcome, exchange.status = "internal", 500
+                raise
+            finally:
+                outcome, status = exchange.outcome, exchange.status
+            if exchange.retry is None:
+                break
+            again = await gate.next_pair(routing_key(validated))
+            if again is None:
+                break
+            prefill, decode = again
         outcome = await send(request, response, config.client_write_timeout_s) or outcome
         return response
     except asyncio.CancelledError:

@@ -196,11 +196,23 @@ class WorkerSet:
                     f"transfer backend: {describe_pairing(self.healthy(PREFILL) + self.healthy(DECODE))}"]
         return "; ".join(gone) or None
 
-    def pick_pair(self, policies: dict, key: str = ""):
+    def candidates(self, role: str, exclude: Optional[dict] = None) -> list[Worker]:
+        """The routable workers of ``role`` but those in ``exclude[role]`` (those that failed the
+        request being retried)."""
+        out = (exclude or {}).get(role, ())
+        return [w for w in self.healthy(role) if w not in out]
+
+    def has_pair(self, exclude: Optional[dict] = None) -> bool:
+        """Whether a routable prefill and decode worker that pair are left, but those in ``exclude``."""
+        decodes = self.candidates(DECODE, exclude)
+        return any(p.pairs_with(d) for p in self.candidates(PREFILL, exclude) for d in decodes)
+
+    def pick_pair(self, policies: dict, key: str = "", exclude: Optional[dict] = None):
         """A (prefill, decode) pair by the role's policies among the routable workers that pair
-        (the prefill first, among those with a decode to pair with; then its decode), for a request
-        whose routing key is ``key``; or why there is none (a string)."""
-        prefills, decodes = self.healthy(PREFILL), self.healthy(DECODE)
+        (the prefill first, among those with a decode to pair with; then its decode), none of them
+        in ``exclude`` (role -> workers), for a request whose routing key is ``key``; or why there
+        is none (a string)."""
+        prefills, decodes = self.candidates(PREFILL, exclude), self.candidates(DECODE, exclude)
         for role, workers in ((PREFILL, prefills), (DECODE, decodes)):
             if not workers:
                 return f"no healthy {role} worker: {describe_all(self.of_role(role))}"

@@ -1,0 +1,230 @@
+"""Retries before the commit (``splitserve/router/retry.py``, ``docs/router.md``), through the
+real router process:
+
+- among two workers of each role, a refusing (503) prefill and a dead (connection refused) one
+  of each role beside a real prefill and a real decode worker: every request succeeds, each
+  attempt had a room of its own (the workers' own timelines and the fakes' records say which),
+  counted by cause;
+- a 429 is tried again only on another worker, never on the one that shed the load; with no
+  other worker the client gets the 429;
+- the retry budget: once spent, the failure reaches the client (counted as denied by budget);
+- a decode stream that breaks before anything reached the client is tried again; one that
+  breaks after the first byte is not.
+
+The fakes are ``test_router``'s (real sockets in a thread of this process); a "dead" worker is a
+fake that the router saw healthy and that then stopped listening (the router's health checks
+are slowed so that it stays in rotation, as a worker killed between two checks does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import requests
+from aiohttp import web
+
+from cluster import Cluster, RouterProcess
+from test_router import COMPLETION, MODEL, FakeWorker, assert_openai_error, reply, sse, sse_events, wait_for
+from test_router import fake_loop, fakes, start_router  # noqa: F401 (fixtures)
+
+SLOW_HEALTH = ("--health-interval-s", "600")  # a worker that dies stays in rotation for the test
+
+
+def retries(router: RouterProcess) -> dict:
+    m = router.metrics()
+    return {dict(labels)["role"] + ":" + dict(labels)["cause"]: v for (name, labels), v in m.items()
+            if name == "splitserve_router_retries_total" and v}
+
+
+def denied(router: RouterProcess) -> dict:
+    m = router.metrics()
+    return {dict(labels)["reason"]: v for (name, labels), v in m.items()
+            if name == "splitserve_router_retries_denied_total" and v}
+
+
+def record(router: RouterProcess, rid: str) -> dict:
+    resp = requests.get(f"{router.url}/debug/requests/{rid}", timeout=10)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def dead(fakes) -> FakeWorker:
+    """A fake the router will see healthy at its start; :func:`kill` then closes its port."""
+    return fakes(reply(200, {"who": "dead"}))
+
+
+def kill(*workers: FakeWorker) -> None:
+    for w in workers:
+        w.stop_listening()
+
+
+@pytest.fixture(scope="module")
+def real_pair():
+    with Cluster(prefill=1, decode=1, router=False) as c:
+        yield c
+
+
+DRAINING = {"error": {"message": "draining", "type": "x", "param": None, "code": "draining"}}
+
+
+def ask(router: RouterProcess, rids: list[str]) -> None:
+    """One completion per rid (every other one streamed): each a whole answer of 4 tokens."""
+    for i, rid in enumerate(rids):
+        body = {"prompt": "a b c d", "max_tokens": 4, "temperature": 0, "stream": i % 2 == 1}
+        resp = requests.post(router.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=60)
+        assert resp.status_code == 200, resp.text + router.output()
+        if body["stream"]:
+            events = sse_events(resp)
+            assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1]), events
+        else:
+            assert resp.json()["usage"]["completion_tokens"] == 4, resp.text
+        assert resp.headers["X-Request-Id"] == rid
+
+
+def check_attempts(router: RouterProcess, rids: list[str], prefill, decode) -> list[int]:
+    """Each request's attempts, from the router's record: a room each, never one twice; all but
+    the last failed; the last on the real pair, which knew the request by that attempt's id and
+    room only (their own timelines). Every room of every request."""
+    every_room: list[int] = []
+    for rid in rids:
+        entry = record(router, rid)
+        attempts = entry["router"]["attempts"]
+        rooms = [a["room"] for a in attempts]
+        every_room += rooms
+        assert all(a["failed"] for a in attempts[:-1]) and attempts[-1]["failed"] is None, attempts
+        last = attempts[-1]
+        assert (last["prefill"], last["decode"]) == (prefill.url, decode.url), attempts
+        timelines = {a["url"]: a["timeline"] for a in entry["workers"] if a["timeline"] is not None}
+        assert {timelines[prefill.url]["room"], timelines[decode.url]["room"]} == {last["room"]}, entry
+        assert timelines[decode.url]["rid"] == last["rid"] and timelines[prefill.url]["rid"] == last["rid"]
+    assert len(set(every_room)) == len(every_room), every_room
+    return every_room
+
+
+def test_a_refusing_or_dead_worker_is_replaced_with_a_fresh_room(real_pair, fakes, start_router):
+    refusing = fakes(reply(503, DRAINING))
+    dead_prefill, dead_decode = dead(fakes), dead(fakes)
+    (prefill,), (decode,) = real_pair.prefill, real_pair.decode
+    routers = [start_router([(refusing.url, 1), (dead_prefill.url, 1), (prefill.url, prefill.bootstrap_port)],
+                            [decode.url], *SLOW_HEALTH),
+               start_router([(prefill.url, prefill.bootstrap_port)], [dead_decode.url, decode.url], *SLOW_HEALTH)]
+    kill(dead_prefill, dead_decode)  # each router checked every worker healthy before it listened
+
+    by_prefill, by_decode = routers
+    rids = [f"p-{i}" for i in range(3)]
+    ask(by_prefill, rids)  # round robin: the refusing one, the dead one, the real one in turn
+    rooms = check_attempts(by_prefill, rids, prefill, decode)
+    assert refusing.requests and not set(refusing.rooms()) - set(rooms)
+    counted = retries(by_prefill)
+    assert counted["prefill:unavailable"] == len(refusing.requests) and counted["prefill:unreachable"] >= 1, counted
+    assert sum(counted.values()) == len(rooms) - len(rids)
+
+    rids = [f"d-{i}" for i in range(2)]
+    rooms = check_attempts(by_decode, rids, prefill, decode) if ask(by_decode, rids) is None else []
+    counted = retries(by_decode)
+    assert set(counted) == {"decode:unreachable"} and counted["decode:unreachable"] == len(rooms) - len(rids)
+    assert by_prefill.metric("splitserve_router_requests_total", outcome="finished") == 3
+    assert by_decode.metric("splitserve_router_requests_total", outcome="finished") == 2
+    real_pair.assert_no_leaks()
+
+
+def test_a_429_is_tried_again_only_on_another_worker(fakes, start_router):
+    shedding = fakes(reply(429, {"error": {"message": "full", "type": "x", "param": None, "code": "overloaded"}},
+                           headers={"Retry-After": "1"}))
+    other, decode = fakes(reply(200, {"who": "prefill"})), fakes(reply(200, {"who": "decode"}))
+    router = start_router([(shedding.url, 1), (other.url, 2)], [decode.url], "--policy", "round_robin")
+    wait_for(lambda: requests.get(router.url + "/health", timeout=2).status_code == 200, 30, "the router's pair")
+    for i in range(4):
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}, "rid": f"shed-{i}"}
+        resp = requests.post(router.url + "/generate", json=body, timeout=30)
+        assert resp.status_code == 200 and resp.json() == {"who": "decode"}, resp.text
+    # each request met the shedding worker at most once, and was then served by the other one
+    shed = [body["rid"] for _, body in shedding.requests]
+    assert shed and len(shed) == len({rid.split("~")[0] for rid in shed}), shed
+    assert sorted(body["rid"].split("~")[0] for _, body in other.requests) == [f"shed-{i}" for i in range(4)]
+    assert retries(router) == {"prefill:overloaded": len(shed)}
+    rooms = shedding.rooms() + other.rooms()
+    assert len(set(rooms)) == len(rooms)
+    assert len({body["bootstrap_room"] for _, body in decode.requests}) == len(rooms)
+
+    alone = start_router([(shedding.url, 1)], [decode.url])
+    wait_for(lambda: requests.get(alone.url + "/health", timeout=2).status_code == 200, 30, "the router's pair")
+    resp = requests.post(alone.url + "/v1/completions", json={"model": MODEL, **COMPLETION}, timeout=30)
+    assert_openai_error(resp, 429)
+    assert resp.headers.get("Retry-After") == "1"
+    assert len(shedding.requests) == len(shed) + 1  # once, not again
+    assert denied(alone) == {"no_other_worker": 1}
+
+
+def test_a_spent_retry_budget_lets_the_failure_through(fakes, start_router):
+    refusing = fakes(reply(503, DRAINING))
+    ok, decode = fakes(reply(200, {"who": "prefill"})), fakes(reply(200, {"who": "decode"}))
+    router = start_router([(refusing.url, 1), (ok.url, 2)], [decode.url], "--retry-budget-min", "1",
+                          "--retry-budget-ratio", "0")
+    wait_for(lambda: requests.get(router.url + "/health", timeout=2).status_code == 200, 30, "the router's pair")
+    url = router.url + "/v1/completions"
+    statuses = [requests.post(url, json={"model": MODEL, **COMPLETION}, timeout=30).status_code for _ in range(3)]
+    # the first refusal was tried again on the other prefill (the budget's one retry); every later
+    # one reached the client as the refusal it was
+    assert statuses[0] == 200 and 503 in statuses, statuses
+    assert retries(router) == {"prefill:unavailable": 1}
+    assert denied(router) == {"budget": statuses.count(503)}
+    assert router.metric("splitserve_router_requests_total", outcome="prefill_failed") == statuses.count(503)
+
+
+def broken_stream(events: list[dict], wait: float = 0.0):
+    """Decode's SSE headers and ``events``, then after ``wait`` seconds the connection closed
+    without ``[DONE]``."""
+    async def behaviour(fake, request, _body):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+        await resp.prepare(request)
+        for event in events:
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        await asyncio.sleep(wait)
+        request.transport.close()
+        return resp
+    return behaviour
+
+
+def slow_headers(seconds: float):
+    """Prefill: its SSE headers (it accepted) after ``seconds``, then the end."""
+    async def behaviour(fake, request, _body):
+        await asyncio.sleep(seconds)
+        return await sse([])(fake, request, _body)
+    return behaviour
+
+
+TOKEN = {"choices": [{"index": 0, "text": "tok", "finish_reason": None}]}
+
+
+def test_a_decode_stream_broken_before_the_commit_is_tried_again_never_after(fakes, start_router):
+    # prefill accepts after 1 s, decode breaks at once: nothing reached the client yet
+    prefill = fakes(slow_headers(1.0))
+    gone, good = fakes(broken_stream([])), fakes(sse([TOKEN, TOKEN]))
+    router = start_router([(prefill.url, 1)], [gone.url, good.url])
+    wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30,
+             "both decode workers up")
+    body = {"model": MODEL, **COMPLETION, "stream": True}
+    with requests.post(router.url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
+        assert resp.status_code == 200
+        events = sse_events(resp)
+    assert events == [TOKEN, TOKEN, "[DONE]"], events
+    assert len(gone.requests) == 1 and len(good.requests) == 1
+    assert len(prefill.requests) == 2 and len(set(prefill.rooms())) == 2
+    assert retries(router) == {"decode:gone": 1}
+
+    # prefill accepts at once, decode sends a token and breaks 1 s later: the token reached the
+    # client, so the break is its answer's end (an error event), and no other worker is asked
+    late = fakes(broken_stream([TOKEN], wait=1.0))
+    router2 = start_router([(fakes(sse([])).url, 1)], [late.url, good.url])
+    wait_for(lambda: router2.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30,
+             "both decode workers up")
+    with requests.post(router2.url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
+        events = sse_events(resp)
+    assert events[0] == TOKEN and "error" in events[1] and events[-1] == "[DONE]", events
+    assert len(late.requests) == 1 and len(good.requests) == 1  # the good one was not asked again
+    assert retries(router2) == {}
+    assert router2.metric("splitserve_router_requests_total", outcome="decode_failed") == 1
+
