@@ -47,6 +47,7 @@ import time
 import urllib.error
 import urllib.request
 import secrets
+import shutil
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Optional, Sequence, TextIO
 
@@ -112,6 +113,12 @@ class LaunchConfig:
     cluster_secret_file: Optional[str] = None
     """The workers' --cluster-secret-file (their control plane authenticated and encrypted);
     unset: launch draws a fresh secret into a private temporary file for this run."""
+    discovery: Optional[str] = None
+    """etcd://HOST:PORT/PREFIX: the workers register in that etcd and the router finds them there
+    (it gets no static list), so workers on other hosts registered there join too; local: launch
+    starts an etcd on free loopback ports with a temporary data dir (etcd must be on PATH:
+    Debian's etcd-server) and uses it. Unkeyed, launch's decode workers still dial only launch's
+    prefills (--allowed-prefill); with --api-key they take whatever address the router names."""
 
 
 @dataclass(frozen=True)
@@ -187,12 +194,14 @@ def _warn(text: str) -> None:
 
 def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Optional[Sequence[int]] = None,
                 warn: Callable[[str], None] = _warn, cores_of: CoresOf = cpu_cores,
-                environ: Optional[Mapping[str, str]] = None, secret_file: Optional[str] = None) -> list[ChildSpec]:
+                environ: Optional[Mapping[str, str]] = None, secret_file: Optional[str] = None,
+                etcd_data: Optional[str] = None) -> list[ChildSpec]:
     """The workers, then the router, as ``python -m splitserve.cli`` command lines. ``allowed``:
     the CPUs to split between the workers (default: launch's own), ``cores_of`` how they group
     into physical cores (default: the kernel's topology); ``warn`` gets the warnings; ``environ``:
     where ``$SPLITSERVE_API_KEY`` is read (default: ours); ``secret_file``: the workers'
-    ``--cluster-secret-file`` (default ``config.cluster_secret_file``; none without either)."""
+    ``--cluster-secret-file`` (default ``config.cluster_secret_file``; none without either);
+    ``etcd_data``: the data dir of the etcd ``--discovery local`` starts (default a new temporary one)."""
     if config.num_prefill < 1 or config.num_decode < 1:
         raise ValueError("launch needs at least one prefill and one decode worker")
     if config.transfer_backend is not None and config.transfer_backend not in TRANSFER_BACKENDS:
@@ -219,13 +228,29 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     worker_env = {API_KEY_ENV: "", WORKER_API_KEY_ENV: worker_key or "", ADMIN_API_KEY_ENV: admin_key or "",
                   METRICS_API_KEY_ENV: ""}
     router_env = {**worker_env, API_KEY_ENV: client_key or ""}
-    ports = free_ports(2 * config.num_prefill + config.num_decode, avoid=(config.port,))
+    local_etcd = config.discovery == "local"
+    if local_etcd and shutil.which("etcd") is None:
+        raise ValueError("--discovery local starts an etcd, and etcd is not on PATH (apt-get install etcd-server)")
+    if config.discovery is not None and not local_etcd:
+        from splitserve.discovery.etcd import parse_target
+
+        parse_target(config.discovery)
+    ports = free_ports(2 * config.num_prefill + config.num_decode + 2 * local_etcd, avoid=(config.port,))
+    specs, discovery = [], config.discovery
+    if local_etcd:
+        client, peer = f"http://127.0.0.1:{ports.pop()}", f"http://127.0.0.1:{ports.pop()}"
+        discovery = f"etcd://{client.removeprefix('http://')}/splitserve"
+        specs.append(ChildSpec("etcd", ("etcd", "--name", "launch", "--data-dir", etcd_data or tempfile.mkdtemp(
+            prefix="splitserve-etcd-"), "--listen-client-urls", client, "--advertise-client-urls", client,
+            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"launch={peer}"),
+            url=client, health_url=client + "/health", note=f"discovery: {discovery}"))
     cli = (python, "-m", "splitserve.cli")
     extra = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
     extra += tuple(shlex.split(config.worker_args))  # the worker refuses what it does not know, at start
     secret_file = secret_file or config.cluster_secret_file
     extra += ("--cluster-secret-file", secret_file) if secret_file else ()  # the path, never the secret
-    specs, router_args, bootstraps = [], [], []
+    extra += ("--discovery", discovery) if discovery else ()
+    router_args, bootstraps = [], []
     for i in range(config.num_prefill):
         port, bootstrap = ports.pop(), ports.pop()
         url = f"http://127.0.0.1:{port}"
@@ -247,6 +272,8 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
                                   "--port", str(port)) + allowed + extra + cpus,
             url=url, health_url=url + "/health", note=where.lstrip("; "), env=worker_env))
         router_args += ["--decode", url]
+    if discovery:  # the router finds every worker in etcd, these and any registered elsewhere
+        router_args = ["--discovery", discovery]
     router_url = _router_url(config)
     specs.append(ChildSpec(
         "router", cli + ("router", "--host", config.host, "--port", str(config.port), "--policy", config.policy,
@@ -505,7 +532,7 @@ def run_launch(config: LaunchConfig) -> int:
                 config = replace(config, admin_api_key_file=admin_file)
                 notes.append(f"the operators' key (admin) is in {admin_file} while launch runs: "
                              f"splitserve top --router {_router_url(config)} --admin-api-key-file {admin_file}")
-            specs = build_specs(config, secret_file=secret_file)
+            specs = build_specs(config, secret_file=secret_file, etcd_data=os.path.join(folder, "etcd"))
         except ValueError as exc:
             print(f"splitserve launch: {exc}", file=sys.stderr, flush=True)
             return 2

@@ -190,6 +190,29 @@ def test_build_specs_command_lines():
         build_specs(LaunchConfig(transfer_backend="carrier-pigeon"))
 
 
+def test_build_specs_with_discovery_registers_the_workers_and_the_router_watches(monkeypatch):
+    """``--discovery URL``: every worker registers there and the router gets no static list;
+    ``--discovery local``: an etcd of launch's own comes first, on free ports, and is that URL."""
+    given = build_specs(LaunchConfig(discovery="etcd://10.0.0.2:2379/p", split_cpus=False), python="py")
+    for spec in given[:-1]:
+        assert spec.argv[spec.argv.index("--discovery") + 1] == "etcd://10.0.0.2:2379/p"
+    router = given[-1].argv
+    assert router[router.index("--discovery") + 1] == "etcd://10.0.0.2:2379/p"
+    assert "--prefill" not in router and "--decode" not in router
+    with pytest.raises(ValueError, match="etcd://HOST:PORT/PREFIX"):
+        build_specs(LaunchConfig(discovery="http://10.0.0.2:2379"), python="py")
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/etcd")
+    local = build_specs(LaunchConfig(discovery="local", split_cpus=False), python="py", etcd_data="/tmp/d")
+    assert [s.name for s in local] == ["etcd", "prefill-0", "decode-0", "router"]
+    etcd = local[0]
+    url = f"etcd://{etcd.url.removeprefix('http://')}/splitserve"
+    assert etcd.argv[0] == "etcd" and "/tmp/d" in etcd.argv and etcd.health_url == etcd.url + "/health"
+    assert all(s.argv[s.argv.index("--discovery") + 1] == url for s in local[1:])
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    with pytest.raises(ValueError, match="not on PATH"):
+        build_specs(LaunchConfig(discovery="local", split_cpus=False), python="py")
+
+
 def test_build_specs_hands_keys_over_in_the_environment_never_the_command_line(tmp_path):
     key_file = tmp_path / "key"
     key_file.write_text("the-clients-key\n")
