@@ -249,3 +249,95 @@ def test_split_logprobs_equal_colocated(pd, colocated, tokenizer, stream):
     assert len(ours) == 6
     _same(ours, theirs)
     assert all(math.isfinite(item["logprob"]) and len(item["top_logprobs"]) == 5 for item in ours)
+
+
+# -- the prompt's logprobs (echo) ----------------------------------------------------------------------
+
+
+def test_engine_prompt_logprobs_are_the_raw_models(tiny_paths):
+    """Computed in chunks of 8 (the step budget), with the prompt's pages already in the prefix
+    cache (bypassed: every prompt position is computed), with max_tokens 0 (the prompt alone)."""
+    from splitserve.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+
+    path = tiny_paths["llama"]
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", quantization="none", max_total_tokens=512,
+                                    max_batch_tokens=8, page_size=4))
+    prompt = tuple(engine.tokenizer.encode(PROMPT + " and the capital of Italy is Rome"))
+    engine.generate([GenerateRequest("warm", prompt, SamplingParams(max_tokens=1, temperature=0))])
+    assert engine.stats().pages_cached > 0
+    ref = _reference_logprobs(path, list(prompt))
+    for max_tokens in (0, 2):
+        out = engine.generate([GenerateRequest(f"p{max_tokens}", prompt, SamplingParams(
+            max_tokens=max_tokens, temperature=0, prompt_logprobs=2, logprobs=2))])[f"p{max_tokens}"]
+        assert len(out.token_ids) == max_tokens and out.finish_reason == "length"
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for p in range(1, len(prompt)):
+            lp = out.prompt_logprobs[p]
+            assert abs(lp.logprob - ref[p - 1, prompt[p]].item()) < TOL, p
+            assert [v for _, v in lp.top] == pytest.approx(torch.topk(ref[p - 1], 2).values.tolist(), abs=TOL)
+    assert engine.stats().pages_free + engine.stats().pages_cached == engine.stats().pages_total
+
+
+def test_echo_logprobs_through_the_openai_client(colocated, tokenizer):
+    client = _client(colocated.url)
+    ids = tokenizer.encode(PROMPT)
+    path = requests.get(colocated.url + "/get_model_info", timeout=10).json()["model_path"]
+    ref = _reference_logprobs(path, ids)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert choice.text == PROMPT and out.usage.completion_tokens == 0 and choice.finish_reason == "length"
+    lp = choice.logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:] == pytest.approx([ref[p - 1, ids[p]].item() for p in range(1, len(ids))], abs=TOL)
+
+    more = client.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, logprobs=1, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert more.choices[0].text.startswith(tokenizer.decode(ids))
+    assert len(more.choices[0].logprobs.tokens) == len(ids) + 3
+    assert more.choices[0].logprobs.token_logprobs[:len(ids)] == pytest.approx(lp.token_logprobs, abs=SAME)
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, echo=True, temperature=0)
+    assert plain.choices[0].text.startswith(PROMPT) and plain.choices[0].logprobs is None
+
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1,
+                                       temperature=0, extra_body={"ignore_eos": True}, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert chunks[0].text.startswith(PROMPT)
+    streamed = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+    assert streamed == lp.tokens + more.choices[0].logprobs.tokens[len(ids):]
+
+    body = _generate(colocated.url, ids, 0, return_logprob=True, logprob_start_len=2, top_logprobs_num=1)
+    meta = body["meta_info"]
+    assert body["output_ids"] == [] and [e[1] for e in meta["input_token_logprobs"]] == ids[2:]
+    assert [e[0] for e in meta["input_token_logprobs"]] == pytest.approx(lp.token_logprobs[2:], abs=SAME)
+    assert [len(t) for t in meta["input_top_logprobs"]] == [1] * (len(ids) - 2)
+
+
+def test_bad_echo_is_400(colocated):
+    for body, param in [({"prompt": "x", "echo": 1}, "echo"), ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "x", "echo": True, "max_tokens": -1}, "max_tokens")]:
+        r = requests.post(colocated.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = requests.post(colocated.url + "/generate", json={"input_ids": [5, 6], "return_logprob": True,
+                                                         "logprob_start_len": 2}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len", r.text
+
+
+def test_echo_logprobs_on_decode_alone_equal_colocated(pd, colocated):
+    """A decode worker given no bootstrap fields computes the prompt itself: its prompt logprobs
+    are a colocated worker's; a prefill worker refuses them (they run on one worker)."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 2, "temperature": 0}
+
+    def logprobs(url: str) -> dict:
+        r = requests.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]
+
+    ours, theirs = logprobs(pd.decode[0].url), logprobs(colocated.url)
+    assert ours["tokens"] == theirs["tokens"] and ours["token_logprobs"][0] is None
+    assert ours["token_logprobs"][1:] == pytest.approx(theirs["token_logprobs"][1:], abs=SAME)
+    split = {**body, "bootstrap_host": "127.0.0.1", "bootstrap_port": pd.prefill[0].bootstrap_port,
+             "bootstrap_room": 12345}
+    r = requests.post(pd.prefill[0].url + "/v1/completions", json=split, timeout=60)
+    assert r.status_code == 400 and "one worker" in r.json()["error"]["message"], r.text

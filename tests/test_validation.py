@@ -132,7 +132,7 @@ def test_stream_options():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("best_of", 3), ("echo", True), ("suffix", "end"),
+    ("n", 2), ("best_of", 3), ("suffix", "end"),
     ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
 ])
 def test_unsupported_completion_fields_are_named(field, value):
@@ -180,7 +180,23 @@ def test_logprobs_fields_set_the_alternatives():
     assert ok({**chat, "logprobs": False, "top_logprobs": 0}, "chat").sampling.logprobs is None
     gen = ok({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True,
               "logprob_start_len": -1}, "generate")
-    assert gen.sampling.logprobs == 3 and gen.return_text_in_logprobs
+    assert gen.sampling.logprobs == 3 and gen.return_text_in_logprobs and gen.sampling.prompt_logprobs is None
+
+
+def test_echo_and_logprob_start_len_ask_for_the_prompts_logprobs():
+    echo = ok({"prompt": "hi", "echo": True, "logprobs": 2, "max_tokens": 0})
+    assert echo.echo and echo.sampling.prompt_logprobs == 2 and echo.sampling.max_tokens == 0
+    plain = ok({"prompt": "hi", "echo": True})
+    assert plain.echo and plain.sampling.prompt_logprobs is None
+    bad({"prompt": "hi", "max_tokens": 0}, param="max_tokens")
+    bad({"prompt": "hi", "echo": "yes"}, param="echo")
+    gen = ok({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 4,
+              "sampling_params": {"max_new_tokens": 0}}, "generate")
+    assert gen.logprob_start_len == 1 and gen.sampling.prompt_logprobs == 4 and gen.sampling.max_tokens == 0
+    bad({"input_ids": [1, 2, 3], "return_logprob": True, "logprob_start_len": 3}, "generate",
+        param="logprob_start_len")
+    bad({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}}, "generate",
+        param="sampling_params.max_new_tokens")
 
 
 def test_noop_values_of_unsupported_fields_are_accepted():

@@ -89,7 +89,7 @@ class DecodeRole(DisaggRole):
         return stats
 
     def check(self, req: GenerateRequest) -> None:
-        self.engine.check_fits(req)  # without bootstrap fields: served alone
+        self.engine.check_fits(req, split=req.bootstrap is not None)  # without bootstrap fields: served alone
 
     def admit(self, req: GenerateRequest) -> list[RequestOutput]:
         if req.bootstrap is None:
@@ -211,8 +211,8 @@ class DecodeRole(DisaggRole):
                 queue.popleft()
                 continue
             prompt = rec.req.prompt_ids
-            cached = allocator.match(page_keys(prompt, page_size, (len(prompt) - 1) // page_size,
-                                               rec.req.cache_salt)) if allocator.cache_enabled else []
+            cached = allocator.match(page_keys(prompt, page_size, (len(prompt) - 1) // page_size, rec.req.cache_salt)) \
+                if allocator.cache_enabled and rec.req.sampling.prompt_logprobs is None else []  # those compute all
             if not allocator.can_allocate(rec.want_pages - len(cached)):
                 allocator.free(cached)  # taken again when the room's turn comes
                 return  # first come, first served

@@ -127,9 +127,12 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def check_fits(self, req: GenerateRequest, prompt_only: bool = False) -> None:
-        """Refuse a request that could never run: more KV than the whole pool. ``prompt_only``: a
+    def check_fits(self, req: GenerateRequest, prompt_only: bool = False, split: Optional[bool] = None) -> None:
+        """Refuse a request that could never run: more KV than the whole pool, or on a split
+        (``split``; a prefill worker's always is) what must run on one worker. ``prompt_only``: a
         prefill worker holds the prompt's KV only."""
+        if prompt_only if split is None else split:
+            self._one_worker_only(req)
         pool = self.layout.total_tokens
         if prompt_only and len(req.prompt_ids) > pool:
             raise InvalidRequest(f"the prompt ({len(req.prompt_ids)} tokens) needs more KV cache than this "
@@ -143,6 +146,8 @@ class LLMEngine:
     def add_request(self, req: GenerateRequest, prefill_only: bool = False) -> Sequence:
         """Queue a request. ``prefill_only`` (prefill worker): run the prompt, sample the first
         token, then hold the sequence and its pages for the transfer (``StepReport.first_tokens``)."""
+        if prefill_only:
+            self._one_worker_only(req)
         seq = self._new_sequence(req, room_owned=prefill_only, prefill_only=prefill_only)
         seq.prefill_only = prefill_only
         self._seqs[req.rid] = seq
@@ -159,6 +164,7 @@ class LLMEngine:
         outside the vocabulary, logprobs missing or malformed, or too few pages."""
         if not 0 <= first_token < self.spec.vocab_size:
             raise InvalidRequest(f"first token {first_token} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        self._one_worker_only(req)
         first_lp = None
         if req.sampling.logprobs is not None:
             first_lp = TokenLogprob.from_bytes(first_logprobs, req.sampling.logprobs, self.spec.vocab_size)
@@ -189,12 +195,23 @@ class LLMEngine:
         pages belong to ``room``. Raises InvalidRequest (changing nothing) for too few pages."""
         if len(pages) * self.layout.page_size < len(req.prompt_ids):
             raise InvalidRequest(f"{len(pages)} pages cannot hold a prompt of {len(req.prompt_ids)} tokens")
+        if cached_pages and req.sampling.prompt_logprobs is not None:
+            raise InvalidRequest("the prompt's logprobs need every prompt token computed, none from the cache")
         seq = self._new_sequence(req, room_owned=True, room=room)
         seq.pages, seq.indexed = list(pages), cached_pages
         seq.num_computed = seq.cached_tokens = cached_pages * self.layout.page_size
         self._seqs[req.rid] = seq
         self.scheduler.add(seq)
         return seq
+
+    @staticmethod
+    def _one_worker_only(req: GenerateRequest) -> None:
+        """Refuse on a split what must run on one worker: the prompt's logprobs (prefill's answer
+        never reaches the client) and ``max_tokens`` 0 (prefill always samples a first token)."""
+        if req.sampling.prompt_logprobs is not None:
+            raise InvalidRequest("the prompt's logprobs are computed on one worker, not split", param="echo")
+        if req.sampling.max_tokens == 0:
+            raise InvalidRequest("max_tokens 0 runs on one worker, not split", param="max_tokens")
 
     def _new_sequence(self, req: GenerateRequest, room_owned: bool, prefill_only: bool = False,
                       room: Optional[int] = None) -> Sequence:
@@ -212,6 +229,8 @@ class LLMEngine:
                        room=room if room is not None else
                        req.bootstrap.room if room_owned and req.bootstrap is not None else None)
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop, req.stop_matcher)
+        if req.sampling.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]  # the first token has none
         return seq
 
     def live_sequences(self) -> list[Sequence]:
@@ -274,24 +293,55 @@ class LLMEngine:
         if not batch:
             self.unschedulable_steps += 1
             return report
+        every = [i for i, item in enumerate(batch) if item.seq.wants_prompt_logprobs]
         try:
-            logits = self.runner.run(batch)
+            logits = self.runner.run(batch, every) if every else self.runner.run(batch)
         except Exception as exc:  # a failed forward fails the requests in it, not the worker
             log.exception("forward pass failed; failing %d requests", len(batch))
             ending = Ending(Reason.INTERNAL_ERROR, f"the forward pass failed: {type(exc).__name__}: {exc}")
             report.failed = [(item.seq, out) for item in batch if (out := self.abort(item.seq.rid, ending))]
             return report
-        self._advance(batch, logits, report)
+        self._advance(batch, logits, report, every)
         return report
 
-    def _advance(self, batch: list[ScheduledSeq], logits: torch.Tensor, report: StepReport) -> None:
+    def _prompt_logprobs(self, batch: list[ScheduledSeq], logits: torch.Tensor, every: list[int],
+                         report: StepReport) -> None:
+        """Record the logprobs of the prompt tokens this step's rows predict, for the sequences in
+        ``every`` (their rows follow the sampling rows, before their ``num_computed`` moves); a
+        failure fails that request alone."""
+        at = sum(1 for item in batch if item.samples)
+        for i in every:
+            seq, n = batch[i].seq, batch[i].num_tokens
+            rows, at = logits[at:at + n], at + n
+            try:
+                start = seq.num_computed
+                picked = [j for j in range(n) if len(seq.prompt_logprobs) <= start + j + 1 < seq.num_prompt_tokens]
+                if picked:
+                    k = seq.sampling.prompt_logprobs
+                    targets = [seq.token_ids[start + j + 1] for j in picked]
+                    seq.prompt_logprobs += token_logprobs(rows[picked], targets, [k] * len(picked))
+            except Exception as exc:
+                log.exception("request %s: its prompt's logprobs failed; failing that request alone", seq.rid)
+                ending = Ending(Reason.INTERNAL_ERROR, f"the prompt's logprobs failed: {type(exc).__name__}: {exc}")
+                if (out := self.abort(seq.rid, ending)) is not None:
+                    report.failed.append((seq, out))
+
+    def _advance(self, batch: list[ScheduledSeq], logits: torch.Tensor, report: StepReport,
+                 every: list[int] = ()) -> None:
         """Account the batch's computed tokens, then sample and check each sampling sequence's
         token. What is done with one sequence's own data (its sampling parameters, its stop
         strings, its text) is done for it alone: an exception there fails that request
         (``report.failed``), never the batch."""
-        sampling = [item for item in batch if item.samples]
+        sampling = [item for item in batch if item.samples]  # row i of logits is sampling[i]'s
+        gone: set[int] = set()
+        if every:
+            self._prompt_logprobs(batch, logits, every, report)
+            logits = logits[:len(sampling)]
+            gone = {id(seq) for seq, _ in report.failed}  # their requests ended: nothing more is done
         for item in batch:
             seq = item.seq
+            if id(seq) in gone:
+                continue
             self.prompt_tokens_computed += max(0, min(seq.num_computed + item.num_tokens, seq.num_prompt_tokens)
                                                - seq.num_computed)
             seq.num_computed += item.num_tokens
@@ -303,6 +353,14 @@ class LLMEngine:
         greedy = greedy_tokens(logits) if any(i.seq.sampling.greedy for i in sampling) else None
         for row, item in enumerate(sampling):
             seq = item.seq
+            if id(seq) in gone:
+                continue
+            if seq.sampling.max_tokens == 0:  # the prompt alone was asked for (its logprobs, say)
+                seq.finish_reason = "length"
+                report.sampled.append((seq, self._delta(seq, None)))
+                self._seqs.pop(seq.rid, None)
+                self.scheduler.finish(seq)
+                continue
             try:
                 token = self._sample(logits, row, seq, greedy)
                 lp = None
@@ -351,12 +409,17 @@ class LLMEngine:
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.spec.max_context:
             seq.finish_reason = "length"
 
-    def _delta(self, seq: Sequence, token: int, logprob: Optional[TokenLogprob] = None) -> RequestOutput:
+    def _delta(self, seq: Sequence, token: Optional[int], logprob: Optional[TokenLogprob] = None) -> RequestOutput:
+        """The client's delta of ``token`` (None: the request ends with no token); the first one
+        carries the prompt's logprobs when the request asked for them."""
         finished = seq.finish_reason is not None
-        return RequestOutput(rid=seq.rid, token_ids=(token,), text=seq.detok.release(final=finished),
+        first = seq.num_output_tokens <= 1 and seq.sampling.prompt_logprobs is not None
+        return RequestOutput(rid=seq.rid, token_ids=(token,) if token is not None else (),
+                             text=seq.detok.release(final=finished),
                              finished=finished, finish_reason=seq.finish_reason,
                              prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
-                             logprobs=(logprob,) if logprob is not None else ())
+                             logprobs=(logprob,) if logprob is not None else (),
+                             prompt_logprobs=tuple(seq.prompt_logprobs) if first else ())
 
     # -- offline use --------------------------------------------------------------------------
 
@@ -377,4 +440,5 @@ def merge_outputs(outs: list[RequestOutput]) -> RequestOutput:
                          text="".join(o.text for o in outs), finished=last.finished,
                          finish_reason=last.finish_reason, error=last.error, reason=last.reason,
                          prompt_tokens=last.prompt_tokens, completion_tokens=last.completion_tokens,
-                         logprobs=tuple(lp for o in outs for lp in o.logprobs))
+                         logprobs=tuple(lp for o in outs for lp in o.logprobs),
+                         prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs), ()))

@@ -36,6 +36,9 @@ class SamplingParams:
     logprobs: Optional[int] = None
     """None: no logprobs; k in [0, MAX_TOP_LOGPROBS]: each generated token's logprob and the k most
     likely tokens' (``TokenLogprob``), from the raw logits (before temperature and any mask)."""
+    prompt_logprobs: Optional[int] = None
+    """None: none; k: each prompt token's logprob (but the first's) and k alternatives. Such a
+    request computes its whole prompt (no prefix cache) on one worker."""
 
     @property
     def greedy(self) -> bool:
@@ -118,6 +121,8 @@ class RequestOutput:
     completion_tokens: int = 0
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per token of ``token_ids`` when the request asked for logprobs, else empty."""
+    prompt_logprobs: tuple[Optional[TokenLogprob], ...] = ()
+    """On the first delta of a request that asked: one per prompt token, None for the first."""
 
     @classmethod
     def ended(cls, rid: str, ending: Ending, **counts: int) -> "RequestOutput":

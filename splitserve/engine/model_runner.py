@@ -15,7 +15,7 @@ Shapes: ``T`` = total new tokens in the step, ``S`` = sequences that sample a to
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,8 +42,10 @@ class ModelRunner:
                  self.model.ops.name, packed, dense)
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Forward the batch; returns float32 logits [S, vocab] for the sampling sequences, in batch order."""
+    def run(self, batch: list[ScheduledSeq], every_row_of: Sequence[int] = ()) -> torch.Tensor:
+        """Forward the batch; returns float32 logits [S, vocab] for the sampling sequences, in batch
+        order. ``every_row_of``: batch indices (ascending) whose every new row's logits the engine
+        needs too (a prompt's logprobs): they follow the S rows, ``num_tokens`` rows each."""
         order = [i for i, item in enumerate(batch) if item.num_tokens == 1]
         order += [i for i, item in enumerate(batch) if item.num_tokens != 1]
         ids: list[int] = []
@@ -61,6 +63,8 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)  # [T]
         hidden = self.model(input_ids, pos, meta, self.kv)  # [T, hidden]
         rows = [last_row[i] for i, item in enumerate(batch) if item.samples]
+        for i in every_row_of:
+            rows += range(last_row[i] - batch[i].num_tokens + 1, last_row[i] + 1)
         if not rows:
             return hidden.new_empty((0, 0), dtype=torch.float32)
         if rows != list(range(len(rows))):

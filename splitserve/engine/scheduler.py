@@ -15,8 +15,9 @@ Disaggregated requests: a prefill-only sequence gets the pages of its whole prom
 (its room hands them to the transfer) and is never preempted; a sequence whose pages belong to a
 room is never freed here on finish — ``detach`` takes it out and its room frees the pages.
 
-Prefix cache (``page_allocator.py``): a sequence admitted with no pages first takes the cached
-pages of its longest known prefix (never its last token, which is always computed, so that no
+Prefix cache (``page_allocator.py``): a sequence admitted with no pages (and not computing its
+prompt's logprobs, which needs every prompt position computed) first takes the cached pages of its
+longest known prefix (never its last token, which is always computed, so that no
 cached page is ever written) and computes only the rest; every page that becomes full of computed
 KV is offered to the cache (``index_computed``). Preempted or finished, its full pages stay cached.
 """
@@ -28,6 +29,11 @@ from dataclasses import dataclass
 
 from splitserve.engine.page_allocator import PageAllocator, page_keys
 from splitserve.engine.sequence import Sequence, SeqStatus
+
+
+PROMPT_LOGPROBS_CHUNK = 512
+"""Prompt tokens a step computes for a sequence that wants its prompt's logprobs: the logits of
+each are kept (512 x a 49,152-token vocabulary: 100 MB of float32)."""
 
 
 @dataclass
@@ -121,6 +127,8 @@ class Scheduler:
 
     def _chunk(self, seq: Sequence, budget: int, batch_empty: bool) -> int:
         need = seq.num_uncomputed
+        if seq.wants_prompt_logprobs:  # every row's logits are kept this step: bound them
+            need = min(need, PROMPT_LOGPROBS_CHUNK)
         if self.chunked_prefill:
             return min(need, budget)
         # unchunked: all of it, over budget only when alone in the batch
@@ -180,7 +188,7 @@ class Scheduler:
         """A sequence with no pages (new, or preempted) takes the cached pages of its longest known
         prefix, all but its last token (which is always computed, into a page of its own). True
         if it had none and looked (whatever it found)."""
-        if seq.pages or seq.num_computed or not self.allocator.cache_enabled:
+        if seq.pages or seq.num_computed or not self.allocator.cache_enabled or seq.wants_prompt_logprobs:
             return False
         pages = self.allocator.match(self.keys(seq, (len(seq) - 1) // self.page_size))
         seq.pages, seq.indexed = pages, len(pages)

@@ -46,6 +46,13 @@ class Sequence:
     indexed: int = 0  # how many of ``pages`` have been offered to the prefix cache
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
     first_logprob: Optional[object] = None  # prefill-only: the first token's TokenLogprob, for its room
+    prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens [0, len) (None first)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """It asks for its prompt's logprobs and some are still to compute: it computes every
+        prompt token (no prefix cache) until they are all in."""
+        return self.sampling.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -192,6 +192,19 @@ def token_strings(tokenizer) -> proto.TokenStrings:
     return proto.TokenStrings(tokenizer)
 
 
+def _echo(state, req: ValidatedRequest) -> Optional[tuple[str, list[int]]]:
+    """What an ``echo`` answer starts with: the prompt's text (as sent, or its ids decoded) and ids."""
+    if not req.echo:
+        return None
+    text = req.prompt_text if req.prompt_text is not None else state.engine.tokenizer.decode(list(req.prompt_ids))
+    return text, list(req.prompt_ids)
+
+
+def _prompt_of(req: ValidatedRequest) -> Optional[tuple[list[int], int]]:
+    """``/generate``: the prompt's ids and ``logprob_start_len`` when its logprobs were asked for."""
+    return (list(req.prompt_ids), req.logprob_start_len) if req.logprob_start_len >= 0 else None
+
+
 def _strings(state, req: ValidatedRequest) -> Optional[proto.TokenStrings]:
     """Token texts for the answer's logprobs; None when the request asked for none (or, on
     ``/generate``, for no texts in them)."""
@@ -213,11 +226,11 @@ async def _unary(state, endpoint: str, req: ValidatedRequest, rid: str, stream, 
     model, created = state.model_name, int(time.time())
     strings = _strings(state, req)
     if endpoint == "completions":
-        body = proto.completion_response(rid, model, created, acc, strings)
+        body = proto.completion_response(rid, model, created, acc, strings, _echo(state, req))
     elif endpoint == "chat":
         body = proto.chat_response(rid, model, created, acc, strings)
     else:
-        body = proto.generate_response(rid, acc, started, req.sampling.logprobs is not None, strings)
+        body = proto.generate_response(rid, acc, started, req.sampling.logprobs is not None, strings, _prompt_of(req))
     return web.json_response(body)
 
 
@@ -228,6 +241,7 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
     strings = _strings(state, req)
     sent = 0  # tokens whose logprobs have been sent: the rest ride with the next chunk that has text
     offset = 0  # completions: the text offset of the next token's logprobs
+    echo = _echo(state, req)  # completions' echo: sent with the first chunk
     try:
         await sse.start()
         if endpoint == "chat":
@@ -237,23 +251,27 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
                 break
             if endpoint == "generate":
                 if out.token_ids or out.text or out.finished:
-                    await sse.send(proto.generate_chunk(rid, acc, started, req.sampling.logprobs is not None, strings))
-            elif out.text or out.finished:
+                    await sse.send(proto.generate_chunk(rid, acc, started, req.sampling.logprobs is not None, strings,
+                                                        _prompt_of(req)))
+            elif out.text or out.finished or echo is not None:
                 reason = acc.finish_reason if out.finished else None
-                logprobs = None
+                logprobs, text = None, out.text
+                ids, lps = acc.token_ids[sent:], list(acc.logprobs[sent:])
+                sent = len(acc.token_ids)
+                if echo is not None:  # the first chunk starts with the prompt
+                    text, ids, lps = echo[0] + text, echo[1] + ids, list(acc.prompt_logprobs) + lps
+                    echo = None
                 if strings is not None:
-                    ids, lps = acc.token_ids[sent:], acc.logprobs[sent:]
-                    sent = len(acc.token_ids)
                     if endpoint == "chat":
                         logprobs = proto.chat_logprobs(strings, ids, lps)
                     else:
                         logprobs = proto.completion_logprobs(strings, ids, lps, offset)
                         offset += sum(len(t) for t in logprobs["tokens"])
                 if endpoint == "chat":
-                    delta = {"content": out.text} if out.text else {}
+                    delta = {"content": text} if text else {}
                     await sse.send(proto.chat_chunk(rid, model, created, delta, reason, logprobs))
                 else:
-                    await sse.send(proto.completion_chunk(rid, model, created, out.text, reason, logprobs))
+                    await sse.send(proto.completion_chunk(rid, model, created, text, reason, logprobs))
         status = _finish(result, acc)
         if status is not None:
             await sse.send(_error_of(acc))

@@ -72,6 +72,8 @@ class Accumulator:
     """Seconds between consecutive deltas that carried tokens (the inter-token latencies)."""
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """One per token of ``token_ids`` when the request asked for logprobs."""
+    prompt_logprobs: tuple = ()
+    """One per prompt token (None for the first) when the request asked for them."""
 
     def add(self, out: RequestOutput) -> None:
         if out.token_ids:
@@ -84,6 +86,8 @@ class Accumulator:
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.prompt_tokens:
             self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens, len(self.token_ids))
@@ -168,16 +172,18 @@ class TokenStrings:
         return list(self.text(token).encode("utf-8"))
 
 
-def completion_logprobs(strings: TokenStrings, token_ids: list[int], logprobs: list[TokenLogprob],
+def completion_logprobs(strings: TokenStrings, token_ids: list[int], logprobs: list[Optional[TokenLogprob]],
                         offset: int = 0) -> dict:
-    """The completions ``logprobs`` object of these tokens; ``offset``: the text offset of the first."""
+    """The completions ``logprobs`` object of these tokens; ``offset``: the text offset of the
+    first. A token without logprobs (an echoed prompt's first) has null ones."""
     texts = [strings.text(t) for t in token_ids]
     offsets = []
     for text in texts:
         offsets.append(offset)
         offset += len(text)
-    return {"tokens": texts, "token_logprobs": [_lp(lp.logprob) for lp in logprobs],
-            "top_logprobs": [{strings.text(t): _lp(v) for t, v in lp.top} for lp in logprobs],
+    return {"tokens": texts, "token_logprobs": [_lp(lp.logprob) if lp is not None else None for lp in logprobs],
+            "top_logprobs": [{strings.text(t): _lp(v) for t, v in lp.top} if lp is not None else None
+                             for lp in logprobs],
             "text_offset": offsets}
 
 
@@ -200,15 +206,32 @@ def generate_logprobs(strings: Optional[TokenStrings], token_ids: list[int], log
             "input_token_logprobs": [], "input_top_logprobs": []}
 
 
+def generate_input_logprobs(strings: Optional[TokenStrings], prompt_ids: list[int],
+                            logprobs: tuple, start: int) -> dict:
+    """SGLang's ``input_token_logprobs`` / ``input_top_logprobs`` of the prompt from token
+    ``start``: ``[logprob, id, text]``, the first prompt token's logprob null (and its top)."""
+    def entry(t: int, v: Optional[float]) -> list:
+        return [_lp(v) if v is not None else None, t, strings.text(t) if strings is not None else None]
+
+    pairs = list(zip(prompt_ids, logprobs))[start:]
+    return {"input_token_logprobs": [entry(t, lp.logprob if lp is not None else None) for t, lp in pairs],
+            "input_top_logprobs": [[entry(a, v) for a, v in lp.top] if lp is not None else None for _, lp in pairs]}
+
+
 # -- answers and chunks -------------------------------------------------------------------------
 
 
 def completion_response(rid: str, model: str, created: int, acc: Accumulator,
-                        strings: Optional[TokenStrings] = None) -> dict:
-    """``strings``: give it when the request asked for logprobs."""
-    logprobs = completion_logprobs(strings, acc.token_ids, acc.logprobs) if strings is not None else None
+                        strings: Optional[TokenStrings] = None, echo: Optional[tuple[str, list[int]]] = None) -> dict:
+    """``strings``: give it when the request asked for logprobs; ``echo``: the prompt's text and
+    ids, when the answer starts with them."""
+    text, ids, lps = acc.full_text, list(acc.token_ids), list(acc.logprobs)
+    if echo is not None:
+        text, ids = echo[0] + text, list(echo[1]) + ids
+        lps = list(acc.prompt_logprobs) + lps
+    logprobs = completion_logprobs(strings, ids, lps) if strings is not None else None
     return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": acc.full_text, "logprobs": logprobs, "finish_reason": acc.finish_reason}],
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": acc.finish_reason}],
             "usage": acc.usage()}
 
 
@@ -251,17 +274,20 @@ def generate_meta(rid: str, acc: Accumulator, started: float) -> dict:
 
 
 def generate_response(rid: str, acc: Accumulator, started: float, logprobs: bool = False,
-                      strings: Optional[TokenStrings] = None) -> dict:
+                      strings: Optional[TokenStrings] = None, prompt: Optional[tuple[list[int], int]] = None) -> dict:
     """``logprobs``: the request asked for them (``return_logprob``); ``strings``: name each
-    token's text in them (``return_text_in_logprobs``)."""
+    token's text in them (``return_text_in_logprobs``); ``prompt``: its ids and
+    ``logprob_start_len``, when the prompt's logprobs were asked for."""
     meta = generate_meta(rid, acc, started)
     if logprobs:
         meta.update(generate_logprobs(strings, acc.token_ids, acc.logprobs))
+        if prompt is not None and acc.prompt_logprobs:
+            meta.update(generate_input_logprobs(strings, prompt[0], acc.prompt_logprobs, prompt[1]))
     return {"text": acc.full_text, "output_ids": list(acc.token_ids), "meta_info": meta}
 
 
 def generate_chunk(rid: str, acc: Accumulator, started: float, logprobs: bool = False,
-                   strings: Optional[TokenStrings] = None) -> dict:
+                   strings: Optional[TokenStrings] = None, prompt: Optional[tuple[list[int], int]] = None) -> dict:
     """A streamed ``/generate`` chunk. As SGLang by default, ``text`` and ``output_ids`` are
     cumulative (the whole answer so far), so a client keeps the last chunk; so are its logprobs."""
-    return generate_response(rid, acc, started, logprobs, strings)
+    return generate_response(rid, acc, started, logprobs, strings, prompt)

@@ -26,7 +26,11 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
   chat ``logprobs`` (bool) and ``top_logprobs`` (int in [0, 20], only with ``logprobs: true``);
   ``/generate`` SGLang's ``return_logprob`` (bool), ``top_logprobs_num`` (int in [0, 20], only
   with ``return_logprob``), ``return_text_in_logprobs`` (bool) and ``logprob_start_len`` (-1:
-  none of the prompt's).
+  none of the prompt's; k >= 0: the prompt's from token k, below its length).
+- ``echo`` (completions, bool): the answer starts with the prompt; with ``logprobs``, the prompt's
+  logprobs too (the first token's is null). ``max_tokens`` may then be 0 (as on ``/generate``
+  with ``logprob_start_len``): the prompt alone. A request that asks for its prompt's logprobs
+  computes the whole prompt (no prefix cache) on one worker.
 - Every field of the OpenAI API that we do not implement is refused with its name (``n`` > 1,
   ``best_of`` > 1, ``echo``, ``suffix``, ``logprobs``, ``logit_bias``, penalties, ``tools`` ...),
   except at its no-op value (``n: 1``, ``echo: false``, ``presence_penalty: 0`` ...); ``null``
@@ -72,7 +76,7 @@ _ANY_BOOL = object()  # a switch with no effect on the tokens (logging, reasonin
 
 # Fields of the OpenAI API we do not implement, with the value that means "not used".
 _NOOP = {
-    "n": 1, "best_of": 1, "echo": False, "suffix": "",
+    "n": 1, "best_of": 1, "suffix": "",
     "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "tools": [], "tool_choice": "none",
     "functions": [], "function_call": "none", "parallel_tool_calls": _ABSENT, "store": False,
     "metadata": _ABSENT, "modalities": ["text"], "audio": _ABSENT, "prediction": _ABSENT,
@@ -130,6 +134,8 @@ class ValidatedRequest:
     bootstrap_room: Optional[int] = None
     cache_salt: str = ""
     return_text_in_logprobs: bool = False  # /generate: each logprob entry names its token's text
+    echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, if asked)
+    logprob_start_len: int = -1  # /generate: the prompt's logprobs from this token (-1: none)
     stop_matcher: Optional[object] = field(default=None, compare=False, repr=False)
     """The automaton of ``sampling.stop``, built with a tokenizer (on the worker's tokenizer
     thread, not the engine loop's)."""
@@ -248,7 +254,11 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         raise InvalidRequest(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
                              "model", reason=Reason.MODEL_NOT_FOUND)
 
-    max_tokens = _opt_int(fields, max_key, prefix, minimum=1)
+    echo = endpoint == "completions" and bool(_opt_bool(body, "echo", ""))
+    start = _opt_int(body, "logprob_start_len", "", minimum=-1) if endpoint == "generate" else None
+    start = -1 if start is None or not body.get("return_logprob") else start
+    # the prompt alone (max_tokens 0) is what echo and the prompt's logprobs may ask for
+    max_tokens = _opt_int(fields, max_key, prefix, minimum=0 if echo or start >= 0 else 1)
     temperature = _opt_number(fields, "temperature", prefix, minimum=0.0)
     top_p = _opt_number(fields, "top_p", prefix)
     if top_p is not None and not 0.0 < top_p <= 1.0:
@@ -280,6 +290,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         raise InvalidRequest("cache_salt must be at most 256 characters", "cache_salt")
     logprobs = _logprobs(body, endpoint)
     return_text_in_logprobs = bool(_opt_bool(body, "return_text_in_logprobs", ""))
+    prompt_logprobs = logprobs if echo or start >= 0 else None
 
     prompt_ids, prompt_text, messages = None, None, None
     if endpoint == "completions":
@@ -301,6 +312,9 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
             raise InvalidRequest("the prompt is empty after tokenization", "messages" if messages else "prompt")
     if prompt_ids is not None and max_context is not None:
         max_tokens = _fit_context(len(prompt_ids), max_tokens, max_tokens_set, max_context, prefix + max_key)
+    if prompt_ids is not None and start >= len(prompt_ids):
+        raise InvalidRequest(f"logprob_start_len {start} is not below the prompt's {len(prompt_ids)} tokens",
+                             "logprob_start_len")
 
     if top_k is not None and top_k == -1:
         top_k = 0
@@ -310,14 +324,14 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         top_p=_pick(top_p, defaults.get("top_p"), 1.0),
         top_k=int(_pick(top_k, defaults.get("top_k"), 0)),
         seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=bool(ignore_eos),
-        logprobs=logprobs,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
     )
     return ValidatedRequest(
         endpoint=endpoint, sampling=sampling, model=model, stream=stream, include_usage=include_usage,
         prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None, prompt_text=prompt_text,
         messages=messages, max_tokens_set=max_tokens_set, rid=rid, bootstrap_host=bootstrap_host,
         bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room, cache_salt=cache_salt,
-        return_text_in_logprobs=return_text_in_logprobs, stop_matcher=stop_matcher(stop) if stop and tokenizer is not None else None,
+        return_text_in_logprobs=return_text_in_logprobs, echo=echo, logprob_start_len=start, stop_matcher=stop_matcher(stop) if stop and tokenizer is not None else None,
     )
 
 
@@ -332,10 +346,6 @@ def _logprobs(body: dict, endpoint: str) -> Optional[int]:
         on, top, top_key = _opt_bool(body, "logprobs", ""), body.get("top_logprobs"), "top_logprobs"
     else:
         on, top, top_key = _opt_bool(body, "return_logprob", ""), body.get("top_logprobs_num"), "top_logprobs_num"
-        start = _opt_int(body, "logprob_start_len", "", minimum=-1)
-        if start is not None and start != -1:
-            raise InvalidRequest("logprob_start_len other than -1 (the prompt's logprobs) is not supported yet",
-                                 "logprob_start_len")
     k = _opt_int(body, top_key, "", minimum=0, maximum=MAX_TOP_LOGPROBS)
     if k and not on:
         flag = "logprobs" if endpoint == "chat" else "return_logprob"
