@@ -46,10 +46,11 @@ class Workers:
         role = "prefill" if name.startswith("p") else "decode"
         args = ["--role", role, "--worker-id", name, "--discovery", self.etcd.url(), "--discovery-ttl-s", TTL_S,
                 "--discovery-grace-s", "2", *extra]
-        if role == "prefill":
-            args += ["--bootstrap-port", str(free_port())]
+        bootstrap = free_port() if role == "prefill" else None
+        if bootstrap is not None:
+            args += ["--bootstrap-port", str(bootstrap)]
         proc = ServerProcess(*args, model=model)
-        proc.name, proc.role = name, role
+        proc.name, proc.role, proc.bootstrap_port = name, role, bootstrap
         proc.spawn()
         self.procs[name] = proc
         return proc
@@ -156,6 +157,23 @@ def test_workers_registered_in_etcd_are_served(cluster, etcd):
     r = requests.post(cluster.router.url + "/generate", json={"input_ids": [1, 2, 3],
                                                               "sampling_params": {"max_new_tokens": 4}}, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def test_static_workers_serve_beside_discovery(cluster, etcd):
+    """A router given p1 on its command line and --discovery: p1 is served once (its record is left
+    alone), d1 comes from etcd."""
+    p1 = cluster.procs["p1"]
+    router = RouterProcess([(p1.url, p1.bootstrap_port)], [], "--discovery", etcd.url(), *ROUTER_ARGS,
+                           wait_healthy=False).start()
+    try:
+        wait_for("the second router ready", lambda: requests.get(router.url + "/health", timeout=5).status_code == 200)
+        seen = {w["id"]: w["source"] for w in requests.get(router.url + "/workers", timeout=10).json()["workers"]}
+        assert seen == {"p1": "static", "d1": "discovery"}, seen
+        r = requests.post(router.url + "/generate", json={"input_ids": [4, 5], "sampling_params":
+                                                          {"max_new_tokens": 2}}, timeout=60)
+        assert r.status_code == 200, r.text
+    finally:
+        router.stop()
 
 
 def test_values_under_the_prefix_that_are_no_records_are_ignored(cluster, etcd):
