@@ -21,7 +21,8 @@ and launch warns. The router only moves bytes: it runs on every CPU.
    ``run`` returns 1; SIGINT or SIGTERM stops every child and ``run`` returns 0.
 
 Stopping: SIGTERM to each child's process group, then SIGKILL to the groups still alive after
-``stop_timeout_s`` (a second Ctrl-C or SIGTERM skips the wait). Workers drain on SIGTERM.
+``stop_timeout_s`` (a second Ctrl-C or SIGTERM skips the wait). Workers drain on SIGTERM. A child
+marked ``stop_last`` (the etcd of ``--discovery local``) gets its SIGTERM once the others exited.
 
 No orphans, also when launch itself is killed with SIGKILL: on Linux every child is started with
 ``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (through ctypes, in the child between fork and exec), so the
@@ -134,6 +135,9 @@ class ChildSpec:
     """Extra words for the summary (``bootstrap port 8998``)."""
     env: Optional[Mapping[str, str]] = None
     """Extra environment variables (on top of launch's own)."""
+    stop_last: bool = False
+    """Stopped only once every other child has exited (or the stop bound passed): the etcd that
+    the workers revoke their leases in as they stop."""
 
 
 def free_ports(n: int, avoid: Sequence[int] = ()) -> list[int]:
@@ -243,7 +247,7 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
         specs.append(ChildSpec("etcd", ("etcd", "--name", "launch", "--data-dir", etcd_data or tempfile.mkdtemp(
             prefix="splitserve-etcd-"), "--listen-client-urls", client, "--advertise-client-urls", client,
             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"launch={peer}"),
-            url=client, health_url=client + "/health", note=f"discovery: {discovery}"))
+            url=client, health_url=client + "/health", note=f"discovery: {discovery}", stop_last=True))
     cli = (python, "-m", "splitserve.cli")
     extra = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
     extra += tuple(shlex.split(config.worker_args))  # the worker refuses what it does not know, at start
@@ -482,16 +486,19 @@ class Supervisor:
         self.say("\n".join(lines))
 
     def _stop_all(self) -> None:
-        for c in self.children:
-            if c.alive():
-                c.signal_group(signal.SIGTERM)
         seen = len(self._signals)
         deadline = time.monotonic() + self.stop_timeout_s
-        while any(c.alive() for c in self.children) and time.monotonic() < deadline:
-            if len(self._signals) > seen:
-                self.say(f"{self.title}: {self._signal_name()} again: killing now")
-                break
-            time.sleep(0.05)
+        for last in (False, True):  # the stop_last children once the others are gone
+            group = [c for c in self.children if c.spec.stop_last == last]
+            for c in group:
+                if c.alive():
+                    c.signal_group(signal.SIGTERM)
+            while any(c.alive() for c in group) and time.monotonic() < deadline:
+                if len(self._signals) > seen:
+                    self.say(f"{self.title}: {self._signal_name()} again: killing now")
+                    deadline = 0.0
+                    break
+                time.sleep(0.05)
         for c in self.children:
             if c.alive():
                 self.say(f"{self.title}: {c.spec.name} (pid {c.proc.pid}) still running after SIGTERM: SIGKILL")

@@ -149,6 +149,20 @@ def test_sigterm_stops_every_child_and_exits_0(launch):
     wait_all_gone(pids.values())
 
 
+def test_a_stop_last_child_is_stopped_after_the_others_exited(launch, tmp_path):
+    """The etcd of ``--discovery local`` must outlive the workers that revoke their leases in it."""
+    gone = tmp_path / "worker-gone"
+    worker = py(f"import signal, sys, time\ndef bye(*_):\n time.sleep(0.5); open({str(gone)!r}, 'w').close(); "
+                f"sys.exit(0)\nsignal.signal(signal.SIGTERM, bye)\nprint('up', flush=True)\ntime.sleep(120)")
+    last = py(f"import os, signal, sys, time\ndef bye(*_):\n print('worker gone first:', os.path.exists("
+              f"{str(gone)!r}), flush=True); sys.exit(0)\nsignal.signal(signal.SIGTERM, bye)\ntime.sleep(120)")
+    run = launch([ChildSpec("etcd", last, stop_last=True), ChildSpec("worker", worker)], stop_timeout_s=20.0)
+    run.wait_for_output("[worker] up", 20)
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(30) == 0
+    assert "worker gone first: True" in run.out() + run.err(), run.out() + run.err()
+
+
 def test_a_child_that_never_gets_healthy_is_named(launch):
     port = free_port()  # nothing listens there
     run = launch([ChildSpec("sleeper", SLEEPER),
@@ -203,7 +217,7 @@ def test_build_specs_with_discovery_registers_the_workers_and_the_router_watches
         build_specs(LaunchConfig(discovery="http://10.0.0.2:2379"), python="py")
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/etcd")
     local = build_specs(LaunchConfig(discovery="local", split_cpus=False), python="py", etcd_data="/tmp/d")
-    assert [s.name for s in local] == ["etcd", "prefill-0", "decode-0", "router"]
+    assert [s.name for s in local] == ["etcd", "prefill-0", "decode-0", "router"] and local[0].stop_last
     etcd = local[0]
     url = f"etcd://{etcd.url.removeprefix('http://')}/splitserve"
     assert etcd.argv[0] == "etcd" and "/tmp/d" in etcd.argv and etcd.health_url == etcd.url + "/health"
