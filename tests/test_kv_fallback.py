@@ -133,6 +133,23 @@ def test_abort_request_prefill_failed_makes_decode_compute_the_prompt(trio, samp
     pages_back_to_total(decode)
 
 
+def test_abort_request_prefill_failed_before_the_request_came_is_kept_for_it(trio):
+    """The router's legs race: its prefill_failed reaches decode before the request. The request,
+    when it comes, computes its prompt at once (it never registers with a prefill)."""
+    colocated, decode, fake = trio
+    ids = prompt(33, 3)
+    want = generate(colocated.url, ids, 10, ignore_eos=True, **GREEDY)
+    rid = f"early-{random.getrandbits(32)}"
+    assert abort_request(decode, rid=rid, reason="prefill_failed", detail="the router: prefill refused").json() \
+        == {"found": False}
+    leg = Leg(decode, fake, ids, GREEDY, rid=rid)
+    answer = leg.answer()
+    assert answer.status_code == 200 and answer.json()["output_ids"] == want, answer.text
+    assert steps(decode, rid)[:3] == ["PREALLOC", "PREFILLING", "DECODING"]
+    assert not [r for r in fake.messages(p.RegisterRoom) if r.room == leg.room]
+    pages_back_to_total(decode)
+
+
 @pytest.mark.parametrize("body, param", [
     ({}, "rid"), ({"rid": "a", "bootstrap_room": 1}, "rid"), ({"rid": ""}, "rid"), ({"rid": 5}, "rid"),
     ({"bootstrap_room": -1}, "bootstrap_room"), ({"bootstrap_room": 2**63}, "bootstrap_room"),

@@ -161,3 +161,21 @@ def test_a_room_computing_here_ignores_its_old_prefill():
 def test_an_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="kv_failure_policy"):
         table("sometimes")
+
+
+def test_a_room_told_before_its_pages_came_computes_once_they_come():
+    t = table()
+    t.handle(RequestArrived(ROOM, RID, PROMPT), 0.0)  # in the page queue, no prefill info yet
+    acts = t.handle(KVLost(ROOM, "the router: prefill refused"), 1.0)
+    assert of(acts, KVFallback) and not of(acts, ComputePrompt) and not of(acts, NotifyClient)
+    assert of(t.handle(KVLost(ROOM, "again"), 1.5), NotifyClient) == [], "told twice: still one fallback"
+    assert not of(t.handle(PeerInfo(ROOM, PP), 2.0), SendToPeer), "it no longer registers with a prefill"
+    computes(t.handle(PagesReserved(ROOM, DST), 3.0))
+
+
+def test_a_room_told_that_never_gets_pages_fails_with_its_reason_at_the_prealloc_deadline():
+    t = table()
+    t.handle(RequestArrived(ROOM, RID, PROMPT), 0.0)
+    t.handle(KVLost(ROOM, "the router: prefill refused"), 1.0)
+    acts = t.expire(D.prealloc_s)
+    assert of(acts, NotifyClient)[0].ending.reason is Reason.PEER_FAILED

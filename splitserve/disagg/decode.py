@@ -31,13 +31,13 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import DecodeControl
 from splitserve.disagg.control.decode import ZmqDealer
 from splitserve.disagg.lifecycle import (
-    ComputePrompt, DecodeStep, DecodeTable, DisconnectPeer, Finished, FromPeer, KVFallback, LocalFailure,
+    ComputePrompt, DecodeStep, DecodeTable, DisconnectPeer, Finished, FromPeer, KVFallback, KVLost, LocalFailure,
     PagesReserved, Peer, PromptChunk, QuarantinePages, Reason, ReleaseQuarantine, ReservePages, StartDecode,
 )
 from splitserve.disagg.role import DisaggRole, RoomRecord
@@ -49,6 +49,7 @@ from splitserve.engine.page_allocator import page_keys
 from splitserve.log_sparsely import worth_logging
 
 log = logging.getLogger(__name__)
+EARLY_KV_LOST = 1024  # router's prefill_failed kept for requests not here yet (the oldest forgotten first)
 
 
 class DecodeRole(DisaggRole):
@@ -67,6 +68,7 @@ class DecodeRole(DisaggRole):
         self._local_rooms = itertools.count(-1, -1)  # rooms of requests that came alone: never a router's
         self.fallbacks: Counter = Counter()  # reason -> rooms that recomputed their prompt (KVFallback)
         self.prompts_computed = 0  # a counter: rooms whose prompt ran here (alone, or a fallback)
+        self._kv_lost_early: OrderedDict = OrderedDict()  # rid or ("room", n) -> detail: KVLost before its request
         self._page_queue: deque[int] = deque()  # rooms waiting for pages, first come first served
         self.pages_quarantined = 0
         self.kv_bytes_received = 0  # a counter: KV bytes prefill wrote into this worker's pages
@@ -98,7 +100,22 @@ class DecodeRole(DisaggRole):
 
     def _arrived(self, rec, out: list[RequestOutput]) -> None:
         if rec is not None and not rec.answered and rec.req.bootstrap is not None:
+            early = self._kv_lost_early
+            detail = early.pop(rec.req.rid, None) or early.pop(("room", rec.room), None)
+            if detail is not None:  # the router said so before the request came: it will not wait for prefill
+                out += self._feed(KVLost(rec.room, detail))
+                return
             self.control.want_info(rec.room, rec.req.bootstrap.host, rec.req.bootstrap.port)
+
+    def abort_request(self, rid, room, kv_lost: bool, detail: str):
+        """As :meth:`DisaggRole.abort_request`; a ``prefill_failed`` for a request not here yet
+        (the router's two legs race) is kept for it, at most ``EARLY_KV_LOST`` of them."""
+        found, out = super().abort_request(rid, room, kv_lost, detail)
+        if not found and kv_lost:
+            self._kv_lost_early[rid if rid is not None else ("room", room)] = detail
+            while len(self._kv_lost_early) > EARLY_KV_LOST:
+                self._kv_lost_early.popitem(last=False)
+        return found, out
 
     def on_event(self, event: object) -> list[RequestOutput]:
         if isinstance(event, KVNotification):

@@ -14,8 +14,10 @@ It names the request by ``rid`` or by ``bootstrap_room`` (one of them), with ``r
 ``--kv-failure-policy recompute`` decode then computes the prompt itself and answers the leg as
 if the KV had come (``docs/lifecycle.md``, the fallback); under ``fail`` the request fails
 ``peer_failed``. ``detail`` (at most 256 characters) goes into the request's timeline and its
-error. The answer is ``{"found": true|false}`` (200): a request that is not here (never came, or
-already ended) is not an error, as in SGLang. Bad input is a 400 naming the field.
+error. The answer is ``{"found": true|false}`` (200): a request that is not here (not yet, or
+already ended) is not an error, as in SGLang; a ``prefill_failed`` for one not here yet is kept
+for it (the router's two legs race), so it computes its prompt as soon as it comes. Bad input is a
+400 naming the field.
 """
 
 from __future__ import annotations

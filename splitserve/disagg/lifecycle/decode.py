@@ -130,7 +130,7 @@ class DecodeTable(PromptHere, RoomTable):
                     self._arm(r, self.cfg.prefill_stall_s, now)
             case KVLost(room=room, detail=detail):
                 r = self._rooms.get(room)
-                if r is not None and r.state in (S.PREALLOC, S.AWAITING_KV) and not r.alone:
+                if r is not None and r.state in (S.PREALLOC, S.AWAITING_KV) and not r.alone and r.fallback is None:
                     self._kv_lost(r, Ending(Reason.PEER_FAILED, detail or "its KV will not come"), now, out)
                 else:
                     self._out_of_order(room, event, out)
@@ -171,7 +171,7 @@ class DecodeTable(PromptHere, RoomTable):
         if r is None or r.state is not S.PREALLOC or r.peer is not None:
             self._out_of_order(room, PeerInfo(room, peer, mismatch), out)
             return
-        if r.alone:
+        if r.alone or r.fallback is not None:
             self._out_of_order(room, PeerInfo(room, peer, mismatch), out)
             return
         if self.peers.is_lost(peer):
@@ -188,7 +188,7 @@ class DecodeTable(PromptHere, RoomTable):
         self._register_if_ready(r, now, out)
 
     def _register_if_ready(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
-        if r.alone and r.pages:
+        if (r.alone or r.fallback is not None) and r.pages:
             self._compute_here(r, now, out)
             return
         if not r.pages or r.peer is None:
@@ -299,7 +299,7 @@ class DecodeTable(PromptHere, RoomTable):
     def _on_deadline(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         late = self.cfg.request_timeout_s is not None and now >= r.born + self.cfg.request_timeout_s
         if not late and r.state in (S.PREALLOC, S.AWAITING_KV):
-            self._kv_lost(r, self._timeout_ending(r, now), now, out)  # a lack of pages ends it: not a KV failure
+            self._kv_lost(r, self._timeout_ending(r, now), now, out, wait_for_pages=False)  # no room for it
         else:
             super()._on_deadline(r, now, out)
 
@@ -313,6 +313,8 @@ class DecodeTable(PromptHere, RoomTable):
                               f"progress in {waited}")
             return Ending(Reason.STALLED, f"no chunk of its prompt computed here in {waited}")
         if r.state is S.PREALLOC:
+            if r.fallback is not None:
+                return Ending(r.fallback.reason, f"{r.fallback.detail}; no KV pages for its recompute in {waited}")
             if r.alone:
                 return Ending(Reason.OVERLOADED, f"no KV pages in {waited}")
             if r.peer is None:

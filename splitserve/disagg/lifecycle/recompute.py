@@ -45,17 +45,26 @@ class PromptHere:
     """What :class:`~splitserve.disagg.lifecycle.decode.DecodeTable` does when a room's prompt
     runs here; its rooms, timers, peers and ``recompute`` flag are the table's."""
 
-    def _kv_lost(self, r: DecodeRoom, ending: Ending, now: float, out: list[Action]) -> None:
-        """The room's KV will not come (``ending`` says why): under ``recompute``, a room that holds
-        its pages and has no first token yet computes its prompt here — at once if no write can
-        reach its pages any more, else once none can (``RECLAIMING``); otherwise it ends."""
-        if not (self.recompute and ending.reason in KV_FALLBACK_REASONS and not r.alone
-                and r.state in (S.PREALLOC, S.AWAITING_KV) and len(r.pages) >= r.n_pages):
+    def _kv_lost(self, r: DecodeRoom, ending: Ending, now: float, out: list[Action],
+                 wait_for_pages: bool = True) -> None:
+        """The room's KV will not come (``ending`` says why): under ``recompute``, a room with no
+        first token yet computes its prompt here — at once if no write can reach its pages any
+        more, else once none can (``RECLAIMING``); one still waiting for its pages in ``PREALLOC``
+        computes once they come (within the same deadline), unless that deadline is what ran out
+        (``wait_for_pages`` False: no room for the recompute). Otherwise it ends."""
+        has_pages = len(r.pages) >= r.n_pages
+        if not (self.recompute and ending.reason in KV_FALLBACK_REASONS and not r.alone and r.fallback is None
+                and r.state in (S.PREALLOC, S.AWAITING_KV) and (has_pages or wait_for_pages)):
             self._end(r, ending, now, out)
             return
         r.fallback = ending
         out.append(KVFallback(r.room, r.rid, ending.reason, ending.detail))
         self._timers.cancel(("resend", r.room))
+        if not has_pages:  # PREALLOC, never registered: no prefill will have these pages
+            if not ending.from_peer and self._reachable(r.peer):
+                out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, ending.reason.value)))
+            self.peers.unbind(r.peer, r.room)
+            return
         if self._writes_may_land(r):
             self._enter(r, S.RECLAIMING, self.cfg.reclaim_s, now, out)
             self._send_abort(r, now, out)  # prefill answers WritesSettled once none of its writes can land
