@@ -11,6 +11,7 @@ from collections import deque
 from splitserve.disagg.control.prefill import PrefillControl
 from splitserve.disagg.decode import DecodeRole
 from splitserve.disagg.lifecycle import DecodeTable, PrefillTable
+from splitserve.disagg.lifecycle.recompute import PromptHere
 from splitserve.disagg.lifecycle.states import is_terminal
 from splitserve.disagg.lifecycle import Ending, Reason
 from splitserve.disagg.prefill import PrefillRole
@@ -190,6 +191,21 @@ def reset_lost_with_its_handover(original):
     return disconnect
 
 
+def recompute_at_once(original):
+    """The fallback computes into the room's pages at once, without waiting until no write of the
+    lost prefill can land in them (no RECLAIMING): a write still on the wire may land after the
+    room ended and its pages went to another room."""
+    def kv_lost(self, r, ending, now, out):
+        writes_may_land = self._writes_may_land
+        self._writes_may_land = lambda room: False
+        try:
+            return original(self, r, ending, now, out)
+        finally:
+            del self._writes_may_land
+
+    return kv_lost
+
+
 PLANTED = {
     # glue
     "two decodes given one identity": [(Cluster, "new_incarnation", one_incarnation),
@@ -203,6 +219,8 @@ PLANTED = {
     "terminal overwritten": [(PrefillTable, "_on_peer_lost", overwrite_terminal)],
     "quarantine released on a timer": [(DecodeTable, "_on_held_timer", release_on_timer)],
     "a registration dropped without a bound": [(PrefillControl, "_expire", unregistered_kept)],
+    # the recompute fallback (hunted with --kv-failure-policy recompute: POLICY)
+    "fallback: computing before the writes settled": [(PromptHere, "_kv_lost", recompute_at_once)],
     # found by the simulator, fix undone
     "found: a write call that raises": [(TransferWorker, "_start", write_raise_unsettled)],
     "found: a StartWrite hand-over that raises": [(PrefillRole, "_do_role", start_write_unsettled)],
@@ -216,6 +234,10 @@ RARE = {
     "found: a session's transfer reset lost with its hand-over": [(PrefillRole, "_disconnect",
                                                                     reset_lost_with_its_handover)],
 }
+
+
+POLICY = {"fallback: computing before the writes settled": "recompute"}
+"""Decode's --kv-failure-policy while a bug is hunted (default fail)."""
 
 
 def plant(monkeypatch, name: str) -> None:
@@ -233,7 +255,7 @@ def run_planted(name: str, seed: int, requests: int):
     mp = pytest.MonkeyPatch()
     try:
         plant(mp, name)
-        result = run_seed(seed, requests=requests)
+        result = run_seed(seed, requests=requests, kv_failure_policy=POLICY.get(name, "fail"))
     finally:
         mp.undo()
     return seed, (result.violations[0] if result.violations else None), result.requests

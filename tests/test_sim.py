@@ -87,6 +87,35 @@ def test_seeds_keep_every_invariant(pool, tally, capsys):
     assert not failures, _failures(failures)
 
 
+RECOMPUTE_SEEDS = 8  # the first everyday seeds, run again with --kv-failure-policy recompute
+KV_FAILURES = ("error:peer_lost", "error:peer_failed", "error:transfer_timeout", "error:bootstrap_timeout",
+               "error:transfer_error", "error:incompatible_peer")
+
+
+def test_under_recompute_kv_failures_end_in_answers_and_every_invariant_holds(pool, tally, capsys):
+    """The same seeds (the same cluster, clients and faults) with decode's ``--kv-failure-policy``
+    ``fail`` and ``recompute``: under recompute every invariant still holds, prompts are
+    recomputed on decode, and fewer requests end in a KV failure while more finish (a lost
+    prefill's requests are answered instead)."""
+    started = time.perf_counter()
+    runs, failures = {}, []
+    for policy in ("fail", "recompute"):
+        runs[policy] = run_many(range(RECOMPUTE_SEEDS), EVERYDAY_REQUESTS, processes=2, pool=pool,
+                                kv_failure_policy=policy,
+                                on_result=lambda r: failures.append(r) if not r.ok else None)
+        tally.add(runs[policy].seeds, runs[policy].requests)
+    fail, recompute = runs["fail"], runs["recompute"]
+    kv = {p: sum(t.endings[e] for e in KV_FAILURES) for p, t in runs.items()}
+    _show(capsys, [f"{p}: {kv[p]} KV failures, {t.endings['finished']} finished, "
+                   f"{t.effects['KV fallbacks (prompts recomputed on decode)']} prompts recomputed"
+                   for p, t in runs.items()] + recompute.report(time.perf_counter() - started))
+    assert not failures, _failures(failures)
+    assert recompute.effects["KV fallbacks (prompts recomputed on decode)"] > 0
+    assert fail.effects["KV fallbacks (prompts recomputed on decode)"] == 0
+    assert kv["recompute"] < kv["fail"] and recompute.endings["finished"] > fail.endings["finished"], \
+        (fail.endings, recompute.endings)
+
+
 def _sim_twice(*args: str, code: str = "") -> list[subprocess.CompletedProcess]:
     """Two processes, side by side, each running ``python -m splitserve.sim *args`` (or ``code``)."""
     argv = [sys.executable, "-c", code, *args] if code else [sys.executable, "-m", "splitserve.sim", *args]

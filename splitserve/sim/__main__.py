@@ -31,11 +31,14 @@ def main(argv=None) -> int:
     parser.add_argument("--first", type=int, default=0, help="the first seed of --seeds / --minutes (default 0)")
     parser.add_argument("--requests", type=int, default=300, help="client requests per seed (default 300)")
     parser.add_argument("--trace", type=int, default=80, help="events of the trace a failing seed prints (default 80)")
+    parser.add_argument("--kv-failure-policy", choices=("fail", "recompute"), default="fail",
+                        help="decode's --kv-failure-policy (default fail; a seed is otherwise the same)")
     parser.add_argument("--processes", type=int, default=1,
                         help="run --seeds in this many processes (default 1; the totals are the same)")
     args = parser.parse_args(argv)
     if args.seed is not None:
-        result = run_seed(args.seed, requests=args.requests, trace_size=args.trace)
+        result = run_seed(args.seed, requests=args.requests, trace_size=args.trace,
+                          kv_failure_policy=args.kv_failure_policy)
         print("\n".join(result.report()))
         return 0 if result.ok else 1
     started = time.perf_counter()
@@ -43,14 +46,17 @@ def main(argv=None) -> int:
     def failing(result) -> None:
         if not result.ok:
             print(f"seed {result.seed}: {result.violations[0]}  (replay: python -m splitserve.sim --seed "
-                  f"{result.seed}{'' if args.requests == 300 else f' --requests {args.requests}'})", flush=True)
+                  f"{result.seed}{'' if args.requests == 300 else f' --requests {args.requests}'}"
+                  f"{'' if args.kv_failure_policy == 'fail' else ' --kv-failure-policy ' + args.kv_failure_policy})",
+                  flush=True)
 
     if args.minutes is not None:  # seeds until the time is up
         totals = run_many(itertools.count(args.first), args.requests, args.processes, failing,
-                          until=started + args.minutes * 60)
+                          until=started + args.minutes * 60, kv_failure_policy=args.kv_failure_policy)
     else:
         count = args.seeds if args.seeds is not None else 100
-        totals = run_many(range(args.first, args.first + count), args.requests, args.processes, failing)
+        totals = run_many(range(args.first, args.first + count), args.requests, args.processes, failing,
+                          kv_failure_policy=args.kv_failure_policy)
     print("\n".join(totals.report(time.perf_counter() - started)))
     return 0 if not totals.failed else 1
 

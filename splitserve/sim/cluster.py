@@ -397,6 +397,7 @@ class Cluster:
         self.workers: dict[str, SimWorker] = {}  # slot -> the process there now (alive or dead)
         self.generations: dict[str, int] = {}
         self.by_address: dict[str, SimWorker] = {}
+        self.retired_fallbacks = 0  # KV fallbacks of decode workers since replaced (killed, restarted)
         router_config = config.router_config(
             prefill=tuple(WorkerAddress(f"http://{self.hosts[f'prefill{i}']}:{HTTP_PORT}", BOOTSTRAP_PORT)
                           for i in range(config.prefills)),
@@ -410,6 +411,9 @@ class Cluster:
     def start_worker(self, slot: str) -> SimWorker:
         kind = "prefill" if slot.startswith("prefill") else "decode"
         index = int(slot[len(kind):])
+        old = self.workers.get(slot)
+        if old is not None and kind == "decode" and getattr(old.role, "fallbacks", None) is not None:
+            self.retired_fallbacks += sum(old.role.fallbacks.values())
         generation = self.generations.get(slot, -1) + 1
         self.generations[slot] = generation
         worker = SimWorker(self, kind, index, generation)

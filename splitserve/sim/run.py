@@ -93,7 +93,8 @@ class Result:
     def report(self) -> list[str]:
         """What a run prints: the same for the same seed in any process, but for the ``wall`` line."""
         s = self.scenario
-        lines = [f"seed {self.seed}: {'quiet' if s.quiet else 'chaos'}, {s.prefills} prefill + {s.decodes} decode, "
+        policy = "" if s.kv_failure_policy == "fail" else f" --kv-failure-policy {s.kv_failure_policy}"
+        lines = [f"seed {self.seed}{policy}: {'quiet' if s.quiet else 'chaos'}, {s.prefills} prefill + {s.decodes} decode, "
                  f"{self.requests} requests over {s.arrival_s:.1f}s, simulated {self.sim_s:.1f}s, "
                  f"{self.checks} invariant checks",
                  "endings: " + ", ".join(f"{k} {v}" for k, v in sorted(self.endings.items())),
@@ -104,7 +105,7 @@ class Result:
             lines.append(f"VIOLATION: {self.violations[0]}")
             lines.append(f"trace (the last {len(self.trace)} events):")
             lines += self.trace
-            lines.append(f"replay: python -m splitserve.sim --seed {self.seed}")
+            lines.append(f"replay: python -m splitserve.sim --seed {self.seed}{policy}")
         else:
             lines.append("ok: every invariant held")
         lines.append(f"wall {self.wall_s:.2f}s")
@@ -197,6 +198,11 @@ class Run:
             if n:
                 result.faults[kind] = n
         result.effects = Counter(self.faults.effects)
+        fallbacks = self.cluster.retired_fallbacks + sum(
+            sum(w.role.fallbacks.values()) for w in self.cluster.workers.values()
+            if w.kind == "decode" and getattr(w.role, "fallbacks", None) is not None)
+        if fallbacks:
+            result.effects["KV fallbacks (prompts recomputed on decode)"] = fallbacks
         for kind, n in (("frames cut by a partition", net["partitioned"]), ("of them held to the heal", net["held"]),
                         ("late writes landed", tnet["late"]), ("links closed", tnet["fenced"]),
                         ("transfer backend raised", tnet["crashes"])):
@@ -459,18 +465,19 @@ class Run:
 
 
 def run_seed(seed: int, requests: int = 300, quiet: Optional[bool] = None, scenario: Optional[Scenario] = None,
-             trace_size: int = 80) -> Result:
-    """Run one seed (its scenario drawn from the seed unless given)."""
-    return Run(scenario or Scenario.draw(seed, requests, quiet), trace_size).run()
+             trace_size: int = 80, kv_failure_policy: str = "fail") -> Result:
+    """Run one seed (its scenario drawn from the seed unless given; decode's
+    ``--kv-failure-policy`` as given)."""
+    return Run(scenario or Scenario.draw(seed, requests, quiet, kv_failure_policy), trace_size).run()
 
 
 def _run_one(args: tuple) -> Result:
-    seed, requests = args
-    return run_seed(seed, requests=requests)
+    seed, requests, policy = args
+    return run_seed(seed, requests=requests, kv_failure_policy=policy)
 
 
 def run_many(seeds, requests: int = 300, processes: int = 1, on_result=None, pool=None,
-             until: Optional[float] = None) -> Totals:
+             until: Optional[float] = None, kv_failure_policy: str = "fail") -> Totals:
     """Run ``seeds`` and add them up; ``on_result(result)`` sees each, in seed order.
 
     With ``processes`` > 1 each seed runs whole in one process of ``pool`` (a spawn pool of that
@@ -479,20 +486,20 @@ def run_many(seeds, requests: int = 300, processes: int = 1, on_result=None, poo
     ``until`` is given: no seed starts once ``time.perf_counter()`` has passed it (those under way
     finish and count)."""
     totals = Totals()
-    for result in _results(iter(seeds), requests, processes, pool, until):
+    for result in _results(iter(seeds), requests, processes, pool, until, kv_failure_policy):
         totals.add(result)
         if on_result is not None:
             on_result(result)
     return totals
 
 
-def _results(seeds, requests: int, processes: int, pool, until: Optional[float]):
+def _results(seeds, requests: int, processes: int, pool, until: Optional[float], policy: str):
     def more() -> bool:
         return until is None or time.perf_counter() < until
 
     if processes <= 1 and pool is None:
         while more() and (seed := next(seeds, None)) is not None:
-            yield run_seed(seed, requests=requests)
+            yield run_seed(seed, requests=requests, kv_failure_policy=policy)
         return
     own = pool is None
     if own:
@@ -503,7 +510,7 @@ def _results(seeds, requests: int, processes: int, pool, until: Optional[float])
     try:
         while True:
             while len(window) < 2 * processes and more() and (seed := next(seeds, None)) is not None:
-                window.append(pool.apply_async(_run_one, ((seed, requests),)))
+                window.append(pool.apply_async(_run_one, ((seed, requests, policy),)))
             if not window:
                 return
             yield window.popleft().get()

@@ -102,7 +102,10 @@ class Scenario:
         return self.router["request_timeout_s"]
 
     @classmethod
-    def draw(cls, seed: int, requests: int = 300, quiet: bool | None = None) -> "Scenario":
+    def draw(cls, seed: int, requests: int = 300, quiet: bool | None = None,
+             kv_failure_policy: str = "fail") -> "Scenario":
+        """The seed's scenario; ``kv_failure_policy`` (decode's) draws nothing, so a seed is the
+        same cluster, clients and faults under either policy."""
         rng = random.Random(stable_seed("scenario", seed))
         quiet = rng.random() < 0.25 if quiet is None else quiet
         rate = rng.uniform(3.0, 12.0)  # requests per second
@@ -112,7 +115,7 @@ class Scenario:
                 hang_up=rng.uniform(0.05, 0.3), shared_decode_name=rng.random() < 0.5,
                 drop=rng.choice((0.0, 0.01, 0.03)), duplicate=rng.choice((0.0, 0.02)),
                 reorder=rng.choice((0.0, 0.02, 0.05)), notify_drop=rng.choice((0.0, 0.1, 0.3)),
-                eos_every=rng.choice((0, 24)))
+                eos_every=rng.choice((0, 24)), kv_failure_policy=kv_failure_policy)
         if not quiet:
             s = replace(s, faults=tuple(_draw_faults(rng, s)))
         return s
