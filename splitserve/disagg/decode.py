@@ -40,6 +40,7 @@ from splitserve.disagg.lifecycle import (
     ComputePrompt, DecodeStep, DecodeTable, DisconnectPeer, Finished, FromPeer, KVFallback, KVLost, LocalFailure,
     PagesReserved, Peer, PromptChunk, QuarantinePages, Reason, ReleaseQuarantine, ReservePages, StartDecode,
 )
+from splitserve.disagg.lifecycle.recompute import KV_FALLBACK_REASONS
 from splitserve.disagg.role import DisaggRole, RoomRecord
 from splitserve.disagg.transfer.links import ReceiveLinks
 from splitserve.disagg.transfer_worker import KVNotification, TransferWorker
@@ -66,7 +67,9 @@ class DecodeRole(DisaggRole):
                                  vocab_size=self.engine.spec.vocab_size,
                                  kv_failure_policy=self.server.kv_failure_policy)
         self._local_rooms = itertools.count(-1, -1)  # rooms of requests that came alone: never a router's
-        self.fallbacks: Counter = Counter()  # reason -> rooms that recomputed their prompt (KVFallback)
+        # reason -> rooms that recomputed their prompt (KVFallback); every reason from 0, so the
+        # metric's series exist before the first fallback (a rate over them needs a start)
+        self.fallbacks: Counter = Counter({r.value: 0 for r in KV_FALLBACK_REASONS})
         self.prompts_computed = 0  # a counter: rooms whose prompt ran here (alone, or a fallback)
         self._kv_lost_early: OrderedDict = OrderedDict()  # rid or ("room", n) -> detail: KVLost before its request
         self._page_queue: deque[int] = deque()  # rooms waiting for pages, first come first served
