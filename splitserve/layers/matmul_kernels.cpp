@@ -47,6 +47,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QK_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define QK_VNNI 1  // the same integer dot products in one instruction (vpdpbusd) instead of three
+#endif
 #endif
 
 #include <algorithm>
@@ -282,10 +285,21 @@ inline __m256 load_u8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// p += unsigned bytes u . signed bytes s, 4 at a time per 32-bit lane; dot32(p): p's int32 sums.
+// Exact integer arithmetic either way (AVX2: int16 partial sums, which the callers keep below
+// 2^15), so AVX512-VNNI gives the AVX2 bits.
+#if defined(QK_VNNI)
+inline __m256i acc_u8s8(__m256i p, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(p, u, s); }
+inline __m256i dot32(__m256i p) { return p; }
+#else
+inline __m256i acc_u8s8(__m256i p, __m256i u, __m256i s) { return _mm256_add_epi16(p, _mm256_maddubs_epi16(u, s)); }
+inline __m256i dot32(__m256i p) { return _mm256_madd_epi16(p, _mm256_set1_epi16(1)); }
+#endif
+
 // Q4_0 (MIN false) and Q4_1 (MIN true), one block of 32 k per step
 template <int MR, bool MIN>
 inline void tile_q4(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc) {
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
   const int64_t K = a.K;
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
@@ -299,14 +313,14 @@ inline void tile_q4(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc) 
       for (int m = 0; m < MR; ++m) {
         const int8_t* xq = a.q.data() + (m0 + m) * K + 32 * b;
         // 8 products of <= 2 * 15 * 127 in each int16 lane: <= 30480, no saturation
-        p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(lo, bcast4(xq + 4 * i)));
-        p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(hi, bcast4(xq + 16 + 4 * i)));
+        p[m] = acc_u8s8(p[m], lo, bcast4(xq + 4 * i));
+        p[m] = acc_u8s8(p[m], hi, bcast4(xq + 16 + 4 * i));
       }
     }
     const __m256 dw = load_half8(gb);
     for (int m = 0; m < MR; ++m) {
       const int64_t at = (m0 + m) * a.nb + b;
-      __m256i dot = _mm256_madd_epi16(p[m], ones);
+      __m256i dot = dot32(p[m]);
       if (!MIN) dot = _mm256_sub_epi32(dot, _mm256_set1_epi32(8 * a.sum[at]));  // (q - 8) . x
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(dw, _mm256_set1_ps(a.d[at])), acc[m]);
       if (MIN) acc[m] = _mm256_fmadd_ps(load_half8(gb + 16), _mm256_set1_ps(a.s[at]), acc[m]);
@@ -316,7 +330,7 @@ inline void tile_q4(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc) 
 
 template <int MR>
 inline void tile_q8(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
+  [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
   const int64_t K = a.K;
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < a.nb; ++b) {
@@ -329,7 +343,11 @@ inline void tile_q8(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc) 
       for (int m = 0; m < MR; ++m) {
         const __m256i x = bcast4(a.q.data() + (m0 + m) * K + 32 * b + 4 * g);
         // |w| * (x with w's sign): 2 products of <= 128 * 127 per int16 lane
+#if defined(QK_VNNI)
+        s[m] = _mm256_dpbusd_epi32(s[m], aw, _mm256_sign_epi8(x, w));
+#else
         s[m] = _mm256_add_epi32(s[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones));
+#endif
       }
     }
     const __m256 dw = load_half8(gb);
@@ -342,7 +360,7 @@ inline void tile_q8(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc) 
 
 template <int MR>
 inline void tile_q4k(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc) {
-  const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
   const int64_t K = a.K, nsb = K / 256;
   for (int m = 0; m < MR; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nsb; ++sb) {
@@ -356,13 +374,13 @@ inline void tile_q4k(const uint8_t* grp, const Acts& a, int64_t m0, __m256* acc)
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + 160 + 256 * c + 32 * i));
         const __m256i q = _mm256_and_si256(_mm256_srli_epi16(v, int(shift)), mask);
         for (int m = 0; m < MR; ++m)
-          p[m] = _mm256_add_epi16(p[m], _mm256_maddubs_epi16(q, bcast4(a.q.data() + (m0 + m) * K + k0 + 4 * i)));
+          p[m] = acc_u8s8(p[m], q, bcast4(a.q.data() + (m0 + m) * K + k0 + 4 * i));
       }
       const __m256 scale = _mm256_mul_ps(d, load_u8x8(gb + 32 + 8 * sub));
       const __m256 minimum = _mm256_mul_ps(dmin, load_u8x8(gb + 96 + 8 * sub));
       for (int m = 0; m < MR; ++m) {
         const int64_t at = (m0 + m) * a.nb + k0 / 32;
-        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[m], ones));
+        const __m256 dot = _mm256_cvtepi32_ps(dot32(p[m]));
         acc[m] = _mm256_fmadd_ps(dot, _mm256_mul_ps(scale, _mm256_set1_ps(a.d[at])), acc[m]);
         acc[m] = _mm256_fnmadd_ps(minimum, _mm256_set1_ps(a.s[at]), acc[m]);
       }
