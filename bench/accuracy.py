@@ -1,0 +1,242 @@
+"""What serving a GGUF file's quantized weights as they are costs in accuracy, in one run.
+
+The reference is the dequantized float32 model of the same file (``--quantization none``: every
+weight expanded exactly as the ``gguf`` library dequantizes it; the only full-precision SmolLM2
+here). Against it, each ``--modes`` entry (default ``auto``: the file's Q4_1 / Q8_0 blocks kept,
+the activations rounded to int8 per block of 32, as llama.cpp does) is measured two ways:
+
+- greedy agreement over a fixed prompt set (``PROMPTS``, chat-formatted, ``--new-tokens`` each):
+  the share of generated tokens that agree with the reference before the first divergence, and how
+  many answers agree whole;
+- perplexity on a text shipped with the bench, ``bench/data/lighthouses.txt`` (about 1,000 words
+  of plain English prose written for it), as one sequence, its prompt chunks of ``--chunk`` tokens.
+
+Bounds (the bench prints each check and exits 1 when one fails): perplexity at most ``PPL_BOUND``
+times the reference's, and greedy agreement at least ``AGREE_BOUND``. When llama.cpp's venv is
+there (``bench/refs/setup_llamacpp.sh``; ``--llamacpp-python`` or ``$SPLITSERVE_REF_LLAMACPP``),
+llama.cpp's perplexity on the same file and the same tokens (llama-cpp-python with
+``logits_all``) is printed beside ours, as the reference for the quantized arithmetic. Usage::
+
+    .venv/bin/python bench/accuracy.py [--model smollm2|PATH.gguf] [--modes auto,int8] [--new-tokens 96]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.io import GenerateRequest, SamplingParams
+from splitserve.engine.kv_pool import KVLayout, KVPool
+from splitserve.layers.attention import build_metadata
+from splitserve.models.loader import load_tokenizer
+from splitserve.models.resolve import resolve_model_dir
+
+TEXT = Path(__file__).with_name("data") / "lighthouses.txt"
+PPL_BOUND = 1.03  # perplexity of a mode / the reference's
+# share of greedy tokens before the first divergence. Measured 21% (auto) and 22% (int8, where only
+# the activations' int8 rounding differs from the reference): a 135M model's greedy answers meet
+# near-ties early, and one flipped token changes the rest; perplexity is the bound that says more
+AGREE_BOUND = 0.15
+DEFAULT_LLAMACPP = "/work/refs/llamacpp/bin/python"
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a short poem about the sea.",
+    "Explain what a prime number is to a ten-year-old.",
+    "List three uses of a paperclip.",
+    "How does a refrigerator keep food cold?",
+    "Give me a recipe for a simple tomato soup.",
+    "What are the main differences between a cat and a dog as pets?",
+    "Summarize the plot of a detective story in three sentences.",
+    "Why is the sky blue?",
+    "Translate 'good morning, how are you?' into Spanish and French.",
+    "What should I pack for a weekend hiking trip?",
+    "Describe how to change a flat bicycle tyre.",
+]
+
+
+def gguf_source(model: str) -> Path:
+    from splitserve.models.gguf import find_gguf
+    from splitserve.models.resolve import smollm2_gguf
+
+    src = smollm2_gguf() if model == "smollm2" else find_gguf(model)
+    if src is None:
+        raise SystemExit(f"--model {model!r} is not a GGUF file: the reference is a GGUF file's dequantized model")
+    return src
+
+
+def engine_for(model_dir: str, mode: str, args) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, dtype="float32", quantization=mode,
+                                  max_running_requests=len(PROMPTS), max_total_tokens=8192,
+                                  max_batch_tokens=max(2048, args.chunk)))
+
+
+def greedy(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    reqs = [GenerateRequest(f"g{i}", tuple(p), params) for i, p in enumerate(prompts)]
+    outs = engine.generate(reqs)
+    return [list(outs[r.rid].token_ids) for r in reqs]
+
+
+@torch.inference_mode()
+def negative_log_likelihood(engine: LLMEngine, tokens: list[int], chunk: int) -> tuple[float, int]:
+    """Sum of -log p(token i | tokens before it) over i >= 1, and the count: the text as one
+    sequence in prompt chunks of ``chunk`` tokens, through the engine's model and ops."""
+    model, spec = engine.runner.model, engine.spec
+    page = engine.runner.page_size
+    pages = list(range(-(-len(tokens) // page)))
+    kv = KVPool(KVLayout(len(pages), spec.num_layers, page, spec.num_kv_heads, spec.head_dim, spec.dtype))
+    total, count = 0.0, 0
+    for start in range(0, len(tokens), chunk):
+        piece = tokens[start:start + chunk]
+        meta = build_metadata([(start, len(piece), pages)], page, dtype=spec.dtype)
+        hidden = model(torch.tensor(piece), torch.arange(start, start + len(piece)), meta, kv)
+        logprobs = F.log_softmax(model.compute_logits(hidden).double(), dim=-1)  # [n, vocab]
+        targets = tokens[start + 1:start + len(piece) + 1]
+        total -= logprobs[torch.arange(len(targets)), torch.tensor(targets)].sum().item()
+        count += len(targets)
+    return total, count
+
+
+LLAMACPP_SCRIPT = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+a = json.loads(sys.stdin.read())
+llm = Llama(model_path=a["gguf"], n_ctx=a["n_ctx"], n_batch=a["chunk"], logits_all=True, n_threads=a["threads"],
+            verbose=False)
+toks = a["tokens"]
+llm.eval(toks)
+logits = np.asarray(llm.scores[:len(toks)], dtype=np.float64)
+top = logits.max(1, keepdims=True)
+lse = (np.log(np.exp(logits - top).sum(1, keepdims=True)) + top)[:, 0]
+nll = float(sum(lse[i] - logits[i, toks[i + 1]] for i in range(len(toks) - 1)))
+answers = []
+for prompt in a["prompts"]:
+    out = []
+    for t in llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(int(t))
+        if len(out) == a["new_tokens"]:
+            break
+    answers.append(out)
+print(json.dumps({"nll": nll, "n": len(toks) - 1, "answers": answers}))
+"""
+
+
+def has_llama_cpp(python: str) -> bool:
+    if not os.access(python, os.X_OK):
+        return False
+    return subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, timeout=120).returncode == 0
+
+
+def llamacpp_run(python: str, gguf: Path, tokens: list[int], chunk: int, threads: int, prompts: list[list[int]],
+                 new_tokens: int) -> tuple[float, int, list[list[int]]]:
+    """llama.cpp on the file: the text's summed -log p and count, and its greedy answers."""
+    body = json.dumps({"gguf": str(gguf), "tokens": tokens, "n_ctx": len(tokens) + 16, "chunk": chunk,
+                       "threads": threads, "prompts": prompts, "new_tokens": new_tokens})
+    out = subprocess.run([python, "-c", LLAMACPP_SCRIPT], input=body, capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(f"llama.cpp's perplexity failed: {out.stderr.strip().splitlines()[-1:]}")
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["nll"], result["n"], result["answers"]
+
+
+def agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[float, int]:
+    """Share of tokens before the first divergence, answers identical whole."""
+    before = 0
+    for a, b in zip(ours, ref):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        before += n
+    return before / sum(len(b) for b in ref), sum(a == b for a, b in zip(ours, ref))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2", help="smollm2 (the demo model) or a .gguf file")
+    ap.add_argument("--modes", default="auto", help="comma-separated --quantization modes against none")
+    ap.add_argument("--new-tokens", type=int, default=96, help="greedy tokens per prompt")
+    ap.add_argument("--chunk", type=int, default=512, help="prompt chunk (tokens) of the perplexity pass")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads and llama.cpp's (default: torch's)")
+    ap.add_argument("--llamacpp-python", default=os.environ.get("SPLITSERVE_REF_LLAMACPP", DEFAULT_LLAMACPP),
+                    help="the python of llama.cpp's venv (default: $SPLITSERVE_REF_LLAMACPP, else %(default)s)")
+    ap.add_argument("--result-json", type=Path, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    src = gguf_source(args.model)
+    model_dir = resolve_model_dir(args.model)
+    tok = load_tokenizer(model_dir)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+               for p in PROMPTS]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    text_tokens = list(tok(TEXT.read_text())["input_ids"])
+
+    rows = {}
+    answers = {}
+    for mode in ["none", *args.modes.split(",")]:
+        t0 = time.perf_counter()
+        engine = engine_for(model_dir, mode, args)
+        nll, n = negative_log_likelihood(engine, text_tokens, args.chunk)
+        answers[mode] = greedy(engine, prompts, args.new_tokens)
+        rows[mode] = dict(quantization=engine.spec.quantization, ppl=math.exp(nll / n), tokens=n,
+                          seconds=time.perf_counter() - t0)
+        del engine
+    llamacpp: Optional[float] = None
+    llamacpp_answers: list[list[int]] = []
+    llamacpp_why = f"{args.llamacpp_python} cannot import llama_cpp: bash bench/refs/setup_llamacpp.sh"
+    if has_llama_cpp(args.llamacpp_python):
+        try:
+            nll, n, llamacpp_answers = llamacpp_run(args.llamacpp_python, src, text_tokens, args.chunk,
+                                                    torch.get_num_threads(), prompts, args.new_tokens)
+            llamacpp = math.exp(nll / n)
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
+            llamacpp_why = str(exc)
+    ref = rows["none"]
+    print(f"model {src.name} ({src.stat().st_size / 1e6:.0f} MB); reference: --quantization none (the file "
+          f"dequantized to float32); text {TEXT.relative_to(Path(__file__).parent.parent)} ({len(text_tokens)} "
+          f"tokens, chunks of {args.chunk}); {len(PROMPTS)} chat prompts x {args.new_tokens} greedy tokens; "
+          f"threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'--quantization':>14} {'weights':>18} {'perplexity':>10} {'/ reference':>11} {'greedy agree':>12} "
+          f"{'whole answers':>13}")
+    failed = []
+    for mode, r in rows.items():
+        share, whole = agreement(answers[mode], answers["none"])
+        r.update(agree=share, whole=whole, ratio=r["ppl"] / ref["ppl"])
+        print(f"{mode:>14} {r['quantization']:>18} {r['ppl']:>10.3f} {r['ratio']:>10.4f}x {share:>11.1%} "
+              f"{whole:>6}/{len(PROMPTS)}")
+        if mode != "none":
+            if r["ratio"] > PPL_BOUND:
+                failed.append(f"{mode}: perplexity {r['ratio']:.4f}x the reference's > {PPL_BOUND}")
+            if share < AGREE_BOUND:
+                failed.append(f"{mode}: greedy agreement {share:.1%} < {AGREE_BOUND:.0%}")
+    if llamacpp is not None:
+        ours = rows.get("auto", ref)["ppl"]
+        share, whole = agreement(llamacpp_answers, answers["none"])
+        ours_share = agreement(answers["auto"], llamacpp_answers)[0] if "auto" in answers else float("nan")
+        print(f"llama.cpp (llama-cpp-python, the same file and tokens): perplexity {llamacpp:.3f} "
+              f"({llamacpp / ref['ppl']:.4f}x the reference's); splitserve --quantization auto / llama.cpp "
+              f"{ours / llamacpp:.4f}x; its greedy answers against the reference {share:.1%} ({whole}/{len(PROMPTS)} "
+              f"whole), against splitserve's auto {ours_share:.1%}")
+    else:
+        print(f"llama.cpp: not measured ({llamacpp_why})")
+    print(f"bounds: perplexity <= {PPL_BOUND}x the reference's, greedy agreement >= {AGREE_BOUND:.0%}: "
+          + ("; ".join(failed) if failed else "all hold"))
+    if args.result_json:
+        args.result_json.write_text(json.dumps(dict(rows=rows, llamacpp_ppl=llamacpp, failed=failed), indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
