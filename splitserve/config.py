@@ -249,6 +249,16 @@ class RouterConfig:
     """Streaming requests: a worker answers its status as soon as it accepts or refuses one; a leg
     whose response headers have not come this long after it was sent fails with 504 (without
     streaming the headers come with the whole answer: request_timeout_s bounds them)."""
+    pd_threshold_tokens: int = 256
+    """A request whose prompt's uncached part is estimated at this many tokens or more is split
+    (a prefill and a decode worker); a shorter one goes to a decode worker alone, which computes
+    its prompt itself; 0 splits every request (docs/router.md, per request)."""
+    pd_fallback: bool = True
+    """A split request whose prefill leg failed before prefill accepted it, with no retry left, goes
+    to its decode worker alone (--no-pd-fallback: the failure is the answer)."""
+    pd_chars_per_token: float = 3.5
+    """The router has no tokenizer: a text prompt's tokens are estimated as its characters divided
+    by this (SmolLM2's tokenizer: 3.4 on English docs, 3.8 on Python; token ids count exactly)."""
     max_retries: int = 2
     """A leg that fails before anything reached the client (connection refused or broken, 503,
     429) is tried again on another worker of its role, with a new bootstrap room, at most this

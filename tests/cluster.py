@@ -47,7 +47,8 @@ class RouterProcess:
     """``splitserve router`` on a free port; ``start()`` returns once it listens (its ready line, or
     the line that says it is not ready yet) and, with ``wait_healthy`` (the default), ``/health``
     answers 200 (a prefill and a decode worker are up). ``wait_healthy=False`` is for tests of a
-    router whose workers are down or fake."""
+    router whose workers are down or fake. It splits every request (``--pd-threshold-tokens 0``)
+    unless ``args`` say otherwise: the split is what most tests are about, with short prompts."""
 
     def __init__(self, prefill: Sequence[tuple[str, int]], decode: Sequence[str], *args: str,
                  startup_timeout: float = 60.0, wait_healthy: bool = True, tls: Optional[dict] = None):
@@ -57,6 +58,8 @@ class RouterProcess:
         for url in decode:
             self.argv += ["--decode", url]
         self.argv += list(args)
+        if not any(a.split("=")[0] == "--pd-threshold-tokens" for a in args):
+            self.argv += ["--pd-threshold-tokens", "0"]  # split every request: the path most tests are about
         self.startup_timeout = startup_timeout
         self.wait_healthy = wait_healthy
         self.tls = tls  # a TLS router: requests' keywords to reach it

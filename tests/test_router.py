@@ -50,6 +50,7 @@ class FakeWorker:
         self.aborted = threading.Event()
         self.finished = 0
         self.flushes = 0  # POST /flush_cache received
+        self.abort_requests: list[dict] = []  # POST /abort_request bodies received
         self.flush_status = 200
         self.release = asyncio.Event()  # set (from the loop) to end `hang` behaviours
         self.runner: Optional[web.AppRunner] = None
@@ -70,6 +71,7 @@ class FakeWorker:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/flush_cache", self._flush_cache)
+        app.router.add_post("/abort_request", self._abort_request)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", self.port)
@@ -84,6 +86,10 @@ class FakeWorker:
         if self.models_hang:
             await self.release.wait()
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _abort_request(self, request):
+        self.abort_requests.append(await request.json())
+        return web.json_response({"found": True})
 
     async def _flush_cache(self, request):
         self.flushes += 1
@@ -341,7 +347,7 @@ def test_prefill_failure_aborts_the_decode_leg(case, fakes, start_router):
         prefill = fakes(drop_connection() if case == "reset" else None)
     # the decode worker would wait for KV forever; streaming, it has already sent its SSE headers
     decode = fakes(sse([{"note": "headers sent"}], then_hang=True) if stream else hang())
-    router = start_router([(prefill.url, 1)], [decode.url], "--health-interval-s", "60")
+    router = start_router([(prefill.url, 1)], [decode.url], "--health-interval-s", "60", "--no-pd-fallback")
     if case == "refused":
         prefill.stop_listening()  # healthy at the router's first check, gone now
 
@@ -447,7 +453,7 @@ def test_unhealthy_worker_leaves_rotation_and_comes_back(fakes, start_router):
     prefill = fakes()
     a, b = fakes(reply(200, {"who": "a"})), fakes(reply(200, {"who": "b"}))
     router = start_router([(prefill.url, 1)], [a.url, b.url], "--health-interval-s", "0.1",
-                          "--health-failures", "2")
+                          "--health-failures", "2", "--no-pd-fallback")
 
     def healthy(fake, role="decode") -> float:
         return router.metric("splitserve_router_worker_healthy", role=role, url=fake.url)
@@ -813,7 +819,7 @@ def test_a_worker_that_never_sends_its_headers_is_bounded(silent, fakes, start_r
     open_stream = sse([{"note": "headers sent"}], then_hang=True)
     prefill = fakes(hang() if silent == "prefill" else open_stream)
     decode = fakes(hang() if silent == "decode" else open_stream)
-    router = start_router([(prefill.url, 1)], [decode.url], "--worker-header-timeout-s", "1")
+    router = start_router([(prefill.url, 1)], [decode.url], "--worker-header-timeout-s", "1", "--no-pd-fallback")
     started = time.monotonic()
     r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=6)
     assert time.monotonic() - started < 1 + 5

@@ -8,6 +8,7 @@ real router process:
 - a 429 is tried again only on another worker, never on the one that shed the load; with no
   other worker the client gets the 429;
 - the retry budget: once spent, the failure reaches the client (counted as denied by budget);
+- decode alone and the fallback to it (``split.py``) give the split's tokens on the real pair;
 - a decode stream that breaks before anything reached the client is tried again; one that
   breaks after the first byte is not.
 
@@ -29,7 +30,8 @@ from cluster import Cluster, RouterProcess
 from test_router import COMPLETION, MODEL, FakeWorker, assert_openai_error, reply, sse, sse_events, wait_for
 from test_router import fake_loop, fakes, start_router  # noqa: F401 (fixtures)
 
-SLOW_HEALTH = ("--health-interval-s", "600")  # a worker that dies stays in rotation for the test
+SLOW_HEALTH = ("--health-interval-s", "600")
+BOOTSTRAP = {"bootstrap_host", "bootstrap_port", "bootstrap_room"}  # a worker that dies stays in rotation for the test
 
 
 def retries(router: RouterProcess) -> dict:
@@ -152,26 +154,25 @@ def test_a_429_is_tried_again_only_on_another_worker(fakes, start_router):
     alone = start_router([(shedding.url, 1)], [decode.url])
     wait_for(lambda: requests.get(alone.url + "/health", timeout=2).status_code == 200, 30, "the router's pair")
     resp = requests.post(alone.url + "/v1/completions", json={"model": MODEL, **COMPLETION}, timeout=30)
-    assert_openai_error(resp, 429)
-    assert resp.headers.get("Retry-After") == "1"
+    assert resp.status_code == 200 and resp.json() == {"who": "decode"}  # no other prefill: decode alone
     assert len(shedding.requests) == len(shed) + 1  # once, not again
+    assert not BOOTSTRAP & set(decode.requests[-1][1])
     assert denied(alone) == {"no_other_worker": 1}
 
 
 def test_a_spent_retry_budget_lets_the_failure_through(fakes, start_router):
+    prefill, ok = fakes(reply(200, {"who": "prefill"})), fakes(reply(200, {"who": "decode"}))
     refusing = fakes(reply(503, DRAINING))
-    ok, decode = fakes(reply(200, {"who": "prefill"})), fakes(reply(200, {"who": "decode"}))
-    router = start_router([(refusing.url, 1), (ok.url, 2)], [decode.url], "--retry-budget-min", "1",
+    router = start_router([(prefill.url, 1)], [refusing.url, ok.url], "--retry-budget-min", "1",
                           "--retry-budget-ratio", "0")
-    wait_for(lambda: requests.get(router.url + "/health", timeout=2).status_code == 200, 30, "the router's pair")
     url = router.url + "/v1/completions"
     statuses = [requests.post(url, json={"model": MODEL, **COMPLETION}, timeout=30).status_code for _ in range(3)]
-    # the first refusal was tried again on the other prefill (the budget's one retry); every later
+    # the first refusal was tried again on the other decode (the budget's one retry); every later
     # one reached the client as the refusal it was
     assert statuses[0] == 200 and 503 in statuses, statuses
-    assert retries(router) == {"prefill:unavailable": 1}
+    assert retries(router) == {"decode:unavailable": 1}
     assert denied(router) == {"budget": statuses.count(503)}
-    assert router.metric("splitserve_router_requests_total", outcome="prefill_failed") == statuses.count(503)
+    assert router.metric("splitserve_router_requests_total", outcome="decode_failed") == statuses.count(503)
 
 
 def broken_stream(events: list[dict], wait: float = 0.0):
@@ -228,3 +229,42 @@ def test_a_decode_stream_broken_before_the_commit_is_tried_again_never_after(fak
     assert retries(router2) == {}
     assert router2.metric("splitserve_router_requests_total", outcome="decode_failed") == 1
 
+
+
+def test_decode_alone_and_the_fallback_give_the_split_s_tokens(real_pair, fakes, start_router):
+    """The real pair: a request split, the same request sent to decode alone (a threshold above
+    its length), and the same request whose only prefill refused (503: no retry left, so it falls
+    back to decode alone) all give the same greedy tokens; decode's first room of the fallback was
+    ended with the cause, and nothing is left held."""
+    (prefill,), (decode,) = real_pair.prefill, real_pair.decode
+    pair = [(prefill.url, prefill.bootstrap_port)]
+    split = start_router(pair, [decode.url])
+    alone = start_router(pair, [decode.url], "--pd-threshold-tokens", "100000")
+    fallback = start_router([(fakes(reply(503, DRAINING)).url, 1)], [decode.url])
+    body = {"prompt": "one two three four five", "max_tokens": 6, "temperature": 0}
+    texts = {}
+    for name, router in (("split", split), ("alone", alone), ("fallback", fallback)):
+        for stream in (False, True):
+            rid = f"{name}-{stream}"
+            resp = requests.post(router.url + "/v1/completions", json={**body, "stream": stream},
+                                 headers={"X-Request-Id": rid}, timeout=60)
+            assert resp.status_code == 200, resp.text
+            text = "".join(e["choices"][0]["text"] for e in sse_events(resp)[:-1]) if stream else \
+                resp.json()["choices"][0]["text"]
+            texts[rid] = text
+    assert len(set(texts.values())) == 1, texts
+    on_prefill = requests.get(f"{prefill.url}/debug/requests/alone-False", timeout=5)
+    assert on_prefill.status_code == 404  # no prefill leg at all
+    attempts = record(fallback, "fallback-False")["router"]["attempts"]
+    assert attempts[1]["prefill"] is None and attempts[1]["room"] is None, attempts
+    first = requests.get(f"{decode.url}/debug/rooms/{attempts[0]['room']}", timeout=5)
+    assert first.status_code == 200 and first.json()["ending"] == "ABORTED(client_abort)", first.text
+    said = f"room={attempts[0]['room']} ended ABORTED(client_abort): the prefill worker"
+    wait_for(lambda: said in decode.stderr(), 10, "decode's log line naming the cause")  # not only "client gone"
+    assert decisions_of(fallback) == {"split": 2, "fallback": 2} and decisions_of(alone) == {"alone": 2}
+    real_pair.assert_no_leaks()
+
+
+def decisions_of(router: RouterProcess) -> dict:
+    return {dict(labels)["decision"]: v for (name, labels), v in router.metrics().items()
+            if name == "splitserve_router_pd_decisions_total" and v}

@@ -54,7 +54,7 @@ from splitserve.config import RouterConfig
 from splitserve.engine.io import FLUSH_WAIT_S
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
-from splitserve.router import debug, membership
+from splitserve.router import debug, membership, split
 from splitserve.router.client import send
 from splitserve.router.discovery import Discovery
 from splitserve.router.legs import describe_error
@@ -99,6 +99,27 @@ class RouterState:
         self.new_room = functools.partial(secrets.randbits, ROOM_BITS)
         """Draws each request's ``bootstrap_room`` (the simulator draws from its seed)."""
 
+    def plan(self, key: str, tokens: int, exclude: Optional[dict] = None, retrying: bool = False):
+        """(prefill or None, decode, decision) for a request of about ``tokens`` prompt tokens whose
+        routing key is ``key``, none of them in ``exclude``: split (a pair, :meth:`pick_workers`)
+        when its uncached part reaches ``--pd-threshold-tokens``, else a decode worker alone
+        (``split.py``); ``fallback``, alone, when it was to be split and no prefill is there to
+        pair with (unless ``--no-pd-fallback``). A string (why) when there is none to go to."""
+        decodes = self.workers.candidates(DECODE, exclude)
+        if not decodes:
+            return self.pick_workers(key, exclude)  # the refusal, as a pair's would be
+        cached = split.known_cached_tokens(self.policies[DECODE], decodes, key, tokens)
+        decision = split.decide(self.config.pd_threshold_tokens, tokens, cached)
+        if decision == "split":
+            if self.workers.has_pair(exclude):
+                picked = self.pick_workers(key, exclude)
+                if not isinstance(picked, str):
+                    return picked[0], picked[1], "split"
+            if not self.config.pd_fallback:
+                return self.pick_workers(key, exclude)  # the refusal: why there is no pair
+            decision = "fallback"
+        return None, self.policies[DECODE].pick(decodes, key), decision
+
     def can_pick(self, exclude: Optional[dict] = None) -> bool:
         """Whether :meth:`pick_workers` would find a pair with ``exclude``."""
         return self.workers.has_pair(exclude)
@@ -139,6 +160,8 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
             raise ValueError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
     if config.max_retries < 0 or config.retry_budget_ratio < 0 or config.retry_budget_min < 0:
         raise ValueError("--max-retries, --retry-budget-ratio and --retry-budget-min must be at least 0")
+    if config.pd_threshold_tokens < 0 or not config.pd_chars_per_token > 0:
+        raise ValueError("--pd-threshold-tokens must be at least 0 and --pd-chars-per-token positive")
     if not config.retry_budget_window_s > 0:
         raise ValueError(f"--retry-budget-window-s must be positive, not {config.retry_budget_window_s}")
     if not 0 <= config.cache_threshold <= 1 or config.cache_balance_abs < 0:

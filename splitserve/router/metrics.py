@@ -10,6 +10,8 @@
   client did not send its body within ``client_body_timeout_s``, 408, or stopped reading for
   ``client_write_timeout_s``), ``timeout`` (``request_timeout_s`` passed), ``internal`` (a bug).
   A client that had gone before the answer — whatever it was — reached it counts as leaving.
+- ``pd_decisions_total{decision}``: ``split``, ``alone`` (``split.py``), and ``fallback`` (a split
+  request sent to decode alone after its prefill failed).
 - ``retries_total{role,cause}``: legs tried again on another worker (``retry.CAUSES``), and
   ``retries_denied_total{reason}``: failed legs that qualified and were not (``retry.DENIALS``).
 - ``requests_in_flight``: generation requests now inside the router.
@@ -30,6 +32,7 @@ from typing import Optional
 
 from splitserve.metrics import Registry
 from splitserve.router.retry import CAUSES, DENIALS
+from splitserve.router.split import DECISIONS
 from splitserve.router.workers import WorkerSet
 
 OUTCOMES = ("finished", "bad_request", "no_workers", "prefill_failed", "decode_failed", "client_disconnect",
@@ -108,6 +111,11 @@ class RouterMetrics:
         self.retries_denied = registry.counter("splitserve_router_retries_denied_total",
                                                "Failed legs that could have been tried again and were not, by why "
                                                "not.", ["reason"])
+        self.pd_decisions = registry.counter("splitserve_router_pd_decisions_total",
+                                             "Requests split (prefill + decode) or sent to a decode worker alone, "
+                                             "and split requests that fell back to decode alone.", ["decision"])
+        for decision in DECISIONS:
+            self.pd_decisions.labels(decision=decision)
         for role in ("prefill", "decode"):
             for cause in CAUSES:
                 self.retries.labels(role=role, cause=cause)

@@ -4,11 +4,17 @@ The router sends the same JSON body (plus ``bootstrap_host``, ``bootstrap_port``
 63-bit ``bootstrap_room``, the SGLang PD convention) to a prefill and a decode worker at once, and
 answers the client with the decode worker's response. The prefill leg's body is never shown to the
 client, but its status is: a prefill worker that refuses the request (429 queue full, 503
-draining, 400) or cannot be reached means the decode worker would only wait for KV that never
-comes, so the router closes the decode leg at once (a closed connection is a client abort to a
-worker) and returns prefill's error. Unless prefill's error only echoes decode's: a room that
+draining, 400) or cannot be reached, before it accepted the room, leaves the failure to the router
+(``docs/router.md``, who owns a failure). The decode worker would only wait for KV that never
+comes, so its leg is ended at once with the cause (``POST /abort_request`` naming the room and
+why, then closed: a closed leg alone reads as the client gone), and the request is tried again
+with a new room (``retry.py``), or sent to its decode worker alone (``split.py``, the fallback),
+or, neither left, answered with prefill's error. Unless prefill's error only echoes decode's: a room that
 decode failed or aborted first fails on prefill with ``peer_failed`` / ``peer_abort``; then the
 decode worker's own answer, which names the cause, is awaited (briefly) and returned instead.
+
+A request the router does not split (``split.py``) has one leg, to decode, without bootstrap
+fields: the exchange commits to it as soon as its headers came.
 
 When may the router commit to the decode worker's answer (send the client a status)?
 
@@ -73,7 +79,7 @@ import aiohttp
 from aiohttp import web
 
 from splitserve.engine.io import InvalidRequest
-from splitserve.router import retry
+from splitserve.router import retry, split
 from splitserve.router.client import ClientLost, ClientWriter, read_body, send
 from splitserve.router.legs import Leg, NoHeaders, describe_error
 from splitserve.router.metrics import TokenTimes
@@ -91,6 +97,7 @@ ECHO_CODES = ("peer_failed", "peer_abort")  # a prefill error that only repeats 
 ECHO_WAIT_S = 2.0  # how long the router then waits for decode's own answer
 LINGER_S = 5.0  # a prefill leg still open this long after its exchange finished is closed
 ROOM_BITS = 63
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")  # the router's own, never a client's
 
 
 class Deadline(Exception):
@@ -100,9 +107,9 @@ class Deadline(Exception):
 class Exchange:
     """The two legs of one request and the answer built from them (:meth:`run`)."""
 
-    def __init__(self, state, request: web.Request, body: dict, stream: bool, prefill: Worker, decode: Worker,
-                 room: int, deadline: float, rid: str = "", started: Optional[float] = None,
-                 retry_gate: Optional[Callable[[str, Worker, str], bool]] = None):
+    def __init__(self, state, request: web.Request, body: dict, stream: bool, prefill: Optional[Worker],
+                 decode: Worker, room: Optional[int], deadline: float, rid: str = "", started: Optional[float] = None,
+                 retry_gate: Optional["RetryGate"] = None):
         self.state = state
         self.retry_gate = retry_gate
         self.config = state.config
@@ -111,6 +118,7 @@ class Exchange:
         self.stream = stream
         self.prefill_worker, self.decode_worker = prefill, decode
         self.room = room
+        self.name = f"room {room}" if room is not None else f"request {rid} (decode alone)"  # for log lines
         self.rid = rid
         self.deadline = deadline
         self.times = TokenTimes(self.clock() if started is None else started)  # what the client sees
@@ -126,6 +134,9 @@ class Exchange:
         """(role, worker, cause) when a leg failed before anything reached the client in a way that
         another worker of its role may be tried for (``retry.cause``) and ``retry_gate`` (the
         caller's rules: attempts, budget, deadline) let it: the answer returned is then not sent."""
+        self.fallback = False
+        """The prefill leg failed before prefill accepted the request, no retry was left, and the
+        request goes to this exchange's decode worker alone (``split.py``): the answer is not sent."""
 
     @staticmethod
     def clock() -> float:
@@ -141,7 +152,8 @@ class Exchange:
                       header_timeout=self.config.worker_header_timeout_s if self.stream else None,
                       headers={REQUEST_ID: self.rid} if self.rid else None)
         session = self.state.session
-        self.prefill = Leg(self.prefill_worker, session, path, data, **bounds)
+        if self.prefill_worker is not None:  # else decode alone: no prefill leg (split.py)
+            self.prefill = Leg(self.prefill_worker, session, path, data, **bounds)
         self.decode = Leg(self.decode_worker, session, path, data, **bounds)
         try:
             return await self._run()
@@ -149,7 +161,7 @@ class Exchange:
             return await self._timed_out()
         except ClientLost as exc:
             self.outcome = exc.outcome
-            log.info("room %d: %s", self.room, exc)
+            log.info("%s: %s", self.name, exc)
             return self.response or web.Response(status=499)
         finally:
             self._close_legs()
@@ -157,13 +169,13 @@ class Exchange:
     async def _run(self) -> web.StreamResponse:
         p, d = self.prefill, self.decode
         while not self._may_commit():
-            waiting = {leg.task for leg in (p, d) if not leg.answered}
-            if self.stream and d.ok and not p.answered:  # read decode's stream ahead meanwhile
+            waiting = {leg.task for leg in (p, d) if leg is not None and not leg.answered}
+            if self.stream and d.ok and p is not None and not p.answered:  # read decode's stream ahead meanwhile
                 if self.decode_stream is None:
                     self.decode_stream = DecodeStream(d.response, self._wait)
                 waiting.add(self.decode_stream.read())
             await self._wait(waiting)
-            if p.answered and not self.prefill_handed_off:  # prefill first: its failure is the cause
+            if p is not None and p.answered and not self.prefill_handed_off:  # prefill first: its failure is the cause
                 if not p.ok and not await self._decode_has_the_cause():
                     return await self._prefill_failed()
                 self._hand_off_prefill()
@@ -173,7 +185,7 @@ class Exchange:
                 self.decode_stream.keep()
         if self.stream:
             return await self._stream_decode()
-        if not self.prefill_handed_off:
+        if self.prefill is not None and not self.prefill_handed_off:
             self._hand_off_prefill()
         return await self._unary_decode()
 
@@ -181,7 +193,8 @@ class Exchange:
         if not self.decode.ok:
             return False
         ahead = self.decode_stream
-        return not self.stream or self.prefill.answered or (ahead is not None and ahead.decided)
+        return (not self.stream or self.prefill is None or self.prefill.answered
+                or (ahead is not None and ahead.decided))
 
     async def _wait(self, tasks: set) -> None:
         done, _ = await asyncio.wait(tasks, timeout=self.remaining(), return_when=asyncio.FIRST_COMPLETED)
@@ -209,16 +222,45 @@ class Exchange:
         return code if isinstance(code, str) else None
 
     async def _prefill_failed(self) -> web.Response:
-        self.decode.abort()  # at once: the decode worker must not wait for KV that will not come
+        """Prefill failed before it accepted the request (``docs/router.md``, who owns a failure):
+        the router's to handle. Tried again with a new room, or sent to decode alone, or the
+        failure is the answer; either way decode's leg is ended at once with that cause (not only
+        closed, which would read as the client gone), for it must not wait for KV that will not come."""
         self.outcome = "prefill_failed"
-        self._may_retry(self.prefill, PREFILL)
+        leg = self.prefill
+        error = leg.error
+        status = None if error is not None else leg.response.status
+        why = retry.cause(error, status)
+        echo = error is None and await self._error_code(leg) in ECHO_CODES  # decode failed first: not prefill's
+        if self.retry_gate is not None and self.response is None and not echo:
+            verdict = self.retry_gate(PREFILL, leg.worker, why, fallback=retry.fallback_cause(error, status))
+            self.retry = (PREFILL, leg.worker, why) if verdict == "retry" else None
+            self.fallback = verdict == "fallback"
+        failure = describe_error(error) if error is not None else f"it answered {status}"
+        then = ("the router tries again with a new room" if self.retry else
+                "the router sends the request to a decode worker alone" if self.fallback else "the request failed")
+        self._end_decode_leg(f"the prefill worker {leg.worker.url} failed before it accepted the request "
+                             f"({failure}); {then}")
         return await self._leg_error(self.prefill, PREFILL)
 
+    def _end_decode_leg(self, detail: str) -> None:
+        """End decode's leg with its cause: ``POST /abort_request`` for the room (bounded), then the
+        leg closed (which alone ends it, should the worker not have the room yet)."""
+        leg = self.decode
+        if leg is None or not leg.open or self.room is None:
+            return
+        self.decode = None  # the task below closes it
+        self.state.spawn(abort_with_cause(self.state.session, leg, self.room, detail))
+
     async def _decode_failed(self) -> web.Response:
-        self.prefill.abort()  # nobody will come for its KV
+        self._abort_prefill()  # nobody will come for its KV
         self.outcome = "decode_failed"
         self._may_retry(self.decode, DECODE)
         return await self._leg_error(self.decode, DECODE)
+
+    def _abort_prefill(self) -> None:
+        if self.prefill is not None:
+            self.prefill.abort()
 
     def _may_retry(self, leg: Leg, role: str, error: Optional[BaseException] = None) -> None:
         """``leg`` failed: is the request to be tried again (:attr:`retry`)? Only if it failed in a
@@ -226,7 +268,7 @@ class Exchange:
         error = error if error is not None else leg.error
         why = retry.cause(error, None if error is not None else leg.response.status)
         if why is not None and self.response is None and self.retry_gate is not None \
-                and self.retry_gate(role, leg.worker, why):
+                and self.retry_gate(role, leg.worker, why) == "retry":
             self.retry = (role, leg.worker, why)
 
     async def _leg_error(self, leg: Leg, role: str) -> web.Response:
@@ -235,7 +277,7 @@ class Exchange:
             timed_out = isinstance(exc, (asyncio.TimeoutError, NoHeaders))
             status = 504 if timed_out else 502
             message = f"the {role} worker {leg.worker.url} failed: {describe_error(exc)}"
-            log.warning("room %d: %s", self.room, message)
+            log.warning("%s: %s", self.name, message)
             self.status = status
             code = "worker_timeout" if isinstance(exc, NoHeaders) else "worker_unreachable"
             return web.json_response(error_body(message, status, code=code), status=status)
@@ -276,7 +318,7 @@ class Exchange:
         except asyncio.TimeoutError:
             raise Deadline() from None
         except aiohttp.ClientError as exc:
-            self.prefill.abort()
+            self._abort_prefill()
             self.outcome, self.status = "decode_failed", 502
             self._may_retry(self.decode, DECODE, exc)
             message = f"the decode worker {self.decode.worker.url} broke off its answer: {describe_error(exc)}"
@@ -293,14 +335,14 @@ class Exchange:
         if decode_in.broke is not None:  # before anything reached the client: another decode may take it
             self._may_retry(self.decode, DECODE, decode_in.broke)
             if self.retry is not None:
-                self.prefill.abort()
+                self._abort_prefill()
                 self.outcome, self.status = "decode_failed", 502
                 message = f"the decode worker {self.decode.worker.url} broke off its stream: " \
                           f"{describe_error(decode_in.broke)}"
                 return web.json_response(error_body(message, 502, code="worker_unreachable"), status=502)
         if decode_in.failed:
-            self.prefill.abort()  # decode decided first, and failed: nobody will come for prefill's KV
-        elif not self.prefill_handed_off:
+            self._abort_prefill()  # decode decided first, and failed: nobody will come for prefill's KV
+        elif self.prefill is not None and not self.prefill_handed_off:
             self._hand_off_prefill()
         self.status = resp.status
         out = web.StreamResponse(status=resp.status, headers=_pass_headers(resp))
@@ -310,7 +352,7 @@ class Exchange:
             async with contextlib.aclosing(decode_in.chunks()) as chunks:
                 async for chunk in chunks:
                     if decode_in.watch.saw_error:
-                        self.prefill.abort()  # decode failed: nobody will come for prefill's KV
+                        self._abort_prefill()  # decode failed: nobody will come for prefill's KV
                     await self.client.write(out, chunk)
                     self.times.feed(chunk, self.clock())
         except aiohttp.ClientError as exc:
@@ -325,7 +367,7 @@ class Exchange:
     async def _decode_broke_off(self, why: str) -> web.StreamResponse:
         self.outcome = "decode_failed"
         message = f"the decode worker {self.decode.worker.url} broke off its stream: {why}"
-        log.warning("room %d: %s", self.room, message)
+        log.warning("%s: %s", self.name, message)
         self._close_legs()
         await self._end_stream_with_error(message, 502)
         return self.response
@@ -339,7 +381,7 @@ class Exchange:
             await self.client.finish(self.response)
         except ClientLost as exc:  # the client had gone: counted as its leaving, not as the failure
             self.outcome = exc.outcome
-            log.info("room %d: the error event did not reach the client: %s", self.room, exc)
+            log.info("%s: the error event did not reach the client: %s", self.name, exc)
 
     def _close_legs(self) -> None:
         """Abort every leg not finished (and the prefill leg unless it was handed off after a
@@ -354,6 +396,35 @@ class Exchange:
                 self.prefill.abort_after(LINGER_S)
             else:
                 self.prefill.abort()
+
+
+ABORT_CAUSE_S = 2.0  # POST /abort_request, before the leg is closed anyway
+JSON_HEADERS = {"Content-Type": "application/json"}
+ABORT_AGAIN_S = (0.05, 0.1, 0.2, 0.4)  # asked again after these while decode has not seen the room
+
+
+async def abort_with_cause(session: aiohttp.ClientSession, leg: Leg, room: int, detail: str) -> None:
+    """End a decode leg whose KV will not come, saying why (``POST /abort_request`` for its room:
+    decode's log line for the room then names the cause, not only a client gone), then close it.
+    A decode worker that has not taken the room yet (both legs were sent at once) is asked again
+    a few times; all bounded by :data:`ABORT_CAUSE_S`, after which the leg is closed anyway, which
+    ends the room as a client's abort."""
+    data = json.dumps({"bootstrap_room": room, "reason": "client_abort", "detail": detail[:256]}).encode("utf-8")
+    clock = asyncio.get_running_loop().time
+    until = clock() + ABORT_CAUSE_S
+    try:
+        for wait in ABORT_AGAIN_S:  # the legs went out together: decode may not have taken the room yet
+            async with session.post(leg.worker.url + "/abort_request", data=data, headers=JSON_HEADERS,
+                                    timeout=aiohttp.ClientTimeout(total=max(0.1, until - clock()))) as resp:
+                payload = await resp.read()
+            answer = json.loads(payload) if resp.status == 200 else {}
+            if answer.get("found") or leg.answered or clock() + wait >= until:
+                return
+            await asyncio.sleep(wait)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
+        log.info("%s: /abort_request for room %d failed: %s", leg.worker.describe(), room, describe_error(exc))
+    finally:
+        leg.abort()
 
 
 def attempt_rid(rid: str, attempt: int) -> str:
@@ -375,52 +446,68 @@ def _fresh_room(state, used: list[int]) -> int:
 
 
 class RetryGate:
-    """Whether a request whose leg just failed is tried again as retry number ``n`` (from 1), and
-    then the pair it goes to (``retry.py``, ``docs/router.md``). ``failed``: role -> the workers
-    that failed this request so far (the next attempt goes to none of them)."""
+    """What becomes of a request whose leg just failed before anything reached the client, on its
+    attempt number ``n`` (from 1): tried again (``retry.py``), sent to decode alone (``split.py``,
+    after a prefill failure with no retry left), or neither; and the next attempt's workers.
+    ``failed``: role -> the workers that failed this request so far (no later attempt goes to
+    them)."""
 
     def __init__(self, state, n: int, failed: dict, deadline: float, rid: str):
         self.state, self.n, self.failed, self.deadline, self.rid = state, n, failed, deadline, rid
         self.delay = 0.0
         self.role: Optional[str] = None
 
-    def __call__(self, role: str, worker: Worker, why: str) -> bool:
-        """A leg of ``role`` on ``worker`` failed for ``why`` (``retry.CAUSES``): may it be tried
-        again? Counted either way; a yes takes one retry from the budget."""
+    def __call__(self, role: str, worker: Worker, why: Optional[str], fallback: Optional[str] = None) -> Optional[str]:
+        """A leg of ``role`` on ``worker`` failed: ``why`` is its retry cause (``retry.CAUSES``, or
+        None), ``fallback`` (prefill only) its cause for going to decode alone (or None).
+        ``"retry"``, ``"fallback"`` or None. Counted; a retry takes one from the budget."""
         state, metrics = self.state, self.state.metrics
         now = asyncio.get_running_loop().time()
         self.failed[role].add(worker)
-        if self.n > state.config.max_retries:
-            denied = "max_retries"
-        elif not state.can_pick(self.failed):
-            denied = "no_other_worker"
-        else:
-            self.delay = retry.backoff(self.n, retry.jitter_unit(state.new_room()))
-            if now + self.delay >= self.deadline:
-                denied = "deadline"
-            elif not state.retry_budget.spend(now):
-                denied = "budget"
-            else:
-                denied = None
-        if denied is not None:
+        if why is not None:
+            denied = self._denied(role, now)
+            if denied is None:
+                self.role = role
+                metrics.retries.labels(role=role, cause=why).inc()
+                state.recent.retried(self.rid, role, why)
+                return "retry"
             metrics.retries_denied.labels(reason=denied).inc()
             log.info("rid=%s: the %s leg failed (%s); not tried again: %s", self.rid, role, why, denied)
-            return False
-        self.role = role
-        metrics.retries.labels(role=role, cause=why).inc()
-        state.recent.retried(self.rid, role, why)
-        return True
+        if role == PREFILL and fallback is not None and state.config.pd_fallback and now < self.deadline:
+            state.recent.retried(self.rid, role, f"{fallback}; decode alone")
+            log.info("rid=%s: the prefill leg failed (%s); the decode worker computes the prompt alone", self.rid,
+                     fallback)
+            return "fallback"
+        return None
 
-    async def next_pair(self, key: str) -> Optional[tuple[Worker, Worker]]:
-        """After the backoff, the pair for the retry (None if no other worker is in rotation by then)."""
+    def _denied(self, role: str, now: float) -> Optional[str]:
+        """Why no retry (``retry.DENIALS``), or None (then the budget has paid for one)."""
+        state = self.state
+        if self.n > state.config.max_retries:
+            return "max_retries"
+        others = state.workers.has_pair(self.failed) if role == PREFILL else \
+            state.workers.candidates(DECODE, self.failed)
+        if not others:
+            return "no_other_worker"
+        self.delay = retry.backoff(self.n, retry.jitter_unit(state.new_room()))
+        if now + self.delay >= self.deadline:
+            return "deadline"
+        if not state.retry_budget.spend(now):
+            return "budget"
+        return None
+
+    async def next_attempt(self, key: str, tokens: int):
+        """After the backoff, the next attempt's (prefill or None, decode, decision) by
+        ``RouterState.plan``, none of them a worker that failed; None if none is in rotation by then."""
         await asyncio.sleep(self.delay)
-        if not self.state.can_pick(self.failed):
+        planned = self.state.plan(key, tokens, exclude=self.failed, retrying=True)
+        if isinstance(planned, str):
             self.state.metrics.retries_denied.labels(reason="no_other_worker").inc()
             return None
-        prefill, decode = self.state.pick_workers(key, exclude=self.failed)
+        prefill, decode, _ = planned
         log.info("rid=%s: retry %d (the %s leg failed) on prefill=%s decode=%s", self.rid, self.n, self.role,
-                 prefill.url, decode.url)
-        return prefill, decode
+                 prefill.url if prefill is not None else "none (decode alone)", decode.url)
+        return planned
 
 
 def _pass_headers(resp: aiohttp.ClientResponse) -> dict:
@@ -443,6 +530,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
     metrics = state.metrics
     metrics.in_flight.inc()
     outcome, status, room, legs, rid, exchange = "client_disconnect", 499, None, "", None, None
+    recorded = False  # the router's record of the request (state.recent) was started
     try:
         try:
             raw = await read_body(request, config.client_body_timeout_s, config.max_body_bytes)
@@ -463,33 +551,41 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
             response = web.json_response(engine_error_body(exc), status=exc.status)
             outcome = await send(request, response, config.client_write_timeout_s) or outcome
             return response
-        picked = state.pick_workers(routing_key(validated))
-        if isinstance(picked, str):
+        key = routing_key(validated)
+        tokens = split.estimate_tokens(key, validated.prompt_ids, config.pd_chars_per_token)
+        planned = state.plan(key, tokens)
+        if isinstance(planned, str):
             outcome, status = "no_workers", 503
-            response = web.json_response(error_body(picked, 503, code="no_healthy_workers"), status=503,
+            response = web.json_response(error_body(planned, 503, code="no_healthy_workers"), status=503,
                                          headers={"Retry-After": "1"})
             outcome = await send(request, response, config.client_write_timeout_s) or outcome
             return response
-        prefill, decode = picked
+        prefill, decode, decision = planned
+        metrics.pd_decisions.labels(decision=decision).inc()
         request[REQUEST_ID] = rid  # echoed to the client (app.py)
         deadline = started + config.request_timeout_s
         state.retry_budget.request(clock())
         rooms: list[int] = []
         failed: dict[str, set] = {PREFILL: set(), DECODE: set()}  # workers that failed this request, by role
+        attempt = 0
         while True:
-            room = _fresh_room(state, rooms)
-            attempt = len(rooms)
-            rooms.append(room)
             worker_rid = attempt_rid(rid, attempt)
-            legs = f" prefill={prefill.url} decode={decode.url}" + (f" attempt={attempt + 1}" if attempt else "")
-            leg_body = dict(body, bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port,
-                            bootstrap_room=room)
+            leg_body = {k: v for k, v in body.items() if k not in BOOTSTRAP_FIELDS}
+            if prefill is not None:  # split: both legs, a room never used before by this request
+                room = _fresh_room(state, rooms)
+                rooms.append(room)
+                leg_body.update(bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
+            else:  # decode alone: no bootstrap fields (decode draws a room of its own)
+                room = None
             if endpoint == "generate":  # SGLang's field; the OpenAI routes carry it as X-Request-Id
                 leg_body["rid"] = worker_rid
+            p_url = prefill.url if prefill is not None else None
+            legs = f" prefill={p_url or '-'} decode={decode.url}" + (f" attempt={attempt + 1}" if attempt else "")
             if attempt == 0:
-                state.recent.start(rid, room, endpoint, prefill.url, decode.url, started)
+                state.recent.start(rid, room, endpoint, p_url, decode.url, started)
+                recorded = True
             else:
-                state.recent.attempt(rid, room, worker_rid, prefill.url, decode.url)
+                state.recent.attempt(rid, room, worker_rid, p_url, decode.url)
             gate = RetryGate(state, attempt + 1, failed, deadline, rid)
             exchange = Exchange(state, request, leg_body, validated.stream, prefill, decode, room, deadline,
                                 worker_rid, started, gate)
@@ -500,12 +596,17 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
                 raise
             finally:
                 outcome, status = exchange.outcome, exchange.status
-            if exchange.retry is None:
+            attempt += 1
+            if exchange.retry is not None:
+                again = await gate.next_attempt(key, tokens)
+                if again is None:
+                    break
+                prefill, decode, _ = again
+            elif exchange.fallback:
+                metrics.pd_decisions.labels(decision="fallback").inc()
+                prefill = None  # the same decode worker, alone
+            else:
                 break
-            again = await gate.next_pair(routing_key(validated))
-            if again is None:
-                break
-            prefill, decode = again
         outcome = await send(request, response, config.client_write_timeout_s) or outcome
         return response
     except asyncio.CancelledError:
@@ -516,7 +617,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         seconds = clock() - started
         times = exchange.times if exchange is not None else None
         metrics.record(outcome, seconds, endpoint, times)
-        if room is not None:
+        if recorded:
             state.recent.end(rid, outcome, status, seconds, times.ttft if times is not None else None)
-            log.log(logging.ERROR if outcome == "internal" else logging.INFO, "room %d %s rid=%s: %s (%s)%s %.3fs",
-                    room, endpoint, rid, outcome, status, legs, seconds)
+            log.log(logging.ERROR if outcome == "internal" else logging.INFO, "room %s %s rid=%s: %s (%s)%s %.3fs",
+                    room if room is not None else "- (decode alone)", endpoint, rid, outcome, status, legs, seconds)

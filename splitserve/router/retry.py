@@ -29,11 +29,14 @@ requests failed by one event do not arrive together.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections import deque
 from typing import Optional
 
 import aiohttp
+
+from splitserve.router.legs import NoHeaders
 
 CAUSES = ("unreachable", "gone", "unavailable", "overloaded")
 DENIALS = ("max_retries", "budget", "deadline", "no_other_worker")
@@ -56,6 +59,19 @@ def cause(error: Optional[BaseException], status: Optional[int] = None) -> Optio
     if isinstance(error, aiohttp.ClientConnectionError) and not isinstance(error, aiohttp.ServerTimeoutError):
         return "unreachable"
     return None  # timeouts (no headers in time), cancellations, bugs
+
+
+def fallback_cause(error: Optional[BaseException], status: Optional[int] = None) -> Optional[str]:
+    """Why a request whose prefill leg failed so, before prefill accepted it, may still go to a
+    decode worker alone once no retry is left (``split.py``): every :func:`cause`, a prefill that
+    sent no headers in time, or a 5xx; never a 4xx (the request's own fault, which decode would
+    refuse too) but 429."""
+    why = cause(error, status)
+    if why is not None:
+        return why
+    if error is not None:
+        return "timeout" if isinstance(error, (asyncio.TimeoutError, NoHeaders)) else None
+    return "failed" if status is not None and status >= 500 else None
 
 
 def backoff(n: int, unit: float) -> float:

@@ -86,7 +86,8 @@ class Scenario:
     faults: tuple[Fault, ...] = ()
     router: dict = field(default_factory=lambda: dict(health_interval_s=1.0, health_failures=2, request_timeout_s=25.0,
                                                       worker_connect_timeout_s=3.0, worker_header_timeout_s=10.0,
-                                                      client_write_timeout_s=5.0, client_body_timeout_s=5.0))
+                                                      client_write_timeout_s=5.0, client_body_timeout_s=5.0,
+                                                      pd_threshold_tokens=0))  # every request split
 
     def engine_config(self, kind: str) -> EngineConfig:
         tokens = self.prefill_tokens if kind == "prefill" else self.decode_tokens

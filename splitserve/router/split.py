@@ -1,0 +1,61 @@
+"""Whether a request is split (a prefill and a decode leg) or goes to a decode worker alone.
+
+A decode worker given a request without bootstrap fields computes the prompt itself and
+generates (``docs/router.md``, the workers' contract): no prefill leg, no handshake, no transfer.
+That is cheaper for a short prompt, and costs the decode worker's other streams the time of the
+prompt's forward pass, which is short too. A long prompt is split, so that decode's streams are
+not stalled behind it. The rule (:func:`decide`): a request whose prompt's *uncached* part is
+estimated at ``--pd-threshold-tokens`` or more is split; a shorter one goes alone; ``0`` splits
+every request.
+
+The router has no tokenizer. Its estimate of a prompt's length (:func:`estimate_tokens`):
+
+- token ids, when the request carries them: their number, exactly;
+- text (a completion's prompt, chat messages as the routing key writes them, ``<role>content``
+  per message): its length in characters divided by ``--pd-chars-per-token``.
+
+The part the chosen decode worker is known to hold in its prefix cache is subtracted where the
+router knows it: ``cache_aware``'s index of what it sent each decode worker
+(:func:`known_cached_tokens`, the best match among the candidates, as a share of the key). Other
+policies know nothing of the workers' caches, and subtract nothing.
+
+Decisions are counted (``splitserve_router_pd_decisions_total{decision}``, llm-d's
+``llm_d_epp_pd_decision_total`` is the precedent): ``split``, ``alone``, and ``fallback`` (a
+request that was to be split and went to decode alone because its prefill leg failed before
+prefill accepted it and no retry was left, or no prefill worker was up).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+from splitserve.router.policy import CacheAware, Policy
+from splitserve.router.workers import Worker
+
+DECISIONS = ("split", "alone", "fallback")
+
+
+def estimate_tokens(key: str, prompt_ids: Optional[Sequence[int]], chars_per_token: float) -> int:
+    """The prompt's length in tokens: exact for token ids, else the routing key's characters
+    divided by ``chars_per_token``."""
+    if prompt_ids is not None:
+        return len(prompt_ids)
+    return math.ceil(len(key) / chars_per_token)
+
+
+def known_cached_tokens(policy: Policy, decodes: Sequence[Worker], key: str, tokens: int) -> int:
+    """What the router knows the best of ``decodes`` holds of this prompt in its prefix cache, in
+    tokens (``cache_aware`` only: the share of the key its index has seen sent there, whole
+    blocks); 0 for every other policy. Read only: the policy learns nothing from it."""
+    if not isinstance(policy, CacheAware) or not key or not decodes:
+        return 0
+    blocks = policy.blocks(key)
+    best = max(policy.match(w, blocks) for w in decodes)
+    return (tokens * best * policy.knobs.block_chars) // len(key)
+
+
+def decide(threshold: int, tokens: int, cached: int) -> str:
+    """``split`` when the uncached part (``tokens - cached``) is at least ``threshold`` (0: every
+    request), else ``alone``."""
+    return "split" if threshold == 0 or tokens - cached >= threshold else "alone"
