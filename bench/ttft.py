@@ -1,10 +1,21 @@
-"""Time to first token: through the router (one prefill + one decode worker) against a colocated
-worker, for prompts of 128, 1024 and 4096 tokens, in one run. Prints the medians and the
-milliseconds disaggregation adds. Usage::
+"""Time to first token against prompt length, in one run, interleaved (medians): a colocated
+worker; a decode worker alone, asked directly (no bootstrap fields: it computes the prompt
+itself); the router splitting every request (``--pd-threshold-tokens 0``: prefill + decode, the KV
+over the transfer); and the router deciding per request (its default threshold, or
+``--threshold``). Usage::
 
-    .venv/bin/python bench/ttft.py [--model tiny|DIR] [--backend nixl|tcp] [--repeat 5]
+    .venv/bin/python bench/ttft.py [--model tiny|smollm2|DIR] [--backend nixl|tcp] [--repeat 5]
+                                   [--lengths 32,128,512,1024,4096] [--threshold N]
 
-It starts the four processes itself on free ports (127.0.0.1) and stops them at the end.
+Columns (ms): ``colocated``, ``alone`` (decode alone, direct), ``split`` and ``router`` (the
+router's own choice, ``A``lone or ``S``plit); ``split adds`` = split - alone (what disaggregating
+costs one request), ``prompt`` = alone - alone at the shortest length (what computing the prompt
+on decode costs it, and stalls the streams beside it for); ``router cost`` = router - alone where
+the router sent it alone (its own hop). The checks printed after the table (docs/router.md): at
+128 tokens the router is no slower than colocated plus its own cost, at 4,096 no slower than the
+split. Each round runs the four in a shuffled order, with fresh random token ids (no cache hits).
+
+It starts its processes itself on free ports (127.0.0.1) and stops them at the end.
 """
 
 from __future__ import annotations
@@ -75,10 +86,12 @@ def main() -> None:
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--backend", default="nixl", choices=["nixl", "tcp"])
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--lengths", default="128,1024,4096")
+    ap.add_argument("--lengths", default="32,128,512,1024,4096")
+    ap.add_argument("--threshold", type=int, default=None, help="the deciding router's --pd-threshold-tokens "
+                                                                 "(default: the router's default)")
     args = ap.parse_args()
 
-    ports = {k: free_port() for k in ("prefill", "bootstrap", "decode", "router", "colocated")}
+    ports = {k: free_port() for k in ("prefill", "bootstrap", "decode", "split", "router", "colocated")}
     common = ["--model", args.model, "--host", "127.0.0.1"]
     secret = ["--cluster-secret-file", write_secret_file(str(LOG_DIR / "cluster-secret"))]
     procs = {
@@ -89,22 +102,55 @@ def main() -> None:
         "colocated": spawn("colocated", ["serve", *common, "--port", str(ports["colocated"])]),
     }
     try:
-        for name in procs:
+        for name in list(procs):
             wait_healthy(f"http://127.0.0.1:{ports[name]}", procs[name])
-        procs["router"] = spawn("router", ["router", "--port", str(ports["router"]),
-                                 "--prefill", f"http://127.0.0.1:{ports['prefill']}", str(ports["bootstrap"]),
-                                 "--decode", f"http://127.0.0.1:{ports['decode']}"])
-        wait_healthy(f"http://127.0.0.1:{ports['router']}", procs["router"])
-        router, colocated = (f"http://127.0.0.1:{ports[k]}" for k in ("router", "colocated"))
+        workers = ["--prefill", f"http://127.0.0.1:{ports['prefill']}", str(ports["bootstrap"]),
+                   "--decode", f"http://127.0.0.1:{ports['decode']}"]
+        threshold = [] if args.threshold is None else ["--pd-threshold-tokens", str(args.threshold)]
+        procs["split"] = spawn("router-split", ["router", "--port", str(ports["split"]), *workers,
+                                                "--pd-threshold-tokens", "0"])
+        procs["router"] = spawn("router", ["router", "--port", str(ports["router"]), *workers, *threshold])
+        for name in ("split", "router"):
+            wait_healthy(f"http://127.0.0.1:{ports[name]}", procs[name])
+        url = {k: f"http://127.0.0.1:{ports[k]}" for k in ("colocated", "decode", "split", "router")}
+        vocab = 40000 if args.model == "smollm2" else 2000
         rng = random.Random(0)
-        print(f"model {args.model}  backend {args.backend}  repeat {args.repeat} (median)  logs {LOG_DIR}")
-        print(f"{'prompt':>7} {'colocated ms':>13} {'router ms':>10} {'added ms':>9}")
+        print(f"model {args.model}  backend {args.backend}  repeat {args.repeat} (median, interleaved)  "
+              f"threshold {args.threshold if args.threshold is not None else 'default'}  logs {LOG_DIR}", flush=True)
+        print(f"{'prompt':>7} {'colocated':>10} {'alone':>8} {'split':>8} {'router':>9} {'split adds':>11} "
+              f"{'prompt':>8} {'router cost':>12}", flush=True)
+        rows, base = {}, None
         for n in map(int, args.lengths.split(",")):
-            ids = [rng.randint(10, 2000) for _ in range(n)]
-            ttft(colocated, ids), ttft(router, ids)  # warm-up
-            a = statistics.median(ttft(colocated, ids) for _ in range(args.repeat)) * 1e3
-            b = statistics.median(ttft(router, ids) for _ in range(args.repeat)) * 1e3
-            print(f"{n:>7} {a:>13.1f} {b:>10.1f} {b - a:>+9.1f}")
+            got: dict[str, list[float]] = {k: [] for k in url}
+            before = requests.get(url["router"] + "/metrics", timeout=10).text
+            for r in range(args.repeat + 1):  # round 0 warms up
+                order = list(url)
+                rng.shuffle(order)
+                for k in order:
+                    ids = [rng.randint(10, vocab) for _ in range(n)]  # fresh ids: no prefix-cache hit
+                    t = ttft(url[k], ids) * 1e3
+                    if r:
+                        got[k].append(t)
+            after = requests.get(url["router"] + "/metrics", timeout=10).text
+            alone_now = _count(after, "alone") > _count(before, "alone")
+            m = {k: statistics.median(v) for k, v in got.items()}
+            base = m["decode"] if base is None else base
+            cost = f"{m['router'] - m['decode']:+.1f}" if alone_now else "-"
+            rows[n] = (m, alone_now)
+            print(f"{n:>7} {m['colocated']:>10.1f} {m['decode']:>8.1f} {m['split']:>8.1f} {m['router']:>8.1f}"
+                  f"{'A' if alone_now else 'S'} {m['split'] - m['decode']:>+11.1f} {m['decode'] - base:>+8.1f} "
+                  f"{cost:>12}", flush=True)
+        if 128 in rows:
+            m, alone_now = rows[128]
+            cost = m["router"] - m["decode"]
+            print(f"128 tokens: router {m['router']:.1f} ms vs colocated {m['colocated']:.1f} + the router's own cost "
+                  f"{cost:.1f} = {m['colocated'] + cost:.1f} ms: "
+                  f"{'ok' if m['router'] <= m['colocated'] + cost else 'WORSE'}", flush=True)
+        if 4096 in rows:
+            m, _ = rows[4096]
+            print(f"4096 tokens: router {m['router']:.1f} ms vs split {m['split']:.1f} ms: "
+                  f"{'ok' if m['router'] <= m['split'] else 'worse by %.1f ms' % (m['router'] - m['split'])}",
+                  flush=True)
     finally:
         for proc in procs.values():
             proc.terminate()
@@ -113,6 +159,14 @@ def main() -> None:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def _count(metrics_text: str, decision: str) -> float:
+    """``splitserve_router_pd_decisions_total{decision=...}`` in a scrape."""
+    for line in metrics_text.splitlines():
+        if line.startswith("splitserve_router_pd_decisions_total") and f'decision="{decision}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 if __name__ == "__main__":
