@@ -142,7 +142,7 @@ def test_unsupported_completion_fields_are_named(field, value):
 @pytest.mark.parametrize("field,value", [
     ("n", 2), ("logit_bias", {"1": 1}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("response_format", {"type": "json_object"}),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"),
     ("presence_penalty", 1), ("frequency_penalty", 0.1), ("parallel_tool_calls", True), ("audio", {}),
     ("modalities", ["text", "audio"]), ("reasoning_effort", "high"),
 ])

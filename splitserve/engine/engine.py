@@ -25,6 +25,7 @@ import torch
 
 from splitserve.config import EngineConfig
 from splitserve.engine.detokenizer import IncrementalDetokenizer
+from splitserve.engine.grammar import GrammarError
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput, TokenLogprob
 from splitserve.engine.kv_pool import KVLayout, KVPool
 from splitserve.engine.model_runner import ModelRunner
@@ -173,6 +174,11 @@ class LLMEngine:
         if len(pages) * self.layout.page_size < len(req.prompt_ids):
             raise InvalidRequest(f"{len(pages)} pages cannot hold a prompt of {len(req.prompt_ids)} tokens")
         seq = self._new_sequence(req, room_owned=True)
+        if seq.grammar is not None:  # the state is rebuilt from the tokens so far: the first
+            try:
+                seq.grammar.advance(first_token)
+            except GrammarError as exc:
+                raise InvalidRequest(f"first token {first_token}: {exc}") from None
         seq.pages, seq.indexed = list(pages), cached_pages
         seq.num_computed = len(req.prompt_ids)
         seq.cached_tokens = cached_pages * self.layout.page_size
@@ -231,6 +237,8 @@ class LLMEngine:
         seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop, req.stop_matcher)
         if req.sampling.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]  # the first token has none
+        if req.grammar is not None:
+            seq.grammar = req.grammar.state()
         return seq
 
     def live_sequences(self) -> list[Sequence]:
@@ -389,6 +397,16 @@ class LLMEngine:
                 self.scheduler.finish(seq)
 
     def _sample(self, logits: torch.Tensor, row: int, seq: Sequence, greedy: Optional[list]) -> int:
+        if seq.grammar is not None:  # only what the grammar allows, then the grammar takes it
+            masked = seq.grammar.mask(logits[row])
+            if seq.sampling.greedy:
+                token = greedy_tokens(masked[None])[0]
+                if token is None:
+                    raise NoFiniteLogits("the grammar allows no token the model gives a finite logit")
+            else:
+                token = sample_token(masked, seq.sampling, seq.seed, len(seq))
+            seq.grammar.advance(token)
+            return token
         if not seq.sampling.greedy:
             return sample_token(logits[row], seq.sampling, seq.seed, len(seq))
         if greedy[row] is None:
@@ -404,7 +422,7 @@ class LLMEngine:
             seq.finish_reason = "stop"
             return
         seq.detok.add(token)
-        if seq.detok.stopped:
+        if seq.detok.stopped or (seq.grammar is not None and seq.grammar.done):
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.spec.max_context:
             seq.finish_reason = "length"

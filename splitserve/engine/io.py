@@ -100,6 +100,9 @@ class GenerateRequest:
     stop_matcher: Optional[object] = field(default=None, compare=False, repr=False)
     """The automaton of ``sampling.stop`` (``engine/detokenizer.StopMatcher``), built off the engine
     loop at validation; None: the engine builds it."""
+    grammar: Optional[object] = field(default=None, compare=False, repr=False)
+    """The compiled ``engine/grammar.Grammar`` of a structured output (``response_format``),
+    compiled off the engine loop at validation; None: unconstrained."""
 
 
 @dataclass(frozen=True)

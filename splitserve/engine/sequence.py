@@ -47,6 +47,7 @@ class Sequence:
     cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
     first_logprob: Optional[object] = None  # prefill-only: the first token's TokenLogprob, for its room
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens [0, len) (None first)
+    grammar: Optional[object] = None  # engine/grammar.GrammarState: masks each token it samples
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -44,6 +44,7 @@ from splitserve.auth import (METRICS, WORKER_ROUTES, access_middlewares, caller_
                              check_control_plane, parse_allowed_prefill)
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
+from splitserve.engine.grammar import GrammarCompiler
 from splitserve.engine.io import FLUSH_WAIT_S
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
@@ -80,6 +81,7 @@ class WorkerState:
         self.started_at = int(time.time())
         self.inflight: set[asyncio.Task] = set()  # generation handlers now running
         self.tokenize = TokenizeLanes()  # validation and tokenization, off the event loop
+        self.grammars = GrammarCompiler()  # response_format, compiled in the lanes
         self.allowed_prefill = parse_allowed_prefill(config.allowed_prefill)  # whose bootstrap fields decode takes
 
     def identity(self) -> dict:
@@ -156,6 +158,7 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 
 async def _on_cleanup(app: web.Application) -> None:
     app[STATE].tokenize.shutdown()
+    app[STATE].grammars.shutdown()
 
 
 WATCHDOG_S = 0.5  # how often the HTTP side looks at the engine loop's age

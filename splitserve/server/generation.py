@@ -92,7 +92,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             spec = engine.spec
             check = functools.partial(validate_request, raw, endpoint, served_model_name=state.model_name,
                                       max_context=spec.max_context, vocab_size=spec.vocab_size,
-                                      generation_defaults=spec.generation_defaults)
+                                      generation_defaults=spec.generation_defaults, grammars=state.grammars)
             req: ValidatedRequest = await state.tokenize.run(  # in its lane (tokenize_lanes.py)
                 len(raw), engine.tokenizer, lambda tok, per: check(tokenizer=tok, chars_per_token=per))
             refusal = bootstrap_refusal(request, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room,

@@ -31,6 +31,9 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
   logprobs too (the first token's is null). ``max_tokens`` may then be 0 (as on ``/generate``
   with ``logprob_start_len``): the prompt alone. A request that asks for its prompt's logprobs
   computes the whole prompt (no prefix cache) on one worker.
+- ``response_format`` (chat and completions): ``text``, ``json_object`` or ``json_schema``, checked
+  here (``engine/grammar.parse_response_format``: shape, size, depth) and, given the worker's
+  ``GrammarCompiler``, compiled here too: a schema it cannot compile is a 400 naming why.
 - Every field of the OpenAI API that we do not implement is refused with its name (``n`` > 1,
   ``best_of`` > 1, ``echo``, ``suffix``, ``logprobs``, ``logit_bias``, penalties, ``tools`` ...),
   except at its no-op value (``n: 1``, ``echo: false``, ``presence_penalty: 0`` ...); ``null``
@@ -53,6 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from splitserve.engine.detokenizer import stop_matcher
+from splitserve.engine.grammar import parse_response_format
 from splitserve.engine.io import (
     DEFAULT_MAX_TOKENS, MAX_TOP_LOGPROBS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams,
 )
@@ -81,7 +85,7 @@ _NOOP = {
     "functions": [], "function_call": "none", "parallel_tool_calls": _ABSENT, "store": False,
     "metadata": _ABSENT, "modalities": ["text"], "audio": _ABSENT, "prediction": _ABSENT,
     "reasoning_effort": _ABSENT, "service_tier": _ABSENT, "web_search_options": _ABSENT,
-    "response_format": {"type": "text"}, "verbosity": _ABSENT,
+    "verbosity": _ABSENT,
     # fields SGLang's gateway adds to every request it forwards, at their defaults
     "return_hidden_states": False, "background": False,
     "return_bytes": False, "return_entropy": False, "continue_final_message": False,
@@ -98,7 +102,7 @@ _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "to
 _GATEWAY = {"no_stop_trim", "skip_special_tokens", "return_hidden_states"}
 _KNOWN = {
     "completions": _COMMON | _GATEWAY | {"prompt", "n", "best_of", "echo", "suffix", "logprobs", "logit_bias",
-                              "presence_penalty", "frequency_penalty"},
+                              "presence_penalty", "frequency_penalty", "response_format"},
     "chat": _COMMON | _GATEWAY | {"continue_final_message", "separate_reasoning", "stream_reasoning", "messages", "max_completion_tokens", "n", "logprobs", "top_logprobs", "logit_bias",
                        "presence_penalty", "frequency_penalty", "tools", "tool_choice", "functions",
                        "function_call", "parallel_tool_calls", "response_format", "store", "metadata",
@@ -139,6 +143,9 @@ class ValidatedRequest:
     stop_matcher: Optional[object] = field(default=None, compare=False, repr=False)
     """The automaton of ``sampling.stop``, built with a tokenizer (on the worker's tokenizer
     thread, not the engine loop's)."""
+    grammar_spec: Optional[object] = None  # engine/grammar.GrammarSpec of response_format; None: text
+    grammar: Optional[object] = field(default=None, compare=False, repr=False)
+    """``grammar_spec`` compiled (by the worker's ``GrammarCompiler``, in the same thread)."""
 
     def generate_request(self, rid: Optional[str] = None) -> GenerateRequest:
         """The engine request; ``rid`` defaults to the client's ``rid``."""
@@ -149,7 +156,7 @@ class ValidatedRequest:
         if self.bootstrap_room is not None and self.bootstrap_host is not None and self.bootstrap_port is not None:
             bootstrap = Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
         return GenerateRequest(rid=rid, prompt_ids=self.prompt_ids, sampling=self.sampling, bootstrap=bootstrap,
-                               cache_salt=self.cache_salt, stop_matcher=self.stop_matcher)
+                               cache_salt=self.cache_salt, stop_matcher=self.stop_matcher, grammar=self.grammar)
 
 
 def parse_json_body(raw: bytes | str) -> dict:
@@ -218,13 +225,15 @@ def check_request_id(rid: Optional[str], param: str) -> Optional[str]:
 def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[str] = None, tokenizer=None,
                      max_context: Optional[int] = None, vocab_size: Optional[int] = None,
                      generation_defaults: Optional[Mapping[str, Any]] = None,
-                     chars_per_token: Optional[int] = None) -> ValidatedRequest:
+                     chars_per_token: Optional[int] = None, grammars=None) -> ValidatedRequest:
     """Check a request body (dict, or raw JSON bytes/str) for ``endpoint`` and return it in the
     engine's terms. With a ``tokenizer`` the prompt is tokenized (chat through the chat template
     with the generation prompt) and checked against ``max_context``; ``vocab_size`` bounds token
     ids. ``chars_per_token`` (:func:`max_chars_per_token` of the tokenizer): a text prompt whose
     length in characters already proves it cannot fit ``max_context`` is refused before it is
-    tokenized. Raises InvalidRequest (400, or 404 for an unknown model) naming the field."""
+    tokenized. ``grammars`` (an ``engine/grammar.GrammarCompiler``, with a ``tokenizer``):
+    ``response_format`` is compiled by it, else only checked. Raises InvalidRequest (400, or 404
+    for an unknown model) naming the field."""
     if endpoint not in ENDPOINTS:
         raise ValueError(f"endpoint must be one of {ENDPOINTS}, not {endpoint!r}")
     if not isinstance(body, dict):
@@ -291,6 +300,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     logprobs = _logprobs(body, endpoint)
     return_text_in_logprobs = bool(_opt_bool(body, "return_text_in_logprobs", ""))
     prompt_logprobs = logprobs if echo or start >= 0 else None
+    grammar_spec = parse_response_format(body.get("response_format")) if endpoint != "generate" else None
 
     prompt_ids, prompt_text, messages = None, None, None
     if endpoint == "completions":
@@ -332,6 +342,8 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         messages=messages, max_tokens_set=max_tokens_set, rid=rid, bootstrap_host=bootstrap_host,
         bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room, cache_salt=cache_salt,
         return_text_in_logprobs=return_text_in_logprobs, echo=echo, logprob_start_len=start, stop_matcher=stop_matcher(stop) if stop and tokenizer is not None else None,
+        grammar_spec=grammar_spec,
+        grammar=grammars.compile(grammar_spec, tokenizer, vocab_size or len(tokenizer)) if grammar_spec and grammars and tokenizer is not None else None,
     )
 
 

@@ -1,0 +1,270 @@
+"""Structured outputs: a grammar that masks the logits of every token a request samples.
+
+A request's ``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema",
+"json_schema": {"schema": ...}}``) is checked at the edge (:func:`parse_response_format`: its
+shape, its size, its depth) into a :class:`GrammarSpec`, then compiled for this worker's tokenizer
+by a :class:`GrammarCompiler` off the engine loop (in the request's validation thread), under a
+time limit and a cap on concurrent compilations, and cached (bounded) by spec: a schema it cannot
+compile is refused with the engine's own words before the request reaches the engine.
+
+The engine gives each sequence its own :class:`GrammarState` (a copy of the compiled grammar's
+pristine matcher), masks the sequence's logits row with it before sampling (greedy or not) and
+advances it with the sampled token. The state is a function of the tokens generated so far, so it
+is never carried between workers: prefill samples the first token under the mask; decode builds a
+fresh state and replays the first token into it (a first token the grammar refuses is a transfer
+error); a decode that recomputes a lost prefill's prompt starts from a fresh state, like a
+preempted sequence keeps its own (its tokens are kept). See ``docs/structured_outputs.md``.
+
+Engine: llguidance (pinned in pyproject.toml; why it, not xgrammar, is in that doc).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from splitserve.engine.io import InvalidRequest, Overloaded
+
+log = logging.getLogger(__name__)
+
+MAX_SCHEMA_BYTES = 64 << 10
+"""The largest schema (as compact JSON) a request may give: far above any real tool or output
+schema, far below what would make its compilation or its cache costly."""
+MAX_SCHEMA_DEPTH = 32
+"""How deeply a schema's objects and arrays may nest (checked before anything recurses into it)."""
+COMPILE_TIMEOUT_S = 10.0
+"""How long a request waits for its grammar's compilation (and for a free compilation slot)."""
+MAX_CONCURRENT_COMPILES = 2
+"""Compilations running at once on a worker; one that overran its time limit keeps its slot until
+it ends, so runaway schemas cannot pile up threads."""
+CACHE_ENTRIES = 256
+"""Compiled grammars (and refusals) kept per worker, least recently used dropped first."""
+
+# The JSON a random model could pad without end is kept tight: no free whitespace between tokens.
+_JSON_OPTIONS = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request asked for: ``kind`` ``"json_object"`` or ``"json_schema"``, and the schema as
+    canonical JSON (sorted keys, compact: the cache key)."""
+
+    kind: str
+    schema: str
+
+
+def _depth_ok(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests no deeper than ``limit``, without recursion (a hostile depth cannot
+    blow the stack)."""
+    stack = [(value, 0)]
+    while stack:
+        v, d = stack.pop()
+        if d > limit:
+            return False
+        if isinstance(v, dict):
+            stack.extend((x, d + 1) for x in v.values())
+        elif isinstance(v, list):
+            stack.extend((x, d + 1) for x in v)
+    return True
+
+
+def parse_response_format(v: Any, param: str = "response_format") -> Optional[GrammarSpec]:
+    """The grammar a ``response_format`` asks for; None for ``{"type": "text"}`` or absent.
+    Raises InvalidRequest naming the field for anything malformed or too large."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise InvalidRequest(f"{param} must be an object", param)
+    kind = v.get("type")
+    if kind == "text":
+        extra = set(v) - {"type"}
+        if extra:
+            raise InvalidRequest(f"unrecognized field `{param}.{sorted(extra)[0]}`", param)
+        return None
+    if kind == "json_object":
+        extra = set(v) - {"type"}
+        if extra:
+            raise InvalidRequest(f"unrecognized field `{param}.{sorted(extra)[0]}`", param)
+        return GrammarSpec("json_object", '{"type":"object"}')
+    if kind != "json_schema":
+        raise InvalidRequest(f"{param}.type must be one of text, json_object, json_schema; got "
+                             f"{json.dumps(kind)[:64]}", f"{param}.type")
+    extra = set(v) - {"type", "json_schema"}
+    if extra:
+        raise InvalidRequest(f"unrecognized field `{param}.{sorted(extra)[0]}`", param)
+    js = v.get("json_schema")
+    if not isinstance(js, dict):
+        raise InvalidRequest(f"{param}.json_schema must be an object", f"{param}.json_schema")
+    extra = set(js) - {"name", "description", "schema", "strict"}
+    if extra:
+        raise InvalidRequest(f"unrecognized field `{param}.json_schema.{sorted(extra)[0]}`", f"{param}.json_schema")
+    name = js.get("name")
+    if name is not None and (not isinstance(name, str) or len(name) > 64):
+        raise InvalidRequest(f"{param}.json_schema.name must be a string of at most 64 characters",
+                             f"{param}.json_schema.name")
+    if js.get("strict") is not None and not isinstance(js.get("strict"), bool):
+        raise InvalidRequest(f"{param}.json_schema.strict must be a boolean", f"{param}.json_schema.strict")
+    return schema_spec(js.get("schema", {}), f"{param}.json_schema.schema")
+
+
+def schema_spec(schema: Any, param: str) -> GrammarSpec:
+    """A JSON schema (a dict, or ``true``) as a :class:`GrammarSpec`, within the size and depth caps."""
+    if schema is True:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise InvalidRequest(f"{param} must be a JSON schema object", param)
+    if not _depth_ok(schema, MAX_SCHEMA_DEPTH):
+        raise InvalidRequest(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
+    text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
+        raise InvalidRequest(f"{param} is {len(text.encode())} bytes as JSON; at most {MAX_SCHEMA_BYTES} are "
+                             "accepted", param)
+    return GrammarSpec("json_schema", text)
+
+
+class Grammar:
+    """A compiled grammar for one tokenizer: a pristine matcher that :meth:`state` copies. Never
+    advanced itself, so any thread may copy it."""
+
+    def __init__(self, spec: GrammarSpec, matcher, vocab_size: int):
+        self.spec = spec
+        self._pristine = matcher
+        self.vocab_size = vocab_size
+
+    def state(self) -> "GrammarState":
+        return GrammarState(self._pristine.deep_copy(), self.vocab_size)
+
+
+class GrammarError(ValueError):
+    """The grammar refused a token or failed (a resource limit); the request fails alone."""
+
+
+class GrammarState:
+    """One sequence's place in its grammar. Engine loop only."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self._m = matcher
+        self.vocab_size = vocab_size
+
+    def allowed(self) -> torch.Tensor:
+        """The tokens the grammar allows next, as a bool tensor [vocab_size]."""
+        bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
+        if self._m.is_error():
+            raise GrammarError(f"the grammar failed: {self._m.get_error()}")
+        allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].astype(bool)
+        return torch.from_numpy(allowed)
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` [vocab] with every token the grammar forbids at ``-inf`` (a new tensor)."""
+        allowed = self.allowed()
+        if allowed.numel() < logits.numel():  # logit rows beyond the tokenizer's tokens: never allowed
+            allowed = torch.cat([allowed, torch.zeros(logits.numel() - allowed.numel(), dtype=torch.bool)])
+        return logits.masked_fill(~allowed, float("-inf"))
+
+    def advance(self, token: int) -> None:
+        """Take ``token``; raises GrammarError when the grammar does not allow it."""
+        if not self._m.consume_token(token):
+            raise GrammarError(f"the grammar does not allow token {token} here: {self._m.get_error()}")
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete and allows nothing more: the request stops here."""
+        return self._m.is_stopped()
+
+
+class GrammarCompiler:
+    """Compiles :class:`GrammarSpec` for one tokenizer, off the engine loop; one per worker.
+    ``timeout_s``, ``max_concurrent`` and ``cache_entries`` are the bounds above (parameters, so a
+    test can make them small); ``build(spec, lltok)`` -> (Grammar, None) or (None, why) compiles
+    (default: llguidance; a test gives a slow one)."""
+
+    def __init__(self, timeout_s: float = COMPILE_TIMEOUT_S,
+                 max_concurrent: int = MAX_CONCURRENT_COMPILES, cache_entries: int = CACHE_ENTRIES,
+                 build=None):
+        self.vocab_size: Optional[int] = None  # the logits' width, known at the first compilation
+        self._build_fn = build or self._build
+        self.timeout_s = timeout_s
+        self.cache_entries = cache_entries
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self._pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()  # spec -> Grammar, or the refusal's text
+        self._lltok = None
+        self.compiled = 0  # counters: compilations run, and answers from the cache
+        self.cache_hits = 0
+
+    def _tokenizer(self, tokenizer, vocab_size: int):
+        with self._lock:
+            if self._lltok is None:
+                import llguidance.hf
+
+                self._lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+                self.vocab_size = vocab_size
+            elif vocab_size != self.vocab_size:
+                raise ValueError(f"this compiler is for a vocabulary of {self.vocab_size}, not {vocab_size}")
+            return self._lltok
+
+    def compile(self, spec: GrammarSpec, tokenizer, vocab_size: int, param: str = "response_format") -> Grammar:
+        """The compiled grammar of ``spec`` for a model of ``vocab_size`` logits (``tokenizer``:
+        the caller's own copy of the worker's tokenizer, used once to build the grammar engine's
+        view of it; every call gives the same model's). Raises InvalidRequest
+        naming why a schema cannot be compiled, or when its compilation overran the time limit;
+        Overloaded when no compilation slot came free within it."""
+        with self._lock:
+            hit = self._cache.get(spec)
+            if hit is not None:
+                self._cache.move_to_end(spec)
+                self.cache_hits += 1
+        if isinstance(hit, Grammar):
+            return hit
+        if isinstance(hit, str):
+            raise InvalidRequest(hit, param)
+        lltok = self._tokenizer(tokenizer, vocab_size)
+        started = time.monotonic()
+        if not self._slots.acquire(timeout=self.timeout_s):
+            raise Overloaded(f"every grammar compilation slot stayed busy for {self.timeout_s:g}s")
+        try:
+            future = self._pool.submit(self._build_fn, spec, lltok)
+        except BaseException:
+            self._slots.release()
+            raise
+        future.add_done_callback(lambda _: self._slots.release())  # a slot is held until the work ends
+        try:
+            grammar, refusal = future.result(timeout=max(0.0, self.timeout_s - (time.monotonic() - started)))
+        except FutureTimeout:
+            raise InvalidRequest(f"the schema did not compile within {self.timeout_s:g}s", param) from None
+        self.compiled += 1
+        with self._lock:
+            self._cache[spec] = grammar if grammar is not None else refusal
+            while len(self._cache) > self.cache_entries:
+                self._cache.popitem(last=False)
+        if grammar is None:
+            raise InvalidRequest(refusal, param)
+        return grammar
+
+    def _build(self, spec: GrammarSpec, lltok) -> tuple[Optional[Grammar], Optional[str]]:
+        """Compile and warm (the first mask builds the lexer): (Grammar, None) or (None, why)."""
+        import llguidance
+
+        try:
+            text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
+        except Exception as exc:  # llguidance raises ValueError for a schema it cannot read
+            return None, f"the JSON schema cannot be compiled: {exc}"
+        matcher = llguidance.LLMatcher(lltok, text, log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+        if matcher.is_error():
+            return None, f"the JSON schema cannot be compiled: {matcher.get_error()}"
+        return Grammar(spec, matcher, self.vocab_size), None
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,200 @@
+"""Structured outputs (``response_format``) on the random tiny model, whose unconstrained output is
+garbage: the official ``openai`` client's ``parse`` gets an object that validates, colocated and
+split (prefill samples the first token under the mask, decode rebuilds the grammar's state from
+it); ``json_object`` parses; a schema the engine cannot compile, a malformed, huge or deeply nested
+one is a 400 naming why; a max_tokens cut is ``finish_reason: length``; a first token the grammar
+refuses is refused on decode; the compiler's cache, cap and time limit."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import requests
+
+from splitserve.config import EngineConfig
+from splitserve.engine.engine import LLMEngine
+from splitserve.engine.grammar import (MAX_SCHEMA_DEPTH, GrammarCompiler, parse_response_format, schema_spec)
+from splitserve.engine.io import GenerateRequest, InvalidRequest, Overloaded, SamplingParams
+from tests.cluster import Cluster
+
+openai = pytest.importorskip("openai")
+pydantic = pytest.importorskip("pydantic")
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=8)
+    age: int = pydantic.Field(ge=0, le=99)
+    kind: str = pydantic.Field(pattern="^(cat|dog)$")
+    vaccinated: bool
+
+
+MESSAGES = [{"role": "user", "content": "Describe a pet as JSON."}]
+V = 2048  # the tiny model's vocabulary
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "b": {"type": "string", "maxLength": 4}},
+          "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from splitserve.models.loader import load_tokenizer
+    from splitserve.testing.tiny import tiny_model_path
+
+    return load_tokenizer(tiny_model_path())
+
+
+@pytest.fixture(scope="module")
+def pd():
+    with Cluster(prefill=1, decode=1, backend="nixl") as cluster:
+        yield cluster
+
+
+def _client(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+# -- the edge --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rf, why", [
+    ("json", "must be an object"),
+    ({"type": "xml"}, "response_format.type must be one of"),
+    ({"type": "json_schema"}, "json_schema must be an object"),
+    ({"type": "json_schema", "json_schema": {"schema": 5}}, "must be a JSON schema object"),
+    ({"type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}, "strict must be a boolean"),
+    ({"type": "json_schema", "json_schema": {"schema": {}, "oops": 1}}, "unrecognized field"),
+    ({"type": "json_object", "schema": {}}, "unrecognized field"),
+    ({"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * 1000] * 100}}}, "bytes as JSON"),
+])
+def test_malformed_or_huge_response_formats_are_refused_by_field(rf, why):
+    with pytest.raises(InvalidRequest, match=why) as e:
+        parse_response_format(rf)
+    assert e.value.param.startswith("response_format")
+
+
+def test_a_deeply_nested_schema_is_refused_before_any_recursion():
+    deep: dict = {}
+    for _ in range(100_000):  # deeper than any recursion limit
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(InvalidRequest, match=f"deeper than {MAX_SCHEMA_DEPTH}"):
+        schema_spec(deep, "response_format.json_schema.schema")
+
+
+def test_compiler_names_why_and_caches_bounded(tokenizer):
+    compiler = GrammarCompiler()
+    bad = schema_spec({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "s")
+    with pytest.raises(InvalidRequest, match="cannot be compiled.*nowhere"):
+        compiler.compile(bad, tokenizer, V)
+    with pytest.raises(InvalidRequest, match="cannot be compiled.*nowhere"):  # the refusal is cached too
+        compiler.compile(bad, tokenizer, V)
+    good = schema_spec(SCHEMA, "s")
+    assert compiler.compile(good, tokenizer, V) is compiler.compile(good, tokenizer, V)
+    assert (compiler.compiled, compiler.cache_hits) == (2, 2)
+    small = GrammarCompiler(cache_entries=1)  # bounded: the least recently used goes
+    small.compile(good, tokenizer, V)
+    small.compile(schema_spec({"type": "string", "maxLength": 3}, "s"), tokenizer, V)
+    small.compile(good, tokenizer, V)
+    assert small.compiled == 3 and small.cache_hits == 0
+    compiler.shutdown(), small.shutdown()
+
+
+def test_a_slow_compilation_is_cut_by_the_time_limit_and_holds_its_slot(tokenizer):
+    """A compilation past its limit is a 400; it keeps its slot while it still runs, so the next
+    request (cap 1) finds none free: runaway compilations cannot pile up."""
+    release = threading.Event()
+
+    def slow(spec, lltok):
+        release.wait(30)
+        return None, "released"
+
+    compiler = GrammarCompiler(timeout_s=0.3, max_concurrent=1, build=slow)
+    try:
+        with pytest.raises(InvalidRequest, match="did not compile within 0.3s"):
+            compiler.compile(schema_spec(SCHEMA, "s"), tokenizer, V)
+        with pytest.raises(Overloaded, match="slot stayed busy"):
+            compiler.compile(schema_spec({"type": "string"}, "s"), tokenizer, V)
+    finally:
+        release.set()
+        compiler.shutdown()
+
+
+# -- the engine ------------------------------------------------------------------------------------
+
+
+def test_decode_refuses_a_first_token_the_grammar_forbids(tokenizer):
+    engine = LLMEngine(EngineConfig(model="tiny", page_size=16, max_total_tokens=512))
+    compiler = GrammarCompiler()
+    grammar = compiler.compile(schema_spec(SCHEMA, "s"), tokenizer, V)
+    prompt = tuple(tokenizer.encode("hello"))
+    req = GenerateRequest("r", prompt, SamplingParams(max_tokens=8, temperature=0), grammar=grammar)
+    letter = tokenizer.encode("x")[0]  # a JSON object cannot start with it
+    with pytest.raises(InvalidRequest, match="grammar does not allow"):
+        engine.start_decoding(req, [0], letter)
+    seq, outs = engine.start_decoding(req, [0], tokenizer.encode("{")[0])
+    assert seq.grammar is not None and outs[0].text == "{"
+    compiler.shutdown()
+
+
+# -- over HTTP, with the openai client -------------------------------------------------------------
+
+
+def _parse_pets(url: str, seeds=(0,)) -> list[Pet]:
+    client = _client(url)
+    pets = []
+    for seed in seeds:
+        out = client.chat.completions.parse(model="tiny", messages=MESSAGES, response_format=Pet, max_tokens=120,
+                                            seed=seed, temperature=1.0)
+        choice = out.choices[0]
+        assert choice.finish_reason == "stop", choice
+        pets.append(choice.message.parsed)
+        assert isinstance(pets[-1], Pet) and pets[-1] == Pet.model_validate_json(choice.message.content)
+    return pets
+
+
+def test_unconstrained_output_of_the_tiny_model_is_not_json(server):
+    """The proof that the mask does the work: the same request without it is garbage."""
+    out = _client(server.url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=40, seed=0)
+    with pytest.raises(ValueError):
+        json.loads(out.choices[0].message.content)
+
+
+def test_parse_returns_a_valid_object_colocated(server):
+    _parse_pets(server.url)
+
+
+def test_parse_returns_a_valid_object_split(pd):
+    pets = _parse_pets(pd.url)
+    pets += _parse_pets(pd.decode[0].url)  # decode alone: the prompt computed there, a fresh grammar
+    pd.assert_no_leaks()
+    greedy = _client(pd.url).chat.completions.parse(model="tiny", messages=MESSAGES, response_format=Pet,
+                                                    max_tokens=120, temperature=0).choices[0]
+    assert greedy.finish_reason == "stop" and isinstance(greedy.message.parsed, Pet) and len(pets) == 2
+
+
+@pytest.mark.parametrize("where", ["colocated", "split"])
+def test_json_object_on_completions_parses_and_a_cut_is_length(where, server, request):
+    url = server.url if where == "colocated" else request.getfixturevalue("pd").url
+    r = requests.post(url + "/v1/completions", json={
+        "model": "tiny", "prompt": "JSON:", "max_tokens": 200, "seed": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}},
+        timeout=120)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    obj = json.loads(choice["text"])
+    assert choice["finish_reason"] == "stop" and set(obj) == {"a", "b"} and 0 <= obj["a"] <= 9
+    r = requests.post(url + "/v1/completions", json={
+        "model": "tiny", "prompt": "JSON:", "max_tokens": 3, "seed": 3, "response_format": {"type": "json_object"}},
+        timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    assert r.json()["choices"][0]["text"].startswith("{")
+
+
+def test_a_schema_the_engine_cannot_compile_is_a_400_naming_why(server, pd):
+    for url in (server.url, pd.url):
+        with pytest.raises(openai.BadRequestError) as e:
+            _client(url).chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, response_format={
+                "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/definitions/missing"}}})
+        assert "cannot be compiled" in str(e.value) and "missing" in str(e.value)
+        assert e.value.body["param"] == "response_format"
