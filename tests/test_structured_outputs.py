@@ -8,7 +8,9 @@ refuses is refused on decode; the compiler's cache, cap and time limit."""
 from __future__ import annotations
 
 import json
+import random
 import threading
+import time
 
 import pytest
 import requests
@@ -47,7 +49,7 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def pd():
-    with Cluster(prefill=1, decode=1, backend="nixl") as cluster:
+    with Cluster(prefill=1, decode=1, backend="nixl", decode_args=["--kv-failure-policy", "recompute"]) as cluster:
         yield cluster
 
 
@@ -171,6 +173,37 @@ def test_parse_returns_a_valid_object_split(pd):
     greedy = _client(pd.url).chat.completions.parse(model="tiny", messages=MESSAGES, response_format=Pet,
                                                     max_tokens=120, temperature=0).choices[0]
     assert greedy.finish_reason == "stop" and isinstance(greedy.message.parsed, Pet) and len(pets) == 2
+
+
+def test_decode_recomputing_a_lost_prefill_answers_valid_json(pd):
+    """Decode's leg alone, its prefill never asked: the router's word that the prefill failed makes
+    decode compute the prompt itself (docs/lifecycle.md, the fallback), with a fresh grammar."""
+    decode, prefill = pd.decode[0], pd.prefill[0]
+    rid = f"lost-{random.getrandbits(32)}"
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 120, "seed": 5, "rid": rid,
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": random.getrandbits(62),
+            "response_format": {"type": "json_schema", "json_schema": {"name": "pet",
+                                                                       "schema": Pet.model_json_schema()}}}
+    box = {}
+    leg = threading.Thread(target=lambda: box.setdefault("r", requests.post(
+        decode.url + "/v1/chat/completions", json=body, timeout=120)))
+    leg.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        r = requests.get(decode.url + f"/debug/requests/{rid}", timeout=10)
+        if r.status_code == 200 and r.json()["steps"][-1]["state"] == "AWAITING_KV":
+            break
+        time.sleep(0.1)
+    r = requests.post(decode.url + "/abort_request", json={"rid": rid, "reason": "prefill_failed"}, timeout=30)
+    assert r.json() == {"found": True}, r.text
+    leg.join(120)
+    assert box["r"].status_code == 200, box["r"].text
+    choice = box["r"].json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and Pet.model_validate_json(choice["message"]["content"])
+    states = [s["state"] for s in requests.get(decode.url + f"/debug/requests/{rid}", timeout=10).json()["steps"]]
+    assert "PREFILLING" in states and "AWAITING_KV" in states, states
+    pd.assert_no_leaks()
 
 
 @pytest.mark.parametrize("where", ["colocated", "split"])
