@@ -5,6 +5,11 @@
 # while other work kept the load average at 10-15); it runs at the lowest priority on one compile
 # job so that the machine stays usable meanwhile.
 #
+# Known problem: built this way (GGML_NATIVE) on a Xeon with AMX-BF16/AMX-INT8 and AVX512-VNNI,
+# llama-cpp-python 0.3.36 segfaults in llama_decode on the demo model's first eval (one thread or
+# two, logits_all or not); on AVX2-only CPUs it runs. Not yet tried: CMAKE_ARGS="-DGGML_NATIVE=OFF
+# -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" (no AVX-512/AMX paths).
+#
 #   bash bench/refs/setup_llamacpp.sh [VENV]     (VENV defaults to /work/refs/llamacpp)
 set -euo pipefail
 VENV=${1:-/work/refs/llamacpp}
