@@ -27,7 +27,7 @@ import requests
 from aiohttp import web
 
 from cluster import Cluster, RouterProcess
-from test_router import COMPLETION, MODEL, FakeWorker, assert_openai_error, reply, sse, sse_events, wait_for
+from test_router import COMPLETION, MODEL, FakeWorker, reply, sse, sse_events, wait_for
 from test_router import fake_loop, fakes, start_router  # noqa: F401 (fixtures)
 
 SLOW_HEALTH = ("--health-interval-s", "600")

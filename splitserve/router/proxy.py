@@ -73,7 +73,7 @@ import contextlib
 import json
 import logging
 import uuid
-from typing import Callable, Optional
+from typing import Optional
 
 import aiohttp
 from aiohttp import web
