@@ -68,12 +68,14 @@ def test_a_refused_split_falls_back_to_decode_alone_and_ends_its_first_leg_with_
     refusing = fakes(reply(503, {"error": {"message": "draining", "type": "x", "param": None, "code": "draining"}}))
     decode = fakes(reply(200, {"who": "decode"}))
     router = start_router([(refusing.url, 7)], [decode.url], "--pd-threshold-tokens", "0")
-    resp = requests.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2},
-                         headers={"X-Request-Id": "fb-1"}, timeout=30)
+    resp = requests.post(router.url + "/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": 2,
+                                                               "rid": "fb-1"}, timeout=30)
     assert resp.status_code == 200 and resp.json() == {"who": "decode"}, resp.text
     (_, split), (_, alone) = decode.requests
     assert split["bootstrap_room"] == refusing.requests[0][1]["bootstrap_room"]
     assert not BOOTSTRAP & set(alone)
+    # the client's rid, on an OpenAI route too, is each attempt's own: decode may still hold the first
+    assert (split["rid"], alone["rid"]) == ("fb-1", "fb-1~1") and resp.headers["X-Request-Id"] == "fb-1"
     (ended,) = decode.abort_requests
     assert ended["bootstrap_room"] == split["bootstrap_room"] and ended["reason"] == "client_abort"
     assert refusing.url in ended["detail"] and "503" in ended["detail"] and "alone" in ended["detail"], ended

@@ -577,8 +577,8 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
                 leg_body.update(bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
             else:  # decode alone: no bootstrap fields (decode draws a room of its own)
                 room = None
-            if endpoint == "generate":  # SGLang's field; the OpenAI routes carry it as X-Request-Id
-                leg_body["rid"] = worker_rid
+            if endpoint == "generate" or "rid" in leg_body:  # SGLang's field (the OpenAI routes take it too,
+                leg_body["rid"] = worker_rid                  # else carry the id as X-Request-Id): this attempt's
             p_url = prefill.url if prefill is not None else None
             legs = f" prefill={p_url or '-'} decode={decode.url}" + (f" attempt={attempt + 1}" if attempt else "")
             if attempt == 0:
