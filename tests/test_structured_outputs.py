@@ -8,6 +8,7 @@ refuses is refused on decode; the compiler's cache, cap and time limit."""
 from __future__ import annotations
 
 import json
+import re
 import random
 import threading
 import time
@@ -231,3 +232,19 @@ def test_a_schema_the_engine_cannot_compile_is_a_400_naming_why(server, pd):
                 "type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/definitions/missing"}}})
         assert "cannot be compiled" in str(e.value) and "missing" in str(e.value)
         assert e.value.body["param"] == "response_format"
+
+
+def test_sglang_generate_takes_a_regex_and_a_json_schema_string(server):
+    def gen(sp):
+        return requests.post(server.url + "/generate", json={"text": "Pet:", "sampling_params": {
+            "max_new_tokens": 40, "temperature": 1.0, "sampling_seed": 4, **sp}}, timeout=120)
+
+    r = gen({"regex": "(cat|dog)-[0-9]{2}"})
+    assert r.status_code == 200, r.text
+    assert re.fullmatch("(cat|dog)-[0-9]{2}", r.json()["text"]), r.json()["text"]
+    r = gen({"json_schema": json.dumps(SCHEMA)})
+    assert r.status_code == 200 and set(json.loads(r.json()["text"])) == {"a", "b"}, r.text
+    for sp, param in (({"regex": "("}, "sampling_params.regex"), ({"json_schema": "{"}, "sampling_params.json_schema"),
+                      ({"regex": "a", "json_schema": "{}"}, "sampling_params.regex")):
+        r = gen(sp)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -56,7 +56,7 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request asked for: ``kind`` ``"json_object"`` or ``"json_schema"``, and the schema as
-    canonical JSON (sorted keys, compact: the cache key)."""
+    canonical JSON (sorted keys, compact: the cache key); or ``"regex"`` and the regex."""
 
     kind: str
     schema: str
@@ -114,6 +114,35 @@ def parse_response_format(v: Any, param: str = "response_format") -> Optional[Gr
     if js.get("strict") is not None and not isinstance(js.get("strict"), bool):
         raise InvalidRequest(f"{param}.json_schema.strict must be a boolean", f"{param}.json_schema.strict")
     return schema_spec(js.get("schema", {}), f"{param}.json_schema.schema")
+
+
+MAX_REGEX_CHARS = 4096
+"""The longest ``regex`` SGLang's ``/generate`` may constrain an answer with."""
+
+
+def sglang_spec(sampling_params: dict, prefix: str = "sampling_params.") -> Optional[GrammarSpec]:
+    """SGLang's ``/generate`` constraints: ``json_schema`` (a schema as a JSON string) or
+    ``regex``; None when neither. ``ebnf`` stays refused by the caller."""
+    schema, regex = sampling_params.get("json_schema"), sampling_params.get("regex")
+    if schema is not None and regex is not None:
+        raise InvalidRequest("give json_schema or regex, not both", prefix + "regex")
+    if schema is not None:
+        if not isinstance(schema, str):
+            raise InvalidRequest(f"{prefix}json_schema must be a string (a JSON schema as JSON)", prefix + "json_schema")
+        if len(schema) > MAX_SCHEMA_BYTES:
+            raise InvalidRequest(f"{prefix}json_schema is longer than {MAX_SCHEMA_BYTES} characters",
+                                 prefix + "json_schema")
+        try:
+            parsed = json.loads(schema)
+        except ValueError as exc:
+            raise InvalidRequest(f"{prefix}json_schema is not JSON: {exc}", prefix + "json_schema") from None
+        return schema_spec(parsed, prefix + "json_schema")
+    if regex is not None:
+        if not isinstance(regex, str) or not regex or len(regex) > MAX_REGEX_CHARS:
+            raise InvalidRequest(f"{prefix}regex must be a non-empty string of at most {MAX_REGEX_CHARS} characters",
+                                 prefix + "regex")
+        return GrammarSpec("regex", regex)
+    return None
 
 
 def schema_spec(schema: Any, param: str) -> GrammarSpec:
@@ -259,15 +288,19 @@ class GrammarCompiler:
         """Compile and warm (the first mask builds the lexer): (Grammar, None) or (None, why)."""
         import llguidance
 
+        what = "regex" if spec.kind == "regex" else "JSON schema"
         try:
-            text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
+            if spec.kind == "regex":
+                text = llguidance.LLMatcher.grammar_from_regex(spec.schema)
+            else:
+                text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
         except Exception as exc:  # llguidance raises ValueError for a schema it cannot read
-            return None, f"the JSON schema cannot be compiled: {exc}"
+            return None, f"the {what} cannot be compiled: {exc}"
         matcher = llguidance.LLMatcher(lltok, text, log_level=0)
         if not matcher.is_error():
             matcher.compute_bitmask()
         if matcher.is_error():
-            return None, f"the JSON schema cannot be compiled: {matcher.get_error()}"
+            return None, f"the {what} cannot be compiled: {matcher.get_error()}"
         return Grammar(spec, matcher, self.vocab_size), None
 
     def shutdown(self) -> None:

@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from splitserve.engine.detokenizer import stop_matcher
-from splitserve.engine.grammar import parse_response_format
+from splitserve.engine.grammar import parse_response_format, sglang_spec
 from splitserve.engine.io import (
     DEFAULT_MAX_TOKENS, MAX_TOP_LOGPROBS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams,
 )
@@ -93,7 +93,7 @@ _NOOP = {
     # SGLang /generate sampling_params and request fields
     "min_p": 0, "repetition_penalty": 1, "min_new_tokens": 0, "skip_special_tokens": True,
     "spaces_between_special_tokens": True, "no_stop_trim": False,
-    "regex": _ABSENT, "json_schema": _ABSENT, "ebnf": _ABSENT, "image_data": _ABSENT, "lora_path": _ABSENT,
+    "ebnf": _ABSENT, "image_data": _ABSENT, "lora_path": _ABSENT,
 }
 
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "stop",
@@ -300,7 +300,8 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     logprobs = _logprobs(body, endpoint)
     return_text_in_logprobs = bool(_opt_bool(body, "return_text_in_logprobs", ""))
     prompt_logprobs = logprobs if echo or start >= 0 else None
-    grammar_spec = parse_response_format(body.get("response_format")) if endpoint != "generate" else None
+    grammar_spec = parse_response_format(body.get("response_format")) if endpoint != "generate" else \
+        sglang_spec(fields)
 
     prompt_ids, prompt_text, messages = None, None, None
     if endpoint == "completions":
@@ -343,7 +344,8 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room, cache_salt=cache_salt,
         return_text_in_logprobs=return_text_in_logprobs, echo=echo, logprob_start_len=start, stop_matcher=stop_matcher(stop) if stop and tokenizer is not None else None,
         grammar_spec=grammar_spec,
-        grammar=grammars.compile(grammar_spec, tokenizer, vocab_size or len(tokenizer)) if grammar_spec and grammars and tokenizer is not None else None,
+        grammar=grammars.compile(grammar_spec, tokenizer, vocab_size or len(tokenizer),
+                                 "response_format" if endpoint != "generate" else f"sampling_params.{grammar_spec.kind}") if grammar_spec and grammars and tokenizer is not None else None,
     )
 
 
