@@ -16,8 +16,8 @@ import pytest
 from splitserve.disagg import protocol
 from splitserve.disagg.lifecycle import (
     Cancel, CancelWrites, ChunkDone, ClientAbort, CountOutcome, DeadlineHeap, Deadlines, DecodeState,
-    DecodeStep, DecodeTable, DisconnectPeer, Enqueue, Finished, ForwardDone, FreePages, FromPeer,
-    LocalFailure, LogTerminal, Notice, NoticeKind, NotifyClient, ObserveStateTime, Outcome,
+    DecodeStep, DecodeTable, DisconnectPeer, Ending, Enqueue, Finished, ForwardDone, FreePages, FromPeer,
+    IllegalMove, LocalFailure, LogTerminal, Moved, Notice, NoticeKind, NotifyClient, Outcome,
     PagesReserved, Peer, PeerHeard, PeerInfo, PeerLost, PeerTable, PrefillState, PrefillTable,
     QuarantinePages, Reason, ReleaseQuarantine, RequestArrived, ReservePages, ResetTransfer, Role,
     Scheduled, SendToPeer, StartDecode, StartWrite, WriteDone, WriteFailed, is_terminal,
@@ -212,6 +212,89 @@ def test_rule2_terminal_is_absorbing_on_decode():
             assert_no_ending(actions)
         assert table.state_of(ROOM) is Outcome.FINISHED
     assert table.expire(D.tombstone_s - 1) == []
+
+
+DOCS = pathlib.Path(__file__).resolve().parent.parent / "docs" / "lifecycle.md"
+
+
+def _doc_section(text: str, heading: str) -> str:
+    start = text.index(heading + "\n")
+    end = text.find("\n#", start + len(heading))
+    return text[start: end if end != -1 else len(text)]
+
+
+def _doc_rows(block: str) -> list[list[str]]:
+    """The body rows of the first markdown table in ``block``, each as its cells."""
+    lines = block.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("|"))
+    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
+    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[start + 2: end]]
+
+
+def _doc_states(cell: str) -> list[str]:
+    return [w.strip().strip("`") for w in cell.split(",")]
+
+
+def test_rule2_the_docs_moves_and_deadlines_are_the_declared_ones():
+    """docs/lifecycle.md's move tables list exactly the moves of each role's transitions, and its
+    state tables the deadline each state is declared with."""
+    text = DOCS.read_text()
+    moves = _doc_section(text, "### Moves")
+    states = _doc_section(text, "## States")
+    for table, label in ((PrefillTable, "Prefill:"), (DecodeTable, "Decode:")):
+        t = table.transitions
+        named = {s.value: s for s in [*t.live_states(), *Outcome]}
+        documented = set()
+        for before, after, _ in _doc_rows(moves[moves.index(label):]):
+            sources = [None] if before == "(arrival)" else t.live_states() if before == "every live state" \
+                else [named[b] for b in _doc_states(before)]
+            documented |= {(b, named[a]) for b in sources for a in _doc_states(after)}
+        assert documented == set(t.pairs()), f"{t.role.value}: the docs and transitions.py differ"
+        rows = {r[0].strip("`"): r for r in _doc_rows(states[states.index(label.rstrip(":") + ", one room:"):])}
+        for state, live in t.states.items():
+            deadline = rows[state.value][2].split("`")[1].split("(")[0]
+            assert deadline == live.deadline, f"{state.value}: the docs say {deadline}, the code {live.deadline}"
+
+
+def test_rule2_an_undeclared_move_raises_before_anything_moves():
+    table = decode_in(DecodeState.DECODING)
+    r, out = table._rooms[ROOM], []
+    with pytest.raises(IllegalMove, match="DECODING -> PREALLOC"):
+        table._enter(r, DecodeState.PREALLOC, 1.0, out)
+    assert table.state_of(ROOM) is DecodeState.DECODING and out == []
+    assert not isinstance(IllegalMove("x"), AssertionError)  # python -O keeps it
+    with pytest.raises(IllegalMove):
+        PrefillTable.transitions.check(ROOM, PrefillState.QUEUED, Outcome.FINISHED)
+    table.handle(Finished(ROOM, Reason.LENGTH), 2)
+    with pytest.raises(IllegalMove, match="FINISHED -> FAILED"):  # nothing leaves a terminal state
+        table._end(r, Ending(Reason.STALLED), 3.0, out)
+
+
+def test_rule2_prefill_finishes_from_prefilling_when_every_write_landed_before_the_forward_pass_ended():
+    table = prefill_in(PrefillState.PREFILLING)  # write 1 (page 0) in flight
+    assert of(table.handle(ChunkDone(ROOM, 2), 1), StartWrite)  # write 2: page 1, the last
+    table.handle(WriteDone(ROOM, 1), 2)
+    table.handle(WriteDone(ROOM, 2), 2)
+    actions = table.handle(ForwardDone(ROOM, 42), 3)
+    [moved] = of(actions, Moved)
+    assert (moved.before, moved.after, moved.cause) == (PrefillState.PREFILLING, Outcome.FINISHED, "ForwardDone")
+    assert sent(actions, protocol.KVDone, to=DP) and table.ending_of(ROOM).reason is Reason.TRANSFERRED
+
+
+def test_rule2_every_move_is_emitted_in_order_with_its_cause_and_time():
+    table, moves = new_prefill(), []
+    for i, (event, _) in enumerate(PREFILL_PATH):
+        moves += of(table.handle(event(), float(i)), Moved)
+    moves += of(table.handle(WriteDone(ROOM, 1), 5.0) + table.handle(WriteDone(ROOM, 2), 7.0), Moved)
+    assert [(m.before, m.after, m.cause, m.seconds) for m in moves] == [
+        (None, PrefillState.BOOTSTRAPPING, "RequestArrived", 0.0),
+        (PrefillState.BOOTSTRAPPING, PrefillState.QUEUED, f"RegisterRoom from {DP}", 1.0),
+        (PrefillState.QUEUED, PrefillState.PREFILLING, "Scheduled", 1.0),
+        (PrefillState.PREFILLING, PrefillState.TRANSFERRING, "ForwardDone", 2.0),
+        (PrefillState.TRANSFERRING, Outcome.FINISHED, "WriteDone", 3.0),
+    ]
+    assert moves[-1].ending == Ending(Reason.TRANSFERRED)
+    assert [m.after for m in of(prefill_in(PrefillState.QUEUED).expire(D.queue_s), Moved)] == [Outcome.FAILED]
 
 
 # == rule 3: every non-terminal state has a deadline ===============================================
@@ -814,8 +897,8 @@ def test_rule7_every_ending_has_one_log_line_one_count_and_one_answer():
         [log] = of(actions, LogTerminal)
         assert log.age_s == 5 and log.last_state is not None
         assert f"room={ROOM}" in log.line() and reason.value in log.line() and RID in log.line()
-        [spent] = [a for a in actions if isinstance(a, ObserveStateTime)]
-        assert spent.state is log.last_state
+        [moved] = [a for a in actions if isinstance(a, Moved)]
+        assert moved.before is log.last_state and moved.after is log.ending.outcome and moved.ending == log.ending
 
 
 def test_rule7_gauges_and_debug_snapshot_come_from_the_table():

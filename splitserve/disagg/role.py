@@ -37,10 +37,10 @@ from typing import Callable, Optional
 
 from splitserve.config import ServerConfig
 from splitserve.disagg.lifecycle import (
-    Cancel, ClientAbort, CountOutcome, Deadlines, DisconnectPeer, FreePages, KVLost, LocalFailure, LogTerminal, Notice,
-    NotifyClient, ObserveStateTime, Outcome, Peer, PeerHeard, PeerLost, RequestArrived, SendToPeer,
+    Cancel, ClientAbort, CountOutcome, Deadlines, DisconnectPeer, FreePages, KVLost, LocalFailure, LogTerminal,
+    Moved, Notice, NotifyClient, Outcome, Peer, PeerHeard, PeerLost, RequestArrived, SendToPeer,
 )
-from splitserve.disagg.room_timelines import RoomTimelines, describe, room_of
+from splitserve.disagg.room_timelines import RoomTimelines
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
 from splitserve.engine.sequence import Sequence
@@ -251,8 +251,8 @@ class DisaggRole:
         self._pay_owed()
         self._check_threads(out)
         for peer, fresh in self.control.take_heard().items():
-            self._execute(self._noted(self.table.handle(PeerHeard(peer, fresh), now), None, now, "PeerHeard"), out)
-        self._execute(self._noted(self.table.expire(now), None, now, "deadline"), out)
+            self._execute(self._noted(self.table.handle(PeerHeard(peer, fresh), now), now), out)
+        self._execute(self._noted(self.table.expire(now), now), out)
         return out
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
@@ -325,7 +325,7 @@ class DisaggRole:
 
     def stats(self) -> dict:
         counts = self.table.counts_by_state()
-        live = {state.value for state in self.table._live_states()}
+        live = {state.value for state in self.table.transitions.live_states()}
         now = self.clock()
         return {
             "queues": {name: n for name, n in counts.items() if name in live},
@@ -358,12 +358,12 @@ class DisaggRole:
         out: list[RequestOutput] = []
         now = self.clock()
         self.timelines.event(event, now)
-        self._execute(self._noted(self.table.handle(event, now), room_of(event), now, describe(event)), out)
+        self._execute(self._noted(self.table.handle(event, now), now), out)
         return out
 
-    def _noted(self, actions: list, room: Optional[int], now: float, cause: str) -> list:
-        """``actions``, once the rooms' timelines have read them (``room``: the event's room)."""
-        self.timelines.note(actions, room, now, cause, self.table.state_of)
+    def _noted(self, actions: list, now: float) -> list:
+        """``actions``, once the rooms' timelines have read them."""
+        self.timelines.note(actions, now)
         return actions
 
     def _execute(self, actions: list, out: list[RequestOutput]) -> None:
@@ -384,7 +384,7 @@ class DisaggRole:
                 if room is not None:
                     now = self.clock()
                     todo.extend(self._noted(self.table.handle(LocalFailure(room, Reason.INTERNAL_ERROR, detail), now),
-                                            room, now, "LocalFailure(internal_error)"))
+                                            now))
 
     def _do(self, a, out: list[RequestOutput]) -> None:
         if isinstance(a, SendToPeer):
@@ -402,9 +402,9 @@ class DisaggRole:
             self.outcomes[(outcome, a.reason.value)] += 1
             if self.on_outcome is not None:
                 self.on_outcome(outcome, a.reason.value)
-        elif isinstance(a, ObserveStateTime):
-            if self.on_state_time is not None:
-                self.on_state_time(a.state.value, a.seconds)
+        elif isinstance(a, Moved):
+            if self.on_state_time is not None and a.before is not None:
+                self.on_state_time(a.before.value, a.seconds)
         elif isinstance(a, Notice):
             self._notice(a)
         elif isinstance(a, DisconnectPeer):

@@ -17,13 +17,14 @@ role's timelines (queue time; a prefill worker's KV writes and transfers; failed
 
 from __future__ import annotations
 
+from splitserve.disagg.lifecycle.transitions import BY_ROLE
 from splitserve.metrics import Registry
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BYTES_BUCKETS = tuple(float(4 ** k * 4096) for k in range(11))  # 4 KiB .. 4 GiB
 # the live states where a request waits rather than runs (requests_waiting / requests_running)
-WAITING_STATES = {"BOOTSTRAPPING", "QUEUED", "PREALLOC", "AWAITING_KV", "RECLAIMING", "waiting"}
+WAITING_STATES = frozenset({s.value for t in BY_ROLE.values() for s in t.waiting()} | {"waiting"})
 COLOCATED_STATES = ("WAITING", "RUNNING")
 
 

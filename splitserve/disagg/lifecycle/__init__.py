@@ -10,6 +10,9 @@ Decode side, one room (``decode.py``)::
     PREALLOC -> PREFILLING -> DECODING                       (decode alone, or its KV lost: recomputed)
     AWAITING_KV -> [RECLAIMING ->] PREFILLING -> DECODING    (its KV lost: recomputed)
 
+Every allowed move, and the deadline of each live state, is declared once per role in
+``transitions.py``; the tables check each move against it.
+
 The engine loop owns one table per role (``PrefillTable`` or ``DecodeTable``) and, each iteration:
 
     for event in inbox.drain():                  # posted by HTTP, ZMQ listener, transfer thread, engine
@@ -24,8 +27,8 @@ are listed in ``docs/lifecycle.md``.
 """
 
 from splitserve.disagg.lifecycle.actions import (
-    Action, Cancel, CancelWrites, ComputePrompt, CountOutcome, KVFallback, DisconnectPeer, Enqueue, FreePages, LogTerminal, Notice,
-    NoticeKind, NotifyClient, ObserveStateTime, QuarantinePages, ReleaseQuarantine, ReservePages,
+    Action, Cancel, CancelWrites, ComputePrompt, CountOutcome, DisconnectPeer, Enqueue, FreePages, KVFallback,
+    LogTerminal, Moved, Notice, NoticeKind, NotifyClient, QuarantinePages, ReleaseQuarantine, ReservePages,
     ResetTransfer, SendToPeer, StartDecode, StartWrite,
 )
 from splitserve.disagg.lifecycle.deadlines import DeadlineHeap, Deadlines
@@ -37,17 +40,19 @@ from splitserve.disagg.lifecycle.events import (
 from splitserve.disagg.lifecycle.peers import Peer, PeerTable
 from splitserve.disagg.lifecycle.prefill import PrefillTable
 from splitserve.disagg.lifecycle.states import (
-    DecodeState, Ending, Outcome, PrefillState, Reason, Role, is_terminal,
+    DecodeState, Ending, LifecycleError, Outcome, PrefillState, Reason, Role, is_terminal,
 )
 from splitserve.disagg.lifecycle.table import RoomTable
+from splitserve.disagg.lifecycle.transitions import IllegalMove, Transitions, Waits
 
 __all__ = [
-    "Action", "Cancel", "CancelWrites", "ChunkDone", "ClientAbort", "ComputePrompt", "CountOutcome", "KVFallback",
-    "KVLost", "PromptChunk", "DeadlineHeap",
-    "Deadlines", "DecodeState", "DecodeStep", "DecodeTable", "DisconnectPeer", "Ending", "Enqueue",
-    "Finished", "ForwardDone", "FreePages", "FromPeer", "LocalFailure", "LogTerminal", "Notice",
-    "NoticeKind", "NotifyClient", "ObserveStateTime", "Outcome", "PagesReserved", "Peer", "PeerHeard",
-    "PeerInfo", "PeerLost", "PeerTable", "PrefillState", "PrefillTable", "QuarantinePages", "Reason",
+    "Action", "Cancel", "CancelWrites", "ChunkDone", "ClientAbort", "ComputePrompt", "CountOutcome",
+    "DeadlineHeap", "Deadlines", "DecodeState", "DecodeStep", "DecodeTable", "DisconnectPeer", "Ending",
+    "Enqueue", "Finished", "ForwardDone", "FreePages", "FromPeer", "IllegalMove", "KVFallback",
+    "KVLost", "LifecycleError", "LocalFailure", "LogTerminal", "Moved", "Notice", "NoticeKind",
+    "NotifyClient", "Outcome", "PagesReserved", "Peer", "PeerHeard", "PeerInfo", "PeerLost",
+    "PeerTable", "PrefillState", "PrefillTable", "PromptChunk", "QuarantinePages", "Reason",
     "ReleaseQuarantine", "RequestArrived", "ReservePages", "ResetTransfer", "Role", "RoomTable",
-    "Scheduled", "SendToPeer", "StartDecode", "StartWrite", "WriteDone", "WriteFailed", "is_terminal",
+    "Scheduled", "SendToPeer", "StartDecode", "StartWrite", "Transitions", "Waits", "WriteDone",
+    "WriteFailed", "is_terminal",
 ]

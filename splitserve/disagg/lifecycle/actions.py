@@ -4,8 +4,8 @@ The order matters in one place: ``DisconnectPeer`` comes before the ``FreePages`
 ``ReleaseQuarantine`` of that peer's rooms, because tearing the connection down is what makes
 sure none of its writes can still land.
 
-Every terminal transition emits exactly one ``NotifyClient``, one ``LogTerminal`` and one
-``CountOutcome`` (docs/design.md, rule 7). Everything else worth a line and a counter (a rejected
+Every move of a room is one ``Moved``. Every terminal transition emits exactly one
+``NotifyClient``, one ``LogTerminal`` and one ``CountOutcome`` (docs/design.md, rule 7). Everything else worth a line and a counter (a rejected
 message, a tombstone, a transfer reset) is a ``Notice``.
 """
 
@@ -204,12 +204,18 @@ class CountOutcome:
 
 
 @dataclass(frozen=True)
-class ObserveStateTime:
-    """Observe ``seconds`` spent in ``state`` (histogram by role and state)."""
+class Moved:
+    """Room ``room`` moved from ``before`` (None: it arrived) to ``after`` (a live state, or its
+    outcome when it ended, with its ``ending``) after ``seconds`` in ``before``; ``cause``: what
+    moved it (the event, ``deadline``). Every move is one its role's ``transitions`` declare,
+    checked before it is made. Timelines and the time-in-state histogram are read from these."""
 
-    role: Role
-    state: State
-    seconds: float
+    room: int
+    before: Optional[State]
+    after: State
+    cause: str
+    seconds: float = 0.0
+    ending: Optional[Ending] = None
 
 
 class NoticeKind(str, enum.Enum):
@@ -258,5 +264,5 @@ class Notice:
 Action = Union[
     SendToPeer, Enqueue, ReservePages, Cancel, StartDecode, ComputePrompt, KVFallback, StartWrite, CancelWrites, ResetTransfer,
     DisconnectPeer, FreePages, QuarantinePages, ReleaseQuarantine, NotifyClient, LogTerminal,
-    CountOutcome, ObserveStateTime, Notice,
+    CountOutcome, Moved, Notice,
 ]

@@ -48,6 +48,7 @@ from splitserve.disagg.lifecycle.states import (
 )
 from splitserve.disagg.lifecycle.recompute import KV_FAILURE_POLICIES, PromptHere
 from splitserve.disagg.lifecycle.table import Room, RoomTable
+from splitserve.disagg.lifecycle.transitions import DECODE
 
 S = DecodeState
 
@@ -78,6 +79,7 @@ class DecodeRoom(Room):
 
 class DecodeTable(PromptHere, RoomTable):
     role = Role.DECODE
+    transitions = DECODE
     _held_label = "quarantined"
 
     def __init__(self, deadlines: Deadlines, incarnation: str, page_size: int, vocab_size: Optional[int] = None,
@@ -93,18 +95,14 @@ class DecodeTable(PromptHere, RoomTable):
         self.vocab_size = vocab_size
         self._quarantined_pages = 0
 
-    def _live_states(self):
-        return list(DecodeState)
-
     def _extra_counts(self) -> dict[str, int]:
         return {"quarantined_pages": self._quarantined_pages}
 
     # == arrival, pages, peer info, registration ================================================
 
     def _admit(self, ev: RequestArrived, now: float, out: list[Action]) -> None:
-        r = self._new_room(DecodeRoom, ev, S.PREALLOC, now)
+        r = self._new_room(DecodeRoom, ev, now, out)
         r.alone = ev.alone
-        self._arm(r, self.cfg.prealloc_s, now)
         out.append(ReservePages(r.room, r.n_pages))
 
     def _on_event(self, event, now: float, out: list[Action]) -> None:
@@ -118,7 +116,7 @@ class DecodeTable(PromptHere, RoomTable):
                 r = self._live_room_in(room, S.DECODING, event, out, tuple(new_pages))
                 if r is not None:
                     r.pages += tuple(new_pages)
-                    self._arm(r, self.cfg.decode_stall_s, now)
+                    self._rearm(r, now)
             case Finished(room=room, reason=reason):
                 self._first_token_here(room, now, out)
                 r = self._live_room_in(room, S.DECODING, event, out)
@@ -127,7 +125,7 @@ class DecodeTable(PromptHere, RoomTable):
             case PromptChunk(room=room):
                 r = self._live_room_in(room, S.PREFILLING, event, out)
                 if r is not None:
-                    self._arm(r, self.cfg.prefill_stall_s, now)
+                    self._rearm(r, now)
             case KVLost(room=room, detail=detail):
                 r = self._rooms.get(room)
                 if r is not None and r.state in (S.PREALLOC, S.AWAITING_KV) and not r.alone and r.fallback is None:
@@ -195,7 +193,7 @@ class DecodeTable(PromptHere, RoomTable):
             return
         self._send_registration(r, now, out)
         r.registered = True
-        self._enter(r, S.AWAITING_KV, self.cfg.kv_wait_s, now, out)
+        self._enter(r, S.AWAITING_KV, now, out)
 
     def _send_registration(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         """Send RegisterRoom, and again after ``register_resend_s`` unless the KV or the end comes."""
@@ -272,7 +270,7 @@ class DecodeTable(PromptHere, RoomTable):
             r.kv_done, r.first_token = True, msg.first_token
             self._timers.cancel(("resend", r.room))
             self.peers.unbind(r.peer, r.room)  # prefill's part is over: losing it now costs nothing
-            self._enter(r, S.DECODING, self.cfg.decode_stall_s, now, out)
+            self._enter(r, S.DECODING, now, out)
             out.append(StartDecode(r.room, r.rid, msg.first_token, msg.first_logprobs))
 
     def _on_room_failed(self, r: DecodeRoom, msg: protocol.RoomFailed, now: float, out: list[Action]) -> None:

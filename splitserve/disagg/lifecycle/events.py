@@ -185,3 +185,14 @@ class KVLost:
 
     room: int
     detail: str = ""
+
+
+def describe(event: object) -> str:
+    """An event's name as a timeline shows it (``Moved.cause``)."""
+    if isinstance(event, str):
+        return event
+    if isinstance(event, FromPeer):
+        return f"{type(event.msg).__name__} from {event.peer}"
+    if isinstance(event, LocalFailure):
+        return f"LocalFailure({event.reason.value})"
+    return type(event).__name__

@@ -41,6 +41,7 @@ from splitserve.disagg.lifecycle.states import (
 from splitserve.disagg.lifecycle.quota import PeerQuota
 from splitserve.disagg.lifecycle.registration import registration_problem
 from splitserve.disagg.lifecycle.table import Room, RoomTable
+from splitserve.disagg.lifecycle.transitions import PREFILL
 
 S = PrefillState
 
@@ -72,6 +73,7 @@ class PendingRegistration:
 
 class PrefillTable(RoomTable):
     role = Role.PREFILL
+    transitions = PREFILL
     _held_label = "held_writes"
 
     def __init__(self, deadlines: Deadlines, incarnation: str, page_size: int, page_nbytes: int = 0):
@@ -80,9 +82,6 @@ class PrefillTable(RoomTable):
         self._pending: dict[int, PendingRegistration] = {}
         self._pending_cap = PeerQuota(deadlines.max_pending_registrations_per_peer, deadlines.max_pending_registrations)
         self._next_write_id = 1
-
-    def _live_states(self):
-        return list(PrefillState)
 
     def _extra_counts(self) -> dict[str, int]:
         return {"pending_registrations": len(self._pending)}
@@ -95,10 +94,9 @@ class PrefillTable(RoomTable):
     # == arrival and registration ===============================================================
 
     def _admit(self, ev: RequestArrived, now: float, out: list[Action]) -> None:
-        r = self._new_room(PrefillRoom, ev, S.BOOTSTRAPPING, now)
+        r = self._new_room(PrefillRoom, ev, now, out)
         pending = self._unpend(ev.room)
         if pending is None:
-            self._arm(r, self.cfg.bootstrap_s, now)
             return
         self._timers.cancel(("pending", ev.room))
         self._accept_registration(r, pending.peer, pending.msg, now, out)
@@ -177,7 +175,7 @@ class PrefillTable(RoomTable):
         r.skip_pages = msg.cached_tokens // self.page_size
         r.dst_pages = tuple(msg.pages[: r.n_pages - r.skip_pages])
         r.pages_started = r.skip_pages
-        self._enter(r, S.QUEUED, self.cfg.queue_s, now, out)
+        self._enter(r, S.QUEUED, now, out)
         out.append(Enqueue(r.room, r.rid))
 
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
@@ -259,7 +257,7 @@ class PrefillTable(RoomTable):
                 r = self._live_room_in(room, S.PREFILLING, event, out)
                 if r is not None:
                     self._write_pages(r, min(ready, r.n_pages), out)
-                    self._arm(r, self.cfg.prefill_stall_s, now)
+                    self._rearm(r, now)
             case ForwardDone(room=room, first_token=token, first_logprobs=logprobs):
                 r = self._live_room_in(room, S.PREFILLING, event, out)
                 if r is not None:
@@ -298,7 +296,7 @@ class PrefillTable(RoomTable):
             self._end(r, Ending(Reason.INTERNAL_ERROR, f"scheduled with {len(pages)} pages, needs {r.n_pages}"),
                       now, out)
             return
-        self._enter(r, S.PREFILLING, self.cfg.prefill_stall_s, now, out)
+        self._enter(r, S.PREFILLING, now, out)
 
     def _on_forward_done(self, r: PrefillRoom, first_token: int, now: float, out: list[Action]) -> None:
         r.first_token = first_token
@@ -307,7 +305,7 @@ class PrefillTable(RoomTable):
             self._finish(r, now, out)
             return
         nbytes = sum(r.writes.values()) * self.page_nbytes
-        self._enter(r, S.TRANSFERRING, self.cfg.transfer_s(nbytes), now, out)
+        self._enter(r, S.TRANSFERRING, now, out, nbytes)
 
     def _write_pages(self, r: PrefillRoom, upto: int, out: list[Action]) -> None:
         """Start the write of pages [pages_started, upto)."""

@@ -66,7 +66,7 @@ class PromptHere:
             self.peers.unbind(r.peer, r.room)
             return
         if self._writes_may_land(r):
-            self._enter(r, S.RECLAIMING, self.cfg.reclaim_s, now, out)
+            self._enter(r, S.RECLAIMING, now, out)
             self._send_abort(r, now, out)  # prefill answers WritesSettled once none of its writes can land
         else:
             if not ending.from_peer and not r.kv_done and self._reachable(r.peer):
@@ -83,11 +83,11 @@ class PromptHere:
         self._timers.cancel(("resend", r.room))
         self.peers.unbind(r.peer, r.room)  # it no longer depends on that prefill
         r.reclaimed = True
-        self._enter(r, S.PREFILLING, self.cfg.prefill_stall_s, now, out)
+        self._enter(r, S.PREFILLING, now, out)
         out.append(ComputePrompt(r.room, r.rid, r.fallback.reason if r.fallback is not None else None))
 
     def _first_token_here(self, room: int, now: float, out: list[Action]) -> None:
         """A room whose prompt ran here produced its first token: it decodes from now on."""
         r = self._rooms.get(room)
         if r is not None and r.state is S.PREFILLING:
-            self._enter(r, S.DECODING, self.cfg.decode_stall_s, now, out)
+            self._enter(r, S.DECODING, now, out)

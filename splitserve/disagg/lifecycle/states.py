@@ -26,6 +26,12 @@ from typing import Union
 from splitserve.outcomes import OUTCOME_OF, Ending, Outcome, Reason  # noqa: F401 (the lifecycle's vocabulary)
 
 
+class LifecycleError(RuntimeError):
+    """A broken invariant of the lifecycle's own code: a check that raises, so ``python -O``
+    keeps it (as the page allocator's do). Never caused by a peer or a client: what they send
+    that does not fit is refused and counted before anything changes."""
+
+
 class Role(str, enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"

@@ -9,30 +9,33 @@ memory a write may touch (prefill: writes in flight; decode: quarantined pages);
 its memory is returned, when it becomes a tombstone. Every live room has a deadline; every held
 room has a timer (prefill: transfer reset; decode: re-send the abort); every tombstone expires.
 
-Ending a room (:meth:`RoomTable._end`) is the only way into a terminal state. It asserts the
-room is live, so a terminal state is never left and never re-entered; it emits the single
-log line, count and client answer; and it hands over to the side's ``_after_end`` to tell the peer
-and release or hold memory.
+Every move of a room goes through :meth:`RoomTable._move`, which checks it against the side's
+declared ``transitions`` (``transitions.py``: a check that raises) and emits it as ``Moved``; the
+deadline of each live state entered is the one the transitions name. Ending a room
+(:meth:`RoomTable._end`) is the only way into a terminal state, and no move leaves one, so a
+terminal state is never left and never re-entered; it emits the single log line, count and client
+answer; and it hands over to the side's ``_after_end`` to tell the peer and release or hold memory.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from splitserve.disagg.lifecycle.actions import (
-    Action, Cancel, CountOutcome, DisconnectPeer, LogTerminal, Notice, NoticeKind, NotifyClient,
-    ObserveStateTime,
+    Action, Cancel, CountOutcome, DisconnectPeer, LogTerminal, Moved, Notice, NoticeKind, NotifyClient,
 )
 from splitserve.disagg.lifecycle.deadlines import DeadlineHeap, Deadlines
 from splitserve.disagg.lifecycle.events import (
-    ClientAbort, FromPeer, LocalFailure, PeerHeard, PeerLost, RequestArrived,
+    ClientAbort, FromPeer, LocalFailure, PeerHeard, PeerLost, RequestArrived, describe,
 )
+from splitserve.disagg.lifecycle.frozen import frozen_fields
 from splitserve.disagg.lifecycle.peers import Lost, Peer, PeerTable
 from splitserve.disagg.lifecycle.quota import PeerQuota
 from splitserve.disagg.lifecycle.states import Ending, Outcome, Reason, Role, State, is_terminal
+from splitserve.disagg.lifecycle.transitions import Transitions
 
 
 @dataclass
@@ -65,6 +68,8 @@ class Tombstone:
 
 class RoomTable:
     role: Role
+    transitions: Transitions
+    """The side's states and every move it may make (``transitions.py``)."""
 
     def __init__(self, deadlines: Deadlines, incarnation: str, page_size: int):
         self.cfg = deadlines.validate()
@@ -77,12 +82,14 @@ class RoomTable:
         self._peer_tombstones = PeerQuota(deadlines.max_peer_tombstones_per_peer, deadlines.max_peer_tombstones)
         self._timers: DeadlineHeap[tuple[str, int]] = DeadlineHeap()
         self._counts: Counter = Counter()  # rooms by state label (live states, and held), kept per transition
+        self._cause: object = None  # what is being handled (an event, "deadline"): a Moved's cause
 
     # == the engine loop's API ==================================================================
 
     def handle(self, event, now: float) -> list[Action]:
         """Apply one event at time ``now``; return the actions to execute, in order."""
         out: list[Action] = []
+        self._cause = event
         match event:
             case RequestArrived():
                 self._on_arrival(event, now, out)
@@ -108,6 +115,7 @@ class RoomTable:
         timers, tombstones and pending registrations that ran out. Call every loop iteration,
         after draining the inbox (so a heartbeat that is waiting there counts)."""
         out: list[Action] = []
+        self._cause = "deadline"
         for lost in self.peers.expire(now):
             self._peer_lost(lost, f"silent for {self.cfg.peer_silence_s:g}s", now, out)
         while (key := self._timers.pop_next(now)) is not None:
@@ -160,7 +168,7 @@ class RoomTable:
         """Gauges: live rooms by state (every state, zeros included), held rooms, tombstones. Kept
         as each room moves, so asking costs nothing however many rooms there are; any thread may
         ask (it reads counters the engine loop keeps)."""
-        counts = {s.value: self._counts[s.value] for s in self._live_states()}
+        counts = {s.value: self._counts[s.value] for s in self.transitions.live_states()}
         counts[self._held_label] = self._counts[self._held_label]
         counts["tombstones"] = len(self._tombstones)
         counts.update(self._extra_counts())
@@ -169,7 +177,7 @@ class RoomTable:
     def _label(self, state: State) -> str:
         return self._held_label if is_terminal(state) else state.value
 
-    def _moved(self, before: Optional[State], after: Optional[State]) -> None:
+    def _count(self, before: Optional[State], after: Optional[State]) -> None:
         """Keep ``_counts`` with a room that moved from ``before`` to ``after`` (None: absent)."""
         if before is not None:
             self._counts[self._label(before)] -= 1
@@ -203,7 +211,7 @@ class RoomTable:
         order things were stored in, with times relative to ``now`` (nothing here depends on the
         clock's origin). The interleaving explorer merges equal states with it."""
         return (
-            tuple(sorted((room, _freeze_dataclass(r, now)) for room, r in self._rooms.items())),
+            tuple(sorted((room, frozen_fields(r, now)) for room, r in self._rooms.items())),
             tuple(sorted((room, t.ending.reason, t.ending.detail, t.arrived, t.peer, t.answer)
                          for room, t in self._tombstones.items())),
             tuple(sorted((key, when - now) for key, when in self._timers.items())),
@@ -255,21 +263,35 @@ class RoomTable:
             out.append(Notice(self.role, NoticeKind.CAPPED, room, f"{what} from {peer} dropped: {why}"))
         return why is None
 
-    def _new_room(self, cls, ev: RequestArrived, state: State, now: float):
+    def _new_room(self, cls, ev: RequestArrived, now: float, out: list[Action]):
+        """A room for an arriving request, in the side's first state, its deadline armed."""
+        state = self.transitions.first
+        self.transitions.check(ev.room, None, state)
         n_pages = -(-ev.prompt_len // self.page_size)
         r = cls(room=ev.room, rid=ev.rid, prompt_len=ev.prompt_len, n_pages=n_pages, born=now,
                 state=state, entered=now)
         self._rooms[ev.room] = r
-        self._moved(None, state)
+        out.append(Moved(ev.room, None, state, describe(self._cause)))
+        self._count(None, state)
+        self._rearm(r, now)
         return r
 
-    def _enter(self, r: Room, state: State, limit_s: float, now: float, out: list[Action]) -> None:
-        """Move a live room to live ``state`` with ``limit_s`` to get out of it."""
-        assert not is_terminal(r.state) and not is_terminal(state)
-        out.append(ObserveStateTime(self.role, r.state, now - r.entered))
-        self._moved(r.state, state)
-        r.state, r.entered = state, now
-        self._arm(r, limit_s, now)
+    def _move(self, r: Room, after: State, now: float, out: list[Action], ending: Optional[Ending] = None) -> None:
+        """The one way a room changes state: checked against the transitions, then emitted."""
+        self.transitions.check(r.room, r.state, after)
+        out.append(Moved(r.room, r.state, after, describe(self._cause), now - r.entered, ending))
+        self._count(r.state, after)
+        r.state, r.entered = after, now
+
+    def _enter(self, r: Room, state: State, now: float, out: list[Action], *deadline_args) -> None:
+        """Move a live room to live ``state``, armed with the deadline the transitions give it
+        (``deadline_args``: that deadline's, e.g. the bytes still to write)."""
+        self._move(r, state, now, out)
+        self._arm(r, self.transitions.limit_s(state, self.cfg, *deadline_args), now)
+
+    def _rearm(self, r: Room, now: float) -> None:
+        """Progress in a live state: its deadline starts again (a stall deadline per chunk, per step)."""
+        self._arm(r, self.transitions.limit_s(r.state, self.cfg), now)
 
     def _arm(self, r: Room, limit_s: float, now: float) -> None:
         """(Re)set a live room's deadline: ``limit_s`` from now, or the end-to-end limit if sooner."""
@@ -292,11 +314,9 @@ class RoomTable:
 
     def _end(self, r: Room, ending: Ending, now: float, out: list[Action]) -> None:
         """The one way into a terminal state."""
-        assert not is_terminal(r.state), f"room {r.room} is already {r.state}"
         last = r.state
-        out.append(ObserveStateTime(self.role, last, now - r.entered))
-        self._moved(last, ending.outcome)
-        r.state, r.entered, r.ending, r.deadline = ending.outcome, now, ending, None
+        self._move(r, ending.outcome, now, out, ending)
+        r.ending, r.deadline = ending, None
         self._timers.cancel(("room", r.room))
         out.append(NotifyClient(r.rid, r.room, ending))
         out.append(LogTerminal(self.role, r.rid, r.room, last, now - r.born, ending))
@@ -310,7 +330,7 @@ class RoomTable:
         assert is_terminal(r.state)
         self._release_memory(r, now, out)
         del self._rooms[r.room]
-        self._moved(r.state, None)
+        self._count(r.state, None)
         self._timers.cancel(("room", r.room))
         self.peers.unbind(r.peer, r.room)
         self._tombstone(r.room, r.ending, arrived=True, now=now, peer=r.peer, answer=self._answer_again(r))
@@ -339,9 +359,6 @@ class RoomTable:
     # == what each side fills in ================================================================
 
     _held_label = "held"
-
-    def _live_states(self):
-        raise NotImplementedError
 
     def _admit(self, ev: RequestArrived, now: float, out: list[Action]) -> None:
         raise NotImplementedError
@@ -376,23 +393,3 @@ class RoomTable:
     def _extra_canonical(self, now: float) -> tuple:
         return ()
 
-
-def _freeze(value):
-    if isinstance(value, dict):
-        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-    if isinstance(value, (set, frozenset)):
-        return tuple(sorted(value))
-    if isinstance(value, list):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-_TIMES = frozenset({"born", "entered", "deadline"})
-
-
-def _freeze_dataclass(obj, now: float) -> tuple:
-    """The fields of a room as a hashable tuple, its times relative to ``now``."""
-    return tuple(
-        (f.name, _freeze(value) if f.name not in _TIMES or value is None else value - now)
-        for f in fields(obj) for value in (getattr(obj, f.name),)
-    )
