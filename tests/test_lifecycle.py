@@ -150,6 +150,34 @@ def test_rule1_lifecycle_reads_no_clock_starts_no_thread_and_does_no_io():
         assert len(path.read_text().splitlines()) < 400, f"{path.name} is too long to read in one sitting"
 
 
+CHECKED_DIRS = [LIFECYCLE_DIR, LIFECYCLE_DIR.parent / "transfer"]
+
+
+def test_rule1_invariants_are_checks_that_raise_never_asserts():
+    """``python -O`` strips ``assert``: the lifecycle's and the transfer's invariants raise instead
+    (``LifecycleError``, ``TypeError``...), as the page allocator's do; run under -O, they still do."""
+    files = [p for d in CHECKED_DIRS for p in sorted(d.glob("*.py"))] + [LIFECYCLE_DIR.parent / "transfer_worker.py"]
+    for path in files:
+        asserts = [n.lineno for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Assert)]
+        assert not asserts, f"{path.name}: assert at lines {asserts} (python -O strips it): raise instead"
+    script = (
+        "from splitserve.disagg.lifecycle import *\n"
+        "t = PrefillTable(Deadlines(), 'p1', 4)\n"
+        "t.handle(RequestArrived(7, 'r7', 8), 0)\n"
+        "for bad in (lambda: t._release(t._rooms[7], 1, []), lambda: t._enter(t._rooms[7], PrefillState.TRANSFERRING, 1, []),\n"
+        "            lambda: t.peers.bind(Peer('d', 'x'), 7, 1) if t.peers.declare_lost(Peer('d', 'x'), 1) or True else 0):\n"
+        "    try:\n"
+        "        bad()\n"
+        "    except LifecycleError as e:\n"
+        "        print('raised', type(e).__name__)\n"
+    )
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-O", "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:3] == ["raised LifecycleError", "raised IllegalMove", "raised LifecycleError"], done
+
+
 def test_rule1_tables_share_no_state():
     a, b = new_prefill(), new_prefill()
     a.handle(RequestArrived(ROOM, RID, PROMPT), 0)

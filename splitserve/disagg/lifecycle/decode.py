@@ -205,7 +205,8 @@ class DecodeTable(PromptHere, RoomTable):
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
         """AWAITING_KV: send the registration again (a lost one would cost the request; prefill
         takes a duplicate from the same peer as a no-op), until the KV or the end comes."""
-        assert kind == "resend", kind
+        if kind != "resend":
+            return super()._on_other_timer(kind, room, now, out)
         r = self._rooms.get(room)
         if r is not None and r.state is S.AWAITING_KV and self._reachable(r.peer):
             self._send_registration(r, now, out)

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from splitserve.disagg.lifecycle.deadlines import DeadlineHeap, Deadlines
+from splitserve.disagg.lifecycle.states import LifecycleError
 
 
 @dataclass(frozen=True, order=True)
@@ -116,7 +117,8 @@ class PeerTable:
 
     def bind(self, peer: Peer, room: int, now: float) -> None:
         """Room ``room`` now depends on ``peer``, which must not be lost."""
-        assert peer not in self._lost, f"binding room {room} to lost peer {peer}"
+        if peer in self._lost:
+            raise LifecycleError(f"binding room {room} to lost peer {peer}")
         entry = self._live.get(peer)
         if entry is None:
             entry = self._live[peer] = PeerEntry(peer, now)

@@ -36,7 +36,7 @@ from splitserve.disagg.lifecycle.events import (
 )
 from splitserve.disagg.lifecycle.peers import Peer
 from splitserve.disagg.lifecycle.states import (
-    Ending, Outcome, PrefillState, Reason, Role, State, ending_from_peer, is_terminal,
+    Ending, LifecycleError, Outcome, PrefillState, Reason, Role, State, ending_from_peer, is_terminal,
 )
 from splitserve.disagg.lifecycle.quota import PeerQuota
 from splitserve.disagg.lifecycle.registration import registration_problem
@@ -179,7 +179,8 @@ class PrefillTable(RoomTable):
         out.append(Enqueue(r.room, r.rid))
 
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
-        assert kind == "pending", kind
+        if kind != "pending":
+            return super()._on_other_timer(kind, room, now, out)
         pending = self._unpend(room)
         self.peers.unbind(pending.peer, room)
         ending = Ending(Reason.BOOTSTRAP_TIMEOUT,
@@ -363,7 +364,8 @@ class PrefillTable(RoomTable):
             self._release(r, now, out)
 
     def _release_memory(self, r: PrefillRoom, now: float, out: list[Action]) -> None:
-        assert not r.writes
+        if r.writes:
+            raise LifecycleError(f"room {r.room} frees its source pages under unsettled writes {sorted(r.writes)}")
         if r.src_pages:
             out.append(FreePages(r.room, r.src_pages))
         if not r.told_settled and self._reachable(r.peer):

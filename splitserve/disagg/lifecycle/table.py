@@ -34,7 +34,7 @@ from splitserve.disagg.lifecycle.events import (
 from splitserve.disagg.lifecycle.frozen import frozen_fields
 from splitserve.disagg.lifecycle.peers import Lost, Peer, PeerTable
 from splitserve.disagg.lifecycle.quota import PeerQuota
-from splitserve.disagg.lifecycle.states import Ending, Outcome, Reason, Role, State, is_terminal
+from splitserve.disagg.lifecycle.states import Ending, LifecycleError, Outcome, Reason, Role, State, is_terminal
 from splitserve.disagg.lifecycle.transitions import Transitions
 
 
@@ -327,7 +327,8 @@ class RoomTable:
 
     def _release(self, r: Room, now: float, out: list[Action]) -> None:
         """Return a terminal room's memory (once) and keep its id as a tombstone."""
-        assert is_terminal(r.state)
+        if not is_terminal(r.state):
+            raise LifecycleError(f"room {r.room} released while {r.state.value}: only an ended room gives memory back")
         self._release_memory(r, now, out)
         del self._rooms[r.room]
         self._count(r.state, None)

@@ -116,7 +116,6 @@ class FakeBackend(TransferBackend):
 
     def poll(self, handle: Handle) -> TransferState:
         self._check_handle(handle, FakeHandle)
-        assert isinstance(handle, FakeHandle)
         if not handle.state.pending or handle.stalled or handle.released:
             return handle.state
         if self._network is not None and not handle.fail_reason:

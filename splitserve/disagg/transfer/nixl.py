@@ -171,7 +171,6 @@ class NixlBackend(TransferBackend):
 
     def poll(self, handle: Handle) -> TransferState:
         self._check_handle(handle, NixlHandle)
-        assert isinstance(handle, NixlHandle)
         if not handle.state.pending or handle.xfer is None:
             return handle.state
         try:
@@ -187,7 +186,6 @@ class NixlBackend(TransferBackend):
 
     def release(self, handle: Handle) -> None:
         self._check_handle(handle, NixlHandle)
-        assert isinstance(handle, NixlHandle)
         if handle.state.pending:
             handle.state = failed("released")
         handle.released = True

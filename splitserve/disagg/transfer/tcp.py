@@ -214,7 +214,6 @@ class TcpBackend(TransferBackend):
 
     def release(self, handle: Handle) -> None:
         self._check_handle(handle, TcpHandle)
-        assert isinstance(handle, TcpHandle)
         if handle.state.pending:
             handle.state = failed("released")  # unsent frames are dropped; sent ones may still land
         handle.released = True
