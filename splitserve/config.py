@@ -3,7 +3,7 @@ its options from them, so ``--help`` and the code never disagree)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Optional
 
 
@@ -45,11 +45,63 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
-class ServerConfig:
+class FrontConfig:
+    """What a worker and the router share: the HTTP front end, its limits and its keys. Each app's
+    config adds its own fields and, where its default differs, its own (``max_connections``)."""
+
     host: str = "127.0.0.1"
     """Address the HTTP API listens on."""
     port: int = 8000
-    """Port of the HTTP API."""
+    """Port of the HTTP API (OpenAI-compatible)."""
+    ssl_certfile: Optional[str] = None
+    """Serve HTTPS with this certificate (PEM; with --ssl-keyfile)."""
+    ssl_keyfile: Optional[str] = None
+    """The private key of --ssl-certfile (PEM)."""
+    ssl_ca_certs: Optional[str] = None
+    """With TLS: require every client to present a certificate signed by these CAs (PEM)."""
+    max_body_bytes: int = 8 << 20
+    """Largest request body accepted (413 past it). 8 MiB holds the longest legal prompt of a
+    128k-token context at 64 bytes of JSON per token (docs/security.md has the measurement)."""
+    max_connections: int = 1024
+    """Client connections held open at once; the newest past it gets 503 at once and is closed."""
+    client_header_timeout_s: float = 60.0
+    """A client connection that has not sent a whole request head this long after connecting (or
+    after its previous answer, when kept alive) is closed."""
+    client_body_timeout_s: float = 30.0
+    """The whole request body must arrive within this many seconds, else 408 (the request goes no
+    further: the router asks no worker)."""
+    client_write_timeout_s: float = 30.0
+    """A write to the client that cannot complete this long (the client stopped reading) ends the
+    request: the connection is dropped and the request aborted (a worker frees its pages, the
+    router closes both workers' legs)."""
+    api_key: Optional[str] = field(default=None, repr=False)
+    """The clients' key (`Authorization: Bearer KEY`): generation and the model list (a worker
+    behind the router takes the router's --worker-api-key instead). Any key closes every route but
+    /health to callers without one (docs/security.md: which key opens which route). Also from
+    --api-key-file or $SPLITSERVE_API_KEY; a key on the command line is visible to other users in
+    `ps`: prefer the file or the environment (so for every key)."""
+    api_key_file: Optional[str] = None
+    """A file whose first line is the clients' key (chmod 600; so for every key file)."""
+    admin_api_key: Optional[str] = field(default=None, repr=False)
+    """The operators' key: /flush_cache, /debug/*, the router's /workers, and what /metrics and the
+    router's /health show in detail. Also from --admin-api-key-file or $SPLITSERVE_ADMIN_API_KEY."""
+    admin_api_key_file: Optional[str] = None
+    """A file whose first line is the operators' key."""
+    metrics_api_key: Optional[str] = field(default=None, repr=False)
+    """A scraper's key: /metrics, and a worker's /get_server_info or the router's /health details,
+    only. Also from --metrics-api-key-file or $SPLITSERVE_METRICS_API_KEY."""
+    metrics_api_key_file: Optional[str] = None
+    """A file whose first line is the scraper's key."""
+    protect_metrics: bool = True
+    """With any key, /metrics needs one that opens it (the metrics or admin key; without either, the
+    clients' key); --no-protect-metrics leaves it open to anyone, and its prefix-cache counters then
+    tell anyone whether a prompt was served before (docs/security.md)."""
+
+
+@dataclass(frozen=True)
+class ServerConfig(FrontConfig):
+    """A worker: its HTTP front end (:class:`FrontConfig`), its role and what the role needs."""
+
     role: str = "colocated"
     """colocated (prefill and decode in one worker), prefill, or decode (disaggregated: run behind the router)."""
     served_model_name: Optional[str] = None
@@ -129,52 +181,11 @@ class ServerConfig:
     CPUs this process is allowed now (its affinity). `splitserve launch` gives each worker its own."""
     threads: Optional[int] = None
     """torch intra-op threads; unset: one per physical core among the CPUs it runs on (SMT siblings count once)."""
-    ssl_certfile: Optional[str] = None
-    """Serve HTTPS with this certificate (PEM; with --ssl-keyfile)."""
-    ssl_keyfile: Optional[str] = None
-    """The private key of --ssl-certfile (PEM)."""
-    ssl_ca_certs: Optional[str] = None
-    """With TLS: require every client to present a certificate signed by these CAs (PEM)."""
-    max_body_bytes: int = 8 << 20
-    """Largest request body accepted (413 past it). 8 MiB holds the longest legal prompt of a
-    128k-token context at 64 bytes of JSON per token (docs/security.md has the measurement)."""
-    max_connections: int = 1024
-    """Connections held open at once; the newest past it gets 503 at once and is closed."""
-    client_header_timeout_s: float = 60.0
-    """A connection that has not sent a whole request head this long after connecting (or after
-    its previous answer, when kept alive) is closed."""
-    client_body_timeout_s: float = 30.0
-    """The whole request body must arrive within this many seconds, else 408."""
-    client_write_timeout_s: float = 30.0
-    """A write to the client that cannot complete this long (it stopped reading) ends the request:
-    the connection is dropped and the request aborted, its pages freed."""
-    api_key: Optional[str] = field(default=None, repr=False)
-    """The clients' key (`Authorization: Bearer KEY`): generation and the model list, for clients
-    that reach this worker directly (behind the router give --worker-api-key instead). Any key
-    closes every route but /health to callers without one (docs/security.md: which key opens
-    which route). Also from --api-key-file or $SPLITSERVE_API_KEY; a key on the command line is
-    visible to other users in `ps`: prefer the file or the environment (so for every key)."""
-    api_key_file: Optional[str] = None
-    """A file whose first line is the clients' key (chmod 600; so for every key file)."""
     worker_api_key: Optional[str] = field(default=None, repr=False)
     """The router's key (its --worker-api-key): opens every route, and only its holder may send the
     bootstrap fields of a split request. Also from --worker-api-key-file or $SPLITSERVE_WORKER_API_KEY."""
     worker_api_key_file: Optional[str] = None
     """A file whose first line is the router's key."""
-    admin_api_key: Optional[str] = field(default=None, repr=False)
-    """The operators' key: /flush_cache, /debug/*, and what /metrics shows. Also from
-    --admin-api-key-file or $SPLITSERVE_ADMIN_API_KEY."""
-    admin_api_key_file: Optional[str] = None
-    """A file whose first line is the operators' key."""
-    metrics_api_key: Optional[str] = field(default=None, repr=False)
-    """A scraper's key: /metrics and /get_server_info only. Also from --metrics-api-key-file or
-    $SPLITSERVE_METRICS_API_KEY."""
-    metrics_api_key_file: Optional[str] = None
-    """A file whose first line is the scraper's key."""
-    protect_metrics: bool = True
-    """With any key, /metrics needs one that opens it (the metrics or admin key; without either, the
-    clients' key); --no-protect-metrics leaves it open to anyone, and its prefix-cache counters then
-    tell anyone whether a prompt was served before (docs/security.md)."""
     inject_faults: str = ""
     """Testing only, off when empty: comma-separated stall_writes, stall_writes_after=N (each room's first N
     writes land, the rest stall), fail_writes, notify_drop=P, control_drop=P,
@@ -185,17 +196,20 @@ class ServerConfig:
 
 
 def field_help(cls) -> dict[str, str]:
-    """Attribute docstrings of a config dataclass, for argparse help (parsed from the source)."""
+    """Attribute docstrings of a config dataclass and of the dataclasses it builds on, for argparse
+    help (parsed from the source; a class's own docstring of a field wins over its base's)."""
     import ast
     import inspect
     import textwrap
 
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     helps: dict[str, str] = {}
-    body = tree.body[0].body
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
-            helps[node.target.id] = str(nxt.value.value)
+    for klass in reversed(cls.__mro__):
+        if not is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0].body
+        for node, nxt in zip(body, body[1:]):
+            if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+                helps[node.target.id] = str(nxt.value.value)
     names = {f.name for f in fields(cls)}
     return {k: v for k, v in helps.items() if k in names}
 
@@ -209,11 +223,10 @@ class WorkerAddress:
 
 
 @dataclass(frozen=True)
-class RouterConfig:
-    host: str = "127.0.0.1"
-    """Address the router listens on."""
-    port: int = 8000
-    """Port of the router's OpenAI-compatible API."""
+class RouterConfig(FrontConfig):
+    """The router: its HTTP front end (:class:`FrontConfig`), its policy, its workers."""
+
+    max_connections: int = 4096
     policy: str = "round_robin"
     """How a worker is picked per request: round_robin, random, least_load, or cache_aware (the
     worker likely to hold the prompt's prefix in its KV cache, unless the load is out of balance;
@@ -235,14 +248,6 @@ class RouterConfig:
     """Consecutive failed health checks that take a worker out of rotation (one success brings it back)."""
     request_timeout_s: float = 600.0
     """Upper bound on one request through the router, end to end."""
-    client_header_timeout_s: float = 60.0
-    """A client connection that has not sent a whole request head this long after connecting (or
-    after its previous answer, when kept alive) is closed."""
-    client_body_timeout_s: float = 30.0
-    """The whole request body must arrive within this many seconds, else 408 (before any worker is asked)."""
-    client_write_timeout_s: float = 30.0
-    """A write to the client that cannot complete this long (the client stopped reading) ends the
-    request: the connection is dropped and both workers' legs are closed."""
     worker_connect_timeout_s: float = 10.0
     """Bound on opening a connection to a worker (504 when it passes)."""
     worker_header_timeout_s: float = 30.0
@@ -270,12 +275,6 @@ class RouterConfig:
     """...plus this many (so that a quiet router may still retry)."""
     retry_budget_window_s: float = 10.0
     """The window of the retry budget, in seconds."""
-    ssl_certfile: Optional[str] = None
-    """Serve HTTPS with this certificate (PEM; with --ssl-keyfile)."""
-    ssl_keyfile: Optional[str] = None
-    """The private key of --ssl-certfile (PEM)."""
-    ssl_ca_certs: Optional[str] = None
-    """With TLS: require every client to present a certificate signed by these CAs (PEM)."""
     worker_ca_certs: Optional[str] = None
     """CA certificates (PEM) that https:// workers' certificates must be signed by, in place of the
     system's (only these are trusted; unset: the system's); their host names are checked too."""
@@ -283,32 +282,6 @@ class RouterConfig:
     """The router's client certificate for workers that require one (their --ssl-ca-certs)."""
     worker_ssl_keyfile: Optional[str] = None
     """The private key of --worker-ssl-certfile."""
-    max_body_bytes: int = 8 << 20
-    """Largest request body accepted (413 past it). 8 MiB holds the longest legal prompt of a
-    128k-token context at 64 bytes of JSON per token (docs/security.md has the measurement)."""
-    max_connections: int = 4096
-    """Client connections held open at once; the newest past it gets 503 at once and is closed."""
-    api_key: Optional[str] = field(default=None, repr=False)
-    """The clients' key (`Authorization: Bearer KEY`): generation and the model list. Any key
-    closes every route but /health to callers without one (docs/security.md: which key opens which
-    route). Also from --api-key-file or $SPLITSERVE_API_KEY; prefer the file or the environment
-    (so for every key): `ps` shows a command line."""
-    api_key_file: Optional[str] = None
-    """A file whose first line is the clients' key (chmod 600; so for every key file)."""
-    admin_api_key: Optional[str] = field(default=None, repr=False)
-    """The operators' key: /flush_cache, /workers, /debug/*, what /metrics and /health's details
-    show. Also from --admin-api-key-file or $SPLITSERVE_ADMIN_API_KEY."""
-    admin_api_key_file: Optional[str] = None
-    """A file whose first line is the operators' key."""
-    metrics_api_key: Optional[str] = field(default=None, repr=False)
-    """A scraper's key: /metrics and /health's details only. Also from --metrics-api-key-file or
-    $SPLITSERVE_METRICS_API_KEY."""
-    metrics_api_key_file: Optional[str] = None
-    """A file whose first line is the scraper's key."""
-    protect_metrics: bool = True
-    """With any key, /metrics needs one that opens it (the metrics or admin key; without either, the
-    clients' key); --no-protect-metrics leaves it open to anyone, and its prefix-cache counters then
-    tell anyone whether a prompt was served before (docs/security.md)."""
     worker_api_key: Optional[str] = field(default=None, repr=False)
     """The key the router sends to its workers (their --worker-api-key), never a client's; also from
     --worker-api-key-file or $SPLITSERVE_WORKER_API_KEY."""
