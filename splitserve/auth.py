@@ -34,7 +34,7 @@ from typing import Callable, Mapping, Optional
 
 from aiohttp import web
 
-from splitserve.server.openai_protocol import error_body
+from splitserve.errors import error_body
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 from aiohttp import web
 
-from splitserve.server.openai_protocol import error_body
+from splitserve.errors import error_body
 
 
 def bound_url(runner: web.AppRunner, host: str, port: int, tls: bool = False) -> str:

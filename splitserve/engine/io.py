@@ -12,15 +12,13 @@ import struct
 from dataclasses import dataclass, field
 from typing import Optional
 
+from splitserve.errors import FLUSH_WAIT_S, EngineError, InvalidRequest, NotReady, Overloaded  # noqa: F401
 from splitserve.outcomes import Ending, Reason
 
 DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request names none (documented in the README and ``--help``)."""
 MAX_TOP_LOGPROBS = 20
 """The most alternatives per token a request may ask logprobs for (OpenAI's cap on ``top_logprobs``)."""
-FLUSH_WAIT_S = 30.0
-"""How long ``POST /flush_cache`` waits for the engine loop (one step of a long prompt can take
-seconds); the router gives a worker's flush that and a margin."""
 
 
 @dataclass(frozen=True)
@@ -136,36 +134,3 @@ class RequestOutput:
     def status(self) -> int:
         """The HTTP status of a failed request (500 when no reason was given: a bug)."""
         return self.reason.http_status if self.reason is not None else 500
-
-
-class EngineError(Exception):
-    """Raised at submission; ``reason`` says why, and with it the HTTP status the front end
-    answers with."""
-
-    reason = Reason.INTERNAL_ERROR
-
-    @property
-    def status(self) -> int:
-        return self.reason.http_status
-
-    @property
-    def code(self) -> str:
-        return self.reason.value
-
-
-class Overloaded(EngineError):
-    reason = Reason.QUEUE_FULL
-
-
-class NotReady(EngineError):
-    reason = Reason.NOT_READY
-
-
-class InvalidRequest(EngineError):
-    """Bad input. ``param`` names the offending field, as in OpenAI's error body; an unknown
-    model is ``Reason.MODEL_NOT_FOUND`` (404)."""
-
-    def __init__(self, message: str, param: Optional[str] = None, reason: Reason = Reason.BAD_REQUEST):
-        super().__init__(message)
-        self.param = param
-        self.reason = reason

@@ -51,7 +51,7 @@ from aiohttp import web
 
 from splitserve.auth import METRICS, ROUTER_ROUTES, access_middlewares, bearer, caller_may
 from splitserve.config import RouterConfig
-from splitserve.engine.io import FLUSH_WAIT_S
+from splitserve.errors import FLUSH_WAIT_S, error_body
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.router import debug, membership, split
@@ -63,7 +63,6 @@ from splitserve.router.policy import CacheKnobs, Policy, make_policy
 from splitserve.router.proxy import ENDPOINTS, ROOM_BITS, forward
 from splitserve.router.retry import RetryBudget
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
-from splitserve.server.openai_protocol import error_body
 from splitserve.tls import client_context, server_context
 from splitserve.server.validation import REQUEST_ID
 

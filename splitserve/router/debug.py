@@ -27,7 +27,7 @@ from aiohttp import web
 
 from splitserve.router.legs import describe_error
 from splitserve.router.workers import Worker
-from splitserve.server.openai_protocol import error_body
+from splitserve.errors import error_body
 
 RECENT_REQUESTS = 4096
 ASK_TIMEOUT_S = 5.0

@@ -30,7 +30,7 @@ from aiohttp import web
 from splitserve.config import DEFAULT_BOOTSTRAP_PORT
 from splitserve.discovery.record import check_id, check_incarnation, check_port, check_url, identity_of
 from splitserve.router.workers import API, DECODE, PREFILL, Worker
-from splitserve.server.openai_protocol import error_body
+from splitserve.errors import error_body
 
 log = logging.getLogger(__name__)
 

@@ -78,7 +78,7 @@ from typing import Optional
 import aiohttp
 from aiohttp import web
 
-from splitserve.engine.io import InvalidRequest
+from splitserve.errors import InvalidRequest, engine_error_body, error_body
 from splitserve.router import retry, split
 from splitserve.router.client import ClientLost, ClientWriter, read_body, send
 from splitserve.router.legs import Leg, NoHeaders, describe_error
@@ -86,7 +86,6 @@ from splitserve.router.metrics import TokenTimes
 from splitserve.router.policy import routing_key
 from splitserve.router.stream import DecodeStream
 from splitserve.router.workers import DECODE, PREFILL, Worker
-from splitserve.server.openai_protocol import engine_error_body, error_body
 from splitserve.server.validation import REQUEST_ID, check_request_id, parse_json_body, validate_request
 
 log = logging.getLogger(__name__)

@@ -22,32 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from splitserve.engine.io import EngineError, RequestOutput, TokenLogprob
-from splitserve.outcomes import Reason
-
-# HTTP status -> OpenAI error ``type`` and default ``code`` (the client maps the status to its
-# exception class: 400 BadRequestError, 404 NotFoundError, 429 RateLimitError, >=500 InternalServerError).
-_ERROR_TYPES = {429: "rate_limit_error", 499: "client_closed_request", 503: "service_unavailable", 504: "timeout"}
-_ERROR_CODES = {400: "invalid_value", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
-                429: "overloaded", 499: "aborted", 500: "internal_error", 503: "not_ready", 504: "timeout"}
-
-
-def error_body(message: str, status: int, param: Optional[str] = None, code: Optional[str] = None) -> dict:
-    """``{"error": {"message", "type", "param", "code"}}`` as OpenAI answers errors."""
-    return {"error": {"message": message, "type": _error_type(status), "param": param,
-                      "code": code or _ERROR_CODES.get(status, "internal_error")}}
-
-
-def _error_type(status: int) -> str:
-    if status in _ERROR_TYPES:
-        return _ERROR_TYPES[status]
-    return "invalid_request_error" if 400 <= status < 500 else "server_error"
-
-
-def engine_error_body(exc: EngineError) -> dict:
-    """A refusal at submission; a bad request gets OpenAI's own code (``invalid_value``)."""
-    code = None if exc.reason is Reason.BAD_REQUEST else exc.code
-    return error_body(str(exc), exc.status, getattr(exc, "param", None), code)
+from splitserve.engine.io import RequestOutput, TokenLogprob
+from splitserve.errors import engine_error_body, error_body  # noqa: F401 (the error body is the API's too)
 
 
 def ended_error_body(out: RequestOutput) -> dict:

@@ -1,0 +1,137 @@
+"""Imports point down: the layer order of ``docs/design.md`` (*Layers*), read from the code.
+
+Every import of a ``splitserve`` module, at the top of a file or inside a function, is an edge
+from its file's group (a top-level module, or a package one level down: ``splitserve.engine``) to
+the imported one's. A group may import its own modules and those of lower layers, never a sibling
+of its own layer nor a layer above. The breaches still in the code are listed, each with what
+removes it: the test fails on any other, and on a listed one that is gone (strike it). No cycle
+among the modules' top-level imports.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "splitserve"
+
+LAYERS = [
+    {"splitserve", "splitserve.outcomes", "splitserve.config", "splitserve.log_sparsely", "splitserve.timeline",
+     "splitserve.metrics", "splitserve.cpus", "splitserve.tls", "splitserve.discovery"},
+    {"splitserve.errors"},
+    {"splitserve.layers"},
+    {"splitserve.models"},
+    {"splitserve.engine"},
+    {"splitserve.disagg"},
+    {"splitserve.http_util", "splitserve.auth"},
+    {"splitserve.server", "splitserve.router"},
+    {"splitserve.launch", "splitserve.top", "splitserve.bench", "splitserve.sim", "splitserve.testing"},
+    {"splitserve.cli"},
+]
+"""Lowest first; ``docs/design.md`` lists the same."""
+
+KNOWN = {
+    ("splitserve.models.llama", "splitserve.engine.kv_pool"):
+        "the attention takes the KV pool through a protocol of layers/ (issue 22, step 5)",
+    ("splitserve.models.loader", "splitserve.testing.tiny"): "the tiny model's builder out of the runtime",
+    ("splitserve.models.resolve", "splitserve.testing.tiny"): "the tiny model's builder out of the runtime",
+    ("splitserve.router.app", "splitserve.server.validation"): "what both apps validate, below both",
+    ("splitserve.router.proxy", "splitserve.server.validation"): "what both apps validate, below both",
+    ("splitserve.server.app", "splitserve.router.client"): "the bounded client writer, below both apps",
+}
+"""Breaches not removed yet: (importing module, imported module) -> what removes it."""
+
+
+def _module(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+@functools.lru_cache(maxsize=None)
+def _imports(path: pathlib.Path, top_level_only: bool = False) -> frozenset[str]:
+    tree = _tree(path)
+    nodes = tree.body if top_level_only else ast.walk(tree)
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return frozenset(m for m in found if m == "splitserve" or m.startswith("splitserve."))
+
+
+@functools.lru_cache(maxsize=None)
+def _tree(path: pathlib.Path) -> ast.Module:
+    return ast.parse(path.read_text())
+
+
+def _group(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def _layer(group: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if group in layer:
+            return i
+    raise AssertionError(f"{group} is in no layer: add it to LAYERS and to docs/design.md")
+
+
+def _modules() -> dict[str, pathlib.Path]:
+    return {_module(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_imports_point_down():
+    breaches = set()
+    for module, path in _modules().items():
+        for imported in _imports(path):
+            a, b = _group(module), _group(imported)
+            if a != b and _layer(b) >= _layer(a):
+                breaches.add((module, imported))
+    assert breaches - set(KNOWN) == set(), f"imports that point up or sideways: {sorted(breaches - set(KNOWN))}"
+    assert set(KNOWN) - breaches == set(), f"gone, strike them from KNOWN: {sorted(set(KNOWN) - breaches)}"
+
+
+def test_no_import_cycle():
+    modules = _modules()
+    graph = {m: {i for i in _imports(p, top_level_only=True) if i in modules and i != m} for m, p in modules.items()}
+    for m in modules:  # a package's __init__ may import its own modules: not a cycle through them
+        graph[m] = {i for i in graph[m] if not (i.startswith(m + ".") and m in graph.get(i, set()))}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan: strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_layers_in_the_design_doc_are_the_tests():
+    text = (ROOT / "docs" / "design.md").read_text()
+    section = text[text.index("## Layers"):]
+    section = section[: section.find("\n## ", 5)] if "\n## " in section[5:] else section
+    rows = [ln for ln in section.splitlines() if ln.startswith("| ") and not ln.startswith("| layer")]
+    documented = [{w.strip("` ,") for w in row.split("|")[2].split(",")} for row in rows]
+    assert documented == [{m.removeprefix("splitserve.") if m != "splitserve" else "splitserve" for m in layer}
+                          for layer in LAYERS]
