@@ -40,6 +40,8 @@ from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
+from splitserve.sim.asyncio_internals import with_match_info
+
 LATENCY_S = 0.0003
 
 
@@ -110,8 +112,7 @@ def request(method: str, path: str, body: bytes, writer: "Sink", transport: Tran
     req = web.Request(message, _Payload(body), _Protocol(transport), writer, None, loop)
     match_info = UrlMappingMatchInfo({}, None)
     match_info.add_app(app or _APP)
-    req._match_info = match_info
-    return req
+    return with_match_info(req, match_info)
 
 
 def findings(report: Callable[[str], None]):
