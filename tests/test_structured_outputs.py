@@ -153,6 +153,7 @@ def _parse_pets(url: str, seeds=(0,)) -> list[Pet]:
         assert choice.finish_reason == "stop", choice
         pets.append(choice.message.parsed)
         assert isinstance(pets[-1], Pet) and pets[-1] == Pet.model_validate_json(choice.message.content)
+        assert list(json.loads(choice.message.content)) == list(Pet.model_fields)  # the schema's key order
     return pets
 
 
@@ -248,3 +249,4 @@ def test_sglang_generate_takes_a_regex_and_a_json_schema_string(server):
                       ({"regex": "a", "json_schema": "{}"}, "sampling_params.regex")):
         r = gen(sp)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+

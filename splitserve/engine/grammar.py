@@ -56,7 +56,7 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request asked for: ``kind`` ``"json_object"`` or ``"json_schema"``, and the schema as
-    canonical JSON (sorted keys, compact: the cache key); or ``"regex"`` and the regex."""
+    compact JSON in the client's key order (the cache key); or ``"regex"`` and the regex."""
 
     kind: str
     schema: str
@@ -153,7 +153,8 @@ def schema_spec(schema: Any, param: str) -> GrammarSpec:
         raise InvalidRequest(f"{param} must be a JSON schema object", param)
     if not _depth_ok(schema, MAX_SCHEMA_DEPTH):
         raise InvalidRequest(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
-    text = json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # keys keep the client's order: the order of "properties" is the order the answer's keys come in
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise InvalidRequest(f"{param} is {len(text.encode())} bytes as JSON; at most {MAX_SCHEMA_BYTES} are "
                              "accepted", param)
