@@ -250,3 +250,28 @@ def test_sglang_generate_takes_a_regex_and_a_json_schema_string(server):
         r = gen(sp)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
+
+
+@pytest.mark.long
+def test_smollm2_parse_returns_a_valid_object_colocated_and_split(monkeypatch):
+    """The demo model, a real tokenizer of 49,152 tokens: ``parse`` on a colocated worker and on
+    1 prefill + 1 decode behind the router."""
+    from conftest import ServerProcess, free_port
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    small_pool = ("--max-total-tokens", "2048")
+    colocated = ServerProcess(*small_pool, model="smollm2")
+    colocated._spawn(free_port())  # loads while the cluster starts
+    try:
+        with Cluster(1, 1, "nixl", model="smollm2", worker_args=small_pool) as split:
+            colocated.wait_ready()
+            for url in (colocated.url, split.url):
+                for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}):
+                    out = _client(url).chat.completions.parse(
+                        model="smollm2", messages=[{"role": "user", "content": "Describe a pet dog as JSON."}],
+                        response_format=Pet, max_tokens=120, **sampling)
+                    assert out.choices[0].finish_reason == "stop" and isinstance(out.choices[0].message.parsed, Pet)
+                    print(f"\n{url} {sampling}: {out.choices[0].message.content}")
+            split.assert_no_leaks()
+    finally:
+        colocated.stop()
