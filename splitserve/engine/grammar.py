@@ -32,7 +32,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from splitserve.engine.io import InvalidRequest, Overloaded
+from splitserve.errors import InvalidRequest, Overloaded
 
 log = logging.getLogger(__name__)
 
