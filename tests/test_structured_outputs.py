@@ -275,3 +275,21 @@ def test_smollm2_parse_returns_a_valid_object_colocated_and_split(monkeypatch):
             split.assert_no_leaks()
     finally:
         colocated.stop()
+
+
+def test_absurd_schemas_over_http_are_4xx_and_the_server_serves_on(server):
+    """A 10 MB schema and a schema nested 10,000 deep: refused with an OpenAI error body (413 for a
+    body over the size cap, 400 otherwise), never a stalled loop; the next request is served."""
+    deep = "{}"
+    for _ in range(10_000):
+        deep = '{"type":"array","items":' + deep + "}"
+    huge = json.dumps({"enum": ["x" * 1000] * 10_000})
+    for schema in (huge, deep):
+        body = ('{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":4,'
+                '"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":' + schema + "}}}")
+        r = requests.post(server.url + "/v1/chat/completions", data=body,
+                          headers={"Content-Type": "application/json"}, timeout=120)
+        assert r.status_code in (400, 413) and "error" in r.json(), r.text[:300]
+    r = requests.post(server.url + "/v1/chat/completions", json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 4, "response_format": {"type": "json_object"}}, timeout=120)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("{")
