@@ -436,6 +436,13 @@ def spread(values: list[float], fmt: str) -> str:
     return text if len(values) == 1 else f"{text} ({format(min(values), fmt)}-{format(max(values), fmt)})"
 
 
+def splitserve_auto_dtype() -> str:
+    """What splitserve's --dtype auto computes in (and keeps its KV pool in) on this CPU."""
+    from splitserve.models import loader
+
+    return str(loader.cpu_dtype(loader.cpu_flags())[0]).removeprefix("torch.")
+
+
 def memory_lines(name: str, runs: list[Measured], model: Model) -> list[str]:
     lines = []
     last = runs[-1].memory
@@ -445,9 +452,12 @@ def memory_lines(name: str, runs: list[Measured], model: Model) -> list[str]:
                 f"{row['hwm'] / MB:7.0f} MB  PSS {row['pss'] / MB:7.0f} MB")
         if name in SPLITSERVE and row["process"] in ("serve", "prefill", "decode"):
             weights = model.gguf.stat().st_size if name == "colocated-quant" else model.float32_bytes
-            pool = model.kv_pool_bytes(4, pool_tokens)  # float32 KV (what --dtype auto/float32 gives here)
+            # colocated-quant runs --dtype auto (bfloat16 where the CPU has native bf16), the others float32
+            kv_dtype = splitserve_auto_dtype() if name == "colocated-quant" else "float32"
+            pool = model.kv_pool_bytes(2 if kv_dtype == "bfloat16" else 4, pool_tokens)
             text += (f"   = weights {weights / MB:.0f} MB ({'the GGUF file' if name == 'colocated-quant' else 'float32'})"
-                     f" + KV pool {pool / MB:.0f} MB ({pool_tokens} tokens, float32) + overhead {(row['rss'] - weights - pool) / MB:.0f} MB")
+                     f" + KV pool {pool / MB:.0f} MB ({pool_tokens} tokens, {kv_dtype}) + overhead "
+                     f"{(row['rss'] - weights - pool) / MB:.0f} MB")
         lines.append(text)
     return lines
 
