@@ -442,12 +442,21 @@ class AsyncEngine:
         """Thread-safe: end ``rid`` (or ``room``'s request) for a stated cause (``POST
         /abort_request``): its client left, or (``kv_lost``, decode) its KV will not come. Whether
         it was here. TimeoutError if the loop does not get to it within ``timeout``."""
+        return self.abort_request_later(rid, room, kv_lost, detail).result(timeout)
+
+    def abort_request_later(self, rid: Optional[str], room: Optional[int], kv_lost: bool,
+                            detail: str) -> concurrent.futures.Future:
+        """:meth:`abort_request` without waiting: the future of whether it was here, set on the
+        engine loop (an HTTP handler awaits it with ``asyncio.wrap_future``, no thread held; on the
+        simulator's one thread that keeps a run a function of its seed)."""
         def on_loop() -> bool:
             found, outputs = self.role.abort_request(rid, room, kv_lost, detail)
             self._post(outputs)
             return found
 
-        return self.call_on_loop(on_loop, timeout)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(on_loop, future))
+        return future
 
     def flush_cache(self, timeout: float = FLUSH_WAIT_S) -> int:
         """Thread-safe: drop every cached page no one owns; how many (``POST /flush_cache``).

@@ -73,9 +73,10 @@ async def handle(request: web.Request, state, json_error) -> web.Response:
     except UnicodeError:
         return json_error("rid and detail must be valid Unicode (no lone surrogates)", 400, param="detail",
                           code="bad_request")
-    try:
-        found = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: state.engine.abort_request(rid, room, reason == "prefill_failed", detail or reason))
+    try:  # awaited, not waited for in a thread: the simulator (one thread) replays it exactly
+        async with asyncio.timeout(FLUSH_WAIT_S):
+            found = await asyncio.wrap_future(
+                state.engine.abort_request_later(rid, room, reason == "prefill_failed", detail or reason))
     except TimeoutError:
         return json_error(f"the engine loop did not get to the abort within {FLUSH_WAIT_S:g} s (a long step?); "
                           "try again", 503, code="loop_busy", headers={"Retry-After": "1"})
