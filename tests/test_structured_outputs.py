@@ -293,3 +293,12 @@ def test_absurd_schemas_over_http_are_4xx_and_the_server_serves_on(server):
     r = requests.post(server.url + "/v1/chat/completions", json={
         "model": "tiny", "messages": MESSAGES, "max_tokens": 4, "response_format": {"type": "json_object"}}, timeout=120)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"].startswith("{")
+
+
+def test_a_streamed_structured_answer_parses_when_joined(pd):
+    stream = _client(pd.url).chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=120, seed=9, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": Pet.model_json_schema()}})
+    chunks = [c for c in stream if c.choices]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert chunks[-1].choices[0].finish_reason == "stop" and Pet.model_validate_json(text)
