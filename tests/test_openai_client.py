@@ -100,7 +100,7 @@ def test_ignore_eos_and_seed_through_extra_body(client, model):
 
 @pytest.mark.parametrize("kwargs,param", [
     ({"temperature": -1}, "temperature"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"logit_bias": {"5": 10}}, "logit_bias"),
 ])

@@ -315,7 +315,7 @@ def test_bad_input_is_refused_without_touching_workers(fakes, start_router):
     assert_openai_error(requests.post(url, data=b"{not json", timeout=5), 400)
     assert assert_openai_error(requests.post(url, json={"prompt": "x", "max_tokens": "4"}, timeout=5),
                                400)["param"] == "max_tokens"
-    assert assert_openai_error(requests.post(url, json={"prompt": "x", "n": 2}, timeout=5), 400)["param"] == "n"
+    assert assert_openai_error(requests.post(url, json={"prompt": "x", "n": 17}, timeout=5), 400)["param"] == "n"
     assert_openai_error(requests.post(router.url + "/v1/chat/completions", json={"messages": []}, timeout=5), 400)
     assert_openai_error(requests.post(router.url + "/generate", json={"text": 1}, timeout=5), 400)
     error = assert_openai_error(requests.post(url, json={"model": "other", "prompt": "x"}, timeout=5), 404)

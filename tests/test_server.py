@@ -441,7 +441,7 @@ def test_generate_with_text_and_input_ids(server):
     ("/v1/completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
     ("/v1/completions", {"prompt": ""}, "prompt"),
-    ("/v1/completions", {"prompt": "x", "n": 2}, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 17}, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
     ("/v1/completions", {"prompt": "x", "max_tokenz": 2}, "max_tokenz"),
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),

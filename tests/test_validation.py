@@ -132,7 +132,7 @@ def test_stream_options():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("best_of", 3), ("suffix", "end"),
+    ("best_of", 3), ("suffix", "end"),
     ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
 ])
 def test_unsupported_completion_fields_are_named(field, value):
@@ -140,7 +140,7 @@ def test_unsupported_completion_fields_are_named(field, value):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("n", 2), ("logit_bias", {"1": 1}),
+    ("logit_bias", {"1": 1}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
     ("presence_penalty", 1), ("frequency_penalty", 0.1), ("parallel_tool_calls", True), ("audio", {}),
@@ -181,6 +181,15 @@ def test_logprobs_fields_set_the_alternatives():
     gen = ok({"input_ids": [1], "return_logprob": True, "top_logprobs_num": 3, "return_text_in_logprobs": True,
               "logprob_start_len": -1}, "generate")
     assert gen.sampling.logprobs == 3 and gen.return_text_in_logprobs and gen.sampling.prompt_logprobs is None
+
+
+def test_n_is_bounded():
+    assert ok({"prompt": "hi", "n": 16}).sampling.n == 16
+    assert ok({"messages": [{"role": "user", "content": "hi"}], "n": 3}, "chat").sampling.n == 3
+    assert ok({"prompt": "hi"}).sampling.n == 1
+    for n in (0, 17, 10**6, 2.0, True):
+        bad({"prompt": "hi", "n": n}, param="n")
+    bad({"prompt": "hi", "n": 2, "echo": True, "max_tokens": 0}, param="n")
 
 
 def test_echo_and_logprob_start_len_ask_for_the_prompts_logprobs():

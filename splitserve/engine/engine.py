@@ -12,6 +12,11 @@ finished, was preempted or failed. Whoever drives the engine (the colocated loop
 decode role) reads only that report, never the scheduler's internals. A finished or aborted
 sequence's pages are freed exactly once, in ``Scheduler.finish``; a sequence whose pages belong to
 a room is only detached, and its room frees them.
+
+A request with ``n`` > 1 choices (colocated only) is one sequence until its prompt has run; then
+the other choices fork from it (``_fork``): sequences of their own, keyed ``rid + CHOICE_KEY + i``,
+that share the prompt's full pages through the prefix cache. Its deltas carry the choice's
+``index``; it ends (``finished``) with its last choice, and an abort ends them all.
 """
 
 from __future__ import annotations
@@ -30,12 +35,16 @@ from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput,
 from splitserve.engine.kv_pool import KVLayout, KVPool
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.page_allocator import PageAllocator, salt_key
-from splitserve.engine.sampler import NoFiniteLogits, greedy_tokens, sample_token, token_logprobs
+from splitserve.engine.sampler import NoFiniteLogits, choice_seed, greedy_tokens, sample_token, token_logprobs
 from splitserve.engine.scheduler import ScheduledSeq, Scheduler
 from splitserve.engine.sequence import Sequence
 from splitserve.outcomes import Ending, Reason
 
 log = logging.getLogger(__name__)
+
+CHOICE_KEY = "\x1f"
+"""Between a request's id and a choice's index in the engine's key of choice i > 0 (a request id
+is printable: no client's id can take a choice's key)."""
 
 
 @dataclass
@@ -122,7 +131,10 @@ class LLMEngine:
         self.prompt_tokens_computed = 0  # a counter: prompt tokens whose KV this engine computed
         self.unschedulable_steps = 0  # a counter: steps that found work and could schedule none of it
         self.runner = parts.make_runner(self.model, self.kv, progress)
-        self._seqs: dict[str, Sequence] = {}
+        self._seqs: dict[str, Sequence] = {}  # every live sequence by its key (a choice > 0: CHOICE_KEY)
+        self._open: dict[str, int] = {}  # a request with n > 1: its choices not yet ended
+        self._forks: dict[str, list[Sequence]] = {}  # ... its choices > 0
+        self._requests: dict[str, GenerateRequest] = {}  # ... the request, until its choices fork
         self._rng = random.Random(config.seed)
         self._eos = frozenset(self.spec.eos_token_ids)
 
@@ -134,6 +146,8 @@ class LLMEngine:
         prefill worker holds the prompt's KV only."""
         if prompt_only if split is None else split:
             self._one_worker_only(req)
+        if prompt_only or split is not None:  # a prefill or decode worker's room
+            self._colocated_only(req)
         pool = self.layout.total_tokens
         if prompt_only and len(req.prompt_ids) > pool:
             raise InvalidRequest(f"the prompt ({len(req.prompt_ids)} tokens) needs more KV cache than this "
@@ -152,6 +166,8 @@ class LLMEngine:
         seq = self._new_sequence(req, room_owned=prefill_only, prefill_only=prefill_only)
         seq.prefill_only = prefill_only
         self._seqs[req.rid] = seq
+        if req.sampling.n > 1:
+            self._open[req.rid], self._forks[req.rid], self._requests[req.rid] = req.sampling.n, [], req
         self.scheduler.add(seq)
         return seq
 
@@ -211,6 +227,12 @@ class LLMEngine:
         return seq
 
     @staticmethod
+    def _colocated_only(req: GenerateRequest) -> None:
+        """A disaggregated role's room runs one sequence: n > 1 runs on a colocated worker."""
+        if req.sampling.n > 1:
+            raise InvalidRequest("n > 1 runs on a colocated worker, not on a prefill or decode worker", param="n")
+
+    @staticmethod
     def _one_worker_only(req: GenerateRequest) -> None:
         """Refuse on a split what must run on one worker: the prompt's logprobs (prefill's answer
         never reaches the client) and ``max_tokens`` 0 (prefill always samples a first token)."""
@@ -223,8 +245,10 @@ class LLMEngine:
                       room: Optional[int] = None) -> Sequence:
         """``room_owned``: the pages belong to the request's bootstrap room (disaggregated roles),
         or to ``room`` when given; a colocated worker ignores bootstrap fields."""
-        if req.rid in self._seqs:
+        if req.rid in self._seqs or req.rid in self._open:
             raise InvalidRequest(f"request id {req.rid!r} is already running", param="rid")
+        if req.sampling.n > 1 and (room_owned or room is not None):
+            self._colocated_only(req)
         if not req.prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         self.check_fits(req, prompt_only=prefill_only)
@@ -245,7 +269,17 @@ class LLMEngine:
         return list(self._seqs.values())
 
     def sequence(self, rid: str) -> Optional[Sequence]:
-        return self._seqs.get(rid)
+        """The request's live sequence (with n > 1: its first live choice)."""
+        seq = self._seqs.get(rid)
+        if seq is None and rid in self._forks:
+            seq = next(iter(self._members(rid)), None)
+        return seq
+
+    def _members(self, rid: str) -> list[Sequence]:
+        """Every live sequence of request ``rid``: its first choice and the ones forked from it."""
+        first = self._seqs.get(rid)
+        members = [first] if first is not None and first.choice == 0 else []
+        return members + [s for s in self._forks.get(rid, ()) if self._seqs.get(s.rid) is s]
 
     def cancel(self, rid: str) -> Optional[Sequence]:
         """Drop a request from every queue without a client answer (its room answers); returns the
@@ -264,14 +298,23 @@ class LLMEngine:
         self.scheduler.release(seq)
 
     def abort(self, rid: str, ending: Ending = Ending(Reason.CLIENT_ABORT)) -> Optional[RequestOutput]:
-        """End a request with ``ending``; a no-op (None) if it is unknown or already over."""
-        seq = self._seqs.pop(rid, None)
-        if seq is None:
+        """End a request with ``ending`` (every one of its choices); a no-op (None) if it is
+        unknown or already over."""
+        seq = self._seqs.get(rid)
+        if seq is not None and seq.request_rid is not None:  # a choice's key: its whole request
+            rid = seq.request_rid
+        members = self._members(rid)
+        self._open.pop(rid, None)
+        self._forks.pop(rid, None)
+        self._requests.pop(rid, None)
+        if not members:
             return None
-        self.scheduler.finish(seq)
-        log.info("request %s ended after %d tokens: %s", rid, seq.num_output_tokens, ending)
-        return RequestOutput.ended(rid, ending, prompt_tokens=seq.num_prompt_tokens,
-                                   completion_tokens=seq.num_output_tokens)
+        for seq in members:
+            self._seqs.pop(seq.rid, None)
+            self.scheduler.finish(seq)
+        tokens = sum(s.num_output_tokens for s in members)
+        log.info("request %s ended after %d tokens: %s", rid, tokens, ending)
+        return RequestOutput.ended(rid, ending, prompt_tokens=members[0].num_prompt_tokens, completion_tokens=tokens)
 
     def abort_all(self, ending: Ending) -> list[RequestOutput]:
         return [out for rid in list(self._seqs) if (out := self.abort(rid, ending))]
@@ -395,6 +438,43 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self._seqs.pop(seq.rid, None)
                 self.scheduler.finish(seq)
+            if seq.out_rid in self._requests and seq.choice == 0:
+                self._fork(seq, logits, row, report)
+
+    def _fork(self, first: Sequence, logits: torch.Tensor, row: int, report: StepReport) -> None:
+        """Choice 0 of a request with n > 1 sampled its first token from ``logits[row]``: the
+        other choices start here, each with its own first token drawn from that row
+        (``choice_seed``). Each is a sequence of the prompt and that token that takes the
+        prompt's full pages from the prefix cache (shared, read-only: the partial last page is its
+        own, recomputed) and computes the rest; its pages are its own to free. A failure ends the
+        whole request."""
+        req = self._requests.pop(first.rid)
+        rid, p = req.rid, first.sampling
+        try:
+            for i in range(1, p.n):
+                child = Sequence(rid=f"{rid}{CHOICE_KEY}{i}", token_ids=list(req.prompt_ids),
+                                 num_prompt_tokens=len(req.prompt_ids), sampling=p, seed=choice_seed(first.seed, i),
+                                 cache_salt=req.cache_salt, salt_key=first.salt_key, choice=i, request_rid=rid)
+                child.detok = IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop, req.stop_matcher)
+                child.prompt_logprobs = list(first.prompt_logprobs)
+                token = first.token_ids[first.num_prompt_tokens] if p.greedy else \
+                    sample_token(logits[row], p, child.seed, len(child))
+                lp = token_logprobs(logits[row:row + 1], [token], [p.logprobs])[0] if p.logprobs is not None else None
+                child.token_ids.append(token)
+                self._check_finish(child, token)
+                self._forks[rid].append(child)
+                self._seqs[child.rid] = child
+                report.sampled.append((child, self._delta(child, token, lp)))
+                if child.finish_reason is not None:
+                    self._seqs.pop(child.rid)
+                else:
+                    self.scheduler.add(child)
+        except Exception as exc:
+            log.exception("request %s: its choices could not fork; failing the request", rid)
+            ending = Ending(Reason.INTERNAL_ERROR, f"forking its choices failed: {type(exc).__name__}: {exc}")
+            report.sampled = [(s, d) for s, d in report.sampled if s.out_rid != rid]
+            if (out := self.abort(rid, ending)) is not None:
+                report.failed.append((first, out))
 
     def _sample(self, logits: torch.Tensor, row: int, seq: Sequence, greedy: Optional[list]) -> int:
         if seq.grammar is not None:  # only what the grammar allows, then the grammar takes it
@@ -431,8 +511,14 @@ class LLMEngine:
         """The client's delta of ``token`` (None: the request ends with no token); the first one
         carries the prompt's logprobs when the request asked for them."""
         finished = seq.finish_reason is not None
+        if finished and seq.out_rid in self._open:  # n > 1: the request ends with its last choice
+            self._open[seq.out_rid] -= 1
+            finished = self._open[seq.out_rid] == 0
+            if finished:
+                del self._open[seq.out_rid]
+                self._forks.pop(seq.out_rid, None)
         first = seq.num_output_tokens <= 1 and seq.sampling.prompt_logprobs is not None
-        return RequestOutput(rid=seq.rid, token_ids=(token,) if token is not None else (),
+        return RequestOutput(rid=seq.out_rid, index=seq.choice, token_ids=(token,) if token is not None else (),
                              text=seq.detok.release(final=finished),
                              finished=finished, finish_reason=seq.finish_reason,
                              prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,

@@ -37,6 +37,9 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     """None: none; k: each prompt token's logprob (but the first's) and k alternatives. Such a
     request computes its whole prompt (no prefix cache) on one worker."""
+    n: int = 1
+    """Choices from the one prompt (``engine.py``: the others fork from the first when its prompt
+    has run); choice i > 0 draws with ``choice_seed(seed, i)``."""
 
     @property
     def greedy(self) -> bool:
@@ -124,6 +127,9 @@ class RequestOutput:
     """One per token of ``token_ids`` when the request asked for logprobs, else empty."""
     prompt_logprobs: tuple[Optional[TokenLogprob], ...] = ()
     """On the first delta of a request that asked: one per prompt token, None for the first."""
+    index: int = 0
+    """The choice this delta belongs to (``SamplingParams.n``). With n > 1 a choice that ends has
+    its ``finish_reason`` on its last delta, and ``finished`` comes with the last choice's end."""
 
     @classmethod
     def ended(cls, rid: str, ending: Ending, **counts: int) -> "RequestOutput":

@@ -36,6 +36,12 @@ def mix_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) & ((1 << 63) - 1)
 
 
+def choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice ``choice`` of a request with ``n`` > 1 (choice 0 keeps ``seed``, so
+    n = 1 draws as before): every choice draws its own numbers, the same whatever is batched."""
+    return seed if choice == 0 else mix_seed(seed ^ 0x5DEECE66D, choice)
+
+
 def uniform_for(seed: int, position: int) -> float:
     g = torch.Generator().manual_seed(mix_seed(seed, position))
     return torch.rand((), generator=g, dtype=torch.float64).item()

@@ -48,6 +48,13 @@ class Sequence:
     first_logprob: Optional[object] = None  # prefill-only: the first token's TokenLogprob, for its room
     prompt_logprobs: list = field(default_factory=list)  # TokenLogprob of prompt tokens [0, len) (None first)
     grammar: Optional[object] = None  # engine/grammar.GrammarState: masks each token it samples
+    choice: int = 0  # which of the request's n choices (engine.py: choices > 0 fork from choice 0)
+    request_rid: Optional[str] = None  # a choice > 0: its request's id (its own ``rid`` is the engine's key)
+
+    @property
+    def out_rid(self) -> str:
+        """The request id its deltas carry."""
+        return self.request_rid if self.request_rid is not None else self.rid
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -128,11 +128,11 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
         seconds = time.monotonic() - started
         ttft = acc.first_token_at - started if acc.first_token_at is not None else None
         state.metrics.record(endpoint, result.outcome, result.reason, seconds, acc.prompt_tokens,
-                             acc.completion_tokens, ttft, submitted=submitted, gaps=acc.token_gaps)
+                             acc.total_completion_tokens, ttft, submitted=submitted, gaps=acc.token_gaps)
         if rid is not None:  # one line per request that passed validation (the others are counted only)
             timeline = getattr(state.engine, "timeline_short", lambda rid: "-")(rid)
             log.info("request %s %s: %s (%s) prompt=%d completion=%d %.3fs timeline: %s", rid, endpoint,
-                     result.outcome, result.reason, acc.prompt_tokens, acc.completion_tokens, seconds, timeline)
+                     result.outcome, result.reason, acc.prompt_tokens, acc.total_completion_tokens, seconds, timeline)
 
 
 async def _consume(stream: AsyncIterator[RequestOutput], acc: proto.Accumulator):
@@ -148,7 +148,7 @@ async def _release(state, rid: str, stream, acc: proto.Accumulator) -> None:
     """Called whenever a handler is left: if the request has not ended, abort it and read its
     stream to the end (the abort's error delta), so the engine drops it even if we never started
     iterating; then close the stream."""
-    if acc.error is None and acc.finish_reason is None:
+    if not acc.done:
         state.engine.abort(rid)
 
         async def to_the_end():
@@ -179,7 +179,7 @@ def _finish(result: Result, acc: proto.Accumulator) -> Optional[int]:
     if acc.error is not None:
         result.ended(acc.error.reason or Reason.INTERNAL_ERROR)
         return acc.error.status
-    if acc.finish_reason is None:  # the stream ended without a last delta: a bug, never a success
+    if not acc.done or acc.finish_reason is None:  # the stream ended without a last delta: a bug, never a success
         result.ended(Reason.INTERNAL_ERROR)
         return 500
     result.ended(FINISHED_BY.get(acc.finish_reason, Reason.STOP))
@@ -239,13 +239,16 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
     sse = SSEWriter(request, state.config.client_write_timeout_s)
     model, created = state.model_name, int(time.time())
     strings = _strings(state, req)
-    sent = 0  # tokens whose logprobs have been sent: the rest ride with the next chunk that has text
-    offset = 0  # completions: the text offset of the next token's logprobs
-    echo = _echo(state, req)  # completions' echo: sent with the first chunk
+    n = req.sampling.n
+    sent = [0] * n  # per choice, tokens whose logprobs have been sent: the rest ride with its next chunk with text
+    offset = [0] * n  # completions: the text offset of the choice's next token's logprobs
+    echo = [_echo(state, req)] * n  # completions' echo: sent with each choice's first chunk
     try:
         await sse.start()
         if endpoint == "chat":
-            await sse.send(proto.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None))
+            for i in range(n):
+                await sse.send(proto.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
+                                                index=i))
         async for out in _consume(stream, acc):
             if out.finished and out.error is not None:
                 break
@@ -253,25 +256,26 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
                 if out.token_ids or out.text or out.finished:
                     await sse.send(proto.generate_chunk(rid, acc, started, req.sampling.logprobs is not None, strings,
                                                         _prompt_of(req)))
-            elif out.text or out.finished or echo is not None:
-                reason = acc.finish_reason if out.finished else None
+            elif out.text or out.finish_reason is not None or echo[out.index] is not None:
+                i, c = out.index, acc.choice(out.index)
+                reason = c.finish_reason if out.finish_reason is not None or out.finished else None
                 logprobs, text = None, out.text
-                ids, lps = acc.token_ids[sent:], list(acc.logprobs[sent:])
-                sent = len(acc.token_ids)
-                if echo is not None:  # the first chunk starts with the prompt
-                    text, ids, lps = echo[0] + text, echo[1] + ids, list(acc.prompt_logprobs) + lps
-                    echo = None
+                ids, lps = c.token_ids[sent[i]:], list(c.logprobs[sent[i]:])
+                sent[i] = len(c.token_ids)
+                if echo[i] is not None:  # the choice's first chunk starts with the prompt
+                    text, ids, lps = echo[i][0] + text, echo[i][1] + ids, list(acc.prompt_logprobs) + lps
+                    echo[i] = None
                 if strings is not None:
                     if endpoint == "chat":
                         logprobs = proto.chat_logprobs(strings, ids, lps)
                     else:
-                        logprobs = proto.completion_logprobs(strings, ids, lps, offset)
-                        offset += sum(len(t) for t in logprobs["tokens"])
+                        logprobs = proto.completion_logprobs(strings, ids, lps, offset[i])
+                        offset[i] += sum(len(t) for t in logprobs["tokens"])
                 if endpoint == "chat":
                     delta = {"content": text} if text else {}
-                    await sse.send(proto.chat_chunk(rid, model, created, delta, reason, logprobs))
+                    await sse.send(proto.chat_chunk(rid, model, created, delta, reason, logprobs, index=i))
                 else:
-                    await sse.send(proto.completion_chunk(rid, model, created, text, reason, logprobs))
+                    await sse.send(proto.completion_chunk(rid, model, created, text, reason, logprobs, index=i))
         status = _finish(result, acc)
         if status is not None:
             await sse.send(_error_of(acc))

@@ -34,7 +34,8 @@ def ended_error_body(out: RequestOutput) -> dict:
 
 @dataclass
 class Accumulator:
-    """A request's answer so far, built from its engine deltas."""
+    """A request's answer so far, built from its engine deltas: choice 0 in its own fields, the
+    others (``n`` > 1) in ``choices``; ``done`` once the request's last delta came."""
 
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -50,15 +51,45 @@ class Accumulator:
     """One per token of ``token_ids`` when the request asked for logprobs."""
     prompt_logprobs: tuple = ()
     """One per prompt token (None for the first) when the request asked for them."""
+    choices: dict = field(default_factory=dict)
+    """index -> Accumulator of choice index > 0."""
+    done: bool = False
+
+    def choice(self, index: int) -> "Accumulator":
+        if index == 0:
+            return self
+        if index not in self.choices:
+            self.choices[index] = Accumulator()
+        return self.choices[index]
+
+    def choice_list(self) -> list[tuple[int, "Accumulator"]]:
+        return [(0, self)] + sorted(self.choices.items())
+
+    @property
+    def total_completion_tokens(self) -> int:
+        return self.completion_tokens + sum(c.completion_tokens for c in self.choices.values())
 
     def add(self, out: RequestOutput) -> None:
+        if out.finished:
+            self.done = True
+        if out.index and out.error is None:
+            if out.token_ids:
+                self._timed()
+            self.choice(out.index)._add(out)
+            return
         if out.token_ids:
-            now = time.monotonic()
-            if self.first_token_at is None:
-                self.first_token_at = now
-            else:
-                self.token_gaps.append(now - self.last_token_at)
-            self.last_token_at = now
+            self._timed()
+        self._add(out)
+
+    def _timed(self) -> None:
+        now = time.monotonic()
+        if self.first_token_at is None:
+            self.first_token_at = now
+        else:
+            self.token_gaps.append(now - self.last_token_at)
+        self.last_token_at = now
+
+    def _add(self, out: RequestOutput) -> None:
         self.text.append(out.text)
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)
@@ -67,19 +98,19 @@ class Accumulator:
         if out.prompt_tokens:
             self.prompt_tokens = out.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, out.completion_tokens, len(self.token_ids))
-        if out.finished:
-            if out.error is not None:
-                self.error = out
-            else:
-                self.finish_reason = out.finish_reason or "stop"
+        if out.error is not None:
+            self.error = out
+        elif out.finished or out.finish_reason is not None:  # with n > 1 a choice ends before the request
+            self.finish_reason = out.finish_reason or "stop"
 
     @property
     def full_text(self) -> str:
         return "".join(self.text)
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        completion = self.total_completion_tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.prompt_tokens + completion}
 
 
 # -- logprobs ------------------------------------------------------------------------------------
@@ -201,35 +232,37 @@ def completion_response(rid: str, model: str, created: int, acc: Accumulator,
                         strings: Optional[TokenStrings] = None, echo: Optional[tuple[str, list[int]]] = None) -> dict:
     """``strings``: give it when the request asked for logprobs; ``echo``: the prompt's text and
     ids, when the answer starts with them."""
-    text, ids, lps = acc.full_text, list(acc.token_ids), list(acc.logprobs)
-    if echo is not None:
-        text, ids = echo[0] + text, list(echo[1]) + ids
-        lps = list(acc.prompt_logprobs) + lps
-    logprobs = completion_logprobs(strings, ids, lps) if strings is not None else None
+    choices = []
+    for index, c in acc.choice_list():
+        text, ids, lps = c.full_text, list(c.token_ids), list(c.logprobs)
+        if echo is not None:
+            text, ids = echo[0] + text, list(echo[1]) + ids
+            lps = list(acc.prompt_logprobs) + lps
+        logprobs = completion_logprobs(strings, ids, lps) if strings is not None else None
+        choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
     return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": acc.finish_reason}],
-            "usage": acc.usage()}
+            "choices": choices, "usage": acc.usage()}
 
 
 def chat_response(rid: str, model: str, created: int, acc: Accumulator,
                   strings: Optional[TokenStrings] = None) -> dict:
-    logprobs = chat_logprobs(strings, acc.token_ids, acc.logprobs) if strings is not None else None
+    choices = [{"index": index, "message": {"role": "assistant", "content": c.full_text},
+                "logprobs": chat_logprobs(strings, c.token_ids, c.logprobs) if strings is not None else None,
+                "finish_reason": c.finish_reason} for index, c in acc.choice_list()]
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": acc.full_text},
-                         "logprobs": logprobs, "finish_reason": acc.finish_reason}],
-            "usage": acc.usage()}
+            "choices": choices, "usage": acc.usage()}
 
 
 def completion_chunk(rid: str, model: str, created: int, text: str, finish_reason: Optional[str],
-                     logprobs: Optional[dict] = None) -> dict:
+                     logprobs: Optional[dict] = None, index: int = 0) -> dict:
     return {"id": f"cmpl-{rid}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def chat_chunk(rid: str, model: str, created: int, delta: dict, finish_reason: Optional[str],
-               logprobs: Optional[dict] = None) -> dict:
+               logprobs: Optional[dict] = None, index: int = 0) -> dict:
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}]}
 
 
 def usage_chunk(endpoint: str, rid: str, model: str, created: int, acc: Accumulator) -> dict:
@@ -243,7 +276,7 @@ def usage_chunk(endpoint: str, rid: str, model: str, created: int, acc: Accumula
 
 def generate_meta(rid: str, acc: Accumulator, started: float) -> dict:
     """SGLang's ``meta_info``; ``finish_reason`` is ``{"type": "stop"|"length"}`` (or null)."""
-    meta = {"id": rid, "prompt_tokens": acc.prompt_tokens, "completion_tokens": acc.completion_tokens,
+    meta = {"id": rid, "prompt_tokens": acc.prompt_tokens, "completion_tokens": acc.total_completion_tokens,
             "finish_reason": {"type": acc.finish_reason} if acc.finish_reason else None,
             "e2e_latency": round(time.monotonic() - started, 6)}
     return meta

@@ -27,6 +27,8 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
   ``/generate`` SGLang's ``return_logprob`` (bool), ``top_logprobs_num`` (int in [0, 20], only
   with ``return_logprob``), ``return_text_in_logprobs`` (bool) and ``logprob_start_len`` (-1:
   none of the prompt's; k >= 0: the prompt's from token k, below its length).
+- ``n`` (completions, chat): 1 to :data:`MAX_N` choices (SGLang's ``sampling_params.n`` is still
+  refused unless 1); with ``max_tokens`` >= 1.
 - ``echo`` (completions, bool): the answer starts with the prompt; with ``logprobs``, the prompt's
   logprobs too (the first token's is null). ``max_tokens`` may then be 0 (as on ``/generate``
   with ``logprob_start_len``): the prompt alone. A request that asks for its prompt's logprobs
@@ -70,6 +72,7 @@ MAX_OPENAI_STOP = 4  # stop strings on /v1/completions and /v1/chat/completions 
 MAX_STOP = 16  # stop strings on /generate
 MAX_STOP_CHARS = 256  # characters in one stop string
 MAX_STOP_TOKEN_IDS = 64  # stop_token_ids, every route
+MAX_N = 16  # choices of one request (n): each is a sequence of its own
 MAX_SEED = 2**63
 MAX_ROOM = 2**63
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -80,7 +83,7 @@ _ANY_BOOL = object()  # a switch with no effect on the tokens (logging, reasonin
 
 # Fields of the OpenAI API we do not implement, with the value that means "not used".
 _NOOP = {
-    "n": 1, "best_of": 1, "suffix": "",
+    "best_of": 1, "suffix": "",
     "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "tools": [], "tool_choice": "none",
     "functions": [], "function_call": "none", "parallel_tool_calls": _ABSENT, "store": False,
     "metadata": _ABSENT, "modalities": ["text"], "audio": _ABSENT, "prediction": _ABSENT,
@@ -248,6 +251,9 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         if not isinstance(sp, dict):
             raise InvalidRequest(f"sampling_params must be an object, not {_type_name(sp)}", "sampling_params")
         _check_fields(sp, _KNOWN_SAMPLING, "sampling_params.")
+        if sp.get("n") is not None and not _is_noop(sp["n"], 1):  # SGLang answers n > 1 in a shape of its own
+            raise InvalidRequest(f"`sampling_params.n` is not supported by this server (got {json.dumps(sp['n'])})",
+                                 "sampling_params.n")
         if sp.get("seed") is not None and sp.get("sampling_seed") is not None:
             raise InvalidRequest("give seed or sampling_seed, not both", "sampling_params.seed")
         fields, prefix, max_key, max_stop = sp, "sampling_params.", "max_new_tokens", MAX_STOP
@@ -302,6 +308,11 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     prompt_logprobs = logprobs if echo or start >= 0 else None
     grammar_spec = parse_response_format(body.get("response_format")) if endpoint != "generate" else \
         sglang_spec(fields)
+    n = (_opt_int(body, "n", "", minimum=1, maximum=MAX_N) or 1) if endpoint != "generate" else 1
+    if n > 1 and max_tokens == 0:
+        raise InvalidRequest("n > 1 needs max_tokens of at least 1", "n")
+    if n > 1 and grammar_spec is not None:
+        raise InvalidRequest("n > 1 with a structured output is not supported yet", "n")
 
     prompt_ids, prompt_text, messages = None, None, None
     if endpoint == "completions":
@@ -335,7 +346,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         top_p=_pick(top_p, defaults.get("top_p"), 1.0),
         top_k=int(_pick(top_k, defaults.get("top_k"), 0)),
         seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=bool(ignore_eos),
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+        logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
     )
     return ValidatedRequest(
         endpoint=endpoint, sampling=sampling, model=model, stream=stream, include_usage=include_usage,
