@@ -1,0 +1,66 @@
+"""lm-evaluation-harness (``lm_eval``, pinned in the test extra) scores a small multiple-choice task
+(``tests/data/tiny_mc.yaml`` and its JSONL: no hub) through splitserve — its ``local-completions``
+model, which asks for each choice's loglikelihood with ``echo``, ``logprobs`` and ``max_tokens``
+1 — and through its own Hugging Face backend on the same checkpoint, float32: the accuracies
+agree, and every item's loglikelihoods agree within ``LL_TOL``.
+
+lm-eval runs with batch size 1 (one prompt per request; ``/v1/completions`` takes a batch of one),
+offline (``HF_*_OFFLINE``), with the checkpoint's own tokenizer folder. ``long``: lm-eval's import
+and its two runs of 48 loglikelihood requests took 340 s on this shared machine at load 21
+(acc 0.083 on both, worst |dloglikelihood| 2.8e-05), past the everyday budget."""
+
+from __future__ import annotations
+
+import pytest
+import requests
+
+from conftest import REPO, ServerProcess
+
+lm_eval = pytest.importorskip("lm_eval")
+
+LL_TOL = 1e-3  # |splitserve - transformers| per choice's loglikelihood (a sum of a few float32 logprobs)
+
+
+@pytest.fixture(scope="module")
+def served():
+    proc = ServerProcess("--quantization", "none").start()
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _evaluate(model: str, model_args: str) -> dict:
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    tasks = TaskManager(include_path=str(REPO / "tests" / "data"), include_defaults=False)
+    return simple_evaluate(model=model, model_args=model_args, tasks=["splitserve_tiny_mc"], batch_size=1,
+                           task_manager=tasks, log_samples=True, random_seed=0, numpy_random_seed=0,
+                           torch_random_seed=0, fewshot_random_seed=0)
+
+
+def _per_item(results: dict) -> list[tuple[int, list[float], float]]:
+    samples = sorted(results["samples"]["splitserve_tiny_mc"], key=lambda s: s["doc_id"])
+    return [(s["doc_id"], [r[0][0] for r in s["resps"]], s["acc"]) for s in samples]
+
+
+@pytest.mark.long
+def test_lm_eval_scores_alike_through_splitserve_and_transformers(served, monkeypatch):
+    for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.setenv(var, "1")
+    monkeypatch.chdir(REPO)  # the task's data_files are relative to the repository
+    path = requests.get(served.url + "/get_model_info", timeout=10).json()["model_path"]
+    ours = _evaluate("local-completions", f"model=tiny,base_url={served.url}/v1/completions,tokenizer={path},"
+                                          "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
+    theirs = _evaluate("hf", f"pretrained={path},dtype=float32,device=cpu")
+    a, b = _per_item(ours), _per_item(theirs)
+    assert len(a) == len(b) == 12
+    worst = 0.0
+    for (doc, ll_ours, acc_ours), (_, ll_theirs, acc_theirs) in zip(a, b):
+        assert ll_ours == pytest.approx(ll_theirs, abs=LL_TOL), doc
+        assert acc_ours == acc_theirs, doc
+        worst = max(worst, *(abs(x - y) for x, y in zip(ll_ours, ll_theirs)))
+    acc = ours["results"]["splitserve_tiny_mc"]["acc,none"]
+    assert acc == theirs["results"]["splitserve_tiny_mc"]["acc,none"]
+    print(f"\nlm-eval splitserve_tiny_mc: acc {acc:.3f} on both; worst |dloglikelihood| {worst:.2e}")
