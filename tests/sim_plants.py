@@ -191,6 +191,20 @@ def reset_lost_with_its_handover(original):
     return disconnect
 
 
+def answer_a_caller_that_stopped_waiting(original):
+    """Found by the simulator (fixed in ``async_engine.py``): a call on the engine loop whose caller
+    had stopped waiting (``POST /abort_request`` past its bound, the future cancelled) was answered
+    anyway; answering a cancelled future raises, and that broke the loop's iteration, leaving
+    request streams at rest."""
+    def answer(call):
+        try:
+            call.future.set_result(call.fn())
+        except Exception as exc:
+            call.future.set_exception(exc)
+
+    return staticmethod(answer)
+
+
 def recompute_at_once(original):
     """The fallback computes into the room's pages at once, without waiting until no write of the
     lost prefill can land in them (no RECLAIMING): a write still on the wire may land after the
@@ -233,6 +247,8 @@ PLANTED = {
 RARE = {
     "found: a session's transfer reset lost with its hand-over": [(PrefillRole, "_disconnect",
                                                                     reset_lost_with_its_handover)],
+    "found: an answer to a caller that stopped waiting": [(AsyncEngine, "_answer_call",
+                                                           answer_a_caller_that_stopped_waiting)],
 }
 
 

@@ -465,10 +465,20 @@ class AsyncEngine:
 
     @staticmethod
     def _answer_call(call: _Call) -> None:
+        # A caller that stopped waiting (its timeout cancelled the future) gets no answer, but the
+        # work is still done, as promised; answering a cancelled future raises, and that must
+        # never reach the loop. Once marked running, the future cannot be cancelled any more.
+        wanted = call.future.set_running_or_notify_cancel()
         try:
-            call.future.set_result(call.fn())
+            result = call.fn()
         except Exception as exc:  # the caller gets the error; the loop goes on
-            call.future.set_exception(exc)
+            if wanted:
+                call.future.set_exception(exc)
+            else:
+                log.warning("a call on the engine loop whose caller stopped waiting raised: %r", exc)
+            return
+        if wanted:
+            call.future.set_result(result)
 
     def _dispatch(self, ev: object) -> list[RequestOutput]:
         if isinstance(ev, AddRequest):
