@@ -73,38 +73,47 @@ def _failures(failures) -> str:
                      for r in failures)
 
 
-def test_seeds_keep_every_invariant(pool, tally, capsys):
+@pytest.fixture(scope="module")
+def everyday(pool, tally):
+    """The everyday seeds, run once for the module: (their totals, each seed's result, wall s)."""
+    started, results = time.perf_counter(), {}
+    totals = run_many(range(EVERYDAY_SEEDS), EVERYDAY_REQUESTS, processes=2, pool=pool,
+                      on_result=lambda r: results.__setitem__(r.seed, r))
+    tally.add(totals.seeds, totals.requests)
+    return totals, results, time.perf_counter() - started
+
+
+def test_seeds_keep_every_invariant(everyday, capsys):
     """A small cluster (2 prefill + 2 decode and a router) per seed, quiet and chaos seeds, every
     invariant checked while they run; any failing seed is named with its replay command."""
-    started = time.perf_counter()
-    failures = []
-    totals = run_many(range(EVERYDAY_SEEDS), EVERYDAY_REQUESTS, processes=2, pool=pool,
-                      on_result=lambda r: failures.append(r) if not r.ok else None)
-    tally.add(totals.seeds, totals.requests)
-    _show(capsys, totals.report(time.perf_counter() - started))
+    totals, results, wall = everyday
+    failures = [r for r in results.values() if not r.ok]
+    _show(capsys, totals.report(wall))
     assert totals.seeds == EVERYDAY_SEEDS and totals.requests == EVERYDAY_SEEDS * EVERYDAY_REQUESTS
     assert sum(totals.faults.values()) > 0 and totals.endings["finished"] > 0
     assert not failures, _failures(failures)
 
 
-RECOMPUTE_SEEDS = 8  # the first everyday seeds, run again with --kv-failure-policy recompute
+RECOMPUTE_SEEDS = 8  # the first everyday seeds, run again with --kv-failure-policy recompute (fail: their everyday run)
 KV_FAILURES = ("error:peer_lost", "error:peer_failed", "error:transfer_timeout", "error:bootstrap_timeout",
                "error:transfer_error", "error:incompatible_peer")
 
 
-def test_under_recompute_kv_failures_end_in_answers_and_every_invariant_holds(pool, tally, capsys):
+def test_under_recompute_kv_failures_end_in_answers_and_every_invariant_holds(everyday, pool, tally, capsys):
     """The same seeds (the same cluster, clients and faults) with decode's ``--kv-failure-policy``
-    ``fail`` and ``recompute``: under recompute every invariant still holds, prompts are
-    recomputed on decode, and fewer requests end in a KV failure while more finish (a lost
-    prefill's requests are answered instead)."""
-    started = time.perf_counter()
-    runs, failures = {}, []
-    for policy in ("fail", "recompute"):
-        runs[policy] = run_many(range(RECOMPUTE_SEEDS), EVERYDAY_REQUESTS, processes=2, pool=pool,
-                                kv_failure_policy=policy,
-                                on_result=lambda r: failures.append(r) if not r.ok else None)
-        tally.add(runs[policy].seeds, runs[policy].requests)
-    fail, recompute = runs["fail"], runs["recompute"]
+    ``fail`` (the everyday run's) and ``recompute``: under recompute every invariant still holds,
+    prompts are recomputed on decode, and fewer requests end in a KV failure while more finish
+    (a lost prefill's requests are answered instead)."""
+    from splitserve.sim.run import Totals
+
+    started, failures = time.perf_counter(), []
+    fail = Totals()
+    for seed in range(RECOMPUTE_SEEDS):
+        fail.add(everyday[1][seed])
+    recompute = run_many(range(RECOMPUTE_SEEDS), EVERYDAY_REQUESTS, processes=2, pool=pool,
+                         kv_failure_policy="recompute", on_result=lambda r: failures.append(r) if not r.ok else None)
+    tally.add(recompute.seeds, recompute.requests)
+    runs = {"fail": fail, "recompute": recompute}
     kv = {p: sum(t.endings[e] for e in KV_FAILURES) for p, t in runs.items()}
     _show(capsys, [f"{p}: {kv[p]} KV failures, {t.endings['finished']} finished, "
                    f"{t.effects['KV fallbacks (prompts recomputed on decode)']} prompts recomputed"
