@@ -73,8 +73,12 @@ DEADLINES = [
     "--pending-registration-s", "8", "--prefill-stall-s", str(PREFILL_STALL_S), "--decode-stall-s", "5",
     "--write-drain-s", "3", "--quarantine-resend-s", "0.5", "--register-resend-s", "1",
     "--tombstone-s", str(TOMBSTONE_S), "--loop-stall-s", str(LOOP_STALL_S),
+    "--reclaim-s", "15",  # under the tombstone, as every deadline must be
 ]
 STALL = ["--inject-faults", "stall_writes"]
+# a router that shows a failure instead of surviving it (its retries and decode-alone fallback are
+# tests/test_router_retry.py's and test_router_split.py's): these tests are about what it tells
+SHOW_FAILURES = ["--max-retries", "0", "--no-pd-fallback"]
 
 # "prefill request <rid> room=<room> ended FAILED(peer_lost): <detail> last_state=TRANSFERRING age=1.2s"
 ENDING = re.compile(r"\b(prefill|decode) request (\S+) room=(\d+) ended (\w+)\((\w+)\)(?::.*?)? "
@@ -286,7 +290,7 @@ def test_prefill_killed_mid_transfer():
     - Afterwards ``D``: every page free, none quarantined, gauges 0, no live room.
     """
     started = time.monotonic()
-    with Cluster(1, 1, "nixl", worker_args=DEADLINES, prefill_args=STALL) as c:
+    with Cluster(1, 1, "nixl", worker_args=DEADLINES, prefill_args=STALL, router_args=SHOW_FAILURES) as c:
         P, D = c.prefill[0], c.decode[0]
         timeout = KV_WAIT_S + PREALLOC_S + 30
         R, r_room = routed_mid_transfer(c.url, P, D, prompt(100, 1), False, timeout, c.output)
@@ -377,8 +381,8 @@ def test_decode_killed_mid_transfer_then_restarted():
         c.start()
         Ps, Pok = c.prefill
         D = c.decode[0]
-        r1 = RouterProcess([(Ps.url, Ps.bootstrap_port)], [D.url], "--health-interval-s", "0.5")
-        r2 = RouterProcess([(Pok.url, Pok.bootstrap_port)], [D.url], "--health-interval-s", "0.5")
+        r1 = RouterProcess([(Ps.url, Ps.bootstrap_port)], [D.url], "--health-interval-s", "0.5", *SHOW_FAILURES)
+        r2 = RouterProcess([(Pok.url, Pok.bootstrap_port)], [D.url], "--health-interval-s", "0.5", *SHOW_FAILURES)
         routers += [r1, r2]
         for r in routers:
             r.start()

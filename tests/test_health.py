@@ -23,7 +23,7 @@ import requests
 
 from cluster import Cluster, metric, metrics, pages_back_to_total, post_generate
 from conftest import ServerProcess, free_port
-from test_faults import DEADLINES, GREEDY, kill9, prompt, wait_for
+from test_faults import DEADLINES, GREEDY, SHOW_FAILURES, kill9, prompt, wait_for
 
 LOOP_STALL_S = 2.0
 HEALTH_S, HEALTH_FAILURES = 0.5, 2
@@ -35,7 +35,7 @@ def test_a_wedged_decode_is_out_of_rotation_and_its_clients_are_answered():
     with Cluster(1, 2, "nixl", worker_args=DEADLINES + loop_args,
                  decode_args=[[], ["--inject-faults", "wedge_loop"]],
                  router_args=["--health-interval-s", str(HEALTH_S), "--health-failures", str(HEALTH_FAILURES),
-                              "--policy", "round_robin"]) as c:
+                              "--policy", "round_robin", *SHOW_FAILURES]) as c:
         D2 = c.decode[1]
         started = time.monotonic()
 
