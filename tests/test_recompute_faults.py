@@ -149,7 +149,7 @@ def clean(decode) -> None:
     assert requests.get(decode.url + "/debug/requests", timeout=10).json() == []
 
 
-def strike(colocated, cluster, name: str, seed: int, fault=None, reasons=frozenset()) -> None:
+def assert_survives(colocated, cluster, name: str, seed: int, fault=None, reasons=frozenset()) -> None:
     """Both samplings at once through prefill ``name``; ``fault(prefill, splits)`` strikes it
     mid-transfer (None: the prefill's own injected fault does). Each gives the reference's tokens."""
     prefill, decode = cluster.by_name[name], cluster.decode[0]
@@ -177,17 +177,17 @@ def kill(prefill, splits):
 
 def test_some_chunks_written_then_the_prefill_fails_the_room(setup):
     colocated, cluster = setup
-    strike(colocated, cluster, "chunks", 1, reasons={"peer_failed"})
+    assert_survives(colocated, cluster, "chunks", 1, reasons={"peer_failed"})
 
 
 def test_every_write_landed_but_the_first_token_never_came(setup):
     colocated, cluster = setup
-    strike(colocated, cluster, "notify", 2, reasons={"transfer_timeout"})
+    assert_survives(colocated, cluster, "notify", 2, reasons={"transfer_timeout"})
 
 
 def test_the_prefill_is_killed_mid_transfer(setup):
     colocated, cluster = setup
-    strike(colocated, cluster, "kill", 3, kill, reasons={"peer_lost"})
+    assert_survives(colocated, cluster, "kill", 3, kill, reasons={"peer_lost"})
 
 
 @pytest.mark.long
@@ -209,9 +209,9 @@ def test_every_fault_point_on_the_other_families_smollm2_and_the_compiled_kernel
     # five workers load SmolLM2 (or build the kernels) at once on a shared machine
     colocated, cluster = start(EVERYDAY, model=path, startup_timeout=900)
     try:
-        strike(colocated, cluster, "chunks", 11, reasons={"peer_failed"})
-        strike(colocated, cluster, "notify", 12, reasons={"transfer_timeout"})
-        strike(colocated, cluster, "kill", 13, kill, reasons={"peer_lost"})
+        assert_survives(colocated, cluster, "chunks", 11, reasons={"peer_failed"})
+        assert_survives(colocated, cluster, "notify", 12, reasons={"transfer_timeout"})
+        assert_survives(colocated, cluster, "kill", 13, kill, reasons={"peer_lost"})
     finally:
         cluster.stop()
         colocated.stop()
@@ -227,7 +227,7 @@ def test_the_prefill_is_frozen_mid_transfer_then_thawed():
             prefill.send_signal(signal.SIGSTOP)
             threading.Timer(SILENCE_S * 4, prefill.send_signal, (signal.SIGCONT,)).start()
 
-        strike(colocated, cluster, "stop", 4, freeze, reasons={"peer_lost"})
+        assert_survives(colocated, cluster, "stop", 4, freeze, reasons={"peer_lost"})
     finally:
         cluster.stop()
         colocated.stop()

@@ -165,7 +165,7 @@ def test_unconstrained_output_of_the_tiny_model_is_not_json(server):
 
 
 def test_parse_returns_a_valid_object_colocated(server):
-    _parse_pets(server.url)
+    assert _parse_pets(server.url)
 
 
 def test_parse_returns_a_valid_object_split(pd):
