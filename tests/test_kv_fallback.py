@@ -25,6 +25,7 @@ import requests
 from cluster import generate, metric, metrics, pages_back_to_total, post_generate
 from conftest import ServerProcess
 from fake_prefill import FakePrefill, decode_info
+from test_decode_alone import prompt
 from splitserve.disagg import protocol as p
 
 PAGE = 16
@@ -50,11 +51,6 @@ def trio():
     finally:
         decode.stop()
         colocated.stop()
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(10, 2000) for _ in range(n)]
 
 
 class Leg:
