@@ -260,6 +260,20 @@ def server():
         proc.stop()
 
 
+@pytest.fixture(scope="session")
+def pd_cluster():
+    """The session's shared split cluster: 1 prefill + 1 decode tiny-model worker (NIXL) behind a
+    router that splits every request. For tests that only send requests and read answers (no
+    metric counts, no faults): every test file that can shares it instead of starting its own."""
+    from cluster import Cluster
+
+    cluster = Cluster(prefill=1, decode=1, backend="nixl").start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
 @pytest.fixture
 def start_server():
     """Start extra servers: ``start_server(*cli_args, **ServerProcess kwargs)``; all are stopped

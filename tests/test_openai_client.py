@@ -102,7 +102,7 @@ def test_ignore_eos_and_seed_through_extra_body(client, model):
     ({"temperature": -1}, "temperature"),
     ({"n": 17}, "n"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
+    ({"logit_bias": {"5": 1000}}, "logit_bias"),
 ])
 def test_bad_request_raises_bad_request_error(client, model, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:

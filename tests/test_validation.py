@@ -133,17 +133,15 @@ def test_stream_options():
 
 @pytest.mark.parametrize("field,value", [
     ("best_of", 3), ("suffix", "end"),
-    ("logit_bias", {"50256": -100}), ("presence_penalty", 0.5), ("frequency_penalty", -1),
 ])
 def test_unsupported_completion_fields_are_named(field, value):
     assert bad({"prompt": "hi", field: value}, param=field, match="not supported").param == field
 
 
 @pytest.mark.parametrize("field,value", [
-    ("logit_bias", {"1": 1}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]), ("function_call", "auto"),
-    ("presence_penalty", 1), ("frequency_penalty", 0.1), ("parallel_tool_calls", True), ("audio", {}),
+    ("parallel_tool_calls", True), ("audio", {}),
     ("modalities", ["text", "audio"]), ("reasoning_effort", "high"),
 ])
 def test_unsupported_chat_fields_are_named(field, value):
@@ -331,7 +329,7 @@ def test_generate_errors():
     bad({"input_ids": [1], "sampling_params": {"temperature": -1}}, "generate", param="sampling_params.temperature")
     bad({"input_ids": [1], "sampling_params": {"top_p": 0}}, "generate", param="sampling_params.top_p")
     bad({"input_ids": [1], "sampling_params": {"n": 2}}, "generate", param="sampling_params.n")
-    bad({"input_ids": [1], "sampling_params": {"repetition_penalty": 1.2}}, "generate",
+    bad({"input_ids": [1], "sampling_params": {"repetition_penalty": 2.5}}, "generate",
         param="sampling_params.repetition_penalty")
     bad({"input_ids": [1], "sampling_params": {"seed": 1, "sampling_seed": 2}}, "generate",
         param="sampling_params.seed")

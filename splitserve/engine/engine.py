@@ -35,7 +35,9 @@ from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput,
 from splitserve.engine.kv_pool import KVLayout, KVPool
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.page_allocator import PageAllocator, salt_key
-from splitserve.engine.sampler import NoFiniteLogits, choice_seed, greedy_tokens, sample_token, token_logprobs
+from splitserve.engine.sampler import (
+    NoFiniteLogits, adjust_logits, choice_seed, greedy_tokens, sample_token, token_logprobs,
+)
 from splitserve.engine.scheduler import ScheduledSeq, Scheduler
 from splitserve.engine.sequence import Sequence
 from splitserve.outcomes import Ending, Reason
@@ -401,7 +403,16 @@ class LLMEngine:
                 report.chunks.append(seq)
         if not sampling:  # only prompt chunks ran: nothing to sample
             return
-        greedy = greedy_tokens(logits) if any(i.seq.sampling.greedy for i in sampling) else None
+        # penalties and biases change what is sampled from, never the logprobs (the raw logits')
+        try:
+            adjusted = adjust_logits(logits, [i.seq.sampling for i in sampling], [i.seq.token_ids for i in sampling],
+                                     [i.seq.num_prompt_tokens for i in sampling])
+        except Exception:  # a bug in one row's parameters must not end the loop: each fails alone below
+            log.exception("penalties failed for a batch of %d; adjusting row by row", len(sampling))
+            adjusted = None
+        greedy = None
+        if adjusted is not None and any(i.seq.sampling.greedy for i in sampling):
+            greedy = greedy_tokens(adjusted)
         for row, item in enumerate(sampling):
             seq = item.seq
             if id(seq) in gone:
@@ -413,7 +424,11 @@ class LLMEngine:
                 self.scheduler.finish(seq)
                 continue
             try:
-                token = self._sample(logits, row, seq, greedy)
+                if adjusted is None:  # this row's own adjustment, failing this request alone
+                    own = adjust_logits(logits[row:row + 1], [seq.sampling], [seq.token_ids], [seq.num_prompt_tokens])
+                    token = self._sample(own, 0, seq, None if not seq.sampling.greedy else greedy_tokens(own))
+                else:
+                    token = self._sample(adjusted, row, seq, greedy)
                 lp = None
                 if seq.sampling.logprobs is not None:
                     lp = token_logprobs(logits[row:row + 1], [token], [seq.sampling.logprobs])[0]
@@ -439,10 +454,12 @@ class LLMEngine:
                 self._seqs.pop(seq.rid, None)
                 self.scheduler.finish(seq)
             if seq.out_rid in self._requests and seq.choice == 0:
-                self._fork(seq, logits, row, report)
+                self._fork(seq, logits, row, report, adjusted if adjusted is not None else logits)
 
-    def _fork(self, first: Sequence, logits: torch.Tensor, row: int, report: StepReport) -> None:
-        """Choice 0 of a request with n > 1 sampled its first token from ``logits[row]``: the
+    def _fork(self, first: Sequence, logits: torch.Tensor, row: int, report: StepReport,
+              adjusted: torch.Tensor) -> None:
+        """Choice 0 of a request with n > 1 sampled its first token from ``logits[row]``
+        (``adjusted[row]`` with its penalties and bias, the same for every choice: none has an answer yet): the
         other choices start here, each with its own first token drawn from that row
         (``choice_seed``). Each is a sequence of the prompt and that token that takes the
         prompt's full pages from the prefix cache (shared, read-only: the partial last page is its
@@ -458,7 +475,7 @@ class LLMEngine:
                 child.detok = IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop, req.stop_matcher)
                 child.prompt_logprobs = list(first.prompt_logprobs)
                 token = first.token_ids[first.num_prompt_tokens] if p.greedy else \
-                    sample_token(logits[row], p, child.seed, len(child))
+                    sample_token(adjusted[row], p, child.seed, len(child))
                 lp = token_logprobs(logits[row:row + 1], [token], [p.logprobs])[0] if p.logprobs is not None else None
                 child.token_ids.append(token)
                 self._check_finish(child, token)

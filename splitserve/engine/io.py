@@ -19,6 +19,8 @@ DEFAULT_MAX_TOKENS = 256
 """max_tokens when a request names none (documented in the README and ``--help``)."""
 MAX_TOP_LOGPROBS = 20
 """The most alternatives per token a request may ask logprobs for (OpenAI's cap on ``top_logprobs``)."""
+MAX_LOGIT_BIAS = 300
+"""The most tokens one request's ``logit_bias`` may name (OpenAI's cap)."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,22 @@ class SamplingParams:
     n: int = 1
     """Choices from the one prompt (``engine.py``: the others fork from the first when its prompt
     has run); choice i > 0 draws with ``choice_seed(seed, i)``."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the answer holds so far (OpenAI's, -2..2)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the answer holds it so far (OpenAI's, -2..2)."""
+    repetition_penalty: float = 1.0
+    """SGLang's and vLLM's: a token of the prompt or the answer has its logit divided by it when
+    positive, multiplied when negative (1: none)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias): added to that token's logit (OpenAI's, -100..100; at most
+    :data:`MAX_LOGIT_BIAS` tokens)."""
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes the logits it samples from (``engine/sampler.py``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

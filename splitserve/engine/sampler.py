@@ -15,6 +15,17 @@ Logprobs (:func:`token_logprobs`) are the log-softmax of the raw logits, before 
 top-k, top-p and any mask (OpenAI's convention: they describe the model, not the draw), computed
 in float64 and rounded to float32 so that the value a client reads is the same whichever worker
 computed it (prefill sends the first token's to decode as float32).
+
+Penalties and biases (:func:`adjust_logits`) change the logits a token is sampled from, row by
+row, before temperature, top-k, top-p and any grammar mask, in this order: ``repetition_penalty``
+(SGLang's and vLLM's: the logit of a token of the prompt or the answer so far is divided by it
+when positive, multiplied when negative), then ``frequency_penalty`` times the number of times a
+token is in the answer so far and ``presence_penalty`` once if it is there at all (OpenAI's:
+both count the answer's tokens, not the prompt's), subtracted, then ``logit_bias`` added. The rows
+that ask for none are not touched, and a batch where none asks costs nothing; the others are
+computed together, one scatter over the batch. The answer so far is the sequence's own tokens, so
+a token is adjusted the same on prefill (the first token: no answer yet, only the prompt and the
+bias count), on decode, after a preemption and in a recomputed prompt.
 """
 
 from __future__ import annotations
@@ -88,6 +99,46 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: list[int]) -> l
     for row, c in enumerate(chosen):
         n = min(top[row], k)
         out.append(TokenLogprob(c, tuple(zip(ids[row][:n], vals[row][:n])) if n else ()))
+    return out
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], tokens: list[list[int]],
+                  prompt_lens: list[int]) -> torch.Tensor:
+    """``logits`` [B, vocab] with each row's penalties and bias applied (module docstring);
+    ``tokens[row]`` is that row's sequence so far, whose first ``prompt_lens[row]`` are the
+    prompt. The same tensor when no row asks for any (no copy), else a new one."""
+    rows = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if not rows:
+        return logits
+    vocab = logits.shape[-1]
+    sub = logits[rows].float()  # a copy: the raw logits stay for logprobs
+    ps = [params[i] for i in rows]
+    if any(p.repetition_penalty != 1.0 for p in ps):
+        seen = torch.zeros(sub.shape, dtype=torch.bool)
+        ids = [(r, t) for r, i in enumerate(rows) if params[i].repetition_penalty != 1.0 for t in tokens[i]]
+        if ids:
+            at = torch.tensor(ids, dtype=torch.long)
+            seen[at[:, 0], at[:, 1].clamp(0, vocab - 1)] = True
+            rep = torch.tensor([p.repetition_penalty for p in ps], dtype=sub.dtype)[:, None]
+            sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    if any(p.presence_penalty or p.frequency_penalty for p in ps):
+        outs = [(r, t) for r, i in enumerate(rows) if params[i].presence_penalty or params[i].frequency_penalty
+                for t in tokens[i][prompt_lens[i]:]]
+        if outs:
+            at = torch.tensor(outs, dtype=torch.long)
+            counts = torch.zeros(sub.shape, dtype=sub.dtype)
+            counts.index_put_((at[:, 0], at[:, 1].clamp(0, vocab - 1)), torch.ones(len(outs), dtype=sub.dtype),
+                              accumulate=True)
+            freq = torch.tensor([p.frequency_penalty for p in ps], dtype=sub.dtype)[:, None]
+            pres = torch.tensor([p.presence_penalty for p in ps], dtype=sub.dtype)[:, None]
+            sub = sub - counts * freq - (counts > 0).to(sub.dtype) * pres
+    bias = [(r, t, b) for r, i in enumerate(rows) for t, b in params[i].logit_bias if t < vocab]
+    if bias:
+        at = torch.tensor([(r, t) for r, t, _ in bias], dtype=torch.long)
+        sub = sub.index_put((at[:, 0], at[:, 1]), torch.tensor([b for _, _, b in bias], dtype=sub.dtype),
+                            accumulate=True)
+    out = logits.clone() if logits.dtype == sub.dtype else logits.float()
+    out[rows] = sub
     return out
 
 

@@ -36,9 +36,15 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
 - ``response_format`` (chat and completions): ``text``, ``json_object`` or ``json_schema``, checked
   here (``engine/grammar.parse_response_format``: shape, size, depth) and, given the worker's
   ``GrammarCompiler``, compiled here too: a schema it cannot compile is a 400 naming why.
-- Every field of the OpenAI API that we do not implement is refused with its name (``n`` > 1,
-  ``best_of`` > 1, ``echo``, ``suffix``, ``logprobs``, ``logit_bias``, penalties, ``tools`` ...),
-  except at its no-op value (``n: 1``, ``echo: false``, ``presence_penalty: 0`` ...); ``null``
+- Penalties and biases (applied to the logits sampled from, never to logprobs:
+  ``engine/sampler.adjust_logits``): completions and chat ``presence_penalty`` and
+  ``frequency_penalty``, numbers in [-2, 2], and ``logit_bias``, an object of token id (a string
+  of digits, in the vocabulary) to a number in [-100, 100], at most :data:`MAX_LOGIT_BIAS`
+  tokens; ``/generate`` SGLang's ``sampling_params.presence_penalty``, ``frequency_penalty``
+  (both [-2, 2]) and ``repetition_penalty`` (in (0, 2], 1 is none).
+- Every field of the OpenAI API that we do not implement is refused with its name
+  (``best_of`` > 1, ``suffix``, ``tools`` ...),
+  except at its no-op value (``best_of: 1``, ``suffix: ""`` ...); ``null``
   counts as absent. A field nobody knows is refused too: nothing is ignored silently.
 - Known extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM and SGLang), ``rid``
   (request id), ``cache_salt`` (as vLLM: prefix-cache pages are shared only among requests with
@@ -60,7 +66,7 @@ from typing import Any, Mapping, Optional
 from splitserve.engine.detokenizer import stop_matcher
 from splitserve.engine.grammar import parse_response_format, sglang_spec
 from splitserve.engine.io import (
-    DEFAULT_MAX_TOKENS, MAX_TOP_LOGPROBS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams,
+    DEFAULT_MAX_TOKENS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams,
 )
 from splitserve.outcomes import Reason
 
@@ -84,7 +90,7 @@ _ANY_BOOL = object()  # a switch with no effect on the tokens (logging, reasonin
 # Fields of the OpenAI API we do not implement, with the value that means "not used".
 _NOOP = {
     "best_of": 1, "suffix": "",
-    "logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0, "tools": [], "tool_choice": "none",
+    "tools": [], "tool_choice": "none",
     "functions": [], "function_call": "none", "parallel_tool_calls": _ABSENT, "store": False,
     "metadata": _ABSENT, "modalities": ["text"], "audio": _ABSENT, "prediction": _ABSENT,
     "reasoning_effort": _ABSENT, "service_tier": _ABSENT, "web_search_options": _ABSENT,
@@ -94,7 +100,7 @@ _NOOP = {
     "return_bytes": False, "return_entropy": False, "continue_final_message": False,
     "log_metrics": _ANY_BOOL, "no_logs": _ANY_BOOL, "separate_reasoning": _ANY_BOOL, "stream_reasoning": _ANY_BOOL,
     # SGLang /generate sampling_params and request fields
-    "min_p": 0, "repetition_penalty": 1, "min_new_tokens": 0, "skip_special_tokens": True,
+    "min_p": 0, "min_new_tokens": 0, "skip_special_tokens": True,
     "spaces_between_special_tokens": True, "no_stop_trim": False,
     "ebnf": _ABSENT, "image_data": _ABSENT, "lora_path": _ABSENT,
 }
@@ -285,6 +291,11 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     stop = _stop(fields.get("stop"), prefix + "stop", max_stop)
     stop_token_ids = _token_ids(fields.get("stop_token_ids"), prefix + "stop_token_ids", vocab_size,
                                 allow_empty=True, max_count=MAX_STOP_TOKEN_IDS) or ()
+    presence = _opt_range(fields, "presence_penalty", prefix, -2.0, 2.0)
+    frequency = _opt_range(fields, "frequency_penalty", prefix, -2.0, 2.0)
+    repetition = _opt_range(fields, "repetition_penalty", prefix, 0.0, 2.0, open_below=True) \
+        if endpoint == "generate" else None
+    logit_bias = _logit_bias(fields.get("logit_bias"), vocab_size) if endpoint != "generate" else ()
 
     stream = _opt_bool(body, "stream", "") or False
     include_usage = False
@@ -347,6 +358,8 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         top_k=int(_pick(top_k, defaults.get("top_k"), 0)),
         seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=bool(ignore_eos),
         logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
+        presence_penalty=presence or 0.0, frequency_penalty=frequency or 0.0,
+        repetition_penalty=repetition if repetition is not None else 1.0, logit_bias=logit_bias,
     )
     return ValidatedRequest(
         endpoint=endpoint, sampling=sampling, model=model, stream=stream, include_usage=include_usage,
@@ -437,6 +450,41 @@ def _opt_number(obj: dict, key: str, prefix: str, minimum: Optional[float] = Non
     if minimum is not None and v < minimum:
         raise InvalidRequest(f"{name} must be at least {minimum}, got {v}", name)
     return float(v)
+
+
+def _opt_range(obj: dict, key: str, prefix: str, low: float, high: float, open_below: bool = False) -> Optional[float]:
+    """A number in [low, high] (``(low, high]`` with ``open_below``), or None when absent."""
+    v = _opt_number(obj, key, prefix)
+    if v is not None and not ((low < v if open_below else low <= v) and v <= high):
+        bounds = f"({low:g}, {high:g}]" if open_below else f"[{low:g}, {high:g}]"
+        raise InvalidRequest(f"{prefix}{key} must be in {bounds}, got {v:g}", prefix + key)
+    return v
+
+
+def _logit_bias(v: Any, vocab_size: Optional[int]) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: an object of token id (a string of digits) to a number in
+    [-100, 100], at most :data:`MAX_LOGIT_BIAS` of them; as sorted (token, bias) pairs."""
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise InvalidRequest(f"logit_bias must be an object of token id to bias, not {_type_name(v)}", "logit_bias")
+    if len(v) > MAX_LOGIT_BIAS:
+        raise InvalidRequest(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(v)}", "logit_bias")
+    out = {}
+    for key, bias in v.items():
+        name = f"logit_bias.{key}"
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+            raise InvalidRequest(f"logit_bias keys must be token ids (strings of digits), got {json.dumps(str(key)[:24])}",
+                                 "logit_bias")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise InvalidRequest(f"logit_bias names token {token}, not a token id in [0, {vocab_size})", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise InvalidRequest(f"{name} must be a finite number, not {_type_name(bias)}", "logit_bias")
+        if not -100.0 <= bias <= 100.0:
+            raise InvalidRequest(f"{name} must be in [-100, 100], got {bias:g}", "logit_bias")
+        out[token] = float(bias)  # "07" and "7" name one token: the last one holds
+    return tuple(sorted((t, b) for t, b in out.items() if b))
 
 
 def _opt_bool(obj: dict, key: str, prefix: str) -> Optional[bool]:
