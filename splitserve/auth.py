@@ -5,7 +5,7 @@ Four keys, each from ``--NAME KEY``, ``--NAME-file PATH`` (its first line) or th
 (:data:`KEYS`; :func:`load_key` takes them in that order and refuses two at once, an empty key, or
 one that cannot travel in an HTTP header):
 
-- the **client** key (``--api-key``): generation and the model list;
+- the **client** key (``--api-key``): generation, the model list, ``/tokenize`` and ``/detokenize``;
 - the **worker** key (``--worker-api-key``): on the router the key it sends its workers, on a worker
   the key it takes from the router. It opens every route of a worker, and only a caller holding it
   may send the bootstrap fields of a split request (:func:`bootstrap_refusal`);
@@ -56,11 +56,12 @@ KEYS = {CLIENT: ("api_key", "--api-key", API_KEY_ENV),
 
 GENERATION = ("/v1/completions", "/v1/chat/completions", "/generate")
 ROUTER_ROUTES = {**dict.fromkeys(GENERATION, CLIENT), "/v1/models": CLIENT, "/health": OPEN, "/metrics": METRICS,
-                 "/workers": ADMIN, "/workers/{id}": ADMIN, "/debug/requests/{rid}": ADMIN, "/flush_cache": ADMIN}
+                 "/workers": ADMIN, "/workers/{id}": ADMIN, "/debug/requests/{rid}": ADMIN, "/flush_cache": ADMIN,
+                 "/tokenize": CLIENT, "/detokenize": CLIENT}
 WORKER_ROUTES = {**dict.fromkeys(GENERATION, CLIENT), "/v1/models": CLIENT, "/get_model_info": CLIENT,
                  "/health": OPEN, "/metrics": METRICS, "/get_server_info": METRICS, "/debug/requests": ADMIN,
                  "/debug/requests/{rid}": ADMIN, "/debug/rooms/{room}": ADMIN, "/flush_cache": ADMIN,
-                 "/abort_request": ADMIN}
+                 "/abort_request": ADMIN, "/tokenize": CLIENT, "/detokenize": CLIENT}
 """The class of every route, by its path as aiohttp names it (``resource.canonical``)."""
 
 ACCESS = web.RequestKey("splitserve_access", object)

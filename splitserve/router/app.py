@@ -13,6 +13,7 @@ Routes::
                                                             (``membership.py``)
     GET  /debug/requests/{rid}                              one request on the router and both its workers
     POST /flush_cache                                       every worker's ``/flush_cache``, at once
+    POST /tokenize, /detokenize                             to one healthy worker (the least busy), its answer
 
 :func:`create_app` builds the application from a :class:`~splitserve.config.RouterConfig`; all of
 its state is one :class:`RouterState` on the app (no module-level globals), including the one
@@ -52,7 +53,7 @@ from aiohttp import web
 from splitserve.auth import METRICS, ROUTER_ROUTES, access_middlewares, bearer, caller_may
 from splitserve.config import RouterConfig
 from splitserve.errors import FLUSH_WAIT_S, error_body
-from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
+from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.router import debug, membership, split
 from splitserve.router.client import send
@@ -71,6 +72,7 @@ WORKER_FLUSH_S = FLUSH_WAIT_S + 10.0  # a worker's /flush_cache waits up to FLUS
 
 SHUTDOWN_GRACE_S = 5.0
 MODELS_TIMEOUT_S = 10.0  # GET /v1/models from the decode workers, end to end
+TOKENIZE_TIMEOUT_S = 30.0  # POST /tokenize or /detokenize to one worker, end to end (a long text takes seconds)
 BOUNDS = ("request_timeout_s", "client_header_timeout_s", "client_body_timeout_s", "client_write_timeout_s",
           "worker_connect_timeout_s", "worker_header_timeout_s", "health_interval_s")
 
@@ -180,6 +182,8 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
         app.router.add_post(path, _generation)
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/flush_cache", _flush_cache)
+    app.router.add_post("/tokenize", _tokenization)
+    app.router.add_post("/detokenize", _tokenization)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/workers", lambda request: debug.workers(request.app[ROUTER]))
@@ -313,6 +317,33 @@ async def _models(request: web.Request) -> web.Response:
         for ask in asks:
             ask.cancel()
     return answer
+
+
+async def _tokenization(request: web.Request) -> web.Response:
+    """``/tokenize`` or ``/detokenize``: the body (bounded as a generation's) to the least busy
+    healthy worker of either role, which validates it; its answer, or a 502/504 naming it. Every
+    worker of a router serves the one model, so any of them answers alike."""
+    state = request.app[ROUTER]
+    raw = await read_body(request, state.config.client_body_timeout_s, state.config.max_body_bytes)
+    workers = state.workers.healthy(DECODE) + state.workers.healthy(PREFILL)
+    if not workers:
+        message = "no healthy worker to tokenize with"
+        return web.json_response(error_body(message, 503, code="no_healthy_workers"), status=503,
+                                 headers={"Retry-After": "1"})
+    worker = min(workers, key=lambda w: w.in_flight)
+    try:
+        async with state.session.post(worker.url + request.path, data=raw,
+                                      headers={"Content-Type": "application/json"},
+                                      timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S)) as resp:
+            body = await resp.read()
+            return web.Response(status=resp.status, body=body,
+                                headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
+    except asyncio.TimeoutError:
+        message = f"the worker {worker.url} did not answer {request.path} within {TOKENIZE_TIMEOUT_S:g} s"
+        return web.json_response(error_body(message, 504, code="worker_timeout"), status=504)
+    except aiohttp.ClientError as exc:
+        message = f"the worker {worker.url} failed: {describe_error(exc)}"
+        return web.json_response(error_body(message, 502, code="worker_unreachable"), status=502)
 
 
 async def _models_of(session: aiohttp.ClientSession, worker: Worker) -> web.Response:

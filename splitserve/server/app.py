@@ -10,6 +10,7 @@ Routes::
     GET  /debug/requests/{rid}, /debug/rooms/{room}  one request's timeline on this worker (live or recent)
     POST /flush_cache                            drop the prefix cache's unowned pages
     POST /abort_request                          end one request for a stated cause (server/abort_request.py)
+    POST /tokenize, /detokenize                  text or messages to token ids and back (server/tokenization.py)
 
 :func:`create_app` builds the application around an engine (anything with the ``AsyncEngine``
 interface, so tests can hand in a fake); :func:`run_server` is what ``splitserve serve`` runs:
@@ -45,13 +46,13 @@ from splitserve.auth import (METRICS, WORKER_ROUTES, access_middlewares, caller_
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.engine.grammar import GrammarCompiler
-from splitserve.engine.io import FLUSH_WAIT_S
-from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds
+from splitserve.engine.io import FLUSH_WAIT_S, InvalidRequest
+from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
 from splitserve.router.client import send
-from splitserve.server import abort_request
-from splitserve.server.generation import RID, json_error, serve_generation
+from splitserve.server import abort_request, tokenization
+from splitserve.server.generation import RID, engine_error_response, json_error, serve_generation
 from splitserve.server.tokenize_lanes import TokenizeLanes
 from splitserve.server.validation import MAX_ROOM, REQUEST_ID
 from splitserve.server.worker_metrics import WorkerMetrics
@@ -145,6 +146,8 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
     app.router.add_get("/debug/rooms/{room}", _debug_timeline)
     app.router.add_post("/flush_cache", _flush_cache)
     app.router.add_post("/abort_request", _abort_request)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
     return app
 
 
@@ -317,6 +320,35 @@ async def _abort_request(request: web.Request) -> web.Response:
     state = request.app[STATE]
     _require_ready(state)
     return await abort_request.handle(request, state, json_error)
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    return await _tokenization(request, "tokenize")
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    return await _tokenization(request, "detokenize")
+
+
+async def _tokenization(request: web.Request, which: str) -> web.Response:
+    """``/tokenize`` or ``/detokenize`` (``server/tokenization.py``), validated and run in the
+    body's tokenize lane; a refusal is a 4xx naming its field."""
+    state = request.app[STATE]
+    _require_ready(state)
+    raw = await read_body(request, state.config.client_body_timeout_s, state.config.max_body_bytes)
+    spec = state.engine.spec
+
+    def run(tok, per):
+        if which == "tokenize":
+            return tokenization.tokenize(raw, tok, served_model_name=state.model_name,
+                                         max_context=spec.max_context, chars_per_token=per)
+        return tokenization.detokenize(raw, tok, served_model_name=state.model_name,
+                                       max_context=spec.max_context, vocab_size=spec.vocab_size)
+
+    try:
+        return web.json_response(await state.tokenize.run(len(raw), state.engine.tokenizer, run))
+    except InvalidRequest as exc:
+        return engine_error_response(exc)
 
 
 def _require_ready(state: WorkerState) -> None:

@@ -1,0 +1,91 @@
+"""``POST /tokenize`` and ``POST /detokenize`` on a worker, in vLLM's shape (its serving_tokenization).
+
+Tokenize takes ``{"model", "prompt": str}`` or ``{"model", "messages": [...]}`` (rendered by the
+chat template, as ``/v1/chat/completions`` does), with ``add_special_tokens`` (default true for a
+prompt, false for messages: the template writes its own), ``add_generation_prompt`` (messages
+only, default true) and ``return_token_strs`` (default false), and answers
+``{"tokens": [...], "count": n, "max_model_len": context}`` (and ``"token_strs"`` when asked).
+Detokenize takes ``{"model", "tokens": [...]}`` and answers ``{"prompt": text}``.
+
+Bounded like a generation request (``docs/security.md``, "One request's input"): the body by
+``--max-body-bytes``; a text that cannot fit the model's context in tokens is refused by its
+length in characters before it is tokenized (``validation.max_chars_per_token``), and one that
+turns out longer than the context after it is refused too; ``tokens`` holds at most the context's
+number of ids, each an int in the vocabulary. Validation and tokenization run in the worker's
+tokenize lanes (``tokenize_lanes.py``), never on the event loop or the engine loop. Both need the
+client key (``auth.WORKER_ROUTES``); the router forwards them to a healthy worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from splitserve.engine.io import InvalidRequest
+from splitserve.outcomes import Reason
+from splitserve.server.validation import _messages, _opt_bool, _opt_str, _token_ids, _type_name, check_text, \
+    parse_json_body
+
+_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
+_DETOKENIZE = {"model", "tokens"}
+
+
+def _check(body: Any, known: set, served_model_name: Optional[str]) -> dict:
+    if not isinstance(body, dict):
+        body = parse_json_body(body)
+    check_text(body)
+    for key in body:
+        if key not in known:
+            raise InvalidRequest(f"unrecognized request field `{key}`", str(key))
+    model = _opt_str(body, "model", "")
+    if model is not None and served_model_name is not None and model != served_model_name:
+        raise InvalidRequest(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
+                             "model", reason=Reason.MODEL_NOT_FOUND)
+    return body
+
+
+def tokenize(body: Any, tokenizer, *, served_model_name: Optional[str], max_context: int,
+             chars_per_token: Optional[int]) -> dict:
+    """The answer to a ``/tokenize`` body, or InvalidRequest naming the field."""
+    body = _check(body, _TOKENIZE, served_model_name)
+    prompt, messages = body.get("prompt"), body.get("messages")
+    if (prompt is None) == (messages is None):
+        raise InvalidRequest("give exactly one of prompt and messages", "prompt")
+    generation_prompt = _opt_bool(body, "add_generation_prompt", "")
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise InvalidRequest(f"prompt must be a string, not {_type_name(prompt)}", "prompt")
+        if generation_prompt is not None:
+            raise InvalidRequest("add_generation_prompt is for messages", "add_generation_prompt")
+        text, param, special = prompt, "prompt", _opt_bool(body, "add_special_tokens", "")
+        special = True if special is None else special
+    else:
+        rendered = _messages(messages)
+        param, special = "messages", bool(_opt_bool(body, "add_special_tokens", ""))
+        try:
+            text = tokenizer.apply_chat_template(list(rendered), tokenize=False,
+                                                 add_generation_prompt=generation_prompt is not False)
+        except Exception as e:  # the template's own refusal ("roles must alternate")
+            raise InvalidRequest(f"the chat template refused these messages: {e}", "messages") from None
+    if chars_per_token and -(-len(text) // chars_per_token) > max_context:
+        raise InvalidRequest(f"{param} has {len(text)} characters, at least {-(-len(text) // chars_per_token)} "
+                             f"tokens (no token of this model stands for more than {chars_per_token}), "
+                             f"but the model's context is {max_context}", param)
+    ids = [int(t) for t in tokenizer.encode(text, add_special_tokens=special)]
+    if len(ids) > max_context:
+        raise InvalidRequest(f"{param} has {len(ids)} tokens, but the model's context is {max_context}", param)
+    answer = {"count": len(ids), "max_model_len": max_context, "tokens": ids}
+    if _opt_bool(body, "return_token_strs", ""):
+        answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
+    return answer
+
+
+def detokenize(body: Any, tokenizer, *, served_model_name: Optional[str], max_context: int, vocab_size: int) -> dict:
+    """The answer to a ``/detokenize`` body, or InvalidRequest naming the field."""
+    body = _check(body, _DETOKENIZE, served_model_name)
+    if body.get("tokens") is None:
+        raise InvalidRequest("tokens is required", "tokens")
+    ids = _token_ids(body["tokens"], "tokens", vocab_size, allow_empty=True, max_count=max_context)
+    try:
+        return {"prompt": tokenizer.decode(ids)}
+    except Exception as e:  # an id of the model's vocabulary the tokenizer has no text for
+        raise InvalidRequest(f"tokens cannot be decoded: {type(e).__name__}: {e}", "tokens") from None
