@@ -389,6 +389,29 @@ def test_a_prefill_error_that_echoes_decode_gives_way_to_decode_s_own(stream, fa
              what="the outcome metric")
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+def test_a_decode_error_that_echoes_prefill_gives_way_to_prefill_s_own(stream, fakes, start_router):
+    """The mirror: prefill's writes timed out and it told decode, whose leg fails with
+    ``peer_failed`` a little before prefill's own answer arrives (a race on a busy machine): the
+    client gets prefill's error, which names the cause (504 transfer_timeout), not decode's 502
+    echo of it, whichever leg's answer came first."""
+    echo = {"error": {"message": "peer_failed: peer: transfer_timeout", "type": "server_error", "param": None,
+                      "code": "peer_failed"}}
+    cause = {"error": {"message": "transfer_timeout: 1 writes unfinished", "type": "server_error",
+                       "param": None, "code": "transfer_timeout"}}
+
+    async def late_cause(fake, request, _body):
+        await asyncio.sleep(0.3)
+        return web.json_response(cause, status=504)
+
+    prefill, decode = fakes(late_cause), fakes(reply(502, echo))
+    router = start_router([(prefill.url, 1)], [decode.url], "--max-retries", "0", "--no-pd-fallback")
+    r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
+    assert assert_openai_error(r, 504)["code"] == "transfer_timeout", r.text
+    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="prefill_failed") == 1,
+             what="the outcome metric")
+
+
 def test_decode_error_passes_through_and_closes_prefill(fakes, start_router):
     prefill = fakes(hang())
     decode = fakes(reply(503, {"error": {"message": "draining", "type": "x", "param": None, "code": "d"}}))

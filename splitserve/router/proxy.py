@@ -92,8 +92,9 @@ log = logging.getLogger(__name__)
 
 PASS_HEADERS = ("Content-Type", "Cache-Control", "X-Accel-Buffering", "Retry-After")
 ERROR_BODY_S = 10.0  # reading a worker's error body
-ECHO_CODES = ("peer_failed", "peer_abort")  # a prefill error that only repeats what decode said
-ECHO_WAIT_S = 2.0  # how long the router then waits for decode's own answer
+ECHO_CODES = ("peer_failed", "peer_abort")  # one leg's error that only repeats what the other said
+ECHO_STATUS = 502  # the status of an echo (Reason.PEER_FAILED)
+ECHO_WAIT_S = 2.0  # how long the router then waits for the other leg's own answer
 LINGER_S = 5.0  # a prefill leg still open this long after its exchange finished is closed
 ROOM_BITS = 63
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")  # the router's own, never a client's
@@ -251,7 +252,23 @@ class Exchange:
         self.decode = None  # the task below closes it
         self.state.spawn(abort_with_cause(self.state.session, leg, self.room, detail))
 
+    async def _prefill_has_the_cause(self) -> bool:
+        """Decode failed as when prefill told it so (it answered an echo's status): wait up to
+        ``ECHO_WAIT_S`` for prefill's own answer, the one that names the cause (a transfer timeout is prefill's 504, not decode's 502 repeating it). True if
+        prefill then answered an error. The mirror of :meth:`_decode_has_the_cause`, so the
+        client's answer does not depend on which leg's answer reached the router first."""
+        p, d = self.prefill, self.decode
+        # decode's status, not its body, which may never come (the body is read after prefill's
+        # leg is closed); 502 is what an echo answers (Reason.PEER_FAILED's status)
+        if p is None or self.prefill_handed_off or d.error is not None or d.response.status != ECHO_STATUS:
+            return False
+        if not p.answered:
+            await asyncio.wait({p.task}, timeout=min(self.remaining(), ECHO_WAIT_S))
+        return p.answered and p.error is None and not p.ok and await self._error_code(p) not in ECHO_CODES
+
     async def _decode_failed(self) -> web.Response:
+        if await self._prefill_has_the_cause():
+            return await self._prefill_failed()  # as when prefill's answer comes first
         self._abort_prefill()  # nobody will come for its KV
         self.outcome = "decode_failed"
         self._may_retry(self.decode, DECODE)
