@@ -7,8 +7,9 @@ A prefill ``P`` and a decode ``D`` live through the whole test. Each round start
 new ports: a new pod), serves one request ``P`` + ``Dk`` and one ``Pk`` + ``D``, then kills both
 (``kill -9``: no goodbye). Once they have been silent past the peer-silence bound, ``P``'s and
 ``D``'s open file descriptors, threads, peer tables, receiving links and transfer agents (their
-``/metrics``) must be no larger than they were after the second round: 3 rounds every day, 20
-under ``make check-long``. (Sessions declared lost are remembered for ``--tombstone-s``, so that
+``/metrics``) must be no larger than they were after the second round: 20 rounds, under ``make
+check-long`` only (each round waits out a peer-silence bound, which the everyday suite's budget
+cannot afford; the everyday suite's restarts on one address are test_faults.py's). (Sessions declared lost are remembered for ``--tombstone-s``, so that
 nothing of theirs is ever acted on: that memory is bounded by time, and checked to hold no more
 than the sessions the rounds ended.)
 
@@ -111,12 +112,6 @@ def remembered_beyond_bound(after: list[dict]) -> list[str]:
     survivor and round, at most)."""
     return [f"after round {k}, {who} remembers {seen[who]['lost_remembered']}"
             for k, seen in enumerate(after, start=1) for who in ("P", "D") if seen[who]["lost_remembered"] > 4 * k]
-
-
-def test_peers_that_come_and_go_are_forgotten():
-    after = churn(3)
-    assert not grown_since_round_two(after), (grown_since_round_two(after), after)
-    assert not remembered_beyond_bound(after), (remembered_beyond_bound(after), after)
 
 
 @pytest.mark.long

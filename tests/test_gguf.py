@@ -138,6 +138,7 @@ def test_smollm2_is_converted_once_and_reused(smol_dir, monkeypatch):
     assert json.loads((smol_dir / "generation_config.json").read_text())["eos_token_id"] == [2]  # <|im_end|>
 
 
+@pytest.mark.long  # the tiny models of each family check the same everyday (test_logprobs.py)
 def test_smollm2_logprobs_match_transformers(smol_ref, smol_ours):
     model, spec, tok = smol_ours
     assert spec.eos_token_ids == (2,) and (spec.num_layers, spec.num_heads, spec.num_kv_heads) == (30, 9, 3)
