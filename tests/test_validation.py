@@ -139,9 +139,7 @@ def test_unsupported_completion_fields_are_named(field, value):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
-    ("functions", [{"name": "f"}]), ("function_call", "auto"),
-    ("parallel_tool_calls", True), ("audio", {}),
+    ("functions", [{"name": "f"}]), ("function_call", "auto"), ("audio", {}),
     ("modalities", ["text", "audio"]), ("reasoning_effort", "high"),
 ])
 def test_unsupported_chat_fields_are_named(field, value):
@@ -246,7 +244,8 @@ def test_chat_messages(byte_tokenizer):
     bad({"messages": "hi"}, "chat", param="messages")
     bad({"messages": ["hi"]}, "chat", param="messages[0]")
     bad({"messages": [{"role": "robot", "content": "hi"}]}, "chat", param="messages[0].role")
-    bad({"messages": [{"role": "tool", "content": "hi"}]}, "chat", param="messages[0].role", match="tool")
+    bad({"messages": [{"role": "tool", "content": "hi"}]}, "chat", param="messages[0].tool_call_id")
+    bad({"messages": [{"role": "function", "content": "hi"}]}, "chat", param="messages[0].role", match="tools")
     bad({"messages": [{"role": "user", "content": None}]}, "chat", param="messages[0].content")
     bad({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "chat",
         param="messages[0].content", match="image_url")

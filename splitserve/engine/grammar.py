@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -56,7 +57,8 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request asked for: ``kind`` ``"json_object"`` or ``"json_schema"``, and the schema as
-    compact JSON in the client's key order (the cache key); or ``"regex"`` and the regex."""
+    compact JSON in the client's key order (the cache key); or ``"regex"`` and the regex; or
+    ``"lark"`` and a grammar in llguidance's Lark (a forced tool call: :func:`tool_call_spec`)."""
 
     kind: str
     schema: str
@@ -289,9 +291,11 @@ class GrammarCompiler:
         """Compile and warm (the first mask builds the lexer): (Grammar, None) or (None, why)."""
         import llguidance
 
-        what = "regex" if spec.kind == "regex" else "JSON schema"
+        what = {"regex": "regex", "lark": "tool-call grammar"}.get(spec.kind, "JSON schema")
         try:
-            if spec.kind == "regex":
+            if spec.kind == "lark":
+                text = llguidance.LLMatcher.grammar_from_lark(spec.schema)
+            elif spec.kind == "regex":
                 text = llguidance.LLMatcher.grammar_from_regex(spec.schema)
             else:
                 text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
@@ -306,3 +310,123 @@ class GrammarCompiler:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# -- tool calls ------------------------------------------------------------------------------------
+
+MAX_TOOLS = 128
+"""Functions one request may offer (OpenAI's own cap)."""
+MAX_TOOL_DESCRIPTION_CHARS = 8192
+"""Characters of one function's description (it is rendered into the prompt)."""
+TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+"""The Hermes / Qwen2.5 tool-call format the tiny models' template asks for and the server parses:
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class ToolsSpec:
+    """A request's ``tools`` and ``tool_choice``: ``tools`` as the chat template gets them
+    (OpenAI's shape), ``choice`` ``"auto"``, ``"none"``, ``"required"`` or the one function's
+    name; ``parallel``: ``parallel_tool_calls`` (default true); ``grammar``: the
+    :class:`GrammarSpec` that forces a call (``required``, a named function), else None."""
+
+    tools: tuple
+    choice: str
+    parallel: bool = True
+    grammar: Optional[GrammarSpec] = None
+
+    @property
+    def names(self) -> frozenset:
+        return frozenset(t["function"]["name"] for t in self.tools)
+
+    @property
+    def parses(self) -> bool:
+        """Whether the answer's tool-call text is parsed into ``tool_calls`` (not with ``none``)."""
+        return self.choice != "none"
+
+
+def parse_tools(tools: Any, choice: Any, parallel: Any) -> Optional[ToolsSpec]:
+    """``tools``, ``tool_choice`` and ``parallel_tool_calls`` of a chat request, checked (shapes,
+    a cap of :data:`MAX_TOOLS`, each ``parameters`` within the schema bounds, and all the tools
+    together too, since the grammar of ``required`` joins them), or None when no tools are given.
+    Raises InvalidRequest naming the field."""
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequest("parallel_tool_calls must be a boolean", "parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none"):
+            raise InvalidRequest("tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise InvalidRequest("tools must be an array of {\"type\": \"function\", \"function\": {...}}", "tools")
+    if len(tools) > MAX_TOOLS:
+        raise InvalidRequest(f"tools takes at most {MAX_TOOLS} functions, got {len(tools)}", "tools")
+    out, names = [], set()
+    for i, tool in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise InvalidRequest(f"{p} must be {{\"type\": \"function\", \"function\": {{...}}}}", p)
+        extra = set(tool) - {"type", "function"}
+        if extra:
+            raise InvalidRequest(f"unrecognized field `{p}.{sorted(extra)[0]}`", p)
+        fn = tool["function"]
+        extra = set(fn) - {"name", "description", "parameters", "strict"}
+        if extra:
+            raise InvalidRequest(f"unrecognized field `{p}.function.{sorted(extra)[0]}`", f"{p}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not _FUNCTION_NAME.fullmatch(name):
+            raise InvalidRequest(f"{p}.function.name must be 1 to 64 letters, digits, _ or -", f"{p}.function.name")
+        if name in names:
+            raise InvalidRequest(f"{p}.function.name `{name}` is given twice", f"{p}.function.name")
+        names.add(name)
+        desc = fn.get("description")
+        if desc is not None and (not isinstance(desc, str) or len(desc) > MAX_TOOL_DESCRIPTION_CHARS):
+            raise InvalidRequest(f"{p}.function.description must be a string of at most "
+                                 f"{MAX_TOOL_DESCRIPTION_CHARS} characters", f"{p}.function.description")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise InvalidRequest(f"{p}.function.strict must be a boolean", f"{p}.function.strict")
+        params = fn.get("parameters")
+        params = _NO_PARAMETERS if params is None else json.loads(schema_spec(params, f"{p}.function.parameters").schema)
+        entry = {"name": name}
+        if desc is not None:
+            entry["description"] = desc
+        entry["parameters"] = params
+        out.append({"type": "function", "function": entry})
+    total = len(json.dumps(out, separators=(",", ":"), ensure_ascii=False).encode())
+    if total > MAX_SCHEMA_BYTES:
+        raise InvalidRequest(f"tools are {total} bytes as JSON; at most {MAX_SCHEMA_BYTES} are accepted", "tools")
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or set(choice) - {"type", "function"} \
+                or set(fn) - {"name"} or not isinstance(fn.get("name"), str):
+            raise InvalidRequest("tool_choice must be none, auto, required or "
+                                 "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+        if fn["name"] not in names:
+            raise InvalidRequest(f"tool_choice names the function `{fn['name'][:64]}`, which is not among tools",
+                                 "tool_choice")
+        choice = fn["name"]
+        forced = [t for t in out if t["function"]["name"] == choice]
+        return ToolsSpec(tuple(out), choice, parallel is not False, tool_call_spec(forced, many=False))
+    if choice not in ("none", "auto", "required"):
+        raise InvalidRequest("tool_choice must be none, auto, required or "
+                             "{\"type\": \"function\", \"function\": {\"name\": ...}}", "tool_choice")
+    grammar = tool_call_spec(out, many=parallel is not False) if choice == "required" else None
+    return ToolsSpec(tuple(out), choice, parallel is not False, grammar)
+
+
+def tool_call_spec(tools: list, many: bool) -> GrammarSpec:
+    """The grammar (Lark, llguidance's dialect) of an answer that is one tool call of one of
+    ``tools`` (``many``: one or more, one per line): ``<tool_call>\\n{"name": <one of the
+    names>, "arguments": <that function's parameters>}\\n</tool_call>``, its JSON compact."""
+    schema = {"x-guidance": dict(_JSON_OPTIONS), "anyOf": [
+        {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                          "arguments": t["function"]["parameters"]},
+         "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+    call = json.dumps(TOOL_CALL_OPEN + "\n") + " %json " + json.dumps(schema, separators=(",", ":"),
+                                                                      ensure_ascii=False) + " " + \
+        json.dumps("\n" + TOOL_CALL_CLOSE)
+    start = 'start: call ("\\n" call)*\n' if many else "start: call\n"
+    return GrammarSpec("lark", start + "call: " + call + "\n")

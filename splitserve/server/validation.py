@@ -42,8 +42,13 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
   of digits, in the vocabulary) to a number in [-100, 100], at most :data:`MAX_LOGIT_BIAS`
   tokens; ``/generate`` SGLang's ``sampling_params.presence_penalty``, ``frequency_penalty``
   (both [-2, 2]) and ``repetition_penalty`` (in (0, 2], 1 is none).
+- ``tools``, ``tool_choice``, ``parallel_tool_calls`` (chat; ``engine/grammar.parse_tools``: at
+  most 128 functions, each ``parameters`` within the schema bounds, all of them together too);
+  messages of role ``tool`` (with ``tool_call_id``) and assistant messages with ``tool_calls``.
+  The chat template renders the tools (a template that does not is a 400); ``required`` and a
+  named function compile a grammar that forces the call (``docs/tools.md``).
 - Every field of the OpenAI API that we do not implement is refused with its name
-  (``best_of`` > 1, ``suffix``, ``tools`` ...),
+  (``best_of`` > 1, ``suffix``, ``functions`` ...),
   except at its no-op value (``best_of: 1``, ``suffix: ""`` ...); ``null``
   counts as absent. A field nobody knows is refused too: nothing is ignored silently.
 - Known extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM and SGLang), ``rid``
@@ -64,7 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 from splitserve.engine.detokenizer import stop_matcher
-from splitserve.engine.grammar import parse_response_format, sglang_spec
+from splitserve.engine.grammar import MAX_TOOLS, parse_response_format, parse_tools, sglang_spec
 from splitserve.engine.io import (
     DEFAULT_MAX_TOKENS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams,
 )
@@ -81,7 +86,7 @@ MAX_STOP_TOKEN_IDS = 64  # stop_token_ids, every route
 MAX_N = 16  # choices of one request (n): each is a sequence of its own
 MAX_SEED = 2**63
 MAX_ROOM = 2**63
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 _HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]")  # a name, IPv4 or [IPv6]
 _ABSENT = object()
@@ -90,8 +95,7 @@ _ANY_BOOL = object()  # a switch with no effect on the tokens (logging, reasonin
 # Fields of the OpenAI API we do not implement, with the value that means "not used".
 _NOOP = {
     "best_of": 1, "suffix": "",
-    "tools": [], "tool_choice": "none",
-    "functions": [], "function_call": "none", "parallel_tool_calls": _ABSENT, "store": False,
+    "functions": [], "function_call": "none", "store": False,
     "metadata": _ABSENT, "modalities": ["text"], "audio": _ABSENT, "prediction": _ABSENT,
     "reasoning_effort": _ABSENT, "service_tier": _ABSENT, "web_search_options": _ABSENT,
     "verbosity": _ABSENT,
@@ -152,7 +156,8 @@ class ValidatedRequest:
     stop_matcher: Optional[object] = field(default=None, compare=False, repr=False)
     """The automaton of ``sampling.stop``, built with a tokenizer (on the worker's tokenizer
     thread, not the engine loop's)."""
-    grammar_spec: Optional[object] = None  # engine/grammar.GrammarSpec of response_format; None: text
+    grammar_spec: Optional[object] = None  # engine/grammar.GrammarSpec of response_format (or a forced tool call)
+    tools: Optional[object] = None  # chat: engine/grammar.ToolsSpec of tools and tool_choice; None: no tools
     grammar: Optional[object] = field(default=None, compare=False, repr=False)
     """``grammar_spec`` compiled (by the worker's ``GrammarCompiler``, in the same thread)."""
 
@@ -319,6 +324,13 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     prompt_logprobs = logprobs if echo or start >= 0 else None
     grammar_spec = parse_response_format(body.get("response_format")) if endpoint != "generate" else \
         sglang_spec(fields)
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")) \
+        if endpoint == "chat" else None
+    if tools is not None and tools.grammar is not None:
+        if grammar_spec is not None:
+            raise InvalidRequest("a forced tool call (tool_choice required or a function) and response_format "
+                                 "cannot be given together", "tool_choice")
+        grammar_spec = tools.grammar
     n = (_opt_int(body, "n", "", minimum=1, maximum=MAX_N) or 1) if endpoint != "generate" else 1
     if n > 1 and max_tokens == 0:
         raise InvalidRequest("n > 1 needs max_tokens of at least 1", "n")
@@ -332,15 +344,18 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         prompt_text, prompt_ids = _generate_prompt(body, vocab_size)
     else:
         messages = _messages(body.get("messages", _ABSENT))
+        if tools is not None and tools.parses and tokenizer is not None and not renders_tools(tokenizer):
+            raise InvalidRequest("this model's chat template does not render tools, so the model would never see "
+                                 "them; serve it with --chat-template FILE, a template that does", "tools")
     max_tokens_set = max_tokens is not None
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
     if tokenizer is not None and prompt_ids is None:
         if chars_per_token and max_context is not None:
-            chars = len(prompt_text) if messages is None else len(_render(tokenizer, messages))
+            chars = len(prompt_text) if messages is None else len(_render(tokenizer, messages, tools))
             _fit_context(-(-chars // chars_per_token), max_tokens, max_tokens_set, max_context, prefix + max_key,
                          bound=f"{chars} characters, and no token of this model stands for more than {chars_per_token}")
-        prompt_ids = _tokenize(tokenizer, prompt_text, messages)
+        prompt_ids = _tokenize(tokenizer, prompt_text, messages, tools)
         if not prompt_ids:
             raise InvalidRequest("the prompt is empty after tokenization", "messages" if messages else "prompt")
     if prompt_ids is not None and max_context is not None:
@@ -367,8 +382,9 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         messages=messages, max_tokens_set=max_tokens_set, rid=rid, bootstrap_host=bootstrap_host,
         bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room, cache_salt=cache_salt,
         return_text_in_logprobs=return_text_in_logprobs, echo=echo, logprob_start_len=start, stop_matcher=stop_matcher(stop) if stop and tokenizer is not None else None,
-        grammar_spec=grammar_spec,
+        grammar_spec=grammar_spec, tools=tools,
         grammar=grammars.compile(grammar_spec, tokenizer, vocab_size or len(tokenizer),
+                                 "tool_choice" if grammar_spec.kind == "lark" else
                                  "response_format" if endpoint != "generate" else f"sampling_params.{grammar_spec.kind}") if grammar_spec and grammars and tokenizer is not None else None,
     )
 
@@ -596,19 +612,61 @@ def _messages(v: Any) -> tuple[dict, ...]:
         name = f"messages[{i}]"
         if not isinstance(m, dict):
             raise InvalidRequest(f"{name} must be an object, not {_type_name(m)}", name)
-        for key in m:
-            if key not in ("role", "content", "name"):
-                raise InvalidRequest(f"`{name}.{key}` is not supported by this server", f"{name}.{key}")
         role = m.get("role")
+        allowed = ("role", "content", "name") + {"assistant": ("tool_calls", "refusal"),
+                                                 "tool": ("tool_call_id",)}.get(role, ())
+        for key in m:
+            if key not in allowed:
+                raise InvalidRequest(f"`{name}.{key}` is not supported by this server", f"{name}.{key}")
         if role not in CHAT_ROLES:
-            if isinstance(role, str) and role in ("tool", "function"):
-                raise InvalidRequest(f"{name}.role `{role}` is not supported (no tool calling)", f"{name}.role")
+            if isinstance(role, str) and role == "function":
+                raise InvalidRequest(f"{name}.role `function` is not supported (use tools and the tool role)",
+                                     f"{name}.role")
             raise InvalidRequest(f"{name}.role must be one of {', '.join(CHAT_ROLES)}, got {json.dumps(role)}",
                                  f"{name}.role")
         if m.get("name") is not None and not isinstance(m["name"], str):
             raise InvalidRequest(f"{name}.name must be a string", f"{name}.name")
-        out.append({"role": CHAT_ROLES[role], "content": _content(m.get("content"), f"{name}.content")})
+        msg = {"role": CHAT_ROLES[role]}
+        calls = m.get("tool_calls")
+        if role == "assistant" and calls is not None:
+            msg["tool_calls"] = _tool_calls(calls, f"{name}.tool_calls")
+            msg["content"] = _content(m["content"], f"{name}.content") if m.get("content") is not None else ""
+        else:
+            msg["content"] = _content(m.get("content"), f"{name}.content")
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str) or not 0 < len(m["tool_call_id"]) <= 256:
+                raise InvalidRequest(f"{name}.tool_call_id must be a string of 1 to 256 characters",
+                                     f"{name}.tool_call_id")
+            msg["tool_call_id"] = m["tool_call_id"]
+        if m.get("name") is not None and role == "tool":
+            msg["name"] = m["name"]
+        out.append(msg)
     return tuple(out)
+
+
+def _tool_calls(v: Any, name: str) -> list[dict]:
+    """An assistant message's ``tool_calls``, for the chat template: ``arguments`` (a JSON string
+    in OpenAI's API) parsed into an object, as templates write it with ``tojson`` (vLLM does so too)."""
+    if not isinstance(v, list) or len(v) > MAX_TOOLS:
+        raise InvalidRequest(f"{name} must be an array of at most {MAX_TOOLS} calls", name)
+    out = []
+    for j, call in enumerate(v):
+        p = f"{name}[{j}]"
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or call.get("type", "function") != "function" \
+                or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str) \
+                or set(call) - {"id", "type", "function"} or set(fn) - {"name", "arguments"}:
+            raise InvalidRequest(f"{p} must be {{\"id\", \"type\": \"function\", \"function\": "
+                                 "{\"name\", \"arguments\": a JSON string}}", p)
+        if call.get("id") is not None and not isinstance(call["id"], str):
+            raise InvalidRequest(f"{p}.id must be a string", f"{p}.id")
+        try:
+            arguments = json.loads(fn["arguments"])
+        except ValueError:
+            raise InvalidRequest(f"{p}.function.arguments is not JSON", f"{p}.function.arguments") from None
+        out.append({"id": call.get("id") or f"call_{j}", "type": "function",
+                    "function": {"name": fn["name"], "arguments": arguments}})
+    return out
 
 
 def _content(v: Any, name: str) -> str:
@@ -625,12 +683,44 @@ def _content(v: Any, name: str) -> str:
     raise InvalidRequest(f"{name} must be a string or a list of text parts, not {_type_name(v)}", name)
 
 
-def _tokenize(tokenizer, text: Optional[str], messages: Optional[tuple[dict, ...]]) -> list[int]:
+def _template_tools(tools) -> dict:
+    """The chat template's ``tools`` argument (none for ``tool_choice`` none: vLLM's
+    ``--exclude-tools-when-tool-choice-none``, here always; OpenAI's model then calls no tool)."""
+    return {"tools": [dict(t) for t in tools.tools]} if tools is not None and tools.parses else {}
+
+
+_PROBE_TOOL = {"type": "function", "function": {"name": "splitserve_probe_function", "parameters": {}}}
+
+
+def renders_tools(tokenizer) -> bool:
+    """Whether ``tokenizer``'s chat template writes the tools it is given into the prompt: a probe
+    function's name appears when rendered with it (cached per template)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str) or "tools" not in template:
+        return False
+    hit = _RENDERS_TOOLS.get(template)
+    if hit is None:
+        try:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_PROBE_TOOL],
+                                                 add_generation_prompt=True, tokenize=False)
+            hit = "splitserve_probe_function" in text
+        except Exception:
+            hit = False
+        if len(_RENDERS_TOOLS) > 16:
+            _RENDERS_TOOLS.clear()
+        _RENDERS_TOOLS[template] = hit
+    return hit
+
+
+_RENDERS_TOOLS: dict[str, bool] = {}
+
+
+def _tokenize(tokenizer, text: Optional[str], messages: Optional[tuple[dict, ...]], tools=None) -> list[int]:
     if messages is None:
         return list(tokenizer.encode(text))
     try:
         ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+                                            return_dict=False, **_template_tools(tools))
     except Exception as e:  # jinja TemplateError raised by the template itself ("roles must alternate")
         raise InvalidRequest(f"the chat template refused these messages: {e}", "messages") from None
     if isinstance(ids, Mapping):
@@ -638,10 +728,11 @@ def _tokenize(tokenizer, text: Optional[str], messages: Optional[tuple[dict, ...
     return [int(t) for t in ids]
 
 
-def _render(tokenizer, messages: tuple[dict, ...]) -> str:
+def _render(tokenizer, messages: tuple[dict, ...], tools=None) -> str:
     """The text the chat template makes of ``messages`` (what ``_tokenize`` then tokenizes)."""
     try:
-        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                             **_template_tools(tools))
     except Exception as e:
         raise InvalidRequest(f"the chat template refused these messages: {e}", "messages") from None
 
