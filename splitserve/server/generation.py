@@ -34,6 +34,7 @@ from splitserve.engine.io import EngineError, InvalidRequest, NotReady, RequestO
 from splitserve.http_util import read_body
 from splitserve.outcomes import Reason
 from splitserve.server import openai_protocol as proto
+from splitserve.server import tool_calls
 from splitserve.server.sse import ClientGone, SSEWriter
 from splitserve.server.validation import REQUEST_ID, ValidatedRequest, check_request_id, validate_request
 
@@ -213,6 +214,11 @@ def _strings(state, req: ValidatedRequest) -> Optional[proto.TokenStrings]:
     return token_strings(state.engine.tokenizer)
 
 
+def _tool_names(req: ValidatedRequest) -> Optional[frozenset]:
+    """The functions whose calls a chat answer is parsed for; None: no parsing."""
+    return req.tools.names if req.tools is not None and req.tools.parses else None
+
+
 async def _unary(state, endpoint: str, req: ValidatedRequest, rid: str, stream, acc: proto.Accumulator,
                  result: Result, started: float) -> web.Response:
     try:
@@ -228,7 +234,7 @@ async def _unary(state, endpoint: str, req: ValidatedRequest, rid: str, stream, 
     if endpoint == "completions":
         body = proto.completion_response(rid, model, created, acc, strings, _echo(state, req))
     elif endpoint == "chat":
-        body = proto.chat_response(rid, model, created, acc, strings)
+        body = proto.chat_response(rid, model, created, acc, strings, _tool_names(req))
     else:
         body = proto.generate_response(rid, acc, started, req.sampling.logprobs is not None, strings, _prompt_of(req))
     return web.json_response(body)
@@ -243,6 +249,8 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
     sent = [0] * n  # per choice, tokens whose logprobs have been sent: the rest ride with its next chunk with text
     offset = [0] * n  # completions: the text offset of the choice's next token's logprobs
     echo = [_echo(state, req)] * n  # completions' echo: sent with each choice's first chunk
+    names = _tool_names(req) if endpoint == "chat" else None
+    parsers = [tool_calls.ToolCallParser(names) for _ in range(n)] if names is not None else None
     try:
         await sse.start()
         if endpoint == "chat":
@@ -271,7 +279,18 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
                     else:
                         logprobs = proto.completion_logprobs(strings, ids, lps, offset[i])
                         offset[i] += sum(len(t) for t in logprobs["tokens"])
-                if endpoint == "chat":
+                if endpoint == "chat" and parsers is not None:  # text becomes content and tool-call deltas
+                    deltas = parsers[i].feed(text) if text else []
+                    if reason is not None:
+                        deltas += parsers[i].finish()
+                        reason = tool_calls.finish_reason(reason, parsers[i])
+                    if not deltas and (reason is not None or logprobs is not None):
+                        deltas = [{}]
+                    for k, delta in enumerate(deltas):
+                        last = k == len(deltas) - 1
+                        await sse.send(proto.chat_chunk(rid, model, created, delta, reason if last else None,
+                                                        logprobs if k == 0 else None, index=i))
+                elif endpoint == "chat":
                     delta = {"content": text} if text else {}
                     await sse.send(proto.chat_chunk(rid, model, created, delta, reason, logprobs, index=i))
                 else:

@@ -24,6 +24,7 @@ from typing import Optional
 
 from splitserve.engine.io import RequestOutput, TokenLogprob
 from splitserve.errors import engine_error_body, error_body  # noqa: F401 (the error body is the API's too)
+from splitserve.server import tool_calls
 
 
 def ended_error_body(out: RequestOutput) -> dict:
@@ -245,10 +246,19 @@ def completion_response(rid: str, model: str, created: int, acc: Accumulator,
 
 
 def chat_response(rid: str, model: str, created: int, acc: Accumulator,
-                  strings: Optional[TokenStrings] = None) -> dict:
-    choices = [{"index": index, "message": {"role": "assistant", "content": c.full_text},
-                "logprobs": chat_logprobs(strings, c.token_ids, c.logprobs) if strings is not None else None,
-                "finish_reason": c.finish_reason} for index, c in acc.choice_list()]
+                  strings: Optional[TokenStrings] = None, tool_names=None) -> dict:
+    """``tool_names``: the request's functions, when its answer's tool calls are parsed
+    (``server/tool_calls.py``): then a message may carry ``tool_calls``."""
+    choices = []
+    for index, c in acc.choice_list():
+        message, reason = {"role": "assistant", "content": c.full_text}, c.finish_reason
+        if tool_names is not None:
+            parser = tool_calls.parse(c.full_text, tool_names)
+            message.update(parser.message())
+            reason = tool_calls.finish_reason(reason, parser)
+        choices.append({"index": index, "message": message,
+                        "logprobs": chat_logprobs(strings, c.token_ids, c.logprobs) if strings is not None else None,
+                        "finish_reason": reason})
     return {"id": f"chatcmpl-{rid}", "object": "chat.completion", "created": created, "model": model,
             "choices": choices, "usage": acc.usage()}
 
