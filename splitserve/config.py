@@ -42,6 +42,10 @@ class EngineConfig:
     recently used when pages run short); --no-prefix-cache turns it off."""
     seed: int = 0
     """Seed for requests that name none is drawn from this worker's RNG seeded with this."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template file to use instead of the model's own (e.g. one that renders tools:
+    a request with tools is refused when the template in use ignores them; docs/tools.md). Prefill
+    and decode workers must use the same one (their handshake compares it)."""
 
 
 @dataclass(frozen=True)

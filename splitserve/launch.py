@@ -74,6 +74,9 @@ class LaunchConfig:
     """Address the router listens on (workers listen on 127.0.0.1)."""
     port: int = 8000
     """Port of the router, the one endpoint clients use."""
+    chat_template: Optional[str] = None
+    """A Jinja chat template file every worker uses instead of the model's own (as `serve
+    --chat-template`; e.g. one that renders tools)."""
     transfer_backend: Optional[str] = None
     """KV transfer backend of the workers: nixl or tcp; unset, each worker uses its own default."""
     policy: str = "round_robin"
@@ -250,6 +253,7 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
             url=client, health_url=client + "/health", note=f"discovery: {discovery}", stop_last=True))
     cli = (python, "-m", "splitserve.cli")
     extra = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
+    extra += ("--chat-template", os.path.abspath(config.chat_template)) if config.chat_template else ()
     extra += tuple(shlex.split(config.worker_args))  # the worker refuses what it does not know, at start
     secret_file = secret_file or config.cluster_secret_file
     extra += ("--cluster-secret-file", secret_file) if secret_file else ()  # the path, never the secret

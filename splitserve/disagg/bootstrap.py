@@ -33,13 +33,14 @@ def new_incarnation() -> str:
     return uuid.uuid4().hex[:16]
 
 
-def model_identity(spec) -> str:
+def model_identity(spec, chat_template: Optional[str] = None) -> str:
     """``architecture:fingerprint/quantization`` of the checkpoint folder: config.json (parsed, so
     formatting does not count), every tokenizer file present (a different vocabulary or chat
     template turns the same text into different tokens), and the weights (two quantizations of one
     model share a config); then the types the worker loaded them in (``--quantization``: one file
     served quantized and expanded gives other logits). Bit-identical checkpoints loaded alike get
-    the same identity wherever they live."""
+    the same identity wherever they live. ``chat_template``: the text of a ``--chat-template``
+    that replaces the checkpoint's (it too turns the same messages into other tokens)."""
     path = Path(spec.path)
     digest = hashlib.sha256()
     try:
@@ -48,6 +49,8 @@ def model_identity(spec) -> str:
             if (path / name).is_file():
                 digest.update(f"\0{name}\0".encode() + (path / name).read_bytes())
         digest.update(weights_fingerprint(path).encode())
+        if chat_template is not None:
+            digest.update(b"\0--chat-template\0" + chat_template.encode())
     except (OSError, ValueError):
         return f"{spec.architecture}:unknown"
     return f"{spec.architecture}:{digest.hexdigest()[:12]}/{getattr(spec, 'quantization', 'none')}"
@@ -75,8 +78,8 @@ def weights_fingerprint(path: Path) -> str:
     return digest.hexdigest()
 
 
-def local_info(spec, layout: KVLayout, backend: str, incarnation: str) -> Info:
-    return Info(protocol_version=PROTOCOL_VERSION, incarnation=incarnation, model=model_identity(spec),
+def local_info(spec, layout: KVLayout, backend: str, incarnation: str, chat_template: Optional[str] = None) -> Info:
+    return Info(protocol_version=PROTOCOL_VERSION, incarnation=incarnation, model=model_identity(spec, chat_template),
                 num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                 dtype=str(layout.dtype).removeprefix("torch."), page_size=layout.page_size, backend=backend)
 

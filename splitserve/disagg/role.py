@@ -168,7 +168,9 @@ class DisaggRole:
         self.engine = loop.engine
         self.incarnation = (self.edges.incarnation or new_incarnation)()
         self.secret = self._cluster_secret()
-        self.info = local_info(self.engine.spec, self.engine.layout, self.server.transfer_backend, self.incarnation)
+        override = getattr(self.engine.config, "chat_template", None)  # --chat-template counts in the identity
+        self.info = local_info(self.engine.spec, self.engine.layout, self.server.transfer_backend, self.incarnation,
+                               self.engine.tokenizer.chat_template if override else None)
         self.timelines.page_nbytes = self.engine.layout.page_nbytes
         self._start()
         for thread in (self.transfer, self.control):

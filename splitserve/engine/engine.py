@@ -113,7 +113,12 @@ def load_parts(config: EngineConfig) -> ModelParts:
 
     model_dir = resolve_model_dir(config.model)
     model, spec = load_model(model_dir, dtype=config.dtype, device=config.device, quantization=config.quantization)
-    return ModelParts(model, spec, load_tokenizer(model_dir))
+    tokenizer = load_tokenizer(model_dir)
+    if config.chat_template:  # --chat-template: this file, not the model's own
+        from pathlib import Path
+
+        tokenizer.chat_template = Path(config.chat_template).expanduser().read_text()
+    return ModelParts(model, spec, tokenizer)
 
 
 class LLMEngine:
