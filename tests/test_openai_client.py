@@ -111,10 +111,11 @@ def test_bad_request_raises_bad_request_error(client, model, kwargs, param):
     assert info.value.body["param"] == param and param in info.value.body["message"]
 
 
-def test_chat_with_tools_is_refused(client, model):
+def test_chat_with_a_tool_choice_not_among_tools_is_refused(client, model):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model=model, messages=MESSAGES, tools=tools)
+    with pytest.raises(openai.BadRequestError, match="not among tools"):
+        client.chat.completions.create(model=model, messages=MESSAGES, tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
 
 
 def test_unknown_model_raises_not_found(client):
