@@ -447,7 +447,7 @@ def test_generate_with_text_and_input_ids(server):
     ("/v1/completions", {"prompt": [10**9]}, "prompt"),
     ("/v1/chat/completions", {"messages": []}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
-     "tools"),
+     "tools[0]"),
     ("/generate", {"text": "x", "sampling_params": {"top_k": -5}}, "sampling_params.top_k"),
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 10**7}}, "sampling_params.max_new_tokens"),
     ("/generate", {"input_ids": [1], "sampling_params": {"stop": [f"s{i}" for i in range(17)]}}, "sampling_params.stop"),
