@@ -142,7 +142,7 @@ def main() -> None:
                   f"{cost:>12}", flush=True)
         if 128 in rows:
             m, alone_now = rows[128]
-            cost = m["router"] - m["decode"]
+            cost = max(0.0, m["router"] - m["decode"])  # a hop costs no less than nothing: below 0 is noise
             print(f"128 tokens: router {m['router']:.1f} ms vs colocated {m['colocated']:.1f} + the router's own cost "
                   f"{cost:.1f} = {m['colocated'] + cost:.1f} ms: "
                   f"{'ok' if m['router'] <= m['colocated'] + cost else 'WORSE'}", flush=True)

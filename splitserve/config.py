@@ -258,7 +258,7 @@ class RouterConfig(FrontConfig):
     """Streaming requests: a worker answers its status as soon as it accepts or refuses one; a leg
     whose response headers have not come this long after it was sent fails with 504 (without
     streaming the headers come with the whole answer: request_timeout_s bounds them)."""
-    pd_threshold_tokens: int = 256
+    pd_threshold_tokens: int = 160
     """A request whose prompt's uncached part is estimated at this many tokens or more is split
     (a prefill and a decode worker); a shorter one goes to a decode worker alone, which computes
     its prompt itself; 0 splits every request (docs/router.md, per request)."""
