@@ -238,6 +238,11 @@ def test_the_parser_streamed_in_any_pieces_gives_the_whole_answer(text):
             [(e["name"], e["arguments"]) for _, e in sorted(calls.items())]
 
 
+def test_the_parser_finishes_once():
+    p = ToolCallParser(NAMES)
+    assert p.feed("<tool_call>\n{") == [] and p.finish() == [{"content": "<tool_call>\n{"}] and p.finish() == []
+
+
 def test_the_parser_reads_calls_and_leaves_the_rest_as_text():
     assert parse(TEXTS[0], NAMES).message() == {"content": TEXTS[0]}
     two = parse(TEXTS[1], NAMES).message()
@@ -285,3 +290,13 @@ def test_smollm2_refuses_tools_with_its_own_template_and_calls_with_one_that_ren
             split.assert_no_leaks()
     finally:
         own.stop()
+
+
+def test_n_choices_with_tools_stream_what_they_answer_whole(server):
+    kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=12, seed=4, n=2)
+    whole = _client(server.url).chat.completions.create(**kwargs)
+    streamed = {0: "", 1: ""}
+    for chunk in _client(server.url).chat.completions.create(stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == {c.index: c.message.content for c in whole.choices} and streamed[0] != streamed[1]

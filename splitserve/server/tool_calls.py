@@ -61,6 +61,7 @@ class ToolCallParser:
         self._depth = 0
         self._in_string = False
         self._escape = False
+        self._finished = False
 
     # -- the deltas -------------------------------------------------------------------------------
 
@@ -160,7 +161,11 @@ class ToolCallParser:
         return len(buf)
 
     def finish(self) -> list[dict]:
+        """The deltas of what was held back; once (a second call gives none)."""
         out: list[dict] = []
+        if self._finished:
+            return out
+        self._finished = True
         if self._state == "header":  # a tag that never became a call: its text stays
             self._text(out, TOOL_CALL_OPEN + self._buf)
         elif self._state == "text" and self._buf:
