@@ -374,3 +374,45 @@ def test_a_split_worker_without_a_secret_does_not_start_unless_told_insecure(rol
                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert out.returncode == 2, out.stderr[-2000:]
     assert "--cluster-secret-file" in out.stderr and "--insecure-control-plane" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("secured", [True, False], ids=["curve", "plain"])
+def test_a_tcp_write_of_the_largest_frames_lands_under_the_secret(secured):
+    """A KV write whose frames are as large as the receiver takes (the default 4 MiB: 128 pages of
+    the tiny model in one run, a 2,048-token chunk) lands with the cluster secret as without it.
+    CURVE adds 33 bytes to every frame on the wire, and ZMQ's ``MAXMSGSIZE`` counts those: a
+    receiver that allowed exactly its frame size dropped such a frame and the connection with it,
+    so the write stayed pending (its last frame carries the answer) while a later write, sent after
+    the reconnect, completed. Counted, not timed: the small write sent second must not finish
+    before the large one."""
+    import secrets as random_bytes
+
+    import torch
+
+    from splitserve.disagg.control.curve import ClusterSecret
+    from splitserve.disagg.transfer import Span
+    from splitserve.disagg.transfer.tcp import TcpBackend
+
+    secret = ClusterSecret(random_bytes.token_bytes(32)) if secured else None
+    frame = 4 << 20
+    src = torch.randint(0, 256, (3 * frame,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    dst = torch.zeros(3 * frame, dtype=torch.uint8)
+    tag = random_bytes.token_hex(4)
+    writer = TcpBackend(f"p-{tag}", src, secret=secret)
+    receiver = TcpBackend(f"d-{tag}", dst, secret=secret)
+    try:
+        assert writer.max_frame_bytes == receiver.max_frame_bytes == frame  # the defaults, as the workers run
+        writer.add_peer(receiver.agent_name, receiver.metadata())
+        large = writer.write(receiver.agent_name, [Span(0, 0, frame), Span(frame, frame, frame + 4096)], b"large")
+        small = writer.write(receiver.agent_name, [Span(2 * frame + 8192, 2 * frame + 8192, 4096)], b"small")
+        deadline = time.monotonic() + 120  # a bound on a hang only: the order is what is checked
+        while writer.poll(small).pending and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert writer.poll(small).done, writer.poll(small)
+        assert writer.poll(large).done, f"the large write is {writer.poll(large)} after the later small one landed"
+        assert torch.equal(dst[: 2 * frame + 4096], src[: 2 * frame + 4096])
+        assert receiver.stats()["bad_frames"] == 0
+        assert [n for _, n in receiver.notifications()] == [b"large", b"small"]
+    finally:
+        writer.close()
+        receiver.close()

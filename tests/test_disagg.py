@@ -148,10 +148,7 @@ def ten_prompts(colocated):
 def test_other_shapes_match_colocated(ten_prompts, backend, n):
     prompts, want = ten_prompts
     with timer(f"start {backend} {n}+{n}"):
-        # tcp without CURVE: in the full suite its transfers under the cluster secret outlasted the
-        # 10 s transfer floor (alone they pass); tests/test_cluster_secret.py runs tcp with the secret
-        plain = ["--insecure-control-plane"] if backend == "tcp" else []
-        cluster = Cluster(prefill=n, decode=n, backend=backend, worker_args=plain).start()
+        cluster = Cluster(prefill=n, decode=n, backend=backend).start()
     with cluster, timer(f"10 {backend} {n}+{n}"):
         got = run_all(cluster.url, prompts, stream_every_other=True, **GREEDY)
         assert_same(prompts, got, want, f"{n} prefill + {n} decode over {backend}")

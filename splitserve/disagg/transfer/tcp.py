@@ -24,7 +24,9 @@ in the peer's FIFO and is sent by later ``write``/``poll`` calls. Memory is boun
 With a cluster secret (``secret``, ``disagg/control/curve.py``) the receiver's socket and every
 writer's are CURVE: only holders connect, and the KV bytes are encrypted on the wire.
 
-The receiver trusts nothing: messages over the size limit are dropped by ZMQ (``MAXMSGSIZE``);
+The receiver trusts nothing: messages over the size limit are dropped by ZMQ (``MAXMSGSIZE``,
+which counts the bytes CURVE adds to each frame on the wire: the limit allows for them, or every
+frame of the full size would be dropped with its connection);
 a frame that is malformed, addressed to another agent name (a previous incarnation), or whose
 offset falls outside the buffer is refused, counted in ``stats()["bad_frames"]``, logged, and
 fails its whole write (the answer to its last frame says why). A receiving link (a decode
@@ -54,6 +56,7 @@ import numpy as np
 import torch
 import zmq
 
+from splitserve.disagg.control.curve import max_msg_size
 from splitserve.log_sparsely import worth_logging
 
 from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed, refused
@@ -369,7 +372,7 @@ class _Receiver(threading.Thread):
             if self._secret is not None:
                 self._secret.bind(sock, f"tcp transfer receiver of {self._agent_name}")
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.MAXMSGSIZE, self._max_msg)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(self._max_msg, self._secret))  # CURVE's bytes too
             sock.setsockopt(zmq.RCVHWM, self._hwm)
             sock.bind(self._bind)
             self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
