@@ -112,6 +112,22 @@ def split_defaults(args: list[str], env: dict, trusted_prefill: str) -> list[str
     return args
 
 
+def tiny_llama_engine():
+    """An in-process engine on the tiny llama (float32, 1,024 tokens of 4-token pages), built into
+    the tests' model cache: for tests of what the engine does with a request's own parameters."""
+    from splitserve.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+    from splitserve.testing.tiny import tiny_model_path
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))
+    try:
+        path = tiny_model_path("llama")
+    finally:
+        mp.undo()
+    return LLMEngine(EngineConfig(model=str(path), dtype="float32", max_total_tokens=1024, page_size=4))
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

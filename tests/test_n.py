@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from conftest import CACHE_DIR
+from conftest import tiny_llama_engine
 from splitserve.engine.io import GenerateRequest, SamplingParams
 
 openai = pytest.importorskip("openai")
@@ -21,17 +21,7 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 @pytest.fixture(scope="module")
 def engine():
-    from splitserve.config import EngineConfig
-    from splitserve.engine.engine import LLMEngine
-    from splitserve.testing.tiny import tiny_model_path
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))
-    try:
-        path = tiny_model_path("llama")
-    finally:
-        mp.undo()
-    return LLMEngine(EngineConfig(model=str(path), dtype="float32", max_total_tokens=1024, page_size=4))
+    return tiny_llama_engine()
 
 
 def _run(engine, reqs) -> dict:

@@ -15,7 +15,7 @@ import pytest
 import requests
 import torch
 
-from conftest import CACHE_DIR
+from conftest import tiny_llama_engine
 from splitserve.engine.io import GenerateRequest, SamplingParams
 from splitserve.engine.sampler import adjust_logits
 
@@ -45,17 +45,7 @@ def test_adjust_logits_arithmetic():
 
 @pytest.fixture(scope="module")
 def engine():
-    from splitserve.config import EngineConfig
-    from splitserve.engine.engine import LLMEngine
-    from splitserve.testing.tiny import tiny_model_path
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))
-    try:
-        path = tiny_model_path("llama")
-    finally:
-        mp.undo()
-    return LLMEngine(EngineConfig(model=str(path), dtype="float32", max_total_tokens=1024, page_size=4))
+    return tiny_llama_engine()
 
 
 def test_one_requests_penalties_change_no_other_tokens(engine):
