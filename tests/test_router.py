@@ -117,8 +117,9 @@ class FakeWorker:
         return [body["bootstrap_room"] for _, body in self.requests]
 
 
-def reply(status: int, body: dict, headers: Optional[dict] = None):
+def reply(status: int, body: dict, headers: Optional[dict] = None, delay: float = 0.0):
     async def behaviour(fake, request, _body):
+        await asyncio.sleep(delay)
         return web.json_response(body, status=status, headers=headers)
     return behaviour
 
@@ -377,11 +378,7 @@ def test_a_prefill_error_that_echoes_decode_gives_way_to_decode_s_own(stream, fa
     cause = {"error": {"message": "incompatible_peer: page_size (ours 16, peer's 32)", "type": "server_error",
                        "param": None, "code": "incompatible_peer"}}
 
-    async def late_cause(fake, request, _body):
-        await asyncio.sleep(0.3)
-        return web.json_response(cause, status=502)
-
-    prefill, decode = fakes(reply(502, echo)), fakes(late_cause)
+    prefill, decode = fakes(reply(502, echo)), fakes(reply(502, cause, delay=0.3))
     router = start_router([(prefill.url, 1)], [decode.url])
     r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
     assert assert_openai_error(r, 502)["code"] == "incompatible_peer", r.text
@@ -400,11 +397,7 @@ def test_a_decode_error_that_echoes_prefill_gives_way_to_prefill_s_own(stream, f
     cause = {"error": {"message": "transfer_timeout: 1 writes unfinished", "type": "server_error",
                        "param": None, "code": "transfer_timeout"}}
 
-    async def late_cause(fake, request, _body):
-        await asyncio.sleep(0.3)
-        return web.json_response(cause, status=504)
-
-    prefill, decode = fakes(late_cause), fakes(reply(502, echo))
+    prefill, decode = fakes(reply(504, cause, delay=0.3)), fakes(reply(502, echo))
     router = start_router([(prefill.url, 1)], [decode.url], "--max-retries", "0", "--no-pd-fallback")
     r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
     assert assert_openai_error(r, 504)["code"] == "transfer_timeout", r.text
