@@ -1,10 +1,10 @@
 """The request lifecycle of a disaggregated worker: pure state machines, events in, actions out.
 
-Prefill side, one room (``prefill.py``)::
+Prefill side, one room (``prefill_table.py``)::
 
     BOOTSTRAPPING -> QUEUED -> PREFILLING -> TRANSFERRING -> FINISHED | ABORTED | FAILED(reason)
 
-Decode side, one room (``decode.py``)::
+Decode side, one room (``decode_table.py``)::
 
     PREALLOC -> AWAITING_KV -> DECODING -> FINISHED | ABORTED | FAILED(reason)
     PREALLOC -> PREFILLING -> DECODING                       (decode alone, or its KV lost: recomputed)
@@ -32,13 +32,13 @@ from splitserve.disagg.lifecycle.actions import (
     ResetTransfer, SendToPeer, StartDecode, StartWrite,
 )
 from splitserve.disagg.lifecycle.deadlines import DeadlineHeap, Deadlines
-from splitserve.disagg.lifecycle.decode import DecodeTable
+from splitserve.disagg.lifecycle.decode_table import DecodeTable
 from splitserve.disagg.lifecycle.events import (
     ChunkDone, ClientAbort, DecodeStep, Finished, ForwardDone, FromPeer, KVLost, LocalFailure, PagesReserved,
     PeerHeard, PeerInfo, PeerLost, PromptChunk, RequestArrived, Scheduled, WriteDone, WriteFailed,
 )
 from splitserve.disagg.lifecycle.peers import Peer, PeerTable
-from splitserve.disagg.lifecycle.prefill import PrefillTable
+from splitserve.disagg.lifecycle.prefill_table import PrefillTable
 from splitserve.disagg.lifecycle.states import (
     DecodeState, Ending, LifecycleError, Outcome, PrefillState, Reason, Role, is_terminal,
 )

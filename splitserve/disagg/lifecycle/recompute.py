@@ -24,7 +24,7 @@ from splitserve.disagg.lifecycle.actions import Action, ComputePrompt, KVFallbac
 from splitserve.disagg.lifecycle.states import DecodeState, Ending, Reason
 
 if TYPE_CHECKING:
-    from splitserve.disagg.lifecycle.decode import DecodeRoom
+    from splitserve.disagg.lifecycle.decode_table import DecodeRoom
 
 S = DecodeState
 
@@ -42,7 +42,7 @@ KV_FAILURE_POLICIES = ("recompute", "fail")
 
 
 class PromptHere:
-    """What :class:`~splitserve.disagg.lifecycle.decode.DecodeTable` does when a room's prompt
+    """What :class:`~splitserve.disagg.lifecycle.decode_table.DecodeTable` does when a room's prompt
     runs here; its rooms, timers, peers and ``recompute`` flag are the table's."""
 
     def _kv_lost(self, r: DecodeRoom, ending: Ending, now: float, out: list[Action],

@@ -137,7 +137,7 @@ PREFILL = Transitions(Role.PREFILL, {
     Move(P.PREFILLING, Outcome.FINISHED, "`ForwardDone` with every write landed"),
     Move(P.TRANSFERRING, Outcome.FINISHED, "the last `WriteDone`"),
 ))
-"""The prefill side's moves (``prefill.py``)."""
+"""The prefill side's moves (``prefill_table.py``)."""
 
 DECODE = Transitions(Role.DECODE, {
     D.PREALLOC: Live("prealloc_s", W.QUEUE),
@@ -156,6 +156,6 @@ DECODE = Transitions(Role.DECODE, {
     Move(D.PREFILLING, D.DECODING, "its first token, computed here"),
     Move(D.DECODING, Outcome.FINISHED, "`Finished` (`stop` or `length`)"),
 ))
-"""The decode side's moves (``decode.py``; a prompt computed here, ``recompute.py``)."""
+"""The decode side's moves (``decode_table.py``; a prompt computed here, ``recompute.py``)."""
 
 BY_ROLE = {Role.PREFILL: PREFILL, Role.DECODE: DECODE}
