@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from splitserve.disagg.control.prefill import PrefillControl
+from splitserve.disagg.control.prefill_server import PrefillControl
 from splitserve.disagg.decode import DecodeRole
 from splitserve.disagg.lifecycle import DecodeTable, PrefillTable
 from splitserve.disagg.lifecycle.recompute import PromptHere

@@ -322,7 +322,7 @@ def test_closing_a_bootstrap_port_amid_refused_handshakes_leaves_its_context_ser
     import zmq
 
     from splitserve.disagg.control.curve import ClusterSecret
-    from splitserve.disagg.control.prefill import ZmqRouterEndpoint
+    from splitserve.disagg.control.prefill_server import ZmqRouterEndpoint
 
     ctx = zmq.Context()
     monkeypatch.setattr(zmq.Context, "_instance", ctx)  # the endpoint binds on the instance

@@ -17,7 +17,7 @@ import zmq
 from conftest import free_port
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl, identity, peer_of
-from splitserve.disagg.control.prefill import SessionLimits
+from splitserve.disagg.control.prefill_server import SessionLimits
 from splitserve.disagg.lifecycle import FromPeer, Peer, PeerInfo, PeerLost
 from splitserve.disagg.transfer_worker import AddPeer
 
@@ -466,7 +466,7 @@ def test_closing_a_session_never_wedges_the_zmq_io_thread_every_session_shares(m
     froze the later tests of this file in about half of its runs. Every other session here is
     closed with its monitor still running (its answer read past ``ZmqDealer.recv``, which stops
     the monitor at the first frame)."""
-    from splitserve.disagg.control.decode import ZmqDealer
+    from splitserve.disagg.control.decode_client import ZmqDealer
 
     ctx = zmq.Context()
     monkeypatch.setattr(zmq.Context, "_instance", ctx)  # ZmqDealer's sockets live on the instance

@@ -35,7 +35,7 @@ from collections import Counter, OrderedDict, deque
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import DecodeControl
-from splitserve.disagg.control.decode import ZmqDealer
+from splitserve.disagg.control.decode_client import ZmqDealer
 from splitserve.disagg.lifecycle import (
     ComputePrompt, DecodeStep, DecodeTable, DisconnectPeer, Finished, FromPeer, KVFallback, KVLost, LocalFailure,
     PagesReserved, Peer, PromptChunk, QuarantinePages, Reason, ReleaseQuarantine, ReservePages, StartDecode,

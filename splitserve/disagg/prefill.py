@@ -13,7 +13,7 @@ import functools
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl
-from splitserve.disagg.control.prefill import SessionLimits, ZmqRouterEndpoint
+from splitserve.disagg.control.prefill_server import SessionLimits, ZmqRouterEndpoint
 from splitserve.disagg.lifecycle import (
     CancelWrites, ChunkDone, DisconnectPeer, Enqueue, ForwardDone, LocalFailure, Peer, PrefillTable, Reason, ResetTransfer,
     Scheduled, StartWrite, WriteFailed,

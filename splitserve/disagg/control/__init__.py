@@ -1,7 +1,7 @@
 """The control plane: ZMQ sockets between prefill and decode workers, one thread on each side.
 
-Prefill binds one ROUTER socket on its bootstrap port (``prefill.py``); decode connects one DEALER
-per prefill address and session (``decode.py``); what both share — identities, the outbox, fault
+Prefill binds one ROUTER socket on its bootstrap port (``prefill_server.py``); decode connects one DEALER
+per prefill address and session (``decode_client.py``); what both share — identities, the outbox, fault
 injection, liveness, the receive loop no frame can stop — is in ``base.py``. The protocol is in
 ``docs/protocol.md``.
 
@@ -19,7 +19,7 @@ answers and heartbeats included. Whatever may be lost is sent again: ``GetInfo``
 """
 
 from splitserve.disagg.control.base import ControlFaults, ControlThread, identity, peer_of
-from splitserve.disagg.control.decode import DecodeControl
-from splitserve.disagg.control.prefill import PrefillControl
+from splitserve.disagg.control.decode_client import DecodeControl
+from splitserve.disagg.control.prefill_server import PrefillControl
 
 __all__ = ["ControlFaults", "ControlThread", "DecodeControl", "PrefillControl", "identity", "peer_of"]

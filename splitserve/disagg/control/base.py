@@ -15,8 +15,8 @@ envelope, frame count, size, msgpack types — it can only be dropped and counte
 frames delays neither.
 
 **Sockets behind a seam.** Each side reaches its sockets through a small transport (prefill:
-:class:`~splitserve.disagg.control.prefill.ZmqRouterEndpoint`, bind / receive / send by identity;
-decode: :func:`~splitserve.disagg.control.decode.zmq_dial`, connect / send / receive / close), and
+:class:`~splitserve.disagg.control.prefill_server.ZmqRouterEndpoint`, bind / receive / send by identity;
+decode: :func:`~splitserve.disagg.control.decode_client.zmq_dial`, connect / send / receive / close), and
 one iteration of the thread's loop is ``step()``: ``serve()`` polls the real sockets and calls it,
 a simulator (``splitserve/sim/``) passes simulated transports and calls ``step()`` itself.
 
