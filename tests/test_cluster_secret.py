@@ -416,3 +416,46 @@ def test_a_tcp_write_of_the_largest_frames_lands_under_the_secret(secured):
     finally:
         writer.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("secured", [True, False], ids=["curve", "plain"])
+def test_a_control_frame_of_the_largest_size_crosses_both_ways_under_the_secret(secured):
+    """The control plane's sibling of the tcp write above: its sockets take frames up to
+    ``MAX_FRAME_BYTES`` (protocol.decode's limit), and with the cluster secret their ``MAXMSGSIZE``
+    must allow CURVE's 33 bytes a frame on top, or a frame of the largest size is dropped with its
+    connection. Counted: the largest frame arrives before the small one sent after it, both ways."""
+    import secrets as random_bytes
+
+    from splitserve.disagg import protocol as p
+    from splitserve.disagg.control.curve import ClusterSecret
+    from splitserve.disagg.control.decode import ZmqDealer
+    from splitserve.disagg.control.prefill import ZmqRouterEndpoint
+
+    secret = ClusterSecret(random_bytes.token_bytes(32)) if secured else None
+    port = free_port()
+    endpoint = ZmqRouterEndpoint("127.0.0.1", port, secret)
+    dealer = ZmqDealer(f"127.0.0.1:{port}", b"d-" + random_bytes.token_bytes(4), secret)
+    largest = random_bytes.token_bytes(p.MAX_FRAME_BYTES)
+
+    def take(recv, n):
+        got, deadline = [], time.monotonic() + 60  # a bound on a hang only: the order is what is checked
+        while len(got) < n and time.monotonic() < deadline:
+            frame = recv()
+            if frame is None:
+                time.sleep(0.005)
+            else:
+                got.append(frame)
+        return got
+
+    try:
+        dealer.send(largest)
+        dealer.send(b"small")
+        got = take(endpoint.recv, 2)
+        assert [f[-1] for f in got] == [largest, b"small"], [len(f[-1]) for f in got]
+        ident = got[0][0]
+        endpoint.send(ident, largest)
+        endpoint.send(ident, b"small")
+        assert take(dealer.recv, 2) == [largest, b"small"]
+    finally:
+        dealer.close()
+        endpoint.close()

@@ -36,7 +36,7 @@ from zmq.utils.monitor import recv_monitor_message
 from splitserve.disagg import protocol as p
 from splitserve.disagg.bootstrap import first_mismatch
 from splitserve.disagg.control.base import MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults, ControlThread, identity
-from splitserve.disagg.control.curve import FAILED, PROTOCOL_ERRORS
+from splitserve.disagg.control.curve import FAILED, PROTOCOL_ERRORS, max_msg_size
 from splitserve.disagg.lifecycle import FromPeer, LocalFailure, Peer, PeerInfo, PeerLost, Reason
 from splitserve.disagg.transfer.links import ReceiveLinks
 
@@ -333,7 +333,7 @@ class ZmqDealer:
         self._curve = secret is not None
         try:
             self.sock.setsockopt(zmq.LINGER, 0)
-            self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+            self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(p.MAX_FRAME_BYTES, secret))  # CURVE's bytes too
             self.sock.setsockopt(zmq.IDENTITY, ident)
             if secret is not None:
                 secret.connect(self.sock)

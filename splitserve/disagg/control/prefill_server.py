@@ -39,6 +39,7 @@ import zmq
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control.base import MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults, ControlThread, identity, peer_of
+from splitserve.disagg.control.curve import max_msg_size
 from splitserve.disagg.lifecycle import FromPeer, Peer, PeerLost, Reason
 from splitserve.disagg.transfer_worker import AddPeer, ResetPeer
 from splitserve.log_sparsely import worth_logging
@@ -296,7 +297,7 @@ class ZmqRouterEndpoint:
     def __init__(self, host: str, port: int, secret=None):
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, p.MAX_FRAME_BYTES)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(p.MAX_FRAME_BYTES, secret))  # CURVE's bytes too
         self._secret = secret
         self._guard = secret.bind(self.sock, f"bootstrap port {port}") if secret is not None else None
         try:
