@@ -557,6 +557,35 @@ def test_cache_aware_weighs_matches_against_load():
     assert all(len(seen) <= 4 for seen in policy._seen.values())
 
 
+def test_cache_aware_index_follows_worker_identity_not_url():
+    """A worker replaced at the same URL (another identity) or restarted (a new incarnation) has an
+    empty cache, so its index starts empty; a worker that leaves the set takes its index along."""
+    from splitserve.config import RouterConfig, WorkerAddress
+    from splitserve.metrics import Registry
+    from splitserve.router.app import RouterState
+    from splitserve.router.workers import DECODE, Worker
+
+    state = RouterState(RouterConfig(policy="cache_aware", prefill=(WorkerAddress("http://p", 1),),
+                                     decode=(WorkerAddress("http://a"),)), Registry())
+    policy, workers = state.policies[DECODE], state.workers
+    key = "abcdefgh" * 32
+    blocks = policy.blocks(key)
+    static = workers.decode[0]
+    static.id, static.incarnation, static.healthy = "decode-a", "1", True
+    assert policy.pick([static], key) is static and policy.match(static, blocks) == len(blocks)
+    static.incarnation = "2"  # the health check saw it restart: same object, a new process
+    assert policy.match(static, blocks) == 0
+    assert len(policy._seen) == 0  # the old incarnation's index is gone, not kept beside
+    policy.pick([static], key)
+    workers.remove(static)
+    assert policy._seen == {} and policy._keys == {}  # removal drops the worker's index
+    old = workers.add(Worker(DECODE, "http://b", id="decode-b", incarnation="1", healthy=True))
+    policy.pick([old], key)
+    workers.remove(old)
+    new = workers.add(Worker(DECODE, "http://b", id="decode-c", incarnation="7", healthy=True))
+    assert policy.match(new, blocks) == 0  # another worker at the old one's URL knows nothing of its cache
+
+
 def test_flush_cache_reaches_every_worker(fakes, start_router):
     prefill, a, b = fakes(), fakes(), fakes()
     router = start_router([(prefill.url, 1)], [a.url, b.url])

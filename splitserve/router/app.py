@@ -86,6 +86,7 @@ class RouterState:
         knobs = CacheKnobs(config.cache_block_chars, config.cache_threshold, config.cache_balance_abs,
                            config.cache_balance_rel, config.cache_index_blocks)
         self.policies: dict[str, Policy] = {role: make_policy(config.policy, knobs) for role in (PREFILL, DECODE)}
+        self.workers.on_remove.extend(policy.forget for policy in self.policies.values())
         self.registry = registry
         self.metrics = RouterMetrics(registry, self.workers)
         self.recent = debug.RecentRequests()

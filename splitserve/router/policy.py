@@ -12,7 +12,8 @@ the healthy ones) and never block.
   unless the load is out of balance (:class:`CacheAware`).
 
 Every policy is handed the request's routing key (its prompt as text, or its token ids written
-as text: the router has no tokenizer) with the candidates; only ``cache_aware`` reads it.
+as text: the router has no tokenizer) with the candidates; only ``cache_aware`` reads it. The
+router tells every policy when a worker leaves its set (:meth:`Policy.forget`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class Policy:
     def pick(self, workers: Sequence[Worker], key: str = "") -> Worker:
         """One of ``workers`` (non-empty, all healthy) for a request whose routing key is ``key``."""
         raise NotImplementedError
+
+    def forget(self, worker: Worker) -> None:
+        """``worker`` left the router's set: drop what is kept for it."""
 
 
 class RoundRobin(Policy):
@@ -94,15 +98,18 @@ class CacheAware(Policy):
     2. else the best match, if it covers at least ``threshold`` of the key (ties: least busy);
     3. else the least busy one.
 
-    The chosen worker's index then learns the key. A worker restarted with an empty cache is
-    learned again as requests go; nothing here is ever wrong for long, only slower.
+    The chosen worker's index then learns the key. An index belongs to a worker's identity
+    (:attr:`Worker.key`, its id and incarnation), not to its address: a worker restarted (a new
+    incarnation, its cache empty) or replaced by another at the same URL starts with an empty
+    index, and a worker's index is dropped when it leaves the set (:meth:`forget`).
     """
 
     name = "cache_aware"
 
     def __init__(self, knobs: CacheKnobs = CacheKnobs()):
         self.knobs = knobs
-        self._seen: dict[str, OrderedDict[bytes, None]] = {}  # worker url -> block hashes, oldest first
+        self._seen: dict[str, OrderedDict[bytes, None]] = {}  # Worker.key -> block hashes, oldest first
+        self._keys: dict[int, str] = {}  # Worker.serial -> the key its index is under
         self._least = LeastLoad()
 
     def blocks(self, key: str) -> list[bytes]:
@@ -112,8 +119,20 @@ class CacheAware(Policy):
             out.append(prev)
         return out
 
+    def _index(self, worker: Worker) -> Optional[OrderedDict[bytes, None]]:
+        key, before = worker.key, self._keys.get(worker.serial)
+        if before != key:  # first seen, or the same worker object with a new incarnation: its old cache is gone
+            self.forget(worker)
+            self._keys[worker.serial] = key
+        return self._seen.get(key)
+
+    def forget(self, worker: Worker) -> None:
+        key = self._keys.pop(worker.serial, None)
+        if key is not None and key not in self._keys.values():  # two objects of one identity share its index
+            self._seen.pop(key, None)
+
     def match(self, worker: Worker, blocks: list[bytes]) -> int:
-        seen = self._seen.get(worker.url)
+        seen = self._index(worker)
         n = 0
         while seen is not None and n < len(blocks) and blocks[n] in seen:
             n += 1
@@ -136,7 +155,9 @@ class CacheAware(Policy):
         return chosen
 
     def _learn(self, worker: Worker, blocks: list[bytes]) -> None:
-        seen = self._seen.setdefault(worker.url, OrderedDict())
+        seen = self._index(worker)
+        if seen is None:
+            seen = self._seen[worker.key] = OrderedDict()
         for b in blocks:
             seen[b] = None
             seen.move_to_end(b)

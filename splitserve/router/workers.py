@@ -80,7 +80,7 @@ class Worker:
     backend: Optional[str] = None
     serial: int = field(default_factory=lambda: next(_serial))
     """The router's own number for this worker object (a new incarnation of a discovered worker is
-    a new object): what per-worker state (the cache-aware index) is keyed by."""
+    a new object; a static worker's restart is the same object with a new :attr:`key`)."""
 
     @property
     def host(self) -> str:
