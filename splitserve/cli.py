@@ -57,9 +57,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(router, RouterConfig, skip=("prefill", "decode"))
     router.add_argument("--prefill", nargs="+", action="append", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
                         help="a prefill worker's URL and optionally its bootstrap port "
-                             f"(default {DEFAULT_BOOTSTRAP_PORT}); repeat for each worker")
-    router.add_argument("--decode", action="append", default=[], metavar="URL",
-                        help="a decode worker's URL; repeat for each worker")
+                             f"(default {DEFAULT_BOOTSTRAP_PORT}) and id=ID, the worker id it must answer "
+                             "with (else the first it answers with); repeat for each worker")
+    router.add_argument("--decode", nargs="+", action="append", default=[], metavar=("URL", "id=ID"),
+                        help="a decode worker's URL and optionally id=ID, the worker id it must answer with; "
+                             "repeat for each worker")
     router.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
     launch = sub.add_parser("launch", help="start prefill workers, decode workers and a router on this host, "
@@ -136,17 +138,30 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def router_config_from(args: argparse.Namespace) -> RouterConfig:
-    prefill = []
-    for item in args.prefill:
-        if len(item) > 2:
-            raise SystemExit(f"--prefill takes a URL and at most one bootstrap port, got {item}")
+def _worker_address(flag: str, item: list[str]) -> WorkerAddress:
+    """``--prefill URL [BOOTSTRAP_PORT] [id=ID]`` or ``--decode URL [id=ID]``, read."""
+    from splitserve.discovery.record import check_id
+
+    url, rest, worker_id, port = item[0].rstrip("/"), item[1:], None, None
+    if rest and rest[-1].startswith("id="):
         try:
-            port = int(item[1]) if len(item) == 2 else DEFAULT_BOOTSTRAP_PORT
+            worker_id = check_id(rest.pop()[3:], f"{flag} {url} id")
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    if flag == "--decode" and rest or len(rest) > 1:
+        raise SystemExit(f"{flag} takes a URL{' and at most one bootstrap port' * (flag == '--prefill')} "
+                         f"and an optional id=ID, got {item}")
+    if flag == "--prefill":
+        try:
+            port = int(rest[0]) if rest else DEFAULT_BOOTSTRAP_PORT
         except ValueError:
-            raise SystemExit(f"--prefill {item[0]}: bootstrap port {item[1]!r} is not a number") from None
-        prefill.append(WorkerAddress(item[0].rstrip("/"), port))
-    decode = [WorkerAddress(url.rstrip("/")) for url in args.decode]
+            raise SystemExit(f"--prefill {url}: bootstrap port {rest[0]!r} is not a number") from None
+    return WorkerAddress(url, port, worker_id)
+
+
+def router_config_from(args: argparse.Namespace) -> RouterConfig:
+    prefill = [_worker_address("--prefill", item) for item in args.prefill]
+    decode = [_worker_address("--decode", item) for item in args.decode]
     if (not prefill or not decode) and not args.discovery:
         raise SystemExit("the router needs at least one --prefill and one --decode worker, or --discovery")
     from splitserve.auth import with_keys

@@ -224,6 +224,8 @@ class WorkerAddress:
     """The worker's HTTP base URL, e.g. http://127.0.0.1:30001."""
     bootstrap_port: Optional[int] = None
     """Prefill workers only: the port of their bootstrap (control) endpoint."""
+    id: Optional[str] = None
+    """The worker id it must answer with (``id=ID`` after its URL); unset: the first it answers with."""
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,13 @@
 free bootstrap port too), the router on ``--port`` pointed at all of them. :class:`Supervisor` runs
 any list of specs (tests hand it plain ``python -c`` children):
 
+Ports: launch picks free ports and the children bind them a moment later; another process can take
+one meanwhile, and may answer ``/health`` like a worker (a stray worker of another run). So every
+worker gets an id of this run (``--worker-id NAME.RUN``), launch waits for each worker's ``/health``
+to answer with its id, and the router is given the ids (``--prefill URL PORT id=ID``) and takes no
+other process on those ports for them. A worker whose port was taken cannot bind it and exits, and
+launch then stops with its last lines.
+
 CPUs: by default every worker gets its own physical cores (``--cpus``, a core's SMT siblings
 together) out of the CPUs launch may run on, an equal share each, and one torch thread per core
 (``--threads``), so that a prefill and a decode worker never spin threads on the same core
@@ -36,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import json
 import os
 import shlex
 import signal
@@ -141,6 +149,9 @@ class ChildSpec:
     stop_last: bool = False
     """Stopped only once every other child has exited (or the stop bound passed): the etcd that
     the workers revoke their leases in as they stop."""
+    worker_id: Optional[str] = None
+    """The id its ``/health`` must answer with to count as ready (a worker): another process that
+    answers 200 on its port is not it."""
 
 
 def free_ports(n: int, avoid: Sequence[int] = ()) -> list[int]:
@@ -202,13 +213,14 @@ def _warn(text: str) -> None:
 def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Optional[Sequence[int]] = None,
                 warn: Callable[[str], None] = _warn, cores_of: CoresOf = cpu_cores,
                 environ: Optional[Mapping[str, str]] = None, secret_file: Optional[str] = None,
-                etcd_data: Optional[str] = None) -> list[ChildSpec]:
+                etcd_data: Optional[str] = None, run: Optional[str] = None) -> list[ChildSpec]:
     """The workers, then the router, as ``python -m splitserve.cli`` command lines. ``allowed``:
     the CPUs to split between the workers (default: launch's own), ``cores_of`` how they group
     into physical cores (default: the kernel's topology); ``warn`` gets the warnings; ``environ``:
     where ``$SPLITSERVE_API_KEY`` is read (default: ours); ``secret_file``: the workers'
     ``--cluster-secret-file`` (default ``config.cluster_secret_file``; none without either);
-    ``etcd_data``: the data dir of the etcd ``--discovery local`` starts (default a new temporary one)."""
+    ``etcd_data``: the data dir of the etcd ``--discovery local`` starts (default a new temporary one);
+    ``run``: what the workers' ids end in (default drawn at random: ids of this run only)."""
     if config.num_prefill < 1 or config.num_decode < 1:
         raise ValueError("launch needs at least one prefill and one decode worker")
     if config.transfer_backend is not None and config.transfer_backend not in TRANSFER_BACKENDS:
@@ -255,31 +267,35 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     extra = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
     extra += ("--chat-template", os.path.abspath(config.chat_template)) if config.chat_template else ()
     extra += tuple(shlex.split(config.worker_args))  # the worker refuses what it does not know, at start
+    if any(a == "--worker-id" or a.startswith("--worker-id=") for a in extra):
+        raise ValueError("--worker-args: launch gives each worker its own --worker-id")
+    run = run or secrets.token_hex(4)
     secret_file = secret_file or config.cluster_secret_file
     extra += ("--cluster-secret-file", secret_file) if secret_file else ()  # the path, never the secret
     extra += ("--discovery", discovery) if discovery else ()
     router_args, bootstraps = [], []
     for i in range(config.num_prefill):
         port, bootstrap = ports.pop(), ports.pop()
-        url = f"http://127.0.0.1:{port}"
+        url, name = f"http://127.0.0.1:{port}", f"prefill-{i}"
         cpus, where = _placement(prefill_cpus, i, cores_of)
         specs.append(ChildSpec(
-            f"prefill-{i}", cli + ("serve", "--role", "prefill", "--model", config.model, "--host", "127.0.0.1",
-                                   "--port", str(port), "--bootstrap-port", str(bootstrap)) + extra + cpus,
-            url=url, health_url=url + "/health", note=f"bootstrap port {bootstrap}{where}", env=worker_env))
-        router_args += ["--prefill", url, str(bootstrap)]
+            name, cli + ("serve", "--role", "prefill", "--model", config.model, "--host", "127.0.0.1",
+                         "--port", str(port), "--bootstrap-port", str(bootstrap), "--worker-id", f"{name}.{run}")
+            + extra + cpus, url=url, health_url=url + "/health", note=f"bootstrap port {bootstrap}{where}",
+            env=worker_env, worker_id=f"{name}.{run}"))
+        router_args += ["--prefill", url, str(bootstrap), f"id={name}.{run}"]
         bootstraps.append(bootstrap)
     # decode dials only these prefills, whoever names one (keyed, only the router may name any)
     allowed = ("--allowed-prefill", ",".join(f"127.0.0.1:{port}" for port in bootstraps))
     for i in range(config.num_decode):
         port = ports.pop()
-        url = f"http://127.0.0.1:{port}"
+        url, name = f"http://127.0.0.1:{port}", f"decode-{i}"
         cpus, where = _placement(decode_cpus, i, cores_of)
         specs.append(ChildSpec(
-            f"decode-{i}", cli + ("serve", "--role", "decode", "--model", config.model, "--host", "127.0.0.1",
-                                  "--port", str(port)) + allowed + extra + cpus,
-            url=url, health_url=url + "/health", note=where.lstrip("; "), env=worker_env))
-        router_args += ["--decode", url]
+            name, cli + ("serve", "--role", "decode", "--model", config.model, "--host", "127.0.0.1",
+                         "--port", str(port), "--worker-id", f"{name}.{run}") + allowed + extra + cpus,
+            url=url, health_url=url + "/health", note=where.lstrip("; "), env=worker_env, worker_id=f"{name}.{run}"))
+        router_args += ["--decode", url, f"id={name}.{run}"]
     if discovery:  # the router finds every worker in etcd, these and any registered elsewhere
         router_args = ["--discovery", discovery]
     router_url = _router_url(config)
@@ -432,6 +448,7 @@ class Supervisor:
         """None once every child is healthy, else the exit code to return."""
         deadline = time.monotonic() + self.ready_timeout_s
         waiting = [c for c in self.children if c.spec.health_url]
+        why: dict[str, str] = {}  # child name -> why its last check did not count
         while waiting:
             if self._signals:
                 self.say(f"{self.title}: {self._signal_name()} before every process was up: stopping")
@@ -439,11 +456,13 @@ class Supervisor:
             code = self._check_deaths()
             if code is not None:
                 return code
-            waiting = [c for c in waiting if not _http_ok(c.spec.health_url)]
+            why = {c.spec.name: _not_ready(c.spec.health_url, c.spec.worker_id) for c in waiting}
+            waiting = [c for c in waiting if why[c.spec.name] is not None]
             if waiting and time.monotonic() > deadline:
                 for c in waiting:
                     self.say(f"{self.title}: {c.spec.name} (pid {c.proc.pid}) is not healthy after "
-                             f"{self.ready_timeout_s:g} s ({c.spec.health_url}); its last lines:\n{c.last_lines()}")
+                             f"{self.ready_timeout_s:g} s ({c.spec.health_url}: {why[c.spec.name]}); its last "
+                             f"lines:\n{c.last_lines()}")
                 names = ", ".join(c.spec.name for c in waiting)
                 self.say(f"{self.title}: gave up waiting for {names}; stopping everything")
                 return 1
@@ -516,13 +535,25 @@ class Supervisor:
                 c.reader.join(timeout=1.0)
 
 
-def _http_ok(url: str) -> bool:
+def _not_ready(url: str, worker_id: Optional[str] = None) -> Optional[str]:
+    """None when ``url`` answers 200 (and, given ``worker_id``, as that worker), else why not."""
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
     try:
         with opener.open(url, timeout=1.0) as resp:
-            return resp.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
+            if resp.status != 200:
+                return f"answered {resp.status}"
+            if worker_id is None:
+                return None
+            body = resp.read(65536)
+    except urllib.error.HTTPError as exc:
+        return f"answered {exc.code}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return f"no answer ({exc})"
+    try:
+        seen = json.loads(body).get("id")
+    except (ValueError, AttributeError):
+        seen = None
+    return None if seen == worker_id else f"another process answers there, as {str(seen)[:130]!r}, not {worker_id!r}"
 
 
 def run_launch(config: LaunchConfig) -> int:

@@ -9,12 +9,14 @@ specs reach it as JSON through ``LAUNCH_SCRIPT``, and the pids come back from it
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, replace
 
@@ -197,11 +199,107 @@ def test_build_specs_command_lines():
     prefill_args = [router[i + 1:i + 3] for i, a in enumerate(router) if a == "--prefill"]
     assert prefill_args == [(s.url, s.argv[s.argv.index("--bootstrap-port") + 1]) for s in specs[:2]]
     assert [router[i + 1] for i, a in enumerate(router) if a == "--decode"] == [specs[2].url]
+    ids = [s.argv[s.argv.index("--worker-id") + 1] for s in specs[:3]]  # ids of this run, the router pinned to them
+    assert ids == [s.worker_id for s in specs[:3]] and len(set(ids)) == 3 and ids[0].startswith("prefill-0.")
+    assert [router[i + 3] for i, a in enumerate(router) if a == "--prefill"] == [f"id={i}" for i in ids[:2]]
+    assert [router[i + 2] for i, a in enumerate(router) if a == "--decode"] == [f"id={ids[2]}"]
+    with pytest.raises(ValueError, match="own --worker-id"):
+        build_specs(LaunchConfig(split_cpus=False, worker_args="--worker-id mine"), python="py")
     ports = [s.url.rsplit(":", 1)[1] for s in specs[:3]] + [s.argv[s.argv.index("--bootstrap-port") + 1]
                                                             for s in specs[:2]]
     assert len(set(ports)) == 5 and "8123" not in ports
     with pytest.raises(ValueError, match="transfer-backend"):
         build_specs(LaunchConfig(transfer_backend="carrier-pigeon"))
+
+
+class Stray:
+    """Another process's HTTP server on a port launch picked, answering ``/health`` 200 as the
+    worker ``ident`` (a stray worker of another run)."""
+
+    def __init__(self, port: int, ident: str):
+        import http.server
+
+        self.ident = ident
+        stray = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = json.dumps({"status": "ok", "id": stray.ident, "incarnation": "stray1"}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_process_that_took_a_picked_port_is_never_taken_for_the_worker(launch):
+    """The port race: build_specs picks free ports, and the children bind them later. Here another
+    process takes prefill-0's port meanwhile and answers /health 200 as a worker would by default
+    (``prefill@127.0.0.1:PORT``). Neither launch's readiness wait nor the router (as launch starts
+    it) takes it for prefill-0; once prefill-0 itself answers, the router takes it, as itself."""
+    import aiohttp
+
+    from splitserve.cli import build_parser, router_config_from
+    from splitserve.router.workers import HealthChecker, WorkerSet
+
+    specs = build_specs(LaunchConfig(port=free_port(), split_cpus=False), python=sys.executable)
+    prefill = specs[0]
+    port = int(prefill.url.rsplit(":", 1)[1])
+    stray = Stray(port, f"prefill@127.0.0.1:{port}")
+    try:
+        run = launch([replace(prefill, argv=SLEEPER)], ready_timeout_s=1.0)  # ours never answers
+        assert run.wait(15) == 1, run.out()
+        assert "prefill-0" in run.out() and "not healthy" in run.out() and "another process answers" in run.out()
+        assert "processes are up" not in run.out()
+
+        config = router_config_from(build_parser().parse_args(specs[-1].argv[3:]))
+        workers = WorkerSet.from_config(config)
+        worker = workers.prefill[0]
+        assert worker.url == prefill.url and worker.id == prefill.worker_id
+
+        async def check() -> None:
+            async with aiohttp.ClientSession() as session:
+                await HealthChecker(workers, session, 1.0, 1).check(worker)
+
+        asyncio.run(check())
+        assert not worker.healthy and "another process answers" in worker.last_error, worker.last_error
+        stray.ident = prefill.worker_id  # now prefill-0 itself answers there
+        asyncio.run(check())
+        assert worker.healthy and worker.incarnation == "stray1" and worker.restarts == 0, worker.last_error
+    finally:
+        stray.close()
+
+
+@pytest.mark.parametrize("argv, want", [
+    (["--prefill", "http://p:1", "--decode", "http://d:2"], [("http://p:1", 8998, None), ("http://d:2", None, None)]),
+    (["--prefill", "http://p:1/", "7", "id=p.x", "--decode", "http://d:2", "id=d-0"],
+     [("http://p:1", 7, "p.x"), ("http://d:2", None, "d-0")]),
+    (["--prefill", "http://p:1", "id=p", "--decode", "http://d:2"], [("http://p:1", 8998, "p"), ("http://d:2", None, None)]),
+    (["--prefill", "http://p:1", "7", "8", "--decode", "http://d:2"], "at most one bootstrap port"),
+    (["--prefill", "http://p:1", "x", "--decode", "http://d:2"], "is not a number"),
+    (["--prefill", "http://p:1", "--decode", "http://d:2", "7"], "--decode takes a URL and an optional id=ID"),
+    (["--prefill", "http://p:1", "id=", "--decode", "http://d:2"], "a worker id is"),
+])
+def test_router_workers_on_the_command_line_may_name_their_ids(argv, want):
+    from splitserve.cli import build_parser, router_config_from
+
+    args = build_parser().parse_args(["router", *argv])
+    if isinstance(want, str):
+        with pytest.raises(SystemExit, match=want):
+            router_config_from(args)
+        return
+    config = router_config_from(args)
+    assert [(a.url, a.bootstrap_port, a.id) for a in config.prefill + config.decode] == want
 
 
 def test_build_specs_with_discovery_registers_the_workers_and_the_router_watches(monkeypatch):

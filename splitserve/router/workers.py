@@ -11,9 +11,11 @@ was told about with its identity (a discovery record, ``POST /workers`` after it
 worker is out of rotation at once (never after a count of failures: it must get no leg). A static
 worker (``--prefill``/``--decode``) is pinned to the id it first answers with; the same id with a new
 incarnation is that worker restarted (accepted: its old incarnation has ended, :attr:`Worker.restarts`
-counts it), another id is a foreign process. A discovered worker's incarnation is fixed by its record
-(its next incarnation registers a record of its own). An answer that carries no well-formed identity
-is no splitserve worker, and is never taken for one.
+counts it), another id is a foreign process. A static worker given with its id (``--prefill URL
+PORT id=ID``, as ``splitserve launch`` starts its router) is pinned to that id from the start, so a
+process that answers on its port before it does is never taken for it. A discovered worker's
+incarnation is fixed by its record (its next incarnation registers a record of its own). An answer
+that carries no well-formed identity is no splitserve worker, and is never taken for one.
 
 **Health.** :class:`HealthChecker` GETs ``/health`` on every worker every ``health_interval_s``
 (all workers at once, each check bounded by a timeout). ``health_failures`` consecutive failures
@@ -69,7 +71,7 @@ class Worker:
     in_flight: int = 0  # request legs now open to this worker
     model: Optional[str] = None  # served model name, from its /v1/models
     last_error: str = "not checked yet"
-    id: Optional[str] = None  # the worker's own id (None until a static worker first answers)
+    id: Optional[str] = None  # the worker's own id (None until a static worker not given one first answers)
     incarnation: Optional[str] = None  # its process start
     source: str = STATIC
     fixed_incarnation: bool = False  # discovery: only this incarnation is this worker
@@ -130,7 +132,7 @@ class WorkerSet:
     @classmethod
     def from_config(cls, config: RouterConfig) -> "WorkerSet":
         def make(role: str, addr: WorkerAddress) -> Worker:
-            return Worker(role, addr.url.rstrip("/"), addr.bootstrap_port if role == PREFILL else None)
+            return Worker(role, addr.url.rstrip("/"), addr.bootstrap_port if role == PREFILL else None, id=addr.id)
 
         return cls([make(PREFILL, a) for a in config.prefill], [make(DECODE, a) for a in config.decode])
 
@@ -290,7 +292,7 @@ class HealthChecker:
         if seen is None:
             return f"{worker.url} answers /health without a worker identity: not a splitserve worker"
         seen_id, seen_incarnation = seen
-        if worker.id is None:
+        if worker.id is None or worker.incarnation is None and seen_id == worker.id:
             worker.id, worker.incarnation = seen
             log.info("%s answers as %s, incarnation %s", worker.url, seen_id, seen_incarnation)
             return None
