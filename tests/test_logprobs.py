@@ -341,3 +341,17 @@ def test_echo_logprobs_on_decode_alone_equal_colocated(pd, colocated):
              "bootstrap_room": 12345}
     r = requests.post(pd.prefill[0].url + "/v1/completions", json=split, timeout=60)
     assert r.status_code == 400 and "one worker" in r.json()["error"]["message"], r.text
+
+
+def test_prompt_logprobs_through_the_router_of_a_split_cluster_equal_colocated(pd, colocated):
+    """lm-eval's loglikelihood request (``echo``, ``logprobs`` 1, ``max_tokens`` 1, greedy) and the
+    prompt alone (``max_tokens`` 0), through the router that splits every request: it sends them to
+    decode alone (``router/split.py``), and the answer is a colocated worker's."""
+    for extra in ({"max_tokens": 1, "temperature": 0, "seed": 1234}, {"max_tokens": 0}):
+        ours, theirs = (_client(url).completions.create(model="tiny", prompt=PROMPT, echo=True, logprobs=1, **extra)
+                        for url in (pd.url, colocated.url))
+        a, b = ours.choices[0], theirs.choices[0]
+        assert a.text == b.text and a.logprobs.tokens == b.logprobs.tokens and a.finish_reason == b.finish_reason
+        assert a.logprobs.token_logprobs[0] is None and len(a.logprobs.tokens) >= len(PROMPT) // 8
+        assert a.logprobs.token_logprobs[1:] == pytest.approx(b.logprobs.token_logprobs[1:], abs=SAME)
+        assert ours.usage.completion_tokens == extra["max_tokens"]

@@ -51,6 +51,24 @@ def test_short_prompts_go_to_decode_alone_long_ones_split(fakes, start_router):
     assert decisions(always) == {"split": 1}
 
 
+def test_what_runs_on_one_worker_goes_to_decode_alone_whatever_its_length(fakes, start_router):
+    """The prompt's logprobs (lm-eval's loglikelihood requests: ``echo`` with ``logprobs``) and
+    ``max_tokens`` 0 are refused by a split worker: the router sends them to decode alone even
+    when it splits every request."""
+    prefill, decode = fakes(reply(200, {"who": "prefill"})), fakes(reply(200, {"who": "decode"}))
+    router = start_router([(prefill.url, 7)], [decode.url], "--pd-threshold-tokens", "0")
+    completion(router, "x" * 300, echo=True, logprobs=1, max_tokens=1)
+    completion(router, "x" * 300, echo=True, max_tokens=0)
+    completion(router, "x" * 300, echo=True, max_tokens=3)  # the prompt's text only: split
+    assert requests.post(router.url + "/generate", json={"model": MODEL, "input_ids": [7] * 300, "return_logprob": True,
+                                                         "logprob_start_len": 0, "sampling_params": {
+                                                             "max_new_tokens": 0}}, timeout=30).status_code == 200
+    bodies = [body for _, body in decode.requests]
+    assert [bool(BOOTSTRAP & set(b)) for b in bodies] == [False, False, True, False], bodies
+    assert len(prefill.requests) == 1
+    assert decisions(router) == {"alone": 3, "split": 1}
+
+
 def test_cache_aware_subtracts_what_decode_is_known_to_hold(fakes, start_router):
     prefill, decode = fakes(reply(200, {"who": "prefill"})), fakes(reply(200, {"who": "decode"}))
     router = start_router([(prefill.url, 7)], [decode.url], "--policy", "cache_aware", "--pd-threshold-tokens",

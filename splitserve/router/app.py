@@ -101,17 +101,19 @@ class RouterState:
         self.new_room = functools.partial(secrets.randbits, ROOM_BITS)
         """Draws each request's ``bootstrap_room`` (the simulator draws from its seed)."""
 
-    def plan(self, key: str, tokens: int, exclude: Optional[dict] = None, retrying: bool = False):
+    def plan(self, key: str, tokens: int, exclude: Optional[dict] = None, retrying: bool = False,
+             one_worker: bool = False):
         """(prefill or None, decode, decision) for a request of about ``tokens`` prompt tokens whose
         routing key is ``key``, none of them in ``exclude``: split (a pair, :meth:`pick_workers`)
         when its uncached part reaches ``--pd-threshold-tokens``, else a decode worker alone
-        (``split.py``); ``fallback``, alone, when it was to be split and no prefill is there to
-        pair with (unless ``--no-pd-fallback``). A string (why) when there is none to go to."""
+        (``split.py``; always alone when it runs on ``one_worker``, ``split.one_worker``);
+        ``fallback``, alone, when it was to be split and no prefill is there to pair with (unless
+        ``--no-pd-fallback``). A string (why) when there is none to go to."""
         decodes = self.workers.candidates(DECODE, exclude)
         if not decodes:
             return self.pick_workers(key, exclude)  # the refusal, as a pair's would be
         cached = split.known_cached_tokens(self.policies[DECODE], decodes, key, tokens)
-        decision = split.decide(self.config.pd_threshold_tokens, tokens, cached)
+        decision = split.decide(self.config.pd_threshold_tokens, tokens, cached, one_worker)
         if decision == "split":
             if self.workers.has_pair(exclude):
                 picked = self.pick_workers(key, exclude)

@@ -512,11 +512,11 @@ class RetryGate:
             return "budget"
         return None
 
-    async def next_attempt(self, key: str, tokens: int):
+    async def next_attempt(self, key: str, tokens: int, one_worker: bool = False):
         """After the backoff, the next attempt's (prefill or None, decode, decision) by
         ``RouterState.plan``, none of them a worker that failed; None if none is in rotation by then."""
         await asyncio.sleep(self.delay)
-        planned = self.state.plan(key, tokens, exclude=self.failed, retrying=True)
+        planned = self.state.plan(key, tokens, exclude=self.failed, retrying=True, one_worker=one_worker)
         if isinstance(planned, str):
             self.state.metrics.retries_denied.labels(reason="no_other_worker").inc()
             return None
@@ -569,7 +569,8 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
             return response
         key = routing_key(validated)
         tokens = split.estimate_tokens(key, validated.prompt_ids, config.pd_chars_per_token)
-        planned = state.plan(key, tokens)
+        one_worker = split.one_worker(validated.sampling)  # e.g. lm-eval's prompt logprobs: decode alone
+        planned = state.plan(key, tokens, one_worker=one_worker)
         if isinstance(planned, str):
             outcome, status = "no_workers", 503
             response = web.json_response(error_body(planned, 503, code="no_healthy_workers"), status=503,
@@ -614,7 +615,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
                 outcome, status = exchange.outcome, exchange.status
             attempt += 1
             if exchange.retry is not None:
-                again = await gate.next_attempt(key, tokens)
+                again = await gate.next_attempt(key, tokens, one_worker)
                 if again is None:
                     break
                 prefill, decode, _ = again

@@ -6,7 +6,11 @@ That is cheaper for a short prompt, and costs the decode worker's other streams 
 prompt's forward pass, which is short too. A long prompt is split, so that decode's streams are
 not stalled behind it. The rule (:func:`decide`): a request whose prompt's *uncached* part is
 estimated at ``--pd-threshold-tokens`` or more is split; a shorter one goes alone; ``0`` splits
-every request.
+every request. A request that must run on one worker goes alone whatever its length
+(:func:`one_worker`): one that asks for its prompt's logprobs (``echo`` with ``logprobs``,
+``/generate``'s ``logprob_start_len``: prefill's answer never reaches the client, and they need
+every prompt position computed) or for ``max_tokens`` 0 (prefill always samples a first token).
+lm-evaluation-harness scores with such requests.
 
 The router has no tokenizer. Its estimate of a prompt's length (:func:`estimate_tokens`):
 
@@ -30,6 +34,7 @@ from __future__ import annotations
 import math
 from typing import Optional, Sequence
 
+from splitserve.engine.io import SamplingParams
 from splitserve.router.policy import CacheAware, Policy
 from splitserve.router.workers import Worker
 
@@ -55,7 +60,15 @@ def known_cached_tokens(policy: Policy, decodes: Sequence[Worker], key: str, tok
     return (tokens * best * policy.knobs.block_chars) // len(key)
 
 
-def decide(threshold: int, tokens: int, cached: int) -> str:
+def one_worker(sampling: SamplingParams) -> bool:
+    """Whether a request runs on one worker only, never split: its prompt's logprobs, or
+    ``max_tokens`` 0 (what a split worker refuses: ``engine.LLMEngine._one_worker_only``)."""
+    return sampling.prompt_logprobs is not None or sampling.max_tokens == 0
+
+
+def decide(threshold: int, tokens: int, cached: int, one_worker: bool = False) -> str:
     """``split`` when the uncached part (``tokens - cached``) is at least ``threshold`` (0: every
-    request), else ``alone``."""
+    request), else ``alone``; always ``alone`` for a request that runs on ``one_worker``."""
+    if one_worker:
+        return "alone"
     return "split" if threshold == 0 or tokens - cached >= threshold else "alone"
