@@ -33,7 +33,7 @@ from splitserve.config import EngineConfig, ServerConfig
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import identity
 from splitserve.disagg.lifecycle import Deadlines, Peer
-from splitserve.disagg.prefill import PrefillRole
+from splitserve.disagg.prefill_role import PrefillRole
 from splitserve.disagg.transfer.base import encode_metadata
 from splitserve.disagg.transfer.tcp import PROTOCOL as TCP_PROTOCOL
 from splitserve.engine.async_engine import AbortRequest, AddRequest, AsyncEngine

@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections import deque
 
 from splitserve.disagg.control.prefill_server import PrefillControl
-from splitserve.disagg.decode import DecodeRole
+from splitserve.disagg.decode_role import DecodeRole
 from splitserve.disagg.lifecycle import DecodeTable, PrefillTable
 from splitserve.disagg.lifecycle.recompute import PromptHere
 from splitserve.disagg.lifecycle.states import is_terminal
 from splitserve.disagg.lifecycle import Ending, Reason
-from splitserve.disagg.prefill import PrefillRole
+from splitserve.disagg.prefill_role import PrefillRole
 from splitserve.disagg.role import DisaggRole
 from splitserve.disagg.transfer_worker import TransferWorker, _InFlight
 from splitserve.engine.async_engine import AsyncEngine
@@ -135,7 +135,7 @@ def write_raise_unsettled(original):
 
 
 def start_write_unsettled(original):
-    """Found by the simulator (fixed in ``prefill.py``): a StartWrite whose hand-over raises is
+    """Found by the simulator (fixed in ``prefill_role.py``): a StartWrite whose hand-over raises is
     only a failed action; its write stays in the room's table."""
     from splitserve.disagg.lifecycle import StartWrite
     from splitserve.disagg.transfer.base import page_spans
@@ -177,7 +177,7 @@ def forgotten_with_a_preempted_sequence(original):
 
 
 def reset_lost_with_its_handover(original):
-    """Found by the simulator (fixed in ``prefill.py``): a session's transfer reset whose hand-over
+    """Found by the simulator (fixed in ``prefill_role.py``): a session's transfer reset whose hand-over
     raised was lost, and the transfer thread kept a connection to a session that was over."""
     from splitserve.disagg.role import DisaggRole
     from splitserve.disagg.transfer_worker import ResetPeer

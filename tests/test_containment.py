@@ -117,7 +117,7 @@ def test_a_request_whose_own_data_raises_on_the_loop_fails_alone(colocated, loop
 
 @pytest.fixture
 def decode(model, loop):
-    from splitserve.disagg.decode import DecodeRole
+    from splitserve.disagg.decode_role import DecodeRole
     from splitserve.disagg.lifecycle import Deadlines
     from splitserve.disagg.role import Edges
 
@@ -135,7 +135,7 @@ def room_request(rid: str, room: int) -> GenerateRequest:
 def plant(monkeypatch, where: str, rid: str) -> None:
     """The planted bug: for request ``rid`` only, the table raises as it takes the request
     (``before``: it never took the room) or decode's first step after it raises (``after``)."""
-    from splitserve.disagg.decode import DecodeRole
+    from splitserve.disagg.decode_role import DecodeRole
     from splitserve.disagg.lifecycle import DecodeTable, RequestArrived
 
     if where == "before":
@@ -187,7 +187,7 @@ def test_a_room_whose_admission_raises_fails_alone_and_leaves_nothing(decode, lo
 def test_fail_all_ends_and_forgets_a_room_the_table_never_took(decode, loop, monkeypatch):
     """If failing the one request raises too, the loop fails everything (``fail_all``): then the
     room the table never took is answered, its timeline ended and its record forgotten as well."""
-    from splitserve.disagg.decode import DecodeRole
+    from splitserve.disagg.decode_role import DecodeRole
 
     plant(monkeypatch, "before", "bad")
     monkeypatch.setattr(DecodeRole, "fail_request", lambda self, rid, ending: 1 / 0)

@@ -8,7 +8,7 @@ declared lost.
 from __future__ import annotations
 
 from splitserve.config import EngineConfig, ServerConfig
-from splitserve.disagg.decode import DecodeRole
+from splitserve.disagg.decode_role import DecodeRole
 from splitserve.disagg.lifecycle import Deadlines, Peer, PeerInfo, PeerLost, Reason
 from splitserve.disagg.role import Edges
 from splitserve.disagg.transfer.links import ReceiveLinks

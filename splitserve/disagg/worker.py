@@ -1,5 +1,5 @@
 """A prefill or decode worker's engine: the engine loop (``engine/async_engine.py``) with the
-role of its side (``prefill.py``, ``decode.py``), and the fault injection it may run with.
+role of its side (``prefill_role.py``, ``decode_role.py``), and the fault injection it may run with.
 
 :func:`engine_for_role` is what ``splitserve serve --role prefill|decode`` builds: the same
 :class:`~splitserve.engine.async_engine.AsyncEngine` (and so the same HTTP interface) as a
@@ -58,8 +58,8 @@ def parse_faults(spec: str) -> Faults:
 def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadlines,
                     incarnation: Optional[str] = None) -> AsyncEngine:
     """``incarnation``: the process start's id (the one its ``/health`` reports); drawn when None."""
-    from splitserve.disagg.decode import DecodeRole
-    from splitserve.disagg.prefill import PrefillRole
+    from splitserve.disagg.decode_role import DecodeRole
+    from splitserve.disagg.prefill_role import PrefillRole
 
     if server.transfer_backend not in ("nixl", "tcp"):
         raise ValueError(f"--transfer-backend must be nixl or tcp, got {server.transfer_backend!r}")

@@ -5,8 +5,8 @@ posts events (add, abort, stop) to the inbox, and the engine loop posts each ste
 with ``call_soon_threadsafe`` to one asyncio queue per request (``docs/lifecycle.md``, rule 1).
 
 What the loop does with a request is its **role**'s business (:class:`Role`): ``colocated`` (this
-module: the engine alone), or one side of a disaggregated pair (``disagg/prefill.py``,
-``disagg/decode.py``). The loop calls the role at fixed points of each iteration, in order:
+module: the engine alone), or one side of a disaggregated pair (``disagg/prefill_role.py``,
+``disagg/decode_role.py``). The loop calls the role at fixed points of each iteration, in order:
 
 1. note that an iteration begins (``last_progress``: ``/health``, the metrics and the control
    threads judge a wedged loop by its age, from outside; a forward pass moves it too, after each

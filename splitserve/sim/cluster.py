@@ -3,7 +3,7 @@ project's real code on the simulated loop (``clock.py``), joined by the simulate
 (``network.py``, ``transfer.py``, ``http.py``).
 
 A :class:`SimWorker` is one worker *process*: the real :class:`~splitserve.engine.async_engine.AsyncEngine`
-with the real role (``disagg/prefill.py`` or ``disagg/decode.py``) and the real HTTP state and
+with the real role (``disagg/prefill_role.py`` or ``disagg/decode_role.py``) and the real HTTP state and
 handlers (``server/``), built through the seams (``Edges``, ``ModelParts``, the clocks) so that
 only sockets, the transfer backend, the forward pass and time are simulated. Its three threads
 are callbacks on the loop:
@@ -32,9 +32,9 @@ from typing import Callable, Optional
 from aiohttp import web
 
 from splitserve.config import EngineConfig, RouterConfig, ServerConfig, WorkerAddress
-from splitserve.disagg.decode import DecodeRole
+from splitserve.disagg.decode_role import DecodeRole
 from splitserve.disagg.lifecycle import Deadlines
-from splitserve.disagg.prefill import PrefillRole
+from splitserve.disagg.prefill_role import PrefillRole
 from splitserve.disagg.role import Edges
 from splitserve.disagg.supervised import RESTART_PAUSE_S
 from splitserve.engine.async_engine import IDLE_WAIT_S, AsyncEngine

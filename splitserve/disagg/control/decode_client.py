@@ -190,7 +190,7 @@ class DecodeControl(ControlThread):
     def _close_link(self, peer: Peer) -> None:
         """Close ``peer``'s receiving link here too; if that raises, the session still ends (and its
         ``PeerLost`` is posted): the engine loop's fence is the one its pages wait for, and it keeps
-        them quarantined while it fails (``disagg/decode.py``)."""
+        them quarantined while it fails (``disagg/decode_role.py``)."""
         try:
             self._links.close(peer)
         except Exception:
