@@ -428,8 +428,8 @@ def test_a_control_frame_of_the_largest_size_crosses_both_ways_under_the_secret(
 
     from splitserve.disagg import protocol as p
     from splitserve.disagg.control.curve import ClusterSecret
-    from splitserve.disagg.control.decode import ZmqDealer
-    from splitserve.disagg.control.prefill import ZmqRouterEndpoint
+    from splitserve.disagg.control.decode_client import ZmqDealer
+    from splitserve.disagg.control.prefill_server import ZmqRouterEndpoint
 
     secret = ClusterSecret(random_bytes.token_bytes(32)) if secured else None
     port = free_port()
