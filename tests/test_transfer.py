@@ -384,6 +384,40 @@ def test_tcp_a_write_that_lost_a_frame_is_not_complete():
         b.close()
 
 
+def test_tcp_a_write_whose_last_frame_was_lost_fails_when_a_later_write_is_answered():
+    """A connection that breaks can take a write's last frame (or its answer) with it; the
+    receiver then never answers that write. Answers come in the order the last frames went out,
+    so once a later write is answered the earlier one fails, at once and as ``may_land`` (its
+    session ends, decode fences), instead of waiting for the transfer deadline. The break is
+    real: a frame over the receiver's ``MAXMSGSIZE`` (its metadata claimed more) makes ZMQ drop
+    the connection. Small writes follow until one lands (those sent into the broken connection
+    fail the same way)."""
+    from splitserve.disagg.transfer.base import decode_metadata, encode_metadata
+
+    tag = uuid.uuid4().hex[:8]
+    src, dst = filled_pool(7), KVPool(LAYOUT)
+    a = TcpBackend(f"p-{tag}", src.buffer, max_frame_bytes=16 * P)
+    b = TcpBackend(f"d-{tag}", dst.buffer, max_frame_bytes=2 * P, max_notif_bytes=0)  # takes frames <= 4096 B
+    try:
+        md = decode_metadata(b.metadata(), "tcp", b.agent_name)
+        extra = {k: v for k, v in md.items() if k not in ("version", "backend", "agent", "nbytes")}
+        a.add_peer(b.agent_name, encode_metadata("tcp", b.agent_name, md["nbytes"], **{**extra, "max_frame": 16 * P}))
+        lost = a.write(b.agent_name, page_spans(range(0, 10), range(0, 10), P), b"")  # one 5,120 B frame: dropped
+        later, deadline = [], time.monotonic() + 60  # a bound on a hang only: what is checked is the order
+        while not any(a.poll(h).done for h in later) and time.monotonic() < deadline:
+            later.append(a.write(b.agent_name, page_spans([20], [20], P), b""))
+            time.sleep(0.02)
+        assert any(a.poll(h).done for h in later), [a.poll(h) for h in later]
+        state = a.poll(lost)
+        assert state.failed and state.may_land and "answer_lost" in state.reason, (state, [a.poll(h) for h in later],
+                                                                                  b.stats())
+        first_done = next(i for i, h in enumerate(later) if a.poll(h).done)
+        assert all(a.poll(h).failed and a.poll(h).may_land for h in later[:first_done])  # lost in the break too
+    finally:
+        a.close()
+        b.close()
+
+
 def answer_reason_bad_span(b: TcpBackend) -> str:
     return f"bad_span: 64 B at offset {LAYOUT.num_pages * P - 8} outside the {b.nbytes} B buffer"
 

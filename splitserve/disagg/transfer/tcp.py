@@ -37,7 +37,11 @@ and agent name can write into no other page of the pool. Bytes are copied under 
 :meth:`TcpBackend.revoke_pages` takes, so once it returns nothing lands in those pages any more. An unexpected error in the loop
 is logged and the loop goes on; the thread ends only at :meth:`~TcpBackend.close`.
 
-A peer that dies leaves its writes PENDING: the caller's transfer deadline ends them.
+A connection that breaks takes what was in flight with it. A write that lost a middle frame fails
+when its last frame arrives (the count); one whose last frame or answer was lost fails when the
+answer to a later write comes (``_answer_lost``: answers come in the order the last frames went
+out), as ``may_land``. A peer that dies, or a lost last write with none after it, leaves its
+writes PENDING: the caller's transfer deadline ends them.
 """
 
 from __future__ import annotations
@@ -291,9 +295,27 @@ class TcpBackend(TransferBackend):
                 log.warning("bad answer from tcp peer %r: %s", peer.name, e)
                 continue
             h = peer.inflight.pop(wid, None)
-            if h is not None and h.state.pending:
+            if h is None:
+                continue
+            self._answer_lost(peer, before=h)
+            if h.state.pending:
                 # the receiver handled the last frame and answered: nothing of the write can land any more
                 h.state = DONE if ok is True else refused(f"refused_by_peer: {answer.get('reason', '?')}")
+
+    @staticmethod
+    def _answer_lost(peer: _Peer, before: TcpHandle) -> None:
+        """Fail the writes whose last frame went out before ``before``'s and are still unanswered.
+        One connection keeps frames in order and the receiver answers each write as its last frame
+        arrives, so their answers would have come first: the connection broke and took their last
+        frame or their answer with it. Whether their bytes landed is unknown (``may_land``: the
+        session ends and decode fences it), but they fail now, not at the transfer deadline."""
+        for wid in list(peer.inflight):
+            h = peer.inflight[wid]
+            if h.id >= before.id:
+                break
+            del peer.inflight[wid]
+            if h.state.pending:
+                h.state = failed("answer_lost: the connection broke after the write's last frame went out")
 
 
 class _WritablePages:
