@@ -16,7 +16,7 @@ from splitserve.disagg.lifecycle.states import is_terminal
 from splitserve.disagg.lifecycle import Ending, Reason
 from splitserve.disagg.prefill_role import PrefillRole
 from splitserve.disagg.role import DisaggRole
-from splitserve.disagg.transfer_worker import TransferWorker, _InFlight
+from splitserve.disagg.transfer.thread import TransferWorker, _InFlight
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.sim.cluster import Cluster
 
@@ -122,7 +122,7 @@ def release_on_timer(original):
 
 
 def write_raise_unsettled(original):
-    """Found by the simulator (fixed in ``transfer_worker.py``): a backend write that raises
+    """Found by the simulator (fixed in ``transfer/thread.py``): a backend write that raises
     leaves its write in no table."""
     def start(self, cmd):
         agent = self._agents.get(cmd.peer)
@@ -139,7 +139,7 @@ def start_write_unsettled(original):
     only a failed action; its write stays in the room's table."""
     from splitserve.disagg.lifecycle import StartWrite
     from splitserve.disagg.transfer.base import page_spans
-    from splitserve.disagg.transfer_worker import Write
+    from splitserve.disagg.transfer.thread import Write
 
     def do_role(self, a, out):
         if isinstance(a, StartWrite):
@@ -180,7 +180,7 @@ def reset_lost_with_its_handover(original):
     """Found by the simulator (fixed in ``prefill_role.py``): a session's transfer reset whose hand-over
     raised was lost, and the transfer thread kept a connection to a session that was over."""
     from splitserve.disagg.role import DisaggRole
-    from splitserve.disagg.transfer_worker import ResetPeer
+    from splitserve.disagg.transfer.thread import ResetPeer
 
     def disconnect(self, a):
         try:

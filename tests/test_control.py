@@ -19,7 +19,7 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl, identity, peer_of
 from splitserve.disagg.control.prefill_server import SessionLimits
 from splitserve.disagg.lifecycle import FromPeer, Peer, PeerInfo, PeerLost
-from splitserve.disagg.transfer_worker import AddPeer
+from splitserve.disagg.transfer.thread import AddPeer
 
 INFO = p.Info(p.PROTOCOL_VERSION, "pf1", "tiny", 2, 2, 8, "float32", 16, "tcp")
 

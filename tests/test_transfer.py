@@ -570,7 +570,7 @@ def test_two_processes(kind: str):
 def transfer_thread(writer_cls=FakeBackend, seed: int = 5):
     """A running TransferWorker over a fake writer (``writer_cls``) and a fake receiving pool:
     yields (worker, the events it posts, writer, receiver, source pool, destination pool)."""
-    from splitserve.disagg.transfer_worker import TransferWorker
+    from splitserve.disagg.transfer.thread import TransferWorker
 
     tag = uuid.uuid4().hex[:8]
     src, dst = filled_pool(seed), KVPool(LAYOUT)
@@ -589,7 +589,7 @@ def test_transfer_thread_declares_a_session_lost_when_its_link_cannot_be_loaded(
     """A decode session whose link metadata we cannot use (here: not even decodable) is useless:
     the transfer thread posts PeerLost for it, stays alive, and a good link still connects."""
     from splitserve.disagg.lifecycle import Peer, PeerLost, WriteDone
-    from splitserve.disagg.transfer_worker import AddPeer, Write
+    from splitserve.disagg.transfer.thread import AddPeer, Write
 
     with transfer_thread() as (worker, events, _, receiver, src, dst):
         worker.start()
@@ -608,7 +608,7 @@ def test_transfer_thread_crash_ends_the_sessions_of_writes_in_flight_before_repo
     may still land, so their session is declared lost first (prefill then never says WritesSettled;
     decode fences the session) and the thread goes on."""
     from splitserve.disagg.lifecycle import Peer, PeerLost, WriteFailed
-    from splitserve.disagg.transfer_worker import AddPeer, Write
+    from splitserve.disagg.transfer.thread import AddPeer, Write
 
     class Crashing(FakeBackend):
         crash = True
@@ -639,7 +639,7 @@ def test_a_write_call_that_raises_is_reported_failed_after_its_session_ends():
     pages for good. It is reported failed, after its session is declared lost (some of its bytes
     may have gone out), and the thread goes on."""
     from splitserve.disagg.lifecycle import Peer, PeerLost, WriteFailed
-    from splitserve.disagg.transfer_worker import AddPeer, Write
+    from splitserve.disagg.transfer.thread import AddPeer, Write
 
     class RaisingWrite(FakeBackend):
         crash = True
@@ -668,7 +668,7 @@ def test_a_write_that_failed_in_flight_ends_its_session_before_it_is_reported():
     reported failed, so prefill never vouches for it (decode fences the session). A write refused
     before it was posted is only reported failed."""
     from splitserve.disagg.lifecycle import Peer, PeerLost, WriteFailed
-    from splitserve.disagg.transfer_worker import AddPeer, Write
+    from splitserve.disagg.transfer.thread import AddPeer, Write
 
     class CutInFlight(FakeBackend):
         def write(self, peer_name, spans, notif):

@@ -43,7 +43,7 @@ from splitserve.disagg.lifecycle import (
 from splitserve.disagg.lifecycle.recompute import KV_FALLBACK_REASONS
 from splitserve.disagg.role import DisaggRole, RoomRecord
 from splitserve.disagg.transfer.links import ReceiveLinks
-from splitserve.disagg.transfer_worker import KVNotification, TransferWorker
+from splitserve.disagg.transfer.thread import KVNotification, TransferWorker
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, RequestOutput
 from splitserve.engine.page_allocator import page_keys

@@ -20,8 +20,8 @@ from splitserve.disagg.lifecycle import (
 )
 from splitserve.disagg.role import DisaggRole, RoomRecord
 from splitserve.disagg.transfer.base import create_backend, page_spans
-from splitserve.disagg.transfer_worker import Cancel as CancelTransfer
-from splitserve.disagg.transfer_worker import Notify, ResetPeer, TransferWorker, Write
+from splitserve.disagg.transfer.thread import Cancel as CancelTransfer
+from splitserve.disagg.transfer.thread import Notify, ResetPeer, TransferWorker, Write
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import InvalidRequest, RequestOutput
 

@@ -120,7 +120,7 @@ class Edges:
 class Faults:
     """Fault injection of a disaggregated worker (``--inject-faults``; off by default)."""
 
-    transfer: object = None  # transfer_worker.FaultConfig
+    transfer: object = None  # transfer.thread.FaultConfig
     control: object = None  # control.ControlFaults
     wedge_loop: bool = False
     block_zmq_io: bool = False

@@ -15,7 +15,7 @@ from splitserve.config import EngineConfig, ServerConfig
 from splitserve.disagg.control import ControlFaults
 from splitserve.disagg.lifecycle import Deadlines
 from splitserve.disagg.role import Edges, Faults
-from splitserve.disagg.transfer_worker import FaultConfig
+from splitserve.disagg.transfer.thread import FaultConfig
 from splitserve.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.control.base import MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults, ControlThread, identity, peer_of
 from splitserve.disagg.control.curve import max_msg_size
 from splitserve.disagg.lifecycle import FromPeer, Peer, PeerLost, Reason
-from splitserve.disagg.transfer_worker import AddPeer, ResetPeer
+from splitserve.disagg.transfer.thread import AddPeer, ResetPeer
 from splitserve.log_sparsely import worth_logging
 
 log = logging.getLogger(__name__)
