@@ -19,7 +19,7 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl, identity, peer_of
 from splitserve.disagg.control.prefill_server import SessionLimits
 from splitserve.disagg.lifecycle import FromPeer, Peer, PeerInfo, PeerLost
-from splitserve.disagg.transfer.thread import AddPeer
+from splitserve.disagg.transfer.thread import AddPeer, ResetPeer
 
 INFO = p.Info(p.PROTOCOL_VERSION, "pf1", "tiny", 2, 2, 8, "float32", 16, "tcp")
 
@@ -432,6 +432,55 @@ def test_prefill_ends_a_session_that_registers_rooms_but_never_its_link():
             refused = [m for m in _recv_all(decode, 0.2) if isinstance(m, p.RoomFailed)]
         assert refused[0] == p.RoomFailed(5, "pf1", "peer_lost"), refused
         assert not [e for e in events if isinstance(e, FromPeer)], events
+
+
+# -- an incarnation that ends says goodbye ----------------------------------------------------------
+
+
+def test_a_prefill_that_ends_tells_its_sessions_and_a_decode_goodbye_ends_its_session_at_once():
+    """A prefill that switches its role (or shuts down) closes with a goodbye: every registered
+    session gets it before the socket goes. A decode's goodbye ends its session on prefill at once
+    (``PeerLost``, its transfer connection reset), long before the silence bound (60 s here)."""
+    with prefill_control(heartbeat_s=10, silence_s=60) as (control, decode, events, transfer):
+        decode.send(p.encode(p.RegisterPeer("d1", "pf1", "decode-link1", b"md")))
+        assert _answers(decode, 0.3) == [p.PeerRegistered("pf1", "decode-link1")]
+        decode.send(p.encode(p.Goodbye("d1", "it switches its role")))
+        lost = _wait(lambda: [e for e in events if isinstance(e, PeerLost)], 5, f"no PeerLost: {events}")
+        assert lost[0].peer == ME and "it switches its role" in lost[0].detail, lost
+        assert ResetPeer(ME, forget=True) in transfer.commands, transfer.commands
+
+    with prefill_control(heartbeat_s=10, silence_s=60) as (control, decode, events, transfer):
+        decode.send(p.encode(p.RegisterPeer("d1", "pf1", "decode-link1", b"md")))
+        assert _answers(decode, 0.3) == [p.PeerRegistered("pf1", "decode-link1")]
+        control.close("the worker becomes a decode")
+        got = _answers(decode, 1.0)
+        assert got == [p.Goodbye("pf1", "the worker becomes a decode")], got
+
+
+def _answers(sock: zmq.Socket, seconds: float) -> list:
+    return [m for m in _recv_all(sock, seconds) if not isinstance(m, p.Heartbeat)]
+
+
+def test_a_decode_that_ends_tells_its_prefills_and_a_prefill_goodbye_ends_its_session_at_once():
+    """Decode's side: a prefill's goodbye ends that session at once (``PeerLost``, its receiving
+    link closed); a decode that closes with a goodbye tells every prefill it met."""
+    with decode_control(silence_s=60) as (control, prefill, events, links):
+        control.want_info(7, "127.0.0.1", prefill.port)
+        sender = _serve_session(prefill, INFO)
+        peer = Peer(f"127.0.0.1:{prefill.port}", "pf1", sender.session)
+        _wait(lambda: PeerInfo(7, peer, None) in events, 2, "the room gets its session")
+        assert links.writers() == [peer]
+        prefill.send(sender, p.Goodbye("pf1", "the worker becomes a decode"))
+        lost = _wait(lambda: [e for e in events if isinstance(e, PeerLost)], 5, f"no PeerLost: {events}")
+        assert lost[0].peer == peer and "the worker becomes a decode" in lost[0].detail, lost
+        assert links.writers() == []
+
+        control.want_info(8, "127.0.0.1", prefill.port)
+        second = _serve_session(prefill, INFO)
+        _wait(lambda: any(isinstance(e, PeerInfo) and e.room == 8 for e in events), 2, "room 8 gets a session")
+        control.close("the worker becomes a prefill")
+        got = [(who, m) for who, m in prefill.receive(1.0) if not isinstance(m, p.Heartbeat)]
+        assert got == [(second, p.Goodbye("d1", "the worker becomes a prefill"))], got
 
 
 # -- the process's ZMQ context outlives every session ---------------------------------------------

@@ -15,7 +15,9 @@ The flows (``docs/protocol.md`` has the full picture):
   ``RegisterRoom`` per request (the page ids it reserved), ``AbortRoom``;
 * prefill → decode: ``RoomFailed``, ``WritesSettled`` (no write of the room can still land), and
   ``KVDone`` carried as the transfer notification of a room's last write (first token, room check);
-* both ways: ``Heartbeat`` / ``HeartbeatAck``, answered off the engine loop.
+* both ways: ``Heartbeat`` / ``HeartbeatAck``, answered off the engine loop, and ``Goodbye``: the
+  sender's incarnation has ended (a role switch, a shutdown), so its sessions end at once rather
+  than at the peer-silence bound.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import msgpack
 PROTOCOL_VERSION = 5
 """2: decode's control identity names its session; 3: registrations name a cached prefix; 4: the
 cluster secret's CURVE keys are derived by HKDF (``control/curve.py``); 5: ``KVDone`` carries the
-first token's logprobs."""
+first token's logprobs. (``Goodbye`` came within 5: a peer that does not know it drops and counts
+it, and learns of the end by silence, as before.)"""
 MAX_FRAME_BYTES = 1 << 20  # 1 MiB: a page list of 64k pages, or NIXL metadata, fits with room to spare
 
 _REGISTRY: dict[str, type] = {}
@@ -171,6 +174,16 @@ class HeartbeatAck:
     TAG: ClassVar[str]
     incarnation: str
     seq: int
+
+
+@message("goodbye")
+class Goodbye:
+    """The sender's incarnation has ended (it switches its role, or shuts down): every session with
+    it is over now, and its peers need not wait for its silence to know it."""
+
+    TAG: ClassVar[str]
+    incarnation: str  # the sender's
+    reason: str
 
 
 def encode(msg) -> bytes:

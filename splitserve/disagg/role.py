@@ -347,11 +347,15 @@ class DisaggRole:
     def debug_rows(self, now: float) -> list[dict]:
         return self.table.snapshot(now)
 
-    def close(self) -> None:
+    def close(self, goodbye: Optional[str] = "the worker shuts down") -> None:
+        """Stop the threads and close the sockets and the transfer agent. The control plane tells
+        every peer that this incarnation ended (``goodbye``, why; None: it does not), so that they
+        end its sessions at once instead of at the peer-silence bound."""
         self._unwedge.set()
-        for thread in (self.control, self.transfer):
-            if thread is not None:
-                thread.stop()
+        if self.control is not None:
+            self.control.close(goodbye)
+        if self.transfer is not None:
+            self.transfer.stop()
         self._close()
 
     # -- carrying out the table's actions -----------------------------------------------------------

@@ -164,8 +164,10 @@ class RouterEndpoint:
         self.inbox.append([ident, frame])
         self.wake()
 
-    def close(self) -> None:
-        """Unbind (a clean close, or the process died): connected DEALERs wait for the next bind."""
+    def close(self, linger_ms: int = 0) -> None:
+        """Unbind (a clean close, or the process died): connected DEALERs wait for the next bind.
+        ``linger_ms``: ``ZmqRouterEndpoint``'s surface (frames sent before are carried or dropped
+        by the simulated network as it is)."""
         if self.closed:
             return
         self.closed = True
@@ -235,7 +237,7 @@ class Dealer:
             raise RuntimeError("simulated control-thread crash (recv raised)")
         return self.inbox.popleft() if self.inbox else None
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
         if self.closed:
             return
         self.closed = True

@@ -51,6 +51,7 @@ from splitserve.log_sparsely import worth_logging
 log = logging.getLogger(__name__)
 
 POLL_MS = 5  # the longest a control thread sleeps: heartbeats, retries and delayed frames are due on it
+GOODBYE_LINGER_MS = 500  # how long a closed socket still tries to deliver the goodbyes queued on it
 MAX_FRAMES_PER_POLL = 256  # then heartbeats and the outbox get their turn
 _IDENTITY = re.compile(r"(?P<name>[^#]{1,200})#(?P<incarnation>[0-9A-Za-z]{1,64})#(?P<session>[0-9]{1,18})")
 
@@ -182,6 +183,16 @@ class ControlThread(SupervisedThread):
     def _step_probe(self) -> None:
         if self._io_probe is not None:
             self._io_probe.step()
+
+    def _stopped_for_goodbye(self) -> bool:
+        """Stop the thread; whether its sockets are now ours to say goodbye on (it ended: a thread
+        that hangs still owns them, and its peers learn by its silence instead)."""
+        self.stop()
+        if self.is_alive():
+            log.warning("%s did not stop: its peers learn of its end by its silence", self.name)
+            return False
+        self._flush_outbox()  # what the engine loop handed over last (an abort_room...) goes first
+        return True
 
     def _close_wake(self) -> None:
         """After the thread has stopped (the I/O probe's sockets go too)."""

@@ -35,7 +35,8 @@ from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.bootstrap import first_mismatch
-from splitserve.disagg.control.base import MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults, ControlThread, identity
+from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults,
+                                           ControlThread, identity)
 from splitserve.disagg.control.curve import FAILED, PROTOCOL_ERRORS, max_msg_size
 from splitserve.disagg.lifecycle import FromPeer, LocalFailure, Peer, PeerInfo, PeerLost, Reason
 from splitserve.disagg.transfer.links import ReceiveLinks
@@ -273,6 +274,8 @@ class DecodeControl(ControlThread):
                 self._make_ready(pf)
         elif isinstance(msg, (p.RoomFailed, p.WritesSettled)):
             self._post(FromPeer(pf.peer, msg))
+        elif isinstance(msg, p.Goodbye):
+            self._end(pf, f"its incarnation ended: {msg.reason}")
         else:
             self._drop("unexpected", f"{type(msg).__name__} from {pf.name}")
 
@@ -311,10 +314,17 @@ class DecodeControl(ControlThread):
         if pf is not None and pf.peer == peer:
             self._try_send(pf, frame)
 
-    def close(self) -> None:
-        self.stop()
+    def close(self, goodbye: Optional[str] = None) -> None:
+        """Stop the thread and close every session's socket; with ``goodbye`` (why this incarnation
+        ends), each prefill it met is told first, so that it ends the session at once."""
+        said = self._stopped_for_goodbye() and goodbye is not None
+        frame = p.encode(p.Goodbye(self.incarnation, (goodbye or "")[:p.MAX_STR]))
         for pf in self._prefills.values():
-            pf.conn.close()
+            if said and pf.info is not None and not pf.conn.closed:
+                self._try_send(pf, frame)
+                pf.conn.close(linger_ms=GOODBYE_LINGER_MS)
+            else:
+                pf.conn.close()
         self._close_wake()
 
 
@@ -387,9 +397,10 @@ class ZmqDealer:
         self._stop_monitor()  # a frame came: the handshake succeeded, nothing left to watch for
         return frame
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """``linger_ms``: how long frames already sent may still go out (0: dropped)."""
         self._stop_monitor()
-        self.sock.close(0)
+        self.sock.close(linger_ms)
 
     def _stop_monitor(self) -> None:
         """Stop the socket's monitor, then close our end of it — in that order, and as soon as

@@ -38,7 +38,8 @@ from typing import Callable, Optional
 import zmq
 
 from splitserve.disagg import protocol as p
-from splitserve.disagg.control.base import MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults, ControlThread, identity, peer_of
+from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults,
+                                           ControlThread, identity, peer_of)
 from splitserve.disagg.control.curve import max_msg_size
 from splitserve.disagg.lifecycle import FromPeer, Peer, PeerLost, Reason
 from splitserve.disagg.transfer.thread import AddPeer, ResetPeer
@@ -175,6 +176,10 @@ class PrefillControl(ControlThread):
             pass  # liveness, noted above
         elif isinstance(msg, p.RegisterPeer):
             self._register(sender, msg, now)
+        elif isinstance(msg, p.Goodbye):
+            if registered is not None:
+                self._end(sender, f"its incarnation ended: {msg.reason}")
+            self._unregistered.pop(sender, None)
         elif isinstance(msg, ROOM_MESSAGES):
             self._on_room_message(sender, registered is not None, msg, now)
         else:
@@ -281,9 +286,16 @@ class PrefillControl(ControlThread):
     def _send_frame(self, peer: Peer, frame: bytes) -> None:
         self.endpoint.send(identity(peer), frame)
 
-    def close(self) -> None:
-        self.stop()
-        self.endpoint.close()
+    def close(self, goodbye: Optional[str] = None) -> None:
+        """Stop the thread and unbind; with ``goodbye`` (why this incarnation ends), every
+        registered session is told first, so that its decode ends it at once."""
+        linger = 0
+        if self._stopped_for_goodbye() and goodbye is not None:
+            frame = p.encode(p.Goodbye(self.incarnation, goodbye[:p.MAX_STR]))
+            for peer in list(self._sessions):
+                self._send_frame(peer, frame)
+            linger = GOODBYE_LINGER_MS if self._sessions else 0
+        self.endpoint.close(linger_ms=linger)
         self._close_wake()
 
 
@@ -331,9 +343,10 @@ class ZmqRouterEndpoint:
         except zmq.Again:
             log.debug("control message to %r dropped: its queue is full", ident[:64])
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Unbind; ``linger_ms``: how long frames already sent may still go out (0: dropped)."""
         if self.sock.closed:
             return
         if self._secret is not None:
             self._secret.unbind(self.sock)  # its monitor, and its ZAP handler when no other socket needs it
-        self.sock.close(0)
+        self.sock.close(linger_ms)
