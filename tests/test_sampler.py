@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from splitserve.engine.io import SamplingParams
-from splitserve.engine.sampler import NoFiniteLogits, greedy_tokens, mix_seed, sample_batch, sample_token
+from splitserve.engine.sampler import (NoFiniteLogits, _scaled, greedy_tokens, mix_seed, sample_batch, sample_token,
+                                       uniform_for)
 
 
 def test_greedy_is_argmax():
@@ -81,3 +82,59 @@ def test_nan_logits_never_win_and_a_row_without_a_finite_one_raises():
             with pytest.raises(NoFiniteLogits):
                 sample_batch(row[None], [params], [0], [0])
     assert greedy_tokens(torch.stack([torch.full((3,), nan), torch.tensor([0.0, 1.0, nan])])) == [None, 1]
+
+
+def full_sort_draw(logits: torch.Tensor, params: SamplingParams, seed: int, position: int) -> int:
+    """The draw as the sampler's docstring defines it, over a stable descending sort of the whole
+    vocabulary (what ``sample_token`` did before it sorted only the tokens that can be drawn)."""
+    x = _scaled(logits, params.temperature)
+    if params.top_k > 0:
+        kth = torch.topk(x, min(params.top_k, x.numel())).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    sorted_probs, order = torch.sort(torch.softmax(x, dim=-1), descending=True, stable=True)
+    if params.top_p < 1.0:
+        cum = torch.cumsum(sorted_probs, dim=-1)
+        sorted_probs = sorted_probs * ((cum - sorted_probs) < params.top_p)
+    cum = torch.cumsum(sorted_probs, dim=-1)
+    u = uniform_for(seed, position) * cum[-1].item()
+    idx = int(torch.searchsorted(cum, torch.tensor([u], dtype=cum.dtype), right=True).item())
+    return int(order[min(idx, int((sorted_probs > 0).sum().item()) - 1)].item())
+
+
+def test_seeded_draws_equal_a_sort_of_the_whole_vocabulary():
+    """Every seeded token is the one the full sort gives: on SmolLM2's vocabulary size, with ties
+    (logits rounded to a coarse grid, as bfloat16 logits are), masked tokens, top-k, top-p."""
+    g = torch.Generator().manual_seed(4)
+    wide = torch.randn(49152, generator=g) * 3
+    tied = torch.round(torch.randn(3000, generator=g) * 4) / 2  # ~40 distinct values
+    masked = tied.clone()
+    masked[::3] = float("-inf")
+    cases = [SamplingParams(temperature=t, top_k=k, top_p=p)
+             for t in (0.3, 1.0, 2.5) for k in (0, 1, 7, 50) for p in (1.0, 0.9, 0.3)]
+    draws = same = 0
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the full sorts on a busy machine: one thread is seconds faster
+    try:
+        for logits in (wide, tied, masked):
+            for params in cases:
+                for pos in range(3):
+                    draws += 1
+                    same += sample_token(logits, params, 21, pos) == full_sort_draw(logits, params, 21, pos)
+    finally:
+        torch.set_num_threads(before)
+    assert same == draws == 324
+
+
+def test_sampling_leaves_torch_threads_as_they_were():
+    """The sampler runs its ops on one thread and gives the count back, also when it raises."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        logits = torch.randn(2, 100)
+        sample_batch(logits, [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=5)], [1, 1], [0, 0])
+        assert torch.get_num_threads() == 2
+        with pytest.raises(NoFiniteLogits):
+            sample_token(torch.full((5,), float("-inf")), SamplingParams(temperature=1.0), 1, 0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
