@@ -4,8 +4,8 @@ The HTTP front end runs on an asyncio loop in another thread. It never touches r
 posts events (add, abort, stop) to the inbox, and the engine loop posts each step's outputs back
 with ``call_soon_threadsafe`` to one asyncio queue per request (``docs/lifecycle.md``, rule 1).
 
-What the loop does with a request is its **role**'s business (:class:`Role`): ``colocated`` (this
-module: the engine alone), or one side of a disaggregated pair (``disagg/prefill_role.py``,
+What the loop does with a request is its **role**'s business (``role.py``): ``colocated``
+(``colocated.py``: the engine alone), or one side of a disaggregated pair (``disagg/prefill_role.py``,
 ``disagg/decode_role.py``). The loop calls the role at fixed points of each iteration, in order:
 
 1. note that an iteration begins (``last_progress``: ``/health``, the metrics and the control
@@ -46,18 +46,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable, Optional, Protocol
+from typing import AsyncIterator, Callable, Optional
 
 from splitserve.config import EngineConfig
-from splitserve.engine.engine import LLMEngine, ModelParts, StepReport
-from splitserve.engine.io import (FLUSH_WAIT_S, EngineError, GenerateRequest, InvalidRequest, NotReady, Overloaded,
+from splitserve.engine.colocated import ColocatedRole
+from splitserve.engine.engine import LLMEngine, ModelParts
+from splitserve.engine.io import (FLUSH_WAIT_S, GenerateRequest, InvalidRequest, NotReady, Overloaded,
                                   RequestOutput)
+from splitserve.engine.role import Role
 from splitserve.outcomes import Ending, Reason
-from splitserve.timeline import TimelineBook
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.5  # the longest the loop waits for an event when nothing is due
 EVENTS_PER_ITERATION = 4096  # a burst of events is taken in slices, so that ticks and steps go on
 
 
@@ -88,117 +88,6 @@ class _Call:
 
     fn: Callable[[], object]
     future: concurrent.futures.Future
-
-
-class Role(Protocol):
-    """What a worker does with its requests; the engine loop calls it at fixed points (module
-    docstring). Every method runs on the engine loop, except ``check`` (the HTTP thread, at
-    submission), ``stats`` and ``debug_rows`` (any thread: they only read)."""
-
-    name: str
-
-    def start(self, loop: "AsyncEngine") -> None: ...
-    def check(self, req: GenerateRequest) -> None: ...
-    def admit(self, req: GenerateRequest) -> list[RequestOutput]: ...
-    def abort(self, rid: str, ending: Ending) -> list[RequestOutput]: ...
-    def abort_request(self, rid: Optional[str], room: Optional[int], kv_lost: bool,
-                      detail: str) -> tuple[bool, list[RequestOutput]]: ...
-    def on_event(self, event: object) -> list[RequestOutput]: ...
-    def tick(self, now: float) -> list[RequestOutput]: ...
-    def after_step(self, report: StepReport) -> list[RequestOutput]: ...
-    def fail_all(self, ending: Ending) -> list[RequestOutput]: ...
-    def fail_request(self, rid: str, ending: Ending) -> list[RequestOutput]: ...
-    def wait_s(self, now: float) -> float: ...
-    def stats(self) -> dict: ...
-    def debug_rows(self, now: float) -> list[dict]: ...
-    def close(self) -> None: ...
-
-
-class ColocatedRole:
-    """One worker does prefill and decode: the engine's own outputs are the answers. Its
-    timelines (``/debug/requests/{rid}``) come from the step reports: ``WAITING`` (arrived, or
-    preempted), ``RUNNING`` (admitted: its prompt runs), ``DECODING`` (its first token), the end."""
-
-    name = "colocated"
-
-    def __init__(self):
-        self.timelines = TimelineBook(self.name)
-
-    def start(self, loop: "AsyncEngine") -> None:
-        self.engine = loop.engine
-
-    def check(self, req: GenerateRequest) -> None:
-        self.engine.check_fits(req)  # reads only immutable sizes
-
-    def admit(self, req: GenerateRequest) -> list[RequestOutput]:
-        self.timelines.start(req.rid, None, "WAITING", time.monotonic())
-        try:
-            self.engine.add_request(req)
-        except EngineError as exc:
-            return self._ended([RequestOutput.ended(req.rid, Ending(exc.reason, str(exc)))], "refused")
-        return []
-
-    def abort(self, rid: str, ending: Ending) -> list[RequestOutput]:
-        out = self.engine.abort(rid, ending)
-        return self._ended([out], "AbortRequest") if out is not None else []
-
-    def abort_request(self, rid: Optional[str], room: Optional[int], kv_lost: bool,
-                      detail: str) -> tuple[bool, list[RequestOutput]]:
-        """``POST /abort_request`` (a colocated worker has no rooms, and no KV to lose)."""
-        if rid is None or self.engine.sequence(rid) is None:
-            return False, []
-        return True, self.abort(rid, Ending(Reason.CLIENT_ABORT, detail))
-
-    def on_event(self, event: object) -> list[RequestOutput]:
-        raise TypeError(f"unknown engine event {event!r}")
-
-    def tick(self, now: float) -> list[RequestOutput]:
-        return []
-
-    def after_step(self, report: StepReport) -> list[RequestOutput]:
-        now, book = time.monotonic(), self.timelines
-        for seq in report.admitted:
-            if (tl := book.get(seq.rid)) is not None and tl.enter("RUNNING", now, "admitted"):
-                book.started_work(tl, now)
-        for seq in report.preempted:
-            if (tl := book.get(seq.rid)) is not None:
-                tl.enter("WAITING", now, "preempted")
-        for seq, out in report.sampled:
-            if seq.num_output_tokens == 1 and not out.finished and (tl := book.get(seq.rid)) is not None:
-                tl.enter("DECODING", now, "first token")
-        return self._ended(report.outputs, "step")
-
-    def fail_all(self, ending: Ending) -> list[RequestOutput]:
-        return self._ended(self.engine.abort_all(ending), "fail_all")
-
-    def fail_request(self, rid: str, ending: Ending) -> list[RequestOutput]:
-        """``rid``'s admission raised: end it (it may or may not be in the engine yet)."""
-        out = self.engine.abort(rid, ending) or RequestOutput.ended(rid, ending)
-        return self._ended([out], "fail_request")
-
-    def _ended(self, outputs: list[RequestOutput], cause: str) -> list[RequestOutput]:
-        now = time.monotonic()
-        for out in outputs:
-            if out.finished and (tl := self.timelines.get(out.rid)) is not None and tl.live:
-                reason = out.reason
-                tl.end(f"FINISHED({out.finish_reason})" if reason is None else
-                       f"{reason.outcome.value}({reason.value})", now, cause)
-                self.timelines.ended(tl)
-        return outputs
-
-    def wait_s(self, now: float) -> float:
-        return IDLE_WAIT_S
-
-    def stats(self) -> dict:
-        return {}
-
-    def debug_rows(self, now: float) -> list[dict]:
-        return [{"rid": seq.rid, "room": None, "role": "colocated", "state": seq.status.value.upper(),
-                 "age_s": round(now - seq.arrival, 3), "state_age_s": None, "deadline_s": None,
-                 "late": False, "peer": None} for seq in self.engine.live_sequences()]
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass(eq=False)

@@ -37,8 +37,9 @@ from splitserve.disagg.lifecycle import Deadlines
 from splitserve.disagg.prefill_role import PrefillRole
 from splitserve.disagg.role import Edges
 from splitserve.disagg.supervised import RESTART_PAUSE_S
-from splitserve.engine.async_engine import IDLE_WAIT_S, AsyncEngine
+from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import LLMEngine
+from splitserve.engine.role import IDLE_WAIT_S
 from splitserve.metrics import Registry
 from splitserve.router import app as router_app
 from splitserve.router.proxy import ROOM_BITS
