@@ -119,7 +119,7 @@ def test_a_request_whose_own_data_raises_on_the_loop_fails_alone(colocated, loop
 def decode(model, loop):
     from splitserve.disagg.decode_role import DecodeRole
     from splitserve.disagg.lifecycle import Deadlines
-    from splitserve.disagg.role import Edges
+    from splitserve.disagg.seams import Edges
 
     role = DecodeRole(ServerConfig(role="decode", transfer_backend="tcp"), Deadlines(), edges=Edges(threads=False))
     engine = AsyncEngine(config(model), role)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.disagg.decode_role import DecodeRole
 from splitserve.disagg.lifecycle import Deadlines, Peer, PeerInfo, PeerLost, Reason
-from splitserve.disagg.role import Edges
+from splitserve.disagg.seams import Edges
 from splitserve.disagg.transfer.links import ReceiveLinks
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import LLMEngine

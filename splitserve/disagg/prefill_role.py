@@ -112,8 +112,8 @@ class PrefillRole(DisaggRole):
     def _disconnect(self, a: DisconnectPeer) -> None:
         # our side of its transfer: its writes are reported failed (not a fence: decode's is), then
         # the control thread forgets the session (each owed if its hand-over raises)
-        self._hand_over(f"the transfer reset of session {a.peer}",
-                        functools.partial(self.transfer.submit, ResetPeer(a.peer, forget=True)))
+        self.handovers.hand_over(f"the transfer reset of session {a.peer}",
+                                 functools.partial(self.transfer.submit, ResetPeer(a.peer, forget=True)))
         super()._disconnect(a)
 
     def _close(self) -> None:

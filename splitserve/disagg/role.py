@@ -19,7 +19,7 @@ logged and counted, its room is failed *through the table* (``LocalFailure(inter
 whose actions — the client's answer, freeing or quarantining the pages — run next), and the rest
 of the list still runs. What a session's end leaves for the threads (the control thread forgets
 it; prefill's transfer thread drops its connection) is a hand-over that must happen: one that
-raises is owed and tried again at every tick (:meth:`DisaggRole._hand_over`). Fields a peer sends
+raises is owed and tried again at every tick (``handovers.py``). Fields a peer sends
 are checked against what this worker knows before they reach the engine (the table checks a
 ``KVDone``'s length and first token; the engine refuses anything else it cannot hold, changing
 nothing), so a bad peer fails its room, never the worker.
@@ -33,14 +33,17 @@ import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 from splitserve.config import ServerConfig
 from splitserve.disagg.lifecycle import (
     Cancel, ClientAbort, CountOutcome, Deadlines, DisconnectPeer, FreePages, KVLost, LocalFailure, LogTerminal,
     Moved, Notice, NotifyClient, Outcome, Peer, PeerHeard, PeerLost, RequestArrived, SendToPeer,
 )
+from splitserve.disagg.faults import Faults
+from splitserve.disagg.handovers import HandOvers
 from splitserve.disagg.room_timelines import RoomTimelines
+from splitserve.disagg.seams import Edges
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
 from splitserve.engine.sequence import Sequence
@@ -91,41 +94,6 @@ class RoomRecord:
         return bool(self.pages) or (self.seq is not None and bool(self.seq.pages))
 
 
-@dataclass(frozen=True)
-class Edges:
-    """Where a role meets the world outside its process. Production uses the defaults; the
-    simulator (``splitserve/sim/``) passes its own — simulated sockets, a simulated transfer
-    network, incarnations drawn from its seed — and ``threads=False``: it drives each thread's
-    ``step()`` itself instead of starting it."""
-
-    incarnation: Optional[Callable[[], str]] = None
-    """Draws this process's incarnation id (default ``bootstrap.new_incarnation``, a uuid4)."""
-    bind: Optional[Callable] = None
-    """Prefill: ``bind(host, port)`` -> the control endpoint (default a ZMQ ROUTER)."""
-    dial: Optional[Callable] = None
-    """Decode: ``dial(address, identity)`` -> one session's control connection (default a ZMQ DEALER)."""
-    transfer_opts: dict = field(default_factory=dict)
-    """Extra options for the transfer backend and the receiving links."""
-    links: Optional[Callable] = None
-    """Decode: ``links(backend, agent_prefix, buffer, **opts)`` -> its receiving links (default
-    ``transfer.links.ReceiveLinks``)."""
-    io_probe: Optional[Callable] = None
-    """``io_probe()`` -> what watches the ZMQ I/O thread (default ``control.io_probe.IoProbe`` on the
-    process's context; a simulator, which has no ZMQ, returns None)."""
-    threads: bool = True
-    """Start the control and transfer threads."""
-
-
-@dataclass(frozen=True)
-class Faults:
-    """Fault injection of a disaggregated worker (``--inject-faults``; off by default)."""
-
-    transfer: object = None  # transfer.thread.FaultConfig
-    control: object = None  # control.ControlFaults
-    wedge_loop: bool = False
-    block_zmq_io: bool = False
-
-
 class DisaggRole:
     name = "disagg"
     prompt_only = False  # prefill holds the prompt's KV only
@@ -143,8 +111,7 @@ class DisaggRole:
         self.outcomes: Counter = Counter()  # (outcome, reason) -> count, from CountOutcome
         self.notices: Counter = Counter()
         self.action_failures = 0
-        self._owed: deque[tuple[str, Callable[[], None]]] = deque()  # hand-overs that raised, oldest first
-        self.handovers_owed = 0  # times one raised and was left owed
+        self.handovers = HandOvers(self.name)
         self._unwedge = threading.Event()
         self._wedge_loop = faults.wedge_loop
         self._block_zmq_io = faults.block_zmq_io
@@ -250,7 +217,7 @@ class DisaggRole:
             self._block_zmq_io = False
             block_io_thread()
         out: list[RequestOutput] = []
-        self._pay_owed()
+        self.handovers.retry_owed()
         self._check_threads(out)
         for peer, fresh in self.control.take_heard().items():
             self._execute(self._noted(self.table.handle(PeerHeard(peer, fresh), now), now), out)
@@ -500,27 +467,7 @@ class DisaggRole:
         return []
 
     def _disconnect(self, a: DisconnectPeer) -> None:
-        self._hand_over(f"forgetting session {a.peer}", functools.partial(self.control.forget, a.peer))
-
-    def _hand_over(self, what: str, call: Callable[[], None]) -> None:
-        """A hand-over to a thread that must happen (what a session's end leaves for the threads
-        to do): if it raises, it is owed, and tried again at every tick until it goes through —
-        else the thread would keep what belongs to a session that is over, for good."""
-        self._owed.append((what, call))
-        self._pay_owed()
-
-    def _pay_owed(self) -> None:
-        while self._owed:
-            what, call = self._owed[0]
-            try:
-                call()
-            except Exception:
-                self.handovers_owed += 1
-                if worth_logging(self.handovers_owed):
-                    log.exception("%s: %s could not be handed over (%d so far); it is owed", self.name, what,
-                                  self.handovers_owed)
-                return
-            self._owed.popleft()
+        self.handovers.hand_over(f"forgetting session {a.peer}", functools.partial(self.control.forget, a.peer))
 
     def _do_role(self, a, out: list[RequestOutput]) -> None:
         raise TypeError(f"{self.name} worker got an unexpected action {a!r}")

@@ -13,8 +13,9 @@ from typing import Optional
 
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.disagg.control import ControlFaults
+from splitserve.disagg.faults import Faults
 from splitserve.disagg.lifecycle import Deadlines
-from splitserve.disagg.role import Edges, Faults
+from splitserve.disagg.seams import Edges
 from splitserve.disagg.transfer.thread import FaultConfig
 from splitserve.engine.async_engine import AsyncEngine
 

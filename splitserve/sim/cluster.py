@@ -35,7 +35,7 @@ from splitserve.config import EngineConfig, RouterConfig, ServerConfig, WorkerAd
 from splitserve.disagg.decode_role import DecodeRole
 from splitserve.disagg.lifecycle import Deadlines
 from splitserve.disagg.prefill_role import PrefillRole
-from splitserve.disagg.role import Edges
+from splitserve.disagg.seams import Edges
 from splitserve.disagg.supervised import RESTART_PAUSE_S
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import LLMEngine
