@@ -15,9 +15,11 @@ written, killed, stopped) are ``tests/test_recompute_faults.py``.
 
 from __future__ import annotations
 
+import functools
 import random
 import threading
 import time
+from typing import Optional
 
 import pytest
 import requests
@@ -56,14 +58,21 @@ def trio():
 class Leg:
     """A split request sent to the decode worker in a thread, as the router's decode leg."""
 
-    def __init__(self, decode, fake, ids: list[int], sampling: dict, max_new_tokens: int = 10, rid: str = ""):
+    def __init__(self, decode, fake, ids: list[int], sampling: dict, max_new_tokens: int = 10, rid: str = "",
+                 completion: Optional[dict] = None):
+        """``completion``: a ``/v1/completions`` body to send instead of ``/generate``'s."""
         self.room = random.getrandbits(63)
         self.rid = rid or f"leg-{self.room}"
         extra = {"bootstrap_host": fake.host, "bootstrap_port": fake.port, "bootstrap_room": self.room,
                  "rid": self.rid}
         self.resp = None
-        self.thread = threading.Thread(target=lambda: setattr(self, "resp", post_generate(
-            decode.url, ids, max_new_tokens, extra=extra, ignore_eos=True, timeout=120, **sampling)))
+        if completion is not None:
+            send = functools.partial(requests.post, decode.url + "/v1/completions", json={**completion, **extra},
+                                     timeout=120)
+        else:
+            send = functools.partial(post_generate, decode.url, ids, max_new_tokens, extra=extra, ignore_eos=True,
+                                     timeout=120, **sampling)
+        self.thread = threading.Thread(target=lambda: setattr(self, "resp", send()))
         self.thread.start()
 
     def registered(self, fake, timeout: float = 60.0) -> p.RegisterRoom:
@@ -126,6 +135,25 @@ def test_abort_request_prefill_failed_makes_decode_compute_the_prompt(trio, samp
     assert answer.json()["output_ids"] == want
     assert fallbacks(decode, "peer_failed") == before + 1
     assert steps(decode, leg.rid)[:5] == ["PREALLOC", "AWAITING_KV", "RECLAIMING", "PREFILLING", "DECODING"]
+    pages_back_to_total(decode)
+
+
+def test_a_recomputed_room_of_n_choices_gives_the_colocated_n(trio):
+    """n = 3 through the fallback: decode computes the prompt itself, then forks the other choices
+    as a colocated worker does: the same three answers."""
+    colocated, decode, fake = trio
+    body = {"model": "tiny", "prompt": prompt(70, 4), "max_tokens": 6, "n": 3, "ignore_eos": True, **SEEDED}
+    r = requests.post(colocated.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    want = [c["text"] for c in r.json()["choices"]]
+    assert len(set(want)) == 3
+    leg = Leg(decode, fake, [], {}, completion=body)
+    leg.registered(fake)
+    assert abort_request(decode, rid=leg.rid, reason="prefill_failed", detail="the router: prefill lost").json() == \
+        {"found": True}
+    answer = leg.answer()
+    assert answer.status_code == 200, answer.text
+    assert [c["text"] for c in answer.json()["choices"]] == want
     pages_back_to_total(decode)
 
 

@@ -1,18 +1,23 @@
 """n > 1: several choices from one prompt. Choice i > 0 forks from choice 0 once the prompt has
-run: its first token is drawn from the same logits with its own seed (the choice index enters the
-draw), it takes the prompt's full pages from the prefix cache (shared) and computes its partial
-last page and on. Checked: seeded choices differ from each other and are the same whatever else
-is batched, choice 0 is the n = 1 answer, pages all come back, an abort ends every choice; the
-OpenAI shapes through the official client, streamed and not; a disaggregated worker refuses
-n > 1 (a room runs one sequence)."""
+run: it takes the prompt's full pages from the prefix cache (shared), computes its partial last
+page and samples its first token there with its own seed (the choice index enters the draw).
+Checked: seeded choices differ from each other and are the same whatever else is batched, choice
+0 is the n = 1 answer, pages all come back, an abort ends every choice; the OpenAI shapes through
+the official client, streamed and not. Across the split (the session's ``pd_cluster``) one
+prefill room serves one decode room of n sequences: prefill samples choice 0's first token,
+decode forks the rest once the KV is in, so the answer is the colocated one — through the router,
+and on decode alone."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import requests
 
+from cluster import pages_back_to_total
 from conftest import tiny_llama_engine
-from splitserve.engine.io import GenerateRequest, SamplingParams
+from splitserve.engine.io import Bootstrap, GenerateRequest, SamplingParams
 
 openai = pytest.importorskip("openai")
 
@@ -79,7 +84,7 @@ def test_choices_share_the_prompts_pages_and_end_alone_or_together(engine):
     # ...and computes only the rest of it: its partial last page
     assert after.prompt_tokens_computed - before.prompt_tokens_computed == len(prompt) + 2 * (len(prompt) - full)
     _account(engine)
-    # max_tokens 1: the forks end with their first token, computing nothing
+    # max_tokens 1: the forks end with their first token, sampled after their partial last page
     one = _run(engine, [GenerateRequest("s1", prompt, SamplingParams(max_tokens=1, temperature=1.0, seed=3, n=3))])
     assert [one[("s1", i)]["tokens"] for i in range(3)] == [got[("s", i)]["tokens"][:1] for i in range(3)]
     _account(engine)
@@ -100,6 +105,47 @@ def test_an_abort_ends_every_choice(engine):
     out = engine.abort("x")
     assert out.finished and out.error is not None and out.completion_tokens >= 3
     assert engine.abort("x") is None
+    _account(engine)
+
+
+def _decode_room(engine, rid: str, prompt: tuple, sp: SamplingParams):
+    """What a split does, in one engine: a prefill room computes the prompt and choice 0's first
+    token; its KV is copied into pages of a decode room (the transfer), which starts decoding."""
+    pre = engine.add_request(GenerateRequest(rid + "-p", prompt, sp, bootstrap=Bootstrap("127.0.0.1", 1, 1)),
+                             prefill_only=True)
+    while pre not in engine.step().first_tokens:
+        pass
+    pages = engine.allocator.allocate(len(pre.pages))
+    for src, dst in zip(pre.pages, pages):
+        engine.kv.buffer[dst] = engine.kv.buffer[src]
+    engine.release(pre)
+    return engine.start_decoding(GenerateRequest(rid, prompt, sp, bootstrap=Bootstrap("127.0.0.1", 1, 2)), pages,
+                                 pre.token_ids[-1])
+
+
+def test_a_decode_room_of_n_forks_as_colocated_and_its_cancel_ends_every_choice(engine):
+    prompt = tuple(engine.tokenizer.encode(PROMPT))
+    for max_tokens in (8, 1):  # 1: choice 0 ends with prefill's token, and the others still fork
+        sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=7, n=3, ignore_eos=True)
+        want = _run(engine, [GenerateRequest("c", prompt, sp)])
+        room, outs = _decode_room(engine, "d", prompt, sp)
+        got: dict = {}
+        while True:
+            for out in outs:
+                got.setdefault(out.index, []).extend(out.token_ids)
+            if not engine.has_work():
+                break
+            outs = engine.step().outputs
+        assert outs[-1].finished and got == {i: want[("c", i)]["tokens"] for i in range(3)}
+        engine.release(room)  # the room frees its pages; the other choices freed their own
+        _account(engine)
+    sp = SamplingParams(max_tokens=50, temperature=1.0, seed=2, n=3, ignore_eos=True)
+    room, _ = _decode_room(engine, "x", prompt, sp)
+    for _ in range(3):
+        engine.step()
+    assert len(engine.live_sequences()) == 3
+    assert engine.cancel("x") is room and not engine.live_sequences()
+    engine.release(room)
     _account(engine)
 
 
@@ -141,3 +187,65 @@ def test_bad_n_is_400(server):
                  {"prompt": "x", "n": 2, "echo": True, "max_tokens": 0}]:
         r = requests.post(server.url + "/v1/completions", json=body, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+
+
+# -- across the split ------------------------------------------------------------------------------
+
+
+def _completion(url: str, stream: bool = False, **extra) -> dict:
+    """{index: (text, tokens of its logprobs, finish_reason)} of a seeded n = 3 completion."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 6, "temperature": 1.0, "seed": 5, "n": 3,
+            "logprobs": 1, "ignore_eos": True, "stream": stream, **extra}
+    r = requests.post(url + "/v1/completions", json=body, timeout=120, stream=stream)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return {c["index"]: (c["text"], c["logprobs"]["tokens"], c["finish_reason"]) for c in r.json()["choices"]}
+    got: dict = {}
+    for line in r.iter_lines():
+        if line.startswith(b"data: {"):
+            for c in json.loads(line[6:])["choices"]:
+                text, tokens, reason = got.get(c["index"], ("", [], None))
+                got[c["index"]] = (text + c["text"], tokens + (c["logprobs"] or {}).get("tokens", []),
+                                   c["finish_reason"] or reason)
+    return got
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_n_across_the_split_is_the_colocated_answer(pd_cluster, server, stream):
+    want = _completion(server.url)
+    assert sorted(want) == [0, 1, 2] and len({text for text, _, _ in want.values()}) == 3
+    assert _completion(pd_cluster.url, stream) == want  # the router splits it: prefill, then decode forks
+    assert _completion(pd_cluster.decode[0].url, stream) == want  # decode alone: it forks as colocated
+    for w in pd_cluster.workers:
+        pages_back_to_total(w)
+
+
+def test_n_across_the_split_through_the_openai_client(pd_cluster, server):
+    messages = [{"role": "user", "content": "Hi"}]
+    answers = [openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+               .chat.completions.create(model="tiny", messages=messages, n=2, max_tokens=5, temperature=1.0,
+                                        seed=9, extra_body={"ignore_eos": True})
+               for url in (pd_cluster.url, server.url)]
+    ours, theirs = ([(c.index, c.message.content, c.finish_reason) for c in a.choices] for a in answers)
+    assert ours == theirs and len({content for _, content, _ in ours}) == 2
+    assert answers[0].usage.completion_tokens == 10
+
+
+def test_an_abort_across_the_split_ends_every_choice(pd_cluster):
+    """The client leaves a streamed n = 3 answer: decode's room ends all three sequences, and every
+    page of both workers comes back."""
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "n": 3, "ignore_eos": True,
+            "stream": True, "rid": "n-abort-1"}
+    with requests.post(pd_cluster.url + "/v1/completions", json=body, timeout=120, stream=True) as r:
+        assert r.status_code == 200, r.text
+        seen = set()
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                seen |= {c["index"] for c in json.loads(line[6:])["choices"]}
+            if len(seen) == 3:
+                break
+    assert seen == {0, 1, 2}
+    for w in pd_cluster.workers:
+        pages_back_to_total(w, timeout=60)
+    timeline = requests.get(pd_cluster.decode[0].url + "/debug/requests/n-abort-1", timeout=10).json()
+    assert timeline["ending"] == "ABORTED(client_abort)", timeline

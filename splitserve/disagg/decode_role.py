@@ -19,6 +19,11 @@ when no write of the lost prefill can reach its pages; the link's permission for
 before the engine computes into them, and a room of a peer whose fence failed never computes (it
 fails with its reason, its pages kept quarantined).
 
+A request with n > 1 choices is one room: the engine forks its other choices from the room's
+sequence (at ``StartDecode``, or once its prompt ran here), each a sequence with pages of its own
+whose tokens are the room's (``DecodeStep``); the room finishes with its last choice, and its
+``Cancel`` ends them all.
+
 From the engine's step report: each prompt chunk of a room computing its prompt here
 (``PromptChunk``), each sampled token (``DecodeStep``, or ``Finished`` on the last) and a forward
 pass that failed (``LocalFailure``). A decoding sequence may be preempted and
@@ -135,7 +140,7 @@ class DecodeRole(DisaggRole):
     def after_step(self, report: StepReport) -> list[RequestOutput]:
         out: list[RequestOutput] = []
         for seq in report.chunks:
-            if (rec := self._record_of(seq)) is not None:
+            if (rec := self._record_of(seq)) is not None and rec.seq is seq:  # not a choice > 0's
                 out += self._feed(PromptChunk(rec.room))
         for seq, delta in report.sampled:
             if (rec := self._record_of(seq)) is not None:

@@ -438,6 +438,15 @@ class DisaggRole:
         seq.pages = []
 
     def _record_of(self, seq: Sequence) -> Optional[RoomRecord]:
+        """The record of ``seq``'s room: its own, or — a choice > 0 of a request with n > 1, forked
+        by the engine from the room's sequence, with pages of its own — its request's room."""
+        if seq.request_rid is not None:
+            room = self.room_of.get(seq.request_rid)
+            rec = self.rooms.get(room) if room is not None else None
+            if rec is not None and rec.seq is not None and rec.seq.rid == seq.request_rid:
+                return rec
+            self._free_unowned(seq)
+            return None
         rec = self.rooms.get(seq.room) if seq.room is not None else None
         if rec is None or rec.seq is not seq:
             self._free_unowned(seq)

@@ -13,10 +13,14 @@ decode role) reads only that report, never the scheduler's internals. A finished
 sequence's pages are freed exactly once, in ``Scheduler.finish``; a sequence whose pages belong to
 a room is only detached, and its room frees them.
 
-A request with ``n`` > 1 choices (colocated only) is one sequence until its prompt has run; then
-the other choices fork from it (``_fork``): sequences of their own, keyed ``rid + CHOICE_KEY + i``,
-that share the prompt's full pages through the prefix cache. Its deltas carry the choice's
-``index``; it ends (``finished``) with its last choice, and an abort ends them all.
+A request with ``n`` > 1 choices is one sequence until its prompt has run; then the other
+choices fork from it (``_fork``): sequences of their own, keyed ``rid + CHOICE_KEY + i``, of the
+prompt alone, that take its full pages from the prefix cache (shared), compute its partial last
+page and sample their own first token there with ``choice_seed``. So the fork is the same
+wherever the prompt ran: here (colocated, decode alone, decode's recompute fallback) or on a
+prefill worker, whose room samples choice 0's first token only (``start_decoding`` forks the
+rest once the KV is in). Its deltas carry the choice's ``index``; it ends (``finished``) with its
+last choice, and an abort (or a room's ``cancel``) ends them all.
 """
 
 from __future__ import annotations
@@ -153,8 +157,6 @@ class LLMEngine:
         prefill worker holds the prompt's KV only."""
         if prompt_only if split is None else split:
             self._one_worker_only(req)
-        if prompt_only or split is not None:  # a prefill or decode worker's room
-            self._colocated_only(req)
         pool = self.layout.total_tokens
         if prompt_only and len(req.prompt_ids) > pool:
             raise InvalidRequest(f"the prompt ({len(req.prompt_ids)} tokens) needs more KV cache than this "
@@ -173,10 +175,15 @@ class LLMEngine:
         seq = self._new_sequence(req, room_owned=prefill_only, prefill_only=prefill_only)
         seq.prefill_only = prefill_only
         self._seqs[req.rid] = seq
-        if req.sampling.n > 1:
-            self._open[req.rid], self._forks[req.rid], self._requests[req.rid] = req.sampling.n, [], req
+        if not prefill_only:  # a prefill room's other choices fork on decode (start_decoding)
+            self._choices(req)
         self.scheduler.add(seq)
         return seq
+
+    def _choices(self, req: GenerateRequest) -> None:
+        """A request with n > 1: its choices fork from its first sequence once its prompt has run."""
+        if req.sampling.n > 1:
+            self._open[req.rid], self._forks[req.rid], self._requests[req.rid] = req.sampling.n, [], req
 
     def start_decoding(self, req: GenerateRequest, pages: list[int], first_token: int,
                        cached_pages: int = 0, first_logprobs: bytes = b"") -> tuple[Sequence, list[RequestOutput]]:
@@ -185,7 +192,8 @@ class LLMEngine:
         ``first_token`` (and computed its logprobs, ``TokenLogprob.to_bytes``, when the request
         asks for them). Emits that token, then the sequence decodes like any other; the prompt's
         full pages join the prefix cache. Raises InvalidRequest (changing nothing) for a token
-        outside the vocabulary, logprobs missing or malformed, or too few pages."""
+        outside the vocabulary, logprobs missing or malformed, or too few pages. With n > 1 the
+        other choices fork here (``_fork``): the prompt's KV is all in."""
         if not 0 <= first_token < self.spec.vocab_size:
             raise InvalidRequest(f"first token {first_token} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         self._one_worker_only(req)
@@ -197,6 +205,7 @@ class LLMEngine:
         if len(pages) * self.layout.page_size < len(req.prompt_ids):
             raise InvalidRequest(f"{len(pages)} pages cannot hold a prompt of {len(req.prompt_ids)} tokens")
         seq = self._new_sequence(req, room_owned=True)
+        children = self._children(req, seq) if req.sampling.n > 1 else []
         if seq.grammar is not None:  # the state is rebuilt from the tokens so far: the first
             try:
                 seq.grammar.advance(first_token)
@@ -209,12 +218,15 @@ class LLMEngine:
         seq.token_ids.append(first_token)
         self._check_finish(seq, first_token)
         self._seqs[req.rid] = seq
+        self._choices(req)
         out = self._delta(seq, first_token, first_lp)
         if seq.finish_reason is None:
             self.scheduler.add(seq)
         else:
             self._seqs.pop(req.rid)
             self.scheduler.detach(seq)
+        if children:
+            self._fork(req.rid, children)
         return seq, [out]
 
     def start_prefill(self, req: GenerateRequest, pages: list[int], room: int, cached_pages: int = 0) -> Sequence:
@@ -230,14 +242,9 @@ class LLMEngine:
         seq.pages, seq.indexed = list(pages), cached_pages
         seq.num_computed = seq.cached_tokens = cached_pages * self.layout.page_size
         self._seqs[req.rid] = seq
+        self._choices(req)
         self.scheduler.add(seq)
         return seq
-
-    @staticmethod
-    def _colocated_only(req: GenerateRequest) -> None:
-        """A disaggregated role's room runs one sequence: n > 1 runs on a colocated worker."""
-        if req.sampling.n > 1:
-            raise InvalidRequest("n > 1 runs on a colocated worker, not on a prefill or decode worker", param="n")
 
     @staticmethod
     def _one_worker_only(req: GenerateRequest) -> None:
@@ -254,8 +261,6 @@ class LLMEngine:
         or to ``room`` when given; a colocated worker ignores bootstrap fields."""
         if req.rid in self._seqs or req.rid in self._open:
             raise InvalidRequest(f"request id {req.rid!r} is already running", param="rid")
-        if req.sampling.n > 1 and (room_owned or room is not None):
-            self._colocated_only(req)
         if not req.prompt_ids:
             raise InvalidRequest("the prompt is empty", param="prompt")
         self.check_fits(req, prompt_only=prefill_only)
@@ -289,11 +294,20 @@ class LLMEngine:
         return members + [s for s in self._forks.get(rid, ()) if self._seqs.get(s.rid) is s]
 
     def cancel(self, rid: str) -> Optional[Sequence]:
-        """Drop a request from every queue without a client answer (its room answers); returns the
-        sequence, whose pages — if it belongs to a room — stay until ``release``."""
+        """Drop a request from every queue without a client answer (its room answers), every one of
+        its choices; returns its first sequence, whose pages — if it belongs to a room — stay until
+        ``release`` (the other choices' are their own: freed here)."""
+        members = self._members(rid)
         seq = self._seqs.pop(rid, None)
         if seq is not None:
             self.scheduler.finish(seq)
+        for other in members:
+            if other is not seq:
+                self._seqs.pop(other.rid, None)
+                self.scheduler.finish(other)
+        self._open.pop(rid, None)
+        self._forks.pop(rid, None)
+        self._requests.pop(rid, None)
         return seq
 
     def runs(self, seq: Sequence) -> bool:
@@ -459,44 +473,43 @@ class LLMEngine:
                 self._seqs.pop(seq.rid, None)
                 self.scheduler.finish(seq)
             if seq.out_rid in self._requests and seq.choice == 0:
-                self._fork(seq, logits, row, report, adjusted if adjusted is not None else logits)
+                try:
+                    self._fork(seq.rid, self._children(self._requests[seq.rid], seq))
+                except Exception as exc:
+                    log.exception("request %s: its choices could not fork; failing the request", seq.rid)
+                    ending = Ending(Reason.INTERNAL_ERROR, f"forking its choices failed: {type(exc).__name__}: {exc}")
+                    report.sampled = [(s, d) for s, d in report.sampled if s.out_rid != seq.rid]
+                    if (out := self.abort(seq.rid, ending)) is not None:
+                        report.failed.append((seq, out))
 
-    def _fork(self, first: Sequence, logits: torch.Tensor, row: int, report: StepReport,
-              adjusted: torch.Tensor) -> None:
-        """Choice 0 of a request with n > 1 sampled its first token from ``logits[row]``
-        (``adjusted[row]`` with its penalties and bias, the same for every choice: none has an answer yet): the
-        other choices start here, each with its own first token drawn from that row
-        (``choice_seed``). Each is a sequence of the prompt and that token that takes the
-        prompt's full pages from the prefix cache (shared, read-only: the partial last page is its
-        own, recomputed) and computes the rest; its pages are its own to free. A failure ends the
-        whole request."""
-        req = self._requests.pop(first.rid)
-        rid, p = req.rid, first.sampling
-        try:
-            for i in range(1, p.n):
-                child = Sequence(rid=f"{rid}{CHOICE_KEY}{i}", token_ids=list(req.prompt_ids),
-                                 num_prompt_tokens=len(req.prompt_ids), sampling=p, seed=choice_seed(first.seed, i),
-                                 cache_salt=req.cache_salt, salt_key=first.salt_key, choice=i, request_rid=rid)
-                child.detok = IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop, req.stop_matcher)
-                child.prompt_logprobs = list(first.prompt_logprobs)
-                token = first.token_ids[first.num_prompt_tokens] if p.greedy else \
-                    sample_token(adjusted[row], p, child.seed, len(child))
-                lp = token_logprobs(logits[row:row + 1], [token], [p.logprobs])[0] if p.logprobs is not None else None
-                child.token_ids.append(token)
-                self._check_finish(child, token)
-                self._forks[rid].append(child)
-                self._seqs[child.rid] = child
-                report.sampled.append((child, self._delta(child, token, lp)))
-                if child.finish_reason is not None:
-                    self._seqs.pop(child.rid)
-                else:
-                    self.scheduler.add(child)
-        except Exception as exc:
-            log.exception("request %s: its choices could not fork; failing the request", rid)
-            ending = Ending(Reason.INTERNAL_ERROR, f"forking its choices failed: {type(exc).__name__}: {exc}")
-            report.sampled = [(s, d) for s, d in report.sampled if s.out_rid != rid]
-            if (out := self.abort(rid, ending)) is not None:
-                report.failed.append((first, out))
+    def _children(self, req: GenerateRequest, first: Sequence) -> list[Sequence]:
+        """Choices 1..n-1 of a request with n > 1, built (nothing changes yet; it may raise, e.g.
+        a grammar's state). Each is a sequence of the prompt alone, with its own seed
+        (``choice_seed``: seeded choices differ) and its own grammar state."""
+        p = first.sampling
+        children = []
+        for i in range(1, p.n):
+            child = Sequence(rid=f"{req.rid}{CHOICE_KEY}{i}", token_ids=list(req.prompt_ids),
+                             num_prompt_tokens=len(req.prompt_ids), sampling=p, seed=choice_seed(first.seed, i),
+                             cache_salt=req.cache_salt, salt_key=first.salt_key, choice=i, request_rid=req.rid)
+            child.detok = IncrementalDetokenizer(self.tokenizer, child.token_ids, p.stop, req.stop_matcher)
+            child.prompt_logprobs = list(first.prompt_logprobs)  # all in: it may take the cache's pages
+            if req.grammar is not None:
+                child.grammar = req.grammar.state()
+            children.append(child)
+        return children
+
+    def _fork(self, rid: str, children: list[Sequence]) -> None:
+        """Choice 0 of request ``rid`` has its first token, so the prompt's KV is computed (its
+        full pages in the prefix cache): the other choices start. Each takes the prompt's full
+        pages from the prefix cache (shared, read-only), computes the partial last page (its own)
+        and samples its first token from there, as any sequence does; its pages are its own to
+        free."""
+        self._requests.pop(rid)
+        for child in children:
+            self._forks[rid].append(child)
+            self._seqs[child.rid] = child
+            self.scheduler.add(child)
 
     def _sample(self, logits: torch.Tensor, row: int, seq: Sequence, greedy: Optional[list]) -> int:
         if seq.grammar is not None:  # only what the grammar allows, then the grammar takes it
