@@ -290,6 +290,16 @@ def pd_cluster():
         cluster.stop()
 
 
+@pytest.fixture(scope="session")
+def etcd_cluster():
+    """The session's etcd and the workers registered in it, shared by test_discovery.py and
+    test_membership.py (``tests/etcd_cluster.py``); skipped without etcd (failed under CI)."""
+    from etcd_cluster import EtcdCluster
+
+    with EtcdCluster(EtcdCluster.etcd_or_skip()) as cluster:
+        yield cluster
+
+
 @pytest.fixture
 def start_server():
     """Start extra servers: ``start_server(*cli_args, **ServerProcess kwargs)``; all are stopped

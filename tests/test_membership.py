@@ -1,12 +1,14 @@
 """Worker identity and the router's membership API (issue 19, parts 1 and 3), on real processes:
-one prefill and two decode workers, and a router that starts knowing one decode worker. The tests
-share that cluster and run in order: identity, ``POST /workers``, ``DELETE /workers/{id}``, a
-foreign process on a removed worker's port. Requests are counted, never timed."""
+the session's workers (``tests/etcd_cluster.py``, shared with ``test_discovery.py``: two prefill
+workers and a decode worker, registered in etcd, which this router does not read) behind a router
+that starts knowing one prefill and the decode worker. The tests share that router and run in order:
+identity, ``POST /workers``, ``DELETE /workers/{id}``, a foreign process on a removed worker's port.
+The router never falls back to decode alone (``--no-pd-fallback``): a request without a prefill
+worker is refused. Requests are counted, never timed."""
 
 from __future__ import annotations
 
 import json
-import signal
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,43 +16,39 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import requests
 
-from cluster import Cluster, RouterProcess, generate, metric_sum, metrics
+from cluster import RouterProcess, generate
+from etcd_cluster import finished, wait_for
 
-ROUTER_ARGS = ("--health-interval-s", "0.5", "--health-failures", "1")
+ROUTER_ARGS = ("--health-interval-s", "0.5", "--health-failures", "1", "--no-pd-fallback")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with Cluster(prefill=1, decode=2, router=False) as c:
-        p = c.prefill[0]
-        c.router = RouterProcess([(p.url, p.bootstrap_port)], [c.decode[0].url], *ROUTER_ARGS).start()
-        yield c
+def workers(etcd_cluster):
+    """p1 and d1 (default ids, the router's own), p2 (given its id, added by POST /workers)."""
+    return etcd_cluster.ensure("p1", "d1", "p2")
 
 
-def finished(worker) -> float:
-    return metric_sum(metrics(worker), "splitserve_requests_total", outcome="finished")
+@pytest.fixture(scope="module")
+def router(workers):
+    p1, d1, _ = workers
+    router = RouterProcess([(p1.url, p1.bootstrap_port)], [d1.url], *ROUTER_ARGS).start()
+    try:
+        yield router
+    finally:
+        router.stop()
 
 
-def router_workers(c) -> list[dict]:
-    return requests.get(c.url + "/workers", timeout=10).json()["workers"]
+def router_workers(router) -> list[dict]:
+    return requests.get(router.url + "/workers", timeout=10).json()["workers"]
 
 
-def wait_for(what: str, check, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout:g} s: {what}")
-
-
-def test_every_worker_reports_its_identity(cluster):
+def test_every_worker_reports_its_identity(workers, router):
+    p1, d1, p2 = workers
     seen = set()
-    for w in cluster.workers:
+    for w in workers:
         health = requests.get(w.url + "/health", timeout=10).json()
         assert health["status"] == "ok" and health["role"] == w.role
-        assert health["id"] == f"{w.role}@127.0.0.1:{w.port}"
+        assert health["id"] == w.wid
         info = requests.get(w.url + "/get_server_info", timeout=10).json()
         assert (info["id"], info["incarnation"]) == (health["id"], health["incarnation"])
         assert info["transfer_backend"] == "nixl" and isinstance(info["protocol_version"], int)
@@ -58,66 +56,67 @@ def test_every_worker_reports_its_identity(cluster):
         assert info["bootstrap_port"] == (w.bootstrap_port if w.role == "prefill" else None)
         seen.add(health["incarnation"])
     assert len(seen) == 3  # each process start its own
-    listed = {(w["url"], w["id"]) for w in router_workers(cluster)}
-    assert listed == {(w.url, f"{w.role}@127.0.0.1:{w.port}") for w in (cluster.prefill[0], cluster.decode[0])}
+    assert (p1.wid, d1.wid, p2.wid) == (f"prefill@127.0.0.1:{p1.port}", f"decode@127.0.0.1:{d1.port}", "p2")
+    listed = {(w["url"], w["id"]) for w in router_workers(router)}
+    assert listed == {(p1.url, p1.wid), (d1.url, d1.wid)}
 
 
-def test_post_workers_adds_a_worker_that_then_gets_legs(cluster):
-    d0, d1 = cluster.decode
-    bad = [({"url": d1.url}, 400), ({"url": "http://user@127.0.0.1:1", "worker_type": "decode"}, 400),
-           ({"url": d1.url + "/path", "worker_type": "decode"}, 400),
+def test_post_workers_adds_a_worker_that_then_gets_legs(workers, router):
+    p1, d1, p2 = workers
+    bad = [({"url": p2.url}, 400), ({"url": "http://user@127.0.0.1:1", "worker_type": "prefill"}, 400),
+           ({"url": p2.url + "/path", "worker_type": "prefill"}, 400),
            ({"url": d1.url, "worker_type": "decode", "bootstrap_port": 9}, 400),
-           ({"url": d1.url, "worker_type": "decode", "surprise": 1}, 400),
-           ({"url": d0.url, "worker_type": "decode"}, 409),  # already in the set
-           ({"url": d1.url, "worker_type": "decode", "id": "someone-else"}, 409),
-           ({"url": d1.url, "worker_type": "prefill"}, 409),  # it says it is a decode worker
+           ({"url": p2.url, "worker_type": "prefill", "surprise": 1}, 400),
+           ({"url": p1.url, "worker_type": "prefill", "bootstrap_port": p1.bootstrap_port}, 409),  # in the set
+           ({"url": p2.url, "worker_type": "prefill", "bootstrap_port": p2.bootstrap_port, "id": "someone-else"}, 409),
+           ({"url": p2.url, "worker_type": "decode"}, 409),  # it says it is a prefill worker
            ({"url": "http://127.0.0.1:9", "worker_type": "decode"}, 502)]
     for body, status in bad:
-        r = requests.post(cluster.url + "/workers", json=body, timeout=30)
+        r = requests.post(router.url + "/workers", json=body, timeout=30)
         assert r.status_code == status, (body, r.status_code, r.text)
         assert r.json()["error"]["message"]
-    before = finished(d1)
-    r = requests.post(cluster.url + "/workers", json={"url": d1.url, "worker_type": "decode"}, timeout=30)
+    before = finished(p2)
+    r = requests.post(router.url + "/workers", json={"url": p2.url, "worker_type": "prefill",
+                                                     "bootstrap_port": p2.bootstrap_port}, timeout=30)
     assert r.status_code == 202, r.text
-    assert r.json()["worker_id"] == f"decode@127.0.0.1:{d1.port}"
-    wait_for("the new decode worker in rotation",
-             lambda: [w for w in router_workers(cluster) if w["url"] == d1.url and w["state"] == "healthy"])
+    assert r.json()["worker_id"] == p2.wid
+    wait_for("the new prefill worker in rotation",
+             lambda: [w for w in router_workers(router) if w["url"] == p2.url and w["state"] == "healthy"], 60)
     for i in range(6):  # round robin: every other request goes to the new worker
-        generate(cluster.url, [5, 6, 7, i], max_new_tokens=4)
-    assert finished(d1) - before >= 2
+        generate(router.url, [5, 6, 7, i], max_new_tokens=4)
+    assert finished(p2) - before >= 2
 
 
-def test_delete_drains_a_worker_then_it_gets_no_leg(cluster):
-    d0, d1 = cluster.decode
-    assert requests.delete(cluster.url + "/workers/nobody", timeout=10).status_code == 404
-    wid = f"decode@127.0.0.1:{d0.port}"
-    streams = []  # streams in flight through d0 when it starts draining finish whole
+def test_delete_drains_a_worker_then_it_gets_no_leg(workers, router):
+    p1, _, _ = workers
+    assert requests.delete(router.url + "/workers/nobody", timeout=10).status_code == 404
+    streams = []  # streams in flight through p1 when it starts draining finish whole
     results: list = []
 
     def stream():
         try:
-            results.append(generate(cluster.url, [9, 9, 9], max_new_tokens=24, stream=True))
+            results.append(generate(router.url, [9, 9, 9], max_new_tokens=24, stream=True))
         except AssertionError as exc:
             results.append(exc)
 
     for _ in range(4):
         streams.append(threading.Thread(target=stream))
         streams[-1].start()
-    r = requests.delete(cluster.url + f"/workers/{wid}", timeout=10)
+    r = requests.delete(router.url + f"/workers/{p1.wid}", timeout=10)
     assert r.status_code == 202 and r.json()["status"] == "draining", r.text
-    before = finished(d0)
+    before = finished(p1)
     for i in range(4):
-        generate(cluster.url, [1, 2, i], max_new_tokens=4)
+        generate(router.url, [1, 2, i], max_new_tokens=4)
     for t in streams:
         t.join(120)
     assert len(results) == 4 and all(isinstance(x, list) for x in results), results
-    wait_for("the drained worker gone", lambda: all(w["url"] != d0.url for w in router_workers(cluster)))
+    wait_for("the drained worker gone", lambda: all(w["url"] != p1.url for w in router_workers(router)), 60)
     time.sleep(0.5)
-    assert finished(d0) - before <= 4  # only streams that were already routed to it before the delete
-    after = finished(d0)
+    assert finished(p1) - before <= 4  # only streams that were already routed to it before the delete
+    after = finished(p1)
     for i in range(4):
-        generate(cluster.url, [3, 2, i], max_new_tokens=4)
-    assert finished(d0) == after
+        generate(router.url, [3, 2, i], max_new_tokens=4)
+    assert finished(p1) == after
 
 
 class _Impostor(BaseHTTPRequestHandler):
@@ -146,29 +145,29 @@ class _Impostor(BaseHTTPRequestHandler):
         pass
 
 
-def test_a_foreign_process_on_a_worker_s_port_is_never_taken_for_it(cluster):
-    """d1 stops; another process answers on its port as another worker, then as none: the router
-    takes d1 out of rotation and sends the impostor nothing."""
-    d1 = cluster.decode[1]
-    d1.send_signal(signal.SIGTERM)
-    assert d1.proc.wait(60) == 0
+def test_a_foreign_process_on_a_worker_s_port_is_never_taken_for_it(etcd_cluster, workers, router):
+    """p2 stops; another process answers on its port as another worker, then as none: the router
+    takes p2 out of rotation and sends the impostor nothing (and, p1 removed, has no prefill)."""
+    p2 = workers[2]
+    etcd_cluster.stop("p2")
+    assert p2.proc.returncode == 0, p2.output_tail()
     ThreadingHTTPServer.allow_reuse_address = True
-    server = ThreadingHTTPServer(("127.0.0.1", d1.port), _Impostor)
+    server = ThreadingHTTPServer(("127.0.0.1", p2.port), _Impostor)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         for identity, why in (({"id": "someone-else", "incarnation": "abc123"}, "another process answers"),
                               ({}, "without a worker identity")):
             _Impostor.identity = identity
             checks = _Impostor.checks
-            wait_for("two health checks answered by the impostor", lambda: _Impostor.checks >= checks + 2)
-            view = [w for w in router_workers(cluster) if w["url"] == d1.url][0]
+            wait_for("two health checks answered by the impostor", lambda: _Impostor.checks >= checks + 2, 60)
+            view = [w for w in router_workers(router) if w["url"] == p2.url][0]
             assert view["state"] == "unhealthy" and why in view["error"], view
             for i in range(3):
-                r = requests.post(cluster.url + "/generate", json={"input_ids": [1, i], "sampling_params":
-                                                                   {"max_new_tokens": 2}}, timeout=30)
+                r = requests.post(router.url + "/generate", json={"input_ids": [1, i], "sampling_params":
+                                                                  {"max_new_tokens": 2}}, timeout=30)
                 assert r.status_code == 503, r.text
         assert _Impostor.posts == 0
-        health = requests.get(cluster.url + "/health", timeout=10).json()
+        health = requests.get(router.url + "/health", timeout=10).json()
         assert health["status"] == "unavailable"
     finally:
         server.shutdown()
