@@ -119,9 +119,9 @@ def test_a_request_whose_own_data_raises_on_the_loop_fails_alone(colocated, loop
 def decode(model, loop):
     from splitserve.disagg.decode_role import DecodeRole
     from splitserve.disagg.lifecycle import Deadlines
-    from splitserve.disagg.seams import Edges
+    from splitserve.disagg.seams import Seams
 
-    role = DecodeRole(ServerConfig(role="decode", transfer_backend="tcp"), Deadlines(), edges=Edges(threads=False))
+    role = DecodeRole(ServerConfig(role="decode", transfer_backend="tcp"), Deadlines(), seams=Seams(threads=False))
     engine = AsyncEngine(config(model), role)
     engine.start(loop)
     yield engine

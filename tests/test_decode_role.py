@@ -1,5 +1,5 @@
 """The decode role in process, at an edge its table cannot see: a fence (``links.close``) that
-raises. The role is built as the simulator builds it (``Edges``: no threads, the in-process fake
+raises. The role is built as the simulator builds it (``Seams``: no threads, the in-process fake
 transfer, the engine's fake forward pass, its receiving links from the test's factory) and driven
 by calling it as the engine loop does: a request arrives, its prefill's info comes, the prefill is
 declared lost.
@@ -10,7 +10,7 @@ from __future__ import annotations
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.disagg.decode_role import DecodeRole
 from splitserve.disagg.lifecycle import Deadlines, Peer, PeerInfo, PeerLost, Reason
-from splitserve.disagg.seams import Edges
+from splitserve.disagg.seams import Seams
 from splitserve.disagg.transfer.links import ReceiveLinks
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import LLMEngine
@@ -39,7 +39,7 @@ def decode_role() -> tuple[DecodeRole, list[BrokenFence]]:
         return made[-1]
 
     server = ServerConfig(role="decode", transfer_backend="fake", port=18000)
-    role = DecodeRole(server, Deadlines().validate(), edges=Edges(links=links, io_probe=lambda: None, threads=False))
+    role = DecodeRole(server, Deadlines().validate(), seams=Seams(links=links, io_probe=lambda: None, threads=False))
     config = EngineConfig(model="sim", page_size=PAGE, max_total_tokens=PAGE * PAGES)
     loop = AsyncEngine(config, role)
     loop.engine = LLMEngine(config, fake_parts())

@@ -63,7 +63,7 @@ class DecodeRole(DisaggRole):
     links = None
 
     def _start(self) -> None:
-        self.links = (self.edges.links or ReceiveLinks)(self.server.transfer_backend, f"decode-{self.incarnation}",
+        self.links = (self.seams.links or ReceiveLinks)(self.server.transfer_backend, f"decode-{self.incarnation}",
                                                         self.engine.kv.buffer, page_nbytes=self.engine.layout.page_nbytes,
                                                         **self._transfer_opts())
         self._unfenced: dict[Peer, set[int]] = {}  # a peer whose fence raised -> its rooms whose pages stay
@@ -85,7 +85,7 @@ class DecodeRole(DisaggRole):
                                      self.deadlines.heartbeat_interval_s, self.deadlines.prealloc_s,
                                      self.faults.control, lambda: not self.loop.loop_stalled(),
                                      silence_s=self.deadlines.peer_silence_s,
-                                     dial=self.edges.dial or functools.partial(ZmqDealer, secret=self.secret),
+                                     dial=self.seams.dial or functools.partial(ZmqDealer, secret=self.secret),
                                      io_probe=self._io_probe())
 
     def stats(self) -> dict:

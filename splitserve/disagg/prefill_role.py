@@ -41,7 +41,7 @@ class PrefillRole(DisaggRole):
                                       self.loop.post_event, self.deadlines.heartbeat_interval_s, self.faults.control,
                                       lambda: not self.loop.loop_stalled(), silence_s=self.deadlines.peer_silence_s,
                                       ended_s=self.deadlines.tombstone_s,
-                                      bind=self.edges.bind or functools.partial(ZmqRouterEndpoint, secret=self.secret),
+                                      bind=self.seams.bind or functools.partial(ZmqRouterEndpoint, secret=self.secret),
                                       io_probe=self._io_probe(),
                                       limits=SessionLimits(self.server.max_control_sessions,
                                                            self.server.max_control_sessions_per_address,

@@ -43,7 +43,7 @@ from splitserve.disagg.lifecycle import (
 from splitserve.disagg.faults import Faults
 from splitserve.disagg.handovers import HandOvers
 from splitserve.disagg.room_timelines import RoomTimelines
-from splitserve.disagg.seams import Edges
+from splitserve.disagg.seams import Seams
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
 from splitserve.engine.sequence import Sequence
@@ -98,9 +98,9 @@ class DisaggRole:
     name = "disagg"
     prompt_only = False  # prefill holds the prompt's KV only
 
-    def __init__(self, server: ServerConfig, deadlines: Deadlines, faults: Faults = Faults(), edges: Edges = Edges()):
+    def __init__(self, server: ServerConfig, deadlines: Deadlines, faults: Faults = Faults(), seams: Seams = Seams()):
         self.server = server
-        self.edges = edges
+        self.seams = seams
         self.deadlines = deadlines
         self.faults = faults
         self.table = None
@@ -133,7 +133,7 @@ class DisaggRole:
 
         self.loop = loop
         self.engine = loop.engine
-        self.incarnation = (self.edges.incarnation or new_incarnation)()
+        self.incarnation = (self.seams.incarnation or new_incarnation)()
         self.secret = self._cluster_secret()
         override = getattr(self.engine.config, "chat_template", None)  # --chat-template counts in the identity
         self.info = local_info(self.engine.spec, self.engine.layout, self.server.transfer_backend, self.incarnation,
@@ -143,18 +143,18 @@ class DisaggRole:
         for thread in (self.transfer, self.control):
             thread.clock = self.clock
             thread.beat()
-        if self.edges.threads:
+        if self.seams.threads:
             self.transfer.start()
             self.control.start()
 
     def _io_probe(self):
         from splitserve.disagg.control.io_probe import IoProbe
 
-        return (self.edges.io_probe or IoProbe)()
+        return (self.seams.io_probe or IoProbe)()
 
     def _transfer_opts(self) -> dict:
         opts = {"host": self.advertise_host, "secret": self.secret} if self.server.transfer_backend == "tcp" else {}
-        return {**opts, **self.edges.transfer_opts}
+        return {**opts, **self.seams.transfer_opts}
 
     def _cluster_secret(self):
         """``--cluster-secret-file`` loaded (``disagg/control/curve.py``), or None, said once in a warning."""

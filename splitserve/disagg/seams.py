@@ -8,7 +8,7 @@ from typing import Callable, Optional
 
 
 @dataclass(frozen=True)
-class Edges:
+class Seams:
     """Where a role meets the world outside its process. Production uses the defaults; the
     simulator (``splitserve/sim/``) passes its own — simulated sockets, a simulated transfer
     network, incarnations drawn from its seed — and ``threads=False``: it drives each thread's

@@ -15,7 +15,7 @@ from splitserve.config import EngineConfig, ServerConfig
 from splitserve.disagg.control import ControlFaults
 from splitserve.disagg.faults import Faults
 from splitserve.disagg.lifecycle import Deadlines
-from splitserve.disagg.seams import Edges
+from splitserve.disagg.seams import Seams
 from splitserve.disagg.transfer.thread import FaultConfig
 from splitserve.engine.async_engine import AsyncEngine
 
@@ -70,5 +70,5 @@ def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadl
     faults = parse_faults(server.inject_faults)
     if server.inject_faults:
         log.warning("fault injection is ON: %s", server.inject_faults)
-    edges = Edges(incarnation=lambda: incarnation) if incarnation else Edges()
-    return AsyncEngine(config, cls(server, deadlines.validate(), faults, edges), loop_stall_s=server.loop_stall_s)
+    seams = Seams(incarnation=lambda: incarnation) if incarnation else Seams()
+    return AsyncEngine(config, cls(server, deadlines.validate(), faults, seams), loop_stall_s=server.loop_stall_s)

@@ -4,7 +4,7 @@ project's real code on the simulated loop (``clock.py``), joined by the simulate
 
 A :class:`SimWorker` is one worker *process*: the real :class:`~splitserve.engine.async_engine.AsyncEngine`
 with the real role (``disagg/prefill_role.py`` or ``disagg/decode_role.py``) and the real HTTP state and
-handlers (``server/``), built through the seams (``Edges``, ``ModelParts``, the clocks) so that
+handlers (``server/``), built through the seams (``Seams``, ``ModelParts``, the clocks) so that
 only sockets, the transfer backend, the forward pass and time are simulated. Its three threads
 are callbacks on the loop:
 
@@ -35,7 +35,7 @@ from splitserve.config import EngineConfig, RouterConfig, ServerConfig, WorkerAd
 from splitserve.disagg.decode_role import DecodeRole
 from splitserve.disagg.lifecycle import Deadlines
 from splitserve.disagg.prefill_role import PrefillRole
-from splitserve.disagg.seams import Edges
+from splitserve.disagg.seams import Seams
 from splitserve.disagg.supervised import RESTART_PAUSE_S
 from splitserve.engine.async_engine import AsyncEngine
 from splitserve.engine.engine import LLMEngine
@@ -130,12 +130,12 @@ class SimWorker:
                               kv_failure_policy=sim.kv_failure_policy)
         engine_config = sim.engine_config(kind)
         self.tview = cluster.tnet.view(self)
-        edges = Edges(incarnation=cluster.new_incarnation, transfer_opts={"network": self.tview},
+        seams = Seams(incarnation=cluster.new_incarnation, transfer_opts={"network": self.tview},
                       bind=lambda host, port: cluster.net.bind(host, port, self.wake_control),
                       dial=lambda address, ident: cluster.net.dial(self.host, address, ident, self.wake_control),
                       io_probe=lambda: None, threads=False)
         role_cls = PrefillRole if kind == "prefill" else DecodeRole
-        self.role = role = role_cls(server, sim.deadlines, edges=edges)
+        self.role = role = role_cls(server, sim.deadlines, seams=seams)
         role.clock = loop.time
         self.ae = ae = AsyncEngine(engine_config, role, loop_stall_s=sim.loop_stall_s)
         ae.clock = loop.time
