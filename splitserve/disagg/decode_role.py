@@ -111,7 +111,7 @@ class DecodeRole(DisaggRole):
             early = self._kv_lost_early
             detail = early.pop(rec.req.rid, None) or early.pop(("room", rec.room), None)
             if detail is not None:  # the router said so before the request came: it will not wait for prefill
-                out += self._feed(KVLost(rec.room, detail))
+                out += self._handle_event(KVLost(rec.room, detail))
                 return
             self.control.want_info(rec.room, rec.req.bootstrap.host, rec.req.bootstrap.port)
 
@@ -141,22 +141,22 @@ class DecodeRole(DisaggRole):
         out: list[RequestOutput] = []
         for seq in report.chunks:
             if (rec := self._record_of(seq)) is not None and rec.seq is seq:  # not a choice > 0's
-                out += self._feed(PromptChunk(rec.room))
+                out += self._handle_event(PromptChunk(rec.room))
         for seq, delta in report.sampled:
             if (rec := self._record_of(seq)) is not None:
                 out.append(delta)
                 self._after_token(rec, delta, out)
         for seq, failed in report.failed:
             if (rec := self._record_of(seq)) is not None:
-                out += self._feed(LocalFailure(rec.room, Reason.INTERNAL_ERROR, failed.error))
+                out += self._handle_event(LocalFailure(rec.room, Reason.INTERNAL_ERROR, failed.error))
         return out
 
     def _after_token(self, rec: RoomRecord, delta: RequestOutput, out: list[RequestOutput]) -> None:
         if delta.finished:
             reason = Reason.STOP if delta.finish_reason == "stop" else Reason.LENGTH
-            out += self._feed(Finished(rec.room, reason))
+            out += self._handle_event(Finished(rec.room, reason))
         else:
-            out += self._feed(DecodeStep(rec.room))
+            out += self._handle_event(DecodeStep(rec.room))
 
     def _on_notification(self, ev: KVNotification) -> list[RequestOutput]:
         try:
@@ -170,7 +170,7 @@ class DecodeRole(DisaggRole):
             log.warning("notification %s from %s arrived on the link of %s", type(msg).__name__, ev.agent_name,
                         ev.peer)
             return []
-        return self._feed(FromPeer(ev.peer, msg))
+        return self._handle_event(FromPeer(ev.peer, msg))
 
     # -- actions --------------------------------------------------------------------------------
 
@@ -215,7 +215,7 @@ class DecodeRole(DisaggRole):
         with its reason instead (its pages stay quarantined, ``_kept_unfenced``)."""
         rec = self.rooms[a.room]
         if any(a.room in rooms for rooms in self._unfenced.values()):
-            out += self._feed(LocalFailure(a.room, a.reason or Reason.INTERNAL_ERROR,
+            out += self._handle_event(LocalFailure(a.room, a.reason or Reason.INTERNAL_ERROR,
                                            "its KV will not come, and its pages may still be written by a prefill "
                                            "whose fence failed: not recomputed"))
             return
@@ -245,7 +245,7 @@ class DecodeRole(DisaggRole):
             rec.pages = cached + allocator.allocate(rec.want_pages - len(cached))
             rec.want_pages, rec.cached_pages = 0, len(cached)
             self.engine.scheduler.cache_hit_tokens += len(cached) * page_size
-            out += self._feed(PagesReserved(rec.room, tuple(rec.pages), len(cached) * page_size))
+            out += self._handle_event(PagesReserved(rec.room, tuple(rec.pages), len(cached) * page_size))
 
     def _send(self, peer: Peer, msg) -> None:
         if isinstance(msg, p.RegisterRoom):  # its target pages open to that prefill's link, before it can write

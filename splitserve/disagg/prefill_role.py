@@ -52,17 +52,18 @@ class PrefillRole(DisaggRole):
         page_size = self.engine.layout.page_size
         for seq in report.admitted:
             if (rec := self._record_of(seq)) is not None:
-                out += self._feed(Scheduled(rec.room, tuple(seq.pages)))
+                out += self._handle_event(Scheduled(rec.room, tuple(seq.pages)))
         for seq in report.chunks:
             if (rec := self._record_of(seq)) is not None:
-                out += self._feed(ChunkDone(rec.room, seq.num_computed // page_size))
+                out += self._handle_event(ChunkDone(rec.room, seq.num_computed // page_size))
         for seq in report.first_tokens:
             if (rec := self._record_of(seq)) is not None:
                 lp = seq.first_logprob
-                out += self._feed(ForwardDone(rec.room, seq.token_ids[-1], lp.to_bytes() if lp is not None else b""))
+                logprobs = lp.to_bytes() if lp is not None else b""
+                out += self._handle_event(ForwardDone(rec.room, seq.token_ids[-1], logprobs))
         for seq, failed in report.failed:
             if (rec := self._record_of(seq)) is not None:
-                out += self._feed(LocalFailure(rec.room, Reason.INTERNAL_ERROR, failed.error))
+                out += self._handle_event(LocalFailure(rec.room, Reason.INTERNAL_ERROR, failed.error))
         return out
 
     kv_bytes_written = 0  # a counter: KV bytes handed to the transfer for decode workers
@@ -79,7 +80,7 @@ class PrefillRole(DisaggRole):
             try:
                 rec.seq = self.engine.add_request(rec.req, prefill_only=True)
             except InvalidRequest as exc:
-                out += self._feed(LocalFailure(a.room, Reason.BAD_REQUEST, str(exc)))
+                out += self._handle_event(LocalFailure(a.room, Reason.BAD_REQUEST, str(exc)))
         elif isinstance(a, StartWrite):
             try:
                 spans = tuple(page_spans(a.src_pages, a.dst_pages, self.engine.layout.page_nbytes))
@@ -87,7 +88,7 @@ class PrefillRole(DisaggRole):
             except Exception as exc:
                 # Never handed to the transfer thread, so nothing would ever settle it and its
                 # room would hold its pages for good: it failed, and cannot land.
-                out += self._feed(WriteFailed(a.room, a.write_id, f"not started: {type(exc).__name__}: {exc}"))
+                out += self._handle_event(WriteFailed(a.room, a.write_id, f"not started: {type(exc).__name__}: {exc}"))
                 raise
             self.kv_bytes_written += sum(span.nbytes for span in spans)
         elif isinstance(a, CancelWrites):

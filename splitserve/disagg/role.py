@@ -184,13 +184,13 @@ class DisaggRole:
                                                        f"bootstrap_room {room} is already in use on this worker"))]
         self.rooms[room] = RoomRecord(room, req, timeline=self.timelines.start(req.rid, room, None, self.clock()))
         self.room_of[req.rid] = room
-        out = self._feed(RequestArrived(room, req.rid, len(req.prompt_ids), alone=alone))
+        out = self._handle_event(RequestArrived(room, req.rid, len(req.prompt_ids), alone=alone))
         self._arrived(self.rooms.get(room), out)
         return out
 
     def abort(self, rid: str, ending: Ending) -> list[RequestOutput]:
         room = self.room_of.get(rid)
-        return self._feed(ClientAbort(room, ending.detail)) if room is not None else []
+        return self._handle_event(ClientAbort(room, ending.detail)) if room is not None else []
 
     def abort_request(self, rid: Optional[str], room: Optional[int], kv_lost: bool,
                       detail: str) -> tuple[bool, list[RequestOutput]]:
@@ -201,10 +201,10 @@ class DisaggRole:
         rec = self.rooms.get(room) if room is not None else None
         if rec is None or rec.answered or (rid is not None and rec.req.rid != rid):
             return False, []
-        return True, self._feed(KVLost(room, detail) if kv_lost else ClientAbort(room, detail))
+        return True, self._handle_event(KVLost(room, detail) if kv_lost else ClientAbort(room, detail))
 
     def on_event(self, event: object) -> list[RequestOutput]:
-        return self._feed(event)
+        return self._handle_event(event)
 
     def tick(self, now: float) -> list[RequestOutput]:
         """Liveness first (taken from the control thread, never queued behind a burst of events),
@@ -232,7 +232,7 @@ class DisaggRole:
         counts and frees by the rules; a request the table never took is answered here."""
         out: list[RequestOutput] = []
         for room in self.table.live_rooms():
-            out += self._feed(LocalFailure(room, ending.reason, ending.detail))
+            out += self._handle_event(LocalFailure(room, ending.reason, ending.detail))
         for rec in list(self.rooms.values()):
             if not rec.answered:
                 out.append(self._answer_untaken(rec, ending, "fail_all"))
@@ -244,7 +244,8 @@ class DisaggRole:
         room = self.room_of.get(rid)
         if room is None:  # no record was made
             return [RequestOutput.ended(rid, ending)]
-        out = self._feed(LocalFailure(room, ending.reason, ending.detail)) if room in self.table.live_rooms() else []
+        live = room in self.table.live_rooms()
+        out = self._handle_event(LocalFailure(room, ending.reason, ending.detail)) if live else []
         rec = self.rooms.get(room)
         if rec is not None and not rec.answered:
             out.append(self._answer_untaken(rec, ending, "fail_request"))
@@ -286,7 +287,7 @@ class DisaggRole:
         self._hung_reported = True
         log.error("%s: this worker must be restarted; its peers are declared lost", problem)
         for peer in self.table.peers.live_peers():
-            out += self._feed(PeerLost(peer, problem))
+            out += self._handle_event(PeerLost(peer, problem))
 
     def wait_s(self, now: float) -> float:
         due = self.table.next_due()
@@ -327,7 +328,9 @@ class DisaggRole:
 
     # -- carrying out the table's actions -----------------------------------------------------------
 
-    def _feed(self, event: object) -> list[RequestOutput]:
+    def _handle_event(self, event: object) -> list[RequestOutput]:
+        """``event`` through the table: the rooms' timelines see it, the table decides, and its
+        actions are carried out; what they answer."""
         out: list[RequestOutput] = []
         now = self.clock()
         self.timelines.event(event, now)
