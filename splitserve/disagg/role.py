@@ -220,8 +220,8 @@ class DisaggRole:
         self.handovers.retry_owed()
         self._check_threads(out)
         for peer, fresh in self.control.take_heard().items():
-            self._execute(self._noted(self.table.handle(PeerHeard(peer, fresh), now), now), out)
-        self._execute(self._noted(self.table.expire(now), now), out)
+            self._execute(self._seen_by_timelines(self.table.handle(PeerHeard(peer, fresh), now), now), out)
+        self._execute(self._seen_by_timelines(self.table.expire(now), now), out)
         return out
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
@@ -334,10 +334,10 @@ class DisaggRole:
         out: list[RequestOutput] = []
         now = self.clock()
         self.timelines.event(event, now)
-        self._execute(self._noted(self.table.handle(event, now), now), out)
+        self._execute(self._seen_by_timelines(self.table.handle(event, now), now), out)
         return out
 
-    def _noted(self, actions: list, now: float) -> list:
+    def _seen_by_timelines(self, actions: list, now: float) -> list:
         """``actions``, once the rooms' timelines have read them."""
         self.timelines.note(actions, now)
         return actions
@@ -359,8 +359,8 @@ class DisaggRole:
                 room = getattr(a, "room", None)
                 if room is not None:
                     now = self.clock()
-                    todo.extend(self._noted(self.table.handle(LocalFailure(room, Reason.INTERNAL_ERROR, detail), now),
-                                            now))
+                    failure = LocalFailure(room, Reason.INTERNAL_ERROR, detail)
+                    todo.extend(self._seen_by_timelines(self.table.handle(failure, now), now))
 
     def _do(self, a, out: list[RequestOutput]) -> None:
         if isinstance(a, SendToPeer):
