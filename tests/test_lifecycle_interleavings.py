@@ -720,13 +720,13 @@ def _no_deadline_in_queued(original):
     def enter(self, r, state, now, out, *args):
         original(self, r, state, now, out, *args)
         if state is PrefillState.QUEUED:
-            self._timers.cancel(("room", r.room))
+            self._timers.cancel(("room", r.id))
     return enter
 
 
 def _prefill_vouches_for_writes_it_reset(original):
     def on_held_timer(self, r, now, out):  # the old way: reset our side, then say WritesSettled
-        out.append(ResetTransfer(r.peer, r.room, tuple(sorted(r.writes))))
+        out.append(ResetTransfer(r.peer, r.id, tuple(sorted(r.writes))))
         self._hold(r, self.cfg.write_drain_s, now)
     return on_held_timer
 
@@ -752,7 +752,7 @@ def _decode_gives_back_its_cached_prefix_twice(original):
     def release_memory(self, r, now, out):
         original(self, r, now, out)
         if r.quarantined:  # the prefix went back at the quarantine already
-            out.append(FreePages(r.room, tuple(900 + k for k in range(1))))
+            out.append(FreePages(r.id, tuple(900 + k for k in range(1))))
     return release_memory
 
 

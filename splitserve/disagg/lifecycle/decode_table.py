@@ -103,7 +103,7 @@ class DecodeTable(PromptHere, RoomTable):
     def _admit(self, ev: RequestArrived, now: float, out: list[Action]) -> None:
         r = self._new_room(DecodeRoom, ev, now, out)
         r.alone = ev.alone
-        out.append(ReservePages(r.room, r.n_pages))
+        out.append(ReservePages(r.id, r.n_pages))
 
     def _on_event(self, event, now: float, out: list[Action]) -> None:
         match event:
@@ -198,9 +198,9 @@ class DecodeTable(PromptHere, RoomTable):
     def _send_registration(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         """Send RegisterRoom, and again after ``register_resend_s`` unless the KV or the end comes."""
         out.append(SendToPeer(r.peer, protocol.RegisterRoom(
-            r.room, self.incarnation, r.peer.incarnation, r.rid, r.prompt_len,
+            r.id, self.incarnation, r.peer.incarnation, r.rid, r.prompt_len,
             list(r.pages[r.cached_pages: r.n_pages]), r.cached_pages * self.page_size)))
-        self._timers.set(("resend", r.room), now + self.cfg.register_resend_s)
+        self._timers.set(("resend", r.id), now + self.cfg.register_resend_s)
 
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
         """AWAITING_KV: send the registration again (a lost one would cost the request; prefill
@@ -258,7 +258,7 @@ class DecodeTable(PromptHere, RoomTable):
             r.kv_done = True
             self._compute_here(r, now, out)
         elif r.state is not S.AWAITING_KV:
-            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"KVDone in {r.state.value}"))
+            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.id, f"KVDone in {r.state.value}"))
         elif msg.num_tokens != r.prompt_len:
             r.kv_done = True
             self._kv_lost(r, Ending(Reason.TRANSFER_ERROR,
@@ -269,16 +269,16 @@ class DecodeTable(PromptHere, RoomTable):
                                     f"a token of this model (vocabulary of {self.vocab_size})"), now, out)
         else:
             r.kv_done, r.first_token = True, msg.first_token
-            self._timers.cancel(("resend", r.room))
-            self.peers.unbind(r.peer, r.room)  # prefill's part is over: losing it now costs nothing
+            self._timers.cancel(("resend", r.id))
+            self.peers.unbind(r.peer, r.id)  # prefill's part is over: losing it now costs nothing
             self._enter(r, S.DECODING, now, out)
-            out.append(StartDecode(r.room, r.rid, msg.first_token, msg.first_logprobs))
+            out.append(StartDecode(r.id, r.rid, msg.first_token, msg.first_logprobs))
 
     def _on_room_failed(self, r: DecodeRoom, msg: protocol.RoomFailed, now: float, out: list[Action]) -> None:
         if is_terminal(r.state):
-            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"RoomFailed({msg.reason}) after {r.ending}"))
+            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.id, f"RoomFailed({msg.reason}) after {r.ending}"))
         elif r.state in (S.RECLAIMING, S.PREFILLING):  # it no longer waits for that prefill's KV
-            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"RoomFailed({msg.reason}) in {r.state.value}"))
+            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.id, f"RoomFailed({msg.reason}) in {r.state.value}"))
         else:
             self._kv_lost(r, ending_from_peer(msg.reason), now, out)
 
@@ -291,7 +291,7 @@ class DecodeTable(PromptHere, RoomTable):
         elif r.state is S.AWAITING_KV:  # its RoomFailed was lost or overtaken
             self._kv_lost(r, Ending(Reason.PEER_FAILED, "prefill settled its writes without sending the KV"), now, out)
         else:
-            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.room, f"WritesSettled in {r.state.value}"))
+            out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.id, f"WritesSettled in {r.state.value}"))
 
     # == the end of a room ======================================================================
 
@@ -328,19 +328,19 @@ class DecodeTable(PromptHere, RoomTable):
         return r.registered and not r.reclaimed and not r.kv_done and not r.settled and self._reachable(r.peer)
 
     def _after_end(self, r: DecodeRoom, last: State, now: float, out: list[Action]) -> None:
-        self._timers.cancel(("resend", r.room))
+        self._timers.cancel(("resend", r.id))
         # Tell prefill, unless it told us, is lost, already finished its part (KVDone), or was
         # told when the room fell back.
         if (r.ending.outcome is not Outcome.FINISHED and not r.ending.from_peer and not r.kv_done
                 and r.fallback is None and self._reachable(r.peer)):
-            out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, r.ending.reason.value)))
+            out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, r.ending.reason.value)))
         if self._writes_may_land(r):
             if r.cached_pages:  # shared, never a write target: given back at once
-                out.append(FreePages(r.room, r.pages[: r.cached_pages]))
+                out.append(FreePages(r.id, r.pages[: r.cached_pages]))
                 r.pages, r.cached_pages = r.pages[r.cached_pages:], 0
             r.quarantined = True
             self._quarantined_pages += len(r.pages)
-            out.append(QuarantinePages(r.room, r.pages))
+            out.append(QuarantinePages(r.id, r.pages))
             self._hold(r, self.cfg.quarantine_resend_s, now)
         else:
             self._release(r, now, out)
@@ -349,12 +349,12 @@ class DecodeTable(PromptHere, RoomTable):
         if r.quarantined:
             self._quarantined_pages -= len(r.pages)
         if r.pages:
-            out.append(ReleaseQuarantine(r.room, r.pages) if r.quarantined else FreePages(r.room, r.pages))
+            out.append(ReleaseQuarantine(r.id, r.pages) if r.quarantined else FreePages(r.id, r.pages))
 
     def _on_held_timer(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         """Quarantined: ask again (prefill answers WritesSettled for a room it has released)."""
         if self._reachable(r.peer):
-            out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, r.ending.reason.value)))
+            out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, r.ending.reason.value)))
         self._hold(r, self.cfg.quarantine_resend_s, now)
 
     def _on_peer_lost(self, room: int, peer: Peer, detail: str, now: float, out: list[Action]) -> None:

@@ -167,7 +167,7 @@ class PrefillTable(RoomTable):
     def _accept_registration(self, r: PrefillRoom, peer: Peer, msg: protocol.RegisterRoom,
                              now: float, out: list[Action]) -> None:
         r.peer = peer
-        self.peers.bind(peer, r.room, now)
+        self.peers.bind(peer, r.id, now)
         problem = registration_problem(r.prompt_len, r.n_pages, self.page_size, msg)
         if problem:
             self._end(r, Ending(Reason.BAD_REQUEST, problem), now, out)
@@ -176,7 +176,7 @@ class PrefillTable(RoomTable):
         r.dst_pages = tuple(msg.pages[: r.n_pages - r.skip_pages])
         r.pages_started = r.skip_pages
         self._enter(r, S.QUEUED, now, out)
-        out.append(Enqueue(r.room, r.rid))
+        out.append(Enqueue(r.id, r.rid))
 
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
         if kind != "pending":
@@ -315,7 +315,7 @@ class PrefillTable(RoomTable):
         wid = self._next_write_id
         self._next_write_id += 1
         skip = r.skip_pages
-        out.append(StartWrite(r.room, wid, r.peer, r.src_pages[r.pages_started:upto],
+        out.append(StartWrite(r.id, wid, r.peer, r.src_pages[r.pages_started:upto],
                               r.dst_pages[r.pages_started - skip:upto - skip]))
         r.writes[wid] = upto - r.pages_started
         r.pages_started = upto
@@ -334,7 +334,7 @@ class PrefillTable(RoomTable):
         self._end(r, Ending(Reason.TRANSFERRED), now, out)
 
     def _kv_done(self, r: PrefillRoom) -> protocol.KVDone:
-        return protocol.KVDone(r.room, self.incarnation, r.first_token, r.prompt_len, r.first_logprobs)
+        return protocol.KVDone(r.id, self.incarnation, r.first_token, r.prompt_len, r.first_logprobs)
 
     def _answer_again(self, r: PrefillRoom) -> Optional[protocol.KVDone]:
         return self._kv_done(r) if r.ending.reason is Reason.TRANSFERRED else None
@@ -352,9 +352,9 @@ class PrefillTable(RoomTable):
 
     def _after_end(self, r: PrefillRoom, last: State, now: float, out: list[Action]) -> None:
         if r.ending.outcome is not Outcome.FINISHED and not r.ending.from_peer and self._reachable(r.peer):
-            out.append(SendToPeer(r.peer, protocol.RoomFailed(r.room, self.incarnation, r.ending.reason.value)))
+            out.append(SendToPeer(r.peer, protocol.RoomFailed(r.id, self.incarnation, r.ending.reason.value)))
         if r.writes:
-            out.append(CancelWrites(r.room, tuple(sorted(r.writes))))
+            out.append(CancelWrites(r.id, tuple(sorted(r.writes))))
             self._hold(r, self.cfg.write_drain_s, now)
         else:
             self._release(r, now, out)
@@ -365,11 +365,11 @@ class PrefillTable(RoomTable):
 
     def _release_memory(self, r: PrefillRoom, now: float, out: list[Action]) -> None:
         if r.writes:
-            raise LifecycleError(f"room {r.room} frees its source pages under unsettled writes {sorted(r.writes)}")
+            raise LifecycleError(f"room {r.id} frees its source pages under unsettled writes {sorted(r.writes)}")
         if r.src_pages:
-            out.append(FreePages(r.room, r.src_pages))
+            out.append(FreePages(r.id, r.src_pages))
         if not r.told_settled and self._reachable(r.peer):
-            out.append(SendToPeer(r.peer, protocol.WritesSettled(r.room, self.incarnation)))
+            out.append(SendToPeer(r.peer, protocol.WritesSettled(r.id, self.incarnation)))
             r.told_settled = True
 
     def _on_held_timer(self, r: PrefillRoom, now: float, out: list[Action]) -> None:
@@ -380,12 +380,12 @@ class PrefillTable(RoomTable):
         it (closes its receiving link) before it frees a page."""
         wids = tuple(sorted(r.writes))
         detail = f"writes {list(wids)} to {r.peer} unsettled {now - r.entered:g}s after {r.ending}"
-        out.append(Notice(self.role, NoticeKind.TRANSFER_RESET, r.room, detail))
+        out.append(Notice(self.role, NoticeKind.TRANSFER_RESET, r.id, detail))
         lost = self.peers.declare_lost(r.peer, now) if r.peer is not None else None
         if lost is not None:
             self._peer_lost(lost, f"{detail}: session ended so that decode fences it", now, out)
         else:  # lost already: its disconnect is under way; nudge the transport again
-            out.append(ResetTransfer(r.peer, r.room, wids))
+            out.append(ResetTransfer(r.peer, r.id, wids))
         self._hold(r, self.cfg.write_drain_s, now)
 
     def _on_peer_lost(self, room: int, peer: Peer, detail: str, now: float, out: list[Action]) -> None:

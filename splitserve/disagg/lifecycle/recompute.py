@@ -58,33 +58,33 @@ class PromptHere:
             self._end(r, ending, now, out)
             return
         r.fallback = ending
-        out.append(KVFallback(r.room, r.rid, ending.reason, ending.detail))
-        self._timers.cancel(("resend", r.room))
+        out.append(KVFallback(r.id, r.rid, ending.reason, ending.detail))
+        self._timers.cancel(("resend", r.id))
         if not has_pages:  # PREALLOC, never registered: no prefill will have these pages
             if not ending.from_peer and self._reachable(r.peer):
-                out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, ending.reason.value)))
-            self.peers.unbind(r.peer, r.room)
+                out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, ending.reason.value)))
+            self.peers.unbind(r.peer, r.id)
             return
         if self._writes_may_land(r):
             self._enter(r, S.RECLAIMING, now, out)
             self._send_abort(r, now, out)  # prefill answers WritesSettled once none of its writes can land
         else:
             if not ending.from_peer and not r.kv_done and self._reachable(r.peer):
-                out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, ending.reason.value)))
+                out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, ending.reason.value)))
             self._compute_here(r, now, out)
 
     def _send_abort(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         """RECLAIMING: tell prefill the room is over for it, and again every ``quarantine_resend_s``."""
-        out.append(SendToPeer(r.peer, protocol.AbortRoom(r.room, self.incarnation, r.fallback.reason.value)))
-        self._timers.set(("resend", r.room), now + self.cfg.quarantine_resend_s)
+        out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, r.fallback.reason.value)))
+        self._timers.set(("resend", r.id), now + self.cfg.quarantine_resend_s)
 
     def _compute_here(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         """No write of a prefill can reach the room's pages: its prompt runs here, into them."""
-        self._timers.cancel(("resend", r.room))
-        self.peers.unbind(r.peer, r.room)  # it no longer depends on that prefill
+        self._timers.cancel(("resend", r.id))
+        self.peers.unbind(r.peer, r.id)  # it no longer depends on that prefill
         r.reclaimed = True
         self._enter(r, S.PREFILLING, now, out)
-        out.append(ComputePrompt(r.room, r.rid, r.fallback.reason if r.fallback is not None else None))
+        out.append(ComputePrompt(r.id, r.rid, r.fallback.reason if r.fallback is not None else None))
 
     def _first_token_here(self, room: int, now: float, out: list[Action]) -> None:
         """A room whose prompt ran here produced its first token: it decodes from now on."""

@@ -40,7 +40,8 @@ from splitserve.disagg.lifecycle.transitions import Transitions
 
 @dataclass
 class Room:
-    room: int
+    id: int
+    """The room id (``bootstrap_room``, or a negative local one)."""
     rid: str
     prompt_len: int
     n_pages: int
@@ -189,11 +190,11 @@ class RoomTable:
         ask, without stopping the engine loop: the rooms are copied in one step (atomic in
         CPython), then each row is read from its room as it is at that moment."""
         rows = []
-        for r in sorted(list(self._rooms.values()), key=lambda r: (r.born, r.room)):
+        for r in sorted(list(self._rooms.values()), key=lambda r: (r.born, r.id)):
             given = (r.deadline - r.entered) if r.deadline is not None else math.inf
             rows.append({
                 "rid": r.rid,
-                "room": r.room,
+                "room": r.id,
                 "role": self.role.value,
                 "state": r.state.value,
                 "age_s": now - r.born,
@@ -268,7 +269,7 @@ class RoomTable:
         state = self.transitions.first
         self.transitions.check(ev.room, None, state)
         n_pages = -(-ev.prompt_len // self.page_size)
-        r = cls(room=ev.room, rid=ev.rid, prompt_len=ev.prompt_len, n_pages=n_pages, born=now,
+        r = cls(id=ev.room, rid=ev.rid, prompt_len=ev.prompt_len, n_pages=n_pages, born=now,
                 state=state, entered=now)
         self._rooms[ev.room] = r
         out.append(Moved(ev.room, None, state, describe(self._cause)))
@@ -278,8 +279,8 @@ class RoomTable:
 
     def _move(self, r: Room, after: State, now: float, out: list[Action], ending: Optional[Ending] = None) -> None:
         """The one way a room changes state: checked against the transitions, then emitted."""
-        self.transitions.check(r.room, r.state, after)
-        out.append(Moved(r.room, r.state, after, describe(self._cause), now - r.entered, ending))
+        self.transitions.check(r.id, r.state, after)
+        out.append(Moved(r.id, r.state, after, describe(self._cause), now - r.entered, ending))
         self._count(r.state, after)
         r.state, r.entered = after, now
 
@@ -298,12 +299,12 @@ class RoomTable:
         r.deadline = now + limit_s
         if self.cfg.request_timeout_s is not None:
             r.deadline = min(r.deadline, r.born + self.cfg.request_timeout_s)
-        self._timers.set(("room", r.room), r.deadline)
+        self._timers.set(("room", r.id), r.deadline)
 
     def _hold(self, r: Room, seconds: float, now: float) -> None:
         """Set a held room's timer."""
         r.deadline = now + seconds
-        self._timers.set(("room", r.room), r.deadline)
+        self._timers.set(("room", r.id), r.deadline)
 
     def _on_deadline(self, r: Room, now: float, out: list[Action]) -> None:
         if self.cfg.request_timeout_s is not None and now >= r.born + self.cfg.request_timeout_s:
@@ -317,24 +318,24 @@ class RoomTable:
         last = r.state
         self._move(r, ending.outcome, now, out, ending)
         r.ending, r.deadline = ending, None
-        self._timers.cancel(("room", r.room))
-        out.append(NotifyClient(r.rid, r.room, ending))
-        out.append(LogTerminal(self.role, r.rid, r.room, last, now - r.born, ending))
+        self._timers.cancel(("room", r.id))
+        out.append(NotifyClient(r.rid, r.id, ending))
+        out.append(LogTerminal(self.role, r.rid, r.id, last, now - r.born, ending))
         out.append(CountOutcome(self.role, ending.outcome, ending.reason))
         if ending.outcome is not Outcome.FINISHED:
-            out.append(Cancel(r.room, r.rid))
+            out.append(Cancel(r.id, r.rid))
         self._after_end(r, last, now, out)
 
     def _release(self, r: Room, now: float, out: list[Action]) -> None:
         """Return a terminal room's memory (once) and keep its id as a tombstone."""
         if not is_terminal(r.state):
-            raise LifecycleError(f"room {r.room} released while {r.state.value}: only an ended room gives memory back")
+            raise LifecycleError(f"room {r.id} released while {r.state.value}: only an ended room gives memory back")
         self._release_memory(r, now, out)
-        del self._rooms[r.room]
+        del self._rooms[r.id]
         self._count(r.state, None)
-        self._timers.cancel(("room", r.room))
-        self.peers.unbind(r.peer, r.room)
-        self._tombstone(r.room, r.ending, arrived=True, now=now, peer=r.peer, answer=self._answer_again(r))
+        self._timers.cancel(("room", r.id))
+        self.peers.unbind(r.peer, r.id)
+        self._tombstone(r.id, r.ending, arrived=True, now=now, peer=r.peer, answer=self._answer_again(r))
 
     def _tombstone(self, room: int, ending: Ending, arrived: bool, now: float, peer: Optional[Peer] = None,
                    answer: Any = None) -> None:
