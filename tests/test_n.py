@@ -182,6 +182,34 @@ def test_n_through_the_openai_client(client, server):
     assert [contents[i] for i in range(2)] == [c.message.content for c in chat.choices]
 
 
+def _generate(url: str, stream: bool = False):
+    body = {"text": PROMPT, "stream": stream, "sampling_params": {"n": 3, "max_new_tokens": 6, "temperature": 1.0,
+                                                                  "seed": 5, "ignore_eos": True}}
+    r = requests.post(url + "/generate", json=body, timeout=120, stream=stream)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()
+    last: dict = {}  # each chunk is its choice's answer so far
+    for line in r.iter_lines():
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            last[chunk.pop("index")] = chunk
+    return [last[i] for i in sorted(last)]
+
+
+def test_n_on_generate_is_sglangs_list(server, pd_cluster):
+    """``sampling_params.n`` on ``/generate``: a list of one answer per choice (streamed: chunks
+    that name their ``index``), the choices of the same request on the OpenAI route, split or not."""
+    want = [text for text, _, _ in (_completion(server.url)[i] for i in range(3))]
+    for url in (server.url, pd_cluster.url):
+        for stream in (False, True):
+            answers = _generate(url, stream)
+            assert [a["text"] for a in answers] == want, (url, stream)
+            assert [a["meta_info"]["completion_tokens"] for a in answers] == [6, 6, 6]
+            assert [a["meta_info"]["finish_reason"] for a in answers] == [{"type": "length"}] * 3
+            assert all(len(a["output_ids"]) == 6 for a in answers)
+
+
 def test_bad_n_is_400(server):
     for body in [{"prompt": "x", "n": 0}, {"prompt": "x", "n": 10**6}, {"prompt": "x", "n": 2.0},
                  {"prompt": "x", "n": 2, "echo": True, "max_tokens": 0}]:

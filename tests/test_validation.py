@@ -186,6 +186,12 @@ def test_n_is_bounded():
     for n in (0, 17, 10**6, 2.0, True):
         bad({"prompt": "hi", "n": n}, param="n")
     bad({"prompt": "hi", "n": 2, "echo": True, "max_tokens": 0}, param="n")
+    assert ok({"input_ids": [1], "sampling_params": {"n": 4}}, "generate").sampling.n == 4  # SGLang's
+    for n in (0, 17, 2.0):
+        bad({"input_ids": [1], "sampling_params": {"n": n}}, "generate", param="sampling_params.n")
+    bad({"input_ids": [1], "return_logprob": True, "logprob_start_len": 0,
+         "sampling_params": {"n": 2, "max_new_tokens": 0}}, "generate", param="sampling_params.n")
+    assert ok({"prompt": "hi", "n": 2, "response_format": {"type": "json_object"}}).sampling.n == 2
 
 
 def test_echo_and_logprob_start_len_ask_for_the_prompts_logprobs():
@@ -327,7 +333,6 @@ def test_generate_errors():
         param="sampling_params.max_new_tokens")
     bad({"input_ids": [1], "sampling_params": {"temperature": -1}}, "generate", param="sampling_params.temperature")
     bad({"input_ids": [1], "sampling_params": {"top_p": 0}}, "generate", param="sampling_params.top_p")
-    bad({"input_ids": [1], "sampling_params": {"n": 2}}, "generate", param="sampling_params.n")
     bad({"input_ids": [1], "sampling_params": {"repetition_penalty": 2.5}}, "generate",
         param="sampling_params.repetition_penalty")
     bad({"input_ids": [1], "sampling_params": {"seed": 1, "sampling_seed": 2}}, "generate",

@@ -236,7 +236,8 @@ async def _unary(state, endpoint: str, req: ValidatedRequest, rid: str, stream, 
     elif endpoint == "chat":
         body = proto.chat_response(rid, model, created, acc, strings, _tool_names(req))
     else:
-        body = proto.generate_response(rid, acc, started, req.sampling.logprobs is not None, strings, _prompt_of(req))
+        body = proto.generate_responses(rid, acc, started, req.sampling.logprobs is not None, strings,
+                                        _prompt_of(req), req.sampling.n)
     return web.json_response(body)
 
 
@@ -261,9 +262,9 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
             if out.finished and out.error is not None:
                 break
             if endpoint == "generate":
-                if out.token_ids or out.text or out.finished:
+                if out.token_ids or out.text or out.finished or out.finish_reason is not None:
                     await sse.send(proto.generate_chunk(rid, acc, started, req.sampling.logprobs is not None, strings,
-                                                        _prompt_of(req)))
+                                                        _prompt_of(req), index=out.index if n > 1 else None))
             elif out.text or out.finish_reason is not None or echo[out.index] is not None:
                 i, c = out.index, acc.choice(out.index)
                 reason = c.finish_reason if out.finish_reason is not None or out.finished else None

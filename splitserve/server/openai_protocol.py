@@ -285,8 +285,9 @@ def usage_chunk(endpoint: str, rid: str, model: str, created: int, acc: Accumula
 
 
 def generate_meta(rid: str, acc: Accumulator, started: float) -> dict:
-    """SGLang's ``meta_info``; ``finish_reason`` is ``{"type": "stop"|"length"}`` (or null)."""
-    meta = {"id": rid, "prompt_tokens": acc.prompt_tokens, "completion_tokens": acc.total_completion_tokens,
+    """SGLang's ``meta_info`` of one choice (``acc``'s own, not its other choices');
+    ``finish_reason`` is ``{"type": "stop"|"length"}`` (or null)."""
+    meta = {"id": rid, "prompt_tokens": acc.prompt_tokens, "completion_tokens": acc.completion_tokens,
             "finish_reason": {"type": acc.finish_reason} if acc.finish_reason else None,
             "e2e_latency": round(time.monotonic() - started, 6)}
     return meta
@@ -305,8 +306,23 @@ def generate_response(rid: str, acc: Accumulator, started: float, logprobs: bool
     return {"text": acc.full_text, "output_ids": list(acc.token_ids), "meta_info": meta}
 
 
+def generate_responses(rid: str, acc: Accumulator, started: float, logprobs: bool = False,
+                       strings: Optional[TokenStrings] = None, prompt: Optional[tuple[list[int], int]] = None,
+                       n: int = 1):
+    """The ``/generate`` answer: :func:`generate_response`, or with ``n`` > 1 a list of one per
+    choice, in index order (SGLang's shape for ``sampling_params.n``)."""
+    if n == 1:
+        return generate_response(rid, acc, started, logprobs, strings, prompt)
+    return [generate_response(rid, c, started, logprobs, strings, prompt) for _, c in acc.choice_list()]
+
+
 def generate_chunk(rid: str, acc: Accumulator, started: float, logprobs: bool = False,
-                   strings: Optional[TokenStrings] = None, prompt: Optional[tuple[list[int], int]] = None) -> dict:
+                   strings: Optional[TokenStrings] = None, prompt: Optional[tuple[list[int], int]] = None,
+                   index: Optional[int] = None) -> dict:
     """A streamed ``/generate`` chunk. As SGLang by default, ``text`` and ``output_ids`` are
-    cumulative (the whole answer so far), so a client keeps the last chunk; so are its logprobs."""
-    return generate_response(rid, acc, started, logprobs, strings, prompt)
+    cumulative (the whole answer so far), so a client keeps the last chunk; so are its logprobs.
+    ``index``: with ``n`` > 1, the choice it is of (its answer so far, and an ``index`` field, as
+    SGLang streams a request of several)."""
+    if index is None:
+        return generate_response(rid, acc, started, logprobs, strings, prompt)
+    return dict(generate_response(rid, acc.choice(index), started, logprobs, strings, prompt), index=index)

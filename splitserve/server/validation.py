@@ -27,8 +27,8 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
   ``/generate`` SGLang's ``return_logprob`` (bool), ``top_logprobs_num`` (int in [0, 20], only
   with ``return_logprob``), ``return_text_in_logprobs`` (bool) and ``logprob_start_len`` (-1:
   none of the prompt's; k >= 0: the prompt's from token k, below its length).
-- ``n`` (completions, chat): 1 to :data:`MAX_N` choices (SGLang's ``sampling_params.n`` is still
-  refused unless 1); with ``max_tokens`` >= 1.
+- ``n`` (completions, chat; SGLang's ``sampling_params.n`` on ``/generate``): 1 to :data:`MAX_N`
+  choices, with ``max_tokens`` >= 1; each choice of a structured output has its own grammar state.
 - ``echo`` (completions, bool): the answer starts with the prompt; with ``logprobs``, the prompt's
   logprobs too (the first token's is null). ``max_tokens`` may then be 0 (as on ``/generate``
   with ``logprob_start_len``): the prompt alone. A request that asks for its prompt's logprobs
@@ -262,9 +262,6 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         if not isinstance(sp, dict):
             raise InvalidRequest(f"sampling_params must be an object, not {_type_name(sp)}", "sampling_params")
         _check_fields(sp, _KNOWN_SAMPLING, "sampling_params.")
-        if sp.get("n") is not None and not _is_noop(sp["n"], 1):  # SGLang answers n > 1 in a shape of its own
-            raise InvalidRequest(f"`sampling_params.n` is not supported by this server (got {json.dumps(sp['n'])})",
-                                 "sampling_params.n")
         if sp.get("seed") is not None and sp.get("sampling_seed") is not None:
             raise InvalidRequest("give seed or sampling_seed, not both", "sampling_params.seed")
         fields, prefix, max_key, max_stop = sp, "sampling_params.", "max_new_tokens", MAX_STOP
@@ -331,11 +328,9 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
             raise InvalidRequest("a forced tool call (tool_choice required or a function) and response_format "
                                  "cannot be given together", "tool_choice")
         grammar_spec = tools.grammar
-    n = (_opt_int(body, "n", "", minimum=1, maximum=MAX_N) or 1) if endpoint != "generate" else 1
+    n = _opt_int(fields, "n", prefix, minimum=1, maximum=MAX_N) or 1
     if n > 1 and max_tokens == 0:
-        raise InvalidRequest("n > 1 needs max_tokens of at least 1", "n")
-    if n > 1 and grammar_spec is not None:
-        raise InvalidRequest("n > 1 with a structured output is not supported yet", "n")
+        raise InvalidRequest("n > 1 needs max_tokens of at least 1", prefix + "n")
 
     prompt_ids, prompt_text, messages = None, None, None
     if endpoint == "completions":
