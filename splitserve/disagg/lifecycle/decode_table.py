@@ -50,8 +50,6 @@ from splitserve.disagg.lifecycle.recompute import KV_FAILURE_POLICIES, PromptHer
 from splitserve.disagg.lifecycle.table import Room, RoomTable
 from splitserve.disagg.lifecycle.transitions import DECODE
 
-S = DecodeState
-
 
 @dataclass
 class DecodeRoom(Room):
@@ -74,7 +72,6 @@ class DecodeRoom(Room):
     """Why its KV will not come, once it fell back to computing its prompt here."""
     reclaimed: bool = False
     """It computes its prompt here: no write of a prefill can reach its pages."""
-
 
 
 class DecodeTable(PromptHere, RoomTable):
@@ -113,29 +110,30 @@ class DecodeTable(PromptHere, RoomTable):
                 self._on_peer_info(room, peer, mismatch, now, out)
             case DecodeStep(room=room, new_pages=new_pages):
                 self._first_token_here(room, now, out)
-                r = self._live_room_in(room, S.DECODING, event, out, tuple(new_pages))
+                r = self._live_room_in(room, DecodeState.DECODING, event, out, tuple(new_pages))
                 if r is not None:
                     r.pages += tuple(new_pages)
                     self._rearm(r, now)
             case Finished(room=room, reason=reason):
                 self._first_token_here(room, now, out)
-                r = self._live_room_in(room, S.DECODING, event, out)
+                r = self._live_room_in(room, DecodeState.DECODING, event, out)
                 if r is not None:
                     self._end(r, Ending(reason), now, out)
             case PromptChunk(room=room):
-                r = self._live_room_in(room, S.PREFILLING, event, out)
+                r = self._live_room_in(room, DecodeState.PREFILLING, event, out)
                 if r is not None:
                     self._rearm(r, now)
             case KVLost(room=room, detail=detail):
                 r = self._rooms.get(room)
-                if r is not None and r.state in (S.PREALLOC, S.AWAITING_KV) and not r.alone and r.fallback is None:
+                before_kv = r is not None and r.state in (DecodeState.PREALLOC, DecodeState.AWAITING_KV)
+                if before_kv and not r.alone and r.fallback is None:
                     self._kv_lost(r, Ending(Reason.PEER_FAILED, detail or "its KV will not come"), now, out)
                 else:
                     self._out_of_order(room, event, out)
             case _:
                 super()._on_event(event, now, out)
 
-    def _live_room_in(self, room: int, state: S, event, out: list[Action],
+    def _live_room_in(self, room: int, state: DecodeState, event, out: list[Action],
                       pages: tuple[int, ...] = ()) -> Optional[DecodeRoom]:
         r = self._rooms.get(room)
         if r is not None and r.state is state:
@@ -151,7 +149,7 @@ class DecodeTable(PromptHere, RoomTable):
     def _on_pages(self, room: int, pages: tuple[int, ...], cached_tokens: int, now: float,
                   out: list[Action]) -> None:
         r = self._rooms.get(room)
-        if r is None or r.state is not S.PREALLOC or r.pages:
+        if r is None or r.state is not DecodeState.PREALLOC or r.pages:
             self._out_of_order(room, PagesReserved(room, pages, cached_tokens), out, pages)
             return
         r.pages, r.cached_pages = pages, cached_tokens // self.page_size
@@ -166,7 +164,7 @@ class DecodeTable(PromptHere, RoomTable):
 
     def _on_peer_info(self, room: int, peer: Peer, mismatch: Optional[str], now: float, out: list[Action]) -> None:
         r = self._rooms.get(room)
-        if r is None or r.state is not S.PREALLOC or r.peer is not None:
+        if r is None or r.state is not DecodeState.PREALLOC or r.peer is not None:
             self._out_of_order(room, PeerInfo(room, peer, mismatch), out)
             return
         if r.alone or r.fallback is not None:
@@ -193,7 +191,7 @@ class DecodeTable(PromptHere, RoomTable):
             return
         self._send_registration(r, now, out)
         r.registered = True
-        self._enter(r, S.AWAITING_KV, now, out)
+        self._enter(r, DecodeState.AWAITING_KV, now, out)
 
     def _send_registration(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         """Send RegisterRoom, and again after ``register_resend_s`` unless the KV or the end comes."""
@@ -208,9 +206,9 @@ class DecodeTable(PromptHere, RoomTable):
         if kind != "resend":
             return super()._on_other_timer(kind, room, now, out)
         r = self._rooms.get(room)
-        if r is not None and r.state is S.AWAITING_KV and self._reachable(r.peer):
+        if r is not None and r.state is DecodeState.AWAITING_KV and self._reachable(r.peer):
             self._send_registration(r, now, out)
-        elif r is not None and r.state is S.RECLAIMING and self._reachable(r.peer):
+        elif r is not None and r.state is DecodeState.RECLAIMING and self._reachable(r.peer):
             self._send_abort(r, now, out)
 
     # == messages from prefill ==================================================================
@@ -254,10 +252,10 @@ class DecodeTable(PromptHere, RoomTable):
         if is_terminal(r.state):  # quarantined: every write has landed after all
             r.kv_done = True
             self._release(r, now, out)
-        elif r.state is S.RECLAIMING:  # every write has landed: the pages are the room's alone again
+        elif r.state is DecodeState.RECLAIMING:  # every write has landed: the pages are the room's alone again
             r.kv_done = True
             self._compute_here(r, now, out)
-        elif r.state is not S.AWAITING_KV:
+        elif r.state is not DecodeState.AWAITING_KV:
             out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.id, f"KVDone in {r.state.value}"))
         elif msg.num_tokens != r.prompt_len:
             r.kv_done = True
@@ -271,13 +269,13 @@ class DecodeTable(PromptHere, RoomTable):
             r.kv_done, r.first_token = True, msg.first_token
             self._timers.cancel(("resend", r.id))
             self.peers.unbind(r.peer, r.id)  # prefill's part is over: losing it now costs nothing
-            self._enter(r, S.DECODING, now, out)
+            self._enter(r, DecodeState.DECODING, now, out)
             out.append(StartDecode(r.id, r.rid, msg.first_token, msg.first_logprobs))
 
     def _on_room_failed(self, r: DecodeRoom, msg: protocol.RoomFailed, now: float, out: list[Action]) -> None:
         if is_terminal(r.state):
             out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.id, f"RoomFailed({msg.reason}) after {r.ending}"))
-        elif r.state in (S.RECLAIMING, S.PREFILLING):  # it no longer waits for that prefill's KV
+        elif r.state in (DecodeState.RECLAIMING, DecodeState.PREFILLING):  # it no longer waits for that prefill's KV
             out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.id, f"RoomFailed({msg.reason}) in {r.state.value}"))
         else:
             self._kv_lost(r, ending_from_peer(msg.reason), now, out)
@@ -286,9 +284,9 @@ class DecodeTable(PromptHere, RoomTable):
         r.settled = True
         if is_terminal(r.state):
             self._release(r, now, out)
-        elif r.state is S.RECLAIMING:
+        elif r.state is DecodeState.RECLAIMING:
             self._compute_here(r, now, out)
-        elif r.state is S.AWAITING_KV:  # its RoomFailed was lost or overtaken
+        elif r.state is DecodeState.AWAITING_KV:  # its RoomFailed was lost or overtaken
             self._kv_lost(r, Ending(Reason.PEER_FAILED, "prefill settled its writes without sending the KV"), now, out)
         else:
             out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.id, f"WritesSettled in {r.state.value}"))
@@ -297,21 +295,21 @@ class DecodeTable(PromptHere, RoomTable):
 
     def _on_deadline(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
         late = self.cfg.request_timeout_s is not None and now >= r.born + self.cfg.request_timeout_s
-        if not late and r.state in (S.PREALLOC, S.AWAITING_KV):
+        if not late and r.state in (DecodeState.PREALLOC, DecodeState.AWAITING_KV):
             self._kv_lost(r, self._timeout_ending(r, now), now, out, wait_for_pages=False)  # no room for it
         else:
             super()._on_deadline(r, now, out)
 
     def _timeout_ending(self, r: DecodeRoom, now: float) -> Ending:
         waited = f"{now - r.entered:g}s"
-        if r.state is S.RECLAIMING:
+        if r.state is DecodeState.RECLAIMING:
             return Ending(r.fallback.reason, f"{r.fallback.detail}; its writes did not settle in {waited}")
-        if r.state is S.PREFILLING:
+        if r.state is DecodeState.PREFILLING:
             if r.fallback is not None:
                 return Ending(r.fallback.reason, f"{r.fallback.detail}; recomputing its prompt here made no "
                               f"progress in {waited}")
             return Ending(Reason.STALLED, f"no chunk of its prompt computed here in {waited}")
-        if r.state is S.PREALLOC:
+        if r.state is DecodeState.PREALLOC:
             if r.fallback is not None:
                 return Ending(r.fallback.reason, f"{r.fallback.detail}; no KV pages for its recompute in {waited}")
             if r.alone:
@@ -320,7 +318,7 @@ class DecodeTable(PromptHere, RoomTable):
                 missing = "bootstrap info from prefill" + ("" if r.pages else " nor KV pages")
                 return Ending(Reason.BOOTSTRAP_TIMEOUT, f"no {missing} in {waited}")
             return Ending(Reason.OVERLOADED, f"no KV pages in {waited}")
-        if r.state is S.AWAITING_KV:
+        if r.state is DecodeState.AWAITING_KV:
             return Ending(Reason.TRANSFER_TIMEOUT, f"no KV from {r.peer} in {waited}")
         return Ending(Reason.STALLED, f"no decode step in {waited}")
 
@@ -361,9 +359,9 @@ class DecodeTable(PromptHere, RoomTable):
         r = self._rooms.get(room)
         if r is None:
             return
-        if r.state is S.RECLAIMING:  # the disconnect (emitted just before) fenced the peer's writes
+        if r.state is DecodeState.RECLAIMING:  # the disconnect (emitted just before) fenced the peer's writes
             self._compute_here(r, now, out)
-        elif r.state in (S.PREALLOC, S.AWAITING_KV):
+        elif r.state in (DecodeState.PREALLOC, DecodeState.AWAITING_KV):
             self._kv_lost(r, Ending(Reason.PEER_LOST, detail), now, out)
         elif not is_terminal(r.state):
             self._end(r, Ending(Reason.PEER_LOST, detail), now, out)

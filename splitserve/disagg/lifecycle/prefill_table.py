@@ -43,8 +43,6 @@ from splitserve.disagg.lifecycle.registration import registration_problem
 from splitserve.disagg.lifecycle.table import Room, RoomTable
 from splitserve.disagg.lifecycle.transitions import PREFILL
 
-S = PrefillState
-
 
 @dataclass
 class PrefillRoom(Room):
@@ -175,7 +173,7 @@ class PrefillTable(RoomTable):
         r.skip_pages = msg.cached_tokens // self.page_size
         r.dst_pages = tuple(msg.pages[: r.n_pages - r.skip_pages])
         r.pages_started = r.skip_pages
-        self._enter(r, S.QUEUED, now, out)
+        self._enter(r, PrefillState.QUEUED, now, out)
         out.append(Enqueue(r.id, r.rid))
 
     def _on_other_timer(self, kind: str, room: int, now: float, out: list[Action]) -> None:
@@ -255,18 +253,18 @@ class PrefillTable(RoomTable):
             case Scheduled(room=room, pages=pages):
                 self._on_scheduled(room, tuple(pages), now, out)
             case ChunkDone(room=room, pages_ready=ready):
-                r = self._live_room_in(room, S.PREFILLING, event, out)
+                r = self._live_room_in(room, PrefillState.PREFILLING, event, out)
                 if r is not None:
                     self._write_pages(r, min(ready, r.n_pages), out)
                     self._rearm(r, now)
             case ForwardDone(room=room, first_token=token, first_logprobs=logprobs):
-                r = self._live_room_in(room, S.PREFILLING, event, out)
+                r = self._live_room_in(room, PrefillState.PREFILLING, event, out)
                 if r is not None:
                     r.first_logprobs = logprobs
                     self._on_forward_done(r, token, now, out)
             case WriteDone(room=room, write_id=wid):
                 r = self._settle(room, wid, event, out)
-                if r is not None and r.state is S.TRANSFERRING and not r.writes:
+                if r is not None and r.state is PrefillState.TRANSFERRING and not r.writes:
                     self._finish(r, now, out)
                 elif r is not None:
                     self._release_if_settled(r, now, out)
@@ -279,7 +277,7 @@ class PrefillTable(RoomTable):
             case _:
                 super()._on_event(event, now, out)
 
-    def _live_room_in(self, room: int, state: S, event, out: list[Action]) -> Optional[PrefillRoom]:
+    def _live_room_in(self, room: int, state: PrefillState, event, out: list[Action]) -> Optional[PrefillRoom]:
         r = self._rooms.get(room)
         if r is not None and r.state is state:
             return r
@@ -287,7 +285,7 @@ class PrefillTable(RoomTable):
         return None
 
     def _on_scheduled(self, room: int, pages: tuple[int, ...], now: float, out: list[Action]) -> None:
-        r = self._live_room_in(room, S.QUEUED, Scheduled(room, pages), out)
+        r = self._live_room_in(room, PrefillState.QUEUED, Scheduled(room, pages), out)
         if r is None:
             if pages:
                 out.append(FreePages(room, pages))  # never leak what the engine just allocated
@@ -297,7 +295,7 @@ class PrefillTable(RoomTable):
             self._end(r, Ending(Reason.INTERNAL_ERROR, f"scheduled with {len(pages)} pages, needs {r.n_pages}"),
                       now, out)
             return
-        self._enter(r, S.PREFILLING, now, out)
+        self._enter(r, PrefillState.PREFILLING, now, out)
 
     def _on_forward_done(self, r: PrefillRoom, first_token: int, now: float, out: list[Action]) -> None:
         r.first_token = first_token
@@ -306,7 +304,7 @@ class PrefillTable(RoomTable):
             self._finish(r, now, out)
             return
         nbytes = sum(r.writes.values()) * self.page_nbytes
-        self._enter(r, S.TRANSFERRING, now, out, nbytes)
+        self._enter(r, PrefillState.TRANSFERRING, now, out, nbytes)
 
     def _write_pages(self, r: PrefillRoom, upto: int, out: list[Action]) -> None:
         """Start the write of pages [pages_started, upto)."""
@@ -344,10 +342,11 @@ class PrefillTable(RoomTable):
     def _timeout_ending(self, r: PrefillRoom, now: float) -> Ending:
         waited = f"{now - r.entered:g}s"
         return {
-            S.BOOTSTRAPPING: Ending(Reason.BOOTSTRAP_TIMEOUT, f"no registration from decode in {waited}"),
-            S.QUEUED: Ending(Reason.OVERLOADED, f"queued {waited} for the forward pass"),
-            S.PREFILLING: Ending(Reason.STALLED, f"no chunk finished in {waited}"),
-            S.TRANSFERRING: Ending(Reason.TRANSFER_TIMEOUT, f"{len(r.writes)} writes unfinished after {waited}"),
+            PrefillState.BOOTSTRAPPING: Ending(Reason.BOOTSTRAP_TIMEOUT, f"no registration from decode in {waited}"),
+            PrefillState.QUEUED: Ending(Reason.OVERLOADED, f"queued {waited} for the forward pass"),
+            PrefillState.PREFILLING: Ending(Reason.STALLED, f"no chunk finished in {waited}"),
+            PrefillState.TRANSFERRING: Ending(Reason.TRANSFER_TIMEOUT,
+                                              f"{len(r.writes)} writes unfinished after {waited}"),
         }[r.state]
 
     def _after_end(self, r: PrefillRoom, last: State, now: float, out: list[Action]) -> None:

@@ -26,8 +26,6 @@ from splitserve.disagg.lifecycle.states import DecodeState, Ending, Reason
 if TYPE_CHECKING:
     from splitserve.disagg.lifecycle.decode_table import DecodeRoom
 
-S = DecodeState
-
 
 KV_FALLBACK_REASONS = frozenset({
     Reason.PEER_LOST, Reason.PEER_FAILED, Reason.TRANSFER_TIMEOUT, Reason.BOOTSTRAP_TIMEOUT,
@@ -54,7 +52,7 @@ class PromptHere:
         (``wait_for_pages`` False: no room for the recompute). Otherwise it ends."""
         has_pages = len(r.pages) >= r.n_pages
         if not (self.recompute and ending.reason in KV_FALLBACK_REASONS and not r.alone and r.fallback is None
-                and r.state in (S.PREALLOC, S.AWAITING_KV) and (has_pages or wait_for_pages)):
+                and r.state in (DecodeState.PREALLOC, DecodeState.AWAITING_KV) and (has_pages or wait_for_pages)):
             self._end(r, ending, now, out)
             return
         r.fallback = ending
@@ -66,7 +64,7 @@ class PromptHere:
             self.peers.unbind(r.peer, r.id)
             return
         if self._writes_may_land(r):
-            self._enter(r, S.RECLAIMING, now, out)
+            self._enter(r, DecodeState.RECLAIMING, now, out)
             self._send_abort(r, now, out)  # prefill answers WritesSettled once none of its writes can land
         else:
             if not ending.from_peer and not r.kv_done and self._reachable(r.peer):
@@ -83,11 +81,11 @@ class PromptHere:
         self._timers.cancel(("resend", r.id))
         self.peers.unbind(r.peer, r.id)  # it no longer depends on that prefill
         r.reclaimed = True
-        self._enter(r, S.PREFILLING, now, out)
+        self._enter(r, DecodeState.PREFILLING, now, out)
         out.append(ComputePrompt(r.id, r.rid, r.fallback.reason if r.fallback is not None else None))
 
     def _first_token_here(self, room: int, now: float, out: list[Action]) -> None:
         """A room whose prompt ran here produced its first token: it decodes from now on."""
         r = self._rooms.get(room)
-        if r is not None and r.state is S.PREFILLING:
-            self._enter(r, S.DECODING, now, out)
+        if r is not None and r.state is DecodeState.PREFILLING:
+            self._enter(r, DecodeState.DECODING, now, out)
