@@ -82,7 +82,7 @@ def test_packed_weight_dequantizes_and_multiplies_like_its_reference(ops, kind, 
     assert (y.double() - own).abs().max() <= 1e-5 * own.abs().max(), "the kernel's own arithmetic"
     exact = x.double() @ weight.double().T + bias.double()
     assert (y.double() - exact).abs().max() <= 2e-2 * exact.abs().max(), "int8 activations cost more than 2%"
-    for m in (1, 2, 3, 4, 5, 16):
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16):  # every row tile (up to 8) and its tails
         for at in (0, 37 - m):
             assert torch.equal(qw.linear(x[at:at + m]), y[at:at + m]), (m, at)
     y16 = qw.linear(x.bfloat16())

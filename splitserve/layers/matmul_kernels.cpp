@@ -451,15 +451,31 @@ inline void tile(int64_t kind, const uint8_t* grp, const Acts& a, int64_t m0, fl
 }
 #endif
 
+// Rows per tile: 8 where AVX-512VL gives 32 vector registers (a weight group's nibbles unpacked
+// once for 8 rows: 2-6 % faster on 512-2,048-row prompt chunks, Zen 4), else 4 (AVX2's 16).
+#if defined(QK_VNNI)
+constexpr int64_t MR_MAX = 8;
+#else
 constexpr int64_t MR_MAX = 4;
+#endif
 constexpr int64_t GROUP_CHUNK = 16;  // groups of weights kept hot while the row tiles pass over them
+
+// a tile size past this build's maximum is never asked for
+template <int MR>
+inline void tile_or_max(int64_t kind, const uint8_t* grp, const Acts& a, int64_t m0, float* res) {
+  tile<(MR <= MR_MAX ? MR : int(MR_MAX))>(kind, grp, a, m0, res);
+}
 
 void tile_rows(int64_t mr, int64_t kind, const uint8_t* grp, const Acts& a, int64_t m0, float* res) {
   switch (mr) {
     case 1: return tile<1>(kind, grp, a, m0, res);
     case 2: return tile<2>(kind, grp, a, m0, res);
     case 3: return tile<3>(kind, grp, a, m0, res);
-    default: return tile<4>(kind, grp, a, m0, res);
+    case 4: return tile<4>(kind, grp, a, m0, res);
+    case 5: return tile_or_max<5>(kind, grp, a, m0, res);
+    case 6: return tile_or_max<6>(kind, grp, a, m0, res);
+    case 7: return tile_or_max<7>(kind, grp, a, m0, res);
+    default: return tile_or_max<8>(kind, grp, a, m0, res);
   }
 }
 
