@@ -13,8 +13,9 @@
 // order fixed by its length alone: written out as 8 (16) interleaved partial sums combined
 // pairwise, never left to the vectorizer, whose order may follow a buffer's alignment. The
 // attention of a prompt's row and of a decoding row at the same position is one routine
-// (attend_item), so a token's logits are the same whether it was computed in a prefill chunk of
-// any size or alone (what the recompute after a lost transfer relies on).
+// (attend_heads_v; a prompt's rows go two at a time, sharing only the loads of each key and value
+// row), so a token's logits are the same whether it was computed in a prefill chunk of any size or
+// alone (what the recompute after a lost transfer relies on).
 //
 //   decode_attention   one query row per sequence over its paged KV, read in place (no gather)
 //   prefill_attention  the rows of one prompt chunk over the sequence's paged KV, each as decode would
@@ -212,64 +213,89 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-// GB query heads of one kv head at once over all L tokens: each key and value row is loaded (and
-// converted) once for the GB heads. q: GB rows of D floats, already scaled; scores: GB x L
-// buffer; out: GB rows of D floats, normalised. Registers: GB * DV for q or the accumulators.
-template <typename T, int DV, int GB>
-inline void attend_heads_v(const float* q, const T* kv, const int64_t* pages, int64_t L, int64_t P,
-                           int64_t s_page, int64_t s_kv, int64_t s_row, float* scores, float* out) {
-  __m512 qv[GB][DV];
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < DV; ++c) qv[g][c] = _mm512_loadu_ps(q + g * DV * 16 + 16 * c);
-  for (int64_t t0 = 0; t0 < L; t0 += P) {
+// GB query heads of one kv head, of R consecutive rows of one sequence (row r attends its first
+// L[r] tokens, L[0] <= ... <= L[R-1]), at once: each key and value row is loaded (and converted)
+// once for the R x GB heads, which changes no arithmetic (each (row, head) runs the operations it
+// runs alone, in the same order: R = 2 is only shared loads). q: R x GB rows of D floats (row r's
+// heads at q + r * qs), already scaled; scores: R x GB x L[R-1] buffer; out: like q, normalised.
+// Registers: R * GB * DV for q or the accumulators.
+template <typename T, int DV, int GB, int R>
+inline void attend_heads_v(const float* q, int64_t qs, const T* kv, const int64_t* pages, const int64_t* L,
+                           int64_t P, int64_t s_page, int64_t s_kv, int64_t s_row, float* scores, float* out) {
+  const int64_t Lmax = L[R - 1];
+  __m512 qv[R][GB][DV];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < DV; ++c) qv[r][g][c] = _mm512_loadu_ps(q + r * qs + g * DV * 16 + 16 * c);
+  for (int64_t t0 = 0; t0 < Lmax; t0 += P) {
     const T* k = kv + pages[t0 / P] * s_page;
-    const int64_t n = std::min(P, L - t0);
+    const int64_t n = std::min(P, Lmax - t0);
     for (int64_t i = 0; i < n; ++i) {
       __m512 kr[DV];
       for (int c = 0; c < DV; ++c) kr[c] = load16(k + i * s_row + 16 * c);
-      for (int g = 0; g < GB; ++g) {
-        __m512 a = _mm512_mul_ps(qv[g][0], kr[0]);
-        for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[g][c], kr[c], a);
-        scores[g * L + t0 + i] = _mm512_reduce_add_ps(a);
+      for (int r = 0; r < R; ++r) {
+        if (t0 + i >= L[r]) continue;  // past this row's tokens (the last rows' few extra keys)
+        for (int g = 0; g < GB; ++g) {
+          __m512 a = _mm512_mul_ps(qv[r][g][0], kr[0]);
+          for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[r][g][c], kr[c], a);
+          scores[(r * GB + g) * Lmax + t0 + i] = _mm512_reduce_add_ps(a);
+        }
       }
     }
   }
-  float inv[GB];
-  for (int g = 0; g < GB; ++g) inv[g] = softmax_unnormalized(scores + g * L, L);
-  __m512 acc[GB][DV];
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t t0 = 0; t0 < L; t0 += P) {
+  float inv[R][GB];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < GB; ++g) inv[r][g] = softmax_unnormalized(scores + (r * GB + g) * Lmax, L[r]);
+  __m512 acc[R][GB][DV];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < DV; ++c) acc[r][g][c] = _mm512_setzero_ps();
+  for (int64_t t0 = 0; t0 < Lmax; t0 += P) {
     const T* v = kv + pages[t0 / P] * s_page + s_kv;
-    const int64_t n = std::min(P, L - t0);
+    const int64_t n = std::min(P, Lmax - t0);
     for (int64_t i = 0; i < n; ++i) {
       __m512 vr[DV];
       for (int c = 0; c < DV; ++c) vr[c] = load16(v + i * s_row + 16 * c);
-      for (int g = 0; g < GB; ++g) {
-        const __m512 w = _mm512_set1_ps(scores[g * L + t0 + i]);
-        for (int c = 0; c < DV; ++c) acc[g][c] = _mm512_fmadd_ps(w, vr[c], acc[g][c]);
+      for (int r = 0; r < R; ++r) {
+        if (t0 + i >= L[r]) continue;
+        for (int g = 0; g < GB; ++g) {
+          const __m512 w = _mm512_set1_ps(scores[(r * GB + g) * Lmax + t0 + i]);
+          for (int c = 0; c < DV; ++c) acc[r][g][c] = _mm512_fmadd_ps(w, vr[c], acc[r][g][c]);
+        }
       }
     }
   }
-  for (int g = 0; g < GB; ++g)
-    for (int c = 0; c < DV; ++c)
-      _mm512_storeu_ps(out + g * DV * 16 + 16 * c, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv[g])));
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < GB; ++g)
+      for (int c = 0; c < DV; ++c)
+        _mm512_storeu_ps(out + r * qs + g * DV * 16 + 16 * c, _mm512_mul_ps(acc[r][g][c], _mm512_set1_ps(inv[r][g])));
 }
 
-// heads [g0, g0 + gb) through attend_heads_v, gb <= 16 / DV (q and accumulators fit 16 registers)
-template <typename T, int DV>
-inline void attend_group_v(int64_t gb, const float* q, const T* kv, const int64_t* pages, int64_t L, int64_t P,
-                           int64_t s_page, int64_t s_kv, int64_t s_row, float* scores, float* out) {
+// query heads of one kv head attended at once: R * heads * DV registers for q (or the
+// accumulators), 16 of AVX-512's 32 for one row, 24 for two (none for two rows of D = 256)
+constexpr int64_t heads_per_group(int DV, int R) { return R == 1 ? 16 / DV : 12 / DV; }
+
+// heads [g0, g0 + gb) of R rows through attend_heads_v, gb <= heads_per_group(DV, R)
+template <typename T, int DV, int R>
+inline void attend_group_v(int64_t gb, const float* q, int64_t qs, const T* kv, const int64_t* pages,
+                           const int64_t* L, int64_t P, int64_t s_page, int64_t s_kv, int64_t s_row, float* scores,
+                           float* out) {
+  constexpr int64_t most = heads_per_group(DV, R);
   switch (gb) {
-    case 1: return attend_heads_v<T, DV, 1>(q, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
-    case 2: if constexpr (DV <= 8) return attend_heads_v<T, DV, 2>(q, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
+    case 1: if constexpr (most >= 1)
+              return attend_heads_v<T, DV, 1, R>(q, qs, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
             break;
-    case 3: if constexpr (DV <= 4) return attend_heads_v<T, DV, 3>(q, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
+    case 2: if constexpr (most >= 2)
+              return attend_heads_v<T, DV, 2, R>(q, qs, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
             break;
-    case 4: if constexpr (DV <= 4) return attend_heads_v<T, DV, 4>(q, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
+    case 3: if constexpr (most >= 3)
+              return attend_heads_v<T, DV, 3, R>(q, qs, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
+            break;
+    case 4: if constexpr (most >= 4)
+              return attend_heads_v<T, DV, 4, R>(q, qs, kv, pages, L, P, s_page, s_kv, s_row, scores, out);
             break;
   }
-  TORCH_CHECK(false, "attend_group_v: group of ", gb, " heads with DV ", DV);
+  TORCH_CHECK(false, "attend_group_v: group of ", gb, " heads of ", R, " rows with DV ", DV);
 }
 #endif
 
@@ -299,10 +325,10 @@ void attend_item(const T* q, int64_t qsH, const T* kvp, const KVView& kv, int64_
   }
 #if defined(__AVX512F__)
   if constexpr (DV > 0) {
-    constexpr int64_t gmax = 16 / DV;
+    constexpr int64_t gmax = heads_per_group(DV, 1);
     for (int64_t g0 = 0; g0 < G; g0 += gmax) {
-      attend_group_v<T, DV>(std::min(gmax, G - g0), qf.data() + g0 * D, kvp + h * kv.s_head, pages, L, P,
-                            kv.s_page, kv.s_kv, kv.s_row, scores.data(), acc.data() + g0 * D);
+      attend_group_v<T, DV, 1>(std::min(gmax, G - g0), qf.data() + g0 * D, 0, kvp + h * kv.s_head, pages, &L, P,
+                               kv.s_page, kv.s_kv, kv.s_row, scores.data(), acc.data() + g0 * D);
     }
   } else
 #endif
@@ -323,6 +349,40 @@ void attend_item(const T* q, int64_t qsH, const T* kvp, const KVView& kv, int64_
     }
   }
   for (int64_t g = 0; g < G; ++g) store(acc.data() + g * D, out + g * osH, D);
+}
+
+// Two consecutive rows of a prefill chunk (row 1 attends one token more than row 0), the G query
+// heads of kv head h: each key and value row is loaded once for both rows, each (row, head) runs
+// exactly what attend_item runs for it (the same bits: a row's result never depends on its
+// neighbour). Where two rows' registers do not fit (D = 256, or no AVX-512), one row at a time.
+template <typename T, int DV>
+void attend_pair(const T* q, int64_t qsT, int64_t qsH, const T* kvp, const KVView& kv, int64_t h,
+                 const int64_t* pages, int64_t L0, float scale, int64_t G, T* out, int64_t osT, int64_t osH,
+                 std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores) {
+#if defined(__AVX512F__)
+  if constexpr (DV > 0 && heads_per_group(DV, 2) > 0) {
+    constexpr int64_t gmax = heads_per_group(DV, 2);
+    const int64_t D = kv.D, L[2] = {L0, L0 + 1};
+    qf.resize(2 * G * D);
+    acc.resize(2 * G * D);
+    scores.resize(2 * gmax * L[1]);
+    for (int64_t r = 0; r < 2; ++r)
+      for (int64_t g = 0; g < G; ++g) {
+        float* dst = qf.data() + (r * G + g) * D;
+        load(q + r * qsT + g * qsH, dst, D);
+        for (int64_t d = 0; d < D; ++d) dst[d] *= scale;
+      }
+    for (int64_t g0 = 0; g0 < G; g0 += gmax) {
+      attend_group_v<T, DV, 2>(std::min(gmax, G - g0), qf.data() + g0 * D, G * D, kvp + h * kv.s_head, pages, L,
+                               kv.P, kv.s_page, kv.s_kv, kv.s_row, scores.data(), acc.data() + g0 * D);
+    }
+    for (int64_t r = 0; r < 2; ++r)
+      for (int64_t g = 0; g < G; ++g) store(acc.data() + (r * G + g) * D, out + r * osT + g * osH, D);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < 2; ++r)
+    attend_item<T, DV>(q + r * qsT, qsH, kvp, kv, h, pages, L0 + r, scale, G, out + r * osT, osH, qf, acc, scores);
 }
 
 // q [B, H, D]; kv one layer of the pool; table [B, max_pages] int64; lens [B] int64; out [B, H, D].
@@ -352,7 +412,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::
 }
 
 // q [n, H, D]: a chunk of one sequence's rows, row i at position start + i (its keys already in the
-// pool: rope_store ran first); pages [>= ceil((start + n) / P)] int64. Work item = (row, kv head).
+// pool: rope_store ran first); pages [>= ceil((start + n) / P)] int64. Work item = (pair of rows, kv head).
 template <typename T, int DV>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& pages, int64_t start,
                             double scale, at::Tensor& out) {
@@ -364,13 +424,18 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at:
   const T* kvp = kv.data_ptr<T>();
   const int64_t* pp = pages.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  const int64_t work = n * (start + n) * H * D * 2;
-  at::parallel_for(0, n * view.Hkv, grain_for(work, n * view.Hkv), [&](int64_t begin, int64_t end) {
+  const int64_t work = n * (start + n) * H * D * 2, pairs = (n + 1) / 2;
+  at::parallel_for(0, pairs * view.Hkv, grain_for(work, pairs * view.Hkv), [&](int64_t begin, int64_t end) {
     std::vector<float> qf, acc, scores;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / view.Hkv, h = item % view.Hkv;
-      attend_item<T, DV>(qp + i * qsT + h * G * qsH, qsH, kvp, view, h, pp, start + i + 1, float(scale), G,
-                         op + i * osT + h * G * osH, osH, qf, acc, scores);
+      const int64_t i = 2 * (item / view.Hkv), h = item % view.Hkv;
+      const T* qi = qp + i * qsT + h * G * qsH;
+      T* oi = op + i * osT + h * G * osH;
+      if (i + 1 < n)
+        attend_pair<T, DV>(qi, qsT, qsH, kvp, view, h, pp, start + i + 1, float(scale), G, oi, osT, osH, qf, acc,
+                           scores);
+      else
+        attend_item<T, DV>(qi, qsH, kvp, view, h, pp, start + i + 1, float(scale), G, oi, osH, qf, acc, scores);
     }
   });
 }
