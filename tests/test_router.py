@@ -952,3 +952,23 @@ def test_a_client_gone_as_its_body_completes_is_not_missed(where):
             await task
 
     asyncio.run(main())
+
+
+def test_no_wait_for_in_the_servers():
+    """The siblings of the read_body case above: every bounded await of the router and the worker
+    uses ``asyncio.timeout``, never ``asyncio.wait_for``, which on Python 3.11 drops a cancellation
+    that arrives in the turn its inner future completes (the leg, drain, error-body and release
+    waits had it). The simulator's HTTP client (``sim/http.py``) stands in for aiohttp's own
+    timeout and is not served code."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent / "splitserve"
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "sim":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "wait_for":
+                found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, f"asyncio.wait_for can lose a cancellation; use asyncio.timeout: {found}"

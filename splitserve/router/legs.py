@@ -50,7 +50,10 @@ class Leg:
     async def _post(self, session, url: str, data: bytes, headers: dict, timeout, header_timeout: Optional[float]):
         post = session.post(url, data=data, headers=headers, timeout=timeout, allow_redirects=False)
         try:
-            resp = await asyncio.wait_for(post, header_timeout)
+            # asyncio.timeout, never wait_for: on Python 3.11 wait_for drops a cancellation that
+            # arrives in the turn its inner future completes, and the task then goes on as if not cancelled
+            async with asyncio.timeout(header_timeout):
+                resp = await post
         except aiohttp.ServerTimeoutError:  # the connect timeout, inside the post
             raise
         except asyncio.TimeoutError:
@@ -98,7 +101,8 @@ class Leg:
         """Wait for the headers and read the body to its end (dropped); abort if it takes longer than
         ``timeout``. Never raises, except for the caller's own cancellation (which aborts first)."""
         try:
-            await asyncio.wait_for(self._read_all(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._read_all()
         except asyncio.CancelledError:
             self.abort()
             raise

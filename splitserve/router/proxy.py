@@ -215,7 +215,8 @@ class Exchange:
     async def _error_code(self, leg: Leg) -> Optional[str]:
         """The OpenAI-style ``error.code`` of a leg's error body (read once; aiohttp keeps it)."""
         try:
-            payload = await asyncio.wait_for(leg.response.read(), min(self.remaining(), ERROR_BODY_S))
+            async with asyncio.timeout(min(self.remaining(), ERROR_BODY_S)):  # not wait_for (router/legs.py)
+                payload = await leg.response.read()
             code = json.loads(payload).get("error", {}).get("code")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             return None
@@ -300,7 +301,8 @@ class Exchange:
         resp = leg.response
         self.status = resp.status
         try:
-            payload = await asyncio.wait_for(resp.read(), min(self.remaining(), ERROR_BODY_S))
+            async with asyncio.timeout(min(self.remaining(), ERROR_BODY_S)):
+                payload = await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             message = f"the {role} worker {leg.worker.url} answered {resp.status} and then failed: {describe_error(e)}"
             return web.json_response(error_body(message, resp.status), status=resp.status)
@@ -330,7 +332,8 @@ class Exchange:
     async def _unary_decode(self) -> web.Response:
         resp = self.decode.response
         try:
-            payload = await asyncio.wait_for(resp.read(), self.remaining())
+            async with asyncio.timeout(self.remaining()):
+                payload = await resp.read()
         except asyncio.TimeoutError:
             raise Deadline() from None
         except aiohttp.ClientError as exc:

@@ -513,7 +513,8 @@ async def _serve(engine, server_config: ServerConfig, ssl_context=None, incarnat
         await loop.run_in_executor(None, registration.revoke)
         log.info("discovery: serving %.1f s more before draining", server_config.discovery_grace_s)
         try:
-            await asyncio.wait_for(force.wait(), server_config.discovery_grace_s)
+            async with asyncio.timeout(server_config.discovery_grace_s):  # not wait_for (see router/legs.py)
+                await force.wait()
         except asyncio.TimeoutError:
             pass
     await _drain(state, server_config.drain_timeout_s, force)

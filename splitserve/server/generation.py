@@ -158,7 +158,8 @@ async def _release(state, rid: str, stream, acc: proto.Accumulator) -> None:
                     return
 
         try:
-            await asyncio.wait_for(to_the_end(), RELEASE_TIMEOUT_S)
+            async with asyncio.timeout(RELEASE_TIMEOUT_S):  # not wait_for: it can lose a cancellation
+                await to_the_end()
         except (asyncio.TimeoutError, RuntimeError, StopAsyncIteration):
             log.warning("request %s: no end from the engine %.0fs after its abort", rid, RELEASE_TIMEOUT_S)
     aclose = getattr(stream, "aclose", None)
