@@ -3,9 +3,8 @@
 are what those tests cost, so workers started by one test are used by the next.
 
 - Workers are named ``p1``, ``d1`` ... (``p``: prefill, else decode); each registers in etcd with
-  ``--discovery`` and answers ``/health`` with its id (``worker.wid``). ``p1`` and ``d1`` keep the
-  default id (``ROLE@127.0.0.1:PORT``), the others are given ``--worker-id NAME``: a restart on the
-  same port (:meth:`EtcdCluster.restart`) keeps either.
+  ``--discovery`` as ``--worker-id NAME`` (``worker.name``), so one started again under its name,
+  on any port, is a new incarnation of the same worker.
 - :meth:`EtcdCluster.ensure` starts the named workers not running (so a test run alone, or a file
   run alone, finds what it needs); workers load in parallel.
 - :class:`Load`: steady streaming ``/generate`` through a router, every failure kept, every
@@ -19,8 +18,6 @@ import os
 import signal
 import threading
 import time
-from typing import Optional
-
 import pytest
 import requests
 
@@ -29,7 +26,6 @@ from conftest import ServerProcess, free_port
 from etcd_server import EtcdServer, have_etcd
 
 TTL_S = "6"  # short for the tests, long enough that a loaded machine keeps a live worker's lease
-DEFAULT_IDS = ("p1", "d1")
 
 
 def wait_for(what: str, check, timeout: float = 90.0):
@@ -56,21 +52,20 @@ class EtcdCluster:
             pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
         return EtcdServer()
 
-    def spawn(self, name: str, *extra: str, model: str = "tiny", port: Optional[int] = None,
-              bootstrap: Optional[int] = None) -> ServerProcess:
-        """Start worker ``name`` (not waiting for it), on ``port`` and ``bootstrap`` if given."""
+    def spawn(self, name: str, *extra: str, model: str = "tiny") -> ServerProcess:
+        """Start worker ``name`` on free ports (not waiting for it); it replaces any of that name in
+        ``procs``."""
         role = "prefill" if name.startswith("p") else "decode"
-        args = ["--role", role, "--discovery", self.etcd.url(), "--discovery-ttl-s", TTL_S,
+        args = ["--role", role, "--worker-id", name, "--discovery", self.etcd.url(), "--discovery-ttl-s", TTL_S,
                 "--discovery-grace-s", "2", *extra]
-        if name not in DEFAULT_IDS:
-            args += ["--worker-id", name]
         if role == "prefill":
-            bootstrap = bootstrap or free_port()
+            bootstrap = free_port()
             args += ["--bootstrap-port", str(bootstrap)]
+        else:
+            bootstrap = None
         proc = ServerProcess(*args, model=model)
         proc.name, proc.role, proc.bootstrap_port = name, role, bootstrap
-        proc._spawn(port or free_port())
-        proc.wid = f"{role}@127.0.0.1:{proc.port}" if name in DEFAULT_IDS else name
+        proc.spawn()
         self.procs[name] = proc
         return proc
 
@@ -80,15 +75,6 @@ class EtcdCluster:
         for p in procs:
             p.wait_ready()
         return [self.procs[n] for n in names]
-
-    def restart(self, name: str) -> ServerProcess:
-        """SIGTERM worker ``name``, wait for its clean exit, and start it again on its ports (a new
-        incarnation of the same id), not waiting for it."""
-        old = self.procs[name]
-        old.send_signal(signal.SIGTERM)
-        assert old.proc.wait(120) == 0, old.output_tail()
-        old.stop()
-        return self.spawn(name, port=old.port, bootstrap=old.bootstrap_port)
 
     def stop(self, *names: str) -> None:
         """Stop the named workers together (their drains overlap)."""

@@ -35,7 +35,7 @@ def router(etcd_cluster):
 
 def running(c) -> set[str]:
     """The ids of the session's workers that are running."""
-    return {p.wid for p in c.procs.values() if p.proc.poll() is None}
+    return {p.name for p in c.procs.values() if p.proc.poll() is None}
 
 
 def test_workers_registered_in_etcd_are_served(etcd_cluster, router):
@@ -43,10 +43,10 @@ def test_workers_registered_in_etcd_are_served(etcd_cluster, router):
     wait_for("the router ready", lambda: requests.get(router.url + "/health", timeout=5).status_code == 200)
     wait_for("every running worker found", lambda: set(routable(router)) == running(etcd_cluster))
     seen = routable(router)
-    assert {p1.wid, d1.wid} <= set(seen) and all(w["source"] == "discovery" for w in seen.values()), seen
+    assert {p1.name, d1.name} <= set(seen) and all(w["source"] == "discovery" for w in seen.values()), seen
     for proc in (p1, d1):
         health = requests.get(proc.url + "/health", timeout=5).json()
-        assert seen[proc.wid]["incarnation"] == health["incarnation"]
+        assert seen[proc.name]["incarnation"] == health["incarnation"]
     r = requests.post(router.url + "/generate", json={"input_ids": [1, 2, 3],
                                                       "sampling_params": {"max_new_tokens": 4}}, timeout=60)
     assert r.status_code == 200, r.text
@@ -61,7 +61,7 @@ def test_static_workers_serve_beside_discovery(etcd_cluster, router):
     try:
         wait_for("the second router ready", lambda: requests.get(other.url + "/health", timeout=5).status_code == 200)
         seen = {w["id"]: w["source"] for w in listed(other)}
-        assert seen[p1.wid] == "static" and seen[d1.wid] == "discovery", seen
+        assert seen[p1.name] == "static" and seen[d1.name] == "discovery", seen
         assert len(seen) == len(running(etcd_cluster)), seen
         r = requests.post(other.url + "/generate", json={"input_ids": [4, 5], "sampling_params":
                                                          {"max_new_tokens": 2}}, timeout=60)
@@ -73,7 +73,7 @@ def test_static_workers_serve_beside_discovery(etcd_cluster, router):
 def test_values_under_the_prefix_that_are_no_records_are_ignored(etcd_cluster, router):
     p1, d1 = etcd_cluster.ensure("p1", "d1")
     e = etcd_cluster.etcd.client()
-    good = json.loads(e.get(f"/splitserve/workers/{d1.wid}")[0])
+    good = json.loads(e.get(f"/splitserve/workers/{d1.name}")[0])
     bad = {"/splitserve/workers/junk": "not json",
            "/splitserve/workers/evil": json.dumps({**good, "id": "evil", "url": "http://user@10.0.0.1:1"}),
            "/splitserve/workers/other": json.dumps({**good, "id": "not-other"}),  # key and id differ
@@ -106,7 +106,7 @@ def test_a_worker_started_under_load_gets_legs(etcd_cluster, router):
         for proc in started:
             wait_for(f"{proc.name} serving routed requests", lambda: finished(proc) > 0)
     assert not load.failures, load.failures[:3]
-    assert set(routable(router)) >= {p.wid for p in etcd_cluster.procs.values()}
+    assert set(routable(router)) >= {p.name for p in etcd_cluster.procs.values()}
 
 
 def retries(router: RouterProcess) -> dict[str, float]:
@@ -130,58 +130,67 @@ def test_a_rolling_restart_under_load_fails_no_request_and_leaks_no_page(etcd_cl
     """The rolling-stop test of issue 18 (retries before the commit, each with a fresh room) and the
     rolling restart of issue 19 (discovery's drain contract): one test, shared by both issues.
 
-    Each of 2 prefill + 2 decode workers is SIGTERMed and, once it exited, started again on its
-    ports (a new incarnation of the same id), one at a time, under steady streaming load through two
-    routers at once:
+    Each of 2 prefill + 2 decode workers, one at a time, is SIGTERMed and started again on other
+    ports (a new incarnation of the same id, loading while the old one drains), under steady
+    streaming load through two routers at once:
 
     - this file's discovery router, which does not retry: no request fails, because a worker told
       to stop revokes its lease first (the router sends it no new leg), then serves what it has;
+      the router finds the new incarnation at its new address;
     - a static router given the four by URL and id, which keeps each in rotation whatever its health
       checks say (``--health-failures`` beyond any count here): it sends legs to each worker as it
-      drains and while it is down, and no request fails because every such leg is tried again on
-      another worker with a new room; it takes the new incarnation back when it answers.
+      drains and once it is gone, and no request fails because every such leg is tried again on
+      another worker with a new room. Once the new incarnation is up it is told as an operator
+      tells it (``DELETE /workers/ID``, ``POST /workers``).
 
     Then: no request failed through either router; the static router retried legs of both roles
-    (waited for while each worker was down), counted by cause, as many as its records hold failed
-    attempts; no room served two attempts, of any request of either router; the discovery router
-    lists the four new incarnations only; every worker's pages are back to total."""
+    (waited for while each worker stopped), counted by cause, as many as its records hold failed
+    attempts; no room served two attempts, of any request of either router; both routers list the
+    four new incarnations only; every worker's pages are back to total."""
     c = etcd_cluster
     names = ("p1", "d1", "p2", "d2")
     procs = c.ensure(*names)
     pinned = ["--health-interval-s", "0.5", "--health-failures", "1000000", "--retry-budget-min", "1000000"]
     for p in procs:
         pinned += ["--prefill", p.url, str(p.bootstrap_port)] if p.role == "prefill" else ["--decode", p.url]
-        pinned.append(f"id={p.wid}")
+        pinned.append(f"id={p.name}")
     static = RouterProcess([], [], *pinned).start()
+
+    def role_retries(role: str) -> float:
+        return sum(v for k, v in retries(static).items() if k.startswith(role + ":"))
+
     try:
         with Load(router.url, tag="found") as found, Load(static.url, threads=1, tag="pinned") as pinned_load:
             found.wait_done(2)
             pinned_load.wait_done(2)
             for name in names:
                 old = c.procs[name]
-                before = routable(router)[old.wid]["incarnation"]
-                retried = sum(v for k, v in retries(static).items() if k.startswith(old.role + ":"))
+                before, retried = routable(router)[name]["incarnation"], role_retries(old.role)
                 old.send_signal(signal.SIGTERM)
-                assert old.proc.wait(120) == 0, old.output_tail()
-                old.stop()
-                wait_for(f"the static router retrying {name}'s legs elsewhere", lambda: sum(
-                    v for k, v in retries(static).items() if k.startswith(old.role + ":")) > retried)
-                new = c.spawn(name, port=old.port, bootstrap=old.bootstrap_port)
+                new = c.spawn(name)
+                wait_for(f"the static router retrying {name}'s legs elsewhere", lambda: role_retries(old.role) > retried)
                 new.wait_ready()
                 incarnation = requests.get(new.url + "/health", timeout=10).json()["incarnation"]
                 assert incarnation != before
-                wait_for(f"{name}'s new incarnation in rotation", lambda: (routable(router).get(new.wid) or {})
-                         .get("incarnation") == incarnation)
-                wait_for(f"{name}'s new incarnation taken back by the static router",
-                         lambda: (routable(static).get(new.wid) or {}).get("incarnation") == incarnation)
+                wait_for(f"{name}'s new incarnation in rotation at its new address",
+                         lambda: routable(router).get(name, {}).get("url") == new.url)
+                assert routable(router)[name]["incarnation"] == incarnation
+                assert requests.delete(f"{static.url}/workers/{name}", timeout=10).status_code == 202
+                added = {"url": new.url, "worker_type": new.role, "id": name,
+                         **({"bootstrap_port": new.bootstrap_port} if new.role == "prefill" else {})}
+                r = requests.post(static.url + "/workers", json=added, timeout=30)
+                assert r.status_code == 202, r.text
+                wait_for(f"{name}'s new incarnation in the static router's rotation",
+                         lambda: routable(static).get(name, {}).get("url") == new.url)
+                assert old.proc.wait(120) == 0, old.output_tail()
+                old.stop()
                 found.wait_done(4)
                 pinned_load.wait_done(2)
         assert not found.failures, found.failures[:3]
         assert not pinned_load.failures, pinned_load.failures[:3]
-        assert {w["id"]: w["incarnation"] for w in listed(router)} == {w["id"]: w["incarnation"]
-                                                                       for w in routable(static).values()}
-        assert len(listed(router)) == 4  # the old incarnations are gone
-        assert all(w["restarts"] == 1 for w in listed(static)), listed(static)
+        now = {p.name: p.url for p in c.procs.values() if p.name in names}
+        wait_for("the old incarnations gone from both routers",
+                 lambda: all({w["id"]: w["url"] for w in listed(r)} == now for r in (router, static)))
         counted = retries(static)
         assert {k.split(":")[0] for k in counted} == {"prefill", "decode"}, counted
         assert {k.split(":")[1] for k in counted} <= {"unavailable", "unreachable", "gone"}, counted
@@ -203,7 +212,7 @@ def test_a_worker_killed_is_out_of_rotation_and_gets_nothing_after(etcd_cluster,
         victim = etcd_cluster.procs.pop("d2")
         victim.proc.send_signal(signal.SIGKILL)
         victim.proc.wait(10)
-        wait_for("d2 out of the set (its lease expired)", lambda: victim.wid not in {w["id"] for w in listed(router)},
+        wait_for("d2 out of the set (its lease expired)", lambda: victim.name not in {w["id"] for w in listed(router)},
                  60)
         failed_before = len(load.failures)  # only requests that were on d2 when it died may fail
         load.wait_done(8)
@@ -227,7 +236,7 @@ def test_two_fingerprints_under_one_name_are_never_paired_across(etcd_cluster, r
         p.wait_ready()
     wait_for("pb and db in rotation", lambda: {"pb", "db"} <= set(routable(router)))
     fingerprints = {w["id"]: w["model_fingerprint"] for w in listed(router)}
-    p1, d1 = c.procs["p1"].wid, c.procs["d1"].wid
+    p1, d1 = c.procs["p1"].name, c.procs["d1"].name
     assert fingerprints["pb"] == fingerprints["db"] != fingerprints[p1] == fingerprints[d1], fingerprints
     old = [p for n, p in c.procs.items() if n not in ("pb", "db") and p.proc.poll() is None]
     before = {p.name: finished(p) for p in old + procs}

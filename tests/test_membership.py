@@ -24,7 +24,7 @@ ROUTER_ARGS = ("--health-interval-s", "0.5", "--health-failures", "1", "--no-pd-
 
 @pytest.fixture(scope="module")
 def workers(etcd_cluster):
-    """p1 and d1 (default ids, the router's own), p2 (given its id, added by POST /workers)."""
+    """p1 and d1 (the router's own) and p2 (added by POST /workers)."""
     return etcd_cluster.ensure("p1", "d1", "p2")
 
 
@@ -42,13 +42,15 @@ def router_workers(router) -> list[dict]:
     return requests.get(router.url + "/workers", timeout=10).json()["workers"]
 
 
-def test_every_worker_reports_its_identity(workers, router):
+def test_every_worker_reports_its_identity(workers, router, server):
     p1, d1, p2 = workers
+    health = requests.get(server.url + "/health", timeout=10).json()  # a worker given no --worker-id
+    assert health["id"] == f"colocated@127.0.0.1:{server.port}" and health["role"] == "colocated"
     seen = set()
     for w in workers:
         health = requests.get(w.url + "/health", timeout=10).json()
         assert health["status"] == "ok" and health["role"] == w.role
-        assert health["id"] == w.wid
+        assert health["id"] == w.name
         info = requests.get(w.url + "/get_server_info", timeout=10).json()
         assert (info["id"], info["incarnation"]) == (health["id"], health["incarnation"])
         assert info["transfer_backend"] == "nixl" and isinstance(info["protocol_version"], int)
@@ -56,9 +58,8 @@ def test_every_worker_reports_its_identity(workers, router):
         assert info["bootstrap_port"] == (w.bootstrap_port if w.role == "prefill" else None)
         seen.add(health["incarnation"])
     assert len(seen) == 3  # each process start its own
-    assert (p1.wid, d1.wid, p2.wid) == (f"prefill@127.0.0.1:{p1.port}", f"decode@127.0.0.1:{d1.port}", "p2")
     listed = {(w["url"], w["id"]) for w in router_workers(router)}
-    assert listed == {(p1.url, p1.wid), (d1.url, d1.wid)}
+    assert listed == {(p1.url, p1.name), (d1.url, d1.name)}
 
 
 def test_post_workers_adds_a_worker_that_then_gets_legs(workers, router):
@@ -79,7 +80,7 @@ def test_post_workers_adds_a_worker_that_then_gets_legs(workers, router):
     r = requests.post(router.url + "/workers", json={"url": p2.url, "worker_type": "prefill",
                                                      "bootstrap_port": p2.bootstrap_port}, timeout=30)
     assert r.status_code == 202, r.text
-    assert r.json()["worker_id"] == p2.wid
+    assert r.json()["worker_id"] == p2.name
     wait_for("the new prefill worker in rotation",
              lambda: [w for w in router_workers(router) if w["url"] == p2.url and w["state"] == "healthy"], 60)
     for i in range(6):  # round robin: every other request goes to the new worker
@@ -102,7 +103,7 @@ def test_delete_drains_a_worker_then_it_gets_no_leg(workers, router):
     for _ in range(4):
         streams.append(threading.Thread(target=stream))
         streams[-1].start()
-    r = requests.delete(router.url + f"/workers/{p1.wid}", timeout=10)
+    r = requests.delete(router.url + f"/workers/{p1.name}", timeout=10)
     assert r.status_code == 202 and r.json()["status"] == "draining", r.text
     before = finished(p1)
     for i in range(4):
