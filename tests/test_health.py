@@ -2,8 +2,8 @@
 dead is out of the router's rotation within a stated time, its clients are answered meanwhile, and
 ``/health``, ``/metrics`` and ``/debug/requests`` never wait on the loop.
 
-Decode ``D2`` of a 1 prefill + 2 decode cluster wedges its engine loop as soon as it holds a
-request (``--inject-faults wedge_loop``). With ``--loop-stall-s 2`` and the router checking
+Of prefill ``P1`` and decodes ``D1`` and ``D2`` behind a router, ``D2`` wedges its engine loop as
+soon as it holds a request (``--inject-faults wedge_loop``). With ``--loop-stall-s 2`` and the router checking
 health every 0.5 s (out after 2 failures):
 
 - every request sent to ``D2`` ends (an error naming the wedged loop) within loop bound + slack;
@@ -12,6 +12,10 @@ health every 0.5 s (out after 2 failures):
   ``splitserve_requests_late`` counts it once it is past half its deadline (read from the clock);
 - the router takes ``D2`` out of rotation within loop bound + health bound (+ slack): from then on
   every request succeeds on ``D1``.
+
+The same cluster holds a second prefill ``P2`` outside the router, whose transfer thread hangs
+(``--inject-faults hang_transfer``), driven by hand with ``D1``: one start of the workers for both
+scenarios. Each scenario kills its faulty worker at its end.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ from __future__ import annotations
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import requests
 
-from cluster import Cluster, metric, metrics, pages_back_to_total, post_generate
+from cluster import Cluster, RouterProcess, metric, metrics, pages_back_to_total, post_generate
 from conftest import ServerProcess, free_port
 from test_faults import DEADLINES, GREEDY, SHOW_FAILURES, kill9, prompt, wait_for
 
@@ -30,82 +35,95 @@ HEALTH_S, HEALTH_FAILURES = 0.5, 2
 SLACK_S = 4.0
 
 
-def test_a_wedged_decode_is_out_of_rotation_and_its_clients_are_answered():
-    loop_args = ["--loop-stall-s", str(LOOP_STALL_S)]
-    with Cluster(1, 2, "nixl", worker_args=DEADLINES + loop_args,
-                 decode_args=[[], ["--inject-faults", "wedge_loop"]],
-                 router_args=["--health-interval-s", str(HEALTH_S), "--health-failures", str(HEALTH_FAILURES),
-                              "--policy", "round_robin", *SHOW_FAILURES]) as c:
-        D2 = c.decode[1]
-        started = time.monotonic()
+@pytest.fixture(scope="module")
+def wedging():
+    """Prefill ``P1`` and decodes ``D1`` and ``D2`` (its loop wedges) behind a router; prefill
+    ``P2`` (its transfer thread hangs) outside it. The cluster and the router."""
+    c = Cluster(2, 2, "nixl", worker_args=DEADLINES + ["--loop-stall-s", str(LOOP_STALL_S)],
+                prefill_args=[[], ["--inject-faults", "hang_transfer"]],
+                decode_args=[[], ["--inject-faults", "wedge_loop"]], router=False)
+    with c:
+        P1 = c.prefill[0]
+        router = RouterProcess([(P1.url, P1.bootstrap_port)], [d.url for d in c.decode],
+                               "--health-interval-s", str(HEALTH_S), "--health-failures", str(HEALTH_FAILURES),
+                               "--policy", "round_robin", *SHOW_FAILURES)
+        try:
+            yield c, router.start()
+        finally:
+            router.stop()
 
-        def one(i: int):
-            t0 = time.monotonic()
-            try:
-                resp = post_generate(c.url, prompt(20 + i, 300 + i), 4, timeout=60, **GREEDY)
-            except requests.RequestException as exc:
-                return i, exc, t0, time.monotonic()
-            return i, resp, t0, time.monotonic()
 
-        with ThreadPoolExecutor(2) as pool:
-            first = list(pool.map(one, range(4)))  # round robin: some land on D2, which wedges
-        wedged_at = started
-        for i, resp, t0, t1 in first:
-            assert isinstance(resp, requests.Response), resp
-            assert t1 - t0 <= LOOP_STALL_S + SLACK_S, f"request {i} took {t1 - t0:.1f}s"
-        failed = [r for _, r, _, _ in first if r.status_code != 200]
-        assert failed, "no request reached the wedged decode"
-        assert all(r.status_code == 503 and "engine loop" in r.text for r in failed), [r.text for r in failed]
+def test_a_wedged_decode_is_out_of_rotation_and_its_clients_are_answered(wedging):
+    c, router = wedging
+    D2 = c.decode[1]
+    started = time.monotonic()
 
+    def one(i: int):
         t0 = time.monotonic()
-        health = requests.get(D2.url + "/health", timeout=2)
-        rows = requests.get(D2.url + "/debug/requests", timeout=2)
-        age = metric(metrics(D2), "splitserve_engine_loop_age_seconds")
-        assert time.monotonic() - t0 < 1.5, "a health or debug endpoint waited on the wedged loop"
-        assert health.status_code == 503 and "engine loop" in health.text, health.text
-        assert rows.status_code == 200 and rows.json(), rows.text
-        assert age > LOOP_STALL_S, age
-        # the stuck room's deadline cannot fire (the loop is wedged), but it is counted late from the
-        # clock at scrape time, next to the loop's age: a wedged loop shows, it does not hide
-        stuck = rows.json()[0]
-        late_by = stuck["state_age_s"] + stuck["deadline_s"]  # all its state allows: late after half
-        late = wait_for("the stuck request counted late on the wedged D2", lambda: metric(
-            metrics(D2), "splitserve_requests_late", role="decode", state=stuck["state"]), late_by + SLACK_S)
-        assert late >= 1 and metric(metrics(D2), "splitserve_engine_loop_age_seconds") > age
+        try:
+            resp = post_generate(router.url, prompt(20 + i, 300 + i), 4, timeout=60, **GREEDY)
+        except requests.RequestException as exc:
+            return i, exc, t0, time.monotonic()
+        return i, resp, t0, time.monotonic()
 
-        out_by = LOOP_STALL_S + HEALTH_S * (HEALTH_FAILURES + 1) + SLACK_S
-        wait_for("the router takes D2 out of rotation",
-                 lambda: not [w for w in requests.get(c.url + "/health", timeout=2).json()["decode"]
-                              if w["url"] == D2.url and w["healthy"]], out_by)
-        assert time.monotonic() - wedged_at <= out_by + LOOP_STALL_S
-        for i in range(6):
-            resp = post_generate(c.url, prompt(10 + i, 400 + i), 4, timeout=30, **GREEDY)
-            assert resp.status_code == 200, resp.text
-        kill9(D2)  # its loop never comes back: a graceful stop would wait out the drain
+    with ThreadPoolExecutor(2) as pool:
+        first = list(pool.map(one, range(4)))  # round robin: some land on D2, which wedges
+    wedged_at = started
+    for i, resp, t0, t1 in first:
+        assert isinstance(resp, requests.Response), resp
+        assert t1 - t0 <= LOOP_STALL_S + SLACK_S, f"request {i} took {t1 - t0:.1f}s"
+    failed = [r for _, r, _, _ in first if r.status_code != 200]
+    assert failed, "no request reached the wedged decode"
+    assert all(r.status_code == 503 and "engine loop" in r.text for r in failed), [r.text for r in failed]
+
+    t0 = time.monotonic()
+    health = requests.get(D2.url + "/health", timeout=2)
+    rows = requests.get(D2.url + "/debug/requests", timeout=2)
+    age = metric(metrics(D2), "splitserve_engine_loop_age_seconds")
+    assert time.monotonic() - t0 < 1.5, "a health or debug endpoint waited on the wedged loop"
+    assert health.status_code == 503 and "engine loop" in health.text, health.text
+    assert rows.status_code == 200 and rows.json(), rows.text
+    assert age > LOOP_STALL_S, age
+    # the stuck room's deadline cannot fire (the loop is wedged), but it is counted late from the
+    # clock at scrape time, next to the loop's age: a wedged loop shows, it does not hide
+    stuck = rows.json()[0]
+    late_by = stuck["state_age_s"] + stuck["deadline_s"]  # all its state allows: late after half
+    late = wait_for("the stuck request counted late on the wedged D2", lambda: metric(
+        metrics(D2), "splitserve_requests_late", role="decode", state=stuck["state"]), late_by + SLACK_S)
+    assert late >= 1 and metric(metrics(D2), "splitserve_engine_loop_age_seconds") > age
+
+    out_by = LOOP_STALL_S + HEALTH_S * (HEALTH_FAILURES + 1) + SLACK_S
+    wait_for("the router takes D2 out of rotation",
+             lambda: not [w for w in requests.get(router.url + "/health", timeout=2).json()["decode"]
+                          if w["url"] == D2.url and w["healthy"]], out_by)
+    assert time.monotonic() - wedged_at <= out_by + LOOP_STALL_S
+    for i in range(6):
+        resp = post_generate(router.url, prompt(10 + i, 400 + i), 4, timeout=30, **GREEDY)
+        assert resp.status_code == 200, resp.text
+    kill9(D2)  # its loop never comes back: a graceful stop would wait out the drain
 
 
-def test_a_hung_transfer_thread_is_seen_and_its_peers_are_let_go():
-    """Prefill ``P``'s transfer thread hangs once a write is in flight (``--inject-faults
+def test_a_hung_transfer_thread_is_seen_and_its_peers_are_let_go(wedging):
+    """Prefill ``P2``'s transfer thread hangs once a write is in flight (``--inject-faults
     hang_transfer``), as a backend call that never returns would. It cannot be restarted, but it is
-    seen: within the loop bound ``P``'s ``/health`` answers 503 naming the thread, the room fails on
-    both sides (``P`` declares decode lost; decode fences ``P``'s session and frees its pages)."""
+    seen: within the loop bound ``P2``'s ``/health`` answers 503 naming the thread, the room fails on
+    both sides (``P2`` declares decode ``D1`` lost; ``D1`` fences ``P2``'s session and frees its
+    pages)."""
     from test_faults import PEER_SILENCE_S, direct_pair, new_room
 
-    loop_args = ["--loop-stall-s", str(LOOP_STALL_S)]
-    with Cluster(1, 1, "nixl", worker_args=DEADLINES + loop_args, prefill_args=["--inject-faults", "hang_transfer"],
-                 router=False) as c:
-        P, D = c.prefill[0], c.decode[0]
-        started = time.monotonic()
-        pleg, dleg = direct_pair(P, D, prompt(60, 7), 4, new_room(), 60)
-        bound = LOOP_STALL_S + PEER_SILENCE_S + SLACK_S
-        for who, leg in (("prefill", pleg), ("decode", dleg)):
-            resp, ended = leg.outcome(60)
-            assert getattr(resp, "status_code", None) == 502, (who, resp, getattr(resp, "text", ""))
-            assert ended - started <= bound + 2, f"{who} answered {ended - started:.1f}s after the request"
-        health = requests.get(P.url + "/health", timeout=2)
-        assert health.status_code == 503 and "transfer thread" in health.text, health.text
-        pages_back_to_total(D, 10)
-        kill9(P)
+    c, _ = wedging
+    P, D = c.prefill[1], c.decode[0]
+    started = time.monotonic()
+    pleg, dleg = direct_pair(P, D, prompt(60, 7), 4, new_room(), 60)
+    bound = LOOP_STALL_S + PEER_SILENCE_S + SLACK_S
+    for who, leg in (("prefill", pleg), ("decode", dleg)):
+        resp, ended = leg.outcome(60)
+        assert getattr(resp, "status_code", None) == 502, (who, resp, getattr(resp, "text", ""))
+        assert ended - started <= bound + 2, f"{who} answered {ended - started:.1f}s after the request"
+    health = requests.get(P.url + "/health", timeout=2)
+    assert health.status_code == 503 and "transfer thread" in health.text, health.text
+    pages_back_to_total(D, 10)
+    kill9(P)
 
 
 
