@@ -210,8 +210,9 @@ class ServerProcess:
             rc = self.proc.poll()
             if rc is not None:
                 raise RuntimeError(f"server exited with {rc} before it was ready\n{self.output_tail()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2, **(self.tls or {})).status_code == 200:
+            try:  # its own ready line too: another process that took the port may answer there
+                if requests.get(self.url + "/health", timeout=2, **(self.tls or {})).status_code == 200 \
+                        and "splitserve ready: " in self.stdout():
                     return
             except requests.RequestException:
                 pass

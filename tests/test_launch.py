@@ -280,6 +280,26 @@ def test_a_process_that_took_a_picked_port_is_never_taken_for_the_worker(launch)
         stray.close()
 
 
+def test_the_tests_own_server_process_is_not_fooled_by_a_process_on_its_port():
+    """The same race in the tests' helper: a worker whose port another process took cannot bind it
+    and exits; ``ServerProcess.wait_ready`` must say so, never take the other's 200 for it (the
+    worker's own ready line on its stdout is what says it is up)."""
+    from conftest import ServerProcess
+
+    port = free_port()
+    stray = Stray(port, "colocated@127.0.0.1:1")
+    try:
+        proc = ServerProcess()
+        proc._spawn(port)
+        try:
+            with pytest.raises(RuntimeError, match="cannot listen"):
+                proc.wait_ready(60)
+        finally:
+            proc.stop(timeout=5)
+    finally:
+        stray.close()
+
+
 @pytest.mark.parametrize("argv, want", [
     (["--prefill", "http://p:1", "--decode", "http://d:2"], [("http://p:1", 8998, None), ("http://d:2", None, None)]),
     (["--prefill", "http://p:1/", "7", "id=p.x", "--decode", "http://d:2", "id=d-0"],
