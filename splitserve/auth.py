@@ -61,7 +61,7 @@ ROUTER_ROUTES = {**dict.fromkeys(GENERATION, CLIENT), "/v1/models": CLIENT, "/he
 WORKER_ROUTES = {**dict.fromkeys(GENERATION, CLIENT), "/v1/models": CLIENT, "/get_model_info": CLIENT,
                  "/health": OPEN, "/metrics": METRICS, "/get_server_info": METRICS, "/debug/requests": ADMIN,
                  "/debug/requests/{rid}": ADMIN, "/debug/rooms/{room}": ADMIN, "/flush_cache": ADMIN,
-                 "/abort_request": ADMIN, "/tokenize": CLIENT, "/detokenize": CLIENT}
+                 "/abort_request": ADMIN, "/role": ADMIN, "/tokenize": CLIENT, "/detokenize": CLIENT}
 """The class of every route, by its path as aiohttp names it (``resource.canonical``)."""
 
 ACCESS = web.RequestKey("splitserve_access", object)

@@ -111,7 +111,8 @@ class ServerConfig(FrontConfig):
     served_model_name: Optional[str] = None
     """Name clients use in `model`; defaults to the checkpoint folder's basename."""
     drain_timeout_s: float = 30.0
-    """On SIGTERM, how long in-flight requests may take before they are ended with an error."""
+    """On SIGTERM (and a role switch, POST /role), how long in-flight requests may take before they
+    are ended with an error."""
     loop_stall_s: float = 30.0
     """The engine loop must move at least this often: begin an iteration, or finish a decoder layer
     of a forward pass (so a long step is not a wedge; the bound must exceed the slowest layer, not
@@ -119,7 +120,8 @@ class ServerConfig(FrontConfig):
     the requests it holds are answered 503 (loop_stalled), and a prefill/decode worker stops
     answering its peers' heartbeats, so that they declare it lost and free what they hold for it."""
     bootstrap_port: int = 8998
-    """Prefill role: the port of the bootstrap (control) endpoint decode workers connect to."""
+    """Prefill role: the port of the bootstrap (control) endpoint decode workers connect to. A decode
+    worker that may become a prefill (POST /role) takes it too, and binds it when it does."""
     max_control_sessions: int = 256
     """Prefill role: decode sessions registered at once (each holds a transfer connection); a new
     one past it is refused until one ends (docs/security.md)."""
@@ -168,7 +170,8 @@ class ServerConfig(FrontConfig):
     transfer open to anyone who reaches their ports (only on a network no one else can reach;
     docs/security.md)."""
     allowed_prefill: Optional[str] = None
-    """Decode role: the prefills whose bootstrap address a request may name, comma-separated
+    """Decode role (and a prefill that may become one: POST /role): the prefills whose bootstrap
+    address a request may name, comma-separated
     HOST:PORT (their bootstrap port; the host as the router names it, the host of the prefill's
     URL), HOST (any port there) or NETWORK/BITS (any address in it). Decode dials that address and hands it its KV pool's link, so a
     decode without the router's key (--worker-api-key) needs this list; with the key, only the

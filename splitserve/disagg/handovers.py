@@ -41,3 +41,11 @@ class HandOvers:
                                   self.failures)
                 return
             self._owed.popleft()
+
+    def owed(self) -> int:
+        """How many hand-overs are owed now (any thread may ask)."""
+        return len(self._owed)
+
+    def forget(self) -> None:
+        """Drop the owed ones: the threads they were for are stopped for good (a replaced role)."""
+        self._owed.clear()

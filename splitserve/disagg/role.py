@@ -326,6 +326,32 @@ class DisaggRole:
             self.transfer.stop()
         self._close()
 
+    def holds_nothing(self) -> bool:
+        """No room is left here, none holds pages, and no hand-over is owed (any thread may ask: a
+        worker that switches its role waits for this)."""
+        return not self.rooms and not self.handovers.owed()
+
+    def release_all(self) -> int:
+        """After :meth:`close` (every link fenced, every thread stopped): every page a room still
+        holds goes back to the allocator, and the engine forgets the rooms' sequences; the number
+        of pages. Nothing can write into them any more, and nothing of this role runs again."""
+        pages = 0
+        for rec in list(self.rooms.values()):
+            if rec.seq is not None and self.engine.runs(rec.seq):
+                self.engine.cancel(rec.seq.rid)
+            held = rec.take_pages()
+            pages += len(held)
+            self.engine.allocator.free(held)
+        for seq in self.engine.live_sequences():  # one no room knew of (a bug): never leak its pages
+            self.engine.cancel(seq.rid)
+            pages += len(seq.pages)
+            self.engine.allocator.free(seq.pages)
+            seq.pages = []
+        self.rooms.clear()
+        self.room_of.clear()
+        self.handovers.forget()
+        return pages
+
     # -- carrying out the table's actions -----------------------------------------------------------
 
     def _handle_event(self, event: object) -> list[RequestOutput]:

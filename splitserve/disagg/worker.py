@@ -1,5 +1,6 @@
 """A prefill or decode worker's engine: the engine loop (``engine/async_engine.py``) with the
-role of its side (``prefill_role.py``, ``decode_role.py``), and the fault injection it may run with.
+role of its side (``prefill_role.py``, ``decode_role.py``), and the fault injection it may run with;
+:func:`role_for` builds a role alone (a worker that switches its role starts another on its engine).
 
 :func:`engine_for_role` is what ``splitserve serve --role prefill|decode`` builds: the same
 :class:`~splitserve.engine.async_engine.AsyncEngine` (and so the same HTTP interface) as a
@@ -59,6 +60,13 @@ def parse_faults(spec: str) -> Faults:
 def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadlines,
                     incarnation: Optional[str] = None) -> AsyncEngine:
     """``incarnation``: the process start's id (the one its ``/health`` reports); drawn when None."""
+    return AsyncEngine(config, role_for(server, deadlines, incarnation), loop_stall_s=server.loop_stall_s)
+
+
+def role_for(server: ServerConfig, deadlines: Deadlines, incarnation: Optional[str] = None):
+    """The role of ``server.role`` (prefill or decode), not started: what ``engine_for_role``
+    composes with the engine loop, and what a worker switching its role (``POST /role``) starts on
+    the engine it has. ValueError for a role or transfer backend that is neither."""
     from splitserve.disagg.decode_role import DecodeRole
     from splitserve.disagg.prefill_role import PrefillRole
 
@@ -71,4 +79,4 @@ def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadl
     if server.inject_faults:
         log.warning("fault injection is ON: %s", server.inject_faults)
     seams = Seams(incarnation=lambda: incarnation) if incarnation else Seams()
-    return AsyncEngine(config, cls(server, deadlines.validate(), faults, seams), loop_stall_s=server.loop_stall_s)
+    return cls(server, deadlines.validate(), faults, seams)

@@ -82,6 +82,15 @@ class _Stop:
 
 
 @dataclass(frozen=True)
+class _Posted:
+    """Inbox event from the role's own threads (``post_event``), stamped with the role that was the
+    loop's when it was posted: once the role is replaced, what its threads posted is dropped."""
+
+    role: int
+    event: object
+
+
+@dataclass(frozen=True)
 class _Call:
     """Run ``fn`` on the engine loop (a change of loop-owned state, e.g. flushing the prefix
     cache) and hand its result to ``future``."""
@@ -119,6 +128,8 @@ class AsyncEngine:
         self._thread: Optional[threading.Thread] = None
         self.clock = time.monotonic  # the only clock the loop reads (a simulator swaps it)
         self._unschedulable = False  # the last step had work and could schedule none of it
+        self._role_serial = 0  # which role the loop runs (``replace_role`` counts them); stamps ``post_event``
+        self.stale_events = 0  # events of a replaced role's threads, dropped
         self.last_progress = self.clock()
         """When the engine loop last moved (monotonic): began an iteration, or finished a decoder
         layer of a forward pass (``note_progress``); a wedged loop stops moving it."""
@@ -152,6 +163,39 @@ class AsyncEngine:
 
     def begin_drain(self) -> None:
         self.draining = True
+
+    def end_drain(self) -> None:
+        """Take requests again (after a role switch: ``replace_role``)."""
+        self.draining = False
+
+    def replace_role(self, role: Role, goodbye: str, timeout: float = 120.0) -> int:
+        """Thread-safe, blocking: on the engine loop, end what the current role still holds
+        (``fail_all`` with ``goodbye``, which says why; a worker that switches has drained first),
+        close it (its threads stopped, its peers told ``goodbye``, its sockets and transfer agent
+        closed), give back every page it held (``release_all``: nothing can write into them once it
+        is closed), drop what its threads posted, and start ``role`` on the same engine. The
+        number of pages the old role still held. If ``role`` cannot start, it is closed again and
+        the exception raised: the loop then runs the closed old role, which takes no request
+        (replace it again)."""
+        def on_loop() -> int:
+            old = self.role
+            self._post(self._contained(old.fail_all, Ending(Reason.NOT_READY, goodbye)))
+            old.close(goodbye)
+            release = getattr(old, "release_all", None)
+            freed = release() if release is not None else 0
+            self._role_serial += 1  # what the old role's threads posted is stale from here on
+            try:
+                role.start(self)
+            except BaseException:
+                try:
+                    role.close(None)
+                except Exception:
+                    log.exception("closing the role that failed to start raised")
+                raise
+            self.role = role
+            return freed
+
+        return self.call_on_loop(on_loop, timeout)
 
     def shutdown(self, reason: str = "the server is shutting down") -> None:
         """End every live request with an error and stop the engine thread, then the role."""
@@ -272,7 +316,7 @@ class AsyncEngine:
 
     def post_event(self, event: object) -> None:
         """Thread-safe: hand an event to the engine loop (used by the role's own threads)."""
-        self._inbox.put(event)
+        self._inbox.put(_Posted(self._role_serial, event))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Runs on the asyncio thread."""
@@ -294,20 +338,25 @@ class AsyncEngine:
     def _iterate_once(self, wait: bool = True) -> bool:
         """One iteration of the loop (module docstring); False once told to stop. ``wait``: block
         on an empty inbox for up to the role's ``wait_s`` (a benchmark driving the loop passes False)."""
-        engine, role = self.engine, self.role
+        engine = self.engine
         now = self.last_progress = self.clock()
         outputs: list[RequestOutput] = []
-        timeout = role.wait_s(now) if wait and (self._unschedulable or not engine.has_work()) else 0.0
-        for ev in self._take_events(timeout):
+        timeout = self.role.wait_s(now) if wait and (self._unschedulable or not engine.has_work()) else 0.0
+        for ev in self._take_events(timeout):  # (a _Call may replace the role: self.role is read anew)
             if isinstance(ev, _Stop):
-                outputs += self._contained(role.fail_all, ev.ending)
+                outputs += self._contained(self.role.fail_all, ev.ending)
                 self._post(outputs)
                 return False
             if isinstance(ev, _Call):
                 self._answer_call(ev)
                 continue
+            if isinstance(ev, _Posted):
+                if ev.role != self._role_serial:  # posted by a role replaced since
+                    self.stale_events += 1
+                    continue
+                ev = ev.event
             outputs += self._contained(self._dispatch, ev)
-        outputs += self._contained(role.tick, self.clock())
+        outputs += self._contained(self.role.tick, self.clock())
         self._unschedulable = False
         if engine.has_work():
             outputs += self._contained(self._step, None)

@@ -98,5 +98,5 @@ class ColocatedRole:
                  "age_s": round(now - seq.arrival, 3), "state_age_s": None, "deadline_s": None,
                  "late": False, "peer": None} for seq in self.engine.live_sequences()]
 
-    def close(self) -> None:
+    def close(self, goodbye: Optional[str] = None) -> None:
         pass

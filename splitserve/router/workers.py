@@ -31,6 +31,12 @@ bounds) and removes it once no leg to it is open, or at a bound. A worker's stat
 sees them: ``unchecked`` (added, no answer yet) -> ``healthy`` <-> ``unhealthy``; any of them ->
 ``draining`` -> removed.
 
+**Roles that change.** A worker may switch between prefill and decode (``POST /role`` on it): it
+comes back under a new incarnation and reports its new role on ``/health``. A static or API worker
+then moves to its new role's list (:meth:`WorkerSet.move`), out of rotation until its next
+successful check, which asks a prefill's bootstrap port from ``/get_server_info``; a discovered
+one is out of rotation at once (its new record, registered after the switch, brings it back).
+
 **Pairs.** :meth:`WorkerSet.pick_pair` forms a (prefill, decode) pair only of workers that agree on
 the model fingerprint, the protocol version and the transfer backend (a worker that has not said
 pairs with anyone: the control handshake still refuses a mismatch); a healthy decode worker left out
@@ -163,6 +169,16 @@ class WorkerSet:
         log.info("%s joined (%s)", worker.describe(), worker.source)
         return worker
 
+    def move(self, worker: Worker, role: str) -> None:
+        """``worker`` switched its role (``POST /role`` on it, which takes a new incarnation): it
+        moves to the other role's list, its bootstrap port to be learned again (a prefill's, from
+        its ``/get_server_info``)."""
+        members = self.of_role(worker.role)
+        if worker in members:
+            members.remove(worker)
+        worker.role, worker.bootstrap_port = role, None
+        self.of_role(role).append(worker)
+
     def remove(self, worker: Worker) -> None:
         members = self.of_role(worker.role)
         if worker in members:
@@ -272,11 +288,14 @@ class HealthChecker:
             if status != 200:
                 error = f"/health answered {status}" + (f" ({body['status']})" if isinstance(body.get("status"), str)
                                                         else "")
-        if error is None:
-            if not worker.healthy:
+        if error is None and not worker.healthy:
+            worker.model = await self._model_name(worker) or worker.model
+            await self._pairing(worker)
+            if worker.role == PREFILL and worker.bootstrap_port is None:  # it switched its role (POST /role)
+                error = "its bootstrap port is not known yet (/get_server_info did not say it)"
+            else:
                 log.info("%s is healthy, in rotation", worker.describe())
-                worker.model = await self._model_name(worker) or worker.model
-                await self._pairing(worker)
+        if error is None:
             worker.healthy, worker.failures, worker.last_error = True, 0, ""
             return
         worker.failures += 1
@@ -299,6 +318,12 @@ class HealthChecker:
         if seen_id != worker.id or (worker.fixed_incarnation and seen_incarnation != worker.incarnation):
             return (f"another process answers at {worker.url}: {seen_id} incarnation {seen_incarnation}, not "
                     f"{worker.id} incarnation {worker.incarnation}")
+        role = body.get("role")
+        if role in (PREFILL, DECODE) and role != worker.role:
+            if worker.source == DISCOVERY:  # its new record brings it back in its new role
+                return f"{worker.url} is a {role} worker now, not {worker.role}"
+            log.info("%s switched its role: a %s worker now", worker.describe(), role)
+            self.workers.move(worker, role)
         if seen_incarnation != worker.incarnation:
             log.info("%s restarted: incarnation %s -> %s", worker.describe(), worker.incarnation, seen_incarnation)
             worker.incarnation = seen_incarnation
@@ -346,8 +371,11 @@ class HealthChecker:
             return
         if not isinstance(info, dict):
             return
-        fingerprint, version, backend = (info.get(k) for k in ("model_fingerprint", "protocol_version",
-                                                              "transfer_backend"))
+        fingerprint, version, backend, port = (info.get(k) for k in ("model_fingerprint", "protocol_version",
+                                                                    "transfer_backend", "bootstrap_port"))
+        if worker.role == PREFILL and worker.bootstrap_port is None and isinstance(port, int) \
+                and not isinstance(port, bool) and 0 < port < 65536:  # one that switched its role: its own
+            worker.bootstrap_port = port
         if isinstance(fingerprint, str) and len(fingerprint) <= 256:
             worker.fingerprint = fingerprint
         if isinstance(version, int) and not isinstance(version, bool):

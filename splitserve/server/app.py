@@ -11,6 +11,7 @@ Routes::
     POST /flush_cache                            drop the prefix cache's unowned pages
     POST /abort_request                          end one request for a stated cause (server/abort_request.py)
     POST /tokenize, /detokenize                  text or messages to token ids and back (server/tokenization.py)
+    POST /role                                   prefill <-> decode, with the model it holds (server/role_switch.py)
 
 :func:`create_app` builds the application around an engine (anything with the ``AsyncEngine``
 interface, so tests can hand in a fake); :func:`run_server` is what ``splitserve serve`` runs:
@@ -51,7 +52,7 @@ from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, 
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
 from splitserve.router.client import send
-from splitserve.server import abort_request, tokenization
+from splitserve.server import abort_request, role_switch, tokenization
 from splitserve.server.generation import RID, engine_error_response, json_error, serve_generation
 from splitserve.server.tokenize_lanes import TokenizeLanes
 from splitserve.server.validation import MAX_ROOM, REQUEST_ID
@@ -84,10 +85,19 @@ class WorkerState:
         self.tokenize = TokenizeLanes()  # validation and tokenization, off the event loop
         self.grammars = GrammarCompiler()  # response_format, compiled in the lanes
         self.allowed_prefill = parse_allowed_prefill(config.allowed_prefill)  # whose bootstrap fields decode takes
+        self.epoch = 0
+        """One more at every role switch begun (``POST /role``: a request names the epoch it expects)."""
+        self.switch: Optional[asyncio.Future] = None  # the role switch under way
+        self.switch_to: Optional[str] = None
+        self.register = None
+        """``--discovery``: puts this worker's record as it is now in etcd (a started ``Registration``)."""
+        self.registration = None  # the record in etcd now, if any
+        self.stopping = False  # SIGTERM: draining for good (a role switch under way does not undo it)
 
     def identity(self) -> dict:
-        """Who this worker is (on ``/health`` and ``/get_server_info``): id, incarnation, role."""
-        return {"id": self.worker_id, "incarnation": self.incarnation, "role": self.config.role}
+        """Who this worker is (on ``/health`` and ``/get_server_info``): id, incarnation, role, and
+        the epoch of its role (``POST /role``)."""
+        return {"id": self.worker_id, "incarnation": self.incarnation, "role": self.config.role, "epoch": self.epoch}
 
     def pairing(self) -> dict:
         """What a router pairs workers by (``/get_server_info``): the model fingerprint, the control
@@ -148,6 +158,7 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
     app.router.add_post("/abort_request", _abort_request)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
+    app.router.add_post("/role", _role)
     return app
 
 
@@ -320,6 +331,10 @@ async def _abort_request(request: web.Request) -> web.Response:
     state = request.app[STATE]
     _require_ready(state)
     return await abort_request.handle(request, state, json_error)
+
+
+async def _role(request: web.Request) -> web.Response:
+    return await role_switch.handle(request, request.app[STATE])
 
 
 async def _tokenize(request: web.Request) -> web.Response:
@@ -507,8 +522,12 @@ async def _serve(engine, server_config: ServerConfig, ssl_context=None, incarnat
         return 1
 
     print(_ready_line(runner, server_config, state.model_name), flush=True)
-    registration = _register(state, runner, ssl_context is not None) if server_config.discovery else None
+    if server_config.discovery:
+        state.register = lambda: _register(state, runner, ssl_context is not None)
+        state.registration = state.register()
     await stop_wait
+    state.stopping = True
+    registration, state.registration = state.registration, None  # the current one: a role switch renews it
     if registration is not None:  # routers stop sending first; what they already sent is still served
         await loop.run_in_executor(None, registration.revoke)
         log.info("discovery: serving %.1f s more before draining", server_config.discovery_grace_s)
@@ -592,7 +611,7 @@ def _start_in_thread(engine, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
 
 async def _drain(state: WorkerState, timeout_s: float, force: asyncio.Event) -> None:
     loop = asyncio.get_running_loop()
-    state.draining = True
+    state.draining = state.stopping = True
     state.engine.begin_drain()
     log.info("draining: %d requests in flight, waiting up to %.1fs", len(state.inflight), timeout_s)
     deadline = time.monotonic() + timeout_s

@@ -13,6 +13,10 @@ Recorded: counters and histograms by the HTTP handlers (one per request at its e
 end-to-end latency, time to first token, the gaps between tokens), by the lifecycle
 (``splitserve_requests_total`` of a prefill or decode worker, time in each state) and by the
 role's timelines (queue time; a prefill worker's KV writes and transfers; failed transfers).
+
+A prefill or decode worker has the metrics of both roles (it may become the other: ``POST /role``),
+each series labelled with the role it has now (:meth:`WorkerMetrics.attach`); those of the role it
+does not have are empty.
 """
 
 from __future__ import annotations
@@ -57,7 +61,7 @@ class WorkerMetrics:
               "and do not count; quarantined ones do).", ["role"], read=self._usage)
         gauge("splitserve_queue_requests", "Requests in each engine queue (colocated) or lifecycle state (prefill, "
               "decode).", ["role", "queue"],
-              read=lambda: {(role, q): n for q, n in (self._stat("queues") or {}).items()})
+              read=lambda: {(self.role, q): n for q, n in (self._stat("queues") or {}).items()})
         gauge("splitserve_requests_running", "Requests in the forward batch (colocated: running; prefill: PREFILLING "
               "and TRANSFERRING; decode: DECODING).", ["role"], read=lambda: self._split_queues(False))
         gauge("splitserve_requests_waiting", "Requests waiting (colocated: waiting; prefill: BOOTSTRAPPING and QUEUED; "
@@ -68,7 +72,7 @@ class WorkerMetrics:
         gauge("splitserve_lifecycle_entries",
               "Prefill/decode bookkeeping that is not a live request: tombstones, pending registrations, rooms holding "
               "memory after their end (held_writes, quarantined).", ["role", "kind"],
-              read=lambda: {(role, k): n for k, n in (self._stat("lifecycle") or {}).items()})
+              read=lambda: {(self.role, k): n for k, n in (self._stat("lifecycle") or {}).items()})
         gauge("splitserve_preemptions", "Sequences preempted for lack of KV pages since start (each recomputes its KV "
               "when it runs again).", read=lambda: self._stat("preemptions"))
         gauge("splitserve_kv_pages_quarantined",
@@ -88,40 +92,39 @@ class WorkerMetrics:
         if split:
             gauge("splitserve_peers", "Prefill/decode: peers that live rooms depend on (live), and peers declared lost "
                   "and still remembered (lost).", ["role", "state"],
-                  read=lambda: {(role, k): n for k, n in (self._stat("peers") or {}).items()})
+                  read=lambda: {(self.role, k): n for k, n in (self._stat("peers") or {}).items()})
             gauge("splitserve_peer_silence_seconds", "Prefill/decode: seconds since each live peer was last heard from "
                   "(declared lost after heartbeat_interval_s x heartbeat_misses).", ["role", "peer"],
-                  read=lambda: {(role, k): v for k, v in (self._stat("peer_silence") or {}).items()})
+                  read=lambda: {(self.role, k): v for k, v in (self._stat("peer_silence") or {}).items()})
             gauge("splitserve_control_sessions", "Prefill/decode: control sessions with peers known now (each silent "
                   "one is ended after the peer-silence bound).", ["role"], read=lambda: self._of_role("control", "sessions"))
             gauge("splitserve_control_ended_sessions", "Prefill: decode sessions that ended and are remembered (never "
                   "answered again; forgotten after --tombstone-s).", ["role"],
                   read=lambda: self._of_role("control", "ended"))
-            if role == "prefill":
-                counter("splitserve_control_sessions_refused_total", "Prefill: new decode sessions refused by the "
-                        "session limits since start, by why (limit: --max-control-sessions; per_address: "
-                        "--max-control-sessions-per-address; rate: --control-session-rate).", ["role", "why"],
-                        read=lambda: {(role, k): n for k, n in (self._stat("sessions_refused") or {}).items()})
+            counter("splitserve_control_sessions_refused_total", "Prefill: new decode sessions refused by the "
+                    "session limits since start, by why (limit: --max-control-sessions; per_address: "
+                    "--max-control-sessions-per-address; rate: --control-session-rate).", ["role", "why"],
+                    read=lambda: {(self.role, k): n for k, n in (self._stat("sessions_refused") or {}).items()})
             gauge("splitserve_transfer_peers", "Prefill: peers with a transfer connection (a NIXL remote agent each).",
                   ["role"], read=lambda: self._of_role("transfer_peers"))
             counter("splitserve_control_bad_frames_total", "Prefill/decode: control frames dropped since start, by why "
                     "(identity, frames, decode, incarnation, unregistered, ...).", ["role", "why"],
-                    read=lambda: {(role, k): n for k, n in (self._stat("bad_frames") or {}).items()})
+                    read=lambda: {(self.role, k): n for k, n in (self._stat("bad_frames") or {}).items()})
             gauge("splitserve_thread_age_seconds", "Prefill/decode: seconds since each supervised thread began its last "
                   "iteration (past --loop-stall-s it hangs: /health fails).", ["role", "thread"],
-                  read=lambda: {(role, k): v for k, v in (self._stat("thread_age") or {}).items()})
+                  read=lambda: {(self.role, k): v for k, v in (self._stat("thread_age") or {}).items()})
             gauge("splitserve_zmq_io_age_seconds", "Prefill/decode: seconds since the ZMQ I/O thread (it moves every "
                   "control socket's bytes) last moved a loopback probe, sent every 0.5 s (past --loop-stall-s it is "
                   "blocked: /health fails).", ["role"], read=lambda: self._of_role("zmq_io_age"))
             counter("splitserve_thread_restarts_total", "Prefill/decode: restarts of each supervised thread since start "
                     "(a crash that was caught).", ["role", "thread"],
-                    read=lambda: {(role, k): n for k, n in (self._stat("thread_restarts") or {}).items()})
+                    read=lambda: {(self.role, k): n for k, n in (self._stat("thread_restarts") or {}).items()})
             counter("splitserve_lifecycle_notices_total", "Prefill/decode: lifecycle notices by kind (a rejected message, "
                     "a tombstone, a transfer reset, a peer declared lost...).", ["role", "kind"],
-                    read=lambda: {(role, k): n for k, n in (self._stat("notices") or {}).items()})
+                    read=lambda: {(self.role, k): n for k, n in (self._stat("notices") or {}).items()})
             counter("splitserve_action_failures_total", "Prefill/decode: table actions that raised (each failed its "
                     "room through the table).", ["role"], read=lambda: self._of_role("action_failures"))
-        if role == "decode":
+            # decode's, and prefill's: a worker of either role may become the other (POST /role)
             gauge("splitserve_kv_quarantine_oldest_seconds", "Decode: seconds since the oldest room holding quarantined "
                   "pages ended (0 when none does).", ["role"], read=self._oldest_quarantine)
             gauge("splitserve_receive_links_open", "Decode: receiving links open, one per prefill session.",
@@ -176,10 +179,17 @@ class WorkerMetrics:
             self.transfer_failures = registry.counter(
                 "splitserve_kv_transfer_failures_total", "Transfers that failed, by the reason the request failed "
                 "(prefill: after its first write started; decode: while waiting for the KV).", ["role", "reason"])
+        self.attach(getattr(engine, "role", None), role)
+
+    def attach(self, role_object, role: str) -> None:
+        """Count what ``role_object`` (the engine's role: at start, and the one a switch starts,
+        before it starts) reports, labelled ``role`` from now on."""
+        self.role = role
+        if role != "colocated" and role_object is not None:
             # the lifecycle counts its rooms' ends, with the lifecycle's reasons
-            engine.role.on_outcome = lambda outcome, reason: self.requests.labels(role, outcome, reason).inc()
-            engine.role.on_state_time = lambda state, s: self.state_seconds.labels(role, state).observe(s)
-        timelines = getattr(getattr(engine, "role", None), "timelines", None)
+            role_object.on_outcome = lambda outcome, reason: self.requests.labels(role, outcome, reason).inc()
+            role_object.on_state_time = lambda state, s: self.state_seconds.labels(role, state).observe(s)
+        timelines = getattr(role_object, "timelines", None)
         if timelines is not None:
             timelines.observer = self
 

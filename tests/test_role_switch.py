@@ -1,0 +1,368 @@
+"""A worker that changes its role at runtime (issue 19, part 4): ``POST /role`` on a decode worker
+makes it a prefill worker with the model it holds, and back (``server/role_switch.py``,
+``docs/lifecycle.md``, *A role switch*).
+
+One cluster for the module (nixl): a prefill ``P``, a decode ``D`` and a decode ``X`` (given its
+``--bootstrap-port`` from the start, so that it may become a prefill), behind a router that knows
+them from the command line (``--prefill P``, ``--decode D --decode X``): the router learns the
+switch from ``X``'s ``/health`` (a new incarnation, another role) and its bootstrap port from its
+``/get_server_info``. The workers hold the admin and worker keys, the router the worker key. ``X``
+also registers in a real etcd (``--discovery``, when ``etcd`` is installed: CI installs it), whose
+record must follow each switch.
+
+Peers are declared lost only after 120 s of silence here, far past anything this file waits for:
+a peer that ends a session of ``X``'s old incarnation did so because ``X`` said goodbye.
+
+The tcp backend's switch (a smaller cluster of its own) runs under ``make check-long``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import socket
+import threading
+from typing import Optional
+
+import pytest
+import requests
+
+from cluster import Cluster, metric, metric_sum, metrics, pages_back_to_total, post_generate, sse_events
+from conftest import free_port
+from etcd_server import EtcdServer, have_etcd
+from splitserve.auth import bearer
+from test_faults import GREEDY, prompt, wait_for
+
+ADMIN, WORKER, METRICS = "role-test-admin-key", "role-test-worker-key", "role-test-metrics-key"
+KEYS = ["--admin-api-key", ADMIN, "--worker-api-key", WORKER, "--metrics-api-key", METRICS]
+SILENCE = ["--heartbeat-interval-s", "1", "--heartbeat-misses", "120"]  # 120 s of silence to be lost
+ROUTER = ["--worker-api-key", WORKER, "--health-interval-s", "0.5"]
+BOUND_S = 60.0  # every wait of this file: far under the silence bound, far over what it takes
+
+
+ETCD_PREFIX = "/role-test"
+
+
+def start(backend: str, decodes: int, etcd=None) -> Cluster:
+    """A prefill and ``decodes`` decode workers, the last of them (``X``) with a bootstrap port
+    (and registered in ``etcd``, if given)."""
+    port = free_port()
+    x_args = ["--bootstrap-port", str(port), "--worker-id", "x"]
+    if etcd is not None:
+        x_args += ["--discovery", etcd.url(ETCD_PREFIX), "--discovery-grace-s", "0.5", "--discovery-ttl-s", "6"]
+    decode_args = [[] for _ in range(decodes - 1)] + [x_args]
+    c = Cluster(1, decodes, backend, worker_args=[*KEYS, *SILENCE], decode_args=decode_args,
+                router_args=ROUTER).start()
+    c.decode[-1].bootstrap_port = port
+    c.etcd = etcd
+    return c
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with contextlib.ExitStack() as stack:
+        etcd = stack.enter_context(EtcdServer()) if have_etcd() else None
+        c = start("nixl", 2, etcd)
+        stack.callback(c.stop)
+        yield c
+
+
+def record(c: Cluster) -> Optional[dict]:
+    """``X``'s record in etcd now (None: there is none), if it registers there."""
+    found = c.etcd.client().get(f"{ETCD_PREFIX}/workers/x")
+    return json.loads(found[0]) if found else None
+
+
+def assert_registered(c: Cluster, body: dict) -> None:
+    """``X``'s record in etcd names the role and incarnation of ``body`` (a ``POST /role`` answer)."""
+    if c.etcd is None:
+        return
+    X = c.decode[-1]
+    want = {"role": body["role"], "incarnation": body["incarnation"], "url": X.url,
+            "bootstrap_port": X.bootstrap_port if body["role"] == "prefill" else None}
+    wait_for(f"X's record in etcd says {want}",
+             lambda: (r := record(c)) is not None and all(r[k] == v for k, v in want.items()), BOUND_S,
+             on_fail=lambda: f"{record(c)}\n{X.output_tail(2000)}")
+
+
+def health(worker) -> dict:
+    return requests.get(worker.url + "/health", timeout=10).json()
+
+
+def post_role(worker, body, key: str = ADMIN) -> requests.Response:
+    return requests.post(worker.url + "/role", json=body, headers=bearer(key) if key else {}, timeout=BOUND_S + 60)
+
+
+def worker_metrics(worker) -> dict:
+    return metrics(worker, ADMIN)
+
+
+def error_code(resp: requests.Response) -> str:
+    return resp.json()["error"]["code"]
+
+
+class Load:
+    """Streaming requests through the router from ``threads`` threads until :meth:`stop`; counts
+    the answers that came whole and the ones that did not (with what they said)."""
+
+    def __init__(self, url: str, threads: int = 3):
+        self.url, self.stopping = url, threading.Event()
+        self.done, self.failed = 0, []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def __enter__(self) -> "Load":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for t in self._threads:
+            t.join(BOUND_S)
+
+    def _run(self, seed: int) -> None:
+        n = 0
+        while not self.stopping.is_set():
+            n += 1
+            why = None
+            try:
+                resp = post_generate(self.url, prompt(12 + n % 20, seed * 100003 + n), 12, stream=True, **GREEDY)
+                events = sse_events(resp.text) if resp.status_code == 200 else []
+                if resp.status_code != 200:
+                    why = f"{resp.status_code}: {resp.text[:300]}"
+                elif not events or events[-1] != "[DONE]" or any("error" in e for e in events[:-1]):
+                    why = f"stream: {resp.text[-300:]}"
+            except requests.RequestException as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            with self._lock:
+                if why is None:
+                    self.done += 1
+                else:
+                    self.failed.append(why)
+
+    def count(self) -> int:
+        with self._lock:
+            return self.done
+
+
+def legs(worker, role: str) -> float:
+    """Requests ``worker`` ended as a ``role`` worker (its lifecycle's count)."""
+    return metric_sum(worker_metrics(worker), "splitserve_requests_total", role=role)
+
+
+def switch(worker, role: str) -> dict:
+    before = health(worker)
+    resp = post_role(worker, {"role": role, "epoch": before["epoch"]})
+    assert resp.status_code == 200, f"{resp.status_code}: {resp.text}\n{worker.output_tail(3000)}"
+    body = resp.json()
+    assert body["switched"] is True and body["role"] == role and body["epoch"] == before["epoch"] + 1, body
+    assert body["previous"] == {"role": before["role"], "epoch": before["epoch"],
+                                "incarnation": before["incarnation"]}, body
+    now = health(worker)
+    assert (now["role"], now["epoch"], now["incarnation"]) == (role, body["epoch"], body["incarnation"]), now
+    assert now["incarnation"] != before["incarnation"] and now["id"] == before["id"], (before, now)
+    return body
+
+
+# -- the engine loop's side, in process: what a replaced role's threads posted never reaches the next
+
+
+class FakeRole:
+    """A role that records the events it is handed; ``on_close`` runs as it closes (standing for
+    a thread of it that posts while it stops)."""
+
+    name = "fake"
+
+    def __init__(self, on_close=None, fail_start: bool = False):
+        self.events, self.closed, self.on_close, self.fail_start = [], [], on_close, fail_start
+
+    def start(self, loop) -> None:
+        if self.fail_start:
+            raise RuntimeError("its port is taken")
+        self.loop = loop
+
+    def close(self, goodbye=None) -> None:
+        self.closed.append(goodbye)
+        if self.on_close is not None:
+            self.on_close(self)
+
+    def on_event(self, event):
+        self.events.append(event)
+        return []
+
+    def fail_all(self, ending):
+        return []
+
+    def tick(self, now):
+        return []
+
+    def wait_s(self, now):
+        return 0.05
+
+    def stats(self):
+        return {}
+
+
+@pytest.fixture
+def engine():
+    from conftest import CACHE_DIR
+    from splitserve.config import EngineConfig
+    from splitserve.engine.async_engine import AsyncEngine
+    from splitserve.models.resolve import resolve_model_dir
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))
+        model = resolve_model_dir("tiny")
+    old = FakeRole(on_close=lambda role: role.loop.post_event("posted by the old role as it stopped"))
+    e = AsyncEngine(EngineConfig(model=model, page_size=16, max_total_tokens=1024), old)
+    e.start()
+    yield e
+    e.shutdown()
+
+
+def test_events_of_a_replaced_role_are_dropped_and_the_next_role_gets_its_own(engine):
+    old, new = engine.role, FakeRole()
+    assert engine.replace_role(new, "it becomes another") == 0
+    assert engine.role is new and old.closed == ["it becomes another"]
+    engine.post_event("the new role's")
+    wait_for("the new role gets its event", lambda: new.events, BOUND_S)
+    engine.call_on_loop(lambda: None)  # the loop has taken everything posted before
+    assert new.events == ["the new role's"] and old.events == [], (new.events, old.events)
+    assert engine.stale_events == 1
+
+
+def test_a_role_that_cannot_start_is_closed_and_the_loop_keeps_the_old_one(engine):
+    old, broken = engine.role, FakeRole(fail_start=True)
+    with pytest.raises(RuntimeError, match="its port is taken"):
+        engine.replace_role(broken, "it becomes another")
+    assert engine.role is old and broken.closed == [None], broken.closed
+    engine.post_event("after")  # posted now: the loop's, whatever role it runs
+    wait_for("the old role gets it", lambda: old.events == ["after"], BOUND_S)
+
+
+# -- real processes --------------------------------------------------------------------------------
+
+
+def test_a_role_request_needs_the_admin_key_and_a_well_formed_body(cluster):
+    X = cluster.decode[-1]
+    epoch = health(X)["epoch"]
+    assert post_role(X, {"role": "prefill", "epoch": epoch}, key="").status_code == 401
+    assert post_role(X, {"role": "prefill", "epoch": epoch}, key="not-a-key").status_code == 401
+    refused = post_role(X, {"role": "prefill", "epoch": epoch}, key=METRICS)  # a key it knows, of another class
+    assert refused.status_code == 403 and error_code(refused) == "permission_denied", refused.text
+    for body in (None, [], "prefill", {"role": "prefill"}, {"epoch": epoch}, {"role": "colocated", "epoch": epoch},
+                 {"role": "prefill", "epoch": -1}, {"role": "prefill", "epoch": "0"}, {"role": "prefill", "epoch": True},
+                 {"role": "prefill", "epoch": epoch, "force": True}):
+        resp = post_role(X, body)
+        assert resp.status_code == 400 and error_code(resp) == "invalid_role_request", (body, resp.text)
+    resp = requests.post(X.url + "/role", data=b"{not json", headers=bearer(ADMIN), timeout=10)
+    assert resp.status_code == 400 and error_code(resp) == "invalid_role_request", resp.text
+    assert health(X)["epoch"] == epoch and health(X)["role"] == "decode"  # nothing of it changed anything
+
+
+def test_a_stale_epoch_is_refused_and_the_same_role_is_a_no_op(cluster):
+    X = cluster.decode[-1]
+    now = health(X)
+    for epoch in (now["epoch"] + 1, now["epoch"] + 7) + ((now["epoch"] - 1,) if now["epoch"] else ()):
+        resp = post_role(X, {"role": "prefill", "epoch": epoch})
+        assert resp.status_code == 409 and error_code(resp) == "stale_epoch", resp.text
+        assert f"epoch {now['epoch']}" in resp.json()["error"]["message"], resp.text
+    same = post_role(X, {"role": now["role"], "epoch": now["epoch"]})
+    assert same.status_code == 200, same.text
+    assert same.json() == {"role": now["role"], "epoch": now["epoch"], "incarnation": now["incarnation"],
+                           "switched": False}, same.text
+    assert health(X) == now  # no drain, no new incarnation, the same epoch
+
+
+def test_a_role_that_cannot_start_gives_the_worker_back_its_old_one(cluster):
+    """``X``'s bootstrap port is taken when it would become a prefill: the answer says so (500),
+    and ``X`` is a decode again, under a new incarnation, serving requests through the router."""
+    X = cluster.decode[-1]
+    before = health(X)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", X.bootstrap_port))
+        squatter.listen()
+        resp = post_role(X, {"role": "prefill", "epoch": before["epoch"]})
+    assert resp.status_code == 500 and error_code(resp) == "role_switch_failed", resp.text
+    assert "serves as a decode again" in resp.json()["error"]["message"], resp.text
+    now = health(X)
+    assert now["role"] == "decode" and now["epoch"] == before["epoch"] + 1, now
+    assert now["incarnation"] != before["incarnation"], now
+    served, seeds = legs(X, "decode"), itertools.count(7000)
+
+    def one_more() -> bool:  # the router finds it again (a new incarnation) and sends it legs
+        resp = post_generate(cluster.url, prompt(16, next(seeds)), 6, stream=True, **GREEDY)
+        assert resp.status_code == 200 and sse_events(resp.text)[-1] == "[DONE]", resp.text[-500:]
+        return legs(X, "decode") > served
+
+    wait_for("X serves decode legs again", one_more, BOUND_S)
+    pages_back_to_total(X, api_key=ADMIN)
+
+
+def test_a_decode_becomes_a_prefill_and_back_under_load_and_no_request_fails(cluster):
+    """The switch under steady streaming load through the router: every request succeeds, ``X``
+    serves prefill legs once it is a prefill and decode legs once it is a decode again, the peers
+    of each old incarnation end its sessions at once (goodbye), and every page account is back
+    to total at the end."""
+    P, D, X = cluster.prefill[0], cluster.decode[0], cluster.decode[-1]
+    ended_on_p = metric(worker_metrics(P), "splitserve_control_ended_sessions", role="prefill")
+    with Load(cluster.url) as load:
+        wait_for("requests flow", lambda: load.count() >= 3, BOUND_S)
+        wait_for("X serves decode legs", lambda: legs(X, "decode") >= 1, BOUND_S)
+        assert_registered(cluster, {**health(X), "role": "decode"})
+        first = switch(X, "prefill")
+        assert_registered(cluster, first)
+        # P had a session with X's decode incarnation: it ended at once (goodbye), not at the silence bound
+        wait_for("P ends the session of X's old incarnation",
+                 lambda: metric(worker_metrics(P), "splitserve_control_ended_sessions", role="prefill") > ended_on_p,
+                 BOUND_S)
+        wait_for("X serves prefill legs", lambda: legs(X, "prefill") >= 3, BOUND_S,
+                 on_fail=lambda: cluster.output(2000))
+        served = load.count()
+        wait_for("requests still flow", lambda: load.count() >= served + 3, BOUND_S)
+        lost_on_d = metric_sum(worker_metrics(D), "splitserve_peers", role="decode", state="lost")
+        second = switch(X, "decode")
+        assert second["epoch"] == first["epoch"] + 1
+        assert_registered(cluster, second)
+        # D had sessions with X's prefill incarnation: ended at once too
+        wait_for("D ends its session with X's prefill incarnation",
+                 lambda: "its incarnation ended" in D.stderr() and
+                 metric_sum(worker_metrics(D), "splitserve_peers", role="decode", state="lost") > lost_on_d, BOUND_S,
+                 on_fail=lambda: D.output_tail(3000))
+        decoded = legs(X, "decode")
+        wait_for("X serves decode legs again", lambda: legs(X, "decode") >= decoded + 3, BOUND_S)
+    assert not load.failed, f"{len(load.failed)} of {load.done + len(load.failed)} failed: {load.failed[:5]}"
+    assert load.done >= 12, load.done
+    print(f"\nrole switch under load (nixl): {load.done} requests, none failed; X ended {legs(X, 'prefill'):.0f} "
+          f"as a prefill, {legs(X, 'decode'):.0f} as a decode; epochs {first['epoch']}, {second['epoch']}")
+    for w in cluster.workers:
+        pages_back_to_total(w, api_key=ADMIN)
+    assert metric_sum(worker_metrics(X), "splitserve_thread_restarts_total") == 0
+
+
+@pytest.mark.long
+def test_the_switch_on_the_tcp_backend():
+    """The same round trip on the tcp backend (its receiver threads and sockets torn down and
+    made again in one process), with requests through the router before, between and after."""
+    c = start("tcp", 2)
+    try:
+        X = c.decode[-1]
+        with Load(c.url, threads=2) as load:
+            wait_for("requests flow", lambda: load.count() >= 3, BOUND_S)
+            switch(X, "prefill")
+            wait_for("X serves prefill legs", lambda: legs(X, "prefill") >= 3, BOUND_S)
+            switch(X, "decode")
+            decoded = legs(X, "decode")
+            wait_for("X serves decode legs again", lambda: legs(X, "decode") >= decoded + 3, BOUND_S)
+        assert not load.failed, load.failed[:5]
+        print(f"\nrole switch (tcp): {load.done} requests, none failed; X ended {legs(X, 'prefill'):.0f} as a "
+              f"prefill, {legs(X, 'decode'):.0f} as a decode")
+        for w in c.workers:
+            pages_back_to_total(w, api_key=ADMIN)
+    finally:
+        c.stop()
