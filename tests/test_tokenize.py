@@ -10,6 +10,9 @@ import requests
 
 TEXT = "The capital of France is Paris."
 MESSAGES = [{"role": "user", "content": "Name a colour."}]
+TOOLS = [{"type": "function", "function": {"name": "colour_of", "description": "The colour of a thing.",
+                                           "parameters": {"type": "object", "properties": {"thing": {"type": "string"}},
+                                                          "required": ["thing"]}}}]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +48,11 @@ def test_tokenize_and_detokenize(server, pd_cluster, tokenizer, where):
     assert answer["usage"]["prompt_tokens"] == chat["count"]
     no_gen = _post(url, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False})
     assert no_gen["count"] < chat["count"] and chat["tokens"][:no_gen["count"]] == no_gen["tokens"]
+    # with tools: rendered by the template, as a chat request with them counts its prompt
+    with_tools = _post(url, "/tokenize", {"messages": MESSAGES, "tools": TOOLS})
+    assert with_tools["count"] > chat["count"] and "colour_of" in tokenizer.decode(with_tools["tokens"])
+    answer = _post(url, "/v1/chat/completions", {"messages": MESSAGES, "tools": TOOLS, "max_tokens": 1})
+    assert answer["usage"]["prompt_tokens"] == with_tools["count"]
 
 
 @pytest.mark.parametrize("path,body,param,status", [
@@ -54,6 +62,8 @@ def test_tokenize_and_detokenize(server, pd_cluster, tokenizer, where):
     ("/tokenize", {"prompt": "x", "truncate": 3}, "truncate", 400),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens", 400),
     ("/tokenize", {"prompt": "x", "add_generation_prompt": True}, "add_generation_prompt", 400),
+    ("/tokenize", {"prompt": "x", "tools": TOOLS}, "tools", 400),
+    ("/tokenize", {"messages": MESSAGES, "tools": [{"type": "function"}]}, "tools[0]", 400),
     ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", 400),
     ("/tokenize", {"prompt": "x", "model": "other"}, "model", 404),
     ("/tokenize", {"prompt": "a" * 2_000_000}, "prompt", 400),  # cannot fit the context: refused by length

@@ -12,7 +12,7 @@ import random
 import pytest
 import requests
 
-from splitserve.engine.grammar import MAX_TOOLS, GrammarCompiler, parse_tools
+from splitserve.engine.grammar import MAX_PARALLEL_TOOL_CALLS, MAX_TOOLS, GrammarCompiler, parse_tools
 from splitserve.engine.io import InvalidRequest
 from splitserve.server.tool_calls import ToolCallParser, parse
 from tests.cluster import Cluster
@@ -201,6 +201,22 @@ def test_the_forced_grammar_writes_what_the_parser_reads_whatever_the_tokens(tok
         [call] = parse(tokenizer_tiny.decode(out), spec.names).calls
         assert call["function"]["name"] in spec.names
         json.loads(call["function"]["arguments"])
+
+
+def test_parallel_forced_calls_end_after_a_bounded_number(tokenizer_tiny):
+    """``required`` with ``parallel_tool_calls``: a model that never chooses to stop (here: a walk
+    that takes any allowed token but the end) still ends, after MAX_PARALLEL_TOOL_CALLS whole calls."""
+    spec = parse_tools(TOOLS, "required", True)
+    state, out = GrammarCompiler().compile(spec.grammar, tokenizer_tiny, 2048).state(), []
+    rng, eos = random.Random(1), tokenizer_tiny.eos_token_id
+    while not state.done and len(out) < 20_000:
+        allowed = [int(t) for t in state.allowed().nonzero()[0]]
+        token = rng.choice([t for t in allowed if t != eos] or allowed)
+        state.advance(token)
+        out.append(token)
+    assert state.done
+    calls = parse(tokenizer_tiny.decode(out), spec.names).calls
+    assert len(calls) == MAX_PARALLEL_TOOL_CALLS and all(json.loads(c["function"]["arguments"]) for c in calls)
 
 
 @pytest.fixture(scope="module")

@@ -318,6 +318,10 @@ MAX_TOOLS = 128
 """Functions one request may offer (OpenAI's own cap)."""
 MAX_TOOL_DESCRIPTION_CHARS = 8192
 """Characters of one function's description (it is rendered into the prompt)."""
+MAX_PARALLEL_TOOL_CALLS = 8
+"""Calls one forced answer (``tool_choice`` required with ``parallel_tool_calls``) may hold: the
+grammar ends the answer after so many, so a model that never chooses to stop (the random tiny
+one) still ends with whole calls rather than at ``max_tokens``."""
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 """The Hermes / Qwen2.5 tool-call format the tiny models' template asks for and the server parses:
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``."""
@@ -419,8 +423,8 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> Optional[ToolsSpec]:
 
 def tool_call_spec(tools: list, many: bool) -> GrammarSpec:
     """The grammar (Lark, llguidance's dialect) of an answer that is one tool call of one of
-    ``tools`` (``many``: one or more, one per line): ``<tool_call>\\n{"name": <one of the
-    names>, "arguments": <that function's parameters>}\\n</tool_call>``, its JSON compact."""
+    ``tools`` (``many``: one to :data:`MAX_PARALLEL_TOOL_CALLS`, one per line): ``<tool_call>\\n{"name":
+    <one of the names>, "arguments": <that function's parameters>}\\n</tool_call>``, its JSON compact."""
     schema = {"x-guidance": dict(_JSON_OPTIONS), "anyOf": [
         {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                           "arguments": t["function"]["parameters"]},
@@ -428,5 +432,5 @@ def tool_call_spec(tools: list, many: bool) -> GrammarSpec:
     call = json.dumps(TOOL_CALL_OPEN + "\n") + " %json " + json.dumps(schema, separators=(",", ":"),
                                                                       ensure_ascii=False) + " " + \
         json.dumps("\n" + TOOL_CALL_CLOSE)
-    start = 'start: call ("\\n" call)*\n' if many else "start: call\n"
+    start = f'start: call ("\\n" call){{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}\n' if many else "start: call\n"
     return GrammarSpec("lark", start + "call: " + call + "\n")

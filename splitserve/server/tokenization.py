@@ -1,7 +1,8 @@
 """``POST /tokenize`` and ``POST /detokenize`` on a worker, in vLLM's shape (its serving_tokenization).
 
 Tokenize takes ``{"model", "prompt": str}`` or ``{"model", "messages": [...]}`` (rendered by the
-chat template, as ``/v1/chat/completions`` does), with ``add_special_tokens`` (default true for a
+chat template, as ``/v1/chat/completions`` does, with the ``tools`` it is given: the same prompt
+tokens a chat request with those tools counts), with ``add_special_tokens`` (default true for a
 prompt, false for messages: the template writes its own), ``add_generation_prompt`` (messages
 only, default true) and ``return_token_strs`` (default false), and answers
 ``{"tokens": [...], "count": n, "max_model_len": context}`` (and ``"token_strs"`` when asked).
@@ -20,12 +21,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from splitserve.engine.grammar import parse_tools
 from splitserve.engine.io import InvalidRequest
 from splitserve.outcomes import Reason
-from splitserve.server.validation import _messages, _opt_bool, _opt_str, _token_ids, _type_name, check_text, \
-    parse_json_body
+from splitserve.server.validation import _messages, _opt_bool, _opt_str, _template_tools, _token_ids, _type_name, \
+    check_text, parse_json_body, renders_tools
 
-_TOKENIZE = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt", "return_token_strs"}
+_TOKENIZE = {"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",
+             "return_token_strs"}
 _DETOKENIZE = {"model", "tokens"}
 
 
@@ -54,16 +57,22 @@ def tokenize(body: Any, tokenizer, *, served_model_name: Optional[str], max_cont
     if prompt is not None:
         if not isinstance(prompt, str):
             raise InvalidRequest(f"prompt must be a string, not {_type_name(prompt)}", "prompt")
-        if generation_prompt is not None:
-            raise InvalidRequest("add_generation_prompt is for messages", "add_generation_prompt")
+        for key in ("add_generation_prompt", "tools"):
+            if body.get(key) is not None:
+                raise InvalidRequest(f"{key} is for messages", key)
         text, param, special = prompt, "prompt", _opt_bool(body, "add_special_tokens", "")
         special = True if special is None else special
     else:
         rendered = _messages(messages)
+        tools = parse_tools(body.get("tools"), None, None)
+        if tools is not None and not renders_tools(tokenizer):
+            raise InvalidRequest("this model's chat template does not render tools; serve it with --chat-template "
+                                 "FILE, a template that does", "tools")
         param, special = "messages", bool(_opt_bool(body, "add_special_tokens", ""))
         try:
             text = tokenizer.apply_chat_template(list(rendered), tokenize=False,
-                                                 add_generation_prompt=generation_prompt is not False)
+                                                 add_generation_prompt=generation_prompt is not False,
+                                                 **_template_tools(tools))
         except Exception as e:  # the template's own refusal ("roles must alternate")
             raise InvalidRequest(f"the chat template refused these messages: {e}", "messages") from None
     if chars_per_token and -(-len(text) // chars_per_token) > max_context:
