@@ -2,7 +2,7 @@
 
 Streaming chats (short prompts, ``--chat-output`` tokens each, Poisson arrivals at ``--chat-rate``)
 with long prompts (``--long-prompt`` tokens, ``--long-output`` tokens each) arriving among them at
-their own Poisson rate, against
+a fixed rate (evenly spaced over the chats' expected span), against
 
   colocated  ``splitserve serve``: one worker, chunked prefill (``--max-batch-tokens`` a step), so a
              long prompt's chunks share the engine's steps with the chats' decoding
@@ -12,7 +12,8 @@ their own Poisson rate, against
 one after the other in one run (only one is up at a time), the same requests at the same times.
 The long prompts' rate is sized from the prefill capacity measured first, on the split deployment's
 prefill worker (long prompts alone, one at a time, 1 token each: prompt tokens / TTFT), at
-``--long-load`` of it (default half: the prefill worker kept below saturation). Prints the model,
+``--long-load`` of it (default half: the prefill worker kept below saturation; at least one long
+prompt, so on a slow machine the share printed is above the one asked). Prints the model,
 the sizes and rates, then for each deployment the chats' ITL p50/p99, TTFT p50/p99 and goodput
 (chats a second meeting every ``--slo``; default TTFT <= 3 s and every gap <= 250 ms), the long
 prompts' TTFT p50, and the ratios split / colocated (targets: ITL p99 <= 0.5x, goodput >= 1x); a
@@ -73,9 +74,26 @@ async def prefill_capacity(target: Target, args: argparse.Namespace) -> float:
     return args.long_prompt / statistics.median(ttfts)
 
 
-async def mixed(target: Target, chats: Workload, chat_load: Load, longs: Workload, long_load: Load):
-    """Both streams at once, each on its own Poisson clock (the same draws for every deployment)."""
-    return await asyncio.gather(run(target, chats, chat_load), run(target, longs, long_load))
+async def evenly(target: Target, longs: Workload, n: int, window_s: float) -> list[Record]:
+    """``n`` long prompts at even intervals over the window (the middle of each of n slots)."""
+    maker, records = Maker(longs), []
+    async with aiohttp.ClientSession(trust_env=False, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        t0 = time.perf_counter()
+        clock = lambda: time.perf_counter() - t0  # noqa: E731
+
+        async def one(at: float) -> None:
+            await asyncio.sleep(at)
+            record, _ = await send(session, target, maker.random_request(), clock)
+            records.append(record)
+
+        await asyncio.gather(*(one(window_s * (k + 0.5) / n) for k in range(n)))
+    return records
+
+
+async def mixed(target: Target, chats: Workload, chat_load: Load, longs: Workload, n_long: int, window_s: float):
+    """Both streams at once: the chats on their Poisson clock (the same draws for every deployment),
+    the long prompts evenly over the chats' expected window."""
+    return await asyncio.gather(run(target, chats, chat_load), evenly(target, longs, n_long, window_s))
 
 
 def row(name: str, chats: Summary, longs: Summary) -> str:
@@ -112,7 +130,7 @@ def main() -> None:
           f"--max-batch-tokens {args.max_batch_tokens}  SLO {slos}  logs {LOG_DIR}", flush=True)
 
     results: dict[str, tuple[Summary, Summary, list[Record]]] = {}
-    long_rate = n_long = None
+    long_rate = n_long = window = None
     for name in ("split", "colocated"):  # split first: its prefill worker's capacity sizes the long prompts
         port = free_port()
         dep = Deployment(name, command(name, args, port), port, name)
@@ -121,18 +139,20 @@ def main() -> None:
             target = Target(dep.url)
             if long_rate is None:
                 capacity = asyncio.run(prefill_capacity(target, args))
-                long_rate = args.long_load * capacity / args.long_prompt
-                n_long = max(2, round(args.chats * long_rate / args.chat_rate))
-                print(f"prefill capacity (split, prefill worker): {capacity:.0f} prompt tokens/s -> long prompts at "
-                      f"{long_rate:.3f}/s ({args.long_load:.0%} of it), {n_long} of them; {load_average()}", flush=True)
+                window = args.chats / args.chat_rate  # the chats' expected span
+                n_long = max(1, round(window * args.long_load * capacity / args.long_prompt))
+                long_rate = n_long / window
+                print(f"prefill capacity (split, prefill worker): {capacity:.0f} prompt tokens/s -> {n_long} long "
+                      f"prompts evenly over the chats' {window:.0f} s: {long_rate:.3f}/s, "
+                      f"{long_rate * args.long_prompt / capacity:.0%} of it (asked: {args.long_load:.0%}); "
+                      f"{load_average()}", flush=True)
             warm = Load(requests=2, concurrency=1, warmup=0)
             asyncio.run(run(target, chats, warm))
-            chat_run, long_run = asyncio.run(mixed(target, chats, Load(requests=args.chats, rate=args.chat_rate,
-                                                                        warmup=0),
-                                                   longs, Load(requests=n_long, rate=long_rate, warmup=0)))
+            chat_run, long_records = asyncio.run(mixed(target, chats, Load(requests=args.chats, rate=args.chat_rate,
+                                                                            warmup=0), longs, n_long, window))
         finally:
             dep.stop()
-        c, lo = summarize(chat_run.records, chat_run.duration_s, slos), summarize(long_run.records, long_run.duration_s)
+        c, lo = summarize(chat_run.records, chat_run.duration_s, slos), summarize(long_records)
         if c.failed or lo.failed:
             raise SystemExit(f"{name}: {c.failed + lo.failed} requests failed, e.g. {(c.errors + lo.errors)[0]}; "
                              f"see {dep.log}")

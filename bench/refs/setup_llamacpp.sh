@@ -7,10 +7,11 @@
 #
 # Known problem: built this way (GGML_NATIVE) on a Xeon with AMX-BF16/AMX-INT8 and AVX512-VNNI,
 # llama-cpp-python 0.3.36 segfaults in llama_decode on the demo model's first eval (one thread or
-# two, logits_all or not); on AVX2-only CPUs it runs. Not yet tried: CMAKE_ARGS="-DGGML_NATIVE=OFF
-# -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" (no AVX-512/AMX paths).
+# two, logits_all or not); on AVX2-only CPUs it runs. LLAMACPP_CMAKE_ARGS replaces the CMake flags,
+# e.g. "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" (no
+# AVX-512/AMX paths).
 #
-#   bash bench/refs/setup_llamacpp.sh [VENV]     (VENV defaults to /work/refs/llamacpp)
+#   [LLAMACPP_CMAKE_ARGS=...] bash bench/refs/setup_llamacpp.sh [VENV]   (VENV defaults to /work/refs/llamacpp)
 set -euo pipefail
 VENV=${1:-/work/refs/llamacpp}
 PY=${PYTHON:-python3}          # CPython 3.11 here
@@ -18,7 +19,7 @@ PY=${PYTHON:-python3}          # CPython 3.11 here
 "$VENV/bin/pip" install --upgrade pip==24.3.1
 # PyPI has only the sdist for 0.3.36, so pip compiles the bundled llama.cpp with CMake. GGML_NATIVE
 # (the default) tunes it for this CPU (AVX2 here), as a user building it on their box would get.
-CMAKE_BUILD_PARALLEL_LEVEL=1 MAKEFLAGS=-j1 CMAKE_ARGS="-DGGML_NATIVE=ON" \
+CMAKE_BUILD_PARALLEL_LEVEL=1 MAKEFLAGS=-j1 CMAKE_ARGS="${LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON}" \
   nice -n 19 "$VENV/bin/pip" install --no-cache-dir --no-binary llama-cpp-python \
   "llama-cpp-python[server]==0.3.36"
 "$VENV/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
