@@ -8,7 +8,8 @@ them from the command line (``--prefill P``, ``--decode D --decode X``): the rou
 switch from ``X``'s ``/health`` (a new incarnation, another role) and its bootstrap port from its
 ``/get_server_info``. The workers hold the admin and worker keys, the router the worker key. ``X``
 also registers in a real etcd (``--discovery``, when ``etcd`` is installed: CI installs it), whose
-record must follow each switch.
+record must follow each switch, and a second router that knows ``X`` from etcd alone must follow
+it too (the old incarnation's worker drained away, the new one in rotation in its new role).
 
 Peers are declared lost only after 120 s of silence here, far past anything this file waits for:
 a peer that ends a session of ``X``'s old incarnation did so because ``X`` said goodbye.
@@ -28,7 +29,7 @@ from typing import Optional
 import pytest
 import requests
 
-from cluster import Cluster, metric, metric_sum, metrics, pages_back_to_total, post_generate, sse_events
+from cluster import Cluster, RouterProcess, metric, metric_sum, metrics, pages_back_to_total, post_generate, sse_events
 from conftest import free_port
 from etcd_server import EtcdServer, have_etcd
 from splitserve.auth import bearer
@@ -65,6 +66,10 @@ def cluster():
         etcd = stack.enter_context(EtcdServer()) if have_etcd() else None
         c = start("nixl", 2, etcd)
         stack.callback(c.stop)
+        c.watcher = None  # a second router that knows X from etcd alone
+        if etcd is not None:
+            c.watcher = RouterProcess([], [], "--discovery", etcd.url(ETCD_PREFIX), *ROUTER, wait_healthy=False).start()
+            stack.callback(c.watcher.stop)
         yield c
 
 
@@ -75,7 +80,9 @@ def record(c: Cluster) -> Optional[dict]:
 
 
 def assert_registered(c: Cluster, body: dict) -> None:
-    """``X``'s record in etcd names the role and incarnation of ``body`` (a ``POST /role`` answer)."""
+    """``X``'s record in etcd names the role and incarnation of ``body`` (a ``POST /role`` answer),
+    and the router that watches etcd has that incarnation of ``X`` in rotation, in that role, and
+    no other one of it."""
     if c.etcd is None:
         return
     X = c.decode[-1]
@@ -84,6 +91,16 @@ def assert_registered(c: Cluster, body: dict) -> None:
     wait_for(f"X's record in etcd says {want}",
              lambda: (r := record(c)) is not None and all(r[k] == v for k, v in want.items()), BOUND_S,
              on_fail=lambda: f"{record(c)}\n{X.output_tail(2000)}")
+
+    def seen() -> list:
+        return [w for w in requests.get(c.watcher.url + "/workers", timeout=10).json()["workers"] if w["id"] == "x"]
+
+    def as_wanted() -> bool:
+        return [(w["state"], w["source"], *(w[k] for k in want)) for w in seen()] == \
+            [("healthy", "discovery", *want.values())]
+
+    wait_for(f"the watching router has X as {want}, and no other X", as_wanted, BOUND_S,
+             on_fail=lambda: f"{seen()}\n{c.watcher.output_tail(2000)}")
 
 
 def health(worker) -> dict:
@@ -256,8 +273,8 @@ def test_a_role_request_needs_the_admin_key_and_a_well_formed_body(cluster):
     refused = post_role(X, {"role": "prefill", "epoch": epoch}, key=METRICS)  # a key it knows, of another class
     assert refused.status_code == 403 and error_code(refused) == "permission_denied", refused.text
     for body in (None, [], "prefill", {"role": "prefill"}, {"epoch": epoch}, {"role": "colocated", "epoch": epoch},
-                 {"role": "prefill", "epoch": -1}, {"role": "prefill", "epoch": "0"}, {"role": "prefill", "epoch": True},
-                 {"role": "prefill", "epoch": epoch, "force": True}):
+                 {"role": "prefill", "epoch": -1}, {"role": "prefill", "epoch": "0"},
+                 {"role": "prefill", "epoch": True}, {"role": "prefill", "epoch": epoch, "force": True}):
         resp = post_role(X, body)
         assert resp.status_code == 400 and error_code(resp) == "invalid_role_request", (body, resp.text)
     resp = requests.post(X.url + "/role", data=b"{not json", headers=bearer(ADMIN), timeout=10)
