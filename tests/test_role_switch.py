@@ -19,6 +19,7 @@ The tcp backend's switch (a smaller cluster of its own) runs under ``make check-
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import json
@@ -260,6 +261,60 @@ def test_a_role_that_cannot_start_is_closed_and_the_loop_keeps_the_old_one(engin
     assert engine.role is old and broken.closed == [None], broken.closed
     engine.post_event("after")  # posted now: the loop's, whatever role it runs
     wait_for("the old role gets it", lambda: old.events == ["after"], BOUND_S)
+
+
+# -- the router's side, in process: a worker it knows from its command line changes its role -------
+
+
+def test_the_router_moves_a_worker_that_switched_its_role_and_asks_a_prefill_its_bootstrap_port():
+    import aiohttp
+    from aiohttp import web
+
+    from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet
+
+    now = {"role": DECODE, "incarnation": "inc1", "bootstrap_port": None}
+
+    async def health(_request):
+        return web.json_response({"status": "ok", "id": "x", "incarnation": now["incarnation"], "role": now["role"],
+                                  "epoch": 0})
+
+    async def server_info(_request):
+        return web.json_response({"bootstrap_port": now["bootstrap_port"] if now["role"] == PREFILL else None,
+                                  "model_fingerprint": "tiny:abc/none", "protocol_version": 5,
+                                  "transfer_backend": "nixl"})
+
+    async def models(_request):
+        return web.json_response({"data": [{"id": "tiny"}]})
+
+    async def go():
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/get_server_info", server_info)
+        app.router.add_get("/v1/models", models)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        x = Worker(DECODE, f"http://127.0.0.1:{runner.addresses[0][1]}")
+        workers = WorkerSet([], [x])
+        try:
+            async with aiohttp.ClientSession() as session:
+                checker = HealthChecker(workers, session, 0.5, 1)
+                await checker.check(x)
+                assert x.healthy and workers.decode == [x] and workers.prefill == []
+                now.update(role=PREFILL, incarnation="inc2")  # switched; its bootstrap port not said (yet)
+                await checker.check(x)
+                assert workers.prefill == [x] and workers.decode == [] and x.role == PREFILL, workers
+                assert not x.healthy and "bootstrap port" in x.last_error and x.restarts == 1, x
+                now["bootstrap_port"] = 9123
+                await checker.check(x)
+                assert x.healthy and x.bootstrap_port == 9123 and x.incarnation == "inc2", x
+                now.update(role=DECODE, incarnation="inc3")  # and back
+                await checker.check(x)
+                assert workers.decode == [x] and x.healthy and x.bootstrap_port is None and x.restarts == 2, x
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
 
 
 # -- real processes --------------------------------------------------------------------------------
