@@ -17,6 +17,7 @@ import pytest
 import requests
 
 from cluster import RouterProcess, pages_back_to_total
+from conftest import CACHE_DIR
 from etcd_cluster import Load, finished, listed, routable, wait_for
 
 ROUTER_ARGS = ("--health-interval-s", "0.5", "--health-failures", "2")
@@ -222,23 +223,29 @@ def test_a_worker_killed_is_out_of_rotation_and_gets_nothing_after(etcd_cluster,
     assert series and not [ls for ls in series if ("url", victim.url) in ls]  # its series went with it
 
 
-def test_two_fingerprints_under_one_name_are_never_paired_across(etcd_cluster, router, tmp_path_factory):
-    """A rolling upgrade's middle: workers of another checkpoint (other weights), served under the
-    same name, beside the ones there: every request is served by a pair of one fingerprint (a
-    crossed pair would fail its handshake), and the router counts the pairings it refused."""
-    from splitserve.testing.tiny import build_tiny_model
+UPGRADED = ("pb", "db")
+
+
+def test_two_fingerprints_under_one_name_are_never_paired_across(etcd_cluster, router):
+    """A rolling upgrade's middle: workers of another checkpoint (other weights: the tiny model of
+    another seed, built once into the tests' cache), served under the same name, beside the ones
+    there: every request is served by a pair of one fingerprint (a crossed pair would fail its
+    handshake), and the router counts the pairings it refused."""
+    from splitserve.testing.tiny import tiny_model_path
 
     c = etcd_cluster
-    other = str(build_tiny_model(tmp_path_factory.mktemp("other-weights"), seed=7))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))
+        other = str(tiny_model_path(seed=7))
     c.ensure("p1", "d1")
-    procs = [c.spawn(name, "--served-model-name", "tiny", model=other) for name in ("pb", "db")]
+    procs = [c.spawn(name, "--served-model-name", "tiny", model=other) for name in UPGRADED]
     for p in procs:
         p.wait_ready()
     wait_for("pb and db in rotation", lambda: {"pb", "db"} <= set(routable(router)))
     fingerprints = {w["id"]: w["model_fingerprint"] for w in listed(router)}
     p1, d1 = c.procs["p1"].name, c.procs["d1"].name
     assert fingerprints["pb"] == fingerprints["db"] != fingerprints[p1] == fingerprints[d1], fingerprints
-    old = [p for n, p in c.procs.items() if n not in ("pb", "db") and p.proc.poll() is None]
+    old = [p for n, p in c.procs.items() if n not in UPGRADED and p.proc.poll() is None]
     before = {p.name: finished(p) for p in old + procs}
     refused = router.metric("splitserve_router_pairings_refused_total")
     for i in range(12):
@@ -251,7 +258,7 @@ def test_two_fingerprints_under_one_name_are_never_paired_across(etcd_cluster, r
     assert sum(served[p.name] for p in old if p.role == "prefill") == \
         sum(served[p.name] for p in old if p.role == "decode") == 12 - new_pairs, served
     assert router.metric("splitserve_router_pairings_refused_total") > refused
-    c.stop("pb", "db")
+    c.stop(*UPGRADED)
     wait_for("pb and db gone", lambda: not {"pb", "db"} & {w["id"] for w in listed(router)})
 
 
