@@ -131,18 +131,38 @@ def test_a_router_the_workers_do_not_accept_sees_them_down_and_says_why(tls_clus
         router.stop()
 
 
-@pytest.mark.parametrize("args, words", [
+BAD_TLS = [
     (["--ssl-certfile", "ca-server.pem"], "--ssl-certfile and --ssl-keyfile go together"),
     (["--ssl-ca-certs", "ca.pem"], "--ssl-ca-certs needs --ssl-certfile"),
     (["--ssl-certfile", "ca-server.pem", "--ssl-keyfile", "other-ca-server.key"], "not a certificate and its key"),
     (["--worker-ca-certs", "ca-server.key"], "--worker-ca-certs"),
-])
-def test_bad_tls_files_stop_the_router_at_once_with_exit_2(certs, args, words):
-    argv = [certs.get(a, a) for a in args]
-    proc = subprocess.run([sys.executable, "-m", "splitserve.cli", "router", "--prefill", "http://127.0.0.1:9",
-                           "--decode", "http://127.0.0.1:9", "--port", "0", *argv], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and words in proc.stderr, proc.stderr
+]
+
+
+@pytest.fixture(scope="module")
+def bad_tls_routers(certs) -> list[tuple[int, str]]:
+    """Each of ``BAD_TLS``'s routers run at once, side by side (each loads the router in a process
+    of its own): its exit status and stderr."""
+    procs = [subprocess.Popen([sys.executable, "-m", "splitserve.cli", "router", "--prefill", "http://127.0.0.1:9",
+                               "--decode", "http://127.0.0.1:9", "--port", "0", *[certs.get(a, a) for a in args]],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for args, _ in BAD_TLS]
+    try:
+        seen = []
+        for proc in procs:
+            _, err = proc.communicate(timeout=240)  # a bound on a hang: four load at once
+            seen.append((proc.returncode, err))
+        return seen
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("case", range(len(BAD_TLS)), ids=[words for _, words in BAD_TLS])
+def test_bad_tls_files_stop_the_router_at_once_with_exit_2(bad_tls_routers, case):
+    returncode, stderr = bad_tls_routers[case]
+    assert returncode == 2 and BAD_TLS[case][1] in stderr, stderr
 
 
 def test_tls_contexts_refuse_what_they_cannot_use(certs):
