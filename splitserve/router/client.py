@@ -24,13 +24,14 @@ from typing import Optional
 from aiohttp import web
 
 from splitserve.http_util import body_too_large
+from splitserve.router.outcomes import RouterOutcome
 
 
 class ClientLost(Exception):
     """The client went away (``client_disconnect``) or did not keep up (``client_timeout``); the
     connection is closed and nothing more can be sent."""
 
-    def __init__(self, outcome: str, message: str):
+    def __init__(self, outcome: RouterOutcome, message: str):
         super().__init__(message)
         self.outcome = outcome
 
@@ -44,7 +45,7 @@ async def read_body(request: web.Request, timeout: float, limit: int) -> bytes:
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(limit) from None
     except TimeoutError:
-        raise ClientLost("client_timeout", f"the request body did not arrive within the router's "
+        raise ClientLost(RouterOutcome.CLIENT_TIMEOUT, f"the request body did not arrive within the router's "
                                            f"client_body_timeout_s ({timeout:g} s)") from None
 
 
@@ -71,16 +72,16 @@ class ClientWriter:
         transport = self.request.transport
         if transport is None or transport.is_closing():
             step.close()
-            raise ClientLost("client_disconnect", "the client closed the connection")
+            raise ClientLost(RouterOutcome.CLIENT_DISCONNECT, "the client closed the connection")
         try:
             async with asyncio.timeout(self.timeout):  # not wait_for: no task per chunk
                 await step
         except TimeoutError:
             self.drop()
-            raise ClientLost("client_timeout", f"the client read nothing for the router's "
+            raise ClientLost(RouterOutcome.CLIENT_TIMEOUT, f"the client read nothing for the router's "
                                                f"client_write_timeout_s ({self.timeout:g} s)") from None
         except ConnectionError as exc:
-            raise ClientLost("client_disconnect", f"the client closed the connection: {exc}") from None
+            raise ClientLost(RouterOutcome.CLIENT_DISCONNECT, f"the client closed the connection: {exc}") from None
 
     def drop(self) -> None:
         """Abort the connection now, discarding what it could not send."""
@@ -89,7 +90,7 @@ class ClientWriter:
             transport.abort()
 
 
-async def send(request: web.Request, response: web.StreamResponse, timeout: float) -> Optional[str]:
+async def send(request: web.Request, response: web.StreamResponse, timeout: float) -> Optional[RouterOutcome]:
     """Send ``response`` now, bounded, unless it is already under way (a stream); None, or the
     outcome (``client_disconnect`` / ``client_timeout``) if the client did not take it."""
     if response.prepared:

@@ -1,15 +1,8 @@
 """The router's Prometheus metrics (prefix ``splitserve_router_``), on the process's own registry
 (``docs/metrics.md`` lists every one).
 
-- ``requests_total{outcome}``: every generation request, counted once when it ends. Outcomes:
-  ``finished`` (the decode worker's 2xx answer was passed through whole), ``bad_request`` (refused
-  by the router's validation: 400/404), ``no_workers`` (503: no healthy prefill or decode worker),
-  ``prefill_failed`` (the prefill leg failed first: its error was returned and the decode leg
-  closed), ``decode_failed`` (the decode worker answered an error, could not be reached, or broke
-  off its stream, or ended it without ``[DONE]``), ``client_disconnect``, ``client_timeout`` (the
-  client did not send its body within ``client_body_timeout_s``, 408, or stopped reading for
-  ``client_write_timeout_s``), ``timeout`` (``request_timeout_s`` passed), ``internal`` (a bug).
-  A client that had gone before the answer — whatever it was — reached it counts as leaving.
+- ``requests_total{outcome}``: every generation request, counted once when it ends, by its
+  :class:`~splitserve.router.outcomes.RouterOutcome` (the label is its value).
 - ``pd_decisions_total{decision}``: ``split``, ``alone`` (``split.py``), and ``fallback`` (a split
   request sent to decode alone after its prefill failed).
 - ``retries_total{role,cause}``: legs tried again on another worker (``retry.CAUSES``), and
@@ -31,12 +24,11 @@ import time
 from typing import Optional
 
 from splitserve.metrics import Registry
+from splitserve.router.outcomes import RouterOutcome
 from splitserve.router.retry import CAUSES, DENIALS
 from splitserve.router.split import DECISIONS
 from splitserve.router.workers import WorkerSet
 
-OUTCOMES = ("finished", "bad_request", "no_workers", "prefill_failed", "decode_failed", "client_disconnect",
-            "client_timeout", "timeout", "internal")
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 
@@ -92,8 +84,8 @@ class RouterMetrics:
     def __init__(self, registry: Registry, workers: WorkerSet):
         self.requests = registry.counter("splitserve_router_requests_total",
                                          "Generation requests through the router, by outcome.", ["outcome"])
-        for outcome in OUTCOMES:  # every outcome shows up as 0 before it first happens
-            self.requests.labels(outcome=outcome)
+        for outcome in RouterOutcome:  # every outcome shows up as 0 before it first happens
+            self.requests.labels(outcome=outcome.value)
         self.in_flight = registry.gauge("splitserve_router_requests_in_flight",
                                         "Generation requests now inside the router.")
         self.seconds = registry.histogram("splitserve_router_request_seconds",
@@ -131,9 +123,10 @@ class RouterMetrics:
         registry.derived_gauge("splitserve_router_worker_in_flight", "Request legs now open to the worker.",
                                ["role", "url"], read=lambda: {(w.role, w.url): w.in_flight for w in workers.all()})
 
-    def record(self, outcome: str, seconds: float, endpoint: str = "", times: Optional[TokenTimes] = None) -> None:
-        self.requests.labels(outcome=outcome).inc()
-        self.seconds.labels(outcome=outcome).observe(seconds)
+    def record(self, outcome: RouterOutcome, seconds: float, endpoint: str = "",
+               times: Optional[TokenTimes] = None) -> None:
+        self.requests.labels(outcome=outcome.value).inc()
+        self.seconds.labels(outcome=outcome.value).observe(seconds)
         if times is not None and times.ttft is not None:
             self.ttft.labels(endpoint=endpoint).observe(times.ttft)
             itl = self.itl.labels(endpoint=endpoint)

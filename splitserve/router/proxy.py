@@ -83,6 +83,7 @@ from splitserve.router import retry, split
 from splitserve.router.client import ClientLost, ClientWriter, read_body, send
 from splitserve.router.legs import Leg, NoHeaders, describe_error
 from splitserve.router.metrics import TokenTimes
+from splitserve.router.outcomes import RouterOutcome
 from splitserve.router.policy import routing_key
 from splitserve.router.stream import DecodeStream
 from splitserve.router.workers import DECODE, PREFILL, Worker
@@ -124,7 +125,7 @@ class Exchange:
         self.times = TokenTimes(self.clock() if started is None else started)  # what the client sees
         self.prefill: Optional[Leg] = None
         self.decode: Optional[Leg] = None
-        self.outcome = "client_disconnect"  # until known better: a cancellation is the client leaving
+        self.outcome = RouterOutcome.CLIENT_DISCONNECT  # until known better: a cancellation is the client leaving
         self.status = 499
         self.prefill_handed_off = False
         self.client = ClientWriter(request, self.config.client_write_timeout_s)
@@ -227,7 +228,7 @@ class Exchange:
         the router's to handle. Tried again with a new room, or sent to decode alone, or the
         failure is the answer; either way decode's leg is ended at once with that cause (not only
         closed, which would read as the client gone), for it must not wait for KV that will not come."""
-        self.outcome = "prefill_failed"
+        self.outcome = RouterOutcome.PREFILL_FAILED
         leg = self.prefill
         error = leg.error
         status = None if error is not None else leg.response.status
@@ -271,7 +272,7 @@ class Exchange:
         if await self._prefill_has_the_cause():
             return await self._prefill_failed()  # as when prefill's answer comes first
         self._abort_prefill()  # nobody will come for its KV
-        self.outcome = "decode_failed"
+        self.outcome = RouterOutcome.DECODE_FAILED
         self._may_retry(self.decode, DECODE)
         return await self._leg_error(self.decode, DECODE)
 
@@ -311,7 +312,7 @@ class Exchange:
         return web.Response(status=resp.status, body=payload, headers=_pass_headers(resp))
 
     async def _timed_out(self) -> web.StreamResponse:
-        self.outcome, self.status = "timeout", 504
+        self.outcome, self.status = RouterOutcome.TIMEOUT, 504
         message = f"the request took longer than the router's request_timeout_s " \
                   f"({self.config.request_timeout_s:g} s)"
         self._close_legs()
@@ -338,12 +339,12 @@ class Exchange:
             raise Deadline() from None
         except aiohttp.ClientError as exc:
             self._abort_prefill()
-            self.outcome, self.status = "decode_failed", 502
+            self.outcome, self.status = RouterOutcome.DECODE_FAILED, 502
             self._may_retry(self.decode, DECODE, exc)
             message = f"the decode worker {self.decode.worker.url} broke off its answer: {describe_error(exc)}"
             return web.json_response(error_body(message, 502, code="worker_unreachable"), status=502)
         self.decode.release()
-        self.outcome, self.status = "finished", resp.status
+        self.outcome, self.status = RouterOutcome.FINISHED, resp.status
         return web.Response(status=resp.status, body=payload, headers=_pass_headers(resp))
 
     async def _stream_decode(self) -> web.StreamResponse:
@@ -355,7 +356,7 @@ class Exchange:
             self._may_retry(self.decode, DECODE, decode_in.broke)
             if self.retry is not None:
                 self._abort_prefill()
-                self.outcome, self.status = "decode_failed", 502
+                self.outcome, self.status = RouterOutcome.DECODE_FAILED, 502
                 message = f"the decode worker {self.decode.worker.url} broke off its stream: " \
                           f"{describe_error(decode_in.broke)}"
                 return web.json_response(error_body(message, 502, code="worker_unreachable"), status=502)
@@ -379,12 +380,12 @@ class Exchange:
         self.decode.release()
         if not decode_in.watch.saw_done:
             return await self._decode_broke_off("its stream ended without data: [DONE]")
-        self.outcome = "decode_failed" if decode_in.watch.saw_error else "finished"
+        self.outcome = RouterOutcome.DECODE_FAILED if decode_in.watch.saw_error else RouterOutcome.FINISHED
         await self.client.finish(out)
         return out
 
     async def _decode_broke_off(self, why: str) -> web.StreamResponse:
-        self.outcome = "decode_failed"
+        self.outcome = RouterOutcome.DECODE_FAILED
         message = f"the decode worker {self.decode.worker.url} broke off its stream: {why}"
         log.warning("%s: %s", self.name, message)
         self._close_legs()
@@ -411,7 +412,7 @@ class Exchange:
         if self.decode is not None:
             self.decode.abort()  # a no-op after release()
         if self.prefill is not None:
-            if self.prefill_handed_off and self.outcome == "finished":
+            if self.prefill_handed_off and self.outcome is RouterOutcome.FINISHED:
                 self.prefill.abort_after(LINGER_S)
             else:
                 self.prefill.abort()
@@ -548,7 +549,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
     config = state.config
     metrics = state.metrics
     metrics.in_flight.inc()
-    outcome, status, room, legs, rid, exchange = "client_disconnect", 499, None, "", None, None
+    outcome, status, room, legs, rid, exchange = RouterOutcome.CLIENT_DISCONNECT, 499, None, "", None, None
     recorded = False  # the router's record of the request (state.recent) was started
     try:
         try:
@@ -559,14 +560,14 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
             response.force_close()
             return response
         except web.HTTPException as exc:  # 413: over the size limit
-            outcome, status = "bad_request", exc.status
+            outcome, status = RouterOutcome.BAD_REQUEST, exc.status
             raise
         try:
             body = parse_json_body(raw)
             validated = validate_request(body, endpoint, served_model_name=state.workers.model_name())
             rid = validated.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
         except InvalidRequest as exc:
-            outcome, status = "bad_request", exc.status
+            outcome, status = RouterOutcome.BAD_REQUEST, exc.status
             response = web.json_response(engine_error_body(exc), status=exc.status)
             outcome = await send(request, response, config.client_write_timeout_s) or outcome
             return response
@@ -575,7 +576,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         one_worker = split.one_worker(validated.sampling)  # e.g. lm-eval's prompt logprobs: decode alone
         planned = state.plan(key, tokens, one_worker=one_worker)
         if isinstance(planned, str):
-            outcome, status = "no_workers", 503
+            outcome, status = RouterOutcome.NO_WORKERS, 503
             response = web.json_response(error_body(planned, 503, code="no_healthy_workers"), status=503,
                                          headers={"Retry-After": "1"})
             outcome = await send(request, response, config.client_write_timeout_s) or outcome
@@ -612,7 +613,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
             try:
                 response = await exchange.run()
             except Exception:  # a bug: the middleware answers 500; count it as what it is
-                exchange.outcome, exchange.status = "internal", 500
+                exchange.outcome, exchange.status = RouterOutcome.INTERNAL, 500
                 raise
             finally:
                 outcome, status = exchange.outcome, exchange.status
@@ -630,7 +631,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         outcome = await send(request, response, config.client_write_timeout_s) or outcome
         return response
     except asyncio.CancelledError:
-        outcome = "client_disconnect"
+        outcome = RouterOutcome.CLIENT_DISCONNECT
         raise
     finally:
         metrics.in_flight.dec()
@@ -638,6 +639,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         times = exchange.times if exchange is not None else None
         metrics.record(outcome, seconds, endpoint, times)
         if recorded:
-            state.recent.end(rid, outcome, status, seconds, times.ttft if times is not None else None)
-            log.log(logging.ERROR if outcome == "internal" else logging.INFO, "room %s %s rid=%s: %s (%s)%s %.3fs",
-                    room if room is not None else "- (decode alone)", endpoint, rid, outcome, status, legs, seconds)
+            state.recent.end(rid, outcome.value, status, seconds, times.ttft if times is not None else None)
+            log.log(logging.ERROR if outcome is RouterOutcome.INTERNAL else logging.INFO,
+                    "room %s %s rid=%s: %s (%s)%s %.3fs", room if room is not None else "- (decode alone)", endpoint,
+                    rid, outcome.value, status, legs, seconds)

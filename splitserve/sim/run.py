@@ -18,7 +18,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from splitserve.router.metrics import OUTCOMES
+from splitserve.router.outcomes import RouterOutcome
 from splitserve.sim.clock import SimLoop, Streams
 from splitserve.sim.cluster import Cluster
 from splitserve.sim.invariants import CLIENT_SLACK_S, Checker, Trace
@@ -28,7 +28,7 @@ from splitserve.sim.workload import CURRENT, Client, draw_clients, reference_tex
 
 OVERLOAD_CODES = ("overloaded", "queue_full", "no_healthy_workers")
 ROUTER_LEFT = ("hung_up", "stopped_reading")
-LEAVING = {"hung_up": "client_disconnect", "stopped_reading": "client_timeout"}  # what the router counts
+LEAVING = {"hung_up": RouterOutcome.CLIENT_DISCONNECT, "stopped_reading": RouterOutcome.CLIENT_TIMEOUT}  # what the router counts
 
 
 class FaultLog:
@@ -345,29 +345,29 @@ class Run:
             ending = client.ending()
             entry = recent.get(client.rid)
             if client.refused:
-                got = LEAVING.get(ending, "no_workers")
+                got = LEAVING.get(ending, RouterOutcome.NO_WORKERS)
             elif entry is None:
-                got = "client_disconnect" if ending in ROUTER_LEFT else None
+                got = RouterOutcome.CLIENT_DISCONNECT if ending in ROUTER_LEFT else None
             else:
-                got = entry.get("outcome")
+                got = RouterOutcome(entry["outcome"]) if entry.get("outcome") is not None else None
             if ending == "finished":
-                ok = got == "finished"
+                ok = got is RouterOutcome.FINISHED
             elif ending in ROUTER_LEFT:
                 ok = got in LEAVING.values()
             else:
-                ok = got not in (None, "finished", "client_disconnect", "client_timeout")
+                ok = got is not None and got is not RouterOutcome.FINISHED and got not in LEAVING.values()
             if not ok:
                 left = f", left t={client.left_at:.4f}" if client.left_at is not None else ""
                 self.checker.violation(
                     f"client {client.rid} ({client.pair}, born t={client.born:.4f}{left}, status {client.status}, "
-                    f"{'ended' if client.eof else 'no end'}) saw {ending}, the router counted it {got}")
+                    f"{'ended' if client.eof else 'no end'}) saw {ending}, the router counted it {got and got.value}")
                 return
             expected[got] += 1
-        counted = {o: int(registry.get_sample_value("splitserve_router_requests_total", {"outcome": o}) or 0)
-                   for o in OUTCOMES}
-        if any(counted[o] != expected[o] for o in OUTCOMES) or set(expected) - set(OUTCOMES):
+        counted = {o.value: int(registry.get_sample_value("splitserve_router_requests_total", {"outcome": o.value}) or 0)
+                   for o in RouterOutcome}
+        if any(counted[o.value] != expected[o] for o in RouterOutcome):
             self.checker.violation(f"the router's outcome counters {counted} differ from its requests' outcomes "
-                                   f"{dict(expected)}")
+                                   f"{ {o.value: n for o, n in expected.items()} }")
 
     # -- faults -------------------------------------------------------------------------------------
 
