@@ -243,13 +243,50 @@ PLANTED = {
                                                                        forgotten_with_a_preempted_sequence)],
 }
 # found by the simulator too, but too rare for the hunt (7 seeds of 5,931 x 300 requests): only its
-# own seed (test_sim.FOUND) is shown to catch it
+# own seed (test_sim.FOUND) or scenario (DIRECTED) is shown to catch it
 RARE = {
     "found: a session's transfer reset lost with its hand-over": [(PrefillRole, "_disconnect",
                                                                     reset_lost_with_its_handover)],
     "found: an answer to a caller that stopped waiting": [(AsyncEngine, "_answer_call",
                                                            answer_a_caller_that_stopped_waiting)],
 }
+
+
+def engine_ended_sessions_while_hand_overs_raise(seed: int, requests: int):
+    """A scenario for "a session's transfer reset lost with its hand-over": the control thread
+    resets the transfer of every session it ends itself (silence, goodbye), so only a session the
+    engine loop ends (a write that failed ``may_land``) reaches the hand-over in
+    ``PrefillRole._disconnect``; here writes fail often while half the prefills' hand-overs raise.
+    Drawn seeds reach that rarely (seed 1205 stopped reaching it)."""
+    from dataclasses import replace
+
+    from splitserve.sim.scenario import Fault, Scenario
+
+    base = Scenario.draw(seed, requests, quiet=True)
+    faults = [Fault("edge_error", 0.5, base.arrival_s, f"prefill{i}", (0.5,)) for i in range(base.prefills)]
+    faults.append(Fault("write_faults", 1.0, base.arrival_s, "*", (0.2, 0.2, 0.2)))
+    return replace(base, faults=tuple(sorted(faults, key=lambda f: (f.at, f.kind))))
+
+
+DIRECTED = {"found: a session's transfer reset lost with its hand-over": engine_ended_sessions_while_hand_overs_raise}
+"""RARE bugs shown by a scenario built to reach them (a seed and requests go in) rather than a drawn seed."""
+
+
+def run_directed(name: str, seed: int, requests: int, planted: bool):
+    """In a pool's process: ``name``'s directed scenario, with its bug planted or not; the result's
+    (first violation or None, requests it ran)."""
+    import pytest
+
+    from splitserve.sim.run import run_seed
+
+    mp = pytest.MonkeyPatch()
+    try:
+        if planted:
+            plant(mp, name)
+        result = run_seed(seed, scenario=DIRECTED[name](seed, requests))
+    finally:
+        mp.undo()
+    return (result.violations[0] if result.violations else None), result.requests
 
 
 POLICY = {"fallback: computing before the writes settled": "recompute"}
