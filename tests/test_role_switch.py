@@ -202,7 +202,7 @@ class FakeRole:
     def start(self, loop) -> None:
         if self.fail_start:
             raise RuntimeError("its port is taken")
-        self.loop = loop
+        self.loop, self.post = loop, loop.poster()
 
     def close(self, goodbye=None) -> None:
         self.closed.append(goodbye)
@@ -236,7 +236,7 @@ def engine():
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))
         model = resolve_model_dir("tiny")
-    old = FakeRole(on_close=lambda role: role.loop.post_event("posted by the old role as it stopped"))
+    old = FakeRole(on_close=lambda role: role.post("posted by the old role as it stopped"))
     e = AsyncEngine(EngineConfig(model=model, page_size=16, max_total_tokens=1024), old)
     e.start()
     yield e
@@ -247,11 +247,12 @@ def test_events_of_a_replaced_role_are_dropped_and_the_next_role_gets_its_own(en
     old, new = engine.role, FakeRole()
     assert engine.replace_role(new, "it becomes another") == 0
     assert engine.role is new and old.closed == ["it becomes another"]
-    engine.post_event("the new role's")
+    old.post("posted later by a thread of the old role that did not stop")
+    new.post("the new role's")
     wait_for("the new role gets its event", lambda: new.events, BOUND_S)
     engine.call_on_loop(lambda: None)  # the loop has taken everything posted before
     assert new.events == ["the new role's"] and old.events == [], (new.events, old.events)
-    assert engine.stale_events == 1
+    assert engine.stale_events == 2
 
 
 def test_a_role_that_cannot_start_is_closed_and_the_loop_keeps_the_old_one(engine):
@@ -259,7 +260,7 @@ def test_a_role_that_cannot_start_is_closed_and_the_loop_keeps_the_old_one(engin
     with pytest.raises(RuntimeError, match="its port is taken"):
         engine.replace_role(broken, "it becomes another")
     assert engine.role is old and broken.closed == [None], broken.closed
-    engine.post_event("after")  # posted now: the loop's, whatever role it runs
+    engine.post_event("after")  # for the role the loop runs now
     wait_for("the old role gets it", lambda: old.events == ["after"], BOUND_S)
 
 

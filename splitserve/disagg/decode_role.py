@@ -67,7 +67,7 @@ class DecodeRole(DisaggRole):
                                                         self.engine.kv.buffer, page_nbytes=self.engine.layout.page_nbytes,
                                                         **self._transfer_opts())
         self._unfenced: dict[Peer, set[int]] = {}  # a peer whose fence raised -> its rooms whose pages stay
-        self.transfer = TransferWorker(None, self.loop.post_event, self.faults.transfer, links=self.links)
+        self.transfer = TransferWorker(None, self.post, self.faults.transfer, links=self.links)
         self.table = DecodeTable(self.deadlines, self.incarnation, self.engine.layout.page_size,
                                  vocab_size=self.engine.spec.vocab_size,
                                  kv_failure_policy=self.server.kv_failure_policy)
@@ -81,7 +81,7 @@ class DecodeRole(DisaggRole):
         self.pages_quarantined = 0
         self.kv_bytes_received = 0  # a counter: KV bytes prefill wrote into this worker's pages
         name = f"{self.advertise_host}:{self.server.port}"
-        self.control = DecodeControl(name, self.info, self.links, self.loop.post_event,
+        self.control = DecodeControl(name, self.info, self.links, self.post,
                                      self.deadlines.heartbeat_interval_s, self.deadlines.prealloc_s,
                                      self.faults.control, lambda: not self.loop.loop_stalled(),
                                      silence_s=self.deadlines.peer_silence_s,

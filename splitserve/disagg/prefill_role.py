@@ -35,10 +35,10 @@ class PrefillRole(DisaggRole):
         layout = self.engine.layout
         self.backend = create_backend(self.server.transfer_backend, f"prefill-{self.incarnation}",
                                       self.engine.kv.buffer, **self._transfer_opts())
-        self.transfer = TransferWorker(self.backend, self.loop.post_event, self.faults.transfer)
+        self.transfer = TransferWorker(self.backend, self.post, self.faults.transfer)
         self.table = PrefillTable(self.deadlines, self.incarnation, layout.page_size, layout.page_nbytes)
         self.control = PrefillControl(self.server.host, self.server.bootstrap_port, self.info, self.transfer,
-                                      self.loop.post_event, self.deadlines.heartbeat_interval_s, self.faults.control,
+                                      self.post, self.deadlines.heartbeat_interval_s, self.faults.control,
                                       lambda: not self.loop.loop_stalled(), silence_s=self.deadlines.peer_silence_s,
                                       ended_s=self.deadlines.tombstone_s,
                                       bind=self.seams.bind or functools.partial(ZmqRouterEndpoint, secret=self.secret),

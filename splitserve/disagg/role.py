@@ -133,6 +133,7 @@ class DisaggRole:
 
         self.loop = loop
         self.engine = loop.engine
+        self.post = loop.poster()  # what the threads post with: dropped once this role is replaced
         self.incarnation = (self.seams.incarnation or new_incarnation)()
         self.secret = self._cluster_secret()
         override = getattr(self.engine.config, "chat_template", None)  # --chat-template counts in the identity

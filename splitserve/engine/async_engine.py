@@ -83,8 +83,8 @@ class _Stop:
 
 @dataclass(frozen=True)
 class _Posted:
-    """Inbox event from the role's own threads (``post_event``), stamped with the role that was the
-    loop's when it was posted: once the role is replaced, what its threads posted is dropped."""
+    """Inbox event from a role's own threads, stamped with that role (``poster``): once the role is
+    replaced, what its threads posted — also later, from a thread that did not stop — is dropped."""
 
     role: int
     event: object
@@ -128,7 +128,7 @@ class AsyncEngine:
         self._thread: Optional[threading.Thread] = None
         self.clock = time.monotonic  # the only clock the loop reads (a simulator swaps it)
         self._unschedulable = False  # the last step had work and could schedule none of it
-        self._role_serial = 0  # which role the loop runs (``replace_role`` counts them); stamps ``post_event``
+        self._role_serial = 0  # which role the loop runs (``replace_role`` counts them); stamps what is posted
         self.stale_events = 0  # events of a replaced role's threads, dropped
         self.last_progress = self.clock()
         """When the engine loop last moved (monotonic): began an iteration, or finished a decoder
@@ -315,8 +315,14 @@ class AsyncEngine:
         return book.short(rid) if book is not None else "-"
 
     def post_event(self, event: object) -> None:
-        """Thread-safe: hand an event to the engine loop (used by the role's own threads)."""
+        """Thread-safe: hand an event to the engine loop for the role it runs now."""
         self._inbox.put(_Posted(self._role_serial, event))
+
+    def poster(self) -> Callable[[object], None]:
+        """What a role starting now gives its threads to post with (thread-safe): their events
+        reach the loop while it runs this role, and are dropped once it is replaced."""
+        serial = self._role_serial
+        return lambda event: self._inbox.put(_Posted(serial, event))
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         """Runs on the asyncio thread."""
