@@ -6,7 +6,7 @@ import torch
 
 from splitserve.engine.io import SamplingParams
 from splitserve.engine.sampler import (NoFiniteLogits, _scaled, greedy_tokens, mix_seed, sample_batch, sample_token,
-                                       uniform_for)
+                                       token_logprobs, uniform_for)
 
 
 def test_greedy_is_argmax():
@@ -138,3 +138,18 @@ def test_sampling_leaves_torch_threads_as_they_were():
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_top_logprobs_equal_a_stable_sort_of_the_whole_row():
+    """The top logprobs are a stable sort's head (ties: the lower id first), also where ties at the
+    k-th value reach past it and where a row has fewer finite logits than asked."""
+    g = torch.Generator().manual_seed(5)
+    rows = torch.cat([torch.randn(3, 4000, generator=g) * 3,
+                      torch.round(torch.randn(3, 4000, generator=g) * 2)])  # ~20 distinct values: ties
+    rows[5, 7:] = float("-inf")  # 7 finite logits, 20 asked
+    tokens, top = [0] * len(rows), [20, 1, 5, 20, 3, 20]
+    got = token_logprobs(rows, tokens, top)
+    lp = torch.log_softmax(rows.double(), dim=-1).float()
+    for row, entry in enumerate(got):
+        order = torch.sort(-lp[row], stable=True).indices[:top[row]]
+        assert entry.top == tuple(zip(order.tolist(), lp[row, order].tolist())), row
