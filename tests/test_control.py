@@ -18,7 +18,7 @@ from conftest import free_port
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl, identity, peer_of
 from splitserve.disagg.control.prefill_server import SessionLimits
-from splitserve.disagg.lifecycle import FromPeer, Peer, PeerInfo, PeerLost
+from splitserve.disagg.lifecycle import Deadlines, FromPeer, Peer, PeerInfo, PeerLost
 from splitserve.disagg.transfer.thread import AddPeer, ResetPeer
 
 INFO = p.Info(p.PROTOCOL_VERSION, "pf1", "tiny", 2, 2, 8, "float32", 16, "tcp")
@@ -73,8 +73,8 @@ def _recv_all(sock: zmq.Socket, seconds: float) -> list:
 
 def test_prefill_withholds_heartbeats_while_its_engine_loop_is_wedged():
     alive = [True]
-    with prefill_control(heartbeat_s=0.05, loop_alive=lambda: alive[0], silence_s=10) as (control, decode, events,
-                                                                                         transfer):
+    deadlines = Deadlines(heartbeat_interval_s=0.05, heartbeat_misses=200)  # silent 10 s: never lost here
+    with prefill_control(deadlines=deadlines, loop_alive=lambda: alive[0]) as (control, decode, events, transfer):
         decode.send(p.encode(p.RegisterPeer("d1", "pf1", "decode-link1", b"md")))
         decode.send(p.encode(p.Heartbeat("d1", 1)))
         got = _recv_all(decode, 0.5)
@@ -108,7 +108,7 @@ def test_prefill_withholds_heartbeats_while_its_engine_loop_is_wedged():
 
 def test_prefill_answers_link_registrations_and_holds_back_rooms_that_come_before_their_link():
     early = p.RegisterRoom(5, "d1", "pf1", "r5", 8, [1, 2], 0)
-    with prefill_control(heartbeat_s=10) as (control, decode, events, transfer):
+    with prefill_control(deadlines=Deadlines(heartbeat_interval_s=10)) as (control, decode, events, transfer):
         decode.send(p.encode(early))  # before the link: dropped, decode sends it again
         time.sleep(0.3)
         assert not [e for e in events if isinstance(e, FromPeer)] and control.early_registrations == 1
@@ -141,7 +141,8 @@ def test_new_control_sessions_are_capped_in_total_per_address_and_in_rate():
     is never answered and is counted by why; a decode's next session replaces its own at the caps."""
     events, transfer, clock = [], _Transfer(), _Clock()
     port = free_port()
-    control = PrefillControl("127.0.0.1", port, INFO, transfer, events.append, heartbeat_s=100, silence_s=1000,
+    control = PrefillControl("127.0.0.1", port, INFO, transfer, events.append,
+                             Deadlines(heartbeat_interval_s=100, heartbeat_misses=10),
                              limits=SessionLimits(max_sessions=4, max_per_address=2, rate=1.0))
     control.clock = clock
     control.start()
@@ -199,7 +200,7 @@ def test_decode_resends_its_link_until_answered_and_a_forgotten_session_makes_wa
     links = ReceiveLinks("fake", f"decode-test-{port}", torch.zeros(1024, dtype=torch.uint8))
     events = []
     ours = p.Info(p.PROTOCOL_VERSION, "d1", "tiny", 2, 2, 8, "float32", 16, "tcp")
-    control = DecodeControl("decode:1", ours, links, events.append, heartbeat_s=10, info_wait_s=30)
+    control = DecodeControl("decode:1", ours, links, events.append, Deadlines(heartbeat_interval_s=10, prealloc_s=30))
     control.start()
 
     def receive(seconds: float):
@@ -281,7 +282,8 @@ def decode_control(silence_s: float = 10.0, links=None):
     links = links or ReceiveLinks("fake", f"decode-test-{prefill.port}", torch.zeros(1024, dtype=torch.uint8))
     events = []
     ours = p.Info(p.PROTOCOL_VERSION, "d1", "tiny", 2, 2, 8, "float32", 16, "tcp")
-    control = DecodeControl("decode:1", ours, links, events.append, heartbeat_s=silence_s / 5, info_wait_s=30)
+    control = DecodeControl("decode:1", ours, links, events.append,
+                            Deadlines(heartbeat_interval_s=silence_s / 5, prealloc_s=30))
     control.start()
     try:
         yield control, prefill, events, links
@@ -423,7 +425,7 @@ def test_prefill_ends_a_session_that_registers_rooms_but_never_its_link():
     dropped (decode re-sends them) — but not forever: after the peer-silence bound they are
     answered ``room_failed(peer_lost)``, so that decode ends the session and opens the next."""
     reg = p.RegisterRoom(5, "d1", "pf1", "r5", 8, [1, 2], 0)
-    with prefill_control(heartbeat_s=0.2) as (control, decode, events, transfer):
+    with prefill_control(deadlines=Deadlines(heartbeat_interval_s=0.2)) as (control, decode, events, transfer):
         deadline = time.monotonic() + 10  # the bound is 1 s (5 x 0.2 s); 4 s was outlasted once in the full suite
         refused = []
         while not refused:
@@ -441,7 +443,8 @@ def test_a_prefill_that_ends_tells_its_sessions_and_a_decode_goodbye_ends_its_se
     """A prefill that switches its role (or shuts down) closes with a goodbye: every registered
     session gets it before the socket goes. A decode's goodbye ends its session on prefill at once
     (``PeerLost``, its transfer connection reset), long before the silence bound (60 s here)."""
-    with prefill_control(heartbeat_s=10, silence_s=60) as (control, decode, events, transfer):
+    with prefill_control(deadlines=Deadlines(heartbeat_interval_s=10, heartbeat_misses=6)) as (control, decode, events,
+                                                                                             transfer):
         decode.send(p.encode(p.RegisterPeer("d1", "pf1", "decode-link1", b"md")))
         assert _answers(decode, 0.3) == [p.PeerRegistered("pf1", "decode-link1")]
         decode.send(p.encode(p.Goodbye("d1", "it switches its role")))
@@ -449,7 +452,8 @@ def test_a_prefill_that_ends_tells_its_sessions_and_a_decode_goodbye_ends_its_se
         assert lost[0].peer == ME and "it switches its role" in lost[0].detail, lost
         assert ResetPeer(ME, forget=True) in transfer.commands, transfer.commands
 
-    with prefill_control(heartbeat_s=10, silence_s=60) as (control, decode, events, transfer):
+    with prefill_control(deadlines=Deadlines(heartbeat_interval_s=10, heartbeat_misses=6)) as (control, decode, events,
+                                                                                             transfer):
         decode.send(p.encode(p.RegisterPeer("d1", "pf1", "decode-link1", b"md")))
         assert _answers(decode, 0.3) == [p.PeerRegistered("pf1", "decode-link1")]
         control.close("the worker becomes a decode")

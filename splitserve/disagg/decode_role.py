@@ -81,10 +81,8 @@ class DecodeRole(DisaggRole):
         self.pages_quarantined = 0
         self.kv_bytes_received = 0  # a counter: KV bytes prefill wrote into this worker's pages
         name = f"{self.advertise_host}:{self.server.port}"
-        self.control = DecodeControl(name, self.info, self.links, self.post,
-                                     self.deadlines.heartbeat_interval_s, self.deadlines.prealloc_s,
+        self.control = DecodeControl(name, self.info, self.links, self.post, self.deadlines,
                                      self.faults.control, lambda: not self.loop.loop_stalled(),
-                                     silence_s=self.deadlines.peer_silence_s,
                                      dial=self.seams.dial or functools.partial(ZmqDealer, secret=self.secret),
                                      io_probe=self._io_probe())
 

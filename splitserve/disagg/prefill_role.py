@@ -38,9 +38,8 @@ class PrefillRole(DisaggRole):
         self.transfer = TransferWorker(self.backend, self.post, self.faults.transfer)
         self.table = PrefillTable(self.deadlines, self.incarnation, layout.page_size, layout.page_nbytes)
         self.control = PrefillControl(self.server.host, self.server.bootstrap_port, self.info, self.transfer,
-                                      self.post, self.deadlines.heartbeat_interval_s, self.faults.control,
-                                      lambda: not self.loop.loop_stalled(), silence_s=self.deadlines.peer_silence_s,
-                                      ended_s=self.deadlines.tombstone_s,
+                                      self.post, self.deadlines, self.faults.control,
+                                      lambda: not self.loop.loop_stalled(),
                                       bind=self.seams.bind or functools.partial(ZmqRouterEndpoint, secret=self.secret),
                                       io_probe=self._io_probe(),
                                       limits=SessionLimits(self.server.max_control_sessions,

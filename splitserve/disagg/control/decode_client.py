@@ -38,7 +38,7 @@ from splitserve.disagg.bootstrap import first_mismatch
 from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults,
                                            ControlThread, identity)
 from splitserve.disagg.control.curve import FAILED, PROTOCOL_ERRORS, max_msg_size
-from splitserve.disagg.lifecycle import FromPeer, LocalFailure, Peer, PeerInfo, PeerLost, Reason
+from splitserve.disagg.lifecycle import Deadlines, FromPeer, LocalFailure, Peer, PeerInfo, PeerLost, Reason
 from splitserve.disagg.transfer.links import ReceiveLinks
 
 log = logging.getLogger(__name__)
@@ -75,12 +75,15 @@ class DecodeControl(ControlThread):
     INFO_RETRY_S = 1.0
 
     def __init__(self, name: str, ours: p.Info, links: ReceiveLinks, post: Callable[[object], None],
-                 heartbeat_s: float, info_wait_s: float, faults: Optional[ControlFaults] = None,
-                 loop_alive: Optional[Callable[[], bool]] = None, silence_s: Optional[float] = None,
+                 deadlines: Deadlines, faults: Optional[ControlFaults] = None,
+                 loop_alive: Optional[Callable[[], bool]] = None,
                  dial: Optional[Callable[[str, bytes], "ZmqDealer"]] = None, io_probe=None):
-        super().__init__("control-decode", ours.incarnation, post, heartbeat_s, faults, loop_alive, io_probe)
-        self._info_wait_s = info_wait_s  # a room waits this long for its session (its PREALLOC limit)
-        self._silence_s = silence_s if silence_s is not None else 5 * heartbeat_s
+        """``deadlines``: heartbeats every ``heartbeat_interval_s``, a session silent for
+        ``peer_silence_s`` ends, a room waits ``prealloc_s`` for its session."""
+        super().__init__("control-decode", ours.incarnation, post, deadlines.heartbeat_interval_s, faults,
+                         loop_alive, io_probe)
+        self._info_wait_s = deadlines.prealloc_s  # a room waits this long for its session (its PREALLOC limit)
+        self._silence_s = deadlines.peer_silence_s
         self.name = name
         self.ours = ours
         self._links = links

@@ -8,14 +8,14 @@ decodes that advertise one address are two peers (their incarnations differ); a 
 n+1 replaces only its own earlier sessions. A session ends when:
 
 - the engine loop declares it lost (``forget``), or
-- it has been silent for the peer-silence bound (``silence_s``): its transfer connection is
+- it has been silent for the peer-silence bound (``peer_silence_s``): its transfer connection is
   dropped and ``PeerLost`` posted, so a decode that died idle leaves nothing behind;
 
-an ended session is remembered (``ended_s``, and at most ``MAX_ENDED``) and never answered again
+an ended session is remembered (``tombstone_s``, and at most ``MAX_ENDED``) and never answered again
 but with ``room_failed(peer_lost)``, so that a decode that still lives ends it too and opens the
 next. A room message from a session that is not registered is dropped and counted; a
 ``RegisterRoom`` that keeps coming from one (its ``RegisterPeer`` lost, or never sent) is answered
-``room_failed(peer_lost)`` once it has waited ``silence_s``, so the pair never stays broken.
+``room_failed(peer_lost)`` once it has waited ``peer_silence_s``, so the pair never stays broken.
 
 Every per-peer structure here is bounded: registered sessions by silence, ended ones by time and
 count, unregistered senders by ``MAX_UNREGISTERED``.
@@ -41,7 +41,7 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults,
                                            ControlThread, identity, peer_of)
 from splitserve.disagg.control.curve import max_msg_size
-from splitserve.disagg.lifecycle import FromPeer, Peer, PeerLost, Reason
+from splitserve.disagg.lifecycle import Deadlines, FromPeer, Peer, PeerLost, Reason
 from splitserve.disagg.transfer.thread import AddPeer, ResetPeer
 from splitserve.log_sparsely import worth_logging
 
@@ -77,11 +77,14 @@ class PrefillControl(ControlThread):
     """Prefill side: the ROUTER on the bootstrap port."""
 
     def __init__(self, host: str, port: int, info: p.Info, transfer, post: Callable[[object], None],
-                 heartbeat_s: float, faults: Optional[ControlFaults] = None,
-                 loop_alive: Optional[Callable[[], bool]] = None, silence_s: Optional[float] = None,
-                 ended_s: float = 900.0, bind: Optional[Callable[[str, int], "ZmqRouterEndpoint"]] = None,
+                 deadlines: Deadlines, faults: Optional[ControlFaults] = None,
+                 loop_alive: Optional[Callable[[], bool]] = None,
+                 bind: Optional[Callable[[str, int], "ZmqRouterEndpoint"]] = None,
                  io_probe=None, limits: SessionLimits = SessionLimits()):
-        super().__init__("control-prefill", info.incarnation, post, heartbeat_s, faults, loop_alive, io_probe)
+        """``deadlines``: heartbeats every ``heartbeat_interval_s``, a session silent for
+        ``peer_silence_s`` ends, an ended one is remembered ``tombstone_s``."""
+        super().__init__("control-prefill", info.incarnation, post, deadlines.heartbeat_interval_s, faults,
+                         loop_alive, io_probe)
         self.limits = limits
         self.refused: Counter = Counter()
         """New sessions refused by the limits, by why (``limit``, ``per_address``, ``rate``)."""
@@ -89,8 +92,8 @@ class PrefillControl(ControlThread):
         self._source: Optional[str] = None  # where the message being handled came from
         self.info = info
         self._transfer = transfer
-        self._silence_s = silence_s if silence_s is not None else 5 * heartbeat_s
-        self._ended_s = ended_s
+        self._silence_s = deadlines.peer_silence_s
+        self._ended_s = deadlines.tombstone_s
         self._sessions: dict[Peer, _Session] = {}  # registered decode sessions
         self._ended: OrderedDict[Peer, float] = OrderedDict()  # session -> when it ended (oldest first)
         self._unregistered: OrderedDict[Peer, float] = OrderedDict()  # sender of RegisterRooms -> first seen
