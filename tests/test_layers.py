@@ -25,7 +25,7 @@ LAYERS = [
     {"splitserve.models"},
     {"splitserve.engine"},
     {"splitserve.disagg"},
-    {"splitserve.http_util", "splitserve.auth"},
+    {"splitserve.http_util", "splitserve.auth", "splitserve.client_writer"},
     {"splitserve.server", "splitserve.router"},
     {"splitserve.launch", "splitserve.top", "splitserve.bench", "splitserve.sim", "splitserve.testing"},
     {"splitserve.cli"},
@@ -39,7 +39,6 @@ KNOWN = {
     ("splitserve.models.resolve", "splitserve.testing.tiny"): "the tiny model's builder out of the runtime",
     ("splitserve.router.app", "splitserve.server.validation"): "what both apps validate, below both",
     ("splitserve.router.proxy", "splitserve.server.validation"): "what both apps validate, below both",
-    ("splitserve.server.app", "splitserve.router.client"): "the bounded client writer, below both apps",
 }
 """Breaches not removed yet: (importing module, imported module) -> what removes it."""
 

@@ -13,8 +13,9 @@ convention, so either side can be swapped for SGLang's).
   answer the client gets; ``split.py``: whether a request is split or goes to decode alone;
   ``retry.py``: which failures before the commit are tried again, and the retry budget.
 - ``legs.py``: one leg (one POST to one worker) and its bounds; ``stream.py``: decode's SSE stream,
-  read ahead before the commit; ``client.py``: the client's side, bounded (body, writes).
-- ``metrics.py``: ``splitserve_router_*`` Prometheus metrics.
+  read ahead before the commit; ``client.py``: the client's body, read bounded (the writes to it:
+  ``splitserve/client_writer.py``).
+- ``metrics.py``: ``splitserve_router_*`` Prometheus metrics; ``outcomes.py``: how a request ends.
 - ``app.py``: the aiohttp app (``create_app``) and the process (``run_router``).
 """
 

@@ -51,12 +51,12 @@ import aiohttp
 from aiohttp import web
 
 from splitserve.auth import METRICS, ROUTER_ROUTES, access_middlewares, bearer, caller_may
+from splitserve.client_writer import send
 from splitserve.config import RouterConfig
 from splitserve.errors import FLUSH_WAIT_S, error_body
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.router import debug, membership, split
-from splitserve.router.client import send
 from splitserve.router.discovery import Discovery
 from splitserve.router.legs import describe_error
 from splitserve.router.metrics import RouterMetrics

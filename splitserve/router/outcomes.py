@@ -5,6 +5,9 @@ outcome, when it ends (``splitserve_router_requests_total{outcome}``: the label 
 from __future__ import annotations
 
 import enum
+from typing import Optional
+
+from splitserve.client_writer import ClientLost
 
 
 class RouterOutcome(str, enum.Enum):
@@ -31,3 +34,10 @@ class RouterOutcome(str, enum.Enum):
     """``request_timeout_s`` passed (504)."""
     INTERNAL = "internal"
     """A bug (500)."""
+
+
+def client_left(lost: Optional[ClientLost]) -> Optional[RouterOutcome]:
+    """How a client that was lost counts (None when it was not)."""
+    if lost is None:
+        return None
+    return RouterOutcome.CLIENT_TIMEOUT if lost.timed_out else RouterOutcome.CLIENT_DISCONNECT

@@ -78,12 +78,13 @@ from typing import Optional
 import aiohttp
 from aiohttp import web
 
+from splitserve.client_writer import ClientLost, ClientWriter, send
 from splitserve.errors import InvalidRequest, engine_error_body, error_body
 from splitserve.router import retry, split
-from splitserve.router.client import ClientLost, ClientWriter, read_body, send
+from splitserve.router.client import read_body
 from splitserve.router.legs import Leg, NoHeaders, describe_error
 from splitserve.router.metrics import TokenTimes
-from splitserve.router.outcomes import RouterOutcome
+from splitserve.router.outcomes import RouterOutcome, client_left
 from splitserve.router.policy import routing_key
 from splitserve.router.stream import DecodeStream
 from splitserve.router.workers import DECODE, PREFILL, Worker
@@ -161,7 +162,7 @@ class Exchange:
         except Deadline:
             return await self._timed_out()
         except ClientLost as exc:
-            self.outcome = exc.outcome
+            self.outcome = client_left(exc)
             log.info("%s: %s", self.name, exc)
             return self.response or web.Response(status=499)
         finally:
@@ -400,7 +401,7 @@ class Exchange:
             await self.client.write(self.response, event.encode("utf-8") + b"data: [DONE]\n\n")
             await self.client.finish(self.response)
         except ClientLost as exc:  # the client had gone: counted as its leaving, not as the failure
-            self.outcome = exc.outcome
+            self.outcome = client_left(exc)
             log.info("%s: the error event did not reach the client: %s", self.name, exc)
 
     def _close_legs(self) -> None:
@@ -555,7 +556,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         try:
             raw = await read_body(request, config.client_body_timeout_s, config.max_body_bytes)
         except ClientLost as exc:
-            outcome, status = exc.outcome, 408
+            outcome, status = client_left(exc), 408
             response = web.json_response(error_body(str(exc), 408, code="client_timeout"), status=408)
             response.force_close()
             return response
@@ -569,7 +570,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         except InvalidRequest as exc:
             outcome, status = RouterOutcome.BAD_REQUEST, exc.status
             response = web.json_response(engine_error_body(exc), status=exc.status)
-            outcome = await send(request, response, config.client_write_timeout_s) or outcome
+            outcome = client_left(await send(request, response, config.client_write_timeout_s)) or outcome
             return response
         key = routing_key(validated)
         tokens = split.estimate_tokens(key, validated.prompt_ids, config.pd_chars_per_token)
@@ -579,7 +580,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
             outcome, status = RouterOutcome.NO_WORKERS, 503
             response = web.json_response(error_body(planned, 503, code="no_healthy_workers"), status=503,
                                          headers={"Retry-After": "1"})
-            outcome = await send(request, response, config.client_write_timeout_s) or outcome
+            outcome = client_left(await send(request, response, config.client_write_timeout_s)) or outcome
             return response
         prefill, decode, decision = planned
         metrics.pd_decisions.labels(decision=decision).inc()
@@ -628,7 +629,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
                 prefill = None  # the same decode worker, alone
             else:
                 break
-        outcome = await send(request, response, config.client_write_timeout_s) or outcome
+        outcome = client_left(await send(request, response, config.client_write_timeout_s)) or outcome
         return response
     except asyncio.CancelledError:
         outcome = RouterOutcome.CLIENT_DISCONNECT

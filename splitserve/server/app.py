@@ -44,6 +44,7 @@ from aiohttp import web
 
 from splitserve.auth import (METRICS, WORKER_ROUTES, access_middlewares, caller_may, check_bootstrap_trust,
                              check_control_plane, parse_allowed_prefill)
+from splitserve.client_writer import send
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list, place_process
 from splitserve.engine.grammar import GrammarCompiler
@@ -51,7 +52,6 @@ from splitserve.engine.io import FLUSH_WAIT_S, InvalidRequest
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.outcomes import Ending, Reason
-from splitserve.router.client import send
 from splitserve.server import abort_request, role_switch, tokenization
 from splitserve.server.generation import RID, engine_error_response, json_error, serve_generation
 from splitserve.server.tokenize_lanes import TokenizeLanes
