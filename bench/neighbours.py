@@ -66,7 +66,7 @@ def neighbours(case: str, args) -> list[tuple[str, bytes]]:
     if case in ("plain", "stops"):
         sp = {"max_new_tokens": args.neighbour_tokens, "temperature": 0, "ignore_eos": True}
         if case == "stops":  # each nearly matched at every character: "aaa...a" + a letter never generated
-            from splitserve.server.validation import MAX_STOP, MAX_STOP_CHARS
+            from splitserve.validation import MAX_STOP, MAX_STOP_CHARS
 
             sp["stop"] = ["a" * (MAX_STOP_CHARS - 1) + chr(0x4E00 + i) for i in range(MAX_STOP)]
         return [("/generate", json.dumps({"input_ids": [5, 6, 8], "sampling_params": sp}).encode())]

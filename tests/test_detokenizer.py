@@ -117,7 +117,7 @@ def test_stop_matching_work_per_character_does_not_grow_with_the_stop_list():
     most two steps on average, whatever the stop list; and the automaton of a stop list is built
     once and shared by every request that sends the same list."""
     from splitserve.engine.detokenizer import stop_matcher
-    from splitserve.server.validation import MAX_STOP, MAX_STOP_CHARS
+    from splitserve.validation import MAX_STOP, MAX_STOP_CHARS
 
     stop = tuple("a" * (MAX_STOP_CHARS - 1) + chr(ord("b") + i) for i in range(MAX_STOP))
     d = IncrementalDetokenizer(CharTokenizer(), [], stop)

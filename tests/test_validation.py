@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine.io import DEFAULT_MAX_TOKENS, InvalidRequest
-from splitserve.server.validation import parse_json_body, validate_request
+from splitserve.validation import parse_json_body, validate_request
 
 MODEL = "tiny"
 
@@ -421,7 +421,7 @@ def test_a_surrogate_pair_is_one_character_and_accepted(byte_tokenizer):
 def test_stop_conditions_are_capped_in_count_and_length_on_every_route():
     """One request's stop conditions are bounded (``MAX_STOP*``): what matching them costs per
     token, and what the worker holds for them, cannot grow with what a client sends."""
-    from splitserve.server.validation import MAX_OPENAI_STOP, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+    from splitserve.validation import MAX_OPENAI_STOP, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
 
     assert MAX_OPENAI_STOP <= MAX_STOP and MAX_STOP * MAX_STOP_CHARS <= 4096
     long_ok, too_long = "s" * MAX_STOP_CHARS, "s" * (MAX_STOP_CHARS + 1)
@@ -465,7 +465,7 @@ class CountingTokenizer:
 
 
 def test_a_prompt_too_long_in_characters_is_refused_before_it_is_tokenized(byte_tokenizer):
-    from splitserve.server.validation import max_chars_per_token
+    from splitserve.validation import max_chars_per_token
 
     per = max_chars_per_token(byte_tokenizer)
     assert per == 4  # one byte a token, but "</s>" in the text is one token of 4 characters
@@ -495,7 +495,7 @@ def test_the_characters_per_token_bound_holds_and_is_refused_where_it_is_not_kno
 
     from conftest import CACHE_DIR
     from splitserve.models.resolve import resolve_model_dir
-    from splitserve.server.validation import max_chars_per_token
+    from splitserve.validation import max_chars_per_token
 
     monkeypatch.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))  # the tiny model the servers of the suite use
     tiny = AutoTokenizer.from_pretrained(resolve_model_dir("tiny"))

@@ -65,7 +65,7 @@ from splitserve.router.proxy import ENDPOINTS, ROOM_BITS, forward
 from splitserve.router.retry import RetryBudget
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
 from splitserve.tls import client_context, server_context
-from splitserve.server.validation import REQUEST_ID
+from splitserve.validation import REQUEST_ID
 
 log = logging.getLogger(__name__)
 WORKER_FLUSH_S = FLUSH_WAIT_S + 10.0  # a worker's /flush_cache waits up to FLUSH_WAIT_S for its engine loop

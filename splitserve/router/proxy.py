@@ -88,7 +88,7 @@ from splitserve.router.outcomes import RouterOutcome, client_left
 from splitserve.router.policy import routing_key
 from splitserve.router.stream import DecodeStream
 from splitserve.router.workers import DECODE, PREFILL, Worker
-from splitserve.server.validation import REQUEST_ID, check_request_id, parse_json_body, validate_request
+from splitserve.validation import REQUEST_ID, check_request_id, parse_json_body, validate_request
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from aiohttp import web
 
 from splitserve.engine.io import FLUSH_WAIT_S, InvalidRequest
 from splitserve.http_util import read_body
-from splitserve.server.validation import MAX_ROOM, parse_json_body
+from splitserve.validation import MAX_ROOM, parse_json_body
 
 REASONS = ("client_abort", "prefill_failed")
 FIELDS = {"rid", "bootstrap_room", "reason", "detail"}

@@ -55,7 +55,7 @@ from splitserve.outcomes import Ending, Reason
 from splitserve.server import abort_request, role_switch, tokenization
 from splitserve.server.generation import RID, engine_error_response, json_error, serve_generation
 from splitserve.server.tokenize_lanes import TokenizeLanes
-from splitserve.server.validation import MAX_ROOM, REQUEST_ID
+from splitserve.validation import MAX_ROOM, REQUEST_ID
 from splitserve.server.worker_metrics import WorkerMetrics
 from splitserve.tls import server_context
 

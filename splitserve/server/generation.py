@@ -36,7 +36,7 @@ from splitserve.outcomes import Reason
 from splitserve.server import openai_protocol as proto
 from splitserve.server import tool_calls
 from splitserve.server.sse import ClientGone, SSEWriter
-from splitserve.server.validation import REQUEST_ID, ValidatedRequest, check_request_id, validate_request
+from splitserve.validation import REQUEST_ID, ValidatedRequest, check_request_id, validate_request
 
 RID = web.RequestKey("rid", str)
 """Where a generation request keeps its id for the answer's ``X-Request-Id`` header (``app.py``)."""

@@ -24,7 +24,7 @@ from typing import Any, Optional
 from splitserve.engine.grammar import parse_tools
 from splitserve.engine.io import InvalidRequest
 from splitserve.outcomes import Reason
-from splitserve.server.validation import _messages, _opt_bool, _opt_str, _template_tools, _token_ids, _type_name, \
+from splitserve.validation import _messages, _opt_bool, _opt_str, _template_tools, _token_ids, _type_name, \
     check_text, parse_json_body, renders_tools
 
 _TOKENIZE = {"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",

@@ -23,7 +23,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
-from splitserve.server.validation import max_chars_per_token
+from splitserve.validation import max_chars_per_token
 
 log = logging.getLogger(__name__)
 
