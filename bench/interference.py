@@ -153,15 +153,15 @@ def main() -> None:
         finally:
             dep.stop()
         c, lo = summarize(chat_run.records, chat_run.duration_s, slos), summarize(long_records)
-        if c.failed or lo.failed:
-            raise SystemExit(f"{name}: {c.failed + lo.failed} requests failed, e.g. {(c.errors + lo.errors)[0]}; "
-                             f"see {dep.log}")
+        if c.failed or lo.failed:  # counted against goodput and shown; the run goes on
+            print(f"  {name}: {c.failed} chats and {lo.failed} long prompts failed, e.g. {(c.errors + lo.errors)[0]}; "
+                  f"see {dep.log}", flush=True)
         results[name] = (c, lo, chat_run.records)
         print(f"  {name} done: {load_average()}", flush=True)
 
     print("\nthe chats' ITL and TTFT (ms) and goodput; the long prompts' TTFT (ms)")
     print(f"{'':<10} {'ITL p50':>9} {'ITL p99':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'goodput':>16} "
-          f"{'chats':>6} {'long TTFT p50':>13} {'longs':>6}")
+          f"{'chats':>6} {'long TTFT p50':>13} {'longs':>6}")  # chats, longs: completed
     for name, (c, lo, _) in results.items():
         print(row(name, c, lo))
     (sc, _, _), (cc, _, _) = results["split"], results["colocated"]
