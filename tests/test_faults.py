@@ -274,7 +274,20 @@ def restart_on_same_port(cluster: Cluster, old: ServerProcess) -> ServerProcess:
 # -- (c) kill -9 of the prefill worker mid-transfer ----------------------------------------------------
 
 
-def test_prefill_killed_mid_transfer():
+@pytest.fixture(scope="module")
+def lost_prefills():
+    """Decode ``D`` and the two prefills it loses, one start of ``D`` for both tests: ``Ps``
+    (stalled writes) behind a router with ``D``, for (c), and ``Pw`` (its engine loop wedges),
+    driven by hand, for the wedged loop. Each test kills its own prefill."""
+    c = Cluster(2, 1, "nixl", worker_args=DEADLINES, prefill_args=[STALL, ["--inject-faults", "wedge_loop"]],
+                router=False)
+    with c:
+        Ps = c.prefill[0]
+        c.router = RouterProcess([(Ps.url, Ps.bootstrap_port)], [c.decode[0].url], *SHOW_FAILURES).start()
+        yield c  # c.stop() stops the router too
+
+
+def test_prefill_killed_mid_transfer(lost_prefills):
     """Prefill ``P`` (stalled writes) and decode ``D`` behind a router. Three rooms are driven to
     mid-transfer: ``R`` (plain) and ``S`` (streamed) through the router, ``X`` by hand (both legs,
     like the router). Then ``kill -9 P``.
@@ -290,61 +303,63 @@ def test_prefill_killed_mid_transfer():
     - Afterwards ``D``: every page free, none quarantined, gauges 0, no live room.
     """
     started = time.monotonic()
-    with Cluster(1, 1, "nixl", worker_args=DEADLINES, prefill_args=STALL, router_args=SHOW_FAILURES) as c:
-        P, D = c.prefill[0], c.decode[0]
-        timeout = KV_WAIT_S + PREALLOC_S + 30
-        R, r_room = routed_mid_transfer(c.url, P, D, prompt(100, 1), False, timeout, c.output)
-        S, s_room = routed_mid_transfer(c.url, P, D, prompt(80, 12), True, timeout, c.output)
-        x_room = new_room()
-        Xp, Xd = direct_pair(P, D, prompt(60, 2), 8, x_room, timeout)
-        wait_mid_transfer(P, D, {x_room}, on_fail=c.output)
+    c = lost_prefills
+    P, D = c.prefill[0], c.decode[0]
+    before, log_from = metrics(D), len(D.stderr())  # D lives on for the wedged-loop test
+    timeout = KV_WAIT_S + PREALLOC_S + 30
+    R, r_room = routed_mid_transfer(c.url, P, D, prompt(100, 1), False, timeout, c.output)
+    S, s_room = routed_mid_transfer(c.url, P, D, prompt(80, 12), True, timeout, c.output)
+    x_room = new_room()
+    Xp, Xd = direct_pair(P, D, prompt(60, 2), 8, x_room, timeout)
+    wait_mid_transfer(P, D, {x_room}, on_fail=c.output)
 
-        killed = kill9(P)
-        # D keeps R's pages quarantined until P is declared lost (its last heartbeat came at most
-        # one interval before the kill)
-        quarantined_seen, released_after = 0.0, None
-        while time.monotonic() < killed + PEER_SILENCE_S + SLACK_S:
-            q = metric(metrics(D), "splitserve_kv_pages_quarantined")
-            quarantined_seen = max(quarantined_seen, q)
-            if quarantined_seen and not q:
-                released_after = time.monotonic() - killed
-                break
-            time.sleep(0.05)
+    killed = kill9(P)
+    # D keeps R's pages quarantined until P is declared lost (its last heartbeat came at most
+    # one interval before the kill)
+    quarantined_seen, released_after = 0.0, None
+    while time.monotonic() < killed + PEER_SILENCE_S + SLACK_S:
+        q = metric(metrics(D), "splitserve_kv_pages_quarantined")
+        quarantined_seen = max(quarantined_seen, q)
+        if quarantined_seen and not q:
+            released_after = time.monotonic() - killed
+            break
+        time.sleep(0.05)
 
-        resp, ended = R.outcome(timeout)
-        assert isinstance(resp, requests.Response), f"the router's client got {resp!r}"
-        assert resp.status_code == 502, resp.text
-        assert ended - killed <= SLACK_S, f"the router's client waited {ended - killed:.1f}s after the kill"
+    resp, ended = R.outcome(timeout)
+    assert isinstance(resp, requests.Response), f"the router's client got {resp!r}"
+    assert resp.status_code == 502, resp.text
+    assert ended - killed <= SLACK_S, f"the router's client waited {ended - killed:.1f}s after the kill"
 
-        # streamed: the router committed to the stream once prefill accepted; the decode worker,
-        # which nobody aborts, fails the room when P is declared lost, and says so in the stream
-        sresp, sended = S.outcome(timeout)
-        assert isinstance(sresp, requests.Response) and sresp.status_code == 200, sresp
-        assert "peer_lost" in stream_error(sresp), sresp.text
-        assert sended - killed <= PEER_SILENCE_S + SLACK_S, \
-            f"the streamed client waited {sended - killed:.1f}s after the kill (bound {PEER_SILENCE_S}s)"
+    # streamed: the router committed to the stream once prefill accepted; the decode worker,
+    # which nobody aborts, fails the room when P is declared lost, and says so in the stream
+    sresp, sended = S.outcome(timeout)
+    assert isinstance(sresp, requests.Response) and sresp.status_code == 200, sresp
+    assert "peer_lost" in stream_error(sresp), sresp.text
+    assert sended - killed <= PEER_SILENCE_S + SLACK_S, \
+        f"the streamed client waited {sended - killed:.1f}s after the kill (bound {PEER_SILENCE_S}s)"
 
-        dresp, dended = Xd.outcome(timeout)
-        assert isinstance(dresp, requests.Response) and dresp.status_code == 502, dresp
-        assert "peer_lost" in error_message(dresp), dresp.text
-        assert dended - killed <= PEER_SILENCE_S + SLACK_S, \
-            f"decode failed the room {dended - killed:.1f}s after the kill (bound {PEER_SILENCE_S}s)"
-        presp, _ = Xp.outcome(timeout)
-        assert isinstance(presp, requests.ConnectionError), f"the dead prefill answered {presp!r}"
+    dresp, dended = Xd.outcome(timeout)
+    assert isinstance(dresp, requests.Response) and dresp.status_code == 502, dresp
+    assert "peer_lost" in error_message(dresp), dresp.text
+    assert dended - killed <= PEER_SILENCE_S + SLACK_S, \
+        f"decode failed the room {dended - killed:.1f}s after the kill (bound {PEER_SILENCE_S}s)"
+    presp, _ = Xp.outcome(timeout)
+    assert isinstance(presp, requests.ConnectionError), f"the dead prefill answered {presp!r}"
 
-        samples = assert_clean(D)
-        assert counted(samples, "decode", "failed", "peer_lost") >= 1, "peer_lost not in splitserve_requests_total"
-        x_end, r_end, s_end = ending_of(D, x_room), ending_of(D, r_room), ending_of(D, s_room)
-        for end in (x_end, s_end):
-            assert (end.outcome, end.reason, end.last_state) == ("FAILED", "peer_lost", "AWAITING_KV"), end
-        assert r_end.last_state == "AWAITING_KV" and (r_end.outcome, r_end.reason) in (
-            ("ABORTED", "client_abort"), ("FAILED", "peer_lost")), r_end
-        if r_end.reason == "client_abort":  # the usual order: the router's abort came first
-            assert quarantined_seen > 0 and released_after is not None, \
-                "an aborted room's pages were freed while P's writes could still land"
-            assert released_after >= PEER_SILENCE_S - HEARTBEAT_S - 0.05, \
-                f"quarantine released {released_after:.2f}s after the kill, before P could be declared lost"
-        assert re.search(r"peer \S+ lost", D.stderr()), "D never logged the peer lost"
+    samples = assert_clean(D)
+    assert counted(samples, "decode", "failed", "peer_lost") > counted(before, "decode", "failed", "peer_lost"), \
+        "peer_lost not in splitserve_requests_total"
+    x_end, r_end, s_end = ending_of(D, x_room), ending_of(D, r_room), ending_of(D, s_room)
+    for end in (x_end, s_end):
+        assert (end.outcome, end.reason, end.last_state) == ("FAILED", "peer_lost", "AWAITING_KV"), end
+    assert r_end.last_state == "AWAITING_KV" and (r_end.outcome, r_end.reason) in (
+        ("ABORTED", "client_abort"), ("FAILED", "peer_lost")), r_end
+    if r_end.reason == "client_abort":  # the usual order: the router's abort came first
+        assert quarantined_seen > 0 and released_after is not None, \
+            "an aborted room's pages were freed while P's writes could still land"
+        assert released_after >= PEER_SILENCE_S - HEARTBEAT_S - 0.05, \
+            f"quarantine released {released_after:.2f}s after the kill, before P could be declared lost"
+    assert re.search(r"peer \S+ lost", D.stderr()[log_from:]), "D never logged the peer lost"
     print(f"\n(c) prefill killed mid-transfer: {time.monotonic() - started:.1f}s; "
           f"R ended {r_end.outcome}({r_end.reason}), {quarantined_seen:g} pages quarantined until "
           f"{released_after or 0:.2f}s after the kill, "
@@ -445,30 +460,30 @@ def test_decode_killed_mid_transfer_then_restarted():
 
 # -- a wedged engine loop behind a live control thread ----------------------------------------------
 
-def test_wedged_prefill_engine_loop_is_declared_lost():
+def test_wedged_prefill_engine_loop_is_declared_lost(lost_prefills):
     """Prefill ``P``'s engine loop wedges (``--inject-faults wedge_loop``: it blocks for good once it
     holds a room) while its control thread lives on and could keep answering heartbeats. Those
     stop once the loop has not iterated for ``--loop-stall-s``, so decode ``D`` declares ``P``
     lost: the room fails with ``peer_lost`` within ``LOOP_STALL_S + PEER_SILENCE_S`` (+ slack),
     ``D`` fences the session and frees every page, instead of waiting out ``--kv-wait-s`` or, for
     quarantined pages, forever."""
-    with Cluster(1, 1, "nixl", worker_args=DEADLINES, prefill_args=["--inject-faults", "wedge_loop"],
-                 router=False) as c:
-        P, D = c.prefill[0], c.decode[0]
-        room = new_room()
-        _, Xd = direct_pair(P, D, prompt(60, 3), 8, room, 60)
-        wait_for("X awaiting KV on D", lambda: any(r["room"] == room and r["state"] == "AWAITING_KV"
-                                                  for r in debug_rows(D)), 20, on_fail=c.output)
-        wedged = time.monotonic()  # at the latest: P wedged when the request reached its loop
-        resp, ended = Xd.outcome(60)
-        assert isinstance(resp, requests.Response) and resp.status_code == 502, f"{resp!r}"
-        assert "peer_lost" in error_message(resp), resp.text
-        bound = LOOP_STALL_S + PEER_SILENCE_S + SLACK_S
-        assert ended - wedged <= bound, f"D failed the room {ended - wedged:.1f}s after the wedge (bound {bound}s)"
-        samples = assert_clean(D)
-        assert metric(samples, "splitserve_receive_links_fenced") >= 1, samples
-        assert "heartbeats withheld" in P.stderr(), P.output_tail(3000)
-        kill9(P)  # a wedged loop never finishes its requests, so a graceful stop would wait out the drain
+    c = lost_prefills
+    P, D = c.prefill[1], c.decode[0]
+    fenced = metric(metrics(D), "splitserve_receive_links_fenced")  # before: D may have fenced Ps
+    room = new_room()
+    _, Xd = direct_pair(P, D, prompt(60, 3), 8, room, 60)
+    wait_for("X awaiting KV on D", lambda: any(r["room"] == room and r["state"] == "AWAITING_KV"
+                                              for r in debug_rows(D)), 20, on_fail=c.output)
+    wedged = time.monotonic()  # at the latest: P wedged when the request reached its loop
+    resp, ended = Xd.outcome(60)
+    assert isinstance(resp, requests.Response) and resp.status_code == 502, f"{resp!r}"
+    assert "peer_lost" in error_message(resp), resp.text
+    bound = LOOP_STALL_S + PEER_SILENCE_S + SLACK_S
+    assert ended - wedged <= bound, f"D failed the room {ended - wedged:.1f}s after the wedge (bound {bound}s)"
+    samples = assert_clean(D)
+    assert metric(samples, "splitserve_receive_links_fenced") > fenced, samples
+    assert "heartbeats withheld" in P.stderr(), P.output_tail(3000)
+    kill9(P)  # a wedged loop never finishes its requests, so a graceful stop would wait out the drain
     print(f"\nwedged prefill loop: D failed the room {ended - wedged:.1f}s after P wedged (bound {bound:g}s)")
 
 
