@@ -280,11 +280,13 @@ def server():
 @pytest.fixture(scope="session")
 def pd_cluster():
     """The session's shared split cluster: 1 prefill + 1 decode tiny-model worker (NIXL) behind a
-    router that splits every request. For tests that only send requests and read answers (no
-    metric counts, no faults): every test file that can shares it instead of starting its own."""
+    router that splits every request; decode under the product's ``--kv-failure-policy
+    recompute`` (a test may send decode a leg whose prefill it then says failed). For tests that
+    only send requests and read answers (no metric counts, no faults that outlive a request):
+    every test file that can shares it instead of starting its own."""
     from cluster import Cluster
 
-    cluster = Cluster(prefill=1, decode=1, backend="nixl").start()
+    cluster = Cluster(prefill=1, decode=1, backend="nixl", decode_args=["--kv-failure-policy", "recompute"]).start()
     try:
         yield cluster
     finally:
@@ -299,6 +301,13 @@ def etcd_cluster():
 
     with EtcdCluster(EtcdCluster.etcd_or_skip()) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="session")
+def tiny_engine():
+    """The session's in-process engine on the tiny llama (``tiny_llama_engine``), for tests of what
+    the engine does with a request's own parameters; each leaves no request running."""
+    return tiny_llama_engine()
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import pytest
 import requests
 
 from cluster import pages_back_to_total
-from conftest import tiny_llama_engine
 from splitserve.engine.io import Bootstrap, GenerateRequest, SamplingParams
 
 openai = pytest.importorskip("openai")
@@ -25,8 +24,8 @@ PROMPT = "The capital of France is Paris, and the capital of Italy is"
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return tiny_llama_engine()
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def _run(engine, reqs) -> dict:
@@ -125,7 +124,7 @@ def _decode_room(engine, rid: str, prompt: tuple, sp: SamplingParams):
 
 def test_a_decode_room_of_n_forks_as_colocated_and_its_cancel_ends_every_choice(engine):
     prompt = tuple(engine.tokenizer.encode(PROMPT))
-    for max_tokens in (8, 1):  # 1: choice 0 ends with prefill's token, and the others still fork
+    for max_tokens in (4, 1):  # 1: choice 0 ends with prefill's token, and the others still fork
         sp = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=7, n=3, ignore_eos=True)
         want = _run(engine, [GenerateRequest("c", prompt, sp)])
         room, outs = _decode_room(engine, "d", prompt, sp)

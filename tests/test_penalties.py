@@ -15,7 +15,6 @@ import pytest
 import requests
 import torch
 
-from conftest import tiny_llama_engine
 from splitserve.engine.io import GenerateRequest, SamplingParams
 from splitserve.engine.sampler import adjust_logits
 
@@ -44,8 +43,8 @@ def test_adjust_logits_arithmetic():
 
 
 @pytest.fixture(scope="module")
-def engine():
-    return tiny_llama_engine()
+def engine(tiny_engine):
+    return tiny_engine
 
 
 def test_one_requests_penalties_change_no_other_tokens(engine):

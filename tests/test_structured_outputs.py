@@ -49,9 +49,9 @@ def tokenizer():
 
 
 @pytest.fixture(scope="module")
-def pd():
-    with Cluster(prefill=1, decode=1, backend="nixl", decode_args=["--kv-failure-policy", "recompute"]) as cluster:
-        yield cluster
+def pd(pd_cluster):
+    """The session's split cluster (its decode recomputes a room whose prefill failed)."""
+    return pd_cluster
 
 
 def _client(url: str):

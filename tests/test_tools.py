@@ -32,9 +32,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris this week?"}]
 
 
 @pytest.fixture(scope="module")
-def pd():
-    with Cluster(prefill=1, decode=1, backend="nixl") as cluster:
-        yield cluster
+def pd(pd_cluster):
+    return pd_cluster
 
 
 @pytest.fixture(params=["colocated", "split"])
