@@ -200,13 +200,12 @@ def test_n_on_generate_is_sglangs_list(server, pd_cluster):
     """``sampling_params.n`` on ``/generate``: a list of one answer per choice (streamed: chunks
     that name their ``index``), the choices of the same request on the OpenAI route, split or not."""
     want = [text for text, _, _ in (_completion(server.url)[i] for i in range(3))]
-    for url in (server.url, pd_cluster.url):
-        for stream in (False, True):
-            answers = _generate(url, stream)
-            assert [a["text"] for a in answers] == want, (url, stream)
-            assert [a["meta_info"]["completion_tokens"] for a in answers] == [6, 6, 6]
-            assert [a["meta_info"]["finish_reason"] for a in answers] == [{"type": "length"}] * 3
-            assert all(len(a["output_ids"]) == 6 for a in answers)
+    for url, stream in ((server.url, False), (pd_cluster.url, False), (pd_cluster.url, True)):
+        answers = _generate(url, stream)
+        assert [a["text"] for a in answers] == want, (url, stream)
+        assert [a["meta_info"]["completion_tokens"] for a in answers] == [6, 6, 6]
+        assert [a["meta_info"]["finish_reason"] for a in answers] == [{"type": "length"}] * 3
+        assert all(len(a["output_ids"]) == 6 for a in answers)
 
 
 def test_bad_n_is_400(server):
@@ -237,8 +236,9 @@ def _completion(url: str, stream: bool = False, **extra) -> dict:
     return got
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+@pytest.mark.parametrize("stream", [False, pytest.param(True, marks=pytest.mark.long)], ids=["unary", "stream"])
 def test_n_across_the_split_is_the_colocated_answer(pd_cluster, server, stream):
+    """Streamed through the router: ``long`` (test_n_on_generate streams n choices through it)."""
     want = _completion(server.url)
     assert sorted(want) == [0, 1, 2] and len({text for text, _, _ in want.values()}) == 3
     assert _completion(pd_cluster.url, stream) == want  # the router splits it: prefill, then decode forks
