@@ -33,8 +33,6 @@ LAYERS = [
 """Lowest first; ``docs/design.md`` lists the same."""
 
 KNOWN = {
-    ("splitserve.models.llama", "splitserve.engine.kv_pool"):
-        "the attention takes the KV pool through a protocol of layers/ (issue 22, step 5)",
     ("splitserve.models.loader", "splitserve.testing.tiny"): "the tiny model's builder out of the runtime",
     ("splitserve.models.resolve", "splitserve.testing.tiny"): "the tiny model's builder out of the runtime",
 }

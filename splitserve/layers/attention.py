@@ -26,10 +26,19 @@ Grouped-query attention goes through SDPA's ``enable_gqa`` (no ``repeat_interlea
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
+
+
+class KVLayers(Protocol):
+    """The KV cache as the attention sees it: one tensor per decoder layer, its pages (the engine's
+    ``KVPool`` is one). The model reads and writes through it and never holds the pool's type."""
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """Decoder layer ``layer``'s pages: [num_pages, 2, page_size, num_kv_heads, head_dim]."""
+        ...
 
 
 @dataclass

@@ -4,7 +4,7 @@ The registry maps an architecture name to ``(module, class)`` and imports lazily
 this package costs nothing and a model file is only loaded when a checkpoint needs it. Every model
 implements::
 
-    forward(input_ids [T], positions [T], meta: AttentionMetadata, kv: KVPool) -> hidden [T, hidden]
+    forward(input_ids [T], positions [T], meta: AttentionMetadata, kv: KVLayers) -> hidden [T, hidden]
     compute_logits(hidden [N, hidden]) -> logits [N, vocab] float32
     load_weights(Iterable[(hf_name, tensor)]) -> None
 

@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.kv_pool import KVPool
-from splitserve.layers.attention import AttentionMetadata, paged_attention
+from splitserve.layers.attention import AttentionMetadata, KVLayers, paged_attention
 from splitserve.layers.linear import Embedding, Linear, MergedLinear, pack_weight, packed_linear
 from splitserve.layers.norm import RMSNorm
 from splitserve.layers.ops import TorchOps
@@ -107,7 +106,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps)
         self.scale = args.head_dim ** -0.5
 
-    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVPool, ops: TorchOps) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, meta: AttentionMetadata, kv: KVLayers, ops: TorchOps) -> torch.Tensor:
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) D]: q | k | v, rotated in place and read through views
         T = qkv.shape[0]
@@ -236,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         return packed + int(tied)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: KVPool) -> torch.Tensor:
+                kv: KVLayers) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden] (normed, before lm_head)."""
         return self.model(input_ids, positions, meta, kv, self.ops, self.progress)
 
