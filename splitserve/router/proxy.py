@@ -1,69 +1,12 @@
 """One generation request through the router: one body, two legs, one answer.
 
-The router sends the same JSON body (plus ``bootstrap_host``, ``bootstrap_port`` and a random
-63-bit ``bootstrap_room``, the SGLang PD convention) to a prefill and a decode worker at once, and
-answers the client with the decode worker's response. The prefill leg's body is never shown to the
-client, but its status is: a prefill worker that refuses the request (429 queue full, 503
-draining, 400) or cannot be reached, before it accepted the room, leaves the failure to the router
-(``docs/router.md``, who owns a failure). The decode worker would only wait for KV that never
-comes, so its leg is ended at once with the cause (``POST /abort_request`` naming the room and
-why, then closed: a closed leg alone reads as the client gone), and the request is tried again
-with a new room (``retry.py``), or sent to its decode worker alone (``split.py``, the fallback),
-or, neither left, answered with prefill's error. Unless prefill's error only echoes decode's: a room that
-decode failed or aborted first fails on prefill with ``peer_failed`` / ``peer_abort``; then the
-decode worker's own answer, which names the cause, is awaited (briefly) and returned instead.
-
-A request the router does not split (``split.py``) has one leg, to decode, without bootstrap
-fields: the exchange commits to it as soon as its headers came.
-
-When may the router commit to the decode worker's answer (send the client a status)?
-
-- The decode leg answered an error (non-2xx) or could not be reached: that is the answer, passed
-  through as is; the prefill leg is closed (nobody will come for its KV).
-- Non-streaming: the decode worker's response arrives when generation is over, so it is passed on
-  at once, whatever the prefill leg is doing.
-- Streaming: a worker sends its SSE headers before the first token, so a 200 from decode says
-  little. The router holds the client's headers until the prefill leg's status is known as well
-  (a prefill worker answers its status when it accepts or refuses the request, so this costs no
-  more than the time to first token), reading decode's stream ahead meanwhile. If that stream
-  decides the exchange first — an error event, its end (with ``[DONE]`` or without), a broken
-  connection, or more than ``stream.LOOKAHEAD_BYTES`` (decode is generating, so prefill did its
-  part) — the router commits to it at once, and closes the prefill leg if decode failed. Then it
-  copies decode's bytes through unchanged.
-
-The exchange never waits on one thing alone while another can end it. Until the commit it waits
-on both legs' headers, on decode's stream once its headers came, and on the deadline; after the
-commit on decode's stream and the deadline (prefill's leg can no longer end it, see below); and
-always on the client, whose disconnect cancels the handler and whose every write is bounded.
-
-Once the prefill worker has accepted (2xx), its leg is read to its end and dropped in the
-background, so that the prefill worker records a normal end rather than an abort, and its
-in-flight count drops when its work is done; that drain is bounded by the request's deadline and,
-once the exchange has finished, by :data:`LINGER_S` more (prefill's answer normally ends before
-decode's first token). Failures of the prefill leg after that are the workers' business (each side
-learns of the other's failures over their control channel, ``docs/lifecycle.md``), unless the
-exchange itself fails: then it is aborted too.
-
-Whatever ends the exchange early — the client disconnecting (seen as the handler's cancellation or
-as a failed write), the client not reading for ``client_write_timeout_s``, ``request_timeout_s``
-passing, the decode stream breaking off — every leg still open is closed in the ``finally``, so
-both workers abort. A stream that breaks after its headers were sent, or ends without
-``data: [DONE]``, ends with ``data: {"error": ...}`` and ``data: [DONE]``, as the workers
-themselves do, so that a truncated answer never looks complete.
-
-The bounds (options of ``splitserve router``; ``docs/router.md`` has the table and the reasons):
-``client_header_timeout_s`` and ``client_body_timeout_s`` before any leg opens (408 for a slow
-body), ``worker_connect_timeout_s`` and, streaming, ``worker_header_timeout_s`` per leg (504),
-``client_write_timeout_s`` per write to the client, ``request_timeout_s`` end to end (504).
-
-Before anything reached the client, a leg that failed because its worker did not take the request
-(unreachable, gone, 503, 429: ``retry.py``) ends this exchange and :func:`forward` starts a new one,
-with a new room and both legs new, on another worker of that role (:class:`RetryGate`: at most
-``max_retries``, within the deadline and the retry budget). The exchange asks the gate at the
-failure, so that a request that will not be tried again gets the answer it would have got anyway.
-
-Time is the event loop's (``loop.time()``, the monotonic clock), and rooms come from the state's
-``new_room``: so the same code runs on the simulator's virtual-time loop (``splitserve/sim/``).
+:func:`forward` is the handler body of every generation endpoint: it reads and validates the
+request, picks a pair (or a decode worker alone, ``split.py``), and runs one :class:`Exchange` per
+attempt, a new room each, while :class:`RetryGate` lets a failed leg be tried on another worker
+(``retry.py``). An exchange sends the body to both workers at once (plus the bootstrap fields),
+commits to decode's answer when it may, ends decode's leg with the cause when prefill fails before
+it accepted the room, and closes every leg still open whatever ends it. The contract — when the
+router commits, who owns a failure, what it waits on, its bounds — is ``docs/router.md``.
 """
 
 from __future__ import annotations
