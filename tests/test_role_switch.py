@@ -44,13 +44,15 @@ BOUND_S = 60.0  # every wait of this file: far under the silence bound, far over
 
 
 ETCD_PREFIX = "/role-test"
+DRAIN_S = 300  # X's drain bound: what is in flight always finishes first here, however loaded the machine
+LONG_TOKENS = 400
 
 
 def start(backend: str, decodes: int, etcd=None) -> Cluster:
     """A prefill and ``decodes`` decode workers, the last of them (``X``) with a bootstrap port
     (and registered in ``etcd``, if given)."""
     port = free_port()
-    x_args = ["--bootstrap-port", str(port), "--worker-id", "x"]
+    x_args = ["--bootstrap-port", str(port), "--worker-id", "x", "--drain-timeout-s", str(DRAIN_S)]
     if etcd is not None:
         x_args += ["--discovery", etcd.url(ETCD_PREFIX), "--discovery-grace-s", "0.5", "--discovery-ttl-s", "6"]
     decode_args = [[] for _ in range(decodes - 1)] + [x_args]
@@ -416,6 +418,47 @@ def test_a_decode_becomes_a_prefill_and_back_under_load_and_no_request_fails(clu
     for w in cluster.workers:
         pages_back_to_total(w, api_key=ADMIN)
     assert metric_sum(worker_metrics(X), "splitserve_thread_restarts_total") == 0
+
+
+def test_a_switch_waits_for_what_is_in_flight_and_refuses_a_second_one_meanwhile(cluster):
+    """A long stream served by ``X`` alone (no bootstrap fields: decode computes its prompt) holds
+    the switch in its drain: ``/health`` says ``draining``, a second request meanwhile — with the
+    new epoch, or the old one — is refused (409, a switch under way), and the stream still ends
+    whole before ``X`` becomes a prefill. Then ``X`` goes back to decode."""
+    X = cluster.decode[-1]
+    before = health(X)
+    assert before["role"] == "decode", before
+    got: dict = {}
+
+    def long_stream() -> None:
+        got["stream"] = requests.post(X.url + "/generate", headers=bearer(WORKER), timeout=DRAIN_S, json={
+            "input_ids": prompt(16, 4242), "stream": True,
+            "sampling_params": {"max_new_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}})
+        got["switched before the stream ended"] = "switch" in got
+
+    def first_switch() -> None:
+        got["switch"] = post_role(X, {"role": "prefill", "epoch": before["epoch"]})
+
+    streaming = threading.Thread(target=long_stream)
+    streaming.start()
+    wait_for("X runs the stream", lambda: any(r.get("state") == "DECODING" for r in requests.get(
+        X.url + "/debug/requests", headers=bearer(ADMIN), timeout=10).json()), BOUND_S)
+    switching = threading.Thread(target=first_switch)
+    switching.start()
+    wait_for("X drains", lambda: health(X)["status"] == "draining", BOUND_S)
+    for epoch in (before["epoch"] + 1, before["epoch"]):  # the switch's epoch, and the one it was asked with
+        resp = post_role(X, {"role": "decode", "epoch": epoch})
+        assert resp.status_code == 409 and error_code(resp) == "role_switch_in_progress", (epoch, resp.text)
+    streaming.join(DRAIN_S)
+    switching.join(BOUND_S)
+    stream = got["stream"]
+    events = sse_events(stream.text)
+    assert stream.status_code == 200 and events[-1] == "[DONE]", stream.text[-500:]
+    assert "output_ids" in events[-2] and len(events[-2]["output_ids"]) == LONG_TOKENS, events[-3:]  # whole
+    assert got["switched before the stream ended"] is False
+    assert got["switch"].status_code == 200 and got["switch"].json()["role"] == "prefill", got["switch"].text
+    switch(X, "decode")
+    pages_back_to_total(X, api_key=ADMIN)
 
 
 @pytest.mark.long

@@ -138,12 +138,21 @@ async def switch(state, target) -> int:
     goodbye = f"it becomes a {target.role} worker (epoch {state.epoch})"
     log.info("role switch: %s -> %s (epoch %d) begins", config.role, target.role, state.epoch)
     try:
-        await _leave(state, loop)
-        await _drain(state, config.drain_timeout_s)
-        deadlines = engine.role.deadlines
-        incarnation = new_incarnation()
-        role = role_for(target, deadlines, incarnation)
-        state.metrics.attach(role, target.role)
+        old = engine.role
+        try:
+            await _leave(state, loop)
+            await _drain(state, config.drain_timeout_s)
+            deadlines = old.deadlines
+            incarnation = new_incarnation()
+            role = role_for(target, deadlines, incarnation)
+            state.metrics.attach(role, target.role)
+        except Exception as exc:  # the old role never stopped: it serves again
+            log.exception("role switch: could not prepare the %s role; the %s role serves on", target.role,
+                          config.role)
+            state.metrics.attach(old, config.role)
+            _serve(state)
+            raise SwitchFailed(f"{type(exc).__name__}: {exc}; the worker serves as a {config.role} on "
+                               f"(incarnation {state.incarnation})") from exc
         try:
             released = await loop.run_in_executor(None, engine.replace_role, role, goodbye)
         except Exception as exc:
