@@ -2,7 +2,7 @@
 route; the cause is ours).
 
 The router calls it to end a leg with an explicit cause instead of only closing it, since a closed
-leg reads as the client gone (issue 18, part 0)::
+leg reads as the client gone (``docs/router.md``, who owns a failure)::
 
     {"rid": "...", "reason": "client_abort"}            the client left (as closing the leg says)
     {"bootstrap_room": 42, "reason": "prefill_failed",  decode: its KV will not come (the prefill

@@ -1,4 +1,4 @@
-"""A deterministic simulator of a whole cluster (issue 9; ``docs/lifecycle.md``, *The simulator*).
+"""A deterministic simulator of a whole cluster (``docs/lifecycle.md``, *The simulator*).
 
 The project's real code — engine loops, roles and their tables, control and transfer threads,
 the router's exchanges and health checks, the workers' HTTP handlers — runs in one process on a

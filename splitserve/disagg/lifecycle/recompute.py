@@ -12,7 +12,7 @@ pages are safe at once when prefill never had them (not registered), when every 
 emitted first, fences its link); otherwise the room waits in ``RECLAIMING`` for one of those, and
 fails with its reason (its pages quarantined, as for any end) if none comes within ``reclaim_s``.
 A client abort, the peer's report of one, a request timeout or a room without its pages (no room
-for the recompute) end the room as before.
+for the recompute) end the room as they end any other.
 """
 
 from __future__ import annotations
