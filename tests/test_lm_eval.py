@@ -5,11 +5,14 @@ model, which asks for each choice's loglikelihood with ``echo``, ``logprobs`` an
 agree, and every item's loglikelihoods agree within ``LL_TOL``.
 
 lm-eval runs with batch size 1 (one prompt per request; ``/v1/completions`` takes a batch of one),
-offline (``HF_*_OFFLINE``), with the checkpoint's own tokenizer folder. ``long``: lm-eval's import
+offline (``HF_*_OFFLINE``), with the checkpoint's own tokenizer folder; against a colocated worker
+and through the router of a split cluster (it sends these requests to decode alone). ``long``: lm-eval's import
 and its two runs of 48 loglikelihood requests took 340 s on this shared machine at load 21
 (acc 0.083 on both, worst |dloglikelihood| 2.8e-05), past the everyday budget."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import requests
@@ -21,13 +24,25 @@ lm_eval = pytest.importorskip("lm_eval")
 LL_TOL = 1e-3  # |splitserve - transformers| per choice's loglikelihood (a sum of a few float32 logprobs)
 
 
-@pytest.fixture(scope="module")
-def served():
+@pytest.fixture(scope="module", params=["colocated", "split"])
+def served(request):
+    """(the URL lm-eval is pointed at, a worker's URL): a colocated worker, or the router of the
+    session's split cluster, which sends lm-eval's prompt-logprob requests to decode alone."""
+    if request.param == "split":
+        cluster = request.getfixturevalue("pd_cluster")
+        yield cluster.url, cluster.decode[0].url
+        return
     proc = ServerProcess("--quantization", "none").start()
     try:
-        yield proc
+        yield proc.url, proc.url
     finally:
         proc.stop()
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_run(path: str) -> dict:
+    """lm-eval's own Hugging Face backend on the checkpoint (once for both placements)."""
+    return _evaluate("hf", f"pretrained={path},dtype=float32,device=cpu")
 
 
 def _evaluate(model: str, model_args: str) -> dict:
@@ -50,10 +65,11 @@ def test_lm_eval_scores_alike_through_splitserve_and_transformers(served, monkey
     for var in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
         monkeypatch.setenv(var, "1")
     monkeypatch.chdir(REPO)  # the task's data_files are relative to the repository
-    path = requests.get(served.url + "/get_model_info", timeout=10).json()["model_path"]
-    ours = _evaluate("local-completions", f"model=tiny,base_url={served.url}/v1/completions,tokenizer={path},"
+    url, worker = served
+    path = requests.get(worker + "/get_model_info", timeout=10).json()["model_path"]
+    ours = _evaluate("local-completions", f"model=tiny,base_url={url}/v1/completions,tokenizer={path},"
                                           "tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
-    theirs = _evaluate("hf", f"pretrained={path},dtype=float32,device=cpu")
+    theirs = _transformers_run(path)
     a, b = _per_item(ours), _per_item(theirs)
     assert len(a) == len(b) == 12
     worst = 0.0
