@@ -11,7 +11,7 @@ and never answers, so writes stay in flight and never settle. Into one of them t
   aborted by their client: terminal, still holding their pages),
 
 10^5 entries in all, with deadlines long enough that none expires during the run. The other stays
-empty. Then both run the same iterations of the engine loop (``AsyncEngine._iterate_once``, here without waiting: the
+empty. Then both run the same iterations of the engine loop (``AsyncEngine.iterate_once``, here without waiting: the
 inbox, ``tick``, a step when there is work), in two workloads: idle (nothing to do) and a trickle
 (one new registered request per iteration, so the table, the scheduler and a forward pass run).
 It prints the time per iteration of each and the ratio (target: <= 1.1x). Usage::
@@ -86,7 +86,7 @@ class Worker:
         self.sock.send(p.encode(msg))
 
     def iterate(self) -> None:
-        self.loop._iterate_once(wait=False)
+        self.loop.iterate_once(wait=False)
 
     def wait(self, check, what: str, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout

@@ -21,8 +21,8 @@ What the loop does with a request is its **role**'s business (``role.py``): ``co
 5. post the outputs to their streams.
 
 A simulator (``splitserve/sim/``) runs the same loop without its thread: it swaps ``clock``,
-builds the engine with a fake forward pass, starts with ``start_loop(loop, thread=False)`` and
-calls ``_iterate_once(wait=False)`` itself.
+passes an inbox whose put wakes it, builds the engine with a fake forward pass, starts with
+``start_loop(loop, thread=False)`` and calls ``iterate_once(wait=False)`` itself.
 
 No exception ends the loop. One request's own data fails that request alone: an exception while
 a request is admitted (``role.admit``: its prompt, sampling parameters, stop strings and salt are
@@ -111,8 +111,10 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig, role: Optional[Role] = None, loop_stall_s: float = 30.0,
-                 parts: Optional[ModelParts] = None):
-        """``parts``: what the engine runs (default: loaded from ``config.model`` at :meth:`start`)."""
+                 parts: Optional[ModelParts] = None, inbox: Optional["queue.SimpleQueue[object]"] = None):
+        """``parts``: what the engine runs (default: loaded from ``config.model`` at :meth:`start`).
+        ``inbox``: where the loop's events go (default a new queue; a simulator passes one whose put
+        wakes its loop)."""
         self.config = config
         self.parts = parts
         self.role: Role = role or ColocatedRole()
@@ -122,7 +124,7 @@ class AsyncEngine:
         self.draining = False
         self.loop_errors = 0
         self.request_errors = 0  # admissions that raised: each failed its own request only
-        self._inbox: "queue.SimpleQueue[object]" = queue.SimpleQueue()
+        self._inbox: "queue.SimpleQueue[object]" = inbox if inbox is not None else queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # asyncio thread only
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._thread: Optional[threading.Thread] = None
@@ -145,7 +147,7 @@ class AsyncEngine:
 
     def start_loop(self, loop: Optional[asyncio.AbstractEventLoop] = None, thread: bool = True) -> None:
         """Start the engine thread over ``self.engine`` (``thread=False``: the caller drives
-        ``_iterate_once`` itself)."""
+        ``iterate_once`` itself)."""
         self._loop = loop
         self.last_progress = self.clock()
         if thread:
@@ -338,10 +340,10 @@ class AsyncEngine:
     # -- engine thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while self._iterate_once():
+        while self.iterate_once():
             pass
 
-    def _iterate_once(self, wait: bool = True) -> bool:
+    def iterate_once(self, wait: bool = True) -> bool:
         """One iteration of the loop (module docstring); False once told to stop. ``wait``: block
         on an empty inbox for up to the role's ``wait_s`` (a benchmark driving the loop passes False)."""
         engine = self.engine

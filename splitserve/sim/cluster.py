@@ -8,7 +8,7 @@ handlers (``server/``), built through the seams (``Seams``, ``ModelParts``, the 
 only sockets, the transfer backend, the forward pass and time are simulated. Its three threads
 are callbacks on the loop:
 
-- the **engine loop** runs ``_iterate_once(wait=False)`` — when its inbox gets an event (after
+- the **engine loop** runs ``iterate_once(wait=False)`` — when its inbox gets an event (after
   a wake-up latency drawn from the seed), when the engine has work (after the last step's
   simulated cost), and otherwise after ``role.wait_s(now)``, the real loop's idle wait;
 - the **control thread** and the **transfer thread** run their ``step()`` when something is
@@ -63,12 +63,12 @@ class _WakingInbox(queue.SimpleQueue):
 
     def __new__(cls, wake: Callable[[], None]):
         inbox = super().__new__(cls)
-        inbox._wake_loop = wake
+        inbox.wake = wake
         return inbox
 
     def put(self, item, block=True, timeout=None):
         super().put(item, block, timeout)
-        self._wake_loop()
+        self.wake()
 
 
 class _Activity:
@@ -137,9 +137,9 @@ class SimWorker:
         role_cls = PrefillRole if kind == "prefill" else DecodeRole
         self.role = role = role_cls(server, sim.deadlines, seams=seams)
         role.clock = loop.time
-        self.ae = ae = AsyncEngine(engine_config, role, loop_stall_s=sim.loop_stall_s)
+        self.inbox = _WakingInbox(self.wake_engine)
+        self.ae = ae = AsyncEngine(engine_config, role, loop_stall_s=sim.loop_stall_s, inbox=self.inbox)
         ae.clock = loop.time
-        ae._inbox = _WakingInbox(self.wake_engine)
         self.model = FakeModel(Cost(sim.step_s, sim.token_s), eos_every=sim.eos_every)
         ae.engine = LLMEngine(engine_config, fake_parts(self.model))
         self.runner = ae.engine.runner
@@ -223,7 +223,7 @@ class SimWorker:
         self.runner.cost_s = 0.0
         self.in_engine = True
         try:
-            self.ae._iterate_once(wait=False)
+            self.ae.iterate_once(wait=False)
         finally:
             self.in_engine = False
         self.busy_until = now + max(self.runner.cost_s, ITERATION_S)
@@ -235,7 +235,7 @@ class SimWorker:
             # SPIN_S, sooner, and the requests it holds are excused for failing (overload, not a fault)
             self.cluster.faults.starved(self, now)
             self.engine_act.at_or_before(max(self.busy_until, now + SPIN_S))
-        elif engine.has_work() or not self.ae._inbox.empty():
+        elif engine.has_work() or not self.inbox.empty():
             self.engine_act.at_or_before(self.busy_until)
         else:
             self.engine_act.at_or_before(max(self.busy_until, now + self._idle_wait(now)))
