@@ -69,7 +69,7 @@ def test_asyncio_and_aiohttp_are_what_the_isolated_module_was_checked_on():
 
 
 OURS_STILL_REACHED = {
-    ("cluster.py", "_wake"), ("cluster.py", "_loop_watchdog"), ("cluster.py", "_close_wake"),
+    ("cluster.py", "_loop_watchdog"),
     ("cluster.py", "_prefills"), ("http.py", "_handle"),
     ("invariants.py", "_rooms"), ("invariants.py", "_streams"), ("invariants.py", "_seqs"),
     ("invariants.py", "_agents"), ("invariants.py", "_free_set"), ("invariants.py", "_lru"),

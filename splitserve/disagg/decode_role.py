@@ -84,7 +84,7 @@ class DecodeRole(DisaggRole):
         self.control = DecodeControl(name, self.info, self.links, self.post, self.deadlines,
                                      self.faults.control, lambda: not self.loop.loop_stalled(),
                                      dial=self.seams.dial or functools.partial(ZmqDealer, secret=self.secret),
-                                     io_probe=self._io_probe())
+                                     io_probe=self._io_probe(), wake=self.seams.control_wake)
 
     def stats(self) -> dict:
         stats = super().stats()

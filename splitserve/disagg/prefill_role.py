@@ -41,7 +41,7 @@ class PrefillRole(DisaggRole):
                                       self.post, self.deadlines, self.faults.control,
                                       lambda: not self.loop.loop_stalled(),
                                       bind=self.seams.bind or functools.partial(ZmqRouterEndpoint, secret=self.secret),
-                                      io_probe=self._io_probe(),
+                                      io_probe=self._io_probe(), wake=self.seams.control_wake,
                                       limits=SessionLimits(self.server.max_control_sessions,
                                                            self.server.max_control_sessions_per_address,
                                                            self.server.control_session_rate))

@@ -28,5 +28,7 @@ class Seams:
     io_probe: Optional[Callable] = None
     """``io_probe()`` -> what watches the ZMQ I/O thread (default ``control.io_probe.IoProbe`` on the
     process's context; a simulator, which has no ZMQ, returns None)."""
+    control_wake: Optional[Callable[[], None]] = None
+    """How the engine loop wakes the control thread (default: a byte down its wake pipe)."""
     threads: bool = True
     """Start the control and transfer threads."""

@@ -133,7 +133,7 @@ class SimWorker:
         seams = Seams(incarnation=cluster.new_incarnation, transfer_opts={"network": self.tview},
                       bind=lambda host, port: cluster.net.bind(host, port, self.wake_control),
                       dial=lambda address, ident: cluster.net.dial(self.host, address, ident, self.wake_control),
-                      io_probe=lambda: None, threads=False)
+                      io_probe=lambda: None, control_wake=self.wake_control, threads=False)
         role_cls = PrefillRole if kind == "prefill" else DecodeRole
         self.role = role = role_cls(server, sim.deadlines, seams=seams)
         role.clock = loop.time
@@ -150,7 +150,6 @@ class SimWorker:
         ae.start_loop(loop, thread=False)
         for thread in (role.control, role.transfer):
             thread.alive = lambda: self.alive
-        role.control._wake = self.wake_control
         self._wrap_edges()
         self.app = prepare_app(worker_app.create_app(ae, server), self._finding)
         self.state = self.app[worker_app.STATE]
@@ -337,7 +336,6 @@ class SimWorker:
         else:
             for pf in list(control._prefills.values()):
                 pf.conn.close()
-        control._close_wake()
         self.cluster.tnet.kill(self)
         for conn in list(self.connections):
             conn.broken()

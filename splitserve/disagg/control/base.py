@@ -89,9 +89,11 @@ class ControlThread(SupervisedThread):
 
     def __init__(self, name: str, incarnation: str, post: Callable[[object], None], heartbeat_s: float,
                  faults: Optional[ControlFaults], loop_alive: Optional[Callable[[], bool]] = None,
-                 io_probe=None):
+                 io_probe=None, wake: Optional[Callable[[], None]] = None):
         """``io_probe``: an ``IoProbe`` of the context this thread's sockets use (None: not watched,
-        as in a simulator, which has no ZMQ)."""
+        as in a simulator, which has no ZMQ). ``wake``: how another thread wakes this one (default a
+        byte down its wake pipe, which its poll watches); a simulator that steps the thread itself
+        passes its own, and the thread opens no pipe (its caller steps it, never ``serve()``)."""
         super().__init__(name=name)
         self._io_probe = io_probe
         self.incarnation = incarnation
@@ -111,11 +113,13 @@ class ControlThread(SupervisedThread):
         """Frames dropped, by why (``identity``, ``decode``, ``unexpected``, ...)."""
         # Another thread that hands us work writes a byte here, so the poll wakes at once
         # instead of at its next timeout (it is on the path of every request).
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._wake_hook = wake
         self._wake_lock = threading.Lock()  # no write to the pipe once it is closed (its fd may be reused)
-        self._wake_closed = False
+        self._wake_closed = wake is not None  # a thread woken by its own hook has no pipe
+        if wake is None:
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_r, False)
+            os.set_blocking(self._wake_w, False)
 
     # -- called by the engine loop ----------------------------------------------------------------
 
@@ -165,6 +169,9 @@ class ControlThread(SupervisedThread):
             return None
 
     def _wake(self) -> None:
+        if self._wake_hook is not None:
+            self._wake_hook()
+            return
         with self._wake_lock:
             if self._wake_closed:
                 return

@@ -77,11 +77,12 @@ class DecodeControl(ControlThread):
     def __init__(self, name: str, ours: p.Info, links: ReceiveLinks, post: Callable[[object], None],
                  deadlines: Deadlines, faults: Optional[ControlFaults] = None,
                  loop_alive: Optional[Callable[[], bool]] = None,
-                 dial: Optional[Callable[[str, bytes], "ZmqDealer"]] = None, io_probe=None):
+                 dial: Optional[Callable[[str, bytes], "ZmqDealer"]] = None, io_probe=None,
+                 wake: Optional[Callable[[], None]] = None):
         """``deadlines``: heartbeats every ``heartbeat_interval_s``, a session silent for
         ``peer_silence_s`` ends, a room waits ``prealloc_s`` for its session."""
         super().__init__("control-decode", ours.incarnation, post, deadlines.heartbeat_interval_s, faults,
-                         loop_alive, io_probe)
+                         loop_alive, io_probe, wake)
         self._info_wait_s = deadlines.prealloc_s  # a room waits this long for its session (its PREALLOC limit)
         self._silence_s = deadlines.peer_silence_s
         self.name = name

@@ -80,11 +80,11 @@ class PrefillControl(ControlThread):
                  deadlines: Deadlines, faults: Optional[ControlFaults] = None,
                  loop_alive: Optional[Callable[[], bool]] = None,
                  bind: Optional[Callable[[str, int], "ZmqRouterEndpoint"]] = None,
-                 io_probe=None, limits: SessionLimits = SessionLimits()):
+                 io_probe=None, limits: SessionLimits = SessionLimits(), wake: Optional[Callable[[], None]] = None):
         """``deadlines``: heartbeats every ``heartbeat_interval_s``, a session silent for
         ``peer_silence_s`` ends, an ended one is remembered ``tombstone_s``."""
         super().__init__("control-prefill", info.incarnation, post, deadlines.heartbeat_interval_s, faults,
-                         loop_alive, io_probe)
+                         loop_alive, io_probe, wake)
         self.limits = limits
         self.refused: Counter = Counter()
         """New sessions refused by the limits, by why (``limit``, ``per_address``, ``rate``)."""
