@@ -51,7 +51,7 @@ class RouterProcess:
     unless ``args`` say otherwise: the split is what most tests are about, with short prompts."""
 
     def __init__(self, prefill: Sequence[tuple[str, int]], decode: Sequence[str], *args: str,
-                 startup_timeout: float = 60.0, wait_healthy: bool = True, tls: Optional[dict] = None):
+                 startup_timeout: float = STARTUP_TIMEOUT_S, wait_healthy: bool = True, tls: Optional[dict] = None):
         self.argv: list[str] = []
         for url, bootstrap in prefill:
             self.argv += ["--prefill", url, str(bootstrap)]
@@ -72,29 +72,36 @@ class RouterProcess:
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> "RouterProcess":
+        start_routers(self)
+        return self
+
+    def _spawn(self) -> None:
         from conftest import _die_with_parent
 
-        for attempt in range(3):
-            self.port = free_port()
-            env = dict(os.environ, PYTHONUNBUFFERED="1")
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-            with open(self.logdir / "out.log", "wb") as out:
-                self.proc = subprocess.Popen(
-                    [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1",
-                     "--port", str(self.port), *self.argv],
-                    cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                    preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-            deadline = time.monotonic() + self.startup_timeout
-            while time.monotonic() < deadline and self.proc.poll() is None:
-                listening = any(line in self.output() for line in ("splitserve router ready",
-                                                                   "splitserve router listening"))
-                if listening and (not self.wait_healthy or self._healthy()):
-                    return self
-                time.sleep(0.1)
-            self.stop()
-            if not any(s in self.output() for s in PORT_TAKEN) or attempt == 2:
-                raise RuntimeError(f"the router did not start:\n{self.output()}")
-        raise AssertionError("unreachable")
+        self.port = free_port()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        with open(self.logdir / "out.log", "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1",
+                 "--port", str(self.port), *self.argv],
+                cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    def _wait(self, last_attempt: bool) -> bool:
+        """True once it listens (and is healthy, if asked); False if its port was taken (to be
+        spawned again), unless ``last_attempt``; raises with its output otherwise."""
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            listening = any(line in self.output() for line in ("splitserve router ready",
+                                                               "splitserve router listening"))
+            if listening and (not self.wait_healthy or self._healthy()):
+                return True
+            time.sleep(0.1)
+        self.stop()
+        if not any(s in self.output() for s in PORT_TAKEN) or last_attempt:
+            raise RuntimeError(f"the router did not start:\n{self.output()}")
+        return False
 
     def _healthy(self) -> bool:
         try:
@@ -126,6 +133,21 @@ class RouterProcess:
                 self.proc.kill()
                 self.proc.wait(5)
         return self.proc.returncode
+
+
+def start_routers(*routers: RouterProcess) -> list[RouterProcess]:
+    """Start ``routers`` side by side (each loads in its own process: on two cores two load at once)
+    and return them once each listens as ``RouterProcess.start`` says; one whose port was taken
+    between our probe and its bind starts again on another, up to three times. On a failure the
+    caller stops them (each is safe to stop, started or not)."""
+    pending = list(routers)
+    for attempt in range(3):
+        for router in pending:
+            router._spawn()
+        pending = [router for router in pending if not router._wait(last_attempt=attempt == 2)]
+        if not pending:
+            return list(routers)
+    raise AssertionError("unreachable")
 
 
 class Cluster:

@@ -26,7 +26,7 @@ import pytest
 import requests
 from aiohttp import web
 
-from cluster import RouterProcess
+from cluster import RouterProcess, metric, start_routers
 from conftest import ServerProcess
 
 MODEL = "fake-model"
@@ -39,10 +39,21 @@ class FakeWorker:
     """An HTTP server with a worker's routes, in the fake loop's thread. ``behaviour`` is an async
     function ``(request, body) -> response`` for the generation routes; every request that reaches
     them is kept in ``requests``; a handler cancelled, or failing to write, because its client (the
-    router) closed the connection sets ``aborted``."""
+    router) closed the connection sets ``aborted``. ``reset`` makes it new for the next test that
+    shares it (:func:`shared_pair`)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, behaviour=None):
         self.loop = loop
+        self.runner: Optional[web.AppRunner] = None
+        self.port = 0
+        self._round = 0
+        self.reset(behaviour)
+        self._call(self._start())
+
+    def reset(self, behaviour=None) -> None:
+        """A new behaviour and empty records. A handler still running from before keeps the
+        records it began with (its ``aborted`` and ``finished`` are not the next test's)."""
+        self._round += 1
         self.behaviour = behaviour or reply(200, {"who": "fake"})
         self.health_status = 200
         self.models_hang = False  # /v1/models accepts and never answers (until end_hangs)
@@ -53,9 +64,6 @@ class FakeWorker:
         self.abort_requests: list[dict] = []  # POST /abort_request bodies received
         self.flush_status = 200
         self.release = asyncio.Event()  # set (from the loop) to end `hang` behaviours
-        self.runner: Optional[web.AppRunner] = None
-        self.port = 0
-        self._call(self._start())
 
     @property
     def url(self) -> str:
@@ -98,12 +106,14 @@ class FakeWorker:
     async def _generate(self, request):
         body = await request.json()
         self.requests.append((request.path, body))
+        began, aborted = self._round, self.aborted
         try:
             resp = await self.behaviour(self, request, body)
-            self.finished += 1
+            if self._round == began:
+                self.finished += 1
             return resp
         except (asyncio.CancelledError, ConnectionError):  # the router closed the connection
-            self.aborted.set()
+            aborted.set()
             raise
 
     def stop_listening(self) -> None:
@@ -199,6 +209,8 @@ def fakes(fake_loop):
 
 @pytest.fixture
 def start_router():
+    """``start_router(prefill, decode, *args)``: a router, stopped after the test;
+    ``start_router.together((prefill, decode, *args), ...)``: several, started side by side."""
     started: list[RouterProcess] = []
 
     def start(prefill, decode, *args: str) -> RouterProcess:
@@ -206,9 +218,85 @@ def start_router():
         started.append(router)
         return router.start()
 
+    def together(*specs) -> list[RouterProcess]:
+        routers = [RouterProcess(*spec, wait_healthy=False) for spec in specs]
+        started.extend(routers)
+        return start_routers(*routers)
+
+    start.together = together
     yield start
     for router in started:
         router.stop()
+
+
+SHARED_BOOTSTRAP_PORT = 4242
+# a router made for one test never spends its retry budget (10 retries in 10 s); one shared by many
+# tests could, and a retry denied would change what a later test sees
+SHARED_ROUTER_ARGS = ("--retry-budget-min", "1000")
+
+
+class RouterSince:
+    """A shared router as one test sees it: its counters (``*_total``, and a histogram's
+    ``_count``, ``_sum`` and ``_bucket``) counted from the test's start, gauges as they are, and
+    its log from the test's start."""
+
+    COUNTED = ("_total", "_count", "_sum", "_bucket")
+
+    def __init__(self, router: RouterProcess):
+        self.router, self.url = router, router.url
+        self._base = router.metrics()
+        self._log_from = len(router.output())
+
+    def metrics(self) -> dict:
+        return {key: value - self._base.get(key, 0.0) if key[0].endswith(self.COUNTED) else value
+                for key, value in self.router.metrics().items()}
+
+    def metric(self, name: str, **labels) -> float:
+        return metric(self.metrics(), name, **labels)
+
+    def output(self) -> str:
+        return self.router.output()[self._log_from:]
+
+
+@pytest.fixture(scope="module")
+def shared_routers(fake_loop):
+    """Routers over one fake prefill and one fake decode each, by their options, for the module."""
+    made: dict[tuple, tuple[RouterProcess, FakeWorker, FakeWorker]] = {}
+    yield fake_loop, made
+    for router, *pair in made.values():
+        router.stop()
+        for fake in pair:
+            fake.end_hangs()
+            fake.stop_listening()
+
+
+@pytest.fixture
+def shared_pair(shared_routers):
+    """``shared_pair(prefill_behaviour, decode_behaviour, *router_options)``: (a router, its fake
+    prefill, its fake decode), the router started once for the module per set of options (a
+    router start is most of a test's time) and the fakes made new for this test
+    (``FakeWorker.reset``); the router seen through :class:`RouterSince`. For tests that leave
+    both fakes listening. After the test, its hangs end and nothing may be left in flight."""
+    loop, made = shared_routers
+    used = []
+
+    def get(prefill_behaviour=None, decode_behaviour=None, *args: str):
+        if args not in made:
+            prefill, decode = FakeWorker(loop), FakeWorker(loop)
+            router = RouterProcess([(prefill.url, SHARED_BOOTSTRAP_PORT)], [decode.url], *args, *SHARED_ROUTER_ARGS,
+                                   wait_healthy=False)
+            made[args] = (router.start(), prefill, decode)
+        router, prefill, decode = made[args]
+        prefill.reset(prefill_behaviour)
+        decode.reset(decode_behaviour)
+        used.append((router, prefill, decode))
+        return RouterSince(router), prefill, decode
+
+    yield get
+    for router, prefill, decode in used:
+        prefill.end_hangs()
+        decode.end_hangs()
+        assert_nothing_in_flight(router, prefill, decode)
 
 
 def wait_for(predicate, timeout: float = 5.0, what: str = "condition") -> None:
@@ -235,17 +323,13 @@ COMPLETION = {"prompt": "Hello", "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def real_workers():
-    # Started from this thread, one after the other: ServerProcess sets PR_SET_PDEATHSIG, which is
-    # tied to the thread that forks, so a server started from a pool thread dies with that thread.
-    procs = [ServerProcess(), ServerProcess()]
-    try:
-        for p in procs:
-            p.start()
-        yield procs
-    finally:
-        for p in procs:
-            p.stop()
+def real_workers(server):
+    """Two colocated workers standing in for prefill and decode: one of this module's and the
+    session's shared one (``conftest.server``: the suite starts it anyway)."""
+    # Started from this thread: ServerProcess sets PR_SET_PDEATHSIG, which is tied to the thread
+    # that forks, so a server started from a pool thread dies with that thread.
+    with ServerProcess() as prefill:
+        yield prefill, server
 
 
 def sse_events(resp: requests.Response) -> list:
@@ -291,10 +375,8 @@ def test_passthrough_with_real_workers(real_workers, start_router):
 # -- against fake workers --------------------------------------------------------------------------
 
 
-def test_bootstrap_fields_reach_both_workers(fakes, start_router):
-    prefill = fakes(reply(200, {"who": "prefill"}))
-    decode = fakes(reply(200, {"who": "decode"}))
-    router = start_router([(prefill.url, 4242)], [decode.url])
+def test_bootstrap_fields_reach_both_workers(shared_pair):
+    router, prefill, decode = shared_pair(reply(200, {"who": "prefill"}), reply(200, {"who": "decode"}))
     sent = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "rid": "req-1"}
     for _ in range(2):
         r = requests.post(router.url + "/v1/completions", json=sent, timeout=10)
@@ -304,14 +386,13 @@ def test_bootstrap_fields_reach_both_workers(fakes, start_router):
         assert p_path == d_path == "/v1/completions"
         assert p_body == d_body  # the same body to both
         assert {k: p_body[k] for k in sent} == sent
-        assert p_body["bootstrap_host"] == "127.0.0.1" and p_body["bootstrap_port"] == 4242
+        assert p_body["bootstrap_host"] == "127.0.0.1" and p_body["bootstrap_port"] == SHARED_BOOTSTRAP_PORT
         assert isinstance(p_body["bootstrap_room"], int) and 0 <= p_body["bootstrap_room"] < 2**63
     assert prefill.rooms()[0] != prefill.rooms()[1]
 
 
-def test_bad_input_is_refused_without_touching_workers(fakes, start_router):
-    prefill, decode = fakes(), fakes()
-    router = start_router([(prefill.url, 1)], [decode.url])
+def test_bad_input_is_refused_without_touching_workers(shared_pair):
+    router, prefill, decode = shared_pair()
     url = router.url + "/v1/completions"
     assert_openai_error(requests.post(url, data=b"{not json", timeout=5), 400)
     assert assert_openai_error(requests.post(url, json={"prompt": "x", "max_tokens": "4"}, timeout=5),
@@ -337,20 +418,24 @@ def test_bad_input_is_refused_without_touching_workers(fakes, start_router):
 
 
 @pytest.mark.parametrize("case", ["429", "500", "reset", "refused", "429-stream"])
-def test_prefill_failure_aborts_the_decode_leg(case, fakes, start_router):
+def test_prefill_failure_aborts_the_decode_leg(case, fakes, start_router, shared_pair):
     stream = case.endswith("-stream")
     if case.startswith("429"):
-        prefill = fakes(reply(429, {"error": {"message": "queue full", "type": "x", "param": None, "code": "busy"}},
-                              headers={"Retry-After": "1"}))
+        behaviour = reply(429, {"error": {"message": "queue full", "type": "x", "param": None, "code": "busy"}},
+                          headers={"Retry-After": "1"})
     elif case == "500":
-        prefill = fakes(reply(500, {"error": {"message": "boom", "type": "x", "param": None, "code": "boom"}}))
+        behaviour = reply(500, {"error": {"message": "boom", "type": "x", "param": None, "code": "boom"}})
     else:
-        prefill = fakes(drop_connection() if case == "reset" else None)
+        behaviour = drop_connection() if case == "reset" else None
     # the decode worker would wait for KV forever; streaming, it has already sent its SSE headers
-    decode = fakes(sse([{"note": "headers sent"}], then_hang=True) if stream else hang())
-    router = start_router([(prefill.url, 1)], [decode.url], "--health-interval-s", "60", "--no-pd-fallback")
-    if case == "refused":
+    decode_behaviour = sse([{"note": "headers sent"}], then_hang=True) if stream else hang()
+    options = ("--health-interval-s", "60", "--no-pd-fallback")
+    if case == "refused":  # a prefill of its own: it stops listening
+        prefill, decode = fakes(behaviour), fakes(decode_behaviour)
+        router = start_router([(prefill.url, 1)], [decode.url], *options)
         prefill.stop_listening()  # healthy at the router's first check, gone now
+    else:
+        router, prefill, decode = shared_pair(behaviour, decode_behaviour, *options)
 
     started = time.monotonic()
     r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
@@ -369,7 +454,7 @@ def test_prefill_failure_aborts_the_decode_leg(case, fakes, start_router):
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_a_prefill_error_that_echoes_decode_gives_way_to_decode_s_own(stream, fakes, start_router):
+def test_a_prefill_error_that_echoes_decode_gives_way_to_decode_s_own(stream, shared_pair):
     """Decode failed the room first (say, incompatible_peer) and told prefill, whose leg then fails
     with ``peer_failed`` a little before decode's own answer arrives: the client gets decode's
     error, which names the cause, not prefill's echo of it."""
@@ -378,8 +463,7 @@ def test_a_prefill_error_that_echoes_decode_gives_way_to_decode_s_own(stream, fa
     cause = {"error": {"message": "incompatible_peer: page_size (ours 16, peer's 32)", "type": "server_error",
                        "param": None, "code": "incompatible_peer"}}
 
-    prefill, decode = fakes(reply(502, echo)), fakes(reply(502, cause, delay=0.3))
-    router = start_router([(prefill.url, 1)], [decode.url])
+    router, _, _ = shared_pair(reply(502, echo), reply(502, cause, delay=0.3))
     r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
     assert assert_openai_error(r, 502)["code"] == "incompatible_peer", r.text
     wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="decode_failed") == 1,
@@ -387,7 +471,7 @@ def test_a_prefill_error_that_echoes_decode_gives_way_to_decode_s_own(stream, fa
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
-def test_a_decode_error_that_echoes_prefill_gives_way_to_prefill_s_own(stream, fakes, start_router):
+def test_a_decode_error_that_echoes_prefill_gives_way_to_prefill_s_own(stream, shared_pair):
     """The mirror: prefill's writes timed out and it told decode, whose leg fails with
     ``peer_failed`` a little before prefill's own answer arrives (a race on a busy machine): the
     client gets prefill's error, which names the cause (504 transfer_timeout), not decode's 502
@@ -397,18 +481,16 @@ def test_a_decode_error_that_echoes_prefill_gives_way_to_prefill_s_own(stream, f
     cause = {"error": {"message": "transfer_timeout: 1 writes unfinished", "type": "server_error",
                        "param": None, "code": "transfer_timeout"}}
 
-    prefill, decode = fakes(reply(504, cause, delay=0.3)), fakes(reply(502, echo))
-    router = start_router([(prefill.url, 1)], [decode.url], "--max-retries", "0", "--no-pd-fallback")
+    router, _, _ = shared_pair(reply(504, cause, delay=0.3), reply(502, echo), "--max-retries", "0", "--no-pd-fallback")
     r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
     assert assert_openai_error(r, 504)["code"] == "transfer_timeout", r.text
     wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="prefill_failed") == 1,
              what="the outcome metric")
 
 
-def test_decode_error_passes_through_and_closes_prefill(fakes, start_router):
-    prefill = fakes(hang())
-    decode = fakes(reply(503, {"error": {"message": "draining", "type": "x", "param": None, "code": "d"}}))
-    router = start_router([(prefill.url, 1)], [decode.url])
+def test_decode_error_passes_through_and_closes_prefill(shared_pair):
+    router, prefill, _ = shared_pair(hang(), reply(503, {"error": {"message": "draining", "type": "x", "param": None,
+                                                                   "code": "d"}}))
     r = requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=10)
     assert assert_openai_error(r, 503)["message"] == "draining"
     assert prefill.aborted.wait(3.0)
@@ -430,10 +512,9 @@ def raw_request(url: str, path: str, body: dict, rcvbuf: Optional[int] = None) -
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_client_disconnect_closes_both_legs(stream, fakes, start_router):
-    prefill = fakes(sse([{"prefill": 1}], then_hang=True) if stream else hang())
-    decode = fakes(sse([{"token": "a"}], then_hang=True) if stream else hang())
-    router = start_router([(prefill.url, 1)], [decode.url])
+def test_client_disconnect_closes_both_legs(stream, shared_pair):
+    router, prefill, decode = shared_pair(sse([{"prefill": 1}], then_hang=True) if stream else hang(),
+                                          sse([{"token": "a"}], then_hang=True) if stream else hang())
     sock = raw_request(router.url, "/v1/completions", {**COMPLETION, "stream": stream})
     if stream:
         received = b""
@@ -450,13 +531,12 @@ def test_client_disconnect_closes_both_legs(stream, fakes, start_router):
     assert router.metric("splitserve_router_requests_in_flight") == 0
 
 
-def test_a_client_gone_before_a_failure_reached_it_is_counted_as_leaving(fakes, start_router):
+def test_a_client_gone_before_a_failure_reached_it_is_counted_as_leaving(shared_pair):
     """Issue 18 part 5: decode answers 502 and its error body does not come; the router has taken
     the failure as the answer (it closed the prefill leg) and reads that body when the client
     hangs up. The client never saw the failure: it is counted ``client_disconnect`` (it was
     counted ``decode_failed``)."""
-    prefill, decode = fakes(hang()), fakes(error_then_hang(502))
-    router = start_router([(prefill.url, 1)], [decode.url])
+    router, prefill, decode = shared_pair(hang(), error_then_hang(502))
     sock = raw_request(router.url, "/v1/completions", COMPLETION)
     assert prefill.aborted.wait(5.0), "the router did not take decode's failure as the answer"
     sock.close()
@@ -609,7 +689,7 @@ def test_request_timeout_closes_both_legs(fakes, start_router):
     assert prefill.aborted.wait(3.0) and decode.aborted.wait(3.0)
 
 
-def test_a_decode_stream_that_breaks_off_ends_with_an_error_event(fakes, start_router):
+def test_a_decode_stream_that_breaks_off_ends_with_an_error_event(shared_pair):
     async def break_off(fake, request, _body):
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
@@ -619,8 +699,7 @@ def test_a_decode_stream_that_breaks_off_ends_with_an_error_event(fakes, start_r
         await asyncio.sleep(1)
         return resp
 
-    prefill, decode = fakes(sse([{"prefill": 1}])), fakes(break_off)
-    router = start_router([(prefill.url, 1)], [decode.url])
+    router, prefill, decode = shared_pair(sse([{"prefill": 1}]), break_off)
     with requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}, stream=True,
                        timeout=10) as r:
         assert r.status_code == 200
@@ -699,15 +778,14 @@ def assert_outcome(router, outcome: str, timeout: float = 5.0) -> None:
 
 @pytest.mark.parametrize("kind", ["error", "reset", "no_done"])
 @pytest.mark.parametrize("when", ["before_prefill_answers", "after_prefill_answered"])
-def test_a_decode_failure_reaches_the_client_at_once_and_closes_prefill(when, kind, fakes, start_router):
+def test_a_decode_failure_reaches_the_client_at_once_and_closes_prefill(when, kind, shared_pair):
     """Decode's stream fails while the prefill leg is open: its headers not yet sent (a slow or
     queued prefill), or sent and its stream still running. The client gets decode's failure at
     once (not when prefill answers: here, never), as an error event and ``[DONE]``; the prefill
     leg is closed; nothing stays in flight."""
     before = when == "before_prefill_answers"
-    prefill = fakes(hang() if before else sse([{"prefill": 1}], then_hang=True))
-    decode = fakes(failing_stream(kind, wait=0.0 if before else 0.5))
-    router = start_router([(prefill.url, 1)], [decode.url])
+    router, prefill, decode = shared_pair(hang() if before else sse([{"prefill": 1}], then_hang=True),
+                                          failing_stream(kind, wait=0.0 if before else 0.5))
     started = time.monotonic()
     with requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}, stream=True,
                        timeout=6) as r:
@@ -726,7 +804,7 @@ def test_a_decode_failure_reaches_the_client_at_once_and_closes_prefill(when, ki
 
 
 @pytest.mark.parametrize("kind", ["reset", "error"])
-def test_a_prefill_failure_after_its_headers_leaves_decode_s_stream_alone(kind, fakes, start_router):
+def test_a_prefill_failure_after_its_headers_leaves_decode_s_stream_alone(kind, shared_pair):
     """The contract (proxy.py): once prefill has accepted, its leg's later failures are the
     workers' business (decode learns of them over the control channel and ends its own stream
     with the cause). The router passes decode's stream through untouched and does not cut it."""
@@ -744,8 +822,7 @@ def test_a_prefill_failure_after_its_headers_leaves_decode_s_stream_alone(kind, 
         return resp
 
     tokens = [{"token": t} for t in "abcde"]
-    prefill, decode = fakes(accept_then_fail), fakes(sse(tokens, delay=0.1))
-    router = start_router([(prefill.url, 1)], [decode.url])
+    router, prefill, decode = shared_pair(accept_then_fail, sse(tokens, delay=0.1))
     with requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}, stream=True,
                        timeout=10) as r:
         assert r.status_code == 200
@@ -758,9 +835,9 @@ def test_a_prefill_failure_after_its_headers_leaves_decode_s_stream_alone(kind, 
 WRITE_BOUND_S = 1.0
 
 
-def test_a_client_that_stops_reading_a_stream_is_cut_off(fakes, start_router):
-    prefill, decode = fakes(sse([{"prefill": 1}], then_hang=True)), fakes(endless_stream())
-    router = start_router([(prefill.url, 1)], [decode.url], "--client-write-timeout-s", str(WRITE_BOUND_S))
+def test_a_client_that_stops_reading_a_stream_is_cut_off(shared_pair):
+    router, prefill, decode = shared_pair(sse([{"prefill": 1}], then_hang=True), endless_stream(),
+                                          "--client-write-timeout-s", str(WRITE_BOUND_S))
     sock = raw_request(router.url, "/v1/completions", {**COMPLETION, "stream": True}, rcvbuf=4096)  # never read
     try:
         assert_legs_closed(router, prefill, decode, timeout=WRITE_BOUND_S + 5)
@@ -769,14 +846,13 @@ def test_a_client_that_stops_reading_a_stream_is_cut_off(fakes, start_router):
         sock.close()
 
 
-def test_a_client_that_never_reads_a_large_answer_is_cut_off(fakes, start_router):
+def test_a_client_that_never_reads_a_large_answer_is_cut_off(shared_pair):
     size = 16 * 1024 * 1024  # far more than the kernel buffers on both sides hold
 
     async def large(fake, request, _body):
         return web.Response(body=b'{"text": "' + b"a" * size + b'"}', content_type="application/json")
 
-    prefill, decode = fakes(), fakes(large)
-    router = start_router([(prefill.url, 1)], [decode.url], "--client-write-timeout-s", str(WRITE_BOUND_S))
+    router, prefill, decode = shared_pair(None, large, "--client-write-timeout-s", str(WRITE_BOUND_S))
     sock = raw_request(router.url, "/v1/completions", COMPLETION, rcvbuf=4096)  # never read
     try:
         assert_outcome(router, "client_timeout", timeout=WRITE_BOUND_S + 5)
@@ -857,14 +933,14 @@ def test_slow_request_headers_are_cut_off(fakes, start_router):
 
 
 @pytest.mark.parametrize("silent", ["prefill", "decode"])
-def test_a_worker_that_never_sends_its_headers_is_bounded(silent, fakes, start_router):
+def test_a_worker_that_never_sends_its_headers_is_bounded(silent, shared_pair):
     """A worker that accepts a streaming request and never answers its headers (a worker answers
     them as soon as it accepts or refuses) fails that leg after ``worker_header_timeout_s`` with
     504; the other leg is closed."""
     open_stream = sse([{"note": "headers sent"}], then_hang=True)
-    prefill = fakes(hang() if silent == "prefill" else open_stream)
-    decode = fakes(hang() if silent == "decode" else open_stream)
-    router = start_router([(prefill.url, 1)], [decode.url], "--worker-header-timeout-s", "1", "--no-pd-fallback")
+    router, prefill, decode = shared_pair(hang() if silent == "prefill" else open_stream,
+                                          hang() if silent == "decode" else open_stream,
+                                          "--worker-header-timeout-s", "1", "--no-pd-fallback")
     started = time.monotonic()
     r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": True}, timeout=6)
     assert time.monotonic() - started < 1 + 5
