@@ -26,7 +26,7 @@ import pytest
 import requests
 from aiohttp import web
 
-from cluster import Cluster, RouterProcess
+from cluster import RouterProcess
 from test_router import COMPLETION, MODEL, FakeWorker, reply, sse, sse_events, wait_for
 from test_router import fake_loop, fakes, start_router  # noqa: F401 (fixtures)
 
@@ -63,9 +63,10 @@ def kill(*workers: FakeWorker) -> None:
 
 
 @pytest.fixture(scope="module")
-def real_pair():
-    with Cluster(prefill=1, decode=1, router=False) as c:
-        yield c
+def real_pair(pd_cluster):
+    """A real prefill and decode worker: the session's split pair (``conftest.pd_cluster``), with
+    routers of these tests in front of them."""
+    return pd_cluster
 
 
 DRAINING = {"error": {"message": "draining", "type": "x", "param": None, "code": "draining"}}
@@ -109,9 +110,9 @@ def test_a_refusing_or_dead_worker_is_replaced_with_a_fresh_room(real_pair, fake
     refusing = fakes(reply(503, DRAINING))
     dead_prefill, dead_decode = dead(fakes), dead(fakes)
     (prefill,), (decode,) = real_pair.prefill, real_pair.decode
-    routers = [start_router([(refusing.url, 1), (dead_prefill.url, 1), (prefill.url, prefill.bootstrap_port)],
-                            [decode.url], *SLOW_HEALTH),
-               start_router([(prefill.url, prefill.bootstrap_port)], [dead_decode.url, decode.url], *SLOW_HEALTH)]
+    routers = start_router.together(
+        ([(refusing.url, 1), (dead_prefill.url, 1), (prefill.url, prefill.bootstrap_port)], [decode.url], *SLOW_HEALTH),
+        ([(prefill.url, prefill.bootstrap_port)], [dead_decode.url, decode.url], *SLOW_HEALTH))
     kill(dead_prefill, dead_decode)  # each router checked every worker healthy before it listened
 
     by_prefill, by_decode = routers
@@ -136,7 +137,8 @@ def test_a_429_is_tried_again_only_on_another_worker(fakes, start_router):
     shedding = fakes(reply(429, {"error": {"message": "full", "type": "x", "param": None, "code": "overloaded"}},
                            headers={"Retry-After": "1"}))
     other, decode = fakes(reply(200, {"who": "prefill"})), fakes(reply(200, {"who": "decode"}))
-    router = start_router([(shedding.url, 1), (other.url, 2)], [decode.url], "--policy", "round_robin")
+    router, alone = start_router.together(([(shedding.url, 1), (other.url, 2)], [decode.url], "--policy", "round_robin"),
+                                          ([(shedding.url, 1)], [decode.url]))
     wait_for(lambda: requests.get(router.url + "/health", timeout=2).status_code == 200, 30, "the router's pair")
     for i in range(4):
         body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}, "rid": f"shed-{i}"}
@@ -151,7 +153,6 @@ def test_a_429_is_tried_again_only_on_another_worker(fakes, start_router):
     assert len(set(rooms)) == len(rooms)
     assert len({body["bootstrap_room"] for _, body in decode.requests}) == len(rooms)
 
-    alone = start_router([(shedding.url, 1)], [decode.url])
     wait_for(lambda: requests.get(alone.url + "/health", timeout=2).status_code == 200, 30, "the router's pair")
     resp = requests.post(alone.url + "/v1/completions", json={"model": MODEL, **COMPLETION}, timeout=30)
     assert resp.status_code == 200 and resp.json() == {"who": "decode"}  # no other prefill: decode alone
@@ -204,7 +205,9 @@ def test_a_decode_stream_broken_before_the_commit_is_tried_again_never_after(fak
     # prefill accepts after 1 s, decode breaks at once: nothing reached the client yet
     prefill = fakes(slow_headers(1.0))
     gone, good = fakes(broken_stream([])), fakes(sse([TOKEN, TOKEN]))
-    router = start_router([(prefill.url, 1)], [gone.url, good.url])
+    late = fakes(broken_stream([TOKEN], wait=1.0))  # for router2, below
+    router, router2 = start_router.together(([(prefill.url, 1)], [gone.url, good.url]),
+                                            ([(fakes(sse([])).url, 1)], [late.url, good.url]))
     wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30,
              "both decode workers up")
     body = {"model": MODEL, **COMPLETION, "stream": True}
@@ -218,8 +221,6 @@ def test_a_decode_stream_broken_before_the_commit_is_tried_again_never_after(fak
 
     # prefill accepts at once, decode sends a token and breaks 1 s later: the token reached the
     # client, so the break is its answer's end (an error event), and no other worker is asked
-    late = fakes(broken_stream([TOKEN], wait=1.0))
-    router2 = start_router([(fakes(sse([])).url, 1)], [late.url, good.url])
     wait_for(lambda: router2.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30,
              "both decode workers up")
     with requests.post(router2.url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
@@ -238,9 +239,9 @@ def test_decode_alone_and_the_fallback_give_the_split_s_tokens(real_pair, fakes,
     ended with the cause, and nothing is left held."""
     (prefill,), (decode,) = real_pair.prefill, real_pair.decode
     pair = [(prefill.url, prefill.bootstrap_port)]
-    split = start_router(pair, [decode.url])
-    alone = start_router(pair, [decode.url], "--pd-threshold-tokens", "100000")
-    fallback = start_router([(fakes(reply(503, DRAINING)).url, 1)], [decode.url])
+    split, alone, fallback = start_router.together((pair, [decode.url]),
+                                                   (pair, [decode.url], "--pd-threshold-tokens", "100000"),
+                                                   ([(fakes(reply(503, DRAINING)).url, 1)], [decode.url]))
     body = {"prompt": "one two three four five", "max_tokens": 6, "temperature": 0}
     texts = {}
     for name, router in (("split", split), ("alone", alone), ("fallback", fallback)):
