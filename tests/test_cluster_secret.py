@@ -365,15 +365,37 @@ def test_closing_a_bootstrap_port_amid_refused_handshakes_leaves_its_context_ser
         strangers.term()
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_a_split_worker_without_a_secret_does_not_start_unless_told_insecure(role):
+SPLIT_ROLES = ("prefill", "decode")
+
+
+@pytest.fixture(scope="module")
+def without_a_secret() -> dict[str, tuple[int, str]]:
+    """A prefill and a decode worker started with no secret, side by side (each loads the server
+    in a process of its own): by role, the exit status and stderr."""
+    procs = {role: subprocess.Popen([sys.executable, "-m", "splitserve.cli", "serve", "--role", role, "--port", "0",
+                                     "--allowed-prefill", "127.0.0.1"], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True, cwd=REPO,
+                                    env={**os.environ, "PYTHONPATH": str(REPO)})
+             for role in SPLIT_ROLES}
+    try:
+        seen = {}
+        for role, proc in procs.items():
+            _, err = proc.communicate(timeout=240)  # a bound on a hang
+            seen[role] = (proc.returncode, err)
+        return seen
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("role", SPLIT_ROLES)
+def test_a_split_worker_without_a_secret_does_not_start_unless_told_insecure(role, without_a_secret):
     """No --cluster-secret-file and no --insecure-control-plane: exit 2 naming both, before the
     model loads (with the flag, the pairs above start and warn)."""
-    out = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--role", role, "--port", "0",
-                          "--allowed-prefill", "127.0.0.1"], capture_output=True, text=True, timeout=120,
-                         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert "--cluster-secret-file" in out.stderr and "--insecure-control-plane" in out.stderr, out.stderr[-2000:]
+    returncode, stderr = without_a_secret[role]
+    assert returncode == 2, stderr[-2000:]
+    assert "--cluster-secret-file" in stderr and "--insecure-control-plane" in stderr, stderr[-2000:]
 
 
 @pytest.mark.parametrize("secured", [True, False], ids=["curve", "plain"])
