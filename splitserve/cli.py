@@ -87,6 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _without_final_collection(rc: int) -> int:
+    """A server that stopped cleanly has nothing left to free but its heap: freeze it, so that the
+    interpreter's shutdown does not walk every object of the model and its caches in a last garbage
+    collection (seconds of CPU between a worker's "stopped" and its exit, on every stop)."""
+    import gc
+
+    gc.freeze()
+    return rc
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "tiny-model":
@@ -117,12 +127,12 @@ def main(argv: list[str] | None = None) -> int:
             server = with_keys(_config_from(ServerConfig, args))
         except ValueError as exc:
             _bad_option("serve", exc)
-        return run_server(_config_from(EngineConfig, args), server, deadlines)
+        return _without_final_collection(run_server(_config_from(EngineConfig, args), server, deadlines))
     if args.command == "router":
         _setup_logging(args.log_level)
         from splitserve.router.app import run_router
 
-        return run_router(router_config_from(args))
+        return _without_final_collection(run_router(router_config_from(args)))
     if args.command == "launch":
         from splitserve.launch import run_launch
 

@@ -130,3 +130,17 @@ def test_the_layers_in_the_design_doc_are_the_tests():
     documented = [{w.strip("` ,") for w in row.split("|")[2].split(",")} for row in rows]
     assert documented == [{m.removeprefix("splitserve.") if m != "splitserve" else "splitserve" for m in layer}
                           for layer in LAYERS]
+
+
+def test_the_router_does_not_load_torch():
+    """The router validates requests (grammars included) but runs no model: importing it must not
+    import torch, which costs every router process seconds of CPU and ~190 MB at its start."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys, splitserve.cli, splitserve.router.app; print(sorted(m for m in sys.modules if m == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]", f"the router imports torch: {out.stdout}"

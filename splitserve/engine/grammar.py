@@ -28,12 +28,14 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
-import torch
 
 from splitserve.errors import InvalidRequest, Overloaded
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -196,6 +198,8 @@ class GrammarState:
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [vocab] with every token the grammar forbids at ``-inf`` (a new tensor)."""
+        import torch  # here, not at the top: the router validates grammars and must not load torch
+
         allowed = self.allowed()
         if allowed.size < logits.numel():  # logit rows beyond the tokenizer's tokens: never allowed
             allowed = np.concatenate([allowed, np.zeros(logits.numel() - allowed.size, dtype=bool)])
