@@ -432,6 +432,31 @@ def test_bootstrap_fields_come_only_from_the_router_or_an_allowed_address(role, 
     asyncio.run(main())
 
 
+def test_a_prefill_refuses_a_leg_that_names_another_bootstrap_port(byte_tokenizer):
+    """A router that has not yet seen a worker switch from decode to prefill (POST /role) may still
+    send it a decode leg: the same fields, naming another prefill's bootstrap port. Taken as a
+    prefill room, that leg and the real prefill's both waited for a registration that never came
+    (bootstrap_timeout after 60 s, seen in a full run). A prefill refuses it with 503 before
+    accepting the room, which the router retries elsewhere with a fresh room."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from splitserve.config import ServerConfig
+    from splitserve.server.app import create_app
+
+    app = create_app(Engine(byte_tokenizer), ServerConfig(role="prefill", bootstrap_port=8998))
+
+    async def main():
+        async with TestClient(TestServer(app)) as client:
+            statuses = []
+            for port in (8998, 9000):
+                r = await client.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2},
+                                                         **{**FIELDS, "bootstrap_port": port}})
+                statuses.append((r.status, (await r.json()).get("error", {}).get("message", "")))
+            assert statuses[0][0] == 200, statuses
+            assert statuses[1][0] == 503 and "a decode leg" in statuses[1][1], statuses
+    asyncio.run(main())
+
+
 def test_a_decode_worker_that_would_trust_any_address_does_not_start(tmp_path):
     """Neither the router's key nor --allowed-prefill: exit 2 naming both, before the model loads."""
     out = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--role", "decode", "--port", "0"],

@@ -101,6 +101,12 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             if refusal is not None:  # whom decode would dial and hand its KV pool: docs/security.md
                 result.ended(Reason.BAD_REQUEST)
                 return json_error(refusal, 403, param="bootstrap_host", code="bootstrap_not_allowed")
+            if (state.config.role == "prefill" and req.bootstrap_port is not None
+                    and req.bootstrap_port != state.config.bootstrap_port):
+                # a decode leg from a router that has not yet seen this worker switch to prefill (POST
+                # /role): taken as a prefill room it would wait for a registration that never comes
+                raise NotReady(f"this worker is a prefill now (bootstrap port {state.config.bootstrap_port}); the "
+                               f"request names bootstrap port {req.bootstrap_port}: a decode leg")
             given = [f for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if getattr(req, f) is not None]
             if state.config.role == "decode" and 0 < len(given) < 3:  # alone has none: a split request has all
                 raise InvalidRequest(f"{', '.join(given)} without the other bootstrap fields: a split request names "
