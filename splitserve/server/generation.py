@@ -107,6 +107,12 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
                 # /role): taken as a prefill room it would wait for a registration that never comes
                 raise NotReady(f"this worker is a prefill now (bootstrap port {state.config.bootstrap_port}); the "
                                f"request names bootstrap port {req.bootstrap_port}: a decode leg")
+            if (state.config.role == "decode" and state.epoch > 0 and req.bootstrap_port == state.config.bootstrap_port
+                    and req.bootstrap_host in {state.config.host, state.config.advertise_host, "127.0.0.1", "localhost"}):
+                # the mirror: a prefill leg naming this worker's own bootstrap port, from a router that has
+                # not yet seen it switch back to decode (only a worker that was a prefill, epoch > 0)
+                raise NotReady(f"this worker is a decode now; the request names its own bootstrap port "
+                               f"{req.bootstrap_port}: a prefill leg")
             given = [f for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if getattr(req, f) is not None]
             if state.config.role == "decode" and 0 < len(given) < 3:  # alone has none: a split request has all
                 raise InvalidRequest(f"{', '.join(given)} without the other bootstrap fields: a split request names "
