@@ -103,8 +103,8 @@ def test_the_workers_pods_cover_their_drain_and_cpu_bounds(objects):
         assert int(_flag(c, "--threads")) == int(res["limits"]["cpu"])
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert ports["http"] == int(_flag(c, "--port"))
-        if role == "prefill":
-            assert ports["bootstrap"] == int(_flag(c, "--bootstrap-port"))
+        # a decode too: it may become a prefill (POST /role), and a prefill listens there from its start
+        assert ports["bootstrap"] == int(_flag(c, "--bootstrap-port")), (role, ports)
         (volume,) = [v for v in spec["volumes"] if "secret" in v]
         assert volume["secret"]["defaultMode"] == 0o400
         for flag in ("--cluster-secret-file", "--worker-api-key-file", "--metrics-api-key-file"):
