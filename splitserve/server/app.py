@@ -142,7 +142,7 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
     app[STATE] = state
     app.on_cleanup.append(_on_cleanup)
     app.on_response_prepare.append(_echo_request_id)
-    app.cleanup_ctx.append(_loop_watchdog)
+    app.cleanup_ctx.append(loop_watchdog)
     for path, endpoint in (("/v1/completions", "completions"), ("/v1/chat/completions", "chat"),
                            ("/generate", "generate")):
         app.router.add_post(path, _generation_handler(endpoint))
@@ -178,10 +178,13 @@ async def _on_cleanup(app: web.Application) -> None:
 WATCHDOG_S = 0.5  # how often the HTTP side looks at the engine loop's age
 
 
-async def _loop_watchdog(app: web.Application):
+async def loop_watchdog(app: web.Application):
     """While the engine loop is wedged (``--loop-stall-s``), answer every request it holds from
     here (503, ``loop_stalled``): a client is never left waiting on a loop that does not move. Its
-    pages stay where they are; /health fails meanwhile, so the router sends no more."""
+    pages stay where they are; /health fails meanwhile, so the router sends no more.
+
+    A ``cleanup_ctx`` of :func:`create_app`'s app; a host that serves the app without
+    ``web.AppRunner`` (the simulator) drives it itself: the first ``__anext__`` starts the watch."""
     state = app[STATE]
 
     async def watch() -> None:

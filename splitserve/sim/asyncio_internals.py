@@ -5,7 +5,8 @@
 (``_scheduled``, ``_ready``, ``_timer_cancelled_count``, ``_clock_resolution``, ``_stopping``,
 a handle's ``_scheduled``, ``_cancelled`` and ``_run``), except that where asyncio would wait in
 ``select`` it moves the clock. :func:`with_match_info` sets the route match of a ``web.Request``
-built by hand, as ``aiohttp.test_utils`` does (``_match_info``). No other module of ``splitserve``
+built by hand, as ``aiohttp.test_utils`` does (``_match_info``); :func:`handle` runs one through
+the app's handler chain as aiohttp's server does (``Application._handle``). No other module of ``splitserve``
 touches these names (``tests/test_sim_seams.py`` reads every file for them).
 
 They were checked on the Python versions in :data:`CHECKED_ON` (by a hash of the source of what
@@ -14,7 +15,8 @@ this module copies or relies on) and on the aiohttp pinned in ``pyproject.toml``
 the new ``asyncio/base_events.py`` (``BaseEventLoop._run_once`` and ``call_at``) and
 ``asyncio/events.py`` (``TimerHandle``), carry what changed into :class:`SimLoop`, run
 ``tests/test_sim.py`` (two runs of one seed must still print the same), then add the new version's
-hashes below. For a new aiohttp, check ``web.Request.match_info`` still reads ``_match_info``.
+hashes below. For a new aiohttp, check ``web.Request.match_info`` still reads ``_match_info`` and
+``web_protocol.RequestHandler`` still calls ``Application._handle``.
 """
 
 from __future__ import annotations
@@ -47,6 +49,11 @@ def with_match_info(req: web.Request, match_info) -> web.Request:
     """``req`` (built by hand, as ``aiohttp.test_utils`` builds one) with its route match."""
     req._match_info = match_info
     return req
+
+
+async def handle(app: web.Application, req: web.Request) -> web.StreamResponse:
+    """``app``'s answer to ``req``: its middlewares and handler, as ``web_protocol`` calls them."""
+    return await app._handle(req)
 
 
 _PURGE_AT = base_events._MIN_SCHEDULED_TIMER_HANDLES  # asyncio's: purge cancelled timers past this many

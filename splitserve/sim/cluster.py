@@ -154,7 +154,7 @@ class SimWorker:
         self.app = prepare_app(worker_app.create_app(ae, server), self._finding)
         self.state = self.app[worker_app.STATE]
         self.state.tokenize = TokenizeLanes(executor=InlineExecutor())
-        self._watchdog = worker_app._loop_watchdog(self.app)
+        self._watchdog = worker_app.loop_watchdog(self.app)
         asyncio.ensure_future(self._watchdog.__anext__())
         self.engine_act.at_or_before(loop.time())
         self.control_act.at_or_before(loop.time())

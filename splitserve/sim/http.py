@@ -40,7 +40,7 @@ from aiohttp.web_urldispatcher import UrlMappingMatchInfo
 from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
-from splitserve.sim.asyncio_internals import with_match_info
+from splitserve.sim.asyncio_internals import handle, with_match_info
 
 LATENCY_S = 0.0003
 
@@ -144,7 +144,7 @@ async def serve(app: web.Application, req: web.Request) -> None:
     handler, then the answer prepared and ended unless the handler sent it. A cancellation (the
     connection went away, the process died) ends it quietly."""
     try:
-        resp = await app._handle(req)
+        resp = await handle(app, req)
         if not resp.prepared:
             await resp.prepare(req)
         await resp.write_eof()
