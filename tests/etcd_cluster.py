@@ -8,8 +8,8 @@ are what those tests cost, so workers started by one test are used by the next.
 - :meth:`EtcdCluster.ensure` starts the named workers not running (so a test run alone, or a file
   run alone, finds what it needs); workers load in parallel.
 - :class:`Load`: steady streaming ``/generate`` through a router, every failure kept, every
-  request's rid kept (for the router's records); :func:`wait_for` polls a condition, counting
-  nothing but whether it came.
+  request's rid kept (for the router's records), the load of ``test_role_switch.py`` too;
+  :func:`wait_for` polls a condition, counting nothing but whether it came.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ import os
 import signal
 import threading
 import time
+from typing import Callable, Optional
+
 import pytest
 import requests
 
@@ -112,13 +114,19 @@ def finished(proc) -> float:
 class Load:
     """Steady streaming ``/generate`` through the router at ``url`` from ``threads`` threads, each
     request after the last, each with a rid of its own (``tag-THREAD-N``, kept in ``rids``); every
-    failure kept (status, body)."""
+    failure kept (rid, status, what it said). ``input_ids(thread, n)``: the prompt of a thread's
+    ``n``-th request; ``sampling``: more sampling parameters. The one load generator of the tests
+    (``test_discovery.py``, ``test_membership.py``, ``test_role_switch.py``)."""
 
-    def __init__(self, url: str, threads: int = 2, max_new_tokens: int = 8, tag: str = "load"):
-        self.url, self.max_new_tokens, self.tag = url, max_new_tokens, tag
-        self.done = 0
+    def __init__(self, url: str, threads: int = 2, max_new_tokens: int = 8, tag: str = "load",
+                 input_ids: Callable[[int, int], list] = lambda i, n: [3, 1, 4, i, n % 50],
+                 sampling: Optional[dict] = None, timeout: float = 120.0):
+        self.url, self.max_new_tokens, self.tag, self.timeout = url, max_new_tokens, tag, timeout
+        self.input_ids, self.sampling = input_ids, dict(sampling or {})
+        self.done = 0  # requests ended, whole or not
         self.rids: list[str] = []
         self.failures: list = []
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
 
@@ -128,9 +136,12 @@ class Load:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
         self._stop.set()
         for t in self._threads:
-            t.join(180)
+            t.join(self.timeout + 60)
 
     def _run(self, i: int) -> None:
         n = 0
@@ -138,18 +149,23 @@ class Load:
             n += 1
             rid = f"{self.tag}-{i}-{n}"
             self.rids.append(rid)
-            body = {"input_ids": [3, 1, 4, i, n % 50], "stream": True, "rid": rid,
-                    "sampling_params": {"max_new_tokens": self.max_new_tokens}}
+            body = {"input_ids": list(self.input_ids(i, n)), "stream": True, "rid": rid,
+                    "sampling_params": {"max_new_tokens": self.max_new_tokens, **self.sampling}}
+            failure = None
             try:
-                r = requests.post(self.url + "/generate", json=body, timeout=120)
+                r = requests.post(self.url + "/generate", json=body, timeout=self.timeout)
                 events = sse_events(r.text) if r.status_code == 200 else []
                 if r.status_code != 200 or not events or events[-1] != "[DONE]" or \
                         any(isinstance(e, dict) and "error" in e for e in events):
-                    self.failures.append((rid, r.status_code, r.text[-500:]))
+                    failure = (rid, r.status_code, r.text[-500:])
             except requests.RequestException as exc:
-                self.failures.append((rid, 0, repr(exc)))
-            self.done += 1
+                failure = (rid, 0, repr(exc))
+            with self._lock:
+                if failure is not None:
+                    self.failures.append(failure)
+                self.done += 1
 
     def wait_done(self, more: int, timeout: float = 120.0) -> None:
+        """Until ``more`` requests more have ended (whole or not: failures are counted apart)."""
         target = self.done + more
         wait_for(f"{more} more requests through {self.url}", lambda: self.done >= target, timeout)

@@ -3,7 +3,8 @@
 workers are the session's (``tests/etcd_cluster.py``, shared with ``test_membership.py``); one router
 is shared by this file's tests, which run in order: the first pair, records that are no records,
 scale-up under load, a rolling restart of 2 prefill + 2 decode under load (the rolling-stop test
-of issue 18 too), a ``kill -9`` under load, two fingerprints, etcd stopped under load (``long``).
+of issue 18 too; ``long``), a ``kill -9`` under load, two fingerprints, etcd stopped under load
+(``long``).
 The router does not retry (``--max-retries 0 --no-pd-fallback``): what it shows is discovery's
 own contract. Requests are counted, never timed."""
 
@@ -127,6 +128,7 @@ def attempts(router: RouterProcess, rids: list[str]) -> list[list[dict]]:
         return list(pool.map(one, rids))
 
 
+@pytest.mark.long  # four workers restarted one at a time, each a model load: most of this file's time
 def test_a_rolling_restart_under_load_fails_no_request_and_leaks_no_page(etcd_cluster, router):
     """The rolling-stop test of issue 18 (retries before the commit, each with a fresh room) and the
     rolling restart of issue 19 (discovery's drain contract): one test, shared by both issues.

@@ -7,7 +7,8 @@ One cluster for the module (nixl): a prefill ``P``, a decode ``D`` and a decode 
 them from the command line (``--prefill P``, ``--decode D --decode X``): the router learns the
 switch from ``X``'s ``/health`` (a new incarnation, another role) and its bootstrap port from its
 ``/get_server_info``. The workers hold the admin and worker keys, the router the worker key. ``X``
-also registers in a real etcd (``--discovery``, when ``etcd`` is installed: CI installs it), whose
+also registers in a real etcd (``--discovery``, when ``etcd`` is installed: CI installs it; the
+session's, ``tests/etcd_cluster.py``, under a prefix of its own), whose
 record must follow each switch, and a second router that knows ``X`` from etcd alone must follow
 it too (the old incarnation's worker drained away, the new one in rotation in its new role).
 
@@ -30,9 +31,11 @@ from typing import Optional
 import pytest
 import requests
 
-from cluster import Cluster, RouterProcess, metric, metric_sum, metrics, pages_back_to_total, post_generate, sse_events
+from cluster import (HTTP_TIMEOUT_S, Cluster, RouterProcess, metric, metric_sum, metrics, pages_back_to_total,
+                     post_generate, sse_events)
 from conftest import free_port
-from etcd_server import EtcdServer, have_etcd
+from etcd_cluster import Load
+from etcd_server import have_etcd
 from splitserve.auth import bearer
 from test_faults import GREEDY, prompt, wait_for
 
@@ -63,10 +66,18 @@ def start(backend: str, decodes: int, etcd=None) -> Cluster:
     return c
 
 
+def load(url: str, threads: int = 3) -> Load:
+    """Streaming requests through the router at ``url`` (prompts of 12 to 31 tokens, greedy)."""
+    return Load(url, threads, max_new_tokens=12, tag="role", sampling=GREEDY, timeout=HTTP_TIMEOUT_S,
+                input_ids=lambda i, n: prompt(12 + n % 20, i * 100003 + n))
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
+    """The module's cluster; ``X`` registers in the session's etcd (``tests/etcd_cluster.py``,
+    under a prefix of its own) when etcd is installed."""
     with contextlib.ExitStack() as stack:
-        etcd = stack.enter_context(EtcdServer()) if have_etcd() else None
+        etcd = request.getfixturevalue("etcd_cluster").etcd if have_etcd() else None
         c = start("nixl", 2, etcd)
         stack.callback(c.stop)
         c.watcher = None  # a second router that knows X from etcd alone
@@ -120,54 +131,6 @@ def worker_metrics(worker) -> dict:
 
 def error_code(resp: requests.Response) -> str:
     return resp.json()["error"]["code"]
-
-
-class Load:
-    """Streaming requests through the router from ``threads`` threads until :meth:`stop`; counts
-    the answers that came whole and the ones that did not (with what they said)."""
-
-    def __init__(self, url: str, threads: int = 3):
-        self.url, self.stopping = url, threading.Event()
-        self.done, self.failed = 0, []
-        self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
-
-    def __enter__(self) -> "Load":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        for t in self._threads:
-            t.join(BOUND_S)
-
-    def _run(self, seed: int) -> None:
-        n = 0
-        while not self.stopping.is_set():
-            n += 1
-            why = None
-            try:
-                resp = post_generate(self.url, prompt(12 + n % 20, seed * 100003 + n), 12, stream=True, **GREEDY)
-                events = sse_events(resp.text) if resp.status_code == 200 else []
-                if resp.status_code != 200:
-                    why = f"{resp.status_code}: {resp.text[:300]}"
-                elif not events or events[-1] != "[DONE]" or any("error" in e for e in events[:-1]):
-                    why = f"stream: {resp.text[-300:]}"
-            except requests.RequestException as exc:
-                why = f"{type(exc).__name__}: {exc}"
-            with self._lock:
-                if why is None:
-                    self.done += 1
-                else:
-                    self.failed.append(why)
-
-    def count(self) -> int:
-        with self._lock:
-            return self.done
 
 
 def legs(worker, role: str) -> float:
@@ -386,8 +349,8 @@ def test_a_decode_becomes_a_prefill_and_back_under_load_and_no_request_fails(clu
     to total at the end."""
     P, D, X = cluster.prefill[0], cluster.decode[0], cluster.decode[-1]
     ended_on_p = metric(worker_metrics(P), "splitserve_control_ended_sessions", role="prefill")
-    with Load(cluster.url) as load:
-        wait_for("requests flow", lambda: load.count() >= 3, BOUND_S)
+    with load(cluster.url) as running:
+        running.wait_done(3, BOUND_S)
         wait_for("X serves decode legs", lambda: legs(X, "decode") >= 1, BOUND_S)
         assert_registered(cluster, {**health(X), "role": "decode"})
         first = switch(X, "prefill")
@@ -398,8 +361,7 @@ def test_a_decode_becomes_a_prefill_and_back_under_load_and_no_request_fails(clu
                  BOUND_S)
         wait_for("X serves prefill legs", lambda: legs(X, "prefill") >= 3, BOUND_S,
                  on_fail=lambda: cluster.output(2000))
-        served = load.count()
-        wait_for("requests still flow", lambda: load.count() >= served + 3, BOUND_S)
+        running.wait_done(3, BOUND_S)
         lost_on_d = metric_sum(worker_metrics(D), "splitserve_peers", role="decode", state="lost")
         second = switch(X, "decode")
         assert second["epoch"] == first["epoch"] + 1
@@ -411,9 +373,9 @@ def test_a_decode_becomes_a_prefill_and_back_under_load_and_no_request_fails(clu
                  on_fail=lambda: D.output_tail(3000))
         decoded = legs(X, "decode")
         wait_for("X serves decode legs again", lambda: legs(X, "decode") >= decoded + 3, BOUND_S)
-    assert not load.failed, f"{len(load.failed)} of {load.done + len(load.failed)} failed: {load.failed[:5]}"
-    assert load.done >= 12, load.done
-    print(f"\nrole switch under load (nixl): {load.done} requests, none failed; X ended {legs(X, 'prefill'):.0f} "
+    assert not running.failures, f"{len(running.failures)} of {running.done} failed: {running.failures[:5]}"
+    assert running.done >= 12, running.done
+    print(f"\nrole switch under load (nixl): {running.done} requests, none failed; X ended {legs(X, 'prefill'):.0f} "
           f"as a prefill, {legs(X, 'decode'):.0f} as a decode; epochs {first['epoch']}, {second['epoch']}")
     for w in cluster.workers:
         pages_back_to_total(w, api_key=ADMIN)
@@ -468,15 +430,15 @@ def test_the_switch_on_the_tcp_backend():
     c = start("tcp", 2)
     try:
         X = c.decode[-1]
-        with Load(c.url, threads=2) as load:
-            wait_for("requests flow", lambda: load.count() >= 3, BOUND_S)
+        with load(c.url, threads=2) as running:
+            running.wait_done(3, BOUND_S)
             switch(X, "prefill")
             wait_for("X serves prefill legs", lambda: legs(X, "prefill") >= 3, BOUND_S)
             switch(X, "decode")
             decoded = legs(X, "decode")
             wait_for("X serves decode legs again", lambda: legs(X, "decode") >= decoded + 3, BOUND_S)
-        assert not load.failed, load.failed[:5]
-        print(f"\nrole switch (tcp): {load.done} requests, none failed; X ended {legs(X, 'prefill'):.0f} as a "
+        assert not running.failures, running.failures[:5]
+        print(f"\nrole switch (tcp): {running.done} requests, none failed; X ended {legs(X, 'prefill'):.0f} as a "
               f"prefill, {legs(X, 'decode'):.0f} as a decode")
         for w in c.workers:
             pages_back_to_total(w, api_key=ADMIN)
