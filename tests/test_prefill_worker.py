@@ -4,7 +4,10 @@ worker after its own part is over.
 Prefill ``P`` drops half of its KV notifications (``--inject-faults notify_drop=0.5``): the
 ``KVDone`` that tells decode the KV has landed is lost on its way, after ``P`` counted the room a
 success and freed its pages. Decode ``D`` re-sends its registration every ``--register-resend-s``
-while it waits; that re-sent registration must get the ``KVDone`` again.
+while it waits; that re-sent registration must get the ``KVDone`` again. That it did is read
+off decode's counters, not the clock: had the re-sent registration gone unanswered, the room would
+have waited out ``--kv-wait-s`` and recomputed its prompt on decode (a KV fallback), which decode
+counts; a busy machine only makes the requests slower.
 """
 
 from __future__ import annotations
@@ -14,11 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from cluster import Cluster, metric, metrics, post_generate
+from cluster import Cluster, metric, metric_sum, metrics, post_generate
 from test_faults import DEADLINES, GREEDY, assert_clean, prompt
 
 RESEND_S = 0.5
-SLACK_S = 3.0
 
 
 def test_a_lost_kv_done_is_sent_again_when_decode_asks_again():
@@ -31,9 +33,11 @@ def test_a_lost_kv_done_is_sent_again_when_decode_asks_again():
 
         with ThreadPoolExecutor(4) as pool:
             results = list(pool.map(one, range(12)))
-        for resp, seconds in results:
+        for resp, _ in results:
             assert resp.status_code == 200, (resp.status_code, resp.text, c.output())
-            assert seconds < 8 * RESEND_S + SLACK_S, f"{seconds:.1f}s for a request whose KVDone was lost"
+        decode = metrics(c.decode[0])
+        assert metric_sum(decode, "splitserve_kv_fallback_total") == 0, "a lost KVDone was recomputed, not resent"
+        assert metric(decode, "splitserve_decode_prompts_computed_total") == 0
         dropped = c.prefill[0].stderr().count("injected fault: notification to")
         assert dropped >= 3, f"only {dropped} notifications were dropped"
         for w in c.workers:
