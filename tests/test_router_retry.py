@@ -206,8 +206,12 @@ def test_a_decode_stream_broken_before_the_commit_is_tried_again_never_after(fak
     prefill = fakes(slow_headers(1.0))
     gone, good = fakes(broken_stream([])), fakes(sse([TOKEN, TOKEN]))
     late = fakes(broken_stream([TOKEN], wait=1.0))  # for router2, below
-    router, router2 = start_router.together(([(prefill.url, 1)], [gone.url, good.url]),
-                                            ([(fakes(sse([])).url, 1)], [late.url, good.url]))
+    gone_alone = fakes(broken_stream([]))  # for router3 (decode alone), below
+    router, router2, router3 = start_router.together(
+        ([(prefill.url, 1)], [gone.url, good.url]),
+        ([(fakes(sse([])).url, 1)], [late.url, good.url]),
+        ([(fakes(sse([])).url, 1)], [gone_alone.url, good.url], "--pd-threshold-tokens", "100000",
+         "--policy", "round_robin"))
     wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30,
              "both decode workers up")
     body = {"model": MODEL, **COMPLETION, "stream": True}
@@ -229,6 +233,17 @@ def test_a_decode_stream_broken_before_the_commit_is_tried_again_never_after(fak
     assert len(late.requests) == 1 and len(good.requests) == 1  # the good one was not asked again
     assert retries(router2) == {}
     assert router2.metric("splitserve_router_requests_total", outcome="decode_failed") == 1
+
+    # decode alone (no prefill leg: nothing to wait for before the commit), its stream broken
+    # after the headers, before any event: nothing reached the client, so another decode takes it
+    wait_for(lambda: router3.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30,
+             "both decode workers up")
+    for _ in range(2):  # round robin: one of the two lands on the broken worker first
+        with requests.post(router3.url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
+            assert resp.status_code == 200
+            events = sse_events(resp)
+        assert events == [TOKEN, TOKEN, "[DONE]"], events
+    assert len(gone_alone.requests) >= 1 and retries(router3) == {"decode:gone": len(gone_alone.requests)}
 
 
 

@@ -115,7 +115,7 @@ class Exchange:
         p, d = self.prefill, self.decode
         while not self._may_commit():
             waiting = {leg.task for leg in (p, d) if leg is not None and not leg.answered}
-            if self.stream and d.ok and p is not None and not p.answered:  # read decode's stream ahead meanwhile
+            if self.stream and d.ok:  # read decode's stream ahead meanwhile (see _may_commit)
                 if self.decode_stream is None:
                     self.decode_stream = DecodeStream(d.response, self._wait)
                 waiting.add(self.decode_stream.read())
@@ -135,11 +135,17 @@ class Exchange:
         return await self._unary_decode()
 
     def _may_commit(self) -> bool:
+        """Whether the client's answer may begin. A stream waits for prefill's status (its failure
+        is the cause) and for decode's first bytes: a stream that breaks before them reached the
+        client may still go to another worker, decode alone too."""
         if not self.decode.ok:
             return False
+        if not self.stream:
+            return True
         ahead = self.decode_stream
-        return (not self.stream or self.prefill is None or self.prefill.answered
-                or (ahead is not None and ahead.decided))
+        if ahead is not None and ahead.decided:
+            return True
+        return (self.prefill is None or self.prefill.answered) and ahead is not None and ahead.ahead_bytes > 0
 
     async def _wait(self, tasks: set) -> None:
         done, _ = await asyncio.wait(tasks, timeout=self.remaining(), return_when=asyncio.FIRST_COMPLETED)
