@@ -219,6 +219,14 @@ class AsyncEngine:
         keeps it at most one layer's time; a wedged loop lets it grow."""
         return self.clock() - self.last_progress
 
+    def open_streams(self) -> int:
+        """How many requests have a stream here (their answer not yet ended). Asyncio thread only."""
+        return len(self._streams)
+
+    def awaited_rids(self) -> list[str]:
+        """The request ids whose client still waits on their stream. Asyncio thread only."""
+        return [rid for rid, st in self._streams.items() if not st.abandoned]
+
     def loop_stalled(self) -> bool:
         """The loop has not moved within ``loop_stall_s``: it is wedged or dead."""
         return self.ready and self.loop_age() > self.loop_stall_s

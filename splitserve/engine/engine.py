@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import random
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from types import MappingProxyType
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -339,6 +340,10 @@ class LLMEngine:
 
     def abort_all(self, ending: Ending) -> list[RequestOutput]:
         return [out for rid in list(self._seqs) if (out := self.abort(rid, ending))]
+
+    def sequences(self) -> Mapping[str, Sequence]:
+        """Every live sequence by its key, read-only (the engine's thread only)."""
+        return MappingProxyType(self._seqs)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()

@@ -180,7 +180,7 @@ class Checker:
                 if live:
                     self.violation(f"{worker.name}: room {room} has quarantined pages while live ({r.state})")
                     return
-        for rid, seq in engine._seqs.items():  # every sequence the engine runs is a room's here
+        for rid, seq in engine.sequences().items():  # every sequence the engine runs is a room's here
             rec = role.rooms.get(seq.room) if seq.room is not None else None
             if rec is None or rec.seq is not seq:
                 self.violation(f"{worker.name}: the engine runs sequence {rid} of room {seq.room}, which no record "
@@ -266,8 +266,8 @@ class Checker:
                 self.violation(f"{worker.name}: {alloc.num_pages - alloc.num_free} pages not free at rest, the "
                                f"prefix cache flushed ({alloc.num_cached} cached, {alloc.num_owned} owned)")
                 return
-            if worker.ae._streams:
-                self.violation(f"{worker.name}: {len(worker.ae._streams)} request streams left at rest")
+            if worker.ae.open_streams():
+                self.violation(f"{worker.name}: {worker.ae.open_streams()} request streams left at rest")
                 return
             control = role.control
             if worker.kind == "prefill":

@@ -445,7 +445,7 @@ class Run:
 
         def answered() -> None:
             if worker.alive and worker.wedged_until >= self.loop.time():
-                held = [rid for rid, st in worker.ae._streams.items() if not st.abandoned]
+                held = worker.ae.awaited_rids()
                 if held:
                     self.checker.violation(f"{worker.name} wedged since t={start:.3f}: requests {held[:5]} still "
                                            f"unanswered after loop_stall_s + 0.5s")
