@@ -285,20 +285,3 @@ def test_decode_alone_and_the_fallback_give_the_split_s_tokens(real_pair, fakes,
 def decisions_of(router: RouterProcess) -> dict:
     return {dict(labels)["decision"]: v for (name, labels), v in router.metrics().items()
             if name == "splitserve_router_pd_decisions_total" and v}
-
-
-def test_a_decode_alone_stream_broken_before_any_token_is_tried_again(fakes, start_router):
-    # decode alone (a threshold above the prompt): the first decode sends its headers, then its
-    # socket closes before any event; the client has seen nothing, so another decode takes it
-    gone, good = fakes(broken_stream([])), fakes(sse([TOKEN, TOKEN]))
-    (router,) = start_router.together(([(fakes(sse([])).url, 1)], [gone.url, good.url],
-                                       "--pd-threshold-tokens", "100000"))
-    wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30,
-             "both decode workers up")
-    body = {"model": MODEL, **COMPLETION, "stream": True}
-    with requests.post(router.url + "/v1/completions", json=body, stream=True, timeout=60) as resp:
-        assert resp.status_code == 200
-        events = sse_events(resp)
-    assert events == [TOKEN, TOKEN, "[DONE]"], events
-    assert len(gone.requests) == 1 and len(good.requests) == 1
-    assert retries(router) == {"decode:gone": 1}

@@ -302,11 +302,6 @@ class Exchange:
         if self.decode_stream is None:
             self.decode_stream = DecodeStream(resp, self._wait)
         decode_in = self.decode_stream
-        if self.prefill is None and not decode_in.ahead and not decode_in.decided:
-            # decode alone read nothing ahead: its first chunk (or break) comes before the client's
-            # headers, so a stream that breaks off before any token may still go to another decode
-            await self._wait({decode_in.read()})
-            decode_in.keep()
         if decode_in.broke is not None:  # before anything reached the client: another decode may take it
             self._may_retry(self.decode, DECODE, decode_in.broke)
             if self.retry is not None:
