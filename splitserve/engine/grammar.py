@@ -298,7 +298,7 @@ class GrammarCompiler:
         what = {"regex": "regex", "lark": "tool-call grammar"}.get(spec.kind, "JSON schema")
         try:
             if spec.kind == "lark":
-                text = llguidance.LLMatcher.grammar_from_lark(spec.schema)
+                text = llguidance.LLMatcher.grammar_from_lark(_tag_tokens(spec.schema, lltok))
             elif spec.kind == "regex":
                 text = llguidance.LLMatcher.grammar_from_regex(spec.schema)
             else:
@@ -425,6 +425,17 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> Optional[ToolsSpec]:
     return ToolsSpec(tuple(out), choice, parallel is not False, grammar)
 
 
+def _tag_tokens(lark: str, lltok) -> str:
+    """``lark`` with each quoted tool-call tag that is one added token of the tokenizer written as
+    that token (``<tool_call>``): llguidance matches added tokens only by such references, never
+    by their text, so a quoted tag would have to be spelled in ordinary tokens the model lacks."""
+    for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+        ids = lltok.tokenize_str(tag)
+        if len(ids) == 1 and lltok.is_special_token(ids[0]):
+            lark = lark.replace(json.dumps(tag), tag)
+    return lark
+
+
 def tool_call_spec(tools: list, many: bool) -> GrammarSpec:
     """The grammar (Lark, llguidance's dialect) of an answer that is one tool call of one of
     ``tools`` (``many``: one to :data:`MAX_PARALLEL_TOOL_CALLS`, one per line): ``<tool_call>\\n{"name":
@@ -433,8 +444,8 @@ def tool_call_spec(tools: list, many: bool) -> GrammarSpec:
         {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                           "arguments": t["function"]["parameters"]},
          "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
-    call = json.dumps(TOOL_CALL_OPEN + "\n") + " %json " + json.dumps(schema, separators=(",", ":"),
-                                                                      ensure_ascii=False) + " " + \
-        json.dumps("\n" + TOOL_CALL_CLOSE)
+    call = json.dumps(TOOL_CALL_OPEN) + ' "\\n" %json ' + json.dumps(schema, separators=(",", ":"),
+                                                                      ensure_ascii=False) + \
+        ' "\\n" ' + json.dumps(TOOL_CALL_CLOSE)
     start = f'start: call ("\\n" call){{0,{MAX_PARALLEL_TOOL_CALLS - 1}}}\n' if many else "start: call\n"
     return GrammarSpec("lark", start + "call: " + call + "\n")

@@ -17,7 +17,8 @@ Tokenizer: a byte-level BPE (`tokenizers`) trained at build time on a corpus gen
 fixed seed, so any UTF-8 string round-trips exactly (`decode(encode(s)) == s`: no normaliser, no
 prefix space, nothing added implicitly, no space clean-up). The five special tokens come first
 (`<|pad|>` 0, `<|startoftext|>` 1 = bos, `<|endoftext|>` 2 = eos, `<|im_start|>` 3,
-`<|im_end|>` 4) and a ChatML-like chat template (bos, then `<|im_start|>role\n...<|im_end|>\n`
+`<|im_end|>` 4), `<tool_call>` and `</tool_call>` are added (non-special) tokens at the last two
+ids, one token each as in real chat models' tokenizers, and a ChatML-like chat template (bos, then `<|im_start|>role\n...<|im_end|>\n`
 per message, `<|im_start|>assistant\n` for the generation prompt) sits in tokenizer_config.json.
 generation_config.json stops on `<|endoftext|>` and `<|im_end|>` (greedy never emits either).
 
@@ -98,12 +99,16 @@ from pathlib import Path
 
 from splitserve.models.cache import build_once, cache_root
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ARCHS = ("llama", "qwen2", "qwen3")
 VOCAB_SIZE = 2048
 MAX_POSITION_EMBEDDINGS = 8192
 SPECIAL_TOKENS = ("<|pad|>", "<|startoftext|>", "<|endoftext|>", "<|im_start|>", "<|im_end|>")
 PAD_ID, BOS_ID, EOS_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+# Tool-call tags are added tokens (one id each, kept by decode), as in Qwen's and Llama's
+# tokenizers: not special, so skip_special_tokens leaves them in the text the parser reads.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+TOOL_CALL_ID, TOOL_CALL_END_ID = VOCAB_SIZE - 2, VOCAB_SIZE - 1
 GAP_FACTOR = 100.0  # required min top-1/top-2 gap, in units of the measured batch-shape error
 MAX_SEED_TRIES = 32
 REPORT_NAME = "tiny_model_report.json"
@@ -252,20 +257,23 @@ def _corpus() -> list[str]:
 
 
 def _train_tokenizer():
-    """Byte-level BPE of exactly VOCAB_SIZE entries with the special tokens at ids 0..4."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE of exactly VOCAB_SIZE entries: special tokens at ids 0..4, tool tags last."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, min_frequency=2, show_progress=False,
+        vocab_size=VOCAB_SIZE - len(TOOL_TOKENS), min_frequency=2, show_progress=False,
         special_tokens=list(SPECIAL_TOKENS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     if tok.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"tiny tokenizer has {tok.get_vocab_size()} entries, want {VOCAB_SIZE}")
     for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+    for i, t in zip((TOOL_CALL_ID, TOOL_CALL_END_ID), TOOL_TOKENS):
         assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
     return tok
 
