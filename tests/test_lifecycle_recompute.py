@@ -11,7 +11,7 @@ from splitserve.disagg import protocol
 from splitserve.disagg.lifecycle import (
     ClientAbort, ComputePrompt, Deadlines, DecodeState, DecodeStep, DecodeTable, DisconnectPeer, Finished,
     FreePages, FromPeer, KVFallback, KVLost, NotifyClient, PagesReserved, Peer, PeerHeard, PeerInfo, PeerLost,
-    PromptChunk, QuarantinePages, Reason, RequestArrived, SendToPeer, StartDecode,
+    Notice, PromptChunk, QuarantinePages, Reason, RequestArrived, SendToPeer, StartDecode,
 )
 
 PP = Peer("prefill-0:7000", "p1")
@@ -179,3 +179,21 @@ def test_a_room_told_that_never_gets_pages_fails_with_its_reason_at_the_prealloc
     t.handle(KVLost(ROOM, "the router: prefill refused"), 1.0)
     acts = t.expire(D.prealloc_s)
     assert of(acts, NotifyClient)[0].ending.reason is Reason.PEER_FAILED
+
+
+def test_a_decoding_room_preempted_for_pages_recomputes_without_being_declared_stalled():
+    # The engine preempts a decoding sequence when pages run out and later recomputes its tokens in
+    # chunks; each chunk is progress, so a recompute longer than decode_stall_s is not a stall.
+    t = table()
+    t.handle(RequestArrived(-1, RID, PROMPT, alone=True), 0.0)
+    t.handle(PagesReserved(-1, DST), 0.0)
+    t.handle(DecodeStep(-1), 0.1)
+    assert t.state_of(-1) is S.DECODING
+    step = D.decode_stall_s * 0.75
+    for i in range(1, 4):
+        chunk = t.handle(PromptChunk(-1), 0.1 + i * step)
+        assert of(chunk, NotifyClient) == [] and of(chunk, Notice) == [], chunk
+        assert of(t.expire(0.1 + i * step + D.decode_stall_s * 0.5), NotifyClient) == []
+    assert t.state_of(-1) is S.DECODING
+    acts = t.expire(0.1 + 3 * step + D.decode_stall_s + 0.5)
+    assert of(acts, NotifyClient)[0].ending.reason is not None, "a real stall still ends the room"

@@ -10,7 +10,7 @@ States, in order::
                   or is declared lost and fenced                                     (reclaim_s)
     PREFILLING    the prompt runs here, into the room's own pages                    (prefill_stall_s per chunk)
     DECODING      every write landed (KVDone, checked), or the prompt ran here;
-                  generating                                                         (decode_stall_s per step)
+                  generating (a recompute after preemption counts as steps)          (decode_stall_s per step)
     FINISHED(stop|length) | ABORTED | FAILED(reason)
 
 Two ways lead to ``PREFILLING`` (the request came alone, or its KV will not come and the room
@@ -120,9 +120,13 @@ class DecodeTable(PromptHere, RoomTable):
                 if r is not None:
                     self._end(r, Ending(reason), now, out)
             case PromptChunk(room=room):
-                r = self._live_room_in(room, DecodeState.PREFILLING, event, out)
-                if r is not None:
+                # A DECODING room the engine preempted for pages recomputes its tokens in chunks:
+                # that is progress too, or a long recompute would read as a stalled decode.
+                r = self._rooms.get(room)
+                if r is not None and r.state in (DecodeState.PREFILLING, DecodeState.DECODING):
                     self._rearm(r, now)
+                else:
+                    self._out_of_order(room, event, out)
             case KVLost(room=room, detail=detail):
                 r = self._rooms.get(room)
                 before_kv = r is not None and r.state in (DecodeState.PREALLOC, DecodeState.AWAITING_KV)
