@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import json
 import socket
@@ -160,6 +161,8 @@ class FakeRole:
     a thread of it that posts while it stops)."""
 
     name = "fake"
+    deadlines = "the old role's deadlines"  # what a switch hands the role it builds
+    rooms: dict = {}
 
     def __init__(self, on_close=None, fail_start: bool = False):
         self.events, self.closed, self.on_close, self.fail_start = [], [], on_close, fail_start
@@ -189,6 +192,9 @@ class FakeRole:
 
     def stats(self):
         return {}
+
+    def holds_nothing(self) -> bool:
+        return True
 
 
 @pytest.fixture
@@ -226,6 +232,49 @@ def test_a_role_that_cannot_start_is_closed_and_the_loop_keeps_the_old_one(engin
         engine.replace_role(broken, "it becomes another")
     assert engine.role is old and broken.closed == [None], broken.closed
     engine.post_event("after")  # for the role the loop runs now
+    wait_for("the old role gets it", lambda: old.events == ["after"], BOUND_S)
+
+
+class Registration:
+    """What ``--discovery`` keeps of the worker's record: revoked as a switch begins."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def revoke(self) -> None:
+        self.log.append("revoked")
+
+
+def test_a_role_that_cannot_be_built_leaves_the_old_one_serving_and_registered(engine):
+    """The new role fails before the old one stopped (building it raised: its transfer agent, say):
+    the switch fails, and the old role serves on as it was — not closed, the same incarnation, taking
+    requests, and its record put back in discovery."""
+    from splitserve.config import ServerConfig
+    from splitserve.metrics import Registry
+    from splitserve.server.app import WorkerState
+    from splitserve.server.role_switch import SwitchFailed, switch as switch_role
+
+    config = ServerConfig(role="decode", discovery_grace_s=0.0, drain_timeout_s=5.0)
+    state = WorkerState(engine, config, Registry(), incarnation="i-old")
+    discovery: list = []
+    state.registration = Registration(discovery)
+    state.register = lambda: discovery.append("registered") or Registration(discovery)
+    old, built = engine.role, []
+
+    def broken(config, deadlines, incarnation):
+        built.append((config.role, deadlines))
+        raise RuntimeError("no transfer agent for it")
+
+    target = dataclasses.replace(config, role="prefill")
+    with pytest.raises(SwitchFailed, match="no transfer agent for it; the worker serves as a decode on "
+                                           r"\(incarnation i-old\)"):
+        asyncio.run(switch_role(state, target, make_role=broken))
+    assert built == [("prefill", old.deadlines)]
+    assert engine.role is old and old.closed == [], old.closed
+    assert (state.config.role, state.incarnation, state.switch) == ("decode", "i-old", None)
+    assert not state.draining and not engine.draining
+    assert discovery == ["revoked", "registered"] and state.registration is not None
+    engine.post_event("after")  # the old role still runs the loop
     wait_for("the old role gets it", lambda: old.events == ["after"], BOUND_S)
 
 

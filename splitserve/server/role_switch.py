@@ -127,12 +127,17 @@ async def handle(request: web.Request, state) -> web.Response:
     return web.json_response({**_now(state), "switched": True, "previous": previous, "pages_released": released})
 
 
-async def switch(state, target) -> int:
+async def switch(state, target, make_role=None) -> int:
     """Switch ``state``'s worker to ``target`` (its config with the new role); the pages the old
-    role still held when it closed (0 after a clean drain). Raises :class:`SwitchFailed`."""
+    role still held when it closed (0 after a clean drain). Raises :class:`SwitchFailed`.
+
+    ``make_role(config, deadlines, incarnation)`` builds a role, not started (by default
+    ``disagg.worker.role_for``; a test passes one that fails, to reach the path where the old role
+    never stopped)."""
     from splitserve.disagg.bootstrap import new_incarnation
     from splitserve.disagg.worker import role_for
 
+    make_role = make_role or role_for
     loop = asyncio.get_running_loop()
     config, engine = state.config, state.engine
     goodbye = f"it becomes a {target.role} worker (epoch {state.epoch})"
@@ -144,7 +149,7 @@ async def switch(state, target) -> int:
             await _drain(state, config.drain_timeout_s)
             deadlines = old.deadlines
             incarnation = new_incarnation()
-            role = role_for(target, deadlines, incarnation)
+            role = make_role(target, deadlines, incarnation)
             state.metrics.attach(role, target.role)
         except Exception as exc:  # the old role never stopped: it serves again
             log.exception("role switch: could not prepare the %s role; the %s role serves on", target.role,
@@ -157,7 +162,7 @@ async def switch(state, target) -> int:
             released = await loop.run_in_executor(None, engine.replace_role, role, goodbye)
         except Exception as exc:
             log.exception("role switch: the %s role could not start; back to %s", target.role, config.role)
-            await _back(state, loop, config, deadlines, f"the switch to {target.role} failed")
+            await _back(state, loop, config, deadlines, f"the switch to {target.role} failed", make_role)
             raise SwitchFailed(f"{type(exc).__name__}: {exc}; the worker serves as a {config.role} again "
                                f"(incarnation {state.incarnation})") from exc
         if released:
@@ -196,14 +201,13 @@ async def _drain(state, timeout_s: float) -> None:
                     len(state.inflight), len(role.rooms), timeout_s)
 
 
-async def _back(state, loop, config, deadlines, why: str) -> None:
+async def _back(state, loop, config, deadlines, why: str, make_role) -> None:
     """The old role again, under a new incarnation; if even that fails, the worker stays draining
     (``/health`` 503) and says so."""
     from splitserve.disagg.bootstrap import new_incarnation
-    from splitserve.disagg.worker import role_for
 
     incarnation = new_incarnation()
-    role = role_for(config, deadlines, incarnation)
+    role = make_role(config, deadlines, incarnation)
     state.metrics.attach(role, config.role)
     try:
         await loop.run_in_executor(None, state.engine.replace_role, role, why)
