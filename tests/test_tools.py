@@ -234,6 +234,10 @@ TEXTS = [
     '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',  # not a function of tools: text
     '<tool_call>\n{"arguments": {}, "name": "f"}\n</tool_call>',  # another key order: text
     '<tool_call>\n{"name":"f","arguments":{"a":[1,',  # cut by max_tokens
+    '<tool_call>\n{"name":"f","arguments":{"a":1}}\nand then some words',  # never closed, words after
+    '<tool_call>{"name":"f","arguments":{}}\n<tool_call>{"name":"get_weather","arguments":{"city":"x"}}'
+    '</tool_call> done',  # the first never closed: the second opens
+    '<tool_call>{"name":"f","arguments":{}, "id": 3}</tool_call>',  # a key after arguments: the call's own
 ]
 
 
@@ -267,6 +271,15 @@ def test_the_parser_reads_calls_and_leaves_the_rest_as_text():
     assert parse(TEXTS[3], NAMES).message() == {"content": TEXTS[3]}
     cut = parse(TEXTS[4], NAMES).message()
     assert cut["content"] is None and cut["tool_calls"][0]["function"]["arguments"] == '{"a":[1,'
+
+
+def test_a_call_never_closed_loses_none_of_the_words_after_it():
+    words = parse(TEXTS[5], NAMES).message()
+    assert words["content"] == "and then some words" and words["tool_calls"][0]["function"]["arguments"] == '{"a":1}'
+    two = parse(TEXTS[6], NAMES).message()
+    assert [c["function"]["name"] for c in two["tool_calls"]] == ["f", "get_weather"] and two["content"] == " done"
+    own = parse(TEXTS[7], NAMES).message()
+    assert own["content"] is None and own["tool_calls"][0]["function"]["arguments"] == "{}"
 
 
 @pytest.mark.long

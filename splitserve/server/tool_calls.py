@@ -21,6 +21,10 @@ matching ``}`` (strings and escapes respected), not re-serialized. A ``<tool_cal
 does not read so (another key order, an unknown name, not JSON) is left in ``content`` as text.
 Whitespace between and after calls is dropped; other text outside calls is ``content``. A call
 cut by ``max_tokens`` keeps the arguments written so far (finish_reason ``length``, as OpenAI).
+What follows a call's arguments up to ``</tool_call>`` is the call's own (its closing ``}``, a key
+after ``arguments``) and is not kept; a call the model never closed ends at the next
+``<tool_call>`` or at the end of the answer, and the text it wrote after the call's object is
+``content`` then: a malformed tail loses none of the model's words.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ class ToolCallParser:
         self.content: list[str] = []
         self._state = "text"
         self._buf = ""  # text not yet decided on
+        self._tail = ""  # after a call's arguments: what came before its closing tag (no tag in it)
         self._depth = 0
         self._in_string = False
         self._escape = False
@@ -124,12 +129,20 @@ class ToolCallParser:
                 self._state = "tail"
                 return True
             return False
-        # tail: whatever follows the arguments up to the closing tag is not kept
-        at = buf.find(TOOL_CALL_CLOSE)
-        if at >= 0:
-            self._buf, self._state = buf[at + len(TOOL_CALL_CLOSE):], "text"
+        # tail: what follows the arguments, up to the closing tag, is the call's own (its "}");
+        # a call the model never closed ends where the next one opens, and what it wrote after
+        # the call's object is content then, not dropped
+        ends = [(at, tag) for tag in (TOOL_CALL_CLOSE, TOOL_CALL_OPEN) if (at := buf.find(tag)) >= 0]
+        if ends:
+            at, tag = min(ends)
+            if tag == TOOL_CALL_OPEN:
+                self._text(out, _after_call(self._tail + buf[:at]))
+            self._tail, self._buf = "", buf[at + len(tag):]
+            self._state = "text" if tag == TOOL_CALL_CLOSE else "header"
             return True
-        self._buf = buf[len(buf) - _partial_suffix(buf, TOOL_CALL_CLOSE):]
+        keep = max(_partial_suffix(buf, TOOL_CALL_CLOSE), _partial_suffix(buf, TOOL_CALL_OPEN))
+        self._tail += buf[:len(buf) - keep]
+        self._buf = buf[len(buf) - keep:]
         return False
 
     def _emit_text(self, out: list, text: str, final: bool) -> None:
@@ -168,6 +181,8 @@ class ToolCallParser:
         self._finished = True
         if self._state == "header":  # a tag that never became a call: its text stays
             self._text(out, TOOL_CALL_OPEN + self._buf)
+        elif self._state == "tail":  # a call never closed: what followed its object stays
+            self._text(out, _after_call(self._tail + self._buf))
         elif self._state == "text" and self._buf:
             if not self.calls or self._buf.strip():
                 self._text(out, self._buf)
@@ -189,6 +204,13 @@ def _partial_suffix(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+def _after_call(tail: str) -> str:
+    """What a call that was never closed left after its arguments, less the call object's own
+    ``}`` and the whitespace around it: the model's text, for ``content``."""
+    rest = tail.strip()
+    return rest[1:].strip() if rest.startswith("}") else rest
 
 
 def parse(text: str, names) -> ToolCallParser:
