@@ -238,10 +238,10 @@ def slower_than_float32(dtype: torch.dtype, flags: Iterable[str]) -> Optional[st
 
 
 def is_test_model(path: Optional[Path]) -> bool:
-    """The built-in tiny models (``testing/tiny.py``), recognised by the report their builder writes."""
-    from splitserve.testing.tiny import REPORT_NAME
+    """The built-in tiny models, recognised by the report their builder writes."""
+    from splitserve.models.resolve import TEST_MODEL_REPORT
 
-    return path is not None and (path / REPORT_NAME).is_file()
+    return path is not None and (path / TEST_MODEL_REPORT).is_file()
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype], device: torch.device, config: dict,

@@ -98,6 +98,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.models.cache import build_once, cache_root
+from splitserve.models.resolve import TEST_MODEL_REPORT
 
 FORMAT_VERSION = 4
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -111,7 +112,7 @@ TOOL_TOKENS = ("<tool_call>", "</tool_call>")
 TOOL_CALL_ID, TOOL_CALL_END_ID = VOCAB_SIZE - 2, VOCAB_SIZE - 1
 GAP_FACTOR = 100.0  # required min top-1/top-2 gap, in units of the measured batch-shape error
 MAX_SEED_TRIES = 32
-REPORT_NAME = "tiny_model_report.json"
+REPORT_NAME = TEST_MODEL_REPORT  # how the runtime tells a test model (models/resolve.py)
 
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
