@@ -156,7 +156,7 @@ class Checker:
         role, engine = worker.role, worker.ae.engine
         alloc = engine.allocator
         table = role.table
-        rooms = table._rooms
+        rooms = table.rooms()
         held = 0  # references: a page of the prefix cache may be held by several rooms
         quarantined = 0
         for room, rec in role.rooms.items():
@@ -298,7 +298,7 @@ def _describe_records(role, n: int = 3) -> str:
     """The first ``n`` records, as what they hold (for a violation's message)."""
     rows = []
     for room, rec in list(role.rooms.items())[:n]:
-        r = role.table._rooms.get(room)
+        r = role.table.rooms().get(room)
         rows.append(f"room {room} ({rec.req.rid}: {'answered' if rec.answered else 'unanswered'}, "
                     f"{len(rec.pages)} pages, seq {'none' if rec.seq is None else len(rec.seq.pages)} pages, "
                     f"want {rec.want_pages}, {'quarantined, ' if rec.quarantined else ''}"

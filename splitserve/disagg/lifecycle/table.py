@@ -157,6 +157,10 @@ class RoomTable:
         tomb = self._tombstones.get(room)
         return tomb.ending if tomb is not None else None
 
+    def rooms(self) -> dict[int, Room]:
+        """Every room known, live or held, by id, for checks that read them (a copy; engine loop only)."""
+        return dict(self._rooms)
+
     def live_rooms(self) -> list[int]:
         return sorted(room for room, r in self._rooms.items() if not is_terminal(r.state))
 
@@ -229,8 +233,7 @@ class RoomTable:
             return
         tomb = self._tombstones.get(ev.room)
         if tomb is not None:
-            ending = tomb.ending if not tomb.arrived else Ending(
-                Reason.BAD_REQUEST, f"room {ev.room} was already used")
+            ending = tomb.ending if not tomb.arrived else Ending(Reason.BAD_REQUEST, f"room {ev.room} was already used")
             self._refuse(ev, ending, now, out)
             self._tombstone(ev.room, tomb.ending, arrived=True, now=now, peer=tomb.peer, answer=tomb.answer)
             return
@@ -269,8 +272,7 @@ class RoomTable:
         state = self.transitions.first
         self.transitions.check(ev.room, None, state)
         n_pages = -(-ev.prompt_len // self.page_size)
-        r = cls(id=ev.room, rid=ev.rid, prompt_len=ev.prompt_len, n_pages=n_pages, born=now,
-                state=state, entered=now)
+        r = cls(id=ev.room, rid=ev.rid, prompt_len=ev.prompt_len, n_pages=n_pages, born=now, state=state, entered=now)
         self._rooms[ev.room] = r
         out.append(Moved(ev.room, None, state, describe(self._cause)))
         self._count(None, state)
