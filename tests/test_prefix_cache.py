@@ -46,6 +46,20 @@ def test_cached_pages_are_shared_read_only_and_evicted_least_recently_used():
     assert a.flush() == 2 and account(a) == (2, 0, 4)
 
 
+def test_each_page_reads_as_free_evictable_or_owned_with_its_references():
+    a = PageAllocator(4)
+    keys = page_keys(list(range(2 * P)), P, 2)
+    pages = a.allocate(3)
+    assert all(a.insert(p, k) for p, k in zip(pages, keys))
+    a.free(pages[:2])
+    assert a.match(keys[:1]) + a.match(keys[:1]) == [pages[0]] * 2  # two owners; page 1 none; page 2 plain
+    assert [a.is_free(p) for p in range(4)] == [False, False, False, True]
+    assert [a.is_evictable(p) for p in range(4)] == [False, True, False, False]
+    assert dict(a.refcounts()) == {pages[0]: 2, pages[1]: 0}
+    with pytest.raises(TypeError):
+        a.refcounts()[pages[0]] = 1  # read-only: the account is the allocator's
+
+
 def test_keys_chain_every_page_before_and_the_salt():
     tokens = list(range(3 * P))
     base = page_keys(tokens, P, 3)

@@ -31,7 +31,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Optional
 
 PageKey = bytes
@@ -159,6 +160,18 @@ class PageAllocator:
 
     def is_cached(self, page: int) -> bool:
         return page in self._key_of
+
+    def is_free(self, page: int) -> bool:
+        """Whether ``page`` is free: in no one's hands and not cached (for checks of the account)."""
+        return page in self._free_set
+
+    def is_evictable(self, page: int) -> bool:
+        """Whether ``page`` is cached with no owner left (for checks of the account)."""
+        return page in self._lru
+
+    def refcounts(self) -> Mapping[int, int]:
+        """Each cached page's owners now (0: evictable), read-only (for checks of the account)."""
+        return MappingProxyType(self._refs)
 
     def flush(self) -> int:
         """Evict every cached page no one owns; how many."""

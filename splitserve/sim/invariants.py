@@ -188,7 +188,7 @@ class Checker:
                 return
         # the allocator's account is free + cached + owned = total by construction; what must hold is
         # that the owned pages are what the rooms hold: one reference per holder of a shared page
-        shared = [n for n in alloc._refs.values() if n]
+        shared = [n for n in alloc.refcounts().values() if n]
         owned_refs = alloc.num_owned - len(shared) + sum(shared)
         if held != owned_refs:
             self.violation(f"{worker.name}: pages not conserved: the rooms hold {held} page references, the "
@@ -231,18 +231,19 @@ class Checker:
         """No page held by two rooms unless it is a shared page of the prefix cache (and then its
         reference count is its holders), none both held and free or evictable."""
         alloc = worker.ae.engine.allocator
+        refs = alloc.refcounts()
         holders: dict[int, list[int]] = {}
         for room, rec in worker.role.rooms.items():
             for page in rec.pages + (rec.seq.pages if rec.seq is not None else []):
                 holders.setdefault(page, []).append(room)
         for page, rooms in holders.items():
-            if page in alloc._free_set or page in alloc._lru:
-                self.violation(f"{worker.name}: page {page} is {'free' if page in alloc._free_set else 'evictable'} "
+            if alloc.is_free(page) or alloc.is_evictable(page):
+                self.violation(f"{worker.name}: page {page} is {'free' if alloc.is_free(page) else 'evictable'} "
                                f"and held by rooms {rooms}")
                 return
-            if len(rooms) > 1 and (not alloc.is_cached(page) or alloc._refs[page] != len(rooms)):
+            if len(rooms) > 1 and (not alloc.is_cached(page) or refs[page] != len(rooms)):
                 self.violation(f"{worker.name}: page {page} held by rooms {rooms}"
-                               f"{' with ' + str(alloc._refs[page]) + ' references' if alloc.is_cached(page) else ''}")
+                               f"{' with ' + str(refs[page]) + ' references' if alloc.is_cached(page) else ''}")
                 return
 
     # -- at the end ------------------------------------------------------------------------------
