@@ -319,8 +319,8 @@ class SimWorker:
         if self.kind == "prefill":
             control.endpoint.fail_recv += 1
         else:
-            for pf in list(control._prefills.values())[:1]:
-                pf.conn.fail_recv += 1
+            for conn in control.connections()[:1]:
+                conn.fail_recv += 1
         self.wake_control()
 
     def kill(self) -> None:
@@ -334,8 +334,8 @@ class SimWorker:
         if self.kind == "prefill":
             control.endpoint.close()
         else:
-            for pf in list(control._prefills.values()):
-                pf.conn.close()
+            for conn in control.connections():
+                conn.close()
         self.cluster.tnet.kill(self)
         for conn in list(self.connections):
             conn.broken()

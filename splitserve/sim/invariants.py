@@ -273,15 +273,16 @@ class Checker:
             control = role.control
             if worker.kind == "prefill":
                 sizes = control.sizes()
-                stale = [p for p in control._sessions if p.incarnation not in live_decodes]
+                registered = control.sessions()
+                stale = [p for p in registered if p.incarnation not in live_decodes]
                 if sizes["ended"] or sizes["unregistered"] or stale:
                     self.violation(f"{worker.name}: per-peer tables not bounded at rest: {sizes}, sessions of dead "
                                    f"decodes {stale}")
                     return
                 agents = role.transfer._agents
-                if any(p not in control._sessions for p in agents):
+                if any(p not in registered for p in agents):
                     self.violation(f"{worker.name}: transfer connections to ended sessions at rest: "
-                                   f"{sorted(str(p) for p in agents if p not in control._sessions)}")
+                                   f"{sorted(str(p) for p in agents if p not in registered)}")
                     return
             else:
                 sessions = control.sizes()["sessions"]

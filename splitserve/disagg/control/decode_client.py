@@ -103,6 +103,10 @@ class DecodeControl(ControlThread):
         """Per-peer structures, for the metrics (read from any thread)."""
         return {"sessions": len(self._prefills)}
 
+    def connections(self) -> tuple["ZmqDealer", ...]:
+        """The connection of each prefill session now, for fault injection (control thread only)."""
+        return tuple(pf.conn for pf in self._prefills.values())
+
     # -- the thread ---------------------------------------------------------------------------------
 
     def serve(self) -> None:

@@ -107,6 +107,10 @@ class PrefillControl(ControlThread):
         """Per-peer structures, for the metrics (read from any thread)."""
         return {"sessions": len(self._sessions), "ended": len(self._ended), "unregistered": len(self._unregistered)}
 
+    def sessions(self) -> frozenset[Peer]:
+        """The decode sessions registered now, for checks of what the server keeps (control thread only)."""
+        return frozenset(self._sessions)
+
     def sessions_refused(self) -> dict[str, int]:
         """New sessions refused by the limits so far, by why, each why shown (read from any thread)."""
         return {why: self.refused[why] for why in ("limit", "per_address", "rate")}
