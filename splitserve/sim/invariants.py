@@ -279,7 +279,7 @@ class Checker:
                     self.violation(f"{worker.name}: per-peer tables not bounded at rest: {sizes}, sessions of dead "
                                    f"decodes {stale}")
                     return
-                agents = role.transfer._agents
+                agents = role.transfer.peers()
                 if any(p not in registered for p in agents):
                     self.violation(f"{worker.name}: transfer connections to ended sessions at rest: "
                                    f"{sorted(str(p) for p in agents if p not in registered)}")

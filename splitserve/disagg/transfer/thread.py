@@ -129,6 +129,10 @@ class TransferWorker(SupervisedThread):
         """Peers with a transfer connection now (prefill: a NIXL remote agent each); any thread."""
         return len(self._agents)
 
+    def peers(self) -> tuple[Peer, ...]:
+        """The peers with a transfer connection now, for checks of what the thread keeps (transfer thread only)."""
+        return tuple(self._agents)
+
     # -- the thread ---------------------------------------------------------------------------
 
     def serve(self) -> None:
