@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import msgpack
 import pytest
@@ -277,6 +278,24 @@ def test_fake_peer_closed_and_removed(fake_pair: Pair):
     for _ in range(3):
         state = a.poll(h)
     assert state.reason == "peer_lost"
+
+
+def test_a_fake_that_dies_is_fenced_with_nothing_released():
+    """``die`` (a simulated kill -9): closed, so its writes are refused and nothing lands in it;
+    unlike ``close`` its handles stay as they were and it stays registered."""
+    net = SimpleNamespace(agents={})  # a network's registry; the writes here are stalled, never started
+    src, dst = filled_pool(1), KVPool(LAYOUT)
+    a, b = FakeBackend("p", src.buffer, network=net), FakeBackend("d", dst.buffer, network=net)
+    a.add_peer("d", b.metadata())
+    a.stall_next()
+    h = a.write("d", page_spans([1], [1], P), b"n")
+    a.die()
+    assert a.closed and not b.closed and a.poll(h).pending and not h.released and set(net.agents) == {"p", "d"}
+    assert a.write("d", page_spans([2], [2], P), b"").state.reason == "closed"
+    b.queue_notification("p", b"landed")  # how a network delivers a landed write's notification
+    assert b.notifications() == [("p", b"landed")]
+    b.die()
+    assert a.complete(h).reason == "peer_lost" and int(dst.buffer.count_nonzero()) == 0
 
 
 # -- tcp specifics ------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from splitserve.disagg.transfer.base import DONE, TransferState, failed, refused
 from splitserve.disagg.transfer.fake import FakeBackend, FakeHandle
@@ -60,6 +61,11 @@ class Flight:
     gone: bool = False  # landed, or can never land any more
 
 
+def _pool_bytes(agent: FakeBackend) -> torch.Tensor:
+    """The agent's whole pool as bytes: a view (writing into it writes the pool)."""
+    return agent.buffer.view(-1).view(torch.uint8)
+
+
 class TransferNet:
     def __init__(self, loop, rng: random.Random, network, trace: Callable[[str], None]):
         self.loop = loop
@@ -85,7 +91,8 @@ class TransferNet:
             self.counts["crashes"] += 1
             raise RuntimeError("simulated transfer backend error (write raised)")
         self.counts["writes"] += 1
-        data = [bytes(sender._bytes[s.local_offset:s.local_offset + s.nbytes].numpy()) for s in h.spans]
+        src = _pool_bytes(sender)
+        data = [bytes(src[s.local_offset:s.local_offset + s.nbytes].numpy()) for s in h.spans]
         tag = None
         if h.spans:
             first = h.spans[0].local_offset // 8  # slot 0 of the first page: its key, the room tag
@@ -146,7 +153,7 @@ class TransferNet:
         h = flight.handle
         src_host = flight.writer.host
         target = self.agents.get(flight.target)
-        if target is None or target._closed:  # fenced (or never there): nothing lands
+        if target is None or target.closed:  # fenced (or never there): nothing lands
             flight.gone = True
             self.flights.pop(h.id, None)
             if ack:
@@ -162,8 +169,9 @@ class TransferNet:
             self.counts["late"] += 1
         if self.on_land is not None and tworker is not None:
             self.on_land(flight, tworker)
+        dst = _pool_bytes(target)
         for span, data in zip(h.spans, flight.data):
-            target._bytes[span.remote_offset:span.remote_offset + span.nbytes].numpy()[:] = np.frombuffer(data, np.uint8)
+            dst[span.remote_offset:span.remote_offset + span.nbytes].numpy()[:] = np.frombuffer(data, np.uint8)
         flight.landed = flight.gone = True
         self.flights.pop(h.id, None)
         self.counts["landed"] += 1
@@ -171,7 +179,7 @@ class TransferNet:
             if self.faults.notify_drop and self.rng.random() < self.faults.notify_drop:
                 self.counts["notify_dropped"] += 1
             else:
-                target._inbox.append((flight.writer_agent, h.notif))
+                target.queue_notification(flight.writer_agent, h.notif)
                 if tworker is not None:
                     tworker.wake_transfer()
         if ack:
@@ -184,7 +192,7 @@ class TransferNet:
         out = []
         for flight in self.flights.values():
             target = self.agents.get(flight.target)
-            if not flight.gone and target is not None and not target._closed and self.owner.get(flight.target) is worker:
+            if not flight.gone and target is not None and not target.closed and self.owner.get(flight.target) is worker:
                 out.append(flight)
         return out
 
@@ -193,7 +201,7 @@ class TransferNet:
         wrote may still be on the wire."""
         for name, agent in list(self.agents.items()):
             if self.owner.get(name) is worker:
-                agent._closed = True
+                agent.die()
                 del self.agents[name]
 
 

@@ -16,9 +16,10 @@ Hooks let lifecycle tests strike mid-transfer:
 
 With ``network=`` (the simulator's, ``splitserve/sim/transfer.py``) the agents live in that
 network's own registry (``network.agents``), and a write is handed to it (``network.start(self,
-handle)``): the network lands it when it decides (bytes and notification into the target) and
-sets the handle's state; ``poll`` asks the network (``network.poll(self, handle)``). A released or failed write may
-still be landed later by the network — until its target closes, which is the fence.
+handle)``): the network lands it when it decides (its bytes into the target's ``buffer``, its
+notification by ``queue_notification``) and sets the handle's state; ``poll`` asks the network
+(``network.poll(self, handle)``). A released or failed write may still be landed later by the network —
+until its target is ``closed`` (``close``, or ``die`` with its process), which is the fence.
 """
 
 from __future__ import annotations
@@ -142,6 +143,11 @@ class FakeBackend(TransferBackend):
             out.append(self._inbox.popleft())
         return out
 
+    @property
+    def closed(self) -> bool:
+        """Whether this backend is closed: nothing lands in it any more (the fence)."""
+        return self._closed
+
     def close(self) -> None:
         if self._closed:
             return
@@ -180,6 +186,15 @@ class FakeBackend(TransferBackend):
     def land(self, handle: FakeHandle) -> None:
         """Copy a write's bytes and notification into the target whatever its state (a late write)."""
         self._deliver(handle)
+
+    def queue_notification(self, sender: str, notif: bytes) -> None:
+        """Queue ``notif`` from agent ``sender`` for :meth:`notifications`: a network's landed write."""
+        self._inbox.append((sender, notif))
+
+    def die(self) -> None:
+        """Closed as its process died: nothing lands any more, and unlike :meth:`close` nothing is
+        released or unregistered (whoever models the death does that)."""
+        self._closed = True
 
     # -- internals ----------------------------------------------------------------------------
 
