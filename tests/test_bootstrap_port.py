@@ -27,12 +27,16 @@ from splitserve.disagg import protocol as p
 SLACK_S = 3.0
 HEARTBEAT_S, HEARTBEAT_MISSES = 0.5, 6
 PEER_SILENCE_S = HEARTBEAT_S * HEARTBEAT_MISSES
+ROOM_S = 90  # a room's bounds here: the test asserts that it finishes, not how fast
+FUZZ_FRAMES, FUZZ_REQUESTS, FUZZ_LIMIT_S = 10_000, 5, 300  # the fuzz test's counts, and how long they may take
 # test_faults' bounds, with a peer-silence bound that a loaded 2-core machine keeps (its 1 s is one a
 # worker starved of CPU can miss; the module's checks are cumulative, so one such miss failed them all)
 WORKER_ARGS = [*DEADLINES, "--heartbeat-interval-s", str(HEARTBEAT_S), "--heartbeat-misses", str(HEARTBEAT_MISSES),
                "--transfer-floor-s", str(PEER_SILENCE_S + SLACK_S + 2),
-               # the flood test holds a room bound for twice the silence bound before its prefill leg
-               "--bootstrap-s", "20", "--pending-registration-s", "20", "--kv-wait-s", "20",
+               # the flood test holds a room bound for twice the silence bound before its prefill leg,
+               # and its prefill works through the flood first: on a loaded machine that takes a while
+               "--bootstrap-s", str(ROOM_S), "--pending-registration-s", str(ROOM_S), "--kv-wait-s", str(ROOM_S),
+               "--tombstone-s", str(2 * ROOM_S),
                "--insecure-control-plane"]
 
 
@@ -87,10 +91,8 @@ def test_identity_envelopes_that_are_not_ours_are_dropped_not_fatal(cluster):
         probe.send(p.encode(p.GetInfo("pr1")))
         got = answered(probe, 1.0)
         assert got and isinstance(got[0], p.Info), f"no answer to a good GetInfo: {got}"
-        for sock in (*socks, probe):
-            sock.close(0)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # closes its sockets first: term() alone would wait for them for ever
     assert generate(cluster.url, prompt(30, 1), 4, **GREEDY)
     assert_nothing_broke(cluster)
 
@@ -105,24 +107,25 @@ def test_a_burst_of_frames_delays_no_heartbeat(cluster):
     extra = {"bootstrap_host": "127.0.0.1", "bootstrap_port": P.bootstrap_port, "bootstrap_room": room}
     from cluster import post_generate
 
-    decode_leg = Call(post_generate, D.url, ids, 4, timeout=60, extra=extra, **GREEDY)
+    decode_leg = Call(post_generate, D.url, ids, 4, timeout=ROOM_S + 30, extra=extra, **GREEDY)
     wait_for("the room registered on P", lambda: metric(metrics(P), "splitserve_lifecycle_entries", role="prefill",
                                                         kind="pending_registrations") >= 1, 10)
     ctx = zmq.Context()
-    sock = dealer(ctx, P.bootstrap_port, b"flood:1#fl1#1")
-    frames = [p.encode(p.AbortRoom(random.getrandbits(63), "fl1", "client_abort")) for _ in range(1000)]
-    started = time.monotonic()
-    for i in range(100):
-        for frame in frames:
-            sock.send(frame)
-    sent_in = time.monotonic() - started
-    time.sleep(2 * PEER_SILENCE_S + SLACK_S)  # twice the peer-silence bound, while the flood is absorbed
-    prefill_leg = Call(post_generate, P.url, ids, 4, timeout=60, extra=extra, **GREEDY)
-    resp, _ = decode_leg.outcome(60)
-    sock.close(0)
-    ctx.term()
+    try:
+        sock = dealer(ctx, P.bootstrap_port, b"flood:1#fl1#1")
+        frames = [p.encode(p.AbortRoom(random.getrandbits(63), "fl1", "client_abort")) for _ in range(1000)]
+        started = time.monotonic()
+        for i in range(100):
+            for frame in frames:
+                sock.send(frame)
+        sent_in = time.monotonic() - started
+        time.sleep(2 * PEER_SILENCE_S + SLACK_S)  # twice the peer-silence bound, while the flood is absorbed
+        prefill_leg = Call(post_generate, P.url, ids, 4, timeout=ROOM_S + 30, extra=extra, **GREEDY)
+        resp, _ = decode_leg.outcome(ROOM_S + 30)
+    finally:
+        ctx.destroy(linger=0)  # a failure above leaves the socket open: term() would wait for it
     assert getattr(resp, "status_code", None) == 200, (resp, getattr(resp, "text", ""), cluster.output())
-    assert prefill_leg.outcome(60)[0].status_code == 200
+    assert prefill_leg.outcome(ROOM_S + 30)[0].status_code == 200
     print(f"\n10^5 AbortRoom frames sent in {sent_in:.2f}s")
     assert_nothing_broke(cluster)
 
@@ -155,8 +158,11 @@ def _fuzz_frames(rng: random.Random) -> list:
 
 
 def test_random_frames_for_five_seconds_while_requests_flow(cluster):
-    """>= 1,000 bad frames a second for 5 s, from many identities (valid-looking, invalid UTF-8,
-    odd digits, far too long), while requests flow through the router: every request succeeds."""
+    """At least FUZZ_FRAMES bad frames (sent at up to 2,000 a second), from many identities
+    (valid-looking, invalid UTF-8, odd digits, far too long), while at least FUZZ_REQUESTS
+    requests flow through the router for at least 5 s: every request succeeds. Counted, not
+    timed: on a loaded machine the sender itself is slower, and the test runs until both counts
+    are reached."""
     port = cluster.prefill[0].bootstrap_port
     rng = random.Random(8)
     stop = threading.Event()
@@ -173,29 +179,29 @@ def test_random_frames_for_five_seconds_while_requests_flow(cluster):
             while not stop.is_set():
                 t0 = time.monotonic()
                 for parts in batches[i % len(batches)]:
-                    socks[rng.randrange(len(socks))].send_multipart(parts, zmq.NOBLOCK)
+                    try:
+                        socks[rng.randrange(len(socks))].send_multipart(parts, zmq.NOBLOCK)
+                    except zmq.Again:  # that socket's queue is full (the port reads behind): later
+                        break
                     sent[0] += 1
                 i += 1
                 time.sleep(max(0.0, 0.01 - (time.monotonic() - t0)))  # 20 frames per 10 ms: 2,000/s
-        except zmq.Again:
-            pass
         finally:
-            for sock in socks:
-                sock.close(0)
-            ctx.term()
+            ctx.destroy(linger=0)
 
     thread = threading.Thread(target=fuzz, daemon=True)
     thread.start()
     started, served = time.monotonic(), 0
     try:
-        while time.monotonic() - started < 5:
+        while (time.monotonic() - started < 5 or sent[0] < FUZZ_FRAMES or served < FUZZ_REQUESTS) \
+                and time.monotonic() - started < FUZZ_LIMIT_S:
             assert len(generate(cluster.url, prompt(rng.randint(5, 80), served), 4, **GREEDY)) == 4
             served += 1
     finally:
         stop.set()
         thread.join(10)
-    rate = sent[0] / (time.monotonic() - started)
-    print(f"\nfuzz: {sent[0]} bad frames ({rate:.0f}/s) while {served} requests succeeded")
-    assert rate >= 1000, f"only {rate:.0f} frames/s were sent"
-    assert served >= 5
+    took = time.monotonic() - started
+    print(f"\nfuzz: {sent[0]} bad frames in {took:.1f} s while {served} requests succeeded")
+    assert sent[0] >= FUZZ_FRAMES, f"only {sent[0]} bad frames were sent in {took:.0f} s"
+    assert served >= FUZZ_REQUESTS, f"only {served} requests were served in {took:.0f} s"
     assert_nothing_broke(cluster)

@@ -189,9 +189,8 @@ def bad_frames(port: int) -> None:
         for _ in range(3):
             sock.send(b"\x00garbage")
         time.sleep(0.3)
-        sock.close(0)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # closes the socket too, also when a send failed
 
 
 @pytest.fixture(scope="module")
