@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote a tiny {args.arch} checkpoint to {path}")
         return 0
     if args.command == "serve":
-        from splitserve.server.app import run_server
+        from splitserve.server.process import run_server
 
         _setup_logging(args.log_level)
         from splitserve.disagg.lifecycle.deadlines import Deadlines

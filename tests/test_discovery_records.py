@@ -59,7 +59,7 @@ def test_discovery_targets():
 
 def test_a_worker_that_cannot_register_does_not_start(tmp_path):
     from splitserve.config import ServerConfig
-    from splitserve.server.app import _check_discovery
+    from splitserve.server.registration import check_discovery
 
     for config, words in ((ServerConfig(role="colocated", discovery="etcd://h:1/p"), "prefill and decode"),
                           (ServerConfig(role="decode", host="0.0.0.0", discovery="etcd://h:1/p"), "--advertise-host"),
@@ -67,7 +67,7 @@ def test_a_worker_that_cannot_register_does_not_start(tmp_path):
                           (ServerConfig(role="decode", discovery="etcd://h:1/p", discovery_user="u"), "go together"),
                           (ServerConfig(role="decode", discovery="etcd:/h"), "--discovery")):
         with pytest.raises(ValueError, match=words):
-            _check_discovery(config)
+            check_discovery(config)
 
 
 @pytest.fixture(scope="module")

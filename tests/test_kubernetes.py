@@ -80,7 +80,7 @@ def _flag(container: dict, flag: str) -> str:
 
 
 def test_the_workers_pods_cover_their_drain_and_cpu_bounds(objects):
-    from splitserve.server.app import END_GRACE_S
+    from splitserve.server.process import END_GRACE_S
 
     deployments, services = by_kind(objects, "Deployment"), by_kind(objects, "Service")
     for role in ("prefill", "decode"):

@@ -251,7 +251,7 @@ def test_a_role_that_cannot_be_built_leaves_the_old_one_serving_and_registered(e
     requests, and its record put back in discovery."""
     from splitserve.config import ServerConfig
     from splitserve.metrics import Registry
-    from splitserve.server.app import WorkerState
+    from splitserve.server.state import WorkerState
     from splitserve.server.role_switch import SwitchFailed, switch as switch_role
 
     config = ServerConfig(role="decode", discovery_grace_s=0.0, drain_timeout_s=5.0)

@@ -32,7 +32,8 @@ from splitserve.config import EngineConfig, ServerConfig
 from splitserve.engine.io import NotReady, Overloaded, RequestOutput
 from splitserve.metrics import parse_exposition
 from splitserve.outcomes import Ending, Reason
-from splitserve.server.app import STATE, create_app
+from splitserve.server.app import create_app
+from splitserve.server.state import STATE
 
 # =============================================================================================
 # In process, with a fake engine

@@ -1,4 +1,4 @@
-"""The worker's HTTP front end (aiohttp) and its process lifecycle.
+"""The worker's HTTP front end (aiohttp): its routes and middlewares.
 
 Routes::
 
@@ -14,119 +14,34 @@ Routes::
     POST /role                                   prefill <-> decode, with the model it holds (server/role_switch.py)
 
 :func:`create_app` builds the application around an engine (anything with the ``AsyncEngine``
-interface, so tests can hand in a fake); :func:`run_server` is what ``splitserve serve`` runs:
-
-1. listen first (``/health`` answers 503 while the model loads; a busy port fails at once),
-2. load the model in a thread, print the ready line,
-3. on SIGTERM or SIGINT drain: refuse new requests with 503, let those in flight finish for up to
-   ``drain_timeout_s``, then end the rest with an error (a second signal cuts the wait short),
-4. close the listener and return 0.
-
-All state lives in one :class:`WorkerState` stored on the app (no module-level globals). The
-runner cancels a handler whose client disconnects (``handler_cancellation=True``), which is how a
-non-streaming request waiting for its answer learns that nobody is listening any more.
+interface, so tests can hand in a fake). What the handlers share is one
+:class:`~splitserve.server.state.WorkerState` on the app; the process around the app (listening,
+signals, the drain) is ``server/process.py``, the loop watchdog ``server/watchdog.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
-import os
 import re
-import signal
-import sys
-import threading
-import time
 from typing import Optional
 
 from aiohttp import web
 
-from splitserve.auth import (METRICS, WORKER_ROUTES, access_middlewares, caller_may, check_bootstrap_trust,
-                             check_control_plane, parse_allowed_prefill)
+from splitserve.auth import (METRICS, WORKER_ROUTES, access_middlewares, caller_may)
 from splitserve.client_writer import send
-from splitserve.config import EngineConfig, ServerConfig
-from splitserve.cpus import current_placement, format_cpu_list, place_process
-from splitserve.engine.grammar import GrammarCompiler
+from splitserve.config import ServerConfig
+from splitserve.cpus import current_placement, format_cpu_list
 from splitserve.engine.io import FLUSH_WAIT_S, InvalidRequest
-from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, read_body
+from splitserve.http_util import ConnectionCap, check_client_bounds, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
-from splitserve.outcomes import Ending, Reason
 from splitserve.server import abort_request, role_switch, tokenization
 from splitserve.server.generation import RID, engine_error_response, json_error, serve_generation
-from splitserve.server.tokenize_lanes import TokenizeLanes
+from splitserve.server.state import STATE, WorkerState
+from splitserve.server.watchdog import loop_watchdog
 from splitserve.validation import MAX_ROOM, REQUEST_ID
-from splitserve.server.worker_metrics import WorkerMetrics
-from splitserve.tls import server_context
 
 log = logging.getLogger(__name__)
-
-END_GRACE_S = 5.0  # after the engine ended the live requests, time for their handlers to answer
-
-
-class WorkerState:
-    """Everything the handlers share: the engine, config, metrics and requests in flight."""
-
-    def __init__(self, engine, config: ServerConfig, registry: Registry, incarnation: Optional[str] = None):
-        from splitserve.disagg.bootstrap import new_incarnation
-        from splitserve.discovery.record import check_id, default_worker_id
-
-        self.engine = engine
-        self.worker_id = check_id(config.worker_id or default_worker_id(
-            config.role, config.advertise_host or config.host, config.port), "--worker-id")
-        self.incarnation = incarnation or new_incarnation()
-        """This process start's id: the one its control plane uses (``make_engine`` is given it)."""
-        self.config = config
-        self.registry = registry
-        self.metrics = WorkerMetrics(registry, engine, config.role)
-        self.draining = False
-        self.started_at = int(time.time())
-        self.inflight: set[asyncio.Task] = set()  # generation handlers now running
-        self.tokenize = TokenizeLanes()  # validation and tokenization, off the event loop
-        self.grammars = GrammarCompiler()  # response_format, compiled in the lanes
-        self.allowed_prefill = parse_allowed_prefill(config.allowed_prefill)  # whose bootstrap fields decode takes
-        self.epoch = 0
-        """One more at every role switch begun (``POST /role``: a request names the epoch it expects)."""
-        self.switch: Optional[asyncio.Future] = None  # the role switch under way
-        self.switch_to: Optional[str] = None
-        self.register = None
-        """``--discovery``: puts this worker's record as it is now in etcd (a started ``Registration``)."""
-        self.registration = None  # the record in etcd now, if any
-        self.stopping = False  # SIGTERM: draining for good (a role switch under way does not undo it)
-
-    def identity(self) -> dict:
-        """Who this worker is (on ``/health`` and ``/get_server_info``): id, incarnation, role, and
-        the epoch of its role (``POST /role``)."""
-        return {"id": self.worker_id, "incarnation": self.incarnation, "role": self.config.role, "epoch": self.epoch}
-
-    def pairing(self) -> dict:
-        """What a router pairs workers by (``/get_server_info``): the model fingerprint, the control
-        protocol version, the transfer backend and, for a prefill, its bootstrap port. Empty until
-        the role started (a colocated worker has none)."""
-        info = getattr(getattr(self.engine, "role", None), "info", None)
-        if info is None:
-            return {}
-        return {"model_fingerprint": info.model, "protocol_version": info.protocol_version,
-                "transfer_backend": info.backend,
-                "bootstrap_port": self.config.bootstrap_port if self.config.role == "prefill" else None}
-
-    def accepting(self) -> bool:
-        return bool(self.engine.ready) and not self.draining and not self.engine.draining
-
-    @property
-    def model_name(self) -> str:
-        """``--served-model-name``, else the built-in model's name (``tiny``, ``smollm2``), else the
-        checkpoint folder's basename (a GGUF file's stem)."""
-        from splitserve.models.resolve import BUILTIN_MODELS
-
-        if self.config.served_model_name:
-            return self.config.served_model_name
-        if getattr(self.engine.config, "model", None) in BUILTIN_MODELS:
-            return self.engine.config.model
-        return self.engine.spec.name
-
-
-STATE = web.AppKey("splitserve_worker", WorkerState)
 
 
 def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None,
@@ -173,42 +88,6 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 async def _on_cleanup(app: web.Application) -> None:
     app[STATE].tokenize.shutdown()
     app[STATE].grammars.shutdown()
-
-
-WATCHDOG_S = 0.5  # how often the HTTP side looks at the engine loop's age
-
-
-async def loop_watchdog(app: web.Application):
-    """While the engine loop is wedged (``--loop-stall-s``), answer every request it holds from
-    here (503, ``loop_stalled``): a client is never left waiting on a loop that does not move. Its
-    pages stay where they are; /health fails meanwhile, so the router sends no more.
-
-    A ``cleanup_ctx`` of :func:`create_app`'s app; a host that serves the app without
-    ``web.AppRunner`` (the simulator) drives it itself: the first ``__anext__`` starts the watch."""
-    state = app[STATE]
-
-    async def watch() -> None:
-        stalled = False
-        while True:
-            await asyncio.sleep(WATCHDOG_S)
-            engine = state.engine
-            now_stalled = bool(getattr(engine, "loop_stalled", lambda: False)())
-            if now_stalled:
-                ending = Ending(Reason.LOOP_STALLED, f"the engine loop has made no progress for "
-                                                     f"{engine.loop_age():.1f}s (--loop-stall-s {engine.loop_stall_s:g})")
-                answered = engine.fail_streams(ending)
-                if not stalled or answered:
-                    log.error("%s; %d requests answered 503", ending.message, answered)
-            elif stalled:
-                log.warning("the engine loop moves again")
-            stalled = now_stalled
-
-    task = asyncio.ensure_future(watch())
-    try:
-        yield
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 def _generation_handler(endpoint: str):
@@ -430,209 +309,3 @@ def _version() -> str:
         return version("splitserve")
     except Exception:
         return "0+unknown"
-
-
-# -- the process -----------------------------------------------------------------------------------
-
-
-def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlines=None) -> int:
-    """Serve until SIGTERM/SIGINT, then drain; the exit code (0 after a clean drain, 1 if the
-    port cannot be bound or the model fails to load). ``deadlines``: the lifecycle limits of a
-    prefill or decode worker (``disagg.lifecycle.Deadlines``; defaults when None). The CPU
-    placement (``--cpus``, ``--threads``) is applied first, before any thread of ours starts; a bad
-    one exits 2. A SIGTERM/SIGINT before the worker is ready exits 0 at once (``_exit_now``)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):  # until the event loop takes them over
-        signal.signal(sig, lambda signum, _frame: _exit_now(f"received {signal.Signals(signum).name} while starting"))
-    try:
-        check_client_bounds(server_config)
-        check_bootstrap_trust(server_config)
-        check_control_plane(server_config)
-        ssl_context = server_context(server_config.ssl_certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs)
-        if server_config.discovery:  # likewise a bad --discovery
-            _check_discovery(server_config)
-        if server_config.cluster_secret_file:  # read now: a bad file stops the worker at once
-            from splitserve.disagg.control.curve import ClusterSecret
-
-            ClusterSecret.load(server_config.cluster_secret_file, warn=False)
-    except ValueError as exc:
-        print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
-        return 2
-    try:
-        placement = place_process(server_config.cpus, server_config.threads)
-    except ValueError as exc:
-        print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
-        return 2
-    log.info("CPU placement: %s", placement.describe())
-    from splitserve.disagg.bootstrap import new_incarnation
-
-    incarnation = new_incarnation()
-    engine = make_engine(engine_config, server_config, deadlines, incarnation)
-    return asyncio.run(_serve(engine, server_config, ssl_context, incarnation))
-
-
-def make_engine(engine_config: EngineConfig, server_config: ServerConfig, deadlines=None,
-                incarnation: Optional[str] = None):
-    """The engine for the worker's role: colocated, or a prefill / decode worker of a split pair
-    (whose control plane then uses ``incarnation``, the one ``/health`` reports)."""
-    if server_config.role == "colocated":
-        from splitserve.engine.async_engine import AsyncEngine
-
-        return AsyncEngine(engine_config, loop_stall_s=server_config.loop_stall_s)
-    from splitserve.disagg.lifecycle import Deadlines
-    from splitserve.disagg.worker import engine_for_role
-
-    return engine_for_role(engine_config, server_config, deadlines or Deadlines(), incarnation)
-
-
-async def _serve(engine, server_config: ServerConfig, ssl_context=None, incarnation: Optional[str] = None) -> int:
-    loop = asyncio.get_running_loop()
-    stop, force = asyncio.Event(), asyncio.Event()
-
-    def on_signal(signum: int) -> None:
-        log.info("received %s", signal.Signals(signum).name)
-        (force if stop.is_set() else stop).set()
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
-
-    app = create_app(engine, server_config, incarnation=incarnation)
-    state = app[STATE]
-    # keepalive_timeout also closes a connection whose request head has not all come by then
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE_S,
-                           keepalive_timeout=server_config.client_header_timeout_s)
-    await runner.setup()
-    state.connections.install(runner)
-    try:
-        await web.TCPSite(runner, server_config.host, server_config.port, ssl_context=ssl_context).start()
-    except OSError as exc:
-        print(f"splitserve: cannot listen on {server_config.host}:{server_config.port}: {exc}", file=sys.stderr,
-              flush=True)
-        await runner.cleanup()
-        return 1
-
-    started = _start_in_thread(engine, loop)
-    stop_wait = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({started, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
-    if not started.done():  # a signal while loading: nothing is in flight, just leave
-        await runner.cleanup()
-        _exit_now("stopping before the model finished loading")
-    if started.exception() is not None:
-        exc = started.exception()
-        log.error("the engine failed to start", exc_info=exc)
-        print(f"splitserve: the engine failed to start: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        stop_wait.cancel()
-        await runner.cleanup()
-        return 1
-
-    print(_ready_line(runner, server_config, state.model_name), flush=True)
-    if server_config.discovery:
-        state.register = lambda: _register(state, runner, ssl_context is not None)
-        state.registration = state.register()
-    await stop_wait
-    state.stopping = True
-    registration, state.registration = state.registration, None  # the current one: a role switch renews it
-    if registration is not None:  # routers stop sending first; what they already sent is still served
-        await loop.run_in_executor(None, registration.revoke)
-        log.info("discovery: serving %.1f s more before draining", server_config.discovery_grace_s)
-        try:
-            async with asyncio.timeout(server_config.discovery_grace_s):  # not wait_for (see router/legs.py)
-                await force.wait()
-        except asyncio.TimeoutError:
-            pass
-    await _drain(state, server_config.drain_timeout_s, force)
-    await runner.cleanup()
-    log.info("stopped")
-    return 0
-
-
-def _check_discovery(config: ServerConfig) -> None:
-    """ValueError for a ``--discovery`` this worker cannot register with."""
-    from splitserve.discovery.etcd import Credentials, parse_target
-
-    parse_target(config.discovery)
-    Credentials.of(config)
-    if config.role not in ("prefill", "decode"):
-        raise ValueError("--discovery registers prefill and decode workers (--role prefill|decode)")
-    if not config.discovery_ttl_s >= 2 or not config.discovery_grace_s >= 0:
-        raise ValueError("--discovery-ttl-s must be at least 2 and --discovery-grace-s at least 0")
-    if (config.advertise_host or config.host) in ("0.0.0.0", "::", ""):
-        raise ValueError(f"--discovery: routers cannot reach {config.host}; give --advertise-host (on "
-                         "Kubernetes the pod's IP, status.podIP)")
-
-
-def _register(state: WorkerState, runner: web.AppRunner, tls: bool):
-    """Put this worker's record in etcd under a lease kept alive by a thread (``discovery/etcd.py``)."""
-    from splitserve.discovery.etcd import Credentials, Registration, parse_target
-    from splitserve.discovery.record import WorkerRecord
-
-    config, pairing = state.config, state.pairing()
-    port = runner.addresses[0][1] if runner.addresses else config.port
-    host = config.advertise_host or config.host
-    url = f"{'https' if tls else 'http'}://{'[%s]' % host if ':' in host else host}:{port}"
-    record = WorkerRecord(state.worker_id, state.incarnation, config.role, url, pairing["bootstrap_port"],
-                          pairing["model_fingerprint"], pairing["protocol_version"], pairing["transfer_backend"])
-    return Registration(parse_target(config.discovery), record, config.discovery_ttl_s,
-                        Credentials.of(config)).start()
-
-
-def _exit_now(why: str) -> None:
-    """Exit 0 without the interpreter's finalization: nothing is in flight yet, and the thread that
-    loads the model may be inside native code (torch's thread pool, NIXL's threads), whose static
-    destructors, run under it at a normal exit, end the process in ``std::terminate`` (``terminate
-    called without an active exception``, SIGABRT)."""
-    log.info("%s: exiting", why)
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
-    os._exit(0)
-
-
-def _start_in_thread(engine, loop: asyncio.AbstractEventLoop) -> asyncio.Future:
-    """Run the blocking ``engine.start`` in a daemon thread (a signal during a long load can then
-    end the process without waiting for it)."""
-    future = loop.create_future()
-
-    def settle(exc: Optional[BaseException]) -> None:
-        if not future.done():
-            future.set_result(None) if exc is None else future.set_exception(exc)
-
-    def target() -> None:
-        try:
-            takes_loop = "loop" in inspect.signature(engine.start).parameters
-            engine.start(loop) if takes_loop else engine.start()
-        except BaseException as exc:  # reported to the main loop, which exits 1
-            loop.call_soon_threadsafe(settle, exc)
-        else:
-            loop.call_soon_threadsafe(settle, None)
-
-    threading.Thread(target=target, name="engine-start", daemon=True).start()
-    return future
-
-
-async def _drain(state: WorkerState, timeout_s: float, force: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    state.draining = state.stopping = True
-    state.engine.begin_drain()
-    log.info("draining: %d requests in flight, waiting up to %.1fs", len(state.inflight), timeout_s)
-    deadline = time.monotonic() + timeout_s
-    while state.inflight and time.monotonic() < deadline and not force.is_set():
-        await asyncio.sleep(0.05)
-    if state.inflight:
-        log.warning("drain: ending %d requests still in flight", len(state.inflight))
-    await loop.run_in_executor(None, state.engine.shutdown)  # ends every live request with an error
-    deadline = time.monotonic() + END_GRACE_S
-    while state.inflight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    for task in list(state.inflight):  # last resort: a handler that did not end with its request
-        task.cancel()
-
-
-def _ready_line(runner: web.AppRunner, config: ServerConfig, model: str) -> str:
-    url = bound_url(runner, config.host, config.port, tls=config.ssl_certfile is not None)
-    example = ('{"model": "%s", "prompt": "Hello, my name is", "max_tokens": 16}' % model)
-    key = " -H 'Authorization: Bearer <your API key>'" if config.api_key else ""
-    return (f"splitserve ready: {url} (model {model})  try: curl {url}/v1/completions{key} "
-            f"-H 'Content-Type: application/json' -d '{example}'")

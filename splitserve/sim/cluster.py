@@ -45,6 +45,8 @@ from splitserve.router import app as router_app
 from splitserve.router.proxy import ROOM_BITS
 from splitserve.router.workers import HealthChecker
 from splitserve.server import app as worker_app
+from splitserve.server.state import STATE
+from splitserve.server.watchdog import loop_watchdog
 from splitserve.server.tokenize_lanes import TokenizeLanes
 from splitserve.sim.clock import InlineExecutor
 from splitserve.sim.http import Session, prepare_app, serve
@@ -152,9 +154,9 @@ class SimWorker:
             thread.alive = lambda: self.alive
         self._wrap_edges()
         self.app = prepare_app(worker_app.create_app(ae, server), self._finding)
-        self.state = self.app[worker_app.STATE]
+        self.state = self.app[STATE]
         self.state.tokenize = TokenizeLanes(executor=InlineExecutor())
-        self._watchdog = worker_app.loop_watchdog(self.app)
+        self._watchdog = loop_watchdog(self.app)
         asyncio.ensure_future(self._watchdog.__anext__())
         self.engine_act.at_or_before(loop.time())
         self.control_act.at_or_before(loop.time())

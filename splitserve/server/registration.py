@@ -1,0 +1,39 @@
+"""A worker's record in discovery (``--discovery``): checked at start, put in etcd under a lease
+once the worker serves (``discovery/etcd.py``)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from splitserve.config import ServerConfig
+from splitserve.server.state import WorkerState
+
+
+def check_discovery(config: ServerConfig) -> None:
+    """ValueError for a ``--discovery`` this worker cannot register with."""
+    from splitserve.discovery.etcd import Credentials, parse_target
+
+    parse_target(config.discovery)
+    Credentials.of(config)
+    if config.role not in ("prefill", "decode"):
+        raise ValueError("--discovery registers prefill and decode workers (--role prefill|decode)")
+    if not config.discovery_ttl_s >= 2 or not config.discovery_grace_s >= 0:
+        raise ValueError("--discovery-ttl-s must be at least 2 and --discovery-grace-s at least 0")
+    if (config.advertise_host or config.host) in ("0.0.0.0", "::", ""):
+        raise ValueError(f"--discovery: routers cannot reach {config.host}; give --advertise-host (on "
+                         "Kubernetes the pod's IP, status.podIP)")
+
+
+def register(state: WorkerState, runner: web.AppRunner, tls: bool):
+    """Put this worker's record in etcd under a lease kept alive by a thread (``discovery/etcd.py``)."""
+    from splitserve.discovery.etcd import Credentials, Registration, parse_target
+    from splitserve.discovery.record import WorkerRecord
+
+    config, pairing = state.config, state.pairing()
+    port = runner.addresses[0][1] if runner.addresses else config.port
+    host = config.advertise_host or config.host
+    url = f"{'https' if tls else 'http'}://{'[%s]' % host if ':' in host else host}:{port}"
+    record = WorkerRecord(state.worker_id, state.incarnation, config.role, url, pairing["bootstrap_port"],
+                          pairing["model_fingerprint"], pairing["protocol_version"], pairing["transfer_backend"])
+    return Registration(parse_target(config.discovery), record, config.discovery_ttl_s,
+                        Credentials.of(config)).start()
