@@ -238,6 +238,7 @@ TEXTS = [
     '<tool_call>{"name":"f","arguments":{}}\n<tool_call>{"name":"get_weather","arguments":{"city":"x"}}'
     '</tool_call> done',  # the first never closed: the second opens
     '<tool_call>{"name":"f","arguments":{}, "id": 3}</tool_call>',  # a key after arguments: the call's own
+    '<tool_call>{"name":"f","arguments":{}}\n</tool_ca',  # its closing tag cut by max_tokens
 ]
 
 
@@ -280,6 +281,8 @@ def test_a_call_never_closed_loses_none_of_the_words_after_it():
     assert [c["function"]["name"] for c in two["tool_calls"]] == ["f", "get_weather"] and two["content"] == " done"
     own = parse(TEXTS[7], NAMES).message()
     assert own["content"] is None and own["tool_calls"][0]["function"]["arguments"] == "{}"
+    cut = parse(TEXTS[8], NAMES).message()
+    assert cut["content"] is None and [c["function"]["name"] for c in cut["tool_calls"]] == ["f"], cut
 
 
 @pytest.mark.long

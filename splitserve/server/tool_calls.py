@@ -181,8 +181,10 @@ class ToolCallParser:
         self._finished = True
         if self._state == "header":  # a tag that never became a call: its text stays
             self._text(out, TOOL_CALL_OPEN + self._buf)
-        elif self._state == "tail":  # a call never closed: what followed its object stays
-            self._text(out, _after_call(self._tail + self._buf))
+        elif self._state == "tail":  # a call never closed: what followed its object stays (less a
+            # closing tag cut short by max_tokens)
+            held = "" if TOOL_CALL_CLOSE.startswith(self._buf) else self._buf
+            self._text(out, _after_call(self._tail + held))
         elif self._state == "text" and self._buf:
             if not self.calls or self._buf.strip():
                 self._text(out, self._buf)
