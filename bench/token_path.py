@@ -46,7 +46,6 @@ import itertools
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -348,17 +347,11 @@ def main() -> None:
               f"alone), {args.max_tokens} tokens each, greedy; logs {LOG_DIR}", flush=True)
         asyncio.run(run_all(args, url, {"router": procs["router"].pid, "decode": procs["decode"].pid}, vocab))
         metrics = requests.get(url["router"] + "/metrics", timeout=10).text
-        alone, split = ttft._count(metrics, "alone"), ttft._count(metrics, "split")
+        alone, split = ttft.decisions(metrics, "alone"), ttft.decisions(metrics, "split")
         print(f"the router sent {alone:.0f} requests to decode alone, {split:.0f} split; load average "
               f"{os.getloadavg()[0]:.2f} at the end", flush=True)
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        ttft.stop_all(procs.values())
 
 
 if __name__ == "__main__":

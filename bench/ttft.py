@@ -132,7 +132,7 @@ def main() -> None:
                     if r:
                         got[k].append(t)
             after = requests.get(url["router"] + "/metrics", timeout=10).text
-            alone_now = _count(after, "alone") > _count(before, "alone")
+            alone_now = decisions(after, "alone") > decisions(before, "alone")
             m = {k: statistics.median(v) for k, v in got.items()}
             base = m["decode"] if base is None else base
             cost = f"{m['router'] - m['decode']:+.1f}" if alone_now else "-"
@@ -152,16 +152,22 @@ def main() -> None:
                   f"{'ok' if m['router'] <= m['split'] else 'worse by %.1f ms' % (m['router'] - m['split'])}",
                   flush=True)
     finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs.values())
 
 
-def _count(metrics_text: str, decision: str) -> float:
+def stop_all(procs) -> None:
+    """SIGTERM every process, then SIGKILL those not gone within 30 s."""
+    procs = list(procs)
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def decisions(metrics_text: str, decision: str) -> float:
     """``splitserve_router_pd_decisions_total{decision=...}`` in a scrape."""
     for line in metrics_text.splitlines():
         if line.startswith("splitserve_router_pd_decisions_total") and f'decision="{decision}"' in line:

@@ -72,7 +72,7 @@ def _per_item(results: dict) -> list[tuple[int, list[float], float]]:
     return [(s["doc_id"], [r[0][0] for r in s["resps"]], s["acc"]) for s in samples]
 
 
-def _scores_alike(url: str, worker: str, monkeypatch, docs: Optional[tuple[int, ...]] = None) -> None:
+def assert_scores_alike(url: str, worker: str, monkeypatch, docs: Optional[tuple[int, ...]] = None) -> None:
     """lm-eval on the items ``docs`` (None: all) through ``url`` (``worker``: one of its
     workers, which names the checkpoint) and through transformers: each item's loglikelihoods
     (within ``LL_TOL``) and accuracy agree, and so does the task's accuracy."""
@@ -96,10 +96,10 @@ def _scores_alike(url: str, worker: str, monkeypatch, docs: Optional[tuple[int, 
 
 
 def test_lm_eval_scores_a_few_items_alike_through_splitserve_and_transformers(server, monkeypatch):
-    _scores_alike(server.url, server.url, monkeypatch, FEW_DOCS)
+    assert_scores_alike(server.url, server.url, monkeypatch, FEW_DOCS)
 
 
 @pytest.mark.long
 def test_lm_eval_scores_alike_through_splitserve_and_transformers(served, monkeypatch):
     url, worker = served
-    _scores_alike(url, worker, monkeypatch)
+    assert_scores_alike(url, worker, monkeypatch)

@@ -110,23 +110,21 @@ class DecodeTable(PromptHere, RoomTable):
                 self._on_peer_info(room, peer, mismatch, now, out)
             case DecodeStep(room=room, new_pages=new_pages):
                 self._first_token_here(room, now, out)
-                r = self._live_room_in(room, DecodeState.DECODING, event, out, tuple(new_pages))
+                r = self._live_room_in(room, (DecodeState.DECODING,), event, out, tuple(new_pages))
                 if r is not None:
                     r.pages += tuple(new_pages)
                     self._rearm(r, now)
             case Finished(room=room, reason=reason):
                 self._first_token_here(room, now, out)
-                r = self._live_room_in(room, DecodeState.DECODING, event, out)
+                r = self._live_room_in(room, (DecodeState.DECODING,), event, out)
                 if r is not None:
                     self._end(r, Ending(reason), now, out)
             case PromptChunk(room=room):
                 # A DECODING room the engine preempted for pages recomputes its tokens in chunks:
                 # that is progress too, or a long recompute would read as a stalled decode.
-                r = self._rooms.get(room)
-                if r is not None and r.state in (DecodeState.PREFILLING, DecodeState.DECODING):
+                r = self._live_room_in(room, (DecodeState.PREFILLING, DecodeState.DECODING), event, out)
+                if r is not None:
                     self._rearm(r, now)
-                else:
-                    self._out_of_order(room, event, out)
             case KVLost(room=room, detail=detail):
                 r = self._rooms.get(room)
                 before_kv = r is not None and r.state in (DecodeState.PREALLOC, DecodeState.AWAITING_KV)
@@ -137,10 +135,12 @@ class DecodeTable(PromptHere, RoomTable):
             case _:
                 super()._on_event(event, now, out)
 
-    def _live_room_in(self, room: int, state: DecodeState, event, out: list[Action],
+    def _live_room_in(self, room: int, states: tuple[DecodeState, ...], event, out: list[Action],
                       pages: tuple[int, ...] = ()) -> Optional[DecodeRoom]:
+        """The room, if it is in one of ``states``; else an out-of-order notice (and ``pages``,
+        which the engine just allocated for it, freed) and None."""
         r = self._rooms.get(room)
-        if r is not None and r.state is state:
+        if r is not None and r.state in states:
             return r
         self._out_of_order(room, event, out, pages)
         return None
