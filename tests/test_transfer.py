@@ -708,3 +708,39 @@ def test_a_write_that_failed_in_flight_ends_its_session_before_it_is_reported():
         refused_write = events.get(timeout=TIMEOUT_S)
         assert isinstance(refused_write, WriteFailed) and "bad_span" in refused_write.error, refused_write
         assert events.empty()
+
+
+def test_an_idle_transfer_thread_sleeps_and_polls_fast_only_while_a_rooms_kv_is_due():
+    """On the per-token path of every request decoded alone the transfer thread has nothing to
+    do: it sleeps (``IDLE_POLL_S``) instead of polling every ``BUSY_POLL_S``, which took the GIL
+    from the engine thread hundreds of times a second. A room whose pages open to a writer
+    makes it due (``wake()`` brings it out of its sleep), and it polls fast until they close."""
+    from splitserve.disagg.lifecycle import Peer
+    from splitserve.disagg.transfer.links import ReceiveLinks
+    from splitserve.disagg.transfer.thread import IDLE_POLL_S, TransferWorker
+
+    class Counting(TransferWorker):
+        steps = 0
+
+        def step(self) -> bool:
+            self.steps += 1
+            return super().step()
+
+    links = ReceiveLinks("fake", f"d-{uuid.uuid4().hex[:8]}", KVPool(LAYOUT).buffer)
+    worker = Counting(None, queue.Queue().put, links=links)
+    writer = Peer("prefill:1", "p1", 1)
+    links.open(writer)
+    try:
+        worker.start()
+        assert not worker.due()
+        time.sleep(1.0)
+        idle = worker.steps  # a busy machine makes it fewer, never more
+        assert idle <= 2 * (1.0 / IDLE_POLL_S) + 2, f"{idle} polls in 1 s with nothing due"
+        links.allow(writer, 7, [0, 1])
+        worker.wake()
+        assert worker.due()
+        links.revoke(7)
+        assert not worker.due()
+    finally:
+        worker.stop()
+        links.close_all()

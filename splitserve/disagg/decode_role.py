@@ -248,6 +248,7 @@ class DecodeRole(DisaggRole):
     def _send(self, peer: Peer, msg) -> None:
         if isinstance(msg, p.RegisterRoom):  # its target pages open to that prefill's link, before it can write
             self.links.allow(peer, msg.room, msg.pages)
+            self.transfer.wake()  # it polls the links fast only while a room's KV is due
         super()._send(peer, msg)
 
     def _free_room(self, room: int, named=None) -> None:

@@ -126,6 +126,11 @@ class ReceiveLinks:
         log.info("receiving link %s for %s closed: its writes are fenced", link.agent_name, writer)
         return True
 
+    def expecting(self) -> bool:
+        """Some room's pages are open to a writer: its writes and its ``KVDone`` may come now, and
+        the links must be polled for them (any thread)."""
+        return bool(self._writer_of)
+
     def notifications(self) -> list[tuple[Hashable, str, bytes]]:
         """``(writer, writer's agent name, notif)`` received on any link since the last call."""
         with self._lock:

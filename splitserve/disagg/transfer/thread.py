@@ -5,7 +5,11 @@ put) and gets events back in its inbox: ``WriteDone`` / ``WriteFailed`` for ever
 started (prefill, the writer: ``backend``), and ``KVNotification`` for every notification that
 arrives on a receiving link (decode: ``links``; the ``KVDone`` that travels with a room's last
 write). The thread also keeps the receiving side of NIXL progressing by calling
-``notifications()`` every few milliseconds.
+``notifications()`` every ``BUSY_POLL_S`` while something is due: a write or notification in
+flight, or a room whose pages are open to a writer (``ReceiveLinks.expecting``). With nothing due
+it sleeps until a command comes (``wake()`` is one), at most ``IDLE_POLL_S``: a worker that serves
+only requests decoded alone would otherwise wake hundreds of times a second for nothing, taking
+the GIL from the engine thread each time.
 
 Supervised (rule 8): if an iteration raises, every write in flight is reported failed (so its room
 ends instead of waiting forever) after its session is declared lost (its bytes may still land, so
@@ -36,7 +40,8 @@ from splitserve.disagg.transfer.links import ReceiveLinks
 
 log = logging.getLogger(__name__)
 
-IDLE_SLEEP_S = 0.002
+BUSY_POLL_S = 0.002  # while a write, a notification or a room's KV is due: its latency is on TTFT
+IDLE_POLL_S = 0.05  # nothing due: a late notification of a room already ended waits this long at most
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,12 @@ class Write:
     write_id: int
     peer: Peer
     spans: tuple[Span, ...]
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing to do but look again: something became due that no command brings (a room's pages
+    opened to a writer)."""
 
 
 @dataclass(frozen=True)
@@ -125,6 +136,10 @@ class TransferWorker(SupervisedThread):
         """Thread-safe: queue a command for the transfer thread."""
         self._commands.put(command)
 
+    def wake(self) -> None:
+        """Thread-safe: poll at once and keep polling while something is due (``serve()``)."""
+        self._commands.put(Wake())
+
     def peer_count(self) -> int:
         """Peers with a transfer connection now (prefill: a NIXL remote agent each); any thread."""
         return len(self._agents)
@@ -139,9 +154,15 @@ class TransferWorker(SupervisedThread):
         while not self.stopping.is_set():
             if not self.step():  # sleep until a command comes, or the receiving side is due for progress
                 try:
-                    self._run(self._commands.get(timeout=IDLE_SLEEP_S))
+                    self._run(self._commands.get(timeout=BUSY_POLL_S if self.due() else IDLE_POLL_S))
                 except queue.Empty:
                     pass
+
+    def due(self) -> bool:
+        """Something will come only if the thread polls for it: a write or a notification handed to
+        the backend, or (decode) a room whose KV may be written now."""
+        return (any(w.handle is not None for w in self._inflight.values()) or bool(self._notifies)
+                or (self.links is not None and self.links.expecting()))
 
     def step(self) -> bool:
         """One iteration: the commands queued, the writes polled, the notifications received.
@@ -205,6 +226,8 @@ class TransferWorker(SupervisedThread):
                     self._settle(w, WriteFailed(w.room, w.write_id, "cancelled while stalled"))
         elif isinstance(cmd, ResetPeer):
             self._reset(cmd.peer, cmd.forget)
+        elif isinstance(cmd, Wake):
+            pass
         else:
             raise TypeError(f"unknown transfer command {cmd!r}")
 
