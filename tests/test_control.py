@@ -122,6 +122,23 @@ def test_prefill_withholds_heartbeats_while_its_engine_loop_is_wedged():
         assert sum(control.bad_frames.values()) == before + 1
 
 
+def test_a_control_thread_sleeps_until_its_next_heartbeat_and_no_longer_than_poll_ms():
+    """Nothing wakes a control thread for its heartbeats: it sleeps until the next is due, and
+    otherwise at most ``POLL_MS`` (work and frames wake it at once), not every few milliseconds
+    on the per-token path of every request."""
+    from splitserve.disagg.control.base import POLL_MS
+
+    with prefill_control(deadlines=Deadlines(heartbeat_interval_s=0.02, heartbeat_misses=1000)) \
+            as (control, decode, events, transfer):
+        decode.send(p.encode(p.RegisterPeer("d1", "pf1", "decode-link1", b"md")))
+        got = _recv_all(decode, ARRIVE_S, until=lambda g: any(isinstance(m, p.Heartbeat) for m in g))
+        assert any(isinstance(m, p.Heartbeat) for m in got), got  # heartbeats still come
+        waits = [control.poll_ms() for _ in range(50)]
+        assert all(0 <= w <= 21 for w in waits), waits
+    with prefill_control(deadlines=Deadlines(heartbeat_interval_s=10.0)) as (control, decode, events, transfer):
+        wait_until(lambda: control.poll_ms() == POLL_MS, ARRIVE_S)  # once its first heartbeat went (to nobody)
+
+
 def test_prefill_answers_link_registrations_and_holds_back_rooms_that_come_before_their_link():
     early = p.RegisterRoom(5, "d1", "pf1", "r5", 8, [1, 2], 0)
     with prefill_control(deadlines=Deadlines(heartbeat_interval_s=10)) as (control, decode, events, transfer):

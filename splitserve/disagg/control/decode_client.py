@@ -35,7 +35,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.disagg import protocol as p
 from splitserve.disagg.bootstrap import first_mismatch
-from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults,
+from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_POLL, ControlFaults,
                                            ControlThread, identity)
 from splitserve.disagg.control.curve import FAILED, PROTOCOL_ERRORS, max_msg_size
 from splitserve.disagg.lifecycle import Deadlines, FromPeer, LocalFailure, Peer, PeerInfo, PeerLost, Reason
@@ -116,7 +116,7 @@ class DecodeControl(ControlThread):
             for pf in self._prefills.values():
                 poller.register(pf.conn.sock, zmq.POLLIN)
             poller.register(self._wake_r, zmq.POLLIN)
-            ready = dict(poller.poll(POLL_MS))
+            ready = dict(poller.poll(self.poll_ms()))
             if self._wake_r in ready:
                 self._drain_wake()
             self.step({pf.conn for pf in self._prefills.values() if pf.conn.sock in ready})

@@ -38,7 +38,7 @@ from typing import Callable, Optional
 import zmq
 
 from splitserve.disagg import protocol as p
-from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_POLL, POLL_MS, ControlFaults,
+from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_POLL, ControlFaults,
                                            ControlThread, identity, peer_of)
 from splitserve.disagg.control.curve import max_msg_size
 from splitserve.disagg.lifecycle import Deadlines, FromPeer, Peer, PeerLost, Reason
@@ -123,7 +123,7 @@ class PrefillControl(ControlThread):
         poller.register(self._wake_r, zmq.POLLIN)
         while not self.stopping.is_set():
             self.beat()
-            ready = dict(poller.poll(POLL_MS))
+            ready = dict(poller.poll(self.poll_ms()))
             if self._wake_r in ready:
                 self._drain_wake()
             self.step(self.endpoint.sock in ready)
