@@ -417,6 +417,55 @@ def test_router_token_times_read_sse_bytes_cut_anywhere():
     assert gen.ttft == 1.0 and gen.gaps == []
 
 
+def test_the_routers_quick_look_at_our_own_events_agrees_with_parsing_them():
+    """Most events skip ``json.loads`` (``_FIRST_CHOICE``: the chunks our workers write); every
+    chunk the protocol builds is classified as parsing it would, empty and escaped texts, logprobs
+    and tool-call deltas included."""
+    from splitserve.router import metrics as router_metrics
+    from splitserve.server import openai_protocol as proto
+
+    def parsed(data: bytes) -> bool:
+        event = json.loads(data)
+        choice = (event.get("choices") or [{}])[0]
+        delta = choice.get("delta")
+        return bool(delta.get("content")) if isinstance(delta, dict) else bool(choice.get("text"))
+
+    chunks = []
+    for text in ("", "a", '"', "\\", "\n", "é", '"choices":[{"index":0,"text":""'):
+        for lp in (None, {"tokens": ["x"], "token_logprobs": [-1.0], "top_logprobs": [{"text": -0.5}]}):
+            chunks.append(proto.completion_chunk("r1", 'a "model"', 1, text, None, lp, index=2))
+        for delta in ({"content": text}, {"role": "assistant", "content": text}):
+            chunks.append(proto.chat_chunk("r1", "m", 1, delta, None, {"content": [{"token": text}]}))
+    chunks += [proto.chat_chunk("r1", "m", 1, delta, "stop") for delta in ({}, {"content": None},
+                                                                          {"tool_calls": [{"index": 0}]})]
+    quick = 0
+    for chunk in chunks:
+        data = json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode()
+        assert router_metrics._carries_tokens(data) == parsed(data), data
+        quick += router_metrics._FIRST_CHOICE.search(data) is not None
+    assert quick >= len(chunks) - 2, quick  # all but {"content": null} and a tool call's delta
+
+
+def test_a_batch_histogram_exposes_what_prometheus_clients_histogram_does():
+    """The ITL histograms take a request's gaps at once (``BatchHistogram``); a scrape reads the
+    same samples as ``prometheus_client``'s histogram fed the same values one by one, values on a
+    bucket's bound included (a bucket holds values up to and with its bound)."""
+    from splitserve.metrics import Registry
+
+    values = [0.0005, 0.001, 0.0011, 0.01, 0.05, 0.05, 0.7, 1.0, 3.0, 12.0] * 3
+    one, batch = Registry(), Registry()
+    h = one.histogram("t_seconds", "gaps", ["role", "endpoint"], buckets=(0.001, 0.01, 0.05, 1.0, 5.0))
+    b = batch.batch_histogram("t_seconds", "gaps", ["role", "endpoint"], buckets=(0.001, 0.01, 0.05, 1.0, 5.0))
+    for v in values:
+        h.labels(role="decode", endpoint="chat").observe(v)
+    b.observe_many(values[:7], "decode", "chat")
+    b.observe_many(values[7:], "decode", "chat")
+    b.observe_many([], "decode", "chat")
+    assert batch.exposition() == one.exposition()
+    with pytest.raises(ValueError):
+        b.observe_many([1.0], "decode")
+
+
 def test_timeline_book_keeps_live_ones_and_a_bounded_number_of_ended_ones():
     from splitserve.timeline import TimelineBook
 

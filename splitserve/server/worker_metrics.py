@@ -156,9 +156,9 @@ class WorkerMetrics:
         self.ttft_seconds = registry.histogram("splitserve_time_to_first_token_seconds",
                                                "Time from arrival to the first generated token.",
                                                ["role", "endpoint"], buckets=LATENCY_BUCKETS)
-        self.itl_seconds = registry.histogram("splitserve_inter_token_latency_seconds",
-                                              "Time between two consecutive deltas of generated tokens of one request.",
-                                              ["role", "endpoint"], buckets=ITL_BUCKETS)
+        self.itl_seconds = registry.batch_histogram("splitserve_inter_token_latency_seconds",
+                                                    "Time between two consecutive deltas of generated tokens of one "
+                                                    "request.", ["role", "endpoint"], buckets=ITL_BUCKETS)
         self.queue_seconds = registry.histogram("splitserve_queue_time_seconds",
                                                 "Time from arrival until the worker began the request's work "
                                                 "(colocated: admitted; prefill: out of BOOTSTRAPPING and QUEUED; "
@@ -275,6 +275,4 @@ class WorkerMetrics:
         if ttft is not None:
             self.ttft_seconds.labels(role=self.role, endpoint=endpoint).observe(ttft)
         if gaps:
-            itl = self.itl_seconds.labels(role=self.role, endpoint=endpoint)
-            for gap in gaps:
-                itl.observe(gap)
+            self.itl_seconds.observe_many(gaps, self.role, endpoint)
