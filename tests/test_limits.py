@@ -192,6 +192,38 @@ def test_a_stream_nobody_reads_is_cut_off_by_the_worker_in_process(byte_tokenize
     asyncio.run(main())
 
 
+def test_a_write_goes_without_its_timer_only_while_the_transport_cannot_pause():
+    """``cannot_wait``, on a real loopback transport whose peer never reads: true while what is
+    buffered stays under the low-water mark with room for the chunk below the high one; false
+    once the kernel's buffers are full and the transport's own fills (the write would wait), and
+    false for a chunk that would push it over."""
+    import asyncio
+
+    from splitserve.client_writer import cannot_wait
+
+    async def main():
+        accepted = asyncio.get_running_loop().create_future()
+        server = await asyncio.start_server(lambda r, w: accepted.set_result(w), "127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+        peer = await accepted  # never reads
+        try:
+            transport = writer.transport
+            low, high = transport.get_write_buffer_limits()
+            assert cannot_wait(transport, 200)
+            assert not cannot_wait(transport, high)
+            while transport.get_write_buffer_size() <= low:  # the kernel's buffers fill first
+                transport.write(b"x" * 65536)
+                await asyncio.sleep(0)
+            assert not cannot_wait(transport, 1)
+            assert not cannot_wait(None, 1)
+        finally:
+            writer.transport.abort()
+            peer.transport.abort()
+            server.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.long
 def test_a_stream_nobody_reads_is_cut_off_through_the_router(capped):
     """A client with a 4 KiB receive buffer that never reads a long ignore_eos stream: the router

@@ -6,7 +6,8 @@ or closing, or the write raises ``ConnectionResetError``), so the caller can abo
 once instead of generating into the void. So does one that stops reading: every write (the
 headers, an event, the end) must complete within ``write_timeout`` seconds (the worker's
 ``--client-write-timeout-s``), else the connection is aborted and :class:`ClientGone` raised, and
-the request's pages are freed like on any abort.
+the request's pages are freed like on any abort. A write that cannot wait
+(``client_writer.cannot_wait``) goes without the timer.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import json
 from typing import Optional
 
 from aiohttp import web
+
+from splitserve.client_writer import cannot_wait
 
 
 class ClientGone(Exception):
@@ -42,7 +45,7 @@ class SSEWriter:
             if self.client_gone():
                 raise ClientGone()
             try:
-                await self._bounded(self.response.prepare(self.request))
+                await self._bounded(self.response.prepare(self.request), 1 << 30)  # once: always bounded
             except (ConnectionResetError, ConnectionError) as e:
                 raise ClientGone() from e
             self.started = True
@@ -51,8 +54,9 @@ class SSEWriter:
         await self.start()
         if self.client_gone():
             raise ClientGone()
+        data = payload.encode("utf-8")
         try:
-            await self._bounded(self.response.write(payload.encode("utf-8")))
+            await self._bounded(self.response.write(data), len(data))
         except (ConnectionResetError, ConnectionError) as e:
             raise ClientGone() from e
 
@@ -63,12 +67,15 @@ class SSEWriter:
         """``data: [DONE]`` and the end of the body."""
         await self._write("data: [DONE]\n\n")
         try:
-            await self._bounded(self.response.write_eof())
+            await self._bounded(self.response.write_eof(), 0)
         except (ConnectionResetError, ConnectionError) as e:
             raise ClientGone() from e
 
-    async def _bounded(self, step) -> None:
+    async def _bounded(self, step, nbytes: int) -> None:
         try:
+            if cannot_wait(self.request.transport, nbytes):  # most writes: no timer to arm and cancel
+                await step
+                return
             async with asyncio.timeout(self.write_timeout):  # not wait_for: no task per chunk
                 await step
         except TimeoutError:
