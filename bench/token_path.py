@@ -15,8 +15,10 @@ every request of every round), and the CPU milliseconds per streamed token of th
 the decode worker's process trees (utime + stime from ``/proc/PID/stat`` before and after each
 phase: CPU time holds on a shared machine where wall time does not). The router's added cost per
 token is its CPU per token in the router phase less its idle cost in the direct phase (health
-checks), and the ITL difference. The CPU flags and the load average at the start and the end are
-printed too.
+checks), and the ITL difference. First, with nothing to do for ``--idle-seconds``, the CPU each of
+the three processes takes idle (its threads' timers: a thread that wakes every few milliseconds
+takes the GIL from the engine thread as often). The CPU flags and the load average at the start
+and the end are printed too.
 
 ``--profile``: afterwards, a py-spy profile of the decode worker under ``--profile-streams`` direct
 streams (``py-spy record --nonblocking --threads --format raw``, ``--profile-seconds``), summarised
@@ -33,7 +35,7 @@ dependency: ``python3 -m venv /tmp/pyspy && /tmp/pyspy/bin/pip install py-spy`` 
 PATH``). Usage::
 
     PYTHONPATH=. .venv/bin/python bench/token_path.py [--model tiny|smollm2|DIR] [--streams 16,64]
-        [--rounds 3] [--requests-per-stream 2] [--prompt-tokens 32] [--max-tokens 64]
+        [--rounds 3] [--requests-per-stream 2] [--prompt-tokens 32] [--max-tokens 64] [--idle-seconds 10]
         [--profile] [--profile-router] [--profile-streams 64] [--profile-seconds 20] [--py-spy PATH]
 """
 
@@ -94,6 +96,18 @@ def tree_cpu_s(root: int) -> float:
         tree.add(pid)
         todo.extend(p for p, parent in parents.items() if parent == pid and p not in tree)
     return sum(cpu.get(p, 0.0) for p in tree)
+
+
+def idle_cpu(pids: dict[str, int], seconds: float) -> None:
+    """Print each process tree's CPU over ``seconds`` with no request in flight, as a share of a core."""
+    time.sleep(2.0)  # what starting up left behind (the first health checks) settles
+    before = {name: tree_cpu_s(pid) for name, pid in pids.items()}
+    started = time.monotonic()
+    time.sleep(seconds)
+    took = time.monotonic() - started
+    shares = ", ".join(f"{name} {100 * (tree_cpu_s(pid) - before[name]) / took:.2f} %"
+                       for name, pid in pids.items())
+    print(f"idle for {took:.1f} s, CPU of a core: {shares}", flush=True)
 
 
 @dataclass
@@ -308,6 +322,8 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threshold", type=int, default=160, help="the router's --pd-threshold-tokens")
+    ap.add_argument("--idle-seconds", type=float, default=10.0, help="how long the idle CPU of each process is "
+                    "measured before the load (0: not measured)")
     ap.add_argument("--profile", action="store_true", help="py-spy on the decode worker under direct streams")
     ap.add_argument("--profile-router", action="store_true", help="py-spy on the router under streams through it")
     ap.add_argument("--profile-streams", type=int, default=64)
@@ -342,6 +358,8 @@ def main() -> None:
             "--pd-threshold-tokens", str(args.threshold)])
         ttft.wait_healthy(f"http://127.0.0.1:{ports['router']}", procs["router"])
         url = {"direct": f"http://127.0.0.1:{ports['decode']}", "router": f"http://127.0.0.1:{ports['router']}"}
+        if args.idle_seconds > 0:
+            idle_cpu({name: p.pid for name, p in procs.items()}, args.idle_seconds)
         vocab = 40000 if args.model == "smollm2" else 2000
         print(f"model {args.model}; {args.prompt_tokens}-token prompts (router threshold {args.threshold}: decode "
               f"alone), {args.max_tokens} tokens each, greedy; logs {LOG_DIR}", flush=True)

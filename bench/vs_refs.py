@@ -10,6 +10,8 @@ gets ``min_tokens``). The model is the demo model, SmolLM2-135M-Instruct, from t
   colocated-quant  splitserve serve --quantization auto: the file's quantized weights as they are
                    (only where serve has --quantization; skipped with a line otherwise)
   launch           splitserve launch: router + 1 prefill + 1 decode worker, CPUs split, float32
+                   (not in the default list)
+  launch-quant     the same with the file's quantized weights as they are (``make run``'s defaults)
   vllm             vLLM's CPU backend, float32, on the same file dequantized to a float32 Hugging
                    Face folder (by transformers' GGUF loader, into the model cache once): vLLM
                    cannot serve Q4_1 on CPU
@@ -73,9 +75,10 @@ from splitserve.bench.workload import Workload
 from splitserve.config import EngineConfig
 from splitserve.cpus import allowed_cpus, cpu_cores, format_cpu_list
 
-SETUPS = ("colocated", "colocated-quant", "launch", "vllm", "vllm-bf16", "llamacpp")
-DEFAULT_SETUPS = ("colocated", "colocated-quant", "launch", "vllm", "llamacpp")
-SPLITSERVE = ("colocated", "colocated-quant", "launch")
+SETUPS = ("colocated", "colocated-quant", "launch", "launch-quant", "vllm", "vllm-bf16", "llamacpp")
+DEFAULT_SETUPS = ("colocated", "colocated-quant", "launch-quant", "vllm", "llamacpp")
+SPLITSERVE = ("colocated", "colocated-quant", "launch", "launch-quant")
+QUANTIZED = ("colocated-quant", "launch-quant")  # the GGUF's blocks as they are, --dtype auto
 REFERENCES = ("vllm", "vllm-bf16", "llamacpp")
 REF_DEFAULTS = {"llamacpp": ("SPLITSERVE_REF_LLAMACPP", "/work/refs/llamacpp/bin/python"),
                 "vllm": ("SPLITSERVE_REF_VLLM", "/work/refs/vllm/bin/python")}
@@ -253,6 +256,9 @@ def make_server(name: str, args: argparse.Namespace, model: Model, refs: dict, l
         quant = " --quantization none" if has_quantization_option() else ""
         return Server(name, splitserve_argv("launch", "--model", "smollm2", "--port", str(port),
                                             f"--worker-args=--dtype float32{quant}"), port, log)
+    if name == "launch-quant":
+        return Server(name, splitserve_argv("launch", "--model", "smollm2", "--port", str(port),
+                                            "--worker-args=--quantization auto"), port, log)
     if name in ("vllm", "vllm-bf16"):
         dtype = "bfloat16" if name == "vllm-bf16" else "float32"
         env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
@@ -386,6 +392,7 @@ DESCRIBED = {
     "colocated": "splitserve colocated, float32",
     "colocated-quant": "splitserve colocated, `--quantization auto` (the Q4_1 file as it is)",
     "launch": "splitserve launch (1 prefill + 1 decode, CPUs split), float32",
+    "launch-quant": "splitserve launch (1 prefill + 1 decode, CPUs split), `--quantization auto`",
     "vllm": "vLLM CPU backend 0.32.0, float32 (the file dequantized: it cannot serve Q4_1 on CPU)",
     "vllm-bf16": "vLLM CPU backend 0.32.0, bfloat16",
     "llamacpp": "llama.cpp (llama-cpp-python 0.3.36 from source, the Q4_1 file, {threads} threads)",
@@ -451,11 +458,11 @@ def memory_lines(name: str, runs: list[Measured], model: Model) -> list[str]:
         text = (f"  {name:<16} {row['process']:<18} pid {row['pid']:<8} RSS {row['rss'] / MB:7.0f} MB  peak "
                 f"{row['hwm'] / MB:7.0f} MB  PSS {row['pss'] / MB:7.0f} MB")
         if name in SPLITSERVE and row["process"] in ("serve", "prefill", "decode"):
-            weights = model.gguf.stat().st_size if name == "colocated-quant" else model.float32_bytes
-            # colocated-quant runs --dtype auto (bfloat16 where the CPU has native bf16), the others float32
-            kv_dtype = splitserve_auto_dtype() if name == "colocated-quant" else "float32"
+            weights = model.gguf.stat().st_size if name in QUANTIZED else model.float32_bytes
+            # the quantized set-ups run --dtype auto (bfloat16 where the CPU has native bf16), the others float32
+            kv_dtype = splitserve_auto_dtype() if name in QUANTIZED else "float32"
             pool = model.kv_pool_bytes(2 if kv_dtype == "bfloat16" else 4, pool_tokens)
-            text += (f"   = weights {weights / MB:.0f} MB ({'the GGUF file' if name == 'colocated-quant' else 'float32'})"
+            text += (f"   = weights {weights / MB:.0f} MB ({'the GGUF file' if name in QUANTIZED else 'float32'})"
                      f" + KV pool {pool / MB:.0f} MB ({pool_tokens} tokens, {kv_dtype}) + overhead "
                      f"{(row['rss'] - weights - pool) / MB:.0f} MB")
         lines.append(text)
@@ -577,8 +584,8 @@ def main() -> int:
             print(f"skipped {name}: no python found (--{ref}-python, ${env}, {default}); "
                   f"bench/refs/setup_{ref}.sh builds it")
             continue
-        if name == "colocated-quant" and not has_quantization_option():
-            print("skipped colocated-quant: this splitserve's serve has no --quantization")
+        if name in QUANTIZED and not has_quantization_option():
+            print(f"skipped {name}: this splitserve's serve has no --quantization")
             continue
         setups.append(name)
     if not setups:

@@ -19,7 +19,7 @@ PY=${PYTHON:-python3}          # CPython 3.11 here
 "$VENV/bin/pip" install --upgrade pip==24.3.1
 # PyPI has only the sdist for 0.3.36, so pip compiles the bundled llama.cpp with CMake. GGML_NATIVE
 # (the default) tunes it for this CPU (AVX2 here), as a user building it on their box would get.
-CMAKE_BUILD_PARALLEL_LEVEL=1 MAKEFLAGS=-j1 CMAKE_ARGS="${LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON}" \
+CMAKE_BUILD_PARALLEL_LEVEL=${JOBS:-1} MAKEFLAGS=-j${JOBS:-1} CMAKE_ARGS="${LLAMACPP_CMAKE_ARGS:--DGGML_NATIVE=ON}" \
   nice -n 19 "$VENV/bin/pip" install --no-cache-dir --no-binary llama-cpp-python \
   "llama-cpp-python[server]==0.3.36"
 "$VENV/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"
