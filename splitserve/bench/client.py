@@ -8,7 +8,9 @@ carries generated tokens is a completion chunk with ``text`` or a chat chunk wit
 it answered 200, ended with ``data: [DONE]`` and carried no error event; with ``ignore_eos`` also
 unless it produced exactly ``max_tokens`` tokens. A server that takes other fields gets them through
 ``Target.extra_body`` (llama-cpp-python ignores ``ignore_eos`` but takes ``min_tokens``; it sends no
-usage chunk, so its tokens are the events that carried text).
+usage chunk, so its tokens are the events that carried text, or ``max_tokens`` where the answer
+ended with ``finish_reason: length``: it holds back a token that ends inside a UTF-8 character and
+sends it with the next, so its events can be fewer than its tokens).
 """
 
 from __future__ import annotations
@@ -57,11 +59,13 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
     times: list[float] = []
     text: list[str] = []
     usage: dict = {}
+    finish: list[Optional[str]] = [None]  # the last finish_reason seen
     done = False
 
     def record(error: Optional[str] = None, cancelled: bool = False) -> Record:
+        counted = spec.max_tokens if finish[0] == "length" else len(times)  # without a usage chunk
         return Record(sent=sent, ended=clock(), token_times=tuple(times),
-                      output_tokens=usage.get("completion_tokens", len(times)),
+                      output_tokens=usage.get("completion_tokens", counted),
                       prompt_tokens=usage.get("prompt_tokens", 0), error=error, cancelled=cancelled,
                       session=spec.session, turn=spec.turn)
 
@@ -92,6 +96,7 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
                         return record(cancelled=True), ""
                 if event.get("usage"):
                     usage = event["usage"]
+                finish[0] = _finish_reason(event) or finish[0]
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
         return record(f"{type(exc).__name__}: {exc}"), ""
     rec = record()
@@ -102,6 +107,11 @@ async def send(session: aiohttp.ClientSession, target: Target, spec: Spec,
     if target.ignore_eos and rec.output_tokens != spec.max_tokens:
         return record(f"{rec.output_tokens} tokens, asked for {spec.max_tokens} with ignore_eos"), ""
     return rec, "".join(text)
+
+
+def _finish_reason(event: dict) -> Optional[str]:
+    choices = event.get("choices") or ()
+    return choices[0].get("finish_reason") if choices and isinstance(choices[0], dict) else None
 
 
 def _tokens_of(event: dict) -> str:
