@@ -150,7 +150,7 @@ def main() -> int:
     if shutil.which("etcd") is None:
         raise SystemExit("etcd is not on PATH (apt-get install etcd-server)")
     sys.path.insert(0, str(ROOT))
-    from splitserve.disagg.control.curve import write_secret_file
+    from splitserve.secret_file import write_secret_file
 
     args.secret = write_secret_file(str(LOGS / "cluster-secret"))
     client, peer = free_port(), free_port()

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import requests
 
-from splitserve.disagg.control.curve import write_secret_file
+from splitserve.secret_file import write_secret_file
 
 LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-role-switch-"))
 ADMIN = "bench-admin-key"

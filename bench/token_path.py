@@ -65,7 +65,7 @@ from vs_refs import cpu_description  # noqa: E402
 from splitserve.bench.client import Target, send  # noqa: E402
 from splitserve.bench.stats import Record, distribution  # noqa: E402
 from splitserve.bench.workload import Spec  # noqa: E402
-from splitserve.disagg.control.curve import write_secret_file  # noqa: E402
+from splitserve.secret_file import write_secret_file  # noqa: E402
 
 ttft.LOG_DIR.rmdir()  # ttft's own log folder, made at import and unused here
 LOG_DIR = ttft.LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-token-path-"))

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import requests
 
-from splitserve.disagg.control.curve import write_secret_file
+from splitserve.secret_file import write_secret_file
 
 POLL_S = 0.02
 LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-top-bench-"))

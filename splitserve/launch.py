@@ -563,7 +563,7 @@ def run_launch(config: LaunchConfig) -> int:
     with tempfile.TemporaryDirectory(prefix="splitserve-launch-") as folder:  # mode 700, removed at the end
         secret_file = config.cluster_secret_file
         if secret_file is None:
-            from splitserve.disagg.control.curve import write_secret_file
+            from splitserve.secret_file import write_secret_file
 
             secret_file = write_secret_file(os.path.join(folder, "cluster-secret"))
         notes = []

@@ -85,7 +85,7 @@ def role_of(args: list[str]) -> str:
 def write_cluster_secret(path) -> str:
     """A fresh cluster secret in a new file ``path`` as an operator makes one (32 random bytes,
     hex; mode 0600); the path, for ``--cluster-secret-file``."""
-    from splitserve.disagg.control.curve import write_secret_file
+    from splitserve.secret_file import write_secret_file
 
     return write_secret_file(str(path))
 

@@ -21,7 +21,7 @@ PACKAGE = ROOT / "splitserve"
 
 LAYERS = [
     {"splitserve", "splitserve.outcomes", "splitserve.config", "splitserve.log_sparsely", "splitserve.timeline",
-     "splitserve.metrics", "splitserve.cpus", "splitserve.tls", "splitserve.discovery"},
+     "splitserve.metrics", "splitserve.cpus", "splitserve.tls", "splitserve.discovery", "splitserve.secret_file"},
     {"splitserve.errors"},
     {"splitserve.layers"},
     {"splitserve.models"},
@@ -131,18 +131,23 @@ def test_the_layers_in_the_design_doc_are_the_tests():
                           for layer in LAYERS]
 
 
-def test_the_router_does_not_load_torch():
-    """The router validates requests (grammars included) but runs no model: importing it must not
-    import torch, which costs every router process seconds of CPU and ~190 MB at its start."""
+def test_the_router_and_launchs_supervisor_do_not_load_torch():
+    """The router validates requests (grammars included) but runs no model, and ``launch``'s
+    supervisor only starts and watches processes: neither may import torch, which costs seconds of
+    CPU and ~190 MB at its start (the supervisor once did, 256 MB, to write a cluster secret).
+    The launch here stops at its configuration check, after the secret is written."""
     import os
     import subprocess
     import sys
 
-    code = "import sys, splitserve.cli, splitserve.router.app; print(sorted(m for m in sys.modules if m == 'torch'))"
+    code = ("import sys, splitserve.cli, splitserve.router.app\n"
+            "from splitserve.launch import LaunchConfig, run_launch\n"
+            "assert run_launch(LaunchConfig(model='tiny', num_prefill=0)) == 2\n"
+            "print(sorted(m for m in sys.modules if m == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]", f"the router imports torch: {out.stdout}"
+    assert out.stdout.strip() == "[]", f"the router or launch imports torch: {out.stdout}"
 
 
 def test_the_runtime_finds_the_tiny_builder_by_name():

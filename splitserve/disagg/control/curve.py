@@ -39,10 +39,10 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.log_sparsely import worth_logging
+from splitserve.secret_file import MIN_SECRET_BYTES
 
 log = logging.getLogger(__name__)
 
-MIN_SECRET_BYTES = 32
 HOW_TO_MAKE = "`head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`"
 HKDF_SALT = b"splitserve cluster secret"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -113,14 +113,6 @@ def parse_secret(text: bytes) -> bytes:
 
 
 BASE64_CHARS = frozenset(string.ascii_letters + string.digits + "+/-_=")
-
-
-def write_secret_file(path: str) -> str:
-    """A new cluster secret (32 random bytes, hex) in a new file ``path`` that only we can read
-    (mode 0600, never world-readable even for a moment); ``path``, for ``--cluster-secret-file``."""
-    with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
-        f.write(secrets.token_hex(32) + "\n")
-    return str(path)
 
 
 class ClusterSecret:
