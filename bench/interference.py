@@ -8,21 +8,28 @@ a fixed rate (evenly spaced over the chats' expected span), against
              long prompt's chunks share the engine's steps with the chats' decoding
   split      ``splitserve launch --router-args "--pd-threshold-tokens 0"``: the router, 1 prefill and 1
              decode worker on split CPUs, every request split (a long prompt never runs on decode)
+  routed     the same pair with the router's own choice (its default ``--pd-threshold-tokens``): a
+             chat's short prompt runs on the decode worker alone (no wait behind a long prompt on
+             the prefill core, no transfer), a long prompt is split
 
-one after the other in one run (only one is up at a time), the same requests at the same times.
+one after the other in one run (only one is up at a time), the same requests at the same times
+(``--deployments`` picks them; split is always first).
 The long prompts' rate is sized from the prefill capacity measured first, on the split deployment's
 prefill worker (long prompts alone, one at a time, 1 token each: prompt tokens / TTFT), at
 ``--long-load`` of it (default half: the prefill worker kept below saturation; at least one long
 prompt, so on a slow machine the share printed is above the one asked). Prints the model,
-the sizes and rates, then for each deployment the chats' ITL p50/p99, TTFT p50/p99 and goodput
+the sizes and rates, then for each deployment the chats' ITL p50/p99/max, TTFT p50/p99 and goodput
 (chats a second meeting every ``--slo``; default TTFT <= 3 s and every gap <= 250 ms), the long
 prompts' TTFT p50, and the ratios split / colocated (targets: ITL p99 <= 0.5x, goodput >= 1x); a
-PNG of the chats' latency CDFs (``--plot``). The load average is printed at each step: on a machine
-shared with other work, read the figures with it. Usage::
+PNG of the chats' latency CDFs (``--plot``). How many of the chats' gaps a long prompt's steps
+stretch depends on how many chats are decoding when it arrives, so the p99 moves with the chat
+rate; the worst gap (max) is what one long prompt costs the chats it meets. The load average is
+printed at each step: on a machine shared with other work, read the figures with it. Usage::
 
     .venv/bin/python bench/interference.py [--model smollm2] [--chats 32] [--chat-rate 0.5]
         [--chat-prompt 64] [--chat-output 128] [--long-prompt 2048] [--long-output 8]
         [--long-load 0.5] [--max-batch-tokens 512] [--slo ttft_ms:3000 --slo itl_ms:250] [--plot PATH]
+        [--deployments split,colocated,routed]
 """
 
 from __future__ import annotations
@@ -47,12 +54,15 @@ from splitserve.bench.stats import Record, Summary, parse_slos, summarize  # noq
 from splitserve.bench.workload import Maker, Workload  # noqa: E402
 
 
+DEPLOYMENTS = ("split", "colocated", "routed")
+
+
 def command(name: str, args: argparse.Namespace, port: int) -> list[str]:
     if name == "colocated":
         return ["serve", "--model", args.model, "--host", "127.0.0.1", "--port", str(port),
                 "--max-batch-tokens", str(args.max_batch_tokens), "--chunked-prefill"]
-    return ["launch", "--model", args.model, "--port", str(port), "--transfer-backend", args.backend,
-            "--router-args", "--pd-threshold-tokens 0",
+    router = ["--router-args", "--pd-threshold-tokens 0"] if name == "split" else []  # routed: its default
+    return ["launch", "--model", args.model, "--port", str(port), "--transfer-backend", args.backend, *router,
             "--worker-args", f"--max-batch-tokens {args.max_batch_tokens}"]
 
 
@@ -96,9 +106,13 @@ async def mixed(target: Target, chats: Workload, chat_load: Load, longs: Workloa
     return await asyncio.gather(run(target, chats, chat_load), evenly(target, longs, n_long, window_s))
 
 
-def row(name: str, chats: Summary, longs: Summary) -> str:
+def worst_gap_ms(records: list[Record]) -> float:
+    return 1000 * max((gap for r in records if r.ok for gap in r.itls), default=float("nan"))
+
+
+def row(name: str, chats: Summary, longs: Summary, worst: float) -> str:
     goodput = f"{chats.goodput:.3f}/s ({chats.goodput_fraction:.0%})"
-    return (f"{name:<10} {chats.itl_ms['p50']:>9.1f} {chats.itl_ms['p99']:>9.1f} {chats.ttft_ms['p50']:>10.0f} "
+    return (f"{name:<10} {chats.itl_ms['p50']:>9.1f} {chats.itl_ms['p99']:>9.1f} {worst:>9.0f} {chats.ttft_ms['p50']:>10.0f} "
             f"{chats.ttft_ms['p99']:>10.0f} {goodput:>16} {chats.completed:>6} {longs.ttft_ms['p50']:>13.0f} "
             f"{longs.completed:>6}")
 
@@ -119,7 +133,14 @@ def main() -> None:
     ap.add_argument("--max-batch-tokens", type=int, default=512, help="every worker's step budget")
     ap.add_argument("--slo", action="append", default=None, help="METRIC:MS (default ttft_ms:3000, itl_ms:250)")
     ap.add_argument("--plot", default=None, help="PNG of the chats' latency CDFs (default: in the log folder)")
+    ap.add_argument("--deployments", default=",".join(DEPLOYMENTS),
+                    help=f"comma-separated, of {', '.join(DEPLOYMENTS)} (split is always measured first: its "
+                         "prefill worker sizes the long prompts)")
     args = ap.parse_args()
+    wanted = {d.strip() for d in args.deployments.split(",") if d.strip()}
+    if wanted - set(DEPLOYMENTS) or "colocated" not in wanted:
+        ap.error(f"--deployments: of {', '.join(DEPLOYMENTS)}, colocated among them (the ratios are against it)")
+    names = [d for d in DEPLOYMENTS if d in wanted or d == "split"]
     slos = parse_slos(args.slo or ["ttft_ms:3000", "itl_ms:250"])
     chats = Workload(input_len=args.chat_prompt, output_len=args.chat_output, endpoint="chat",
                      prompt_format="text", seed=1).check()
@@ -131,7 +152,7 @@ def main() -> None:
 
     results: dict[str, tuple[Summary, Summary, list[Record]]] = {}
     long_rate = n_long = window = None
-    for name in ("split", "colocated"):  # split first: its prefill worker's capacity sizes the long prompts
+    for name in names:  # split first: its prefill worker's capacity sizes the long prompts
         port = free_port()
         dep = Deployment(name, command(name, args, port), port, name)
         try:
@@ -160,14 +181,17 @@ def main() -> None:
         print(f"  {name} done: {load_average()}", flush=True)
 
     print("\nthe chats' ITL and TTFT (ms) and goodput; the long prompts' TTFT (ms)")
-    print(f"{'':<10} {'ITL p50':>9} {'ITL p99':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'goodput':>16} "
+    print(f"{'':<10} {'ITL p50':>9} {'ITL p99':>9} {'ITL max':>9} {'TTFT p50':>10} {'TTFT p99':>10} {'goodput':>16} "
           f"{'chats':>6} {'long TTFT p50':>13} {'longs':>6}")  # chats, longs: completed
-    for name, (c, lo, _) in results.items():
-        print(row(name, c, lo))
-    (sc, _, _), (cc, _, _) = results["split"], results["colocated"]
-    print(f"\nsplit / colocated: chats' ITL p99 {sc.itl_ms['p99'] / cc.itl_ms['p99']:.2f}x (target <= 0.5x), "
-          f"ITL p50 {sc.itl_ms['p50'] / cc.itl_ms['p50']:.2f}x, TTFT p99 {sc.ttft_ms['p99'] / cc.ttft_ms['p99']:.2f}x, "
-          f"goodput {sc.goodput / cc.goodput if cc.goodput else float('inf'):.2f}x (target >= 1x)")
+    for name, (c, lo, recs) in results.items():
+        print(row(name, c, lo, worst_gap_ms(recs)))
+    cc, _, crecs = results["colocated"]
+    for name in (n for n in results if n != "colocated"):
+        sc, _, srecs = results[name]
+        print(f"\n{name} / colocated: chats' ITL p99 {sc.itl_ms['p99'] / cc.itl_ms['p99']:.2f}x (target <= 0.5x), "
+              f"ITL max {worst_gap_ms(srecs) / worst_gap_ms(crecs):.2f}x, ITL p50 {sc.itl_ms['p50'] / cc.itl_ms['p50']:.2f}x, "
+              f"TTFT p99 {sc.ttft_ms['p99'] / cc.ttft_ms['p99']:.2f}x, "
+              f"goodput {sc.goodput / cc.goodput if cc.goodput else float('inf'):.2f}x (target >= 1x)")
     plot = Path(args.plot) if args.plot else LOG_DIR / "interference.png"
     latency_cdfs([(f"{name} chats", recs) for name, (_, _, recs) in results.items()], plot,
                  f"{args.model}: chats with {args.long_prompt}-token prompts arriving at {long_rate:.3f}/s")

@@ -246,19 +246,22 @@ def splitserve_argv(*args: str) -> list[str]:
 
 def make_server(name: str, args: argparse.Namespace, model: Model, refs: dict, log: Path) -> Server:
     port, threads = free_port(), args.threads
+    more = args.worker_args.split()  # after ours: a later option wins
     if name in ("colocated", "colocated-quant"):
         quant = (["--quantization", "auto" if name == "colocated-quant" else "none"]
                  if has_quantization_option() else [])
         dtype = ["--dtype", "float32"] if name == "colocated" else []
         return Server(name, splitserve_argv("serve", "--model", "smollm2", "--host", "127.0.0.1", "--port",
-                                            str(port), *dtype, *quant), port, log)
+                                            str(port), *dtype, *quant, *more), port, log)
     if name == "launch":
         quant = " --quantization none" if has_quantization_option() else ""
         return Server(name, splitserve_argv("launch", "--model", "smollm2", "--port", str(port),
-                                            f"--worker-args=--dtype float32{quant}"), port, log)
+                                            f"--worker-args=--dtype float32{quant} {args.worker_args}".rstrip()),
+                      port, log)
     if name == "launch-quant":
         return Server(name, splitserve_argv("launch", "--model", "smollm2", "--port", str(port),
-                                            "--worker-args=--quantization auto"), port, log)
+                                            f"--worker-args=--quantization auto {args.worker_args}".rstrip()),
+                      port, log)
     if name in ("vllm", "vllm-bf16"):
         dtype = "bfloat16" if name == "vllm-bf16" else "float32"
         env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
@@ -564,6 +567,10 @@ def main() -> int:
                     "%(default)s, as splitserve and llama.cpp get; vLLM's own default, auto, keeps one core "
                     "per rank for its scheduler process, which on 2 cores halves its compute)")
     ap.add_argument("--vllm-args", default="", help="more options for vLLM's server, as one string")
+    ap.add_argument("--worker-args", default="", help="more options for every splitserve worker, as one string "
+                    "(e.g. \"--dtype float32\", what --dtype auto picks on a CPU without native bfloat16; with "
+                    "SPLITSERVE_KERNELS_MARCH=x86-64-v3 in the environment this CPU then runs what an AVX2-only "
+                    "one would)")
     ap.add_argument("--ready-timeout", type=float, default=900, help="seconds a server may take to start")
     ap.add_argument("--result-json", type=Path, default=None, help="write every figure here")
     args = ap.parse_args()
@@ -601,6 +608,11 @@ def main() -> int:
 
     model = the_model()
     say(f"CPU: {cpu_description()}")
+    if os.environ.get("SPLITSERVE_KERNELS_MARCH"):
+        say(f"splitserve's kernels built for -march={os.environ['SPLITSERVE_KERNELS_MARCH']} "
+            f"(SPLITSERVE_KERNELS_MARCH), not for this CPU")
+    if args.worker_args:
+        say(f"every splitserve worker also gets: {args.worker_args}")
     say(f"{len(allowed_cpus())} CPUs ({len(cpu_cores(allowed_cpus()))} cores); load average at start "
         f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     say(f"model {model.gguf.name} ({model.gguf.stat().st_size / MB:.0f} MB; float32 checkpoint for vLLM "
