@@ -24,6 +24,7 @@ Elsewhere: ``from conftest import ServerProcess`` works because pytest puts ``te
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import signal
@@ -126,6 +127,26 @@ def tiny_llama_engine():
     finally:
         mp.undo()
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", max_total_tokens=1024, page_size=4))
+
+
+def kernel_builds() -> list[str]:
+    """The ``-march`` values the compiled kernels' tests build for: this CPU's (``native``) and, on a
+    CPU with AVX-512, also ``x86-64-v3`` (AVX2, FMA, F16C): the code an AVX2-only machine runs,
+    whose paths this machine's native build skips."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    return ["native", "x86-64-v3"] if "avx512f" in flags else ["native"]
+
+
+@contextlib.contextmanager
+def kernels_built_for(march: str):
+    """The compiled kernels built for ``march`` (``kernel_builds``), or None where they cannot be
+    built; meanwhile every ``kernels.load()`` of the process gets that build too."""
+    from splitserve.layers import kernels
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(kernels.ENV_MARCH, march)
+        yield kernels.load(force=True)
 
 
 def free_port() -> int:

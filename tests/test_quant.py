@@ -28,18 +28,20 @@ from splitserve.layers import kernels
 from splitserve.layers.quant import TYPES, QuantWeight
 from splitserve.models import quantized
 from splitserve.models.loader import load_model
+from conftest import kernel_builds, kernels_built_for
 from test_gguf import byte_tok  # noqa: F401  (a fixture)
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
 
-@pytest.fixture(scope="module")
-def ops():
-    module = kernels.load(force=True)
-    if module is None:
-        pytest.skip("the compiled kernels cannot be built here (see the warning logged by layers/kernels.py)")
-    return module
+@pytest.fixture(scope="module", params=kernel_builds())
+def ops(request):
+    """The compiled kernels, built for this CPU and, on an AVX-512 CPU, for AVX2 too (``conftest.kernel_builds``)."""
+    with kernels_built_for(request.param) as module:
+        if module is None:
+            pytest.skip("the compiled kernels cannot be built here (see the warning logged by layers/kernels.py)")
+        yield module
 
 
 def raw_weight(kind: str, N: int, K: int, rng: np.random.Generator) -> np.ndarray:

@@ -9,6 +9,10 @@ logged once with the reason). The build goes through ``torch.utils.cpp_extension
 sources, the compiler flags, the torch version and this CPU's instruction-set flags (the code is
 built for the CPU it runs on, ``-march=native``), so a later start loads it in a fraction of a
 second; processes building at once wait on the build folder's lock. Environment read at call time.
+
+``SPLITSERVE_KERNELS_MARCH`` builds for another instruction set than this CPU's (gcc's ``-march``
+value), one this CPU can run: ``x86-64-v3`` (AVX2, FMA, F16C) gives on an AVX-512 machine the code
+an AVX2-only machine runs, so that its paths are tested and measured here too.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "matmul_kernels.cpp"))
 # -fopenmp: at::parallel_for is inline OpenMP; the module then uses the libgomp.so.1 torch loaded
-CFLAGS = ("-O3", "-march=native", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp")
+CFLAGS = ("-O3", "-mprefer-vector-width=512", "-fno-trapping-math", "-fopenmp")  # and -march (march())
 LDFLAGS = ("-fopenmp",)  # tuples: cpp_extension.load appends torch's libraries to the lists it is given
 ENV_SWITCH = "SPLITSERVE_KERNELS"
+ENV_MARCH = "SPLITSERVE_KERNELS_MARCH"
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}
@@ -37,6 +42,19 @@ _loaded: dict[str, object] = {}
 def enabled() -> bool:
     """False when ``SPLITSERVE_KERNELS`` is 0/false/off/no."""
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def march() -> str:
+    """The instruction set the kernels are built for: ``native`` unless ``SPLITSERVE_KERNELS_MARCH``
+    names another (letters, digits, ``-``, ``_`` and ``.`` only: it goes on a compiler's command line)."""
+    value = os.environ.get(ENV_MARCH, "").strip() or "native"
+    if not all(c.isalnum() or c in "-_." for c in value):
+        raise ValueError(f"{ENV_MARCH}={value!r} is not a -march value (e.g. native, x86-64-v3)")
+    return value
+
+
+def cflags() -> list[str]:
+    return [f"-march={march()}", *CFLAGS]
 
 
 def cache_dir() -> Path:
@@ -54,7 +72,7 @@ def _cpu_flags() -> str:
 
 def build_name() -> str:
     sources = [s.read_text() for s in SOURCES]
-    key = "\0".join([*sources, " ".join(CFLAGS + LDFLAGS), torch.__version__, _cpu_flags()])
+    key = "\0".join([*sources, " ".join([*cflags(), *LDFLAGS]), torch.__version__, _cpu_flags()])
     return "splitserve_cpu_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -78,8 +96,8 @@ def _build(name: str):
         build_dir = cache_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         if not (build_dir / f"{name}.so").is_file():
-            log.info("building the compiled CPU kernels into %s (once per machine and version: seconds to a "
-                     "minute)", build_dir)
+            log.info("building the compiled CPU kernels (-march=%s) into %s (once per machine and version: "
+                     "seconds to a minute)", march(), build_dir)
         # the sources copied in: the build command then names the same files from any checkout (ninja
         # rebuilds, 8 s, when a command changes; the name already says which sources they are)
         sources = []
@@ -91,10 +109,10 @@ def _build(name: str):
                 tmp.write_text(text)
                 os.replace(tmp, source)
             sources.append(str(source))
-        cpp_extension.load(name=name, sources=sources, extra_cflags=[*CFLAGS, f"-DSPLITSERVE_OPS={name}"],
+        cpp_extension.load(name=name, sources=sources, extra_cflags=[*cflags(), f"-DSPLITSERVE_OPS={name}"],
                            extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), is_python_module=False,
                            verbose=False)
-        log.info("compiled CPU kernels loaded from %s", build_dir)
+        log.info("compiled CPU kernels (-march=%s) loaded from %s", march(), build_dir)
         return getattr(torch.ops, name)
     except Exception as exc:  # compiler or ninja missing, compile error: run the PyTorch ops instead
         log.warning("compiled CPU kernels unavailable, using the PyTorch ops instead: %s", _reason(exc))
