@@ -8,7 +8,7 @@ to be flushed). A client that goes away shows up as a failed write here (:class:
 the cancellation of the handler (the runner cancels it when the connection is lost).
 
 Most writes cannot wait at all, and :func:`cannot_wait` tells which, so that they skip the timer
-(one armed and cancelled per streamed token was some 7 % of the router's CPU): aiohttp's write
+(one armed and cancelled per streamed token is a cost on the path of every token): aiohttp's write
 hands the bytes to the transport and waits only in ``drain()``, and only while the transport has
 paused its protocol, which asyncio does when the transport's buffer goes above its high-water
 mark and undoes once it is back at or below the low-water mark.

@@ -13,8 +13,8 @@ its latencies) are ordinary ``prometheus_client`` counters and histograms::
 
 A histogram fed a whole request's worth of observations at once (the gaps between its streamed
 tokens, when it ends) is a :class:`BatchHistogram` (``reg.batch_histogram``): one lock and one
-binary search a value, where ``prometheus_client``'s takes a lock and a scan of the buckets each;
-on the per-token path that was some 6 % of the router's CPU.
+binary search a value, where ``prometheus_client``'s takes a lock and a scan of the buckets each
+(the router and the workers observe every gap of every stream).
 
 What another structure owns (the engine's pages and queues, the lifecycle table, the peers, the
 threads' counters) is **derived**: a custom collector reads it when ``/metrics`` is scraped, so

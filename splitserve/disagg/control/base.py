@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 # frames through their sockets; what else is due on it (heartbeats, delayed frames) it sleeps
 # until (``poll_ms``), and the rest (resends after ``INFO_RETRY_S``, silence after seconds) is
 # coarse enough to be looked at this often. A shorter period only takes the GIL from the engine
-# thread more often: at 5 ms it was 2-3.5 % of a decode worker's CPU under load.
+# thread more often, on the path of every token (docs/journal.md, the per-token path).
 POLL_MS = 50
 GOODBYE_LINGER_MS = 500  # how long a closed socket still tries to deliver the goodbyes queued on it
 MAX_FRAMES_PER_POLL = 256  # then heartbeats and the outbox get their turn
