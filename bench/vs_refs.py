@@ -453,7 +453,21 @@ def splitserve_auto_dtype() -> str:
     return str(loader.cpu_dtype(loader.cpu_flags())[0]).removeprefix("torch.")
 
 
-def memory_lines(name: str, runs: list[Measured], model: Model) -> list[str]:
+def worker_dtype(name: str, worker_args: str) -> str:
+    """The dtype a splitserve set-up's workers compute in and keep their KV pool in."""
+    words, explicit = worker_args.split(), None
+    for i, word in enumerate(words):  # the last --dtype given wins, as argparse has it
+        if word.startswith("--dtype="):
+            explicit = word.split("=", 1)[1]
+        elif word == "--dtype" and i + 1 < len(words):
+            explicit = words[i + 1]
+    if explicit and explicit != "auto":
+        return explicit
+    # the quantized set-ups run --dtype auto (bfloat16 where the CPU has native bf16), the others float32
+    return splitserve_auto_dtype() if name in QUANTIZED else "float32"
+
+
+def memory_lines(name: str, runs: list[Measured], model: Model, worker_args: str = "") -> list[str]:
     lines = []
     last = runs[-1].memory
     pool_tokens = EngineConfig.max_total_tokens
@@ -462,8 +476,7 @@ def memory_lines(name: str, runs: list[Measured], model: Model) -> list[str]:
                 f"{row['hwm'] / MB:7.0f} MB  PSS {row['pss'] / MB:7.0f} MB")
         if name in SPLITSERVE and row["process"] in ("serve", "prefill", "decode"):
             weights = model.gguf.stat().st_size if name in QUANTIZED else model.float32_bytes
-            # the quantized set-ups run --dtype auto (bfloat16 where the CPU has native bf16), the others float32
-            kv_dtype = splitserve_auto_dtype() if name in QUANTIZED else "float32"
+            kv_dtype = worker_dtype(name, worker_args)
             pool = model.kv_pool_bytes(2 if kv_dtype == "bfloat16" else 4, pool_tokens)
             text += (f"   = weights {weights / MB:.0f} MB ({'the GGUF file' if name in QUANTIZED else 'float32'})"
                      f" + KV pool {pool / MB:.0f} MB ({pool_tokens} tokens, {kv_dtype}) + overhead "
@@ -533,7 +546,7 @@ def report(results: dict[str, list[Measured]], args: argparse.Namespace, model: 
 
     say("\nresident memory after the last round's phases (every process of each server)")
     for name, runs in results.items():
-        for line in memory_lines(name, runs, model):
+        for line in memory_lines(name, runs, model, args.worker_args):
             say(line)
     return {"table": table, "ratios": ratios}
 
@@ -633,7 +646,7 @@ def main() -> int:
                 except RuntimeError as exc:
                     say(f"    {name}: FAILED: {exc}")
                     continue
-                for line in memory_lines(name, results[name], model):
+                for line in memory_lines(name, results[name], model, args.worker_args):
                     say("  " + line)
     except KeyboardInterrupt:  # what was measured until then is still reported
         say("  interrupted: the figures below are of the set-ups measured until then")
