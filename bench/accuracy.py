@@ -16,7 +16,9 @@ the activations rounded to int8 per block of 32, as llama.cpp does) is measured 
   agreement these do not stop at a first divergence: every position is scored on the same context.
 
 Bounds (the bench prints each check and exits 1 when one fails): perplexity at most ``PPL_BOUND``
-times the reference's, and greedy agreement at least ``AGREE_BOUND``. When llama.cpp's venv is
+times the reference's, mean KL divergence at most ``KLD_BOUND`` and the same top-1 token at least
+``TOP1_BOUND`` of the positions; greedy agreement is printed, not bounded (it is chaotic: below).
+When llama.cpp's venv is
 there (``bench/refs/setup_llamacpp.sh``; ``--llamacpp-python`` or ``$SPLITSERVE_REF_LLAMACPP``),
 llama.cpp's perplexity on the same file and the same tokens (llama-cpp-python with
 ``logits_all``; its full logits come back through a temporary ``.npy`` file, not JSON) is printed
@@ -53,15 +55,16 @@ from splitserve.models.resolve import resolve_model_dir
 
 TEXT = Path(__file__).with_name("data") / "lighthouses.txt"
 PPL_BOUND = 1.03  # perplexity of a mode / the reference's
-# share of greedy tokens before the first divergence. Measured 21% (auto) and 22% (int8, whose Q4_1
-# weights are requantized to Q8_0 as well): a 135M model's greedy answers meet near-ties early, and
-# one flipped token changes the rest. It is chaotic: any float32-level change re-draws which
-# near-ties flip (auto with its embeddings scaled by 1 + 2^-22 at random entries: 13-36% over 6
-# seeds, perplexity 1.0004-1.0046x; llama.cpp itself 25-44% and 1.0006-1.0050x between its
-# KV-cache and flash-attention settings), so a run can miss this bound by chance. The per-position
-# KL divergence and top-1 share are the stable figures (those seeds: KLD 0.0026-0.0028, top-1
-# 95.4-96.9%), and a perplexity ratio's standard error (printed) says how far chance moves it
-AGREE_BOUND = 0.15
+# The share of greedy tokens before the first divergence is not bounded: a 135M model's greedy
+# answers meet near-ties early, one flipped token changes the rest, and any float32-level change
+# re-draws which near-ties flip (auto with its embeddings scaled by 1 + 2^-22 at random entries:
+# 13-36% over 6 seeds, perplexity 1.0004-1.0046x; llama.cpp itself 25-44% and 1.0006-1.0050x
+# between its KV-cache and flash-attention settings). The per-position KL divergence and top-1
+# share are the stable figures (those seeds: KLD 0.0026-0.0028, top-1 95.4-96.9%; llama.cpp on the
+# same file 0.0027 and 96.2%; int8 0.0038 and 95.2%), and a perplexity ratio's standard error
+# (printed) says how far chance moves that ratio.
+KLD_BOUND = 0.01  # mean KL(reference || mode) a position, nats
+TOP1_BOUND = 0.93  # positions whose top-1 token is the reference's
 DEFAULT_LLAMACPP = "/work/refs/llamacpp/bin/python"
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -287,8 +290,10 @@ def main() -> int:
         if mode != "none":
             if r["ratio"] > PPL_BOUND:
                 failed.append(f"{mode}: perplexity {r['ratio']:.4f}x the reference's > {PPL_BOUND}")
-            if share < AGREE_BOUND:
-                failed.append(f"{mode}: greedy agreement {share:.1%} < {AGREE_BOUND:.0%}")
+            if r["kld"] > KLD_BOUND:
+                failed.append(f"{mode}: mean KL divergence {r['kld']:.5f} > {KLD_BOUND}")
+            if r["top1"] < TOP1_BOUND:
+                failed.append(f"{mode}: the same top-1 token at {r['top1']:.2%} of the positions < {TOP1_BOUND:.0%}")
     if llamacpp is not None:
         ours = rows.get("auto", ref)["ppl"]
         share, whole = agreement(llamacpp_answers, answers["none"])
@@ -305,7 +310,8 @@ def main() -> int:
                  f"{ours / llamacpp * auto_vs_llamacpp['ln_ratio_se']:.4f}" if auto_vs_llamacpp else ""))
     else:
         print(f"llama.cpp: not measured ({llamacpp_why})")
-    print(f"bounds: perplexity <= {PPL_BOUND}x the reference's, greedy agreement >= {AGREE_BOUND:.0%}: "
+    print(f"bounds: perplexity <= {PPL_BOUND}x the reference's, mean KLD <= {KLD_BOUND}, the same top-1 >= "
+          f"{TOP1_BOUND:.0%}: "
           + ("; ".join(failed) if failed else "all hold"))
     if args.result_json:
         args.result_json.write_text(json.dumps(dict(rows=rows, llamacpp_ppl=llamacpp, llamacpp=llamacpp_div,
