@@ -199,7 +199,7 @@ class TransferWorker(SupervisedThread):
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 return busy
-            busy = True
+            busy = busy or not isinstance(cmd, Wake)  # a wake-up alone did nothing: step() says so
             self._run(cmd)
 
     def _run(self, cmd: object) -> None:
