@@ -24,7 +24,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.layers import kernels
 from splitserve.layers.quant import TYPES, QuantWeight
 from splitserve.models import quantized
 from splitserve.models.loader import load_model

@@ -27,7 +27,6 @@ import hmac
 import logging
 import os
 import queue
-import secrets
 import stat
 import string
 import threading
