@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.utils import floatToGoString
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +140,7 @@ class BatchHistogram:
             cumulative, buckets = 0, []
             for bound, n in zip(self.bounds + (float("inf"),), counts):
                 cumulative += n
-                buckets.append(("+Inf" if bound == float("inf") else prometheus_client.utils.floatToGoString(bound),
-                                cumulative))
+                buckets.append(("+Inf" if bound == float("inf") else floatToGoString(bound), cumulative))
             family.add_metric(list(key), buckets, total)
         return [family]
 

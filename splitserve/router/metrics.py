@@ -70,8 +70,8 @@ class TokenTimes:
 # a completion's text or a chat delta's content, and its first character (a quote: empty). An
 # unquoted ``"choices":[`` is the key itself, never inside a string (there every quote is escaped).
 # What does not match (another server's spacing or key order, ``/generate``) is parsed whole.
-_FIRST_CHOICE = re.compile(rb'"choices":\[\{"index":\d+,(?:"text":"(.)|"delta":\{(?:"role":"[a-z]+",)?(?:"content":"(.)|\}))',
-                           re.DOTALL)
+_FIRST_CHOICE = re.compile(rb'"choices":\[\{"index":\d+,'
+                           rb'(?:"text":"(.)|"delta":\{(?:"role":"[a-z]+",)?(?:"content":"(.)|\}))', re.DOTALL)
 
 
 def _carries_tokens(data: bytes) -> bool:
