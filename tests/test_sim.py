@@ -179,24 +179,58 @@ def test_a_failing_seed_prints_its_trace_and_replays_it_exactly(tally):
     assert _without_wall(one.stdout) == _without_wall(two.stdout)
 
 
+# the lowest seed that caught each planted bug in the last full hunt (each seed of PLANT_REQUESTS
+# requests): run first, so that a bug costs one seed, not every seed below it. The claim is the
+# same (some seed below PLANT_SEEDS catches the bug); a known seed that no longer catches its bug
+# sends it to the full hunt from seed 0, which names the new lowest seed to write here.
+CAUGHT_BY = {"two decodes given one identity": 0, "an exception between two actions": 4,
+             "forgetting a session by number alone": 13, "health blind to a wedged loop": 2,
+             "a room left in the page queue after it ended": 0, "the KVDone not re-sent": 1,
+             "terminal overwritten": 1, "quarantine released on a timer": 11,
+             "a registration dropped without a bound": 1, "fallback: computing before the writes settled": 30,
+             "found: a write call that raises": 4, "found: a StartWrite hand-over that raises": 4,
+             "found: a room answered in the page queue": 12,
+             "found: a record forgotten while its sequence waits preempted": 16}
+
+
 @pytest.fixture(scope="module")
 def caught(pool, tally) -> dict:
-    """Every planted bug hunted at once, the pool kept busy (four seeds in flight, bugs taken in
-    turn): each bug's seeds from 0 on, in order, until one breaks an invariant or ``PLANT_SEEDS``
-    ran. ``{bug: (the lowest seed that caught it, its violation)}`` — the same in every run (no
-    seed of a bug starts once one of its seeds caught it, and every seed below that one ran)."""
-    next_seed = {bug: 0 for bug in PLANTED}
-    seen: dict[str, dict[int, str | None]] = {bug: {} for bug in PLANTED}
+    """Every planted bug caught: first each bug's known seed (``CAUGHT_BY``), all at once; a bug
+    its known seed no longer catches (or that has none) is then hunted: its seeds from 0 on, in
+    order, until one breaks an invariant or ``PLANT_SEEDS`` ran. ``{bug: (the seed that caught it,
+    its violation, how: "known seed" or the hunt's note)}`` — the same in every run."""
+    known = [bug for bug in PLANTED if CAUGHT_BY.get(bug, PLANT_SEEDS) < PLANT_SEEDS]
+    results = pool.starmap(run_planted, [(bug, CAUGHT_BY[bug], PLANT_REQUESTS) for bug in known])
+    found: dict[str, tuple[int, str, str]] = {}
+    for bug, (seed, violation, requests) in zip(known, results):
+        tally.add(1, requests)
+        if violation:
+            found[bug] = (seed, violation, "its known seed")
+    hunted = _hunt([bug for bug in PLANTED if bug not in found], pool, tally)
+    for bug, (seed, violation) in hunted.items():
+        note = (f"the hunt from seed 0 (its known seed {CAUGHT_BY[bug]} no longer catches it: "
+                f"CAUGHT_BY wants {seed})" if bug in CAUGHT_BY else "the hunt from seed 0")
+        found[bug] = (seed, violation, note)
+    return found
+
+
+def _hunt(bugs: list[str], pool, tally) -> dict:
+    """``bugs`` hunted at once, the pool kept busy (four seeds in flight, bugs taken in turn): each
+    bug's seeds from 0 on, in order, until one breaks an invariant or ``PLANT_SEEDS`` ran.
+    ``{bug: (the lowest seed that caught it, its violation)}`` — the same in every run (no seed of
+    a bug starts once one of its seeds caught it, and every seed below that one ran)."""
+    next_seed = {bug: 0 for bug in bugs}
+    seen: dict[str, dict[int, str | None]] = {bug: {} for bug in bugs}
     found: dict[str, tuple[int, str]] = {}
     back: queue.Queue = queue.Queue()
     in_flight, turn = 0, 0
 
     def hunting() -> list[str]:
-        return [bug for bug in PLANTED if next_seed[bug] < PLANT_SEEDS and not any(seen[bug].values())]
+        return [bug for bug in bugs if next_seed[bug] < PLANT_SEEDS and not any(seen[bug].values())]
 
     while True:
-        while in_flight < 4 and (bugs := hunting()):
-            bug = bugs[turn % len(bugs)]
+        while in_flight < 4 and (todo := hunting()):
+            bug = todo[turn % len(todo)]
             turn += 1
             pool.apply_async(run_planted, (bug, next_seed[bug], PLANT_REQUESTS),
                              callback=lambda r, b=bug: back.put((b, r)), error_callback=lambda e, b=bug: back.put((b, e)))
@@ -222,10 +256,12 @@ def caught(pool, tally) -> dict:
 @pytest.mark.parametrize("bug", PLANTED)
 def test_a_planted_bug_is_caught(bug, caught, capsys):
     """Each planted bug (``sim_plants.py``) breaks an invariant within ``PLANT_SEEDS`` seeds of
-    ``PLANT_REQUESTS`` requests (the seed that caught it is reported)."""
+    ``PLANT_REQUESTS`` requests (the seed that caught it, and whether it was its known seed or the
+    hunt's, is reported)."""
     assert bug in caught, f"{bug}: not caught in {PLANT_SEEDS} seeds"
-    seed, violation = caught[bug]
-    _show(capsys, [f"{bug}: caught by seed {seed} ({seed + 1} seeds of {PLANT_REQUESTS} requests): {violation[:200]}"])
+    seed, violation, how = caught[bug]
+    assert seed < PLANT_SEEDS
+    _show(capsys, [f"{bug}: caught by seed {seed} ({how}, {PLANT_REQUESTS} requests): {violation[:200]}"])
 
 
 # seeds that caught a real bug (tests/sim_plants.py, "found: ..."), kept as regression cases: (seed, requests)
