@@ -113,19 +113,25 @@ def split_defaults(args: list[str], env: dict, trusted_prefill: str) -> list[str
     return args
 
 
+def tiny_model(arch: str = "llama") -> Path:
+    """The tiny ``arch`` model (seed 0) in the tests' model cache, where the servers' ``--model
+    tiny`` finds it: built once for the session (and every later one), not once per test file.
+    ``build_tiny_model`` is deterministic in (arch, seed), so this is the checkpoint a fresh build
+    would write; the build itself is ``test_tiny_model.py``'s."""
+    from splitserve.testing.tiny import tiny_model_path
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))
+        return tiny_model_path(arch)
+
+
 def tiny_llama_engine():
     """An in-process engine on the tiny llama (float32, 1,024 tokens of 4-token pages), built into
     the tests' model cache: for tests of what the engine does with a request's own parameters."""
     from splitserve.config import EngineConfig
     from splitserve.engine.engine import LLMEngine
-    from splitserve.testing.tiny import tiny_model_path
 
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPLITSERVE_CACHE", str(CACHE_DIR))
-    try:
-        path = tiny_model_path("llama")
-    finally:
-        mp.undo()
+    path = tiny_model("llama")
     return LLMEngine(EngineConfig(model=str(path), dtype="float32", max_total_tokens=1024, page_size=4))
 
 

@@ -3,15 +3,15 @@ incomplete UTF-8 is held back until the end, and stop strings never leak."""
 
 import pytest
 
+from conftest import tiny_model
 from splitserve.engine.detokenizer import IncrementalDetokenizer
-from splitserve.testing.tiny import build_tiny_model
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
+def tokenizer():
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(build_tiny_model(tmp_path_factory.mktemp("tok"), arch="llama"))
+    return AutoTokenizer.from_pretrained(tiny_model("llama"))  # the tests' model cache: built once
 
 
 def stream(tokenizer, ids, stop=()):

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_model
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine, merge_outputs
 from splitserve.engine.io import GenerateRequest, SamplingParams
-from splitserve.testing.tiny import build_tiny_model
 
 PROMPT_LENGTHS = [1, 5, 16, 17, 40, 64, 100, 257]
 NEW_TOKENS = 24
@@ -18,13 +18,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
-def tiny(request, tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp(request.param), arch=request.param))
+def tiny(request):
+    return str(tiny_model(request.param))  # the tests' model cache: built once, not per module
 
 
 @pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama"))
+def tiny_llama():
+    return str(tiny_model("llama"))
 
 
 def prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:

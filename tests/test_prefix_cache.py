@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tiny_model
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.io import GenerateRequest, SamplingParams
 from splitserve.engine.page_allocator import PageAllocator, page_keys
-from splitserve.testing.tiny import build_tiny_model
 
 P = 16
 
@@ -83,8 +83,8 @@ def test_an_allocator_without_cache_never_keeps_a_page():
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    return str(build_tiny_model(tmp_path_factory.mktemp("llama"), arch="llama"))
+def tiny():
+    return str(tiny_model("llama"))  # the tests' model cache: built once, not per module
 
 
 def engine(model: str, cache: bool, pages: int = 512, **kw) -> LLMEngine:
