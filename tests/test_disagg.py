@@ -12,9 +12,12 @@ every worker must hand all its KV pages back afterwards.
 - Requests that end on the prefill worker (one new token; a stop token id or a stop string that
   the first token matches) still get their answer from decode.
 
-The clusters are started once (the 1 + 1 nixl cluster per module, the others within their test);
-the colocated reference is the session's shared ``server``. The file's duration is printed at
-the end of the module.
+The 1 + 1 nixl cluster is the session's ``pd_cluster`` (the other shapes are started within their
+test) and the colocated reference the session's ``server``. ``pd_cluster``'s decode worker runs
+the product's ``--kv-failure-policy recompute``, under which a lost transfer would still give the
+colocated tokens (decode computes the prompt itself), as would the router's decode-alone
+fallback: every test on it checks that decode computed no prompt (``all_transferred``), so each
+answer's KV came over the transfer. The file's duration is printed at the end of the module.
 """
 
 from __future__ import annotations
@@ -97,14 +100,30 @@ def timed(request):
 
 
 @pytest.fixture(scope="module")
-def pd():
-    """One prefill and one decode worker over nixl, with the router in front."""
-    with timer("start 1+1"):
-        cluster = Cluster(prefill=1, decode=1, backend="nixl").start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+def pd(pd_cluster):
+    """One prefill and one decode worker over nixl, with the router in front: the session's."""
+    return pd_cluster
+
+
+def prompts_on_decode(pd) -> tuple[float, float]:
+    """Decode's prompts computed there (alone or as a KV fallback) and its KV fallbacks, so far."""
+    samples = metrics(pd.decode[0])
+    return (metric(samples, "splitserve_decode_prompts_computed_total"),
+            metric_sum(samples, "splitserve_kv_fallback_total"))
+
+
+@pytest.fixture(autouse=True)
+def all_transferred(request):
+    """A test on ``pd``: decode computed no prompt meanwhile (no KV fallback under its recompute
+    policy, no decode-alone fallback of the router): every answer's KV came from prefill."""
+    if "pd" not in request.fixturenames:
+        yield
+        return
+    pd = request.getfixturevalue("pd")
+    before = prompts_on_decode(pd)
+    yield
+    assert prompts_on_decode(pd) == before, \
+        f"decode computed prompts itself (prompts computed, KV fallbacks: {before} -> {prompts_on_decode(pd)})"
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +137,8 @@ def colocated(server):
 def test_fifty_prompts_match_colocated(pd, colocated):
     prompts = random_prompts(50, seed=20250101, fixed=BOUNDARY_LENGTHS)
     assert {1, 15, 16, 17, 2047, 2048, 2049, 3000} <= {len(p) for p in prompts}
+    prefill, decode = pd.prefill[0], pd.decode[0]
+    finished = [metric_sum(metrics(w), "splitserve_requests_total", outcome="finished") for w in (prefill, decode)]
     with timer("50 colocated"):
         want = run_all(colocated.url, prompts, stream_every_other=False, **GREEDY)
     with timer("50 disaggregated"):
@@ -125,9 +146,8 @@ def test_fifty_prompts_match_colocated(pd, colocated):
     assert_same(prompts, got, want, "1 prefill + 1 decode over nixl")
     for worker in pd.workers + [colocated]:
         pages_back_to_total(worker)
-    prefill, decode = pd.prefill[0], pd.decode[0]
-    assert metric_sum(metrics(prefill), "splitserve_requests_total", outcome="finished") >= 50
-    assert metric_sum(metrics(decode), "splitserve_requests_total", outcome="finished") >= 50
+    assert metric_sum(metrics(prefill), "splitserve_requests_total", outcome="finished") - finished[0] >= 50
+    assert metric_sum(metrics(decode), "splitserve_requests_total", outcome="finished") - finished[1] >= 50
     assert "ended FINISHED(transferred)" in prefill.stderr()
 
 
