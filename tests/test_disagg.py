@@ -3,9 +3,11 @@ built-in ``tcp`` backend), the router in front, and a colocated worker as the re
 client gets through the split path must be token for token what one colocated worker gives, and
 every worker must hand all its KV pages back afterwards.
 
-- 50 prompts of 1 to 3,000 tokens (page boundaries at 16, chunk boundaries at 2,048: the default
-  ``--max-batch-tokens``), greedy, every other one streamed, four at a time: 1 prefill + 1 decode
-  over nixl.
+- 25 prompts of 1 to 3,000 tokens, greedy, every other one streamed, four at a time: 1 prefill +
+  1 decode over nixl. One of each length around the boundaries (``BOUNDARY_LENGTHS``: pages of 16,
+  chunks of 2,048, the default ``--max-batch-tokens``, and the longest) and ten drawn
+  log-uniformly, so that each batch mixes short and long prompts and some lengths fall between
+  the boundaries (it was 50 prompts, 35 of them drawn: more repeats of the same shapes).
 - About ten prompts each with 2 prefill + 2 decode workers (nixl) and 1 + 1 over tcp.
 - A seeded sampled request (temperature 0.8, top_p 0.9, seed 1234).
 - ``/v1/completions`` and ``/v1/chat/completions``, plain and streamed.
@@ -37,6 +39,7 @@ CONCURRENCY = 4
 VOCAB_LO, VOCAB_HI = 10, 2047  # ordinary tokens of the tiny model
 # Around page (16) and chunk (2048, the default --max-batch-tokens) boundaries, and the longest.
 BOUNDARY_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33, 255, 256, 257, 2047, 2048, 2049, 3000]
+N_PROMPTS = len(BOUNDARY_LENGTHS) + 10  # each boundary length once, and ten drawn lengths
 GREEDY = {"temperature": 0}
 
 
@@ -134,20 +137,22 @@ def colocated(server):
 # -- greedy: token for token the colocated answer ----------------------------------------------------
 
 
-def test_fifty_prompts_match_colocated(pd, colocated):
-    prompts = random_prompts(50, seed=20250101, fixed=BOUNDARY_LENGTHS)
-    assert {1, 15, 16, 17, 2047, 2048, 2049, 3000} <= {len(p) for p in prompts}
+def test_boundary_and_drawn_prompts_match_colocated(pd, colocated):
+    """Every boundary length of ``BOUNDARY_LENGTHS`` once and ten drawn ones (the module's
+    docstring), through the split and through the colocated worker: the same tokens."""
+    prompts = random_prompts(N_PROMPTS, seed=20250101, fixed=BOUNDARY_LENGTHS)
+    assert set(BOUNDARY_LENGTHS) <= {len(p) for p in prompts}
     prefill, decode = pd.prefill[0], pd.decode[0]
     finished = [metric_sum(metrics(w), "splitserve_requests_total", outcome="finished") for w in (prefill, decode)]
-    with timer("50 colocated"):
+    with timer(f"{N_PROMPTS} colocated"):
         want = run_all(colocated.url, prompts, stream_every_other=False, **GREEDY)
-    with timer("50 disaggregated"):
+    with timer(f"{N_PROMPTS} disaggregated"):
         got = run_all(pd.url, prompts, stream_every_other=True, **GREEDY)
     assert_same(prompts, got, want, "1 prefill + 1 decode over nixl")
     for worker in pd.workers + [colocated]:
         pages_back_to_total(worker)
-    assert metric_sum(metrics(prefill), "splitserve_requests_total", outcome="finished") - finished[0] >= 50
-    assert metric_sum(metrics(decode), "splitserve_requests_total", outcome="finished") - finished[1] >= 50
+    assert metric_sum(metrics(prefill), "splitserve_requests_total", outcome="finished") - finished[0] >= N_PROMPTS
+    assert metric_sum(metrics(decode), "splitserve_requests_total", outcome="finished") - finished[1] >= N_PROMPTS
     assert "ended FINISHED(transferred)" in prefill.stderr()
 
 
