@@ -265,13 +265,15 @@ def test_smollm2_tokenizer_is_transformers_conversion(smol_ours):
     assert rendered.endswith("<|im_start|>assistant\n") and ours.eos_token == "<|im_end|>"
 
 
-def test_chat_answers_paris_and_split_equals_colocated(smol_dir, monkeypatch):
+def test_chat_answers_paris_and_split_equals_colocated(smol_dir):
     """Real processes: a colocated worker and 1 prefill + 1 decode behind the router (KV over
     NIXL), all on ``--model smollm2``; requests one at a time, so both run the same shapes."""
     from cluster import Cluster
 
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the workers' torch threads (see one_torch_thread)
-    small_pool = ("--max-total-tokens", "2048")  # the default pool is 3 GB of KV for this model
+    # one torch thread per worker (see one_torch_thread: three workers load at once on two cores; a
+    # worker sets its threads itself, from --threads or its CPUs, whatever OMP_NUM_THREADS says);
+    # the default pool is 3 GB of KV for this model
+    small_pool = ("--max-total-tokens", "2048", "--threads", "1")
     colocated = ServerProcess(*small_pool, model="smollm2")
     colocated._spawn(free_port())  # loads while the cluster starts
     try:
