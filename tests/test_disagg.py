@@ -7,7 +7,7 @@ every worker must hand all its KV pages back afterwards.
   1 decode over nixl. One of each length around the boundaries (``BOUNDARY_LENGTHS``: pages of 16,
   chunks of 2,048, the default ``--max-batch-tokens``, and the longest) and ten drawn
   log-uniformly, so that each batch mixes short and long prompts and some lengths fall between
-  the boundaries (it was 50 prompts, 35 of them drawn: more repeats of the same shapes).
+  the boundaries.
 - About ten prompts each with 2 prefill + 2 decode workers (nixl) and 1 + 1 over tcp.
 - A seeded sampled request (temperature 0.8, top_p 0.9, seed 1234).
 - ``/v1/completions`` and ``/v1/chat/completions``, plain and streamed.

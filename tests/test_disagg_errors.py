@@ -35,7 +35,7 @@ import pytest
 import requests
 
 from cluster import (Cluster, RouterProcess, free_port, generate, metric, metrics, pages_back_to_total,
-                     post_generate, sse_events)
+                     post_generate, sse_events, start_routers)
 
 P_PREALLOC_S, P_BOOTSTRAP_S = 2, 3
 D_PREALLOC_S, D_BOOTSTRAP_S, D_KV_WAIT_S = 3, 4, 5
@@ -67,8 +67,8 @@ class Split:
         try:
             self.cluster.start()
             self.P, (self.D, self.X) = self.cluster.prefill[0], self.cluster.decode
-            self.R = self._router(self.D)
-            self.RX = self._router(self.X)
+            self.R, self.RX = self._router(self.D), self._router(self.X)
+            start_routers(self.R, self.RX)  # side by side
         except BaseException:
             self.stop()
             raise
@@ -77,7 +77,7 @@ class Split:
     def _router(self, decode) -> RouterProcess:
         router = RouterProcess([(self.P.url, self.P.bootstrap_port)], [decode.url])
         self.routers.append(router)
-        return router.start()
+        return router
 
     @property
     def workers(self) -> dict:

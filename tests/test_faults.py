@@ -50,7 +50,8 @@ from typing import Callable, Optional
 import pytest
 import requests
 
-from cluster import Cluster, RouterProcess, metric, metrics, pages_back_to_total, post_generate, sse_events
+from cluster import (Cluster, RouterProcess, metric, metrics, pages_back_to_total, post_generate, sse_events,
+                     start_routers)
 from conftest import ServerProcess, free_port
 
 GREEDY = {"temperature": 0}
@@ -402,8 +403,7 @@ def test_decode_killed_mid_transfer_then_restarted():
         r1 = RouterProcess([(Ps.url, Ps.bootstrap_port)], [D.url], "--health-interval-s", "0.5", *SHOW_FAILURES)
         r2 = RouterProcess([(Pok.url, Pok.bootstrap_port)], [D.url], "--health-interval-s", "0.5", *SHOW_FAILURES)
         routers += [r1, r2]
-        for r in routers:
-            r.start()
+        start_routers(r1, r2)  # side by side
         ok = post_generate(r2.url, prompt(50, 5), 8, timeout=60, **GREEDY)  # Pok knows D's first incarnation
         assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 8, ok.text
         timeout = KV_WAIT_S + PREALLOC_S + 30

@@ -34,7 +34,7 @@ import yaml
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import Cluster, RouterProcess, free_port, metrics
+from cluster import Cluster, RouterProcess, free_port, metrics, start_routers
 from conftest import REPO, log_dir
 from splitserve.auth import bearer
 from test_faults import Call, wait_for
@@ -131,7 +131,7 @@ class Stack:
         self.stalls: list[Call] = []
 
     def start(self) -> "Stack":
-        self.R.start(), self.R2.start()
+        start_routers(self.R, self.R2)  # side by side
         if shutil.which("prometheus"):
             self.prometheus = Prometheus({"splitserve-router": [self.R.url, self.R2.url],
                                           "splitserve-prefill": [self.P1.url, self.P2.url],
@@ -158,6 +158,9 @@ class Stack:
     def stop(self) -> None:
         if self.prometheus is not None:
             self.prometheus.stop()
+        for router in (self.R, self.R2):  # signalled together, so they drain together
+            if router.proc is not None and router.proc.poll() is None:
+                router.proc.send_signal(signal.SIGTERM)
         for router in (self.R, self.R2):
             router.stop()
         self.cluster.stop()

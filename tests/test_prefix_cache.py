@@ -171,8 +171,9 @@ def test_turns_through_a_split_pair_hit_both_caches_and_cross_only_the_missing_p
     from conftest import ServerProcess
 
     greedy = {"temperature": 0}
-    with Cluster(1, 1, "tcp", worker_args=["--page-size", str(P)]) as c, \
-            ServerProcess("--no-prefix-cache", "--page-size", str(P)).start() as ref:
+    ref = ServerProcess("--no-prefix-cache", "--page-size", str(P)).spawn()  # loads while the cluster starts
+    with ref, Cluster(1, 1, "tcp", worker_args=["--page-size", str(P)]) as c:
+        ref.wait_ready()
         vocab = 2048
         prompt_tokens = 0
         for seed in (11, 12):

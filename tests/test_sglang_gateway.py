@@ -1,7 +1,7 @@
 """Our prefill and decode workers behind SGLang's own gateway (`sglang_router.launch_router
 --pd-disaggregation`, the pinned sglang-router 0.3.2): it probes /health, /get_server_info and
 /get_model_info, then posts /generate and /v1/* with the bootstrap fields to both workers. The
-tokens must equal a colocated server's."""
+tokens must equal a colocated server's (the session's ``server``)."""
 
 from __future__ import annotations
 
@@ -23,18 +23,18 @@ KEYED = {"Authorization": f"Bearer {WORKER_KEY}"}
 
 
 @pytest.fixture(scope="module")
-def gateway():
+def gateway(server):
     bootstrap = free_port()
     keyed = {"SPLITSERVE_WORKER_API_KEY": WORKER_KEY}  # the gateway is the workers' router
     procs = [ServerProcess("--role", "prefill", "--bootstrap-port", str(bootstrap), env=keyed),
-             ServerProcess("--role", "decode", env=keyed), ServerProcess()]
+             ServerProcess("--role", "decode", env=keyed)]
     router = None
     try:
-        for proc in procs:  # all three start at once
+        for proc in procs:  # both start at once
             proc._spawn(free_port())
         for proc in procs:
             proc.wait_ready()
-        prefill, decode, colocated = procs
+        (prefill, decode), colocated = procs, server
         port = free_port()
         router = subprocess.Popen(
             [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
