@@ -372,6 +372,48 @@ def test_closing_a_bootstrap_port_amid_refused_handshakes_leaves_its_context_ser
             _terminated(context)
 
 
+def test_a_guard_waits_for_the_zap_endpoint_and_leaves_nothing_open_if_it_never_comes(monkeypatch):
+    """A context has one ZAP endpoint. Closing its last guarded socket stops its guard; a socket
+    guarded right after (a role switch: the bootstrap port closes, the transfer receiver binds)
+    starts a new guard, which binds that endpoint again. A closed ZMQ socket releases its endpoint
+    later, on the context's reaper thread (on a busy machine, late enough that the new bind failed
+    with "Address already in use"): the old guard unbinds it as it stops, and a new guard waits a
+    while for it. One that never comes is an error that leaves no socket open: an open one would
+    block the context's termination, and the worker's exit, for ever."""
+    import zmq
+
+    from splitserve.disagg.control import curve
+    from splitserve.disagg.control.prefill_server import ZmqRouterEndpoint
+
+    ctx, secret, sockets = zmq.Context(), curve.ClusterSecret(b"s" * 32), []
+    monkeypatch.setattr(zmq.Context, "_instance", ctx)  # the bootstrap port binds on the instance
+    monkeypatch.setattr(zmq.Context, "_instance_pid", os.getpid())
+
+    def socket(kind):
+        s = ctx.socket(kind)
+        s.setsockopt(zmq.LINGER, 0)
+        sockets.append(s)
+        return s
+
+    try:
+        squatter = socket(zmq.REP)  # a guard that has not let go yet
+        squatter.bind(curve.ZAP_ENDPOINT)
+        threading.Timer(0.3, squatter.unbind, (curve.ZAP_ENDPOINT,)).start()
+        guarded = socket(zmq.ROUTER)
+        secret.bind(guarded, "a guarded socket")  # waits for the endpoint
+        secret.unbind(guarded)
+        probe = socket(zmq.REP)
+        probe.bind(curve.ZAP_ENDPOINT)  # the stopped guard let go at once
+        with pytest.raises(zmq.ZMQError, match="in use"):
+            curve.ClusterSecret(b"s" * 32, zap_wait_s=0.2).bind(socket(zmq.ROUTER), "a socket never guarded")
+        with pytest.raises(zmq.ZMQError, match="in use"):
+            ZmqRouterEndpoint("127.0.0.1", free_port(), curve.ClusterSecret(b"s" * 32, zap_wait_s=0.2))
+    finally:
+        for s in sockets:
+            s.close(0)
+        assert _terminated(ctx), "a socket of the context was left open: it can no longer be terminated"
+
+
 ARRIVE_S = 30.0  # what the machine may take for an event that must come (the wait ends when it does)
 _WEDGED = []  # contexts whose term() did not return: kept alive, so that no __del__ calls it again
 

@@ -30,6 +30,7 @@ import queue
 import stat
 import string
 import threading
+import time
 from collections import Counter
 from typing import Optional
 
@@ -45,6 +46,9 @@ log = logging.getLogger(__name__)
 HOW_TO_MAKE = "`head -c 32 /dev/urandom | base64 > FILE; chmod 600 FILE`"
 HKDF_SALT = b"splitserve cluster secret"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+# How long a new guard waits for the ZAP endpoint to be released. A guard unbinds it when it stops,
+# but one whose stop timed out still holds it until its thread ends.
+ZAP_BIND_WAIT_S = 5.0
 DOMAIN = b"splitserve"
 FAILED = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its credentials were refused",
           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed",
@@ -117,12 +121,13 @@ BASE64_CHARS = frozenset(string.ascii_letters + string.digits + "+/-_=")
 class ClusterSecret:
     """The keys derived from one secret, and one :class:`ZapGuard` per ZMQ context that binds."""
 
-    def __init__(self, secret: bytes):
+    def __init__(self, secret: bytes, zap_wait_s: float = ZAP_BIND_WAIT_S):
         if len(secret) < MIN_SECRET_BYTES:
             raise ValueError(f"a cluster secret has at least {MIN_SECRET_BYTES} random bytes (e.g. {HOW_TO_MAKE})")
         self.bind_public, self.bind_secret = derive_keys(secret, b"bind")
         self.connect_public, self.connect_secret = derive_keys(secret, b"connect")
         self._guards: dict[int, tuple[ZapGuard, int]] = {}  # by context: the guard, its users
+        self._zap_wait_s = zap_wait_s
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -152,13 +157,17 @@ class ClusterSecret:
 
     def bind(self, sock: zmq.Socket, what: str) -> "ZapGuard":
         """Make ``sock`` (before it binds) a CURVE server admitting only holders; the guard of its
-        context counts what it refuses."""
+        context counts what it refuses. If it raises, ``sock`` holds no guard (no :meth:`unbind`)."""
         guard = self.guard(sock.context)
-        sock.setsockopt(zmq.ZAP_DOMAIN, DOMAIN)
-        sock.setsockopt(zmq.CURVE_SERVER, 1)
-        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.bind_public)
-        sock.setsockopt(zmq.CURVE_SECRETKEY, self.bind_secret)
-        guard.watch(sock, what)
+        try:
+            sock.setsockopt(zmq.ZAP_DOMAIN, DOMAIN)
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.bind_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.bind_secret)
+            guard.watch(sock, what)
+        except BaseException:
+            self.unbind(sock)
+            raise
         return guard
 
     def connect(self, sock: zmq.Socket) -> None:
@@ -195,7 +204,7 @@ class ClusterSecret:
         with self._lock:
             guard, users = self._guards.get(id(ctx), (None, 0))
             if guard is None or guard.stopped:
-                guard, users = ZapGuard(ctx, z85.decode(self.connect_public)), 0
+                guard, users = ZapGuard(ctx, z85.decode(self.connect_public), self._zap_wait_s), 0
                 guard.start()
             self._guards[id(ctx)] = (guard, users + 1)
             return guard
@@ -209,7 +218,7 @@ class ZapGuard(threading.Thread):
 
     POLL_MS = 100
 
-    def __init__(self, ctx: zmq.Context, allowed: bytes):
+    def __init__(self, ctx: zmq.Context, allowed: bytes, wait_s: float = ZAP_BIND_WAIT_S):
         super().__init__(name="control-zap", daemon=True)
         self._allowed = allowed
         self.failures: Counter = Counter()
@@ -218,7 +227,22 @@ class ZapGuard(threading.Thread):
         self.stopped = False
         self.zap = ctx.socket(zmq.REP)
         self.zap.setsockopt(zmq.LINGER, 0)
-        self.zap.bind(ZAP_ENDPOINT)
+        try:
+            self._bind_when_free(wait_s)
+        except BaseException:
+            self.zap.close(0)  # left open, it would block the context's termination for ever
+            raise
+
+    def _bind_when_free(self, wait_s: float) -> None:
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.zap.bind(ZAP_ENDPOINT)
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                    raise
+            time.sleep(0.01)
 
     def watch(self, sock: zmq.Socket, what: str) -> None:
         """Read ``sock``'s handshake failures from now on (thread-safe)."""
@@ -269,6 +293,11 @@ class ZapGuard(threading.Thread):
                         log.exception("cluster secret: error in the ZAP handler; continuing")
         finally:
             self.stopped = True
+            try:  # now: a closed socket's endpoint is released later (by the context's reaper
+                # thread), and the next guard of this context binds the same one
+                self.zap.unbind(ZAP_ENDPOINT)
+            except zmq.ZMQError:
+                pass
             self.zap.close(0)
             for mon in monitors:
                 mon.close(0)

@@ -318,7 +318,11 @@ class ZmqRouterEndpoint:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(p.MAX_FRAME_BYTES, secret))  # CURVE's bytes too
         self._secret = secret
-        self._guard = secret.bind(self.sock, f"bootstrap port {port}") if secret is not None else None
+        try:
+            self._guard = secret.bind(self.sock, f"bootstrap port {port}") if secret is not None else None
+        except BaseException:
+            self.sock.close(0)  # left open, it would block the context's termination for ever
+            raise
         try:
             self.sock.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError:
@@ -354,6 +358,6 @@ class ZmqRouterEndpoint:
         """Unbind; ``linger_ms``: how long frames already sent may still go out (0: dropped)."""
         if self.sock.closed:
             return
-        if self._secret is not None:
+        if self._guard is not None:
             self._secret.unbind(self.sock)  # its monitor, and its ZAP handler when no other socket needs it
         self.sock.close(linger_ms)

@@ -368,6 +368,7 @@ class _Receiver(threading.Thread):
         self._bind = f"tcp://{host}:{port if port else '*'}"
         self._max_msg, self._hwm = max_msg, hwm
         self._secret = secret
+        self._guarded = False  # the receiving socket holds a user of the secret's guard (unbind once)
         self._ctl = f"inproc://splitserve-tcp-ctl-{next(_ctl_ids)}-{id(self)}"
         self._stopping = False
         self.ready = threading.Event()
@@ -393,6 +394,7 @@ class _Receiver(threading.Thread):
             sock = self._ctx.socket(zmq.ROUTER)
             if self._secret is not None:
                 self._secret.bind(sock, f"tcp transfer receiver of {self._agent_name}")
+                self._guarded = True
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(self._max_msg, self._secret))  # CURVE's bytes too
             sock.setsockopt(zmq.RCVHWM, self._hwm)
@@ -428,8 +430,9 @@ class _Receiver(threading.Thread):
         """On this thread, which owns them: the receiving socket (unbound from the cluster
         secret first: its monitor stopped before the guard closes its end) and the control pair."""
         if sock is not None:
-            if self._secret is not None:
+            if self._guarded:
                 self._secret.unbind(sock)
+                self._guarded = False
             sock.close(linger=0)
         if ctl is not None:
             ctl.close(linger=0)
