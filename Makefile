@@ -28,8 +28,10 @@ run: install
 run-colocated: install
 	$(BIN)/splitserve serve --model smollm2 --host 127.0.0.1 --port 8000
 
+# Two test processes (pytest-xdist), each test file whole in one of them (its module fixtures
+# shared): one process alone leaves a third of two cores idle while its servers start, wait and stop.
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 check-long: install
 	$(BIN)/python -m pytest -q -m long tests
