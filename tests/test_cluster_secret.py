@@ -506,6 +506,48 @@ def test_a_tcp_write_of_the_largest_frames_lands_under_the_secret(secured):
 
 
 @pytest.mark.parametrize("secured", [True, False], ids=["curve", "plain"])
+def test_a_prefill_that_closes_every_handshake_is_named_at_once(secured):
+    """Decode's side of a refused handshake when the refusal itself is lost: a prefill with a
+    secret meeting a decode without one closes the connection at once, and on a busy machine the
+    reset that close sends often discards the greeting that named the mismatch (the decode then
+    waited out its 45 s bootstrap deadline). Played here by a port that resets every connection:
+    a decode with a secret or without one names authentication after two such closes."""
+    import secrets as random_bytes
+
+    from splitserve.disagg.control.curve import ClusterSecret
+    from splitserve.disagg.control.decode_client import ZmqDealer
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def reset_every_connection():
+        listener.settimeout(0.1)
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                continue
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, not a FIN
+            conn.close()
+
+    resetter = threading.Thread(target=reset_every_connection, daemon=True)
+    resetter.start()
+    secret = ClusterSecret(random_bytes.token_bytes(32)) if secured else None
+    dealer = ZmqDealer(f"127.0.0.1:{listener.getsockname()[1]}", b"d-" + random_bytes.token_bytes(4), secret)
+    try:
+        deadline, refused = time.monotonic() + ARRIVE_S, None
+        while refused is None and time.monotonic() < deadline:
+            refused = dealer.auth_failure()
+            time.sleep(0.01)
+        assert refused is not None and "authentication failed" in refused, "the refusal was never named"
+    finally:
+        dealer.close()
+        stop.set()
+        resetter.join(5)
+        listener.close()
+
+
+@pytest.mark.parametrize("secured", [True, False], ids=["curve", "plain"])
 def test_a_control_frame_of_the_largest_size_crosses_both_ways_under_the_secret(secured):
     """The control plane's sibling of the tcp write above: its sockets take frames up to
     ``MAX_FRAME_BYTES`` (protocol.decode's limit), and with the cluster secret their ``MAXMSGSIZE``

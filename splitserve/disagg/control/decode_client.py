@@ -365,9 +365,11 @@ class ZmqDealer:
 
     def auth_failure(self) -> Optional[str]:
         """Why the prefill refused our control handshake (naming authentication), or None so far:
-        its ZAP handler refused us, or the mechanisms or the keys did not match. With a secret, a
-        connection it closes twice before any handshake succeeded counts as refused too (a CURVE
-        server drops a client that does not hold its secret without a word)."""
+        its ZAP handler refused us, or the mechanisms or the keys did not match. A connection it
+        closes twice before any handshake succeeded counts as refused too: a CURVE server drops a
+        client that does not hold its secret without a word, and one that meets a client without
+        a secret closes at once, often before its greeting (which names the mismatch) is read: a
+        close with our greeting unread resets the connection, and the reset discards it."""
         while self._monitor is not None:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
@@ -382,9 +384,10 @@ class ZmqDealer:
                 why = PROTOCOL_ERRORS.get(event.get("value"), FAILED[kind])
                 return f"authentication failed with the prefill at {self.name}: {why}"
             # any other failure (a port that does not speak ZMTP...) is left to the rooms' deadlines
-        if self._curve and not self._handshakes and self._disconnects >= 2:
-            return (f"authentication failed with the prefill at {self.name}: it closed our connection in the "
-                    "handshake (its --cluster-secret-file differs from ours, or only one of us has one)")
+        if not self._handshakes and self._disconnects >= 2:
+            why = ("its --cluster-secret-file differs from ours, or only one of us has one" if self._curve
+                   else "it may require a --cluster-secret-file, and we have none")
+            return f"authentication failed with the prefill at {self.name}: it closed our connection in the handshake ({why})"
         return None
 
     @property
