@@ -47,7 +47,12 @@ os.environ.setdefault("SPLITSERVE_KERNELS", "0")
 STARTUP_TIMEOUT_S = 180.0  # first run builds the tiny model; later runs take seconds
 
 _live: set["ServerProcess"] = set()
-LOGS = Path(tempfile.mkdtemp(prefix="splitserve-tests-"))  # every process's logs; removed after a passing run
+# Every process's logs; removed after a passing run. One folder for the whole run: test processes
+# of `pytest -n` (pytest-xdist) inherit it from the process that starts them, which alone reports
+# (and removes) it.
+_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ  # a test process of `pytest -n` (pytest-xdist sets it)
+LOGS = Path(os.environ.get("SPLITSERVE_TEST_LOGS") or tempfile.mkdtemp(prefix="splitserve-tests-"))
+os.environ["SPLITSERVE_TEST_LOGS"] = str(LOGS)
 
 
 def log_dir(prefix: str) -> Path:
@@ -56,7 +61,11 @@ def log_dir(prefix: str) -> Path:
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus) -> None:
-    """The logs go with a passing run; a failing one keeps them and says where."""
+    """The logs go with a passing run; a failing one keeps them and says where. Only the process
+    that started the run does either: a test process of ``pytest -n`` ends while others still
+    write there."""
+    if _XDIST_WORKER:
+        return
     if exitstatus == 0 and not os.environ.get("SPLITSERVE_KEEP_LOGS"):
         shutil.rmtree(LOGS, ignore_errors=True)
     else:
@@ -91,7 +100,8 @@ def write_cluster_secret(path) -> str:
     return write_secret_file(str(path))
 
 
-CLUSTER_SECRET = write_cluster_secret(LOGS / "cluster-secret")  # the one the tests' split workers share
+# the one the tests' split workers share; test processes of `pytest -n` take their starter's
+CLUSTER_SECRET = str(LOGS / "cluster-secret") if _XDIST_WORKER else write_cluster_secret(LOGS / "cluster-secret")
 
 
 def split_defaults(args: list[str], env: dict, trusted_prefill: str) -> list[str]:
