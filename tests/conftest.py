@@ -51,7 +51,7 @@ _live: set["ServerProcess"] = set()
 # of `pytest -n` (pytest-xdist) inherit it from the process that starts them, which alone reports
 # (and removes) it.
 _XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ  # a test process of `pytest -n` (pytest-xdist sets it)
-LOGS = Path(os.environ.get("SPLITSERVE_TEST_LOGS") or tempfile.mkdtemp(prefix="splitserve-tests-"))
+LOGS = Path(os.environ["SPLITSERVE_TEST_LOGS"] if _XDIST_WORKER else tempfile.mkdtemp(prefix="splitserve-tests-"))
 os.environ["SPLITSERVE_TEST_LOGS"] = str(LOGS)
 
 
