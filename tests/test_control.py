@@ -593,3 +593,35 @@ def test_closing_a_session_never_wedges_the_zmq_io_thread_every_session_shares(m
         _WEDGED.append(ctx)
     assert served, "closing a session wedged the I/O thread of the context all sessions share"
     assert not ended.is_alive(), "the context all sessions share can no longer be terminated"
+
+
+def test_a_slow_link_open_is_not_counted_against_the_prefill():
+    """Opening decode's receiving link (a NIXL agent: slow on a busy machine) happens on the
+    control thread when prefill's Info comes; the prefill has the whole peer-silence bound to answer
+    the link registration sent after it. Counting from the Info instead (as decode did) took the
+    open's time out of that bound: under load, live prefills were declared lost ("its link
+    registration was not answered in 2.0s") and every request waiting on them failed."""
+    import torch
+
+    from splitserve.disagg.transfer.links import ReceiveLinks
+
+    silence_s = 4.0
+
+    class SlowOpen(ReceiveLinks):
+        def open(self, writer):
+            time.sleep(0.8 * silence_s)
+            return super().open(writer)
+
+    links = SlowOpen("fake", "decode-test-slow-open", torch.zeros(1024, dtype=torch.uint8))
+    with decode_control(silence_s=silence_s, links=links) as (control, prefill, events, _):
+        control.want_info(7, "127.0.0.1", prefill.port)
+        [(who, ask)] = prefill.receive(ARRIVE_S, until=len)
+        assert isinstance(ask, p.GetInfo), ask
+        prefill.send(who, INFO)
+        [(_, register)] = prefill.receive(ARRIVE_S, until=len)  # sent once the link is open
+        assert isinstance(register, p.RegisterPeer), register
+        time.sleep(0.3 * silence_s)  # answered well inside the bound, counted from the registration
+        prefill.send(who, p.PeerRegistered(INFO.incarnation, register.agent_name))
+        _wait(lambda: [e for e in events if isinstance(e, PeerInfo) and e.room == 7], ARRIVE_S,
+              f"room 7 never got its session: {events}")
+        assert not [e for e in events if isinstance(e, PeerLost)], events

@@ -307,6 +307,7 @@ class DecodeControl(ControlThread):
             pf.waiting = []
             self._end(pf, detail, lost=False)
             return
+        now = self.clock()  # after the open (a NIXL agent, slow on a busy machine): the prefill's bound starts here
         pf.link, pf.link_since = p.RegisterPeer(self.incarnation, info.incarnation, agent, metadata), now
         self._send_link(pf, now)
 
