@@ -150,6 +150,16 @@ def start_routers(*routers: RouterProcess) -> list[RouterProcess]:
     raise AssertionError("unreachable")
 
 
+def stop_routers(*routers: RouterProcess) -> None:
+    """Stop ``routers`` side by side: each signalled first, so that they drain together (each is
+    safe to stop, started or not)."""
+    for router in routers:
+        if router.proc is not None and router.proc.poll() is None:
+            router.proc.send_signal(signal.SIGTERM)
+    for router in routers:
+        router.stop()
+
+
 class Cluster:
     """``prefill`` prefill workers and ``decode`` decode workers of ``model`` (default the tiny
     model) over ``backend`` (``nixl`` or ``tcp``), and a router in front (``router=False``: none).

@@ -35,7 +35,7 @@ import pytest
 import requests
 
 from cluster import (Cluster, RouterProcess, free_port, generate, metric, metrics, pages_back_to_total,
-                     post_generate, sse_events, start_routers)
+                     post_generate, sse_events, start_routers, stop_routers)
 
 P_PREALLOC_S, P_BOOTSTRAP_S = 2, 3
 D_PREALLOC_S, D_BOOTSTRAP_S, D_KV_WAIT_S = 3, 4, 5
@@ -84,8 +84,7 @@ class Split:
         return {"P": self.P, "D": self.D, "X": self.X}
 
     def stop(self) -> None:
-        for router in self.routers:
-            router.stop()
+        stop_routers(*self.routers)
         self.cluster.stop()
 
     def output(self) -> str:

@@ -51,7 +51,7 @@ import pytest
 import requests
 
 from cluster import (Cluster, RouterProcess, metric, metrics, pages_back_to_total, post_generate, sse_events,
-                     start_routers)
+                     start_routers, stop_routers)
 from conftest import ServerProcess, free_port
 
 GREEDY = {"temperature": 0}
@@ -452,8 +452,7 @@ def test_decode_killed_mid_transfer_then_restarted():
         for w in (Ps, Pok, D2):
             assert_clean(w)
     finally:
-        for r in routers:
-            r.stop()
+        stop_routers(*routers)
         c.stop()
     print(f"\n(b) decode killed mid-transfer and restarted: {time.monotonic() - started:.1f}s; "
           f"R and S ended {r_end.outcome}({r_end.reason}) / {s_end.outcome}({s_end.reason}) on prefill, "

@@ -34,7 +34,7 @@ import yaml
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from cluster import Cluster, RouterProcess, free_port, metrics, start_routers
+from cluster import Cluster, RouterProcess, free_port, metrics, start_routers, stop_routers
 from conftest import REPO, log_dir
 from splitserve.auth import bearer
 from test_faults import Call, wait_for
@@ -158,11 +158,7 @@ class Stack:
     def stop(self) -> None:
         if self.prometheus is not None:
             self.prometheus.stop()
-        for router in (self.R, self.R2):  # signalled together, so they drain together
-            if router.proc is not None and router.proc.poll() is None:
-                router.proc.send_signal(signal.SIGTERM)
-        for router in (self.R, self.R2):
-            router.stop()
+        stop_routers(self.R, self.R2)
         self.cluster.stop()
 
 

@@ -218,7 +218,7 @@ class ZapGuard(threading.Thread):
 
     POLL_MS = 100
 
-    def __init__(self, ctx: zmq.Context, allowed: bytes, wait_s: float = ZAP_BIND_WAIT_S):
+    def __init__(self, ctx: zmq.Context, allowed: bytes, wait_s: float):
         super().__init__(name="control-zap", daemon=True)
         self._allowed = allowed
         self.failures: Counter = Counter()
