@@ -20,6 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "splitserve"
 
 LAYERS = [
+    {"splitserve.hosts"},
     {"splitserve", "splitserve.outcomes", "splitserve.config", "splitserve.log_sparsely", "splitserve.timeline",
      "splitserve.metrics", "splitserve.cpus", "splitserve.tls", "splitserve.discovery", "splitserve.secret_file"},
     {"splitserve.errors"},
