@@ -11,7 +11,6 @@ from collections import deque
 from splitserve.disagg.control.prefill_server import PrefillControl
 from splitserve.disagg.decode_role import DecodeRole
 from splitserve.disagg.lifecycle import DecodeTable, PrefillTable
-from splitserve.disagg.lifecycle.recompute import PromptHere
 from splitserve.disagg.lifecycle.states import is_terminal
 from splitserve.disagg.lifecycle import Ending, Reason
 from splitserve.disagg.prefill_role import PrefillRole
@@ -234,7 +233,7 @@ PLANTED = {
     "quarantine released on a timer": [(DecodeTable, "_on_held_timer", release_on_timer)],
     "a registration dropped without a bound": [(PrefillControl, "_expire", unregistered_kept)],
     # the recompute fallback (hunted with --kv-failure-policy recompute: POLICY)
-    "fallback: computing before the writes settled": [(PromptHere, "_kv_lost", recompute_at_once)],
+    "fallback: computing before the writes settled": [(DecodeTable, "_kv_lost", recompute_at_once)],
     # found by the simulator, fix undone
     "found: a write call that raises": [(TransferWorker, "_start", write_raise_unsettled)],
     "found: a StartWrite hand-over that raises": [(PrefillRole, "_do_role", start_write_unsettled)],

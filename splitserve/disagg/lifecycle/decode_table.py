@@ -35,7 +35,7 @@ from typing import Optional
 
 from splitserve.disagg import protocol
 from splitserve.disagg.lifecycle.actions import (
-    Action, FreePages, Notice, NoticeKind, QuarantinePages, ReleaseQuarantine,
+    Action, ComputePrompt, FreePages, KVFallback, Notice, NoticeKind, QuarantinePages, ReleaseQuarantine,
     ReservePages, SendToPeer, StartDecode,
 )
 from splitserve.disagg.lifecycle.events import (
@@ -46,7 +46,7 @@ from splitserve.disagg.lifecycle.peers import Peer
 from splitserve.disagg.lifecycle.states import (
     DecodeState, Ending, Outcome, Reason, Role, State, ending_from_peer, is_terminal,
 )
-from splitserve.disagg.lifecycle.recompute import KV_FAILURE_POLICIES, PromptHere
+from splitserve.disagg.lifecycle.recompute import Plan, Recompute
 from splitserve.disagg.lifecycle.table import Room, RoomTable
 from splitserve.disagg.lifecycle.transitions import DECODE
 
@@ -74,7 +74,7 @@ class DecodeRoom(Room):
     """It computes its prompt here: no write of a prefill can reach its pages."""
 
 
-class DecodeTable(PromptHere, RoomTable):
+class DecodeTable(RoomTable):
     role = Role.DECODE
     transitions = DECODE
     _held_label = "quarantined"
@@ -85,10 +85,7 @@ class DecodeTable(PromptHere, RoomTable):
         ``kv_failure_policy``: ``recompute`` (a room whose KV will not come computes its prompt
         here) or ``fail`` (it fails with its reason)."""
         super().__init__(deadlines, incarnation, page_size)
-        if kv_failure_policy not in KV_FAILURE_POLICIES:
-            raise ValueError(f"kv_failure_policy must be one of {', '.join(KV_FAILURE_POLICIES)}, "
-                             f"got {kv_failure_policy!r}")
-        self.recompute = kv_failure_policy == "recompute"
+        self.recompute = Recompute(kv_failure_policy)
         self.vocab_size = vocab_size
         self._quarantined_pages = 0
 
@@ -295,36 +292,54 @@ class DecodeTable(PromptHere, RoomTable):
         else:
             out.append(Notice(self.role, NoticeKind.LATE_MESSAGE, r.id, f"WritesSettled in {r.state.value}"))
 
+    # == the prompt computed here (recompute.py decides when) ===================================
+
+    def _kv_lost(self, r: DecodeRoom, ending: Ending, now: float, out: list[Action],
+                 wait_for_pages: bool = True) -> None:
+        """The room's KV will not come (``ending`` says why): end it, or fall back as the policy's
+        :class:`~splitserve.disagg.lifecycle.recompute.Plan` says."""
+        plan = self.recompute.plan(r, ending, wait_for_pages, self._writes_may_land(r))
+        if plan is Plan.END:
+            self._end(r, ending, now, out)
+            return
+        r.fallback = ending
+        out.append(KVFallback(r.id, r.rid, ending.reason, ending.detail))
+        self._timers.cancel(("resend", r.id))
+        if plan is Plan.AWAIT_PAGES:
+            if not ending.from_peer and self._reachable(r.peer):
+                out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, ending.reason.value)))
+            self.peers.unbind(r.peer, r.id)
+        elif plan is Plan.RECLAIM:
+            self._enter(r, DecodeState.RECLAIMING, now, out)
+            self._send_abort(r, now, out)  # prefill answers WritesSettled once none of its writes can land
+        else:
+            if not ending.from_peer and not r.kv_done and self._reachable(r.peer):
+                out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, ending.reason.value)))
+            self._compute_here(r, now, out)
+
+    def _send_abort(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
+        """RECLAIMING: tell prefill the room is over for it, and again every ``quarantine_resend_s``."""
+        out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, r.fallback.reason.value)))
+        self._timers.set(("resend", r.id), now + self.cfg.quarantine_resend_s)
+
+    def _compute_here(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
+        """No write of a prefill can reach the room's pages: its prompt runs here, into them."""
+        self._timers.cancel(("resend", r.id))
+        self.peers.unbind(r.peer, r.id)  # it no longer depends on that prefill
+        r.reclaimed = True
+        self._enter(r, DecodeState.PREFILLING, now, out)
+        out.append(ComputePrompt(r.id, r.rid, r.fallback.reason if r.fallback is not None else None))
+
+    def _first_token_here(self, room: int, now: float, out: list[Action]) -> None:
+        """A room whose prompt ran here produced its first token: it decodes from now on."""
+        r = self._rooms.get(room)
+        if r is not None and r.state is DecodeState.PREFILLING:
+            self._enter(r, DecodeState.DECODING, now, out)
+
     # == the end of a room ======================================================================
 
-    def _on_deadline(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
-        late = self.cfg.request_timeout_s is not None and now >= r.born + self.cfg.request_timeout_s
-        if not late and r.state in (DecodeState.PREALLOC, DecodeState.AWAITING_KV):
-            self._kv_lost(r, self._timeout_ending(r, now), now, out, wait_for_pages=False)  # no room for it
-        else:
-            super()._on_deadline(r, now, out)
-
-    def _timeout_ending(self, r: DecodeRoom, now: float) -> Ending:
-        waited = f"{now - r.entered:g}s"
-        if r.state is DecodeState.RECLAIMING:
-            return Ending(r.fallback.reason, f"{r.fallback.detail}; its writes did not settle in {waited}")
-        if r.state is DecodeState.PREFILLING:
-            if r.fallback is not None:
-                return Ending(r.fallback.reason, f"{r.fallback.detail}; recomputing its prompt here made no "
-                              f"progress in {waited}")
-            return Ending(Reason.STALLED, f"no chunk of its prompt computed here in {waited}")
-        if r.state is DecodeState.PREALLOC:
-            if r.fallback is not None:
-                return Ending(r.fallback.reason, f"{r.fallback.detail}; no KV pages for its recompute in {waited}")
-            if r.alone:
-                return Ending(Reason.OVERLOADED, f"no KV pages in {waited}")
-            if r.peer is None:
-                missing = "bootstrap info from prefill" + ("" if r.pages else " nor KV pages")
-                return Ending(Reason.BOOTSTRAP_TIMEOUT, f"no {missing} in {waited}")
-            return Ending(Reason.OVERLOADED, f"no KV pages in {waited}")
-        if r.state is DecodeState.AWAITING_KV:
-            return Ending(Reason.TRANSFER_TIMEOUT, f"no KV from {r.peer} in {waited}")
-        return Ending(Reason.STALLED, f"no decode step in {waited}")
+    def _kv_timed_out(self, r: DecodeRoom, ending: Ending, now: float, out: list[Action]) -> None:
+        self._kv_lost(r, ending, now, out, wait_for_pages=False)  # its pages' deadline: no room for a recompute
 
     def _writes_may_land(self, r: DecodeRoom) -> bool:
         return r.registered and not r.reclaimed and not r.kv_done and not r.settled and self._reachable(r.peer)

@@ -339,16 +339,6 @@ class PrefillTable(RoomTable):
 
     # == the end of a room ======================================================================
 
-    def _timeout_ending(self, r: PrefillRoom, now: float) -> Ending:
-        waited = f"{now - r.entered:g}s"
-        return {
-            PrefillState.BOOTSTRAPPING: Ending(Reason.BOOTSTRAP_TIMEOUT, f"no registration from decode in {waited}"),
-            PrefillState.QUEUED: Ending(Reason.OVERLOADED, f"queued {waited} for the forward pass"),
-            PrefillState.PREFILLING: Ending(Reason.STALLED, f"no chunk finished in {waited}"),
-            PrefillState.TRANSFERRING: Ending(Reason.TRANSFER_TIMEOUT,
-                                              f"{len(r.writes)} writes unfinished after {waited}"),
-        }[r.state]
-
     def _after_end(self, r: PrefillRoom, last: State, now: float, out: list[Action]) -> None:
         if r.ending.outcome is not Outcome.FINISHED and not r.ending.from_peer and self._reachable(r.peer):
             out.append(SendToPeer(r.peer, protocol.RoomFailed(r.id, self.incarnation, r.ending.reason.value)))

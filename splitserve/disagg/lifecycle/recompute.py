@@ -1,4 +1,4 @@
-"""Decode: the prompt computed on the decode worker itself (a mixin of :class:`DecodeTable`).
+"""Decode: when a room computes its prompt on the decode worker itself, decided for the decode table.
 
 Two ways lead to ``PREFILLING``. A request that came with no prefill (``RequestArrived.alone``:
 no bootstrap fields) waits in ``PREALLOC`` for its pages only, then computes its prompt here, as a
@@ -13,18 +13,16 @@ emitted first, fences its link); otherwise the room waits in ``RECLAIMING`` for 
 fails with its reason (its pages quarantined, as for any end) if none comes within ``reclaim_s``.
 A client abort, the peer's report of one, a request timeout or a room without its pages (no room
 for the recompute) end the room as they end any other.
+
+:class:`Recompute` only decides (a :class:`Plan` from the room's facts); the decode table, which
+owns rooms, timers and peers, carries the plan out (``decode_table.py``, ``_kv_lost``).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import enum
 
-from splitserve.disagg import protocol
-from splitserve.disagg.lifecycle.actions import Action, ComputePrompt, KVFallback, SendToPeer
 from splitserve.disagg.lifecycle.states import DecodeState, Ending, Reason
-
-if TYPE_CHECKING:
-    from splitserve.disagg.lifecycle.decode_table import DecodeRoom
 
 
 KV_FALLBACK_REASONS = frozenset({
@@ -39,53 +37,38 @@ error: those end the room as they would without a fallback."""
 KV_FAILURE_POLICIES = ("recompute", "fail")
 
 
-class PromptHere:
-    """What :class:`~splitserve.disagg.lifecycle.decode_table.DecodeTable` does when a room's prompt
-    runs here; its rooms, timers, peers and ``recompute`` flag are the table's."""
+class Plan(enum.Enum):
+    """What a room whose KV will not come does."""
 
-    def _kv_lost(self, r: DecodeRoom, ending: Ending, now: float, out: list[Action],
-                 wait_for_pages: bool = True) -> None:
-        """The room's KV will not come (``ending`` says why): under ``recompute``, a room with no
-        first token yet computes its prompt here — at once if no write can reach its pages any
-        more, else once none can (``RECLAIMING``); one still waiting for its pages in ``PREALLOC``
-        computes once they come (within the same deadline), unless that deadline is what ran out
-        (``wait_for_pages`` False: no room for the recompute). Otherwise it ends."""
+    END = "end"
+    """It ends with the failure (policy ``fail``, a reason that is not the KV's, or no room for it)."""
+    AWAIT_PAGES = "await_pages"
+    """It falls back, and computes its prompt once its pages come (``PREALLOC``, never registered:
+    no prefill will have these pages)."""
+    RECLAIM = "reclaim"
+    """It falls back, and waits in ``RECLAIMING`` until no write of its prefill can land."""
+    COMPUTE = "compute"
+    """It falls back and computes its prompt now: no write can reach its pages."""
+
+
+class Recompute:
+    """The fallback policy of one decode table (``--kv-failure-policy``)."""
+
+    def __init__(self, policy: str):
+        if policy not in KV_FAILURE_POLICIES:
+            raise ValueError(f"kv_failure_policy must be one of {', '.join(KV_FAILURE_POLICIES)}, got {policy!r}")
+        self.enabled = policy == "recompute"
+
+    def plan(self, r, ending: Ending, wait_for_pages: bool, writes_may_land: bool) -> Plan:
+        """For room ``r`` (a ``DecodeRoom``) whose KV will not come (``ending`` says why): under
+        ``recompute``, a room with no first token yet falls back — at once if no write can reach
+        its pages any more, else once none can; one still waiting for its pages in ``PREALLOC``
+        computes once they come, unless ``wait_for_pages`` is False (its pages' deadline is what
+        ran out: no room for the recompute). Otherwise it ends."""
         has_pages = len(r.pages) >= r.n_pages
-        if not (self.recompute and ending.reason in KV_FALLBACK_REASONS and not r.alone and r.fallback is None
+        if not (self.enabled and ending.reason in KV_FALLBACK_REASONS and not r.alone and r.fallback is None
                 and r.state in (DecodeState.PREALLOC, DecodeState.AWAITING_KV) and (has_pages or wait_for_pages)):
-            self._end(r, ending, now, out)
-            return
-        r.fallback = ending
-        out.append(KVFallback(r.id, r.rid, ending.reason, ending.detail))
-        self._timers.cancel(("resend", r.id))
-        if not has_pages:  # PREALLOC, never registered: no prefill will have these pages
-            if not ending.from_peer and self._reachable(r.peer):
-                out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, ending.reason.value)))
-            self.peers.unbind(r.peer, r.id)
-            return
-        if self._writes_may_land(r):
-            self._enter(r, DecodeState.RECLAIMING, now, out)
-            self._send_abort(r, now, out)  # prefill answers WritesSettled once none of its writes can land
-        else:
-            if not ending.from_peer and not r.kv_done and self._reachable(r.peer):
-                out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, ending.reason.value)))
-            self._compute_here(r, now, out)
-
-    def _send_abort(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
-        """RECLAIMING: tell prefill the room is over for it, and again every ``quarantine_resend_s``."""
-        out.append(SendToPeer(r.peer, protocol.AbortRoom(r.id, self.incarnation, r.fallback.reason.value)))
-        self._timers.set(("resend", r.id), now + self.cfg.quarantine_resend_s)
-
-    def _compute_here(self, r: DecodeRoom, now: float, out: list[Action]) -> None:
-        """No write of a prefill can reach the room's pages: its prompt runs here, into them."""
-        self._timers.cancel(("resend", r.id))
-        self.peers.unbind(r.peer, r.id)  # it no longer depends on that prefill
-        r.reclaimed = True
-        self._enter(r, DecodeState.PREFILLING, now, out)
-        out.append(ComputePrompt(r.id, r.rid, r.fallback.reason if r.fallback is not None else None))
-
-    def _first_token_here(self, room: int, now: float, out: list[Action]) -> None:
-        """A room whose prompt ran here produced its first token: it decodes from now on."""
-        r = self._rooms.get(room)
-        if r is not None and r.state is DecodeState.PREFILLING:
-            self._enter(r, DecodeState.DECODING, now, out)
+            return Plan.END
+        if not has_pages:
+            return Plan.AWAIT_PAGES
+        return Plan.RECLAIM if writes_may_land else Plan.COMPUTE

@@ -15,13 +15,27 @@ deadline of each live state entered is the one the transitions name. Ending a ro
 (:meth:`RoomTable._end`) is the only way into a terminal state, and no move leaves one, so a
 terminal state is never left and never re-entered; it emits the single log line, count and client
 answer; and it hands over to the side's ``_after_end`` to tell the peer and release or hold memory.
+
+The order of hooks one event takes (``side.`` marks the prefill or decode table's own)::
+
+    handle(event)  RequestArrived -> _on_arrival -> _refuse | side._admit -> _new_room
+                   ClientAbort, LocalFailure -> _abort -> _end | _abort_unseen
+                   FromPeer -> side._on_peer_message     PeerHeard, PeerLost -> _peer_lost
+                   anything else -> side._on_event
+    expire(now)    a silent peer -> _peer_lost -> DisconnectPeer, side._on_peer_lost (per room)
+                   a live room's deadline -> _on_deadline -> request timeout: _end
+                       else the state's declared timeout (transitions.py) -> _end | side._kv_timed_out
+                   a held room's timer -> side._on_held_timer;  a tombstone's -> forgotten
+                   any other timer -> side._on_other_timer
+    a move         _move (checked, Moved) ; _enter = _move + the new state's deadline ; _rearm
+    an end         _end -> _move to terminal, NotifyClient, LogTerminal, CountOutcome, [Cancel]
+                       -> side._after_end -> _hold (held) | _release -> side._release_memory, tombstone
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, Optional
 
 from splitserve.disagg.lifecycle.actions import (
@@ -34,37 +48,9 @@ from splitserve.disagg.lifecycle.events import (
 from splitserve.disagg.lifecycle.frozen import frozen_fields
 from splitserve.disagg.lifecycle.peers import Lost, Peer, PeerTable
 from splitserve.disagg.lifecycle.quota import PeerQuota
+from splitserve.disagg.lifecycle.room import Room, Tombstone
 from splitserve.disagg.lifecycle.states import Ending, LifecycleError, Outcome, Reason, Role, State, is_terminal
 from splitserve.disagg.lifecycle.transitions import Transitions
-
-
-@dataclass
-class Room:
-    id: int
-    """The room id (``bootstrap_room``, or a negative local one)."""
-    rid: str
-    prompt_len: int
-    n_pages: int
-    born: float
-    state: State
-    entered: float
-    """When the room entered ``state``."""
-    deadline: Optional[float] = None
-    """Live: when the current state times out. Held: when the held timer fires."""
-    peer: Optional[Peer] = None
-    ending: Optional[Ending] = None
-
-
-@dataclass(frozen=True)
-class Tombstone:
-    """A room id that ended, or was aborted before its request came (``arrived`` False). ``peer``
-    and ``answer``: whom the room was for, and what to tell that peer again if it asks again
-    (prefill: the ``KVDone`` of a finished room, in case the first one was lost)."""
-
-    ending: Ending
-    arrived: bool
-    peer: Optional[Peer] = None
-    answer: Any = None
 
 
 class RoomTable:
@@ -309,11 +295,17 @@ class RoomTable:
         self._timers.set(("room", r.id), r.deadline)
 
     def _on_deadline(self, r: Room, now: float, out: list[Action]) -> None:
+        """A live room's deadline ran out: the request's own timeout, else what its state's
+        declaration (``transitions.py``) says the timeout becomes."""
         if self.cfg.request_timeout_s is not None and now >= r.born + self.cfg.request_timeout_s:
-            ending = Ending(Reason.REQUEST_TIMEOUT, f"older than {self.cfg.request_timeout_s:g}s")
+            self._end(r, Ending(Reason.REQUEST_TIMEOUT, f"older than {self.cfg.request_timeout_s:g}s"), now, out)
+            return
+        live = self.transitions.states[r.state]
+        ending = live.timeout(r, f"{now - r.entered:g}s")
+        if live.loses_kv:
+            self._kv_timed_out(r, ending, now, out)
         else:
-            ending = self._timeout_ending(r, now)
-        self._end(r, ending, now, out)
+            self._end(r, ending, now, out)
 
     def _end(self, r: Room, ending: Ending, now: float, out: list[Action]) -> None:
         """The one way into a terminal state."""
@@ -373,8 +365,9 @@ class RoomTable:
     def _on_peer_message(self, peer: Peer, msg, now: float, out: list[Action]) -> None:
         raise NotImplementedError
 
-    def _timeout_ending(self, r: Room, now: float) -> Ending:
-        raise NotImplementedError
+    def _kv_timed_out(self, r: Room, ending: Ending, now: float, out: list[Action]) -> None:
+        """A state whose timeout loses the room's KV (``Live.loses_kv``) ran out."""
+        self._end(r, ending, now, out)
 
     def _after_end(self, r: Room, last: State, now: float, out: list[Action]) -> None:
         raise NotImplementedError

@@ -1,5 +1,6 @@
 """Every move a room may make, declared once per role: which state may follow which, the deadline
-that governs each live state, and what a room waits for there.
+that governs each live state, what a room waits for there, and what that deadline running out
+becomes (the room's ending, and whether it is a loss of the room's KV that decode may recompute).
 
 A :class:`Transitions` is data, the one place these facts live. The room table checks every move
 against it before making it (:meth:`Transitions.check`, a check that raises, so ``python -O``
@@ -18,10 +19,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from splitserve.disagg.lifecycle.states import (
-    DecodeState, LifecycleError, Outcome, PrefillState, Role, State, is_terminal,
+    DecodeState, Ending, LifecycleError, Outcome, PrefillState, Reason, Role, State, is_terminal,
 )
 
 
@@ -45,6 +46,13 @@ class Live:
     """The :class:`~splitserve.disagg.lifecycle.deadlines.Deadlines` field that bounds the time
     in this state, or its method, called with the state's one argument (``transfer_s(bytes)``)."""
     waits: Waits
+    timeout: Callable[[Any, str], Ending]
+    """What the deadline running out becomes: the room's ending, given the room and how long it
+    waited in this state (``"12.5s"``). A request's own timeout (``request_timeout_s``) is not
+    this: it ends a room in any state as ``request_timeout``."""
+    loses_kv: bool = False
+    """The timeout is a loss of the room's KV, not of the room: under ``--kv-failure-policy
+    recompute`` decode computes the prompt itself instead (``recompute.py``)."""
 
 
 @dataclass(frozen=True)
@@ -124,11 +132,31 @@ def _order(t: Transitions, s: Optional[State]) -> tuple:
 
 P, D, W = PrefillState, DecodeState, Waits
 
+
+def _decode_prealloc_timeout(r, waited: str) -> Ending:
+    """Decode's ``PREALLOC`` ran out: what it still lacked (pages, the prefill's info) says why."""
+    if r.fallback is not None:
+        return Ending(r.fallback.reason, f"{r.fallback.detail}; no KV pages for its recompute in {waited}")
+    if r.alone or r.peer is not None:
+        return Ending(Reason.OVERLOADED, f"no KV pages in {waited}")
+    missing = "bootstrap info from prefill" + ("" if r.pages else " nor KV pages")
+    return Ending(Reason.BOOTSTRAP_TIMEOUT, f"no {missing} in {waited}")
+
+
+def _decode_prefilling_timeout(r, waited: str) -> Ending:
+    if r.fallback is not None:
+        return Ending(r.fallback.reason, f"{r.fallback.detail}; recomputing its prompt here made no progress "
+                      f"in {waited}")
+    return Ending(Reason.STALLED, f"no chunk of its prompt computed here in {waited}")
+
+
 PREFILL = Transitions(Role.PREFILL, {
-    P.BOOTSTRAPPING: Live("bootstrap_s", W.QUEUE),
-    P.QUEUED: Live("queue_s", W.QUEUE),
-    P.PREFILLING: Live("prefill_stall_s", W.WORK),
-    P.TRANSFERRING: Live("transfer_s", W.WORK),
+    P.BOOTSTRAPPING: Live("bootstrap_s", W.QUEUE,
+                          lambda r, w: Ending(Reason.BOOTSTRAP_TIMEOUT, f"no registration from decode in {w}")),
+    P.QUEUED: Live("queue_s", W.QUEUE, lambda r, w: Ending(Reason.OVERLOADED, f"queued {w} for the forward pass")),
+    P.PREFILLING: Live("prefill_stall_s", W.WORK, lambda r, w: Ending(Reason.STALLED, f"no chunk finished in {w}")),
+    P.TRANSFERRING: Live("transfer_s", W.WORK, lambda r, w: Ending(
+        Reason.TRANSFER_TIMEOUT, f"{len(r.writes)} writes unfinished after {w}")),
 }, (
     Move(None, P.BOOTSTRAPPING, "`RequestArrived`"),
     Move(P.BOOTSTRAPPING, P.QUEUED, "decode's registration is accepted (at once if it came first)"),
@@ -140,11 +168,13 @@ PREFILL = Transitions(Role.PREFILL, {
 """The prefill side's moves (``prefill_table.py``)."""
 
 DECODE = Transitions(Role.DECODE, {
-    D.PREALLOC: Live("prealloc_s", W.QUEUE),
-    D.AWAITING_KV: Live("kv_wait_s", W.PEER),
-    D.RECLAIMING: Live("reclaim_s", W.PEER),
-    D.PREFILLING: Live("prefill_stall_s", W.WORK),
-    D.DECODING: Live("decode_stall_s", W.WORK),
+    D.PREALLOC: Live("prealloc_s", W.QUEUE, _decode_prealloc_timeout, loses_kv=True),
+    D.AWAITING_KV: Live("kv_wait_s", W.PEER,
+                        lambda r, w: Ending(Reason.TRANSFER_TIMEOUT, f"no KV from {r.peer} in {w}"), loses_kv=True),
+    D.RECLAIMING: Live("reclaim_s", W.PEER, lambda r, w: Ending(
+        r.fallback.reason, f"{r.fallback.detail}; its writes did not settle in {w}")),
+    D.PREFILLING: Live("prefill_stall_s", W.WORK, _decode_prefilling_timeout),
+    D.DECODING: Live("decode_stall_s", W.WORK, lambda r, w: Ending(Reason.STALLED, f"no decode step in {w}")),
 }, (
     Move(None, D.PREALLOC, "`RequestArrived`"),
     Move(D.PREALLOC, D.AWAITING_KV, "pages and a compatible prefill's info in hand: `RegisterRoom` sent"),
