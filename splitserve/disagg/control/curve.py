@@ -90,6 +90,10 @@ def derive_keys(secret: bytes, role: bytes) -> tuple[bytes, bytes]:
     return zmq.curve_public(secret_z85), secret_z85
 
 
+RECORD_KEY_INFO = b"splitserve discovery record v1"  # seals a worker's discovery record (discovery/signing.py)
+PROOF_KEY_INFO = b"splitserve identity proof v1"  # a worker's answer to a router's nonce (discovery/proof.py)
+
+
 def parse_secret(text: bytes) -> bytes:
     """The secret's bytes from the text of its file: hex, or base64 (standard or URL-safe, padded
     or not, wrapped or not); ValueError (never repeating the text) unless it holds at least
@@ -126,6 +130,8 @@ class ClusterSecret:
             raise ValueError(f"a cluster secret has at least {MIN_SECRET_BYTES} random bytes (e.g. {HOW_TO_MAKE})")
         self.bind_public, self.bind_secret = derive_keys(secret, b"bind")
         self.connect_public, self.connect_secret = derive_keys(secret, b"connect")
+        self.record_key = hkdf_sha256(secret, HKDF_SALT, RECORD_KEY_INFO)
+        self.proof_key = hkdf_sha256(secret, HKDF_SALT, PROOF_KEY_INFO)
         self._guards: dict[int, tuple[ZapGuard, int]] = {}  # by context: the guard, its users
         self._zap_wait_s = zap_wait_s
         self._lock = threading.Lock()
