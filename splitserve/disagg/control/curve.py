@@ -3,17 +3,17 @@
 The design and its replay protection: ``docs/protocol.md``; the threat model: ``docs/security.md``.
 
 The secret is at least 32 random bytes, written in its file as hex or base64 (:func:`parse_secret`;
-``head -c 32 /dev/urandom | base64``); a file that other users can read is refused, one its group
-can read is warned about (a Kubernetes Secret volume with ``fsGroup`` is 0440). From the secret
-every holder derives the same two CURVE key pairs, one for the side that binds (prefill's bootstrap
-port, a tcp receiver) and one for the side that connects (:func:`derive_keys`: HKDF-SHA256, RFC 5869,
-with the role's name in its ``info``). A connecting socket must
-know the binding side's public key to speak at all, and proves in the handshake that it holds
-the connecting side's secret key; the :class:`ZapGuard` of the binding side's ZMQ context
-(``inproc://zeromq.zap.01``) admits only that public key. So a connection from a process without
-the secret fails its handshake — before any frame of it reaches our code — and is counted and
-logged naming authentication; one that has it is encrypted and authenticated end to end
-(CurveZMQ: ephemeral keys per connection, strictly increasing nonces).
+``head -c 32 /dev/urandom | base64``; one plainly not random is refused: ``secret_file.why_guessable``);
+a file that other users can read is refused, one its group can read is warned about (a Kubernetes
+Secret volume with ``fsGroup`` is 0440). From the secret every holder derives the same two CURVE
+key pairs, one for the side that binds (prefill's bootstrap port, a tcp receiver) and one for the
+side that connects (:func:`derive_keys`: HKDF-SHA256, RFC 5869, with the role's name in its
+``info``). A connecting socket must know the binding side's public key to speak at all, and
+proves in the handshake that it holds the connecting side's secret key; the :class:`ZapGuard` of
+the binding side's ZMQ context (``inproc://zeromq.zap.01``) admits only that public key.
+So a connection from a process without the secret fails its handshake — before any frame of it
+reaches our code — and is counted and logged naming authentication; one that has it is encrypted
+and authenticated end to end (CurveZMQ: ephemeral keys per connection, strictly increasing nonces).
 
 Nothing here logs a key or the secret.
 """
@@ -39,7 +39,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.log_sparsely import worth_logging
-from splitserve.secret_file import MIN_SECRET_BYTES
+from splitserve.secret_file import MIN_SECRET_BYTES, REFUSE_SAVING_BITS, why_guessable
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,8 @@ PROOF_KEY_INFO = b"splitserve identity proof v1"  # a worker's answer to a route
 def parse_secret(text: bytes) -> bytes:
     """The secret's bytes from the text of its file: hex, or base64 (standard or URL-safe, padded
     or not, wrapped or not); ValueError (never repeating the text) unless it holds at least
-    ``MIN_SECRET_BYTES``."""
+    ``MIN_SECRET_BYTES`` and is not plainly guessable (``secret_file.why_guessable``: a random one
+    is refused with probability at most ``2**-REFUSE_SAVING_BITS``)."""
     try:
         word = "".join(text.decode("ascii").split())  # base64 may come wrapped in lines
     except UnicodeDecodeError:
@@ -116,6 +117,10 @@ def parse_secret(text: bytes) -> bytes:
     if len(raw) < MIN_SECRET_BYTES:
         raise ValueError(f"a cluster secret has at least {MIN_SECRET_BYTES} random bytes, this one {len(raw)} "
                          f"(e.g. {HOW_TO_MAKE})")
+    why = why_guessable(raw)
+    if why is not None:
+        raise ValueError(f"a cluster secret is random bytes, and this one is plainly not ({why}: written in "
+                         f"{REFUSE_SAVING_BITS}+ bits fewer than random bytes need); make one with {HOW_TO_MAKE}")
     return raw
 
 
