@@ -173,39 +173,45 @@ class DecodeRole(DisaggRole):
     # -- actions --------------------------------------------------------------------------------
 
     def _do_role(self, a, out: list[RequestOutput]) -> None:
-        if isinstance(a, ReservePages):
-            self.rooms[a.room].want_pages = a.n_pages
-            self._page_queue.append(a.room)  # waits its turn; the PREALLOC deadline bounds it
-            self._serve_page_queue(out)
-        elif isinstance(a, StartDecode):
-            rec = self.rooms[a.room]
-            self.links.revoke(a.room)  # every write landed: the pages are closed to prefill before they decode
-            seq, outputs = self.engine.start_decoding(rec.req, rec.pages, a.first_token,  # checks before it changes
-                                                      cached_pages=rec.cached_pages, first_logprobs=a.first_logprobs)
-            self.kv_bytes_received += (len(rec.pages) - rec.cached_pages) * self.engine.layout.page_nbytes
-            rec.seq, rec.pages = seq, []  # the pages are the sequence's now
-            for delta in outputs:
-                out.append(delta)
-                if delta.finished:
-                    self._after_token(rec, delta, out)
-        elif isinstance(a, ComputePrompt):
-            self._compute_prompt(a, out)
-        elif isinstance(a, KVFallback):
-            self.fallbacks[a.reason.value] += 1
-            log.info("decode: room %d (%s) falls back to computing its prompt here: %s: %s", a.room, a.rid,
-                     a.reason.value, a.detail)
-        elif isinstance(a, QuarantinePages):
-            rec = self.rooms[a.room]
-            rec.pages, rec.quarantined = rec.take_pages(), True
-            self.pages_quarantined += len(rec.pages)
-        elif isinstance(a, ReleaseQuarantine):
-            rec = self.rooms.get(a.room)
-            if rec is not None and not self._kept_unfenced(rec):
-                self.pages_quarantined -= len(rec.pages)
-                rec.quarantined = False
-                self._free_room(a.room)
-        else:
-            super()._do_role(a, out)
+        match a:
+            case ReservePages():
+                self.rooms[a.room].want_pages = a.n_pages
+                self._page_queue.append(a.room)  # waits its turn; the PREALLOC deadline bounds it
+                self._serve_page_queue(out)
+            case StartDecode():
+                self._start_decode(a, out)
+            case ComputePrompt():
+                self._compute_prompt(a, out)
+            case KVFallback():
+                self.fallbacks[a.reason.value] += 1
+                log.info("decode: room %d (%s) falls back to computing its prompt here: %s: %s", a.room, a.rid,
+                         a.reason.value, a.detail)
+            case QuarantinePages():
+                rec = self.rooms[a.room]
+                rec.pages, rec.quarantined = rec.take_pages(), True
+                self.pages_quarantined += len(rec.pages)
+            case ReleaseQuarantine():
+                rec = self.rooms.get(a.room)
+                if rec is not None and not self._kept_unfenced(rec):
+                    self.pages_quarantined -= len(rec.pages)
+                    rec.quarantined = False
+                    self._free_room(a.room)
+            case _:
+                super()._do_role(a, out)
+
+    def _start_decode(self, a: StartDecode, out: list[RequestOutput]) -> None:
+        """Every write of the room landed: its pages become its sequence's, which decodes from the
+        first token prefill sampled."""
+        rec = self.rooms[a.room]
+        self.links.revoke(a.room)  # every write landed: the pages are closed to prefill before they decode
+        seq, outputs = self.engine.start_decoding(rec.req, rec.pages, a.first_token,  # checks before it changes
+                                                  cached_pages=rec.cached_pages, first_logprobs=a.first_logprobs)
+        self.kv_bytes_received += (len(rec.pages) - rec.cached_pages) * self.engine.layout.page_nbytes
+        rec.seq, rec.pages = seq, []  # the pages are the sequence's now
+        for delta in outputs:
+            out.append(delta)
+            if delta.finished:
+                self._after_token(rec, delta, out)
 
     def _compute_prompt(self, a: ComputePrompt, out: list[RequestOutput]) -> None:
         """The room's prompt runs here, into its own pages (its cached prefix kept): closed to every

@@ -74,28 +74,33 @@ class PrefillRole(DisaggRole):
         return stats
 
     def _do_role(self, a, out: list[RequestOutput]) -> None:
-        if isinstance(a, Enqueue):
-            rec = self.rooms[a.room]
-            try:
-                rec.seq = self.engine.add_request(rec.req, prefill_only=True)
-            except InvalidRequest as exc:
-                out += self._handle_event(LocalFailure(a.room, Reason.BAD_REQUEST, str(exc)))
-        elif isinstance(a, StartWrite):
-            try:
-                spans = tuple(page_spans(a.src_pages, a.dst_pages, self.engine.layout.page_nbytes))
-                self.transfer.submit(Write(a.room, a.write_id, a.peer, spans))
-            except Exception as exc:
-                # Never handed to the transfer thread, so nothing would ever settle it and its
-                # room would hold its pages for good: it failed, and cannot land.
-                out += self._handle_event(WriteFailed(a.room, a.write_id, f"not started: {type(exc).__name__}: {exc}"))
-                raise
-            self.kv_bytes_written += sum(span.nbytes for span in spans)
-        elif isinstance(a, CancelWrites):
-            self.transfer.submit(CancelTransfer(a.write_ids))
-        elif isinstance(a, ResetTransfer):
-            self.transfer.submit(ResetPeer(a.peer))
-        else:
-            super()._do_role(a, out)
+        match a:
+            case Enqueue():
+                rec = self.rooms[a.room]
+                try:
+                    rec.seq = self.engine.add_request(rec.req, prefill_only=True)
+                except InvalidRequest as exc:
+                    out += self._handle_event(LocalFailure(a.room, Reason.BAD_REQUEST, str(exc)))
+            case StartWrite():
+                self._start_write(a, out)
+            case CancelWrites():
+                self.transfer.submit(CancelTransfer(a.write_ids))
+            case ResetTransfer():
+                self.transfer.submit(ResetPeer(a.peer))
+            case _:
+                super()._do_role(a, out)
+
+    def _start_write(self, a: StartWrite, out: list[RequestOutput]) -> None:
+        """Hand the write to the transfer thread; one whose hand-over raises failed and cannot land."""
+        try:
+            spans = tuple(page_spans(a.src_pages, a.dst_pages, self.engine.layout.page_nbytes))
+            self.transfer.submit(Write(a.room, a.write_id, a.peer, spans))
+        except Exception as exc:
+            # Never handed to the transfer thread, so nothing would ever settle it and its
+            # room would hold its pages for good: it failed, and cannot land.
+            out += self._handle_event(WriteFailed(a.room, a.write_id, f"not started: {type(exc).__name__}: {exc}"))
+            raise
+        self.kv_bytes_written += sum(span.nbytes for span in spans)
 
     def _send(self, peer: Peer, msg) -> None:
         if isinstance(msg, p.KVDone):  # rides behind the data, as the transfer's notification

@@ -390,31 +390,32 @@ class DisaggRole:
                     todo.extend(self._seen_by_timelines(self.table.handle(failure, now), now))
 
     def _do(self, a, out: list[RequestOutput]) -> None:
-        if isinstance(a, SendToPeer):
-            self._send(a.peer, a.msg)
-        elif isinstance(a, Cancel):
-            self._cancel(a.room)
-        elif isinstance(a, FreePages):
-            self._free_room(a.room, a.pages)
-        elif isinstance(a, NotifyClient):
-            self._answer(a, out)
-        elif isinstance(a, LogTerminal):
-            log.info("%s timeline: %s", a.line(), self.timelines.short_room(a.room))
-        elif isinstance(a, CountOutcome):
-            outcome = a.outcome.value.lower()
-            self.outcomes[(outcome, a.reason.value)] += 1
-            if self.on_outcome is not None:
-                self.on_outcome(outcome, a.reason.value)
-        elif isinstance(a, Moved):
-            if self.on_state_time is not None and a.before is not None:
-                self.on_state_time(a.before.value, a.seconds)
-        elif isinstance(a, Notice):
-            self._notice(a)
-        elif isinstance(a, DisconnectPeer):
-            log.warning("peer %s lost: %s", a.peer, a.detail)
-            self._disconnect(a)
-        else:
-            self._do_role(a, out)
+        match a:
+            case SendToPeer():
+                self._send(a.peer, a.msg)
+            case Cancel():
+                self._cancel(a.room)
+            case FreePages():
+                self._free_room(a.room, a.pages)
+            case NotifyClient():
+                self._answer(a, out)
+            case LogTerminal():
+                log.info("%s timeline: %s", a.line(), self.timelines.short_room(a.room))
+            case CountOutcome():
+                outcome = a.outcome.value.lower()
+                self.outcomes[(outcome, a.reason.value)] += 1
+                if self.on_outcome is not None:
+                    self.on_outcome(outcome, a.reason.value)
+            case Moved():
+                if self.on_state_time is not None and a.before is not None:
+                    self.on_state_time(a.before.value, a.seconds)
+            case Notice():
+                self._notice(a)
+            case DisconnectPeer():
+                log.warning("peer %s lost: %s", a.peer, a.detail)
+                self._disconnect(a)
+            case _:
+                self._do_role(a, out)
 
     def _notice(self, a: Notice) -> None:
         n = self.notices[a.kind.value] = self.notices[a.kind.value] + 1
