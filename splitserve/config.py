@@ -311,6 +311,10 @@ class RouterConfig(FrontConfig):
     """An etcd user (etcd's auth; with --discovery-password-file)."""
     discovery_password_file: Optional[str] = None
     """A file whose first line is --discovery-user's password (chmod 600)."""
+    cluster_secret_file: Optional[str] = None
+    """The workers' cluster secret (their --cluster-secret-file): the router then uses only discovery
+    records sealed with it, and trusts a worker (its worker key, a client's prompt) only once it
+    answered a nonce under it or under --worker-api-key (docs/security.md)."""
     prefill: tuple[WorkerAddress, ...] = ()
     decode: tuple[WorkerAddress, ...] = ()
 
