@@ -359,7 +359,7 @@ class Session:
     def post(self, url: str, data: bytes = b"", headers=None, timeout=None, allow_redirects=True):
         return _Call(self._request("POST", url, data, timeout))
 
-    def get(self, url: str, timeout=None):
+    def get(self, url: str, timeout=None, headers=None, allow_redirects=True):
         return _Call(self._request("GET", url, b"", timeout))
 
     async def _request(self, method: str, url: str, data: bytes, timeout) -> Response:
