@@ -462,6 +462,11 @@ class LLMEngine:
                 else:
                     self._check_finish(seq, token)
                     delta = self._delta(seq, token, lp)
+            except GrammarError as exc:  # the client's grammar hit a limit: its own bad request, named
+                ending = Ending(Reason.BAD_REQUEST, str(exc))
+                if (out := self.abort(seq.rid, ending)) is not None:
+                    report.failed.append((seq, out))
+                continue
             except Exception as exc:
                 log.exception("request %s: sampling or checking its token failed; failing that request alone", seq.rid)
                 ending = Ending(Reason.INTERNAL_ERROR, f"sampling or checking a token failed: {type(exc).__name__}: {exc}")
