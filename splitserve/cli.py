@@ -1,4 +1,4 @@
-"""The `splitserve` command line: `serve`, `router`, `launch`, `top`, `bench`, `tiny-model`.
+"""The `splitserve` command line: `serve`, `router`, `launch`, `top`, `bench`, `tiny-model`, `make-model`.
 
 Options are generated from the config dataclasses in ``config.py`` so that ``--help`` shows the
 same defaults the code uses.
@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("out_dir", help="folder to write the checkpoint into")
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
     tiny.add_argument("--seed", type=int, default=0)
+    from splitserve.models import make_model
+
+    make_model.add_arguments(sub.add_parser("make-model", help="write a real model's shape with random weights "
+                                            "as GGUF files and a Hugging Face folder (for benches)",
+                                            description=make_model.__doc__,
+                                            formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 
@@ -105,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
         path = build_tiny_model(args.out_dir, arch=args.arch, seed=args.seed)
         print(f"wrote a tiny {args.arch} checkpoint to {path}")
         return 0
+    if args.command == "make-model":
+        from splitserve.models.make_model import main as make_model_main
+
+        return make_model_main(args)
     if args.command == "serve":
         from splitserve.server.process import run_server
 
