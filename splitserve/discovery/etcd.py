@@ -26,7 +26,12 @@ user/password call, so :func:`client` authenticates through the gateway's ``/v3/
 itself and sends the token on every request (again after a refusal: tokens expire).
 TLS: ``--discovery-ca-certs`` (the CA etcd's certificate must be signed by),
 ``--discovery-certfile``/``--discovery-keyfile`` (a client certificate, for etcd's
-``--client-cert-auth``); auth: ``--discovery-user`` and ``--discovery-password-file``.
+``--client-cert-auth``); auth: ``--discovery-user`` and ``--discovery-password-file``. A user's
+password over plain ``etcd://`` travels in the clear (:func:`plaintext_password` says so at start).
+
+What a record says is read and written through a seal (``signing.py``): :class:`Registration`
+puts ``seal(record)``, and :class:`Watcher` takes only what ``read`` makes a record of, so the
+etcd code never decides what a valid record is, and another store would use the same seal.
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ class Target:
 
 def parse_target(text: str) -> Target:
     """``etcd://HOST:PORT/PREFIX`` (or ``etcds://``); ValueError naming what is wrong."""
+    from splitserve.discovery.record import printable_ascii
+
+    if not printable_ascii(text):  # urlsplit drops tab, CR and LF before anything could see them
+        raise ValueError(f"--discovery: {text!r} is not etcd://HOST:PORT/PREFIX (printable ASCII, no spaces)")
     try:
         parts = urlsplit(text)
         port = parts.port
@@ -109,6 +118,15 @@ class Credentials:
         if not lines or not lines[0]:
             raise ValueError(f"--discovery-password-file {self.password_file}: empty")
         return lines[0]
+
+
+def plaintext_password(target: Target, creds: Credentials) -> Optional[str]:
+    """The warning for a user's password sent to etcd without TLS (None when it is not)."""
+    if creds.user is None or target.tls or creds.ca_certs or creds.certfile:
+        return None
+    return (f"--discovery-user {creds.user} over plain {target}: its password, and the token etcd gives for it, "
+            "travel in the clear; use etcds:// (or --discovery-ca-certs) unless only this cluster can see that "
+            "network")
 
 
 def client(target: Target, creds: Credentials = Credentials()):
@@ -155,10 +173,11 @@ class Registration:
     """A worker's record in etcd under a lease kept alive by a thread of its own."""
 
     def __init__(self, target: Target, record, ttl_s: float, creds: Credentials = Credentials(),
-                 make_client: Callable = client):
+                 make_client: Callable = client, seal: Optional[Callable] = None):
         self.target, self.record, self.ttl_s, self.creds = target, record, max(2, int(round(ttl_s))), creds
         self.key = target.key(record.id)
         self.make_client = make_client
+        self.value = (seal or type(record).to_json)(record).decode()  # what is put: the record, sealed or bare
         self.registered = threading.Event()  # the record is in etcd (as far as the last call knew)
         self._stop = threading.Event()
         self._lease = None
@@ -196,7 +215,7 @@ class Registration:
 
     def _put(self) -> None:
         lease = self._etcd.lease(ttl=self.ttl_s)
-        self._etcd.put(self.key, self.record.to_json().decode(), lease=lease)
+        self._etcd.put(self.key, self.value, lease=lease)
         self._lease = lease
 
     def revoke(self) -> bool:
@@ -221,11 +240,15 @@ class Watcher:
     """A router's view of the prefix: calls ``on_records(records, invalid)`` with every valid
     record after each successful list (``invalid``: (key, why) of the rest), and ``on_outage(why)``
     / ``on_outage(None)`` when lists start and stop failing. Runs in threads of its own; the
-    callbacks are called from them (the router hands them to its event loop)."""
+    callbacks are called from them (the router hands them to its event loop). ``read`` makes a
+    record of a value or raises ValueError (a seal's ``open``: ``signing.py``)."""
 
     def __init__(self, target: Target, on_records: Callable, on_outage: Callable, creds: Credentials = Credentials(),
-                 make_client: Callable = client):
+                 make_client: Callable = client, read: Optional[Callable] = None):
+        from splitserve.discovery.record import parse_record
+
         self.target, self.creds = target, creds
+        self.read = read or parse_record
         self.on_records, self.on_outage = on_records, on_outage
         self.make_client = make_client
         self.changed = threading.Event()
@@ -244,8 +267,6 @@ class Watcher:
         self._thread.join(REQUEST_TIMEOUT_S + 1)
 
     def _run(self) -> None:
-        from splitserve.discovery.record import parse_record
-
         etcd, backoff, down = None, BACKOFF_S, None
         while not self._stop.is_set():
             try:
@@ -275,7 +296,7 @@ class Watcher:
                 key = meta.get("key", b"")
                 key = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
                 try:
-                    record = parse_record(value)
+                    record = self.read(value)
                     if key != self.target.key(record.id):
                         raise ValueError(f"its key is not {self.target.key_prefix}ID for its id {record.id!r}")
                     records.append(record)

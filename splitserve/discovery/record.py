@@ -55,6 +55,8 @@ def check_url(value: object, what: str = "url") -> str:
     """``http(s)://HOST:PORT`` (a trailing slash dropped), HOST a DNS name or an IP address."""
     if not isinstance(value, str) or len(value) > 300:
         raise ValueError(f"{what}: a URL is a string of at most 300 characters, not {_show(value)}")
+    if not printable_ascii(value):  # urlsplit drops tab, CR and LF before anything could see them
+        raise ValueError(f"{what}: a URL is printable ASCII without spaces or control characters, not {_show(value)}")
     url = value.rstrip("/")
     try:
         parts = urlsplit(url)
@@ -66,6 +68,11 @@ def check_url(value: object, what: str = "url") -> str:
             or parts.password is not None or parts.path or parts.query or parts.fragment or not _host_ok(host)):
         raise ValueError(f"{what}: {_show(value)} is not http(s)://HOST:PORT (no user, path, query or fragment)")
     return url
+
+
+def printable_ascii(text: str) -> bool:
+    """Whether ``text`` is only printable ASCII, no space (what a URL here may hold)."""
+    return all(33 <= ord(c) < 127 for c in text)
 
 
 def _host_ok(host: str) -> bool:
