@@ -39,11 +39,18 @@ def make_engine(model: str, **kw) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, **kw))
 
 
-def run_staggered(engine: LLMEngine, reqs: list[GenerateRequest], every: int = 2) -> dict[str, list[int]]:
-    """Submit one request every ``every`` steps while the others run; return generated ids."""
+def run_staggered(engine: LLMEngine, reqs: list[GenerateRequest], every: int = 2,
+                  squeeze: tuple[int, int] = (-1, -1)) -> dict[str, list[int]]:
+    """Submit one request every ``every`` steps while the others run; return generated ids. From
+    step ``squeeze[0]`` to ``squeeze[1]`` every available page is out of the scheduler's account
+    (as a decode room's are): running sequences that need a page preempt others."""
     pending, outs = list(reqs), {r.rid: [] for r in reqs}
-    step = 0
+    step, taken = 0, []
     while pending or engine.has_work():
+        if step == squeeze[0]:
+            taken = engine.allocator.allocate(engine.allocator.num_available)
+        if step == squeeze[1]:
+            engine.allocator.free(taken)
         if pending and step % every == 0:
             engine.add_request(pending.pop(0))
         for out in engine.step().outputs:
@@ -92,11 +99,12 @@ def test_chunked_unchunked_and_preempted_runs_agree(tiny_llama):
     reqs = [GenerateRequest(f"r{i}", tuple(p), SamplingParams(temperature=0.0, max_tokens=40)) for i, p in enumerate(ps)]
     chunked = make_engine(tiny_llama, max_batch_tokens=64, chunked_prefill=True)
     unchunked = make_engine(tiny_llama, max_batch_tokens=64, chunked_prefill=False)
-    # 40 pages of 16 tokens cannot hold all six requests at full length: preemption must happen
+    # 40 pages of 16 tokens cannot hold all six requests at full length: they wait their turn, and
+    # while the free pages are out of the account, running ones are preempted and recompute
     tight = make_engine(tiny_llama, max_batch_tokens=64, max_total_tokens=40 * 16)
     a = run_staggered(chunked, reqs, every=1)
     b = run_staggered(unchunked, reqs, every=1)
-    c = run_staggered(tight, reqs, every=1)
+    c = run_staggered(tight, reqs, every=1, squeeze=(8, 30))
     assert tight.stats().preemptions > 0
     assert a == b == c
     for e in (chunked, unchunked, tight):

@@ -148,6 +148,71 @@ def test_a_decode_room_of_n_forks_as_colocated_and_its_cancel_ends_every_choice(
     _account(engine)
 
 
+def _pool_engine(pages: int):
+    """An engine on the simulator's fake forward pass (``sim/model.py``), pages of 16 tokens."""
+    from splitserve.config import EngineConfig
+    from splitserve.engine.engine import LLMEngine
+    from splitserve.sim.model import fake_parts
+
+    return LLMEngine(EngineConfig(model="sim", max_total_tokens=pages * 16, page_size=16), parts=fake_parts())
+
+
+def _finish_steps(engine, arrivals: dict, limit: int = 2000) -> dict:
+    """Run ``arrivals`` ({step: [requests]}) to the end; the step each request ended at."""
+    ended, step = {}, 0
+    while (engine.has_work() or step <= max(arrivals)) and step < limit:
+        for r in arrivals.get(step, []):
+            engine.add_request(r)
+        step += 1
+        for out in engine.step().outputs:
+            if out.finished:
+                assert out.error is None, out
+                ended[out.rid] = step
+    return ended
+
+
+def _shorts(k: int, tag: str = "s") -> list:
+    return [GenerateRequest(f"{tag}{i}", tuple(range(50, 60)), SamplingParams(max_tokens=8, temperature=1.0, seed=i,
+                                                                             ignore_eos=True)) for i in range(k)]
+
+
+def test_a_request_whose_choices_cannot_all_fit_is_refused_at_once_and_later_ones_are_served():
+    """n = 16 choices of 32 + 200 tokens each fit the pool (64 pages of 16) one at a time, not all
+    together: refused at submission (400, param n); short requests that come while it would have
+    run are served in their own time (8 tokens, 8 steps)."""
+    from splitserve.engine.io import InvalidRequest
+
+    engine = _pool_engine(64)
+    big = GenerateRequest("big", tuple(range(40, 72)), SamplingParams(max_tokens=200, n=16, temperature=1.0, seed=1,
+                                                                       ignore_eos=True))
+    refused = None
+    try:
+        engine.check_fits(big)  # what a worker does at submission (``role.check``)
+        engine.add_request(big)
+    except InvalidRequest as exc:
+        refused = exc
+    ended = _finish_steps(engine, {0: [], 60: _shorts(6)})
+    assert {rid: ended[rid] - 60 for rid in ended if rid != "big"} == {f"s{i}": 8 for i in range(6)}
+    assert refused is not None and refused.status == 400 and refused.param == "n" and "225 pages" in str(refused)
+    engine.check_fits(GenerateRequest("one", big.prompt_ids, SamplingParams(max_tokens=200)))  # one choice fits
+
+
+def test_a_request_of_16_choices_that_does_not_fit_yet_is_passed_by_short_ones_then_served():
+    """A long request holds 40 of 64 pages; n = 16 choices (49 pages) wait for it, while short
+    requests that fit what is left pass them and are served in their own time; the 16 choices
+    are admitted together when the long one ends, and nothing is preempted."""
+    engine = _pool_engine(64)
+    long = GenerateRequest("long", tuple(range(40, 72)), SamplingParams(max_tokens=600, ignore_eos=True))
+    big = GenerateRequest("big", tuple(range(40, 72)), SamplingParams(max_tokens=32, n=16, temperature=1.0, seed=1,
+                                                                       ignore_eos=True))
+    engine.check_fits(big)
+    ended = _finish_steps(engine, {0: [long], 5: [big], 10: _shorts(6), 100: _shorts(4, "t")})
+    assert all(ended[f"s{i}"] == 10 + 8 for i in range(6)) and all(ended[f"t{i}"] == 100 + 8 for i in range(4))
+    assert ended["long"] == 600 and ended["big"] == 600 + 33  # its prompt, its fork, 32 tokens
+    s = engine.stats()
+    assert s.preemptions == 0 and s.pages_owned == 0 and s.pages_free + s.pages_cached == s.pages_total
+
+
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)

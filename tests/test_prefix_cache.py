@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_model
 from splitserve.config import EngineConfig
-from splitserve.engine.engine import LLMEngine
+from splitserve.engine.engine import LLMEngine, merge_outputs
 from splitserve.engine.io import GenerateRequest, SamplingParams
 from splitserve.engine.page_allocator import PageAllocator, page_keys
 
@@ -126,10 +126,28 @@ def test_turns_that_share_a_prefix_match_an_engine_without_the_cache(tiny, param
     assert without.stats().cache_hit_tokens == 0 and without.stats().pages_cached == 0
 
 
+def generate_squeezed(eng: LLMEngine, reqs: list[GenerateRequest], first: int, last: int) -> dict:
+    """``eng.generate(reqs)``, with every available page out of the scheduler's account (as a decode
+    room's are) from step ``first`` to ``last``: running sequences that need a page preempt others."""
+    for r in reqs:
+        eng.add_request(r)
+    acc, step, taken = {r.rid: [] for r in reqs}, 0, []
+    while eng.has_work():
+        if step == first:
+            taken = eng.allocator.allocate(eng.allocator.num_available)
+        if step == last:
+            eng.allocator.free(taken)
+        for out in eng.step().outputs:
+            acc[out.rid].append(out)
+        step += 1
+    return {rid: merge_outputs(outs) for rid, outs in acc.items()}
+
+
 def test_forced_preemption_and_evictions_keep_the_outputs(tiny):
-    """A pool of 12 pages, two conversations at once with long answers: sequences are preempted
-    (their pages freed, their full pages kept cached), and cached prefixes are evicted between
-    turns to make room — and the answers are still those of an engine without the cache."""
+    """A pool of 12 pages, two conversations at once with long answers while the free pages leave
+    the account for a while: sequences are preempted (their pages freed, their full pages kept
+    cached), and cached prefixes are evicted between turns to make room — and the answers are
+    still those of an engine without the cache."""
     params = SamplingParams(temperature=0.0, max_tokens=60)
     small = engine(tiny, True, pages=12, max_running_requests=2)
     ref = engine(tiny, False, pages=64)
@@ -137,7 +155,7 @@ def test_forced_preemption_and_evictions_keep_the_outputs(tiny):
     answers = {}
     for turn in range(2):
         reqs = [GenerateRequest(f"c{k}-{turn}", tuple(conv[turn]), params) for k, conv in enumerate(convs)]
-        out = small.generate(reqs)
+        out = generate_squeezed(small, reqs, 2, 20)
         answers.update({rid: list(o.token_ids) for rid, o in out.items()})
     want = {f"c{k}-{turn}": run(ref, [conv[turn]], params, f"r{k}{turn}")[0]
             for k, conv in enumerate(convs) for turn in range(2)}

@@ -43,7 +43,7 @@ from splitserve.engine.page_allocator import PageAllocator, salt_key
 from splitserve.engine.sampler import (
     NoFiniteLogits, adjust_logits, choice_seed, greedy_tokens, sample_token, token_logprobs,
 )
-from splitserve.engine.scheduler import ScheduledSeq, Scheduler
+from splitserve.engine.scheduler import ScheduledSeq, Scheduler, request_pages
 from splitserve.engine.sequence import Sequence
 from splitserve.outcomes import Ending, Reason
 
@@ -153,7 +153,8 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
 
     def check_fits(self, req: GenerateRequest, prompt_only: bool = False, split: Optional[bool] = None) -> None:
-        """Refuse a request that could never run: more KV than the whole pool, or on a split
+        """Refuse a request that could never run: a need (``scheduler.request_pages``: every one of
+        its ``n`` choices, the prompt's full pages shared) larger than the whole pool, or on a split
         (``split``; a prefill worker's always is) what must run on one worker. ``prompt_only``: a
         prefill worker holds the prompt's KV only."""
         if prompt_only if split is None else split:
@@ -162,11 +163,16 @@ class LLMEngine:
         if prompt_only and len(req.prompt_ids) > pool:
             raise InvalidRequest(f"the prompt ({len(req.prompt_ids)} tokens) needs more KV cache than this "
                                  f"worker's pool holds ({pool} tokens)", param="prompt")
-        need = len(req.prompt_ids) + req.sampling.max_tokens
-        if not prompt_only and need > pool:
-            raise InvalidRequest(
-                f"prompt ({len(req.prompt_ids)} tokens) plus max_tokens ({req.sampling.max_tokens}) needs "
-                f"{need} tokens of KV cache, but this worker's pool holds {pool}", param="max_tokens")
+        if prompt_only:
+            return
+        p, m, n = len(req.prompt_ids), req.sampling.max_tokens, req.sampling.n
+        need = request_pages(p, m, n, self.layout.page_size, self.config.prefix_cache)
+        if need > self.layout.num_pages:
+            each = f"prompt ({p} tokens) plus max_tokens ({m})"
+            what = each if n == 1 else f"n ({n}) choices of {each}, the prompt's full pages shared,"
+            raise InvalidRequest(f"{what} need {need} pages of {self.layout.page_size} tokens of KV cache, but "
+                                 f"this worker's pool holds {self.layout.num_pages} ({pool} tokens)",
+                                 param="max_tokens" if n == 1 else "n")
 
     def add_request(self, req: GenerateRequest, prefill_only: bool = False) -> Sequence:
         """Queue a request. ``prefill_only`` (prefill worker): run the prompt, sample the first
@@ -227,7 +233,7 @@ class LLMEngine:
             self._seqs.pop(req.rid)
             self.scheduler.detach(seq)
         if children:
-            self._fork(req.rid, children)
+            self._fork(req.rid, children, seq)
         return seq, [out]
 
     def start_prefill(self, req: GenerateRequest, pages: list[int], room: int, cached_pages: int = 0) -> Sequence:
@@ -484,7 +490,7 @@ class LLMEngine:
                 self.scheduler.finish(seq)
             if seq.out_rid in self._requests and seq.choice == 0:
                 try:
-                    self._fork(seq.rid, self._children(self._requests[seq.rid], seq))
+                    self._fork(seq.rid, self._children(self._requests[seq.rid], seq), seq)
                 except Exception as exc:
                     log.exception("request %s: its choices could not fork; failing the request", seq.rid)
                     ending = Ending(Reason.INTERNAL_ERROR, f"forking its choices failed: {type(exc).__name__}: {exc}")
@@ -509,17 +515,17 @@ class LLMEngine:
             children.append(child)
         return children
 
-    def _fork(self, rid: str, children: list[Sequence]) -> None:
+    def _fork(self, rid: str, children: list[Sequence], first: Sequence) -> None:
         """Choice 0 of request ``rid`` has its first token, so the prompt's KV is computed (its
         full pages in the prefix cache): the other choices start. Each takes the prompt's full
         pages from the prefix cache (shared, read-only), computes the partial last page (its own)
         and samples its first token from there, as any sequence does; its pages are its own to
-        free."""
+        free. They queue in ``first``'s place, under its promise (``scheduler.py``)."""
         self._requests.pop(rid)
         for child in children:
             self._forks[rid].append(child)
             self._seqs[child.rid] = child
-            self.scheduler.add(child)
+            self.scheduler.add(child, request=first)
 
     def _sample(self, logits: torch.Tensor, row: int, seq: Sequence, greedy: Optional[list]) -> int:
         if seq.grammar is not None:  # only what the grammar allows, then the grammar takes it

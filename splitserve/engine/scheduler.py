@@ -1,15 +1,34 @@
-"""Continuous batching with chunked prefill and preemption.
+"""Continuous batching with chunked prefill and preemption, under one admission and ordering policy.
 
 Every step the scheduler picks, under a token budget, how many new tokens each sequence computes:
 one for a decoding sequence, a chunk of its prompt for one still in prefill (the whole rest of the
-prompt when chunking is off). Running sequences go first, in arrival order; then waiting ones are
-admitted in order while the running cap, the budget and free pages allow, so requests join the
-batch at any step.
+prompt when chunking is off). Running sequences go first; then waiting ones are admitted, so
+requests join the batch at any step.
 
-When a running sequence needs a page and none is free, the most recently arrived running sequence
-is preempted: its pages are freed and it goes back to the front of the waiting queue, to recompute
-later. A request is never dropped for lack of pages; one that could never fit the whole pool is
-refused at submission.
+**Admission and order** (``docs/design.md``, *Admission*): a request is the unit. Its **need** is
+the most pages its sequences can hold at once (:func:`request_pages`: each of its ``n`` choices
+its prompt plus ``max_tokens``, the prompt's full pages once when the prefix cache shares them
+between choices). A need larger than the whole pool is refused at submission (``check_fits``).
+In the queue:
+
+1. **Order**: requests wait in arrival order (``Sequence.order``, a ticket drawn when the request
+   first reaches the scheduler); its choices and its preempted sequences keep its ticket, so they
+   come back in its place, never behind later requests nor, wholesale, in front of earlier ones.
+2. **Promise**: a waiting request is *promised* its need when that fits in the pages no admitted
+   request may still grow into (:meth:`Scheduler.unpromised_pages`: available pages minus what
+   every promised sequence may still take). A promise holds until the sequence ends: its choices
+   and its preempted sequences run again under it, and nothing admitted later can take its pages,
+   so admitted requests do not preempt one another. Promised sequences enter the batch in order
+   while the running cap, the budget and free pages allow.
+3. **Patience**: a request whose need does not fit lets later requests that fit pass it, at most
+   ``max_passes`` of them; then nothing more is promised before it. Every promised request ends
+   within its own ``max_tokens``, so promised pages come back and every request is admitted within
+   a bound: no request holds the queue's head for ever, and none is passed for ever.
+
+Preemption remains for pages that leave the scheduler's account (a decode room's pages, taken by
+its role): when a running sequence needs a page and none is free, the sequence of the latest
+request is preempted: its pages are freed and it waits again in its request's place (still
+promised), to recompute later. A request is never dropped for lack of pages.
 
 Disaggregated requests: a prefill-only sequence gets the pages of its whole prompt when admitted
 (its room hands them to the transfer) and is never preempted; a sequence whose pages belong to a
@@ -26,14 +45,28 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Optional
 
 from splitserve.engine.page_allocator import PageAllocator, page_keys
 from splitserve.engine.sequence import Sequence, SeqStatus
 
 
+MAX_PASSES = 32
+"""How many later requests may pass one whose need does not fit before nothing more passes it
+(each pass can delay it by at most that request's own run)."""
+
 PROMPT_LOGPROBS_CHUNK = 512
 """Prompt tokens a step computes for a sequence that wants its prompt's logprobs: the logits of
 each are kept (512 x a 49,152-token vocabulary: 100 MB of float32)."""
+
+
+def request_pages(prompt_tokens: int, max_tokens: int, n: int, page_size: int, shared_prefix: bool) -> int:
+    """The most pages a request's sequences hold at once: each of its ``n`` choices its prompt plus
+    ``max_tokens``; with ``shared_prefix`` (the prefix cache on) the prompt's full pages but its last
+    token's, which every choice takes from the cache, once."""
+    each = -(-(prompt_tokens + max_tokens) // page_size)
+    shared = (prompt_tokens - 1) // page_size if shared_prefix and n > 1 else 0
+    return shared + n * (each - shared)
 
 
 @dataclass
@@ -49,21 +82,42 @@ class ScheduledSeq:
 
 class Scheduler:
     def __init__(self, allocator: PageAllocator, page_size: int, max_running: int,
-                 max_batch_tokens: int, chunked_prefill: bool):
+                 max_batch_tokens: int, chunked_prefill: bool, max_passes: int = MAX_PASSES):
         self.allocator = allocator
         self.page_size = page_size
         self.max_running = max_running
         self.max_batch_tokens = max_batch_tokens
         self.chunked_prefill = chunked_prefill
-        self.waiting: deque[Sequence] = deque()
+        self.max_passes = max_passes
+        self.waiting: deque[Sequence] = deque()  # in order (``Sequence.order``)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.cache_hit_tokens = 0  # prompt tokens admitted from the prefix cache (a counter)
         self.admitted: list[Sequence] = []  # admitted by the last schedule()
         self.preempted: list[Sequence] = []  # preempted by the last schedule()
+        self._tickets = 0  # orders drawn
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, request: Optional[Sequence] = None) -> None:
+        """Queue a sequence in its request's place: a new request draws the next ticket; a choice
+        of ``request`` (its first sequence) takes that request's ticket and promise."""
+        if request is not None:
+            if request.order < 0:
+                request.order = self._draw()
+            seq.order, seq.promised = request.order, request.promised
+        elif seq.order < 0:
+            seq.order = self._draw()
+        self._enqueue(seq)
+
+    def _draw(self) -> int:
+        self._tickets += 1
+        return self._tickets
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Into ``waiting`` behind every sequence of its order or earlier (a new one: at the end)."""
+        at = len(self.waiting)
+        while at and self.waiting[at - 1].order > seq.order:
+            at -= 1
+        self.waiting.insert(at, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -82,27 +136,89 @@ class Scheduler:
                 continue  # seq itself was preempted
             batch.append(ScheduledSeq(seq, n))
             budget -= n
-        while self.waiting and len(self.running) < self.max_running and budget > 0:
-            seq = self.waiting[0]
-            matched = self._take_cached_prefix(seq)
-            n = self._chunk(seq, budget, batch_empty=not batch)
-            upfront = seq.num_uncomputed if seq.prefill_only else n
-            if n == 0 or not self.allocator.can_allocate(self._pages_missing(seq, upfront)):
-                if matched:  # give the cached prefix back: it is taken again when the sequence fits
-                    self._release(seq)
-                    seq.num_computed = seq.indexed = 0
-                break
-            if matched:
-                self.cache_hit_tokens += seq.num_computed
-                seq.cached_tokens = seq.num_computed
-            self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            self.admitted.append(seq)
-            self._grow(seq, upfront)
-            batch.append(ScheduledSeq(seq, n))
-            budget -= n
+        self._admit(budget, batch)
         return batch
+
+    # -- admission and order (module docstring) -------------------------------------------------
+
+    def request_need(self, seq: Sequence) -> int:
+        """The need of the request whose first sequence ``seq`` is (:func:`request_pages`)."""
+        if seq.prefill_only:
+            return -(-seq.num_prompt_tokens // self.page_size)
+        return request_pages(seq.num_prompt_tokens, seq.sampling.max_tokens, seq.sampling.n, self.page_size,
+                             self.allocator.cache_enabled)
+
+    def _growth(self, seq: Sequence) -> int:
+        """Pages ``seq`` may still take, and its request's choices not forked yet."""
+        if seq.prefill_only:
+            return max(0, self.request_need(seq) - len(seq.pages))
+        each = -(-(seq.num_prompt_tokens + seq.sampling.max_tokens) // self.page_size)
+        shared = (seq.num_prompt_tokens - 1) // self.page_size if self.allocator.cache_enabled else 0
+        held = len(seq.pages) if seq.pages else shared if seq.choice else 0  # a choice > 0 shares the prompt
+        forks = seq.sampling.n - 1 if seq.choice == 0 and not seq.num_output_tokens else 0
+        return max(0, each - held) + forks * (each - shared)
+
+    def unpromised_pages(self) -> int:
+        """Pages that no promised sequence may still take: what a new request's need must fit in."""
+        owed = sum(self._growth(s) for s in self.running)
+        owed += sum(self._growth(s) for s in self.waiting if s.promised)
+        return self.allocator.num_available - owed
+
+    def _groups(self) -> list[list[Sequence]]:
+        """The waiting sequences by request (one order), in order."""
+        groups: list[list[Sequence]] = []
+        for seq in self.waiting:
+            if groups and groups[-1][0].order == seq.order:
+                groups[-1].append(seq)
+            else:
+                groups.append([seq])
+        return groups
+
+    def _admit(self, budget: int, batch: list[ScheduledSeq]) -> None:
+        """Promise waiting requests their need in order, with patience (module docstring), and
+        start promised sequences in order while the running cap, the budget and pages allow."""
+        slack = self.unpromised_pages()
+        blocked: list[Sequence] = []  # first sequences of requests that did not fit, in order
+        for group in self._groups():
+            if not group[0].promised:
+                need = min(sum(self._growth(s) for s in group), self.allocator.num_pages)
+                if need > slack or any(b.passed >= self.max_passes for b in blocked):
+                    blocked.append(group[0])  # later requests may still pass it
+                    continue
+                slack -= need
+                for seq in group:
+                    seq.promised = True
+                for b in blocked:
+                    b.passed += 1
+            for seq in group:
+                if len(self.running) >= self.max_running or budget <= 0:
+                    return
+                n = self._start(seq, budget, batch)
+                if not n:
+                    return  # in order: no later sequence starts before it
+                budget -= n
+
+    def _start(self, seq: Sequence, budget: int, batch: list[ScheduledSeq]) -> int:
+        """Move a promised waiting sequence into the batch if its first chunk's pages are free;
+        the tokens it computes this step (0: it waits)."""
+        matched = self._take_cached_prefix(seq)
+        n = self._chunk(seq, budget, batch_empty=not batch)
+        upfront = seq.num_uncomputed if seq.prefill_only else n
+        if n == 0 or not self.allocator.can_allocate(self._pages_missing(seq, upfront)):
+            if matched:  # give the cached prefix back: it is taken again when the sequence fits
+                self._release(seq)
+                seq.num_computed = seq.indexed = 0
+            return 0
+        if matched:
+            self.cache_hit_tokens += seq.num_computed
+            seq.cached_tokens = seq.num_computed
+        self.waiting.remove(seq)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        self.admitted.append(seq)
+        self._grow(seq, upfront)
+        batch.append(ScheduledSeq(seq, n))
+        return n
 
     def finish(self, seq: Sequence) -> None:
         """Remove a sequence for good (finished or aborted) and free its pages, exactly once;
@@ -145,7 +261,7 @@ class Scheduler:
     def _reserve(self, seq: Sequence, n: int, batch: list[ScheduledSeq]) -> bool:
         """Make pages for ``n`` more tokens of a running seq, preempting from the tail if needed."""
         while not self.allocator.can_allocate(self._pages_missing(seq, n)):
-            victim = next((s for s in reversed(self.running) if not s.prefill_only), None)
+            victim = max((s for s in self.running if not s.prefill_only), key=lambda s: s.order, default=None)
             if victim is None:
                 return False  # nothing may be preempted: the sequence waits for pages
             self._preempt(victim)
@@ -160,7 +276,7 @@ class Scheduler:
         self._release(seq)
         seq.num_computed = seq.indexed = 0
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq)  # in its request's place, still promised
         self.num_preemptions += 1
         self.preempted.append(seq)
 

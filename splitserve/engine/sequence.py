@@ -50,6 +50,9 @@ class Sequence:
     grammar: Optional[object] = None  # engine/grammar.GrammarState: masks each token it samples
     choice: int = 0  # which of the request's n choices (engine.py: choices > 0 fork from choice 0)
     request_rid: Optional[str] = None  # a choice > 0: its request's id (its own ``rid`` is the engine's key)
+    order: int = -1  # its request's place in the scheduler's queue (a ticket; -1: not queued yet)
+    promised: bool = False  # the scheduler promised its request's need (scheduler.py: admission)
+    passed: int = 0  # later requests promised before it while its need did not fit
 
     @property
     def out_rid(self) -> str:
