@@ -37,6 +37,7 @@ from splitserve.http_util import ConnectionCap, check_client_bounds, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.server import abort_request, role_switch, tokenization
 from splitserve.server.generation import RID, engine_error_response, json_error, serve_generation
+from splitserve.server.identity_proof import answer as answer_nonce
 from splitserve.server.state import STATE, WorkerState
 from splitserve.server.watchdog import loop_watchdog
 from splitserve.validation import MAX_ROOM, REQUEST_ID
@@ -147,10 +148,13 @@ async def _http_middleware(request: web.Request, handler):
 async def _health(request: web.Request) -> web.Response:
     """200 when ready; 503 while loading or draining, and while the engine loop or one of the
     role's threads is wedged (``--loop-stall-s``: what is wedged only to a caller who may read
-    /metrics)."""
+    /metrics). Every answer names the worker (id, incarnation, role, epoch), proves it to a
+    router that sent a nonce (``identity_proof.py``), and says ``leaving`` once the worker left
+    discovery on its way out."""
     state = request.app[STATE]
     engine = state.engine
-    who = state.identity()
+    who = {**state.identity(), **answer_nonce(request.headers, state.keys, state.identity()),
+           **({"leaving": True} if state.leaving else {})}
     problem = getattr(engine, "health_problem", lambda: None)()
     if problem is not None:
         details = {"problem": problem, "loop_age_s": round(engine.loop_age(), 3), "loop_stall_s": engine.loop_stall_s}

@@ -1,12 +1,17 @@
-"""A worker's record in discovery (``--discovery``): checked at start, put in etcd under a lease
-once the worker serves (``discovery/etcd.py``)."""
+"""A worker's record in discovery (``--discovery``): checked at start (what it leaves open said
+then), put in etcd under a lease once the worker serves (``discovery/etcd.py``), sealed with the
+cluster secret's record key when it has one (``discovery/signing.py``)."""
 
 from __future__ import annotations
+
+import logging
 
 from aiohttp import web
 
 from splitserve.config import ServerConfig
 from splitserve.server.state import WorkerState
+
+log = logging.getLogger(__name__)
 
 
 def check_discovery(config: ServerConfig) -> None:
@@ -22,12 +27,27 @@ def check_discovery(config: ServerConfig) -> None:
     if (config.advertise_host or config.host) in ("0.0.0.0", "::", ""):
         raise ValueError(f"--discovery: routers cannot reach {config.host}; give --advertise-host (on "
                          "Kubernetes the pod's IP, status.podIP)")
+    for warning in discovery_warnings(config):
+        log.warning("%s", warning)
+
+
+def discovery_warnings(config: ServerConfig) -> list[str]:
+    """What a worker registering with ``config`` is told at start about what it leaves open."""
+    from splitserve.discovery.etcd import Credentials, parse_target, plaintext_password
+
+    said = [plaintext_password(parse_target(config.discovery), Credentials.of(config))]
+    if not config.cluster_secret_file:
+        said.append("--discovery without --cluster-secret-file: this worker's record goes unsigned; a router "
+                    "given --cluster-secret-file drops it, and one without takes any record anyone who can write "
+                    "under the prefix puts there (docs/security.md)")
+    return [s for s in said if s]
 
 
 def register(state: WorkerState, runner: web.AppRunner, tls: bool):
     """Put this worker's record in etcd under a lease kept alive by a thread (``discovery/etcd.py``)."""
     from splitserve.discovery.etcd import Credentials, Registration, parse_target
     from splitserve.discovery.record import WorkerRecord
+    from splitserve.discovery.signing import RecordSeal
 
     config, pairing = state.config, state.pairing()
     port = runner.addresses[0][1] if runner.addresses else config.port
@@ -36,4 +56,4 @@ def register(state: WorkerState, runner: web.AppRunner, tls: bool):
     record = WorkerRecord(state.worker_id, state.incarnation, config.role, url, pairing["bootstrap_port"],
                           pairing["model_fingerprint"], pairing["protocol_version"], pairing["transfer_backend"])
     return Registration(parse_target(config.discovery), record, config.discovery_ttl_s,
-                        Credentials.of(config)).start()
+                        Credentials.of(config), seal=RecordSeal(state.keys.record).seal).start()

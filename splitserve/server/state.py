@@ -14,6 +14,7 @@ from splitserve.auth import parse_allowed_prefill
 from splitserve.config import ServerConfig
 from splitserve.engine.grammar import GrammarCompiler
 from splitserve.metrics import Registry
+from splitserve.server.identity_proof import WorkerKeys
 from splitserve.server.tokenize_lanes import TokenizeLanes
 from splitserve.server.worker_metrics import WorkerMetrics
 
@@ -47,6 +48,7 @@ class WorkerState:
         """``--discovery``: puts this worker's record as it is now in etcd (a started ``Registration``)."""
         self.registration = None  # the record in etcd now, if any
         self.stopping = False  # SIGTERM: draining for good (a role switch under way does not undo it)
+        self.keys = WorkerKeys.of(config)  # what it proves itself to a router with, and seals its record with
 
     def identity(self) -> dict:
         """Who this worker is (on ``/health`` and ``/get_server_info``): id, incarnation, role, and
@@ -63,6 +65,12 @@ class WorkerState:
         return {"model_fingerprint": info.model, "protocol_version": info.protocol_version,
                 "transfer_backend": info.backend,
                 "bootstrap_port": self.config.bootstrap_port if self.config.role == "prefill" else None}
+
+    @property
+    def leaving(self) -> bool:
+        """Out of discovery on its way out (its record revoked at SIGTERM or for a role switch): it
+        still serves what routers sent, and says so on ``/health`` so that they send nothing new."""
+        return self.register is not None and self.registration is None
 
     def accepting(self) -> bool:
         return bool(self.engine.ready) and not self.draining and not self.engine.draining
