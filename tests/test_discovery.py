@@ -18,10 +18,11 @@ import pytest
 import requests
 
 from cluster import RouterProcess, pages_back_to_total
-from conftest import CACHE_DIR
+from conftest import CACHE_DIR, CLUSTER_SECRET
 from etcd_cluster import Load, finished, listed, routable, wait_for
 
-ROUTER_ARGS = ("--health-interval-s", "0.5", "--health-failures", "2")
+ROUTER_ARGS = ("--health-interval-s", "0.5", "--health-failures", "2", "--cluster-secret-file", CLUSTER_SECRET)
+"""The router holds the workers' cluster secret: it uses only sealed records, and workers that prove themselves."""
 NO_RETRIES = ("--max-retries", "0", "--no-pd-fallback")
 
 
@@ -75,8 +76,11 @@ def test_static_workers_serve_beside_discovery(etcd_cluster, router):
 def test_values_under_the_prefix_that_are_no_records_are_ignored(etcd_cluster, router):
     p1, d1 = etcd_cluster.ensure("p1", "d1")
     e = etcd_cluster.etcd.client()
-    good = json.loads(e.get(f"/splitserve/workers/{d1.name}")[0])
+    sealed = json.loads(e.get(f"/splitserve/workers/{d1.name}")[0])
+    good = sealed["record"]
     bad = {"/splitserve/workers/junk": "not json",
+           "/splitserve/workers/unsigned": json.dumps({**good, "id": "unsigned"}),
+           "/splitserve/workers/forged": json.dumps({**sealed, "record": {**good, "id": "forged"}}),
            "/splitserve/workers/evil": json.dumps({**good, "id": "evil", "url": "http://user@10.0.0.1:1"}),
            "/splitserve/workers/other": json.dumps({**good, "id": "not-other"}),  # key and id differ
            "/splitserve/workers/extra": json.dumps({**good, "id": "extra", "surprise": True}),

@@ -30,6 +30,8 @@ def test_a_good_record_round_trips():
     ({"url": "http://user:pw@10.0.0.5:1"}, "url"), ({"url": "http://10.0.0.5"}, "url"),
     ({"url": "http://10.0.0.5:1/path"}, "url"), ({"url": "http://10.0.0.5:1?x=1"}, "url"),
     ({"url": "file:///etc/passwd"}, "url"), ({"url": "http://bad host:1"}, "url"), ({"url": 5}, "url"),
+    ({"url": "http://10.0.0.5:1\t"}, "url"), ({"url": "http://10.0.\r\n0.5:1"}, "url"),
+    ({"url": "http://10.0.0.5:1/\n"}, "url"), ({"url": "http://1\t0.0.0.5:1"}, "url"),
     ({"bootstrap_port": 0}, "port"), ({"bootstrap_port": 70000}, "port"), ({"bootstrap_port": True}, "port"),
     ({"bootstrap_port": "8998"}, "port"), ({"role": "decode"}, "decode worker has none"),
     ({"role": "colocated"}, "role"), ({"id": ""}, "id"), ({"id": "a/b"}, "id"), ({"id": "x" * 200}, "id"),
@@ -52,7 +54,7 @@ def test_discovery_targets():
     assert parse_target("etcds://etcd.svc:2379/a/b/").key("p-0") == "/a/b/workers/p-0"
     assert parse_target("etcds://etcd.svc:2379/a").tls
     for bad in ("http://h:1/p", "etcd://h/p", "etcd://h:1", "etcd://h:1/", "etcd://h:1/a//b", "etcd://u@h:1/p",
-                "etcd://h:1/../p"):
+                "etcd://h:1/../p", "etcd://h:1/p\n", "etcd://h:1/a\tb", "etcd://h\r:1/p"):
         with pytest.raises(ValueError, match="--discovery"):
             parse_target(bad)
 
@@ -97,3 +99,44 @@ def test_a_user_and_password_open_an_etcd_with_auth_and_nothing_else_does(etcd, 
     password.write_text("wrong\n")
     with pytest.raises(ConnectionError, match="refused user"):
         client(target, Credentials(user="root", password_file=str(password)))
+
+
+def test_a_sealed_record_opens_only_under_its_key():
+    from splitserve.discovery.signing import RecordSeal, Unverified
+
+    record, seal = parse_record(GOOD), RecordSeal(b"k" * 32)
+    sealed = seal.seal(record)
+    assert seal.open(sealed) == record and RecordSeal().open(sealed) == record  # no key: read unverified
+    assert RecordSeal().open(record.to_json()) == record
+    envelope = json.loads(sealed)
+    forged = {**envelope, "record": {**envelope["record"], "url": "http://10.6.6.6:1"}}
+    for value, words in ((record.to_json(), "unsigned"), (RecordSeal(b"j" * 32).seal(record), "badly signed"),
+                         (json.dumps(forged), "badly signed"), (json.dumps({**envelope, "hmac": "0" * 64}), "badly"),
+                         (json.dumps({**envelope, "hmac": 5}), "badly signed")):
+        with pytest.raises(Unverified, match=words):
+            seal.open(value)
+    for value in (b"not json", json.dumps({"record": {**GOOD, "url": "x"}, "hmac": "0" * 64}), "x" * 5000):
+        with pytest.raises(ValueError):
+            seal.open(value)
+
+
+def test_a_password_in_the_clear_is_said_at_start_by_router_and_worker(tmp_path, caplog):
+    import logging
+
+    from splitserve.config import RouterConfig, ServerConfig
+    from splitserve.discovery.etcd import plaintext_password
+    from splitserve.router.app import create_app
+    from splitserve.server.registration import discovery_warnings
+
+    creds = Credentials(user="u", password_file="p")
+    assert "in the clear" in plaintext_password(parse_target("etcd://h:1/p"), creds)
+    assert plaintext_password(parse_target("etcds://h:1/p"), creds) is None
+    assert plaintext_password(parse_target("etcd://h:1/p"), Credentials(user="u", password_file="p",
+                                                                        ca_certs="ca.pem")) is None
+    assert plaintext_password(parse_target("etcd://h:1/p"), Credentials()) is None
+    said = discovery_warnings(ServerConfig(role="decode", discovery="etcd://h:1/p", discovery_user="u",
+                                           discovery_password_file="p"))
+    assert any("in the clear" in s for s in said) and any("unsigned" in s for s in said)
+    with caplog.at_level(logging.WARNING, logger="splitserve.router.app"):
+        create_app(RouterConfig(discovery="etcd://h:1/p", discovery_user="u", discovery_password_file="p"))
+    assert "in the clear" in caplog.text and "whoever can write to etcd" in caplog.text

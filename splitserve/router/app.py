@@ -18,7 +18,8 @@ Routes::
 :func:`create_app` builds the application from a :class:`~splitserve.config.RouterConfig`; all of
 its state is one :class:`RouterState` on the app (no module-level globals), including the one
 ``aiohttp.ClientSession`` every leg and health check uses (no connection limit: the workers'
-own queues decide what they accept). The session and the health checker live as long as the app
+own queues decide what they accept; the worker key only on calls to a worker that proved itself,
+``worker_trust.py``). The session and the health checker live as long as the app
 (``cleanup_ctx``); startup runs one round of health checks before the app serves, so a router that
 says it is ready already knows which workers are up.
 
@@ -50,7 +51,7 @@ from typing import Optional, Union
 import aiohttp
 from aiohttp import web
 
-from splitserve.auth import METRICS, ROUTER_ROUTES, access_middlewares, bearer, caller_may
+from splitserve.auth import METRICS, ROUTER_ROUTES, access_middlewares, caller_may
 from splitserve.client_writer import send
 from splitserve.config import RouterConfig
 from splitserve.errors import FLUSH_WAIT_S, error_body
@@ -63,6 +64,7 @@ from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policy import CacheKnobs, Policy, make_policy
 from splitserve.router.proxy import ENDPOINTS, ROOM_BITS, forward
 from splitserve.router.retry import RetryBudget
+from splitserve.router.worker_trust import RouterKeys, worker_key_middleware
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
 from splitserve.tls import client_context, server_context
 from splitserve.validation import REQUEST_ID
@@ -80,8 +82,9 @@ BOUNDS = ("request_timeout_s", "client_header_timeout_s", "client_body_timeout_s
 class RouterState:
     """Everything the handlers share."""
 
-    def __init__(self, config: RouterConfig, registry: Registry):
+    def __init__(self, config: RouterConfig, registry: Registry, keys: Optional[RouterKeys] = None):
         self.config = config
+        self.keys = keys or RouterKeys.of(config)
         self.workers = WorkerSet.from_config(config)
         knobs = CacheKnobs(config.cache_block_chars, config.cache_threshold, config.cache_balance_abs,
                            config.cache_balance_rel, config.cache_index_blocks)
@@ -150,11 +153,14 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     make_policy(config.policy)  # an unknown policy fails here, with the list of known ones
     if (not config.prefill or not config.decode) and not config.discovery:
         raise ValueError("the router needs at least one prefill and one decode worker, or --discovery")
+    keys, said = RouterKeys.of(config), []
     if config.discovery:
-        from splitserve.discovery.etcd import Credentials, parse_target
+        from splitserve.discovery.etcd import Credentials, parse_target, plaintext_password
 
-        parse_target(config.discovery)
-        Credentials.of(config)
+        said = [plaintext_password(parse_target(config.discovery), Credentials.of(config))]
+    for warning in [*said, *keys.warnings(config)]:
+        if warning:
+            log.warning("%s", warning)
     for name in BOUNDS:
         value = getattr(config, name)
         if not value > 0:
@@ -175,7 +181,7 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     middlewares = [_bounded_send, _error_middleware, *access]
     check_client_bounds(config)
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
-    app[ROUTER] = RouterState(config, registry)
+    app[ROUTER] = RouterState(config, registry, keys)
     app[ROUTER].connections = ConnectionCap(config.max_connections, registry)
     app[ROUTER].worker_ssl = client_context(config.worker_ca_certs, config.worker_ssl_certfile,
                                             config.worker_ssl_keyfile)  # for https:// workers
@@ -207,15 +213,15 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
 async def _session_and_health_checks(app: web.Application):
     state = app[ROUTER]
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, ssl=state.worker_ssl or True)
-    # the workers' key on every leg, health check and /v1/models; a client's own header is never passed on
-    headers = bearer(state.config.worker_api_key) if state.config.worker_api_key else None
-    state.session = aiohttp.ClientSession(connector=connector, headers=headers)
+    # the workers' key only on calls to a worker that proved itself; a client's own header is never passed on
+    middleware = worker_key_middleware(state.workers, state.keys.worker_key)
+    state.session = aiohttp.ClientSession(connector=connector, middlewares=(middleware,))
     checker = state.checker = HealthChecker(state.workers, state.session, state.config.health_interval_s,
-                                            state.config.health_failures)
+                                            state.config.health_failures, state.keys.proof)
     await checker.check_all()
     checks = asyncio.ensure_future(_checks_after_first(checker))
     if state.config.discovery:
-        state.discovery.start(asyncio.get_running_loop())
+        state.discovery.start(asyncio.get_running_loop(), state.keys.seal)
     try:
         yield
     finally:

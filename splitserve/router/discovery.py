@@ -2,43 +2,70 @@
 join the worker set, and leave it (drained) when their record goes.
 
 :class:`Discovery` owns a :class:`~splitserve.discovery.etcd.Watcher` (its own threads) and applies
-every list it makes on the router's event loop (:meth:`Discovery.apply`):
+every list it makes on the router's event loop (:meth:`Discovery.apply`). Every value is opened
+with the router's seal first (``discovery/signing.py``): with ``--cluster-secret-file`` a value not
+sealed with the cluster secret is dropped and counted like any other invalid value. Then:
 
 - a record whose id the set does not hold: a new worker, pinned to the record's id *and*
-  incarnation (``workers.py``), its pairing fields taken from the record, checked at once;
+  incarnation (``workers.py``), its pairing fields taken from the record, checked at once (it is
+  routable only once it answered the router's nonce: ``worker_trust.py``);
 - a record with a new incarnation for a known id: the old incarnation drains (it has ended) and the
   new one joins;
-- a discovered worker without a record any more (its lease was revoked at SIGTERM, or expired:
-  crashed or partitioned): it drains and leaves, so it is out of rotation within the TTL plus one
-  list (:data:`~splitserve.discovery.etcd.RELIST_S`);
+- a discovered worker without a record any more: the record's absence is evidence, not proof (an
+  etcd restored without its data, or wiped, lists nothing while every worker serves on, and each
+  puts its record again at its next keepalive). It is checked at once, and drains when it is also
+  not routable: unhealthy, or saying it left discovery (a worker revokes its lease at SIGTERM or for
+  a role switch, and says ``leaving`` on ``/health``). One still healthy drains only once its record
+  was absent for :data:`ABSENT_GRACE_S`, and one list drains at most one such worker, so no list
+  empties the set at once;
+- a record whose id an operator removed (``DELETE /workers/{id}``) is left alone until
+  ``POST /workers`` names that id again (``WorkerSet.removed``, bounded);
 - a record naming the id or the URL of a worker given on the command line or by ``POST /workers`` is
   left alone (that worker is already served; said once);
 - a failed list changes nothing: the known workers stay and are health-checked as ever.
 
+Everything kept per record is bounded: the values refused are remembered for the last list only
+(at most :data:`MEMORY` keys), the things said once in a set of at most :data:`MEMORY` (the oldest
+forgotten), and the discovered workers number at most :data:`MAX_DISCOVERED`.
+
 Metrics (``docs/metrics.md``): ``splitserve_router_discovery_outage`` (1 while etcd cannot be
 listed), ``splitserve_router_discovery_errors_total`` (failed lists),
 ``splitserve_router_discovery_records_invalid_total`` (values under the prefix that are no valid
-record, each counted once per value).
+record, unsigned or badly signed ones included, each counted once, when it first appears under its
+key), ``splitserve_router_discovery_invalid_records`` (how many the last list held).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-from typing import Optional
+import time
+from typing import Callable, Optional
 
+from splitserve.router.bounded_set import BoundedSet
 from splitserve.router.workers import DISCOVERY, Worker
 
 log = logging.getLogger(__name__)
 
+ABSENT_GRACE_S = 30.0  # past every worker's next keepalive (TTL/3) and a relist: its record is not coming back
+MEMORY = 1024  # refused values, and things said once, remembered
+MAX_DISCOVERED = 1024  # workers taken from discovery records at once
+
 
 class Discovery:
-    def __init__(self, state, registry):
+    def __init__(self, state, registry, absent_grace_s: float = ABSENT_GRACE_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.state = state
         self.outage: Optional[str] = None
         self.errors = 0
-        self.invalid_seen: set = set()
-        self._said: set = set()
+        self.lists = 0  # lists applied
+        self.invalid = 0  # values refused, each counted once: when first listed under its key
+        self.invalid_now = 0  # values refused in the last list
+        self.invalid_seen: dict[str, bytes] = {}  # key -> digest of why its value was refused (last list)
+        self._said = BoundedSet(MEMORY)
+        self.absent_since: dict[str, float] = {}  # discovered worker id -> when its record was first missed
+        self.absent_grace_s, self.clock = absent_grace_s, clock
         self.watcher = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         registry.derived_gauge("splitserve_router_discovery_outage",
@@ -48,16 +75,21 @@ class Discovery:
                                  "Lists of the discovery prefix that failed (etcd unreachable or refusing).",
                                  read=lambda: self.errors)
         registry.derived_counter("splitserve_router_discovery_records_invalid_total",
-                                 "Values under the discovery prefix that are no valid worker record (each once).",
-                                 read=lambda: len(self.invalid_seen))
+                                 "Values under the discovery prefix that are no valid worker record, unsigned or "
+                                 "badly signed ones included (each once, when it first appears under its key).",
+                                 read=lambda: self.invalid)
+        registry.derived_gauge("splitserve_router_discovery_invalid_records",
+                               "Values under the discovery prefix in the last list that are no valid worker record.",
+                               read=lambda: self.invalid_now)
 
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop, seal) -> None:
+        """Watch the prefix, opening every value with ``seal`` (``discovery/signing.py``)."""
         from splitserve.discovery.etcd import Credentials, Watcher, parse_target
 
         config = self.state.config
         self.loop = loop
         self.watcher = Watcher(parse_target(config.discovery), self._listed, self._outage,
-                               Credentials.of(config)).start()
+                               Credentials.of(config), read=seal.open).start()
 
     def stop(self) -> None:
         if self.watcher is not None:
@@ -77,40 +109,93 @@ class Discovery:
 
     # on the router's loop
     def apply(self, records, invalid=()) -> None:
-        for key, why in invalid:
-            if (key, why) not in self.invalid_seen:
-                self.invalid_seen.add((key, why))
-                log.warning("discovery: %s is no valid worker record, ignored: %s", key, why)
-        workers, state = self.state.workers, self.state
-        found = {w.id: w for w in workers.all() if w.source == DISCOVERY and not w.draining}
+        self.lists += 1
+        self._refused(invalid)
+        found = {w.id: w for w in self.state.workers.all() if w.source == DISCOVERY and not w.draining}
         wanted = {r.id: r for r in records}
-        for worker_id, worker in found.items():
-            record = wanted.get(worker_id)
-            if record is None or record.incarnation != worker.incarnation:
-                why = "its record is gone" if record is None else f"incarnation {record.incarnation} replaces it"
-                log.info("discovery: %s leaves: %s", worker.describe(), why)
-                self._drain(worker)
+        self._leave(found, wanted)
         for record in records:
             current = found.get(record.id)
-            if current is not None and current.incarnation == record.incarnation:
-                continue
-            other = [w for w in workers.all() if not w.draining and (w.id == record.id or w.url == record.url)]
-            if other:
-                if record.identity not in self._said:
-                    self._said.add(record.identity)
-                    log.info("discovery: %s (%s) is already served as %s", record.id, record.url,
-                             other[0].describe())
-                continue
-            worker = Worker(record.role, record.url, record.bootstrap_port, id=record.id,
-                            incarnation=record.incarnation, source=DISCOVERY, fixed_incarnation=True,
-                            fingerprint=record.model, protocol_version=record.protocol_version,
-                            backend=record.transfer_backend)
-            workers.add(worker)
-            if state.checker is not None:
-                state.spawn(state.checker.check(worker))
+            if current is None or current.incarnation != record.incarnation:
+                self._join(record)
 
-    def _drain(self, worker: Worker) -> None:
+    def _refused(self, invalid) -> None:
+        """Count and log each refused value once: when it first appears under its key. Only the
+        last list's keys are remembered, at most :data:`MEMORY` of them (past that, a value is
+        neither counted nor logged, and one line says how many were not looked at)."""
+        seen, now = self.invalid_seen, {}
+        for key, why in invalid[:MEMORY]:
+            now[key] = hashlib.blake2b(why.encode(), digest_size=16).digest()
+            if seen.get(key) != now[key]:
+                self.invalid += 1
+                log.warning("discovery: %s is no valid worker record, ignored: %s", key, why)
+        if len(invalid) > MEMORY and len(seen) < MEMORY:
+            log.warning("discovery: %d values under the prefix are no valid record; only the first %d are "
+                        "counted and logged", len(invalid), MEMORY)
+        self.invalid_seen, self.invalid_now = now, len(invalid)
+
+    def _leave(self, found: dict, wanted: dict) -> None:
+        """Drain what has ended: a replaced incarnation at once, a worker whose record is absent as
+        the module says."""
+        now = self.clock()
+        for worker_id in [i for i in self.absent_since if i not in found or i in wanted]:
+            del self.absent_since[worker_id]
+        overdue = []
+        for worker_id, worker in found.items():
+            record = wanted.get(worker_id)
+            if record is not None:
+                if record.incarnation != worker.incarnation:
+                    self._drain(worker, f"incarnation {record.incarnation} replaces it")
+                continue
+            first = worker_id not in self.absent_since
+            since = self.absent_since.setdefault(worker_id, now)
+            if not worker.routable:
+                self._drain(worker, "its record is gone and it is not in rotation")
+            elif now - since >= self.absent_grace_s:
+                overdue.append((since, worker))
+            elif first and self.state.checker is not None:  # its answer may say it left: then it drains now
+                self.state.spawn(self._confirm(worker))
+        if overdue:
+            since, worker = min(overdue, key=lambda item: item[0])
+            self._drain(worker, f"its record is gone for {now - since:.0f} s (one such worker per list)")
+
+    async def _confirm(self, worker: Worker) -> None:
+        """Check a worker whose record just went; drain it if it is not routable (still absent)."""
+        await self.state.checker.check(worker)
+        if worker.id in self.absent_since and not worker.routable and not worker.draining:
+            self._drain(worker, "its record is gone and it is not in rotation")
+
+    def _join(self, record) -> None:
+        workers, state = self.state.workers, self.state
+        if record.id in workers.removed:
+            self._say(("removed", record.id), "discovery: %s was removed (DELETE /workers/%s); its record is left "
+                      "alone until POST /workers names it", record.id, record.id)
+            return
+        other = [w for w in workers.all() if not w.draining and (w.id == record.id or w.url == record.url)]
+        if other:
+            self._say(("served", record.identity), "discovery: %s (%s) is already served as %s", record.id,
+                      record.url, other[0].describe())
+            return
+        if sum(w.source == DISCOVERY for w in workers.all()) >= MAX_DISCOVERED:
+            self._say(("full", record.identity), "discovery: %s left out: the router holds %d discovered workers "
+                      "already", record.id, MAX_DISCOVERED)
+            return
+        worker = Worker(record.role, record.url, record.bootstrap_port, id=record.id,
+                        incarnation=record.incarnation, source=DISCOVERY, fixed_incarnation=True,
+                        fingerprint=record.model, protocol_version=record.protocol_version,
+                        backend=record.transfer_backend)
+        workers.add(worker)
+        if state.checker is not None:
+            state.spawn(state.checker.check(worker))
+
+    def _say(self, what: tuple, message: str, *args) -> None:
+        if self._said.add(what):
+            log.info(message, *args)
+
+    def _drain(self, worker: Worker, why: str) -> None:
         from splitserve.router.membership import DRAIN_MARGIN_S
 
+        log.info("discovery: %s leaves: %s", worker.describe(), why)
+        self.absent_since.pop(worker.id, None)
         worker.draining = True  # at once: no leg may be picked for it from here on
         self.state.spawn(self.state.workers.drain(worker, self.state.config.request_timeout_s + DRAIN_MARGIN_S))

@@ -9,12 +9,16 @@ splitserve's identity rules (``workers.py``, ``docs/router.md``):
   to 8998 for a prefill; ``id`` and ``incarnation`` are optional). The router asks the worker's
   ``/health`` at once (bounded): the worker must answer with an identity (any status: a worker
   still loading may be added), which must be the ``id`` (and ``incarnation``) given, if given;
-  the worker is then pinned to that id. 202 ``{"status": "accepted", "worker_id", "worker"}``; it
+  the worker is then pinned to that id. A router with keys asks it to prove itself too (its answer
+  to a nonce: ``worker_trust.py``). 202 ``{"status": "accepted", "worker_id", "worker"}``; it
   takes part in routing from its first healthy check, run at once. 400 for a malformed body, 409
   for a worker already in the set (by id or URL) or one that answers as another, 502 when the
-  worker cannot be reached.
+  worker cannot be reached. Naming an id removed before (by the body's ``id`` or by the worker's
+  answer) takes back its removal.
 - ``DELETE /workers/{id}``: every incarnation with that id drains (no new legs; its exchanges end
-  by their own bounds) and leaves once no leg is open. 202 ``{"status": "draining", "worker_id",
+  by their own bounds) and leaves once no leg is open, and the id is remembered as removed
+  (``WorkerSet.removed``, bounded): discovery adds no worker with that id again, a new incarnation
+  of it neither, until ``POST /workers`` names it. 202 ``{"status": "draining", "worker_id",
   "in_flight"}``, or 404.
 
 Every field is validated like the network input it is (``discovery/record.py``): the URL and
@@ -28,6 +32,7 @@ import logging
 from aiohttp import web
 
 from splitserve.config import DEFAULT_BOOTSTRAP_PORT
+from splitserve.discovery.proof import new_nonce
 from splitserve.discovery.record import check_id, check_incarnation, check_port, check_url, identity_of
 from splitserve.router.workers import API, DECODE, PREFILL, Worker
 from splitserve.errors import error_body
@@ -76,13 +81,17 @@ async def add(state, request: web.Request) -> web.Response:
     for other in workers.all():
         if not other.draining and (other.url == fields["url"] or (fields["id"] and other.id == fields["id"])):
             return _refuse(409, f"already in the set: {other.describe()}", "worker_exists")
-    status, body, error = await state.checker.probe(fields["url"])
+    nonce = new_nonce() if state.checker.proof_keys else None
+    status, body, error = await state.checker.probe(fields["url"], nonce)
     if error is not None:
         return _refuse(502, f"{fields['url']} cannot be reached: {error}", "worker_unreachable")
     seen = identity_of(body)
     if seen is None:
         return _refuse(409, f"{fields['url']} answers /health without a worker identity: not a splitserve worker",
                        "not_a_worker")
+    unproven = state.checker.proof_error(fields["url"], body, nonce)
+    if unproven is not None:
+        return _refuse(409, unproven, "worker_unproven")
     if fields["id"] is not None and seen[0] != fields["id"] or \
             fields["incarnation"] is not None and seen[1] != fields["incarnation"]:
         return _refuse(409, f"{fields['url']} answers as {seen[0]} incarnation {seen[1]}, not "
@@ -95,6 +104,8 @@ async def add(state, request: web.Request) -> web.Response:
         workers.add(worker)
     except ValueError as exc:  # raced with another add
         return _refuse(409, str(exc), "worker_exists")
+    if workers.removed.discard(worker.id):
+        log.info("POST /workers: %s was removed before; it is taken back", worker.id)
     state.spawn(state.checker.check(worker))
     from splitserve.router.debug import worker_view
 
@@ -107,6 +118,7 @@ async def remove(state, worker_id: str) -> web.Response:
     if not found:
         return _refuse(404, f"no worker with id {worker_id!r}"[:300], "worker_not_found")
     bound = state.config.request_timeout_s + DRAIN_MARGIN_S
+    state.workers.removed.add(worker_id)  # discovery brings back no incarnation of it
     for worker in found:
         if not worker.draining:  # at once: no leg may be picked for it after this answer
             worker.draining = True

@@ -18,7 +18,11 @@ incarnation is fixed by its record (its next incarnation registers a record of i
 that carries no well-formed identity is no splitserve worker, and is never taken for one.
 
 **Health.** :class:`HealthChecker` GETs ``/health`` on every worker every ``health_interval_s``
-(all workers at once, each check bounded by a timeout). ``health_failures`` consecutive failures
+(all workers at once, each check bounded by a timeout), each with a fresh nonce when the router
+holds a key: an answer without a proof under one of its keys (``discovery/proof.py``) takes the
+worker out of rotation at once, and only a worker whose last answer proved itself is routable
+and gets calls carrying the worker key (``worker_trust.py``). A worker that says it is
+``leaving`` (it left discovery at SIGTERM or for a role switch) is out of rotation at once too. ``health_failures`` consecutive failures
 take a worker out of rotation; one success brings it back. A worker starts out of rotation until
 its first successful check, so the router never sends a request to a worker it has not seen up.
 When a worker comes (back) up, the checker also asks its ``/v1/models`` for the served model's
@@ -57,7 +61,9 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from splitserve.config import RouterConfig, WorkerAddress
+from splitserve.discovery.proof import NONCE_HEADER, new_nonce, verify
 from splitserve.discovery.record import identity_of
+from splitserve.router.bounded_set import BoundedSet
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +71,7 @@ PREFILL, DECODE = "prefill", "decode"
 STATIC, API, DISCOVERY = "static", "api", "discovery"
 """Where a worker came from: the command line, ``POST /workers``, or discovery."""
 _serial = itertools.count(1)
+MAX_REMOVED = 1024  # worker ids removed by an operator that the router remembers
 
 
 @dataclass(eq=False)
@@ -86,6 +93,10 @@ class Worker:
     fingerprint: Optional[str] = None  # model fingerprint, from its record or /get_server_info
     protocol_version: Optional[int] = None
     backend: Optional[str] = None
+    proven: bool = False
+    """Its last health check's answer proved it holds a key this router holds (``worker_trust.py``):
+    only then is it routable and do calls to its address carry the worker key."""
+    leaving: bool = False  # its last answer said it left discovery on its way out: no new legs
     serial: int = field(default_factory=lambda: next(_serial))
     """The router's own number for this worker object (a new incarnation of a discovered worker is
     a new object; a static worker's restart is the same object with a new :attr:`key`)."""
@@ -110,7 +121,7 @@ class Worker:
 
     @property
     def routable(self) -> bool:
-        return self.healthy and not self.draining
+        return self.healthy and self.proven and not self.draining
 
     def pairs_with(self, other: "Worker") -> bool:
         """Whether KV can cross between this worker and ``other``: every pairing field both know agrees."""
@@ -134,6 +145,9 @@ class WorkerSet:
     """Called with each worker as it leaves the set (per-worker state is dropped there)."""
     refused_pairings: int = 0
     """Healthy decode workers left out of a pair because they differ from its prefill."""
+    removed: BoundedSet = field(default_factory=lambda: BoundedSet(MAX_REMOVED))
+    """The ids an operator removed (``DELETE /workers/{id}``): discovery adds none of them again
+    until ``POST /workers`` names it (``membership.py``); the oldest forgotten past the bound."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> "WorkerSet":
@@ -254,8 +268,10 @@ class HealthChecker:
     """Checks every worker periodically; ``run()`` is the loop, ``check_all()`` one round."""
 
     def __init__(self, workers: WorkerSet, session: aiohttp.ClientSession, interval_s: float,
-                 failures_to_remove: int):
+                 failures_to_remove: int, proof_keys: Optional[dict] = None):
         self.workers = workers
+        self.proof_keys = dict(proof_keys or {})
+        """The keys a worker must prove it holds one of (``worker_trust.py``); none: no proof asked."""
         self.session = session
         self.interval_s = interval_s
         self.failures_to_remove = max(1, failures_to_remove)
@@ -277,10 +293,15 @@ class HealthChecker:
         await asyncio.gather(*(self.check(w) for w in self.workers.all()))
 
     async def check(self, worker: Worker) -> None:
-        status, body, error = await self.probe(worker.url)
+        nonce = new_nonce() if self.proof_keys else None
+        status, body, error = await self.probe(worker.url, nonce)
         if error is None:
-            error = self._identity_error(worker, body)
-            if error is not None:  # another process on its address: out at once, not after a count
+            error = self.proof_error(worker.url, body, nonce) or self._identity_error(worker, body)
+            worker.proven = error is None  # it holds our key and is who it should be
+            worker.leaving = body.get("leaving") is True
+            if error is None and worker.leaving:
+                error = "it left discovery: it is shutting down or switching its role"
+            if error is not None:  # another process on its address, or one on its way out: out at once
                 if worker.healthy:
                     log.warning("%s: %s, out of rotation", worker.describe(), error)
                 worker.healthy, worker.failures, worker.last_error = False, worker.failures + 1, error
@@ -304,6 +325,17 @@ class HealthChecker:
             worker.healthy = False
             log.warning("%s failed %d health checks (%s), out of rotation", worker.describe(), worker.failures,
                         error)
+
+    def proof_error(self, url: str, body: dict, nonce: Optional[str]) -> Optional[str]:
+        """Why an answer to ``nonce`` does not prove that it comes from a holder of our keys (None
+        when it does, or when this router holds no key to ask with)."""
+        if nonce is None:
+            return None
+        seen = identity_of(body)
+        if seen is not None and verify(self.proof_keys, body.get("proof"), nonce, *seen):
+            return None
+        return (f"{url} does not prove it holds this router's cluster secret or worker key (its /health "
+                f"answer to our nonce): it gets no request and no key")
 
     def _identity_error(self, worker: Worker, body: dict) -> Optional[str]:
         """Why the answer is not from ``worker`` (None when it is); learns a static worker's identity."""
@@ -334,11 +366,13 @@ class HealthChecker:
                 callback(worker)
         return None
 
-    async def probe(self, url: str) -> tuple[int, dict, Optional[str]]:
-        """``/health`` of ``url``: its status, its JSON body (``{}`` when it is none) and why it could
-        not be read (None when it was)."""
+    async def probe(self, url: str, nonce: Optional[str] = None) -> tuple[int, dict, Optional[str]]:
+        """``/health`` of ``url`` (asked to prove itself for ``nonce``): its status, its JSON body
+        (``{}`` when it is none) and why it could not be read (None when it was)."""
+        headers = {NONCE_HEADER: nonce} if nonce else None
         try:
-            async with self.session.get(url + "/health", timeout=self.timeout) as resp:
+            async with self.session.get(url + "/health", timeout=self.timeout, headers=headers,
+                                        allow_redirects=False) as resp:
                 raw = await resp.read()  # bounded by the check's timeout
                 try:
                     body = json.loads(raw) if len(raw) <= 65536 else {}
