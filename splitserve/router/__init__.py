@@ -9,9 +9,11 @@ convention, so either side can be swapped for SGLang's).
 
 - ``workers.py``: the router's view of each worker (health, requests in flight) and the checker.
 - ``policy.py``: round_robin, random, least_load.
-- ``proxy.py``: one request's exchange: its two legs (or decode's alone) and the rules for which
-  answer the client gets; ``split.py``: whether a request is split or goes to decode alone;
-  ``retry.py``: which failures before the commit are tried again, and the retry budget.
+- ``proxy.py``: one request, from its body to its answer; ``attempts.py``: its attempts, each a
+  new room, and what follows a failed one; ``exchange.py``: one attempt's two legs (or decode's
+  alone) and the rules for which answer the client gets; ``split.py``: whether a request is split
+  or goes to decode alone; ``retry.py``: which failures before the commit are tried again, and
+  the retry budget.
 - ``legs.py``: one leg (one POST to one worker) and its bounds; ``stream.py``: decode's SSE stream,
   read ahead before the commit; ``client.py``: the client's body, read bounded (the writes to it:
   ``splitserve/client_writer.py``).

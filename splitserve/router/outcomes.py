@@ -1,13 +1,21 @@
 """How a request through the router ends: :class:`RouterOutcome`, the router's own vocabulary
 beside the workers' ``Reason`` (``splitserve/outcomes.py``). Each request is counted once, by its
-outcome, when it ends (``splitserve_router_requests_total{outcome}``: the label is the value)."""
+outcome, when it ends (``splitserve_router_requests_total{outcome}``: the label is the value).
+
+As a ``Reason`` does, an outcome names the HTTP status and error code of an answer the router
+makes itself (:attr:`RouterOutcome.http_status`, :attr:`RouterOutcome.error_code`); such an answer
+is a :class:`Refusal`. A worker's own answer passes through with the worker's status."""
 
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 from typing import Optional
 
+from aiohttp import web
+
 from splitserve.client_writer import ClientLost
+from splitserve.errors import error_body
 
 
 class RouterOutcome(str, enum.Enum):
@@ -34,6 +42,51 @@ class RouterOutcome(str, enum.Enum):
     """``request_timeout_s`` passed (504)."""
     INTERNAL = "internal"
     """A bug (500)."""
+
+    @property
+    def http_status(self) -> int:
+        """The status of an answer the router makes itself with this outcome."""
+        return _ANSWERS[self][0]
+
+    @property
+    def error_code(self) -> Optional[str]:
+        """The OpenAI-style ``error.code`` of that answer (None: the status's own)."""
+        return _ANSWERS[self][1]
+
+
+_ANSWERS = {
+    RouterOutcome.FINISHED: (200, None),
+    RouterOutcome.BAD_REQUEST: (400, None),
+    RouterOutcome.NO_WORKERS: (503, "no_healthy_workers"),
+    RouterOutcome.PREFILL_FAILED: (502, "worker_unreachable"),
+    RouterOutcome.DECODE_FAILED: (502, "worker_unreachable"),
+    RouterOutcome.CLIENT_DISCONNECT: (499, None),
+    RouterOutcome.CLIENT_TIMEOUT: (408, "client_timeout"),
+    RouterOutcome.TIMEOUT: (504, "timeout"),
+    RouterOutcome.INTERNAL: (500, None),
+}
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An answer the router makes itself, not a worker's: how it counts, and what the client
+    reads. ``status`` and ``code`` default to the outcome's."""
+
+    outcome: RouterOutcome
+    message: str
+    status: Optional[int] = None
+    code: Optional[str] = None
+    headers: Optional[dict] = None
+
+    @property
+    def http_status(self) -> int:
+        return self.status if self.status is not None else self.outcome.http_status
+
+    def response(self) -> web.Response:
+        """The answer: an OpenAI-style error body."""
+        status = self.http_status
+        code = self.code if self.code is not None else self.outcome.error_code
+        return web.json_response(error_body(self.message, status, code=code), status=status, headers=self.headers)
 
 
 def client_left(lost: Optional[ClientLost]) -> Optional[RouterOutcome]:
