@@ -21,7 +21,11 @@ does not have are empty.
 
 from __future__ import annotations
 
-from splitserve.disagg.lifecycle.transitions import BY_ROLE
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+from splitserve.disagg.lifecycle.transitions import BY_ROLE, Waits
 from splitserve.metrics import Registry
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -32,153 +36,62 @@ WAITING_STATES = frozenset({s.value for t in BY_ROLE.values() for s in t.waiting
 COLOCATED_STATES = ("WAITING", "RUNNING")
 
 
+def states_in(*kinds: Waits, colocated: str = "") -> str:
+    """The live states of each role that wait for one of ``kinds`` (none given: the states whose
+    work runs), from the transition table, for help texts: ``colocated: waiting; prefill:
+    BOOTSTRAPPING and QUEUED; decode: ...``; ``colocated`` names the colocated worker's queue."""
+    parts = [f"colocated: {colocated}"] if colocated else []
+    for role, table in BY_ROLE.items():
+        chosen = table.waiting(*kinds) if kinds else set(table.live_states()) - table.waiting()
+        names = [s.value for s in table.live_states() if s in chosen]
+        parts.append(f"{role.value}: " + (" and ".join(names) if len(names) < 3 else
+                                          ", ".join(names[:-1]) + " and " + names[-1]))
+    return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A metric read when ``/metrics`` is scraped."""
+
+    kind: str
+    """``gauge`` or ``counter``."""
+    name: str
+    help: str
+    labels: tuple
+    read: Callable
+    """Called with the :class:`WorkerMetrics`: a value, ``{labels: value}``, or None (no sample)."""
+    split: bool = False
+    """Prefill and decode workers only."""
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """A metric the worker records into, kept as the attribute ``attr``."""
+
+    attr: str
+    kind: str
+    """The :class:`~splitserve.metrics.Registry` method that makes it."""
+    name: str
+    help: str
+    labels: tuple = ()
+    buckets: tuple = ()
+    split: bool = False
+
+
 class WorkerMetrics:
     def __init__(self, registry: Registry, engine, role: str):
         self.role = role
         self._engine = engine
         self._started = False
         split = role != "colocated"
-        gauge, counter = registry.derived_gauge, registry.derived_counter
-
-        gauge("splitserve_ready", "1 when the worker accepts requests, 0 while loading or draining.",
-              read=lambda: 1 if engine.ready and not engine.draining else 0)
-        gauge("splitserve_engine_loop_age_seconds",
-              "Seconds since the engine loop last moved (began an iteration, or finished a decoder layer of a "
-              "forward pass), read at scrape time (an idle loop begins one at least every 0.5 s; past "
-              "--loop-stall-s the worker is wedged).",
-              read=lambda: round(engine.loop_age(), 3) if getattr(engine, "ready", False)
-              and hasattr(engine, "loop_age") else None)
-        counter("splitserve_engine_loop_errors_total", "Exceptions that escaped the role into the engine loop "
-                "(each failed every live request through the role).", read=lambda: self._stat("loop_errors"))
-        counter("splitserve_engine_unschedulable_steps_total", "Engine steps that had work and could schedule none of "
-                "it (no KV pages for any: overload; the loop then waits for an event instead of spinning).",
-                read=lambda: self._stat("unschedulable_steps"))
-        counter("splitserve_engine_request_errors_total", "Exceptions while admitting one request on the engine "
-                "loop (each failed that request alone).", read=lambda: self._stat("request_errors"))
-        gauge("splitserve_kv_pages_free", "Free KV cache pages.", read=lambda: self._stat("pages_free"))
-        gauge("splitserve_kv_pages_total", "KV cache pages in the pool.", read=lambda: self._stat("pages_total"))
-        gauge("splitserve_kv_usage_ratio", "KV pages owned by requests over all pages (cached pages are reclaimable "
-              "and do not count; quarantined ones do).", ["role"], read=self._usage)
-        gauge("splitserve_queue_requests", "Requests in each engine queue (colocated) or lifecycle state (prefill, "
-              "decode).", ["role", "queue"],
-              read=lambda: {(self.role, q): n for q, n in (self._stat("queues") or {}).items()})
-        gauge("splitserve_requests_running", "Requests in the forward batch (colocated: running; prefill: PREFILLING "
-              "and TRANSFERRING; decode: DECODING).", ["role"], read=lambda: self._split_queues(False))
-        gauge("splitserve_requests_waiting", "Requests waiting (colocated: waiting; prefill: BOOTSTRAPPING and QUEUED; "
-              "decode: PREALLOC and AWAITING_KV).", ["role"], read=lambda: self._split_queues(True))
-        gauge("splitserve_requests_late", "Live requests past half the time their state allows (its deadline), by "
-              "state; computed from the clock at scrape time, so it grows while the engine loop is wedged.",
-              ["role", "state"], read=self._late)
-        gauge("splitserve_lifecycle_entries",
-              "Prefill/decode bookkeeping that is not a live request: tombstones, pending registrations, rooms holding "
-              "memory after their end (held_writes, quarantined).", ["role", "kind"],
-              read=lambda: {(self.role, k): n for k, n in (self._stat("lifecycle") or {}).items()})
-        gauge("splitserve_preemptions", "Sequences preempted for lack of KV pages since start (each recomputes its KV "
-              "when it runs again).", read=lambda: self._stat("preemptions"))
-        gauge("splitserve_kv_pages_quarantined",
-              "Decode: KV pages kept out of use because a remote write may still land in them.",
-              read=lambda: self._stat("pages_quarantined"))
-        # the page account: free + cached + owned + quarantined = total (docs/prefix_cache.md)
-        gauge("splitserve_kv_pages_cached", "KV pages in the prefix cache that no request owns (evictable: they count "
-              "as available).", read=lambda: self._stat("pages_cached"))
-        gauge("splitserve_kv_pages_owned", "KV pages owned by requests (a cached page shared by several once), "
-              "quarantined ones not included.", read=self._owned)
-        counter("splitserve_prefix_cache_hit_tokens_total", "Prompt tokens served from the prefix cache since start.",
-                ["role"], read=lambda: self._of_role("cache_hit_tokens"))
-        counter("splitserve_prompt_tokens_computed_total", "Prompt tokens whose KV this worker computed since start.",
-                ["role"], read=lambda: self._of_role("prompt_tokens_computed"))
-        counter("splitserve_kv_transfer_bytes_total", "KV bytes written to decode workers (prefill) or received from "
-                "prefill workers (decode) since start.", ["role"], read=lambda: self._of_role("kv_transfer_bytes"))
-        if split:
-            gauge("splitserve_peers", "Prefill/decode: peers that live rooms depend on (live), and peers declared lost "
-                  "and still remembered (lost).", ["role", "state"],
-                  read=lambda: {(self.role, k): n for k, n in (self._stat("peers") or {}).items()})
-            gauge("splitserve_peer_silence_seconds", "Prefill/decode: seconds since each live peer was last heard from "
-                  "(declared lost after heartbeat_interval_s x heartbeat_misses).", ["role", "peer"],
-                  read=lambda: {(self.role, k): v for k, v in (self._stat("peer_silence") or {}).items()})
-            gauge("splitserve_control_sessions", "Prefill/decode: control sessions with peers known now (each silent "
-                  "one is ended after the peer-silence bound).", ["role"], read=lambda: self._of_role("control", "sessions"))
-            gauge("splitserve_control_ended_sessions", "Prefill: decode sessions that ended and are remembered (never "
-                  "answered again; forgotten after --tombstone-s).", ["role"],
-                  read=lambda: self._of_role("control", "ended"))
-            counter("splitserve_control_sessions_refused_total", "Prefill: new decode sessions refused by the "
-                    "session limits since start, by why (limit: --max-control-sessions; per_address: "
-                    "--max-control-sessions-per-address; rate: --control-session-rate).", ["role", "why"],
-                    read=lambda: {(self.role, k): n for k, n in (self._stat("sessions_refused") or {}).items()})
-            gauge("splitserve_transfer_peers", "Prefill: peers with a transfer connection (a NIXL remote agent each).",
-                  ["role"], read=lambda: self._of_role("transfer_peers"))
-            counter("splitserve_control_bad_frames_total", "Prefill/decode: control frames dropped since start, by why "
-                    "(identity, frames, decode, incarnation, unregistered, ...).", ["role", "why"],
-                    read=lambda: {(self.role, k): n for k, n in (self._stat("bad_frames") or {}).items()})
-            gauge("splitserve_thread_age_seconds", "Prefill/decode: seconds since each supervised thread began its last "
-                  "iteration (past --loop-stall-s it hangs: /health fails).", ["role", "thread"],
-                  read=lambda: {(self.role, k): v for k, v in (self._stat("thread_age") or {}).items()})
-            gauge("splitserve_zmq_io_age_seconds", "Prefill/decode: seconds since the ZMQ I/O thread (it moves every "
-                  "control socket's bytes) last moved a loopback probe, sent every 0.5 s (past --loop-stall-s it is "
-                  "blocked: /health fails).", ["role"], read=lambda: self._of_role("zmq_io_age"))
-            counter("splitserve_thread_restarts_total", "Prefill/decode: restarts of each supervised thread since start "
-                    "(a crash that was caught).", ["role", "thread"],
-                    read=lambda: {(self.role, k): n for k, n in (self._stat("thread_restarts") or {}).items()})
-            counter("splitserve_lifecycle_notices_total", "Prefill/decode: lifecycle notices by kind (a rejected message, "
-                    "a tombstone, a transfer reset, a peer declared lost...).", ["role", "kind"],
-                    read=lambda: {(self.role, k): n for k, n in (self._stat("notices") or {}).items()})
-            counter("splitserve_action_failures_total", "Prefill/decode: table actions that raised (each failed its "
-                    "room through the table).", ["role"], read=lambda: self._of_role("action_failures"))
-            # decode's, and prefill's: a worker of either role may become the other (POST /role)
-            gauge("splitserve_kv_quarantine_oldest_seconds", "Decode: seconds since the oldest room holding quarantined "
-                  "pages ended (0 when none does).", ["role"], read=self._oldest_quarantine)
-            gauge("splitserve_receive_links_open", "Decode: receiving links open, one per prefill session.",
-                  read=lambda: self._stat("links_open"))
-            gauge("splitserve_receive_links_fenced",
-                  "Decode: receiving links closed since start to fence a lost prefill session.",
-                  read=lambda: self._stat("links_fenced"))
-            counter("splitserve_kv_fallback_total", "Decode: rooms that learned, before their first token, that their "
-                    "KV would not come, and recomputed their prompt here instead of failing (--kv-failure-policy "
-                    "recompute), by why (peer_lost, peer_failed, transfer_timeout, ...).", ["reason"],
-                    read=lambda: {(k,): n for k, n in (self._stat("kv_fallbacks") or {}).items()})
-            counter("splitserve_decode_prompts_computed_total", "Decode: prompts computed on this worker (requests "
-                    "that came alone, and KV fallbacks).", read=lambda: self._stat("prompts_computed"))
-
-        self.http_inflight = registry.gauge("splitserve_http_inflight_requests",
-                                            "Generation requests the HTTP front end is serving now.")
-        self.requests = registry.counter(
-            "splitserve_requests_total", "Generation requests by terminal outcome (finished, aborted, failed) and reason.",
-            ["role", "outcome", "reason"])
-        self.http_requests = registry.counter("splitserve_http_requests_total", "HTTP requests by route and status.",
-                                              ["path", "status"])
-        self.prompt_tokens = registry.counter("splitserve_prompt_tokens_total", "Prompt tokens of finished requests.",
-                                              ["role"])
-        self.generation_tokens = registry.counter("splitserve_generation_tokens_total",
-                                                  "Tokens generated (all requests, also failed ones).", ["role"])
-        self.request_seconds = registry.histogram("splitserve_request_duration_seconds",
-                                                  "End-to-end latency: from arrival to the end of a generation request.",
-                                                  ["role", "endpoint", "outcome"], buckets=LATENCY_BUCKETS)
-        self.ttft_seconds = registry.histogram("splitserve_time_to_first_token_seconds",
-                                               "Time from arrival to the first generated token.",
-                                               ["role", "endpoint"], buckets=LATENCY_BUCKETS)
-        self.itl_seconds = registry.batch_histogram("splitserve_inter_token_latency_seconds",
-                                                    "Time between two consecutive deltas of generated tokens of one "
-                                                    "request.", ["role", "endpoint"], buckets=ITL_BUCKETS)
-        self.queue_seconds = registry.histogram("splitserve_queue_time_seconds",
-                                                "Time from arrival until the worker began the request's work "
-                                                "(colocated: admitted; prefill: out of BOOTSTRAPPING and QUEUED; "
-                                                "decode: out of PREALLOC).", ["role"], buckets=LATENCY_BUCKETS)
-        if split:
-            self.state_seconds = registry.histogram("splitserve_state_seconds",
-                                                    "Prefill/decode: time a request spent in each lifecycle state.",
-                                                    ["role", "state"], buckets=LATENCY_BUCKETS)
-            self.transfer_seconds = registry.histogram(
-                "splitserve_kv_transfer_seconds", "Prefill: from a request's first KV write started to its last one "
-                "landed.", ["role"], buckets=LATENCY_BUCKETS)
-            self.write_seconds = registry.histogram(
-                "splitserve_kv_transfer_write_seconds", "Prefill: one KV write, from its start to its landing (as the "
-                "engine loop sees them).", ["role"], buckets=ITL_BUCKETS)
-            self.transfer_bytes = registry.histogram(
-                "splitserve_kv_transfer_request_bytes", "Prefill: KV bytes written for one request.", ["role"],
-                buckets=BYTES_BUCKETS)
-            self.transfer_failures = registry.counter(
-                "splitserve_kv_transfer_failures_total", "Transfers that failed, by the reason the request failed "
-                "(prefill: after its first write started; decode: while waiting for the KV).", ["role", "reason"])
+        for d in DERIVED:
+            if split or not d.split:
+                make = registry.derived_gauge if d.kind == "gauge" else registry.derived_counter
+                make(d.name, d.help, d.labels, read=functools.partial(d.read, self))
+        for r in RECORDED:
+            if split or not r.split:
+                make = getattr(registry, r.kind)
+                setattr(self, r.attr, make(r.name, r.help, r.labels, **({"buckets": r.buckets} if r.buckets else {})))
         self.attach(getattr(engine, "role", None), role)
 
     def attach(self, role_object, role: str) -> None:
@@ -246,6 +159,14 @@ class WorkerMetrics:
         ages = [row["state_age_s"] for row in self._engine.debug_requests() if row.get("holding") == "quarantined"]
         return {(self.role,): round(max(ages), 3) if ages else 0}
 
+    def _keyed(self, key: str):
+        """``{(role, k): v}`` of a stat that is a dict (empty while there is none)."""
+        return {(self.role, k): v for k, v in (self._stat(key) or {}).items()}
+
+    def _loop_age(self):
+        engine = self._engine
+        return round(engine.loop_age(), 3) if getattr(engine, "ready", False) and hasattr(engine, "loop_age") else None
+
     def _of_role(self, key: str, part: str | None = None):
         """``{(role,): value}`` of one stat (or one part of it), nothing while there is none."""
         value = self._stat(key)
@@ -276,3 +197,186 @@ class WorkerMetrics:
             self.ttft_seconds.labels(role=self.role, endpoint=endpoint).observe(ttft)
         if gaps:
             self.itl_seconds.observe_many(gaps, self.role, endpoint)
+
+
+DERIVED = (
+    Derived("gauge", "splitserve_ready",
+            "1 when the worker accepts requests, 0 while loading or draining.",
+            (), lambda m: 1 if m._engine.ready and not m._engine.draining else 0),
+    Derived("gauge", "splitserve_engine_loop_age_seconds",
+            "Seconds since the engine loop last moved (began an iteration, or finished a decoder "
+            "layer of a forward pass), read at scrape time (an idle loop begins one at least every "
+            "0.5 s; past --loop-stall-s the worker is wedged).",
+            (), lambda m: m._loop_age()),
+    Derived("counter", "splitserve_engine_loop_errors_total",
+            "Exceptions that escaped the role into the engine loop (each failed every live request "
+            "through the role).",
+            (), lambda m: m._stat("loop_errors")),
+    Derived("counter", "splitserve_engine_unschedulable_steps_total",
+            "Engine steps that had work and could schedule none of it (no KV pages for any: overload;"
+            " the loop then waits for an event instead of spinning).",
+            (), lambda m: m._stat("unschedulable_steps")),
+    Derived("counter", "splitserve_engine_request_errors_total",
+            "Exceptions while admitting one request on the engine loop (each failed that request "
+            "alone).",
+            (), lambda m: m._stat("request_errors")),
+    Derived("gauge", "splitserve_kv_pages_free",
+            "Free KV cache pages.",
+            (), lambda m: m._stat("pages_free")),
+    Derived("gauge", "splitserve_kv_pages_total",
+            "KV cache pages in the pool.",
+            (), lambda m: m._stat("pages_total")),
+    Derived("gauge", "splitserve_kv_usage_ratio",
+            "KV pages owned by requests over all pages (cached pages are reclaimable and do not "
+            "count; quarantined ones do).",
+            ("role",), lambda m: m._usage()),
+    Derived("gauge", "splitserve_queue_requests",
+            "Requests in each engine queue (colocated) or lifecycle state (prefill, decode).",
+            ("role", "queue"), lambda m: m._keyed("queues")),
+    Derived("gauge", "splitserve_requests_running",
+            f"Requests in the forward batch ({states_in(colocated='running')}).",
+            ("role",), lambda m: m._split_queues(False)),
+    Derived("gauge", "splitserve_requests_waiting",
+            f"Requests waiting ({states_in(Waits.QUEUE, Waits.PEER, colocated='waiting')}).",
+            ("role",), lambda m: m._split_queues(True)),
+    Derived("gauge", "splitserve_requests_late",
+            "Live requests past half the time their state allows (its deadline), by state; computed "
+            "from the clock at scrape time, so it grows while the engine loop is wedged.",
+            ("role", "state"), lambda m: m._late()),
+    Derived("gauge", "splitserve_lifecycle_entries",
+            "Prefill/decode bookkeeping that is not a live request: tombstones, pending "
+            "registrations, rooms holding memory after their end (held_writes, quarantined).",
+            ("role", "kind"), lambda m: m._keyed("lifecycle")),
+    Derived("gauge", "splitserve_preemptions",
+            "Sequences preempted for lack of KV pages since start (each recomputes its KV when it "
+            "runs again).",
+            (), lambda m: m._stat("preemptions")),
+    Derived("gauge", "splitserve_kv_pages_quarantined",
+            "Decode: KV pages kept out of use because a remote write may still land in them.",
+            (), lambda m: m._stat("pages_quarantined")),
+    Derived("gauge", "splitserve_kv_pages_cached",
+            "KV pages in the prefix cache that no request owns (evictable: they count as available).",
+            (), lambda m: m._stat("pages_cached")),
+    Derived("gauge", "splitserve_kv_pages_owned",
+            "KV pages owned by requests (a cached page shared by several once), quarantined ones not "
+            "included.",
+            (), lambda m: m._owned()),
+    Derived("counter", "splitserve_prefix_cache_hit_tokens_total",
+            "Prompt tokens served from the prefix cache since start.",
+            ("role",), lambda m: m._of_role("cache_hit_tokens")),
+    Derived("counter", "splitserve_prompt_tokens_computed_total",
+            "Prompt tokens whose KV this worker computed since start.",
+            ("role",), lambda m: m._of_role("prompt_tokens_computed")),
+    Derived("counter", "splitserve_kv_transfer_bytes_total",
+            "KV bytes written to decode workers (prefill) or received from prefill workers (decode) "
+            "since start.",
+            ("role",), lambda m: m._of_role("kv_transfer_bytes")),
+    Derived("gauge", "splitserve_peers",
+            "Prefill/decode: peers that live rooms depend on (live), and peers declared lost and "
+            "still remembered (lost).",
+            ("role", "state"), lambda m: m._keyed("peers"), split=True),
+    Derived("gauge", "splitserve_peer_silence_seconds",
+            "Prefill/decode: seconds since each live peer was last heard from (declared lost after "
+            "heartbeat_interval_s x heartbeat_misses).",
+            ("role", "peer"), lambda m: m._keyed("peer_silence"), split=True),
+    Derived("gauge", "splitserve_control_sessions",
+            "Prefill/decode: control sessions with peers known now (each silent one is ended after "
+            "the peer-silence bound).",
+            ("role",), lambda m: m._of_role("control", "sessions"), split=True),
+    Derived("gauge", "splitserve_control_ended_sessions",
+            "Prefill: decode sessions that ended and are remembered (never answered again; forgotten "
+            "after --tombstone-s).",
+            ("role",), lambda m: m._of_role("control", "ended"), split=True),
+    Derived("counter", "splitserve_control_sessions_refused_total",
+            "Prefill: new decode sessions refused by the session limits since start, by why (limit: "
+            "--max-control-sessions; per_address: --max-control-sessions-per-address; rate: "
+            "--control-session-rate).",
+            ("role", "why"), lambda m: m._keyed("sessions_refused"), split=True),
+    Derived("gauge", "splitserve_transfer_peers",
+            "Prefill: peers with a transfer connection (a NIXL remote agent each).",
+            ("role",), lambda m: m._of_role("transfer_peers"), split=True),
+    Derived("counter", "splitserve_control_bad_frames_total",
+            "Prefill/decode: control frames dropped since start, by why (identity, frames, decode, "
+            "incarnation, unregistered, ...).",
+            ("role", "why"), lambda m: m._keyed("bad_frames"), split=True),
+    Derived("gauge", "splitserve_thread_age_seconds",
+            "Prefill/decode: seconds since each supervised thread began its last iteration (past "
+            "--loop-stall-s it hangs: /health fails).",
+            ("role", "thread"), lambda m: m._keyed("thread_age"), split=True),
+    Derived("gauge", "splitserve_zmq_io_age_seconds",
+            "Prefill/decode: seconds since the ZMQ I/O thread (it moves every control socket's bytes)"
+            " last moved a loopback probe, sent every 0.5 s (past --loop-stall-s it is blocked: "
+            "/health fails).",
+            ("role",), lambda m: m._of_role("zmq_io_age"), split=True),
+    Derived("counter", "splitserve_thread_restarts_total",
+            "Prefill/decode: restarts of each supervised thread since start (a crash that was "
+            "caught).",
+            ("role", "thread"), lambda m: m._keyed("thread_restarts"), split=True),
+    Derived("counter", "splitserve_lifecycle_notices_total",
+            "Prefill/decode: lifecycle notices by kind (a rejected message, a tombstone, a transfer "
+            "reset, a peer declared lost...).",
+            ("role", "kind"), lambda m: m._keyed("notices"), split=True),
+    Derived("counter", "splitserve_action_failures_total",
+            "Prefill/decode: table actions that raised (each failed its room through the table).",
+            ("role",), lambda m: m._of_role("action_failures"), split=True),
+    Derived("gauge", "splitserve_kv_quarantine_oldest_seconds",
+            "Decode: seconds since the oldest room holding quarantined pages ended (0 when none "
+            "does).",
+            ("role",), lambda m: m._oldest_quarantine(), split=True),
+    Derived("gauge", "splitserve_receive_links_open",
+            "Decode: receiving links open, one per prefill session.",
+            (), lambda m: m._stat("links_open"), split=True),
+    Derived("gauge", "splitserve_receive_links_fenced",
+            "Decode: receiving links closed since start to fence a lost prefill session.",
+            (), lambda m: m._stat("links_fenced"), split=True),
+    Derived("counter", "splitserve_kv_fallback_total",
+            "Decode: rooms that learned, before their first token, that their KV would not come, and "
+            "recomputed their prompt here instead of failing (--kv-failure-policy recompute), by why "
+            "(peer_lost, peer_failed, transfer_timeout, ...).",
+            ("reason",), lambda m: {(k,): n for k, n in (m._stat("kv_fallbacks") or {}).items()}, split=True),
+    Derived("counter", "splitserve_decode_prompts_computed_total",
+            "Decode: prompts computed on this worker (requests that came alone, and KV fallbacks).",
+            (), lambda m: m._stat("prompts_computed"), split=True),
+)
+"""The metrics read at scrape time: ``read(m)`` of the :class:`WorkerMetrics` ``m``."""
+
+
+RECORDED = (
+    Recorded("http_inflight", "gauge", "splitserve_http_inflight_requests",
+             "Generation requests the HTTP front end is serving now."),
+    Recorded("requests", "counter", "splitserve_requests_total",
+             "Generation requests by terminal outcome (finished, aborted, failed) and reason.",
+             ("role", "outcome", "reason")),
+    Recorded("http_requests", "counter", "splitserve_http_requests_total", "HTTP requests by route and status.",
+             ("path", "status")),
+    Recorded("prompt_tokens", "counter", "splitserve_prompt_tokens_total", "Prompt tokens of finished requests.",
+             ("role",)),
+    Recorded("generation_tokens", "counter", "splitserve_generation_tokens_total",
+             "Tokens generated (all requests, also failed ones).", ("role",)),
+    Recorded("request_seconds", "histogram", "splitserve_request_duration_seconds",
+             "End-to-end latency: from arrival to the end of a generation request.",
+             ("role", "endpoint", "outcome"), LATENCY_BUCKETS),
+    Recorded("ttft_seconds", "histogram", "splitserve_time_to_first_token_seconds",
+             "Time from arrival to the first generated token.", ("role", "endpoint"), LATENCY_BUCKETS),
+    Recorded("itl_seconds", "batch_histogram", "splitserve_inter_token_latency_seconds",
+             "Time between two consecutive deltas of generated tokens of one request.", ("role", "endpoint"),
+             ITL_BUCKETS),
+    Recorded("queue_seconds", "histogram", "splitserve_queue_time_seconds",
+             "Time from arrival until the worker began the request's work, out of the states that wait for its "
+             f"turn ({states_in(Waits.QUEUE, colocated='admitted')}).", ("role",), LATENCY_BUCKETS),
+    Recorded("state_seconds", "histogram", "splitserve_state_seconds",
+             "Prefill/decode: time a request spent in each lifecycle state.", ("role", "state"), LATENCY_BUCKETS,
+             split=True),
+    Recorded("transfer_seconds", "histogram", "splitserve_kv_transfer_seconds",
+             "Prefill: from a request's first KV write started to its last one landed.", ("role",),
+             LATENCY_BUCKETS, split=True),
+    Recorded("write_seconds", "histogram", "splitserve_kv_transfer_write_seconds",
+             "Prefill: one KV write, from its start to its landing (as the engine loop sees them).", ("role",),
+             ITL_BUCKETS, split=True),
+    Recorded("transfer_bytes", "histogram", "splitserve_kv_transfer_request_bytes",
+             "Prefill: KV bytes written for one request.", ("role",), BYTES_BUCKETS, split=True),
+    Recorded("transfer_failures", "counter", "splitserve_kv_transfer_failures_total",
+             "Transfers that failed, by the reason the request failed (prefill: after its first write started; "
+             "decode: while waiting for the KV).", ("role", "reason"), split=True),
+)
+"""The metrics the handlers and timelines record into, each an attribute of :class:`WorkerMetrics`."""
