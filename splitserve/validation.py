@@ -53,8 +53,9 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
   counts as absent. A field nobody knows is refused too: nothing is ignored silently.
 - Known extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM and SGLang), ``rid``
   (request id), ``cache_salt`` (as vLLM: prefix-cache pages are shared only among requests with
-  the same salt; at most 256 characters), and SGLang's PD fields ``bootstrap_host``,
-  ``bootstrap_port``, ``bootstrap_room``.
+  the same salt; at most 256 characters), and SGLang's PD fields ``bootstrap_host`` (a host name,
+  an IPv4 address or an IPv6 address in brackets: ``hosts.check_host``), ``bootstrap_port``,
+  ``bootstrap_room``.
   ``user`` is accepted and not used.
 - A ``model`` other than the served one is a 404 (``InvalidRequest`` with ``Reason.MODEL_NOT_FOUND``);
   a missing ``model`` means the served one.
@@ -64,7 +65,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -73,6 +73,7 @@ from splitserve.engine.grammar import MAX_TOOLS, parse_response_format, parse_to
 from splitserve.engine.io import (
     DEFAULT_MAX_TOKENS, MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS, Bootstrap, GenerateRequest, InvalidRequest, SamplingParams,
 )
+from splitserve.hosts import check_host
 from splitserve.outcomes import Reason
 
 ENDPOINTS = ("completions", "chat", "generate")
@@ -88,7 +89,6 @@ MAX_SEED = 2**63
 MAX_ROOM = 2**63
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
-_HOST = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9.\-]{0,252})|\[[0-9A-Fa-f:.]{2,45}\]")  # a name, IPv4 or [IPv6]
 _ABSENT = object()
 _ANY_BOOL = object()  # a switch with no effect on the tokens (logging, reasoning display): any boolean
 
@@ -309,8 +309,12 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     _opt_str(body, "user", "")  # accepted (OpenAI's end-user id), not used
     rid = check_request_id(_opt_str(body, "rid", ""), "rid")
     bootstrap_host = _opt_str(body, "bootstrap_host", "")
-    if bootstrap_host is not None and not _HOST.fullmatch(bootstrap_host):
-        raise InvalidRequest("bootstrap_host must be a host name or an IP address", "bootstrap_host")
+    if bootstrap_host is not None:  # in the one form the router sends and the allow-lists compare
+        try:
+            bootstrap_host = check_host(bootstrap_host)
+        except ValueError as exc:
+            raise InvalidRequest(f"bootstrap_host must be a host name, an IPv4 address or an IPv6 address in "
+                                 f"brackets: {exc}", "bootstrap_host") from None
     bootstrap_port = _opt_int(body, "bootstrap_port", "", minimum=1, maximum=65535)
     bootstrap_room = _opt_int(body, "bootstrap_room", "", minimum=0, maximum=MAX_ROOM - 1)
     cache_salt = _opt_str(body, "cache_salt", "") or ""

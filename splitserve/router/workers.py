@@ -63,6 +63,7 @@ import aiohttp
 from splitserve.config import RouterConfig, WorkerAddress
 from splitserve.discovery.proof import NONCE_HEADER, new_nonce, verify
 from splitserve.discovery.record import identity_of
+from splitserve.hosts import check_host, url_host
 from splitserve.router.bounded_set import BoundedSet
 
 log = logging.getLogger(__name__)
@@ -102,9 +103,13 @@ class Worker:
     a new object; a static worker's restart is the same object with a new :attr:`key`)."""
 
     @property
-    def host(self) -> str:
-        """The host part of the URL (what the router sends as ``bootstrap_host``)."""
-        return urlsplit(self.url).hostname or ""
+    def host(self) -> Optional[str]:
+        """What the router sends as ``bootstrap_host``: the host of the URL in the one form the
+        workers take (``hosts.check_host``; an IPv6 address in brackets), None if none would."""
+        try:
+            return check_host(url_host(urlsplit(self.url).hostname or ""))
+        except ValueError:
+            return None
 
     @property
     def key(self) -> str:
@@ -314,6 +319,8 @@ class HealthChecker:
             await self._pairing(worker)
             if worker.role == PREFILL and worker.bootstrap_port is None:  # it switched its role (POST /role)
                 error = "its bootstrap port is not known yet (/get_server_info did not say it)"
+            elif worker.role == PREFILL and worker.host is None:  # else every split request would be a 400
+                error = "the host of its URL cannot be sent as bootstrap_host (a name, IPv4 or [IPv6] address)"
             else:
                 log.info("%s is healthy, in rotation", worker.describe())
         if error is None:
