@@ -259,3 +259,39 @@ def test_invalid_values_and_what_is_said_are_remembered_within_a_bound():
         assert len(discovery._said) <= MEMORY
 
     asyncio.run(main())
+
+
+def test_a_record_naming_another_incarnation_replaces_a_worker_only_once_it_is_out_of_rotation():
+    """A member's old record put back (another incarnation under a serving worker's id) drains
+    nothing while the worker serves; once the worker is out of rotation (a restart in place shows
+    as another incarnation at its check) it drains, and the new incarnation joins at the next list."""
+    from splitserve.discovery.record import WorkerRecord
+    from splitserve.metrics import Registry
+    from splitserve.router.discovery import Discovery
+
+    async def main():
+        state = FakeState()
+        discovery = Discovery(state, Registry(), absent_grace_s=10, clock=lambda: 0.0)
+        discovery.apply(records(2))
+        for w in state.workers.all():
+            w.healthy = w.proven = True
+        old = records(2)
+        other = [WorkerRecord("d-0", "fedcba", *dataclasses_tail(old[0])), old[1]]
+        for _ in range(3):
+            discovery.apply(other)
+            assert ids(state, draining=True) == set()
+            assert {w.incarnation for w in state.workers.all() if w.id == "d-0"} == {"abc"}
+        state.workers.all()[0].healthy = False
+        discovery.apply(other)
+        discovery.apply(other)
+        serving = {(w.id, w.incarnation) for w in state.workers.all() if not w.draining}
+        assert serving == {("d-0", "fedcba"), ("d-1", "abc")}, serving
+        for task in state.tasks:
+            task.cancel()
+
+    asyncio.run(main())
+
+
+def dataclasses_tail(record) -> tuple:
+    return (record.role, record.url, record.bootstrap_port, record.model, record.protocol_version,
+            record.transfer_backend)

@@ -9,8 +9,9 @@ sealed with the cluster secret is dropped and counted like any other invalid val
 - a record whose id the set does not hold: a new worker, pinned to the record's id *and*
   incarnation (``workers.py``), its pairing fields taken from the record, checked at once (it is
   routable only once it answered the router's nonce: ``worker_trust.py``);
-- a record with a new incarnation for a known id: the old incarnation drains (it has ended) and the
-  new one joins;
+- a record with a new incarnation for a known id: the old incarnation's record is absent (below),
+  and the new one joins once the old one left (a restart in place shows at the old one's next
+  check: another incarnation answers there; a member's old record put back drains nothing);
 - a discovered worker without a record any more: the record's absence is evidence, not proof (an
   etcd restored without its data, or wiped, lists nothing while every worker serves on, and each
   puts its record again at its next keepalive). It is checked at once, and drains when it is also
@@ -135,22 +136,22 @@ class Discovery:
         self.invalid_seen, self.invalid_now = now, len(invalid)
 
     def _leave(self, found: dict, wanted: dict) -> None:
-        """Drain what has ended: a replaced incarnation at once, a worker whose record is absent as
-        the module says."""
+        """Drain the workers whose record is absent (gone, or naming another incarnation) and that
+        are not routable; a routable one only past the grace, one per list (the module says why)."""
         now = self.clock()
-        for worker_id in [i for i in self.absent_since if i not in found or i in wanted]:
+        for worker_id in [i for i in self.absent_since if i not in found or
+                          i in wanted and wanted[i].incarnation == found[i].incarnation]:
             del self.absent_since[worker_id]
         overdue = []
         for worker_id, worker in found.items():
             record = wanted.get(worker_id)
-            if record is not None:
-                if record.incarnation != worker.incarnation:
-                    self._drain(worker, f"incarnation {record.incarnation} replaces it")
+            if record is not None and record.incarnation == worker.incarnation:
                 continue
             first = worker_id not in self.absent_since
             since = self.absent_since.setdefault(worker_id, now)
             if not worker.routable:
-                self._drain(worker, "its record is gone and it is not in rotation")
+                gone = "is gone" if record is None else f"names incarnation {record.incarnation}"
+                self._drain(worker, f"its record {gone} and it is not in rotation")
             elif now - since >= self.absent_grace_s:
                 overdue.append((since, worker))
             elif first and self.state.checker is not None:  # its answer may say it left: then it drains now
@@ -163,7 +164,7 @@ class Discovery:
         """Check a worker whose record just went; drain it if it is not routable (still absent)."""
         await self.state.checker.check(worker)
         if worker.id in self.absent_since and not worker.routable and not worker.draining:
-            self._drain(worker, "its record is gone and it is not in rotation")
+            self._drain(worker, "its record is gone or names another incarnation, and it is not in rotation")
 
     def _join(self, record) -> None:
         workers, state = self.state.workers, self.state
@@ -172,6 +173,8 @@ class Discovery:
                       "alone until POST /workers names it", record.id, record.id)
             return
         other = [w for w in workers.all() if not w.draining and (w.id == record.id or w.url == record.url)]
+        if any(w.source == DISCOVERY and w.id == record.id for w in other):
+            return  # its old incarnation is still here: this one joins once it left (_leave)
         if other:
             self._say(("served", record.identity), "discovery: %s (%s) is already served as %s", record.id,
                       record.url, other[0].describe())
