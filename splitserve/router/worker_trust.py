@@ -38,7 +38,7 @@ class RouterKeys:
         if config.cluster_secret_file:
             from splitserve.disagg.control.curve import ClusterSecret
 
-            secret = ClusterSecret.load(config.cluster_secret_file, warn=False)
+            secret = ClusterSecret.load(config.cluster_secret_file, warn=True)
             proof[SECRET], record = secret.proof_key, secret.record_key
         if config.worker_api_key:
             proof[KEY] = config.worker_api_key.encode("utf-8")
