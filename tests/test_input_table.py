@@ -238,9 +238,9 @@ def test_every_row_names_tests_that_exist():
             path, _, name = ref.partition("::")
             file = ROOT / path
             assert file.is_file(), f"{row['input']!r}: no {path}"
-            if name:
-                defined = {n.name for n in _tree(file).body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-                assert name in defined, f"{row['input']!r}: no test {name} in {path}"
+            if name:  # a test function at the file's top level
+                defined = re.search(rf"^(async )?def {re.escape(name)}\(", file.read_text(), re.M)
+                assert defined, f"{row['input']!r}: no test {name} in {path}"
 
 
 def test_the_reader_finds_each_kind_of_input_in_new_code():
