@@ -148,3 +148,17 @@ def test_the_worker_answers_a_nonce_under_each_key_it_holds(tmp_path):
     assert verify({SECRET: secret.proof_key}, proofs, nonce, "d-1", "abc")
     assert verify({KEY: WORKER_KEY.encode()}, proofs, nonce, "d-1", "abc")
     assert answer({}, keys, who) == {} and answer({NONCE_HEADER: nonce}, WorkerKeys(), who) == {}
+
+
+def test_a_router_with_a_bad_cluster_secret_file_does_not_start(tmp_path):
+    import pytest
+
+    from splitserve.router.app import create_app
+
+    shared = tmp_path / "shared"
+    shared.write_text("ab" * 32 + "\n")
+    shared.chmod(0o644)
+    for path, words in ((tmp_path / "missing", "cannot read it"), (shared, "every user")):
+        with pytest.raises(ValueError, match=f"--cluster-secret-file.*{words}"):
+            create_app(RouterConfig(prefill=(WorkerAddress("http://127.0.0.1:1", 8998),),
+                                    decode=(WorkerAddress("http://127.0.0.1:2"),), cluster_secret_file=str(path)))
