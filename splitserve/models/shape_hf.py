@@ -31,7 +31,7 @@ def write_hf(shape: Shape, out: Path, vocab: Vocabulary, seed: int = 0) -> Path:
     generation = {"bos_token_id": vocab.bos, "eos_token_id": vocab.eos, "pad_token_id": vocab.pad}
     (out / "generation_config.json").write_text(json.dumps(
         {k: v for k, v in generation.items() if v is not None}, indent=2) + "\n")
-    hf_tokenizer(vocab, shape.arch, out)
+    hf_tokenizer(vocab, out)
     write_safetensors(shape, out / WEIGHTS, vocab, seed)
     return out
 

@@ -14,6 +14,7 @@ GGUF file), so a shape's GGUF file and its Hugging Face folder tokenize alike.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +25,7 @@ _TOKENIZER_KEYS = ("model", "pre", "bos_token_id", "eos_token_id", "unknown_toke
                    "add_bos_token", "add_eos_token", "add_space_prefix")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed as the object: a cache key
 class Vocabulary:
     """A GGUF file's ``tokenizer.*`` metadata, its token list padded."""
 
@@ -34,11 +35,7 @@ class Vocabulary:
     fields: dict  # the other tokenizer.ggml.* values present: model, pre, special ids, flags
     chat_template: Optional[str]
     real: int  # tokens before the padding
-
-    @property
-    def quiet(self) -> list[int]:
-        """The ids greedy decoding must not pick: control tokens and the padding."""
-        return [i for i, kind in enumerate(self.token_types) if kind in (CONTROL, UNUSED)]
+    quiet: tuple[int, ...]  # the ids greedy decoding must not pick: control tokens and the padding
 
     @property
     def bos(self) -> Optional[int]:
@@ -53,8 +50,10 @@ class Vocabulary:
         return self.fields.get("padding_token_id")
 
 
+@functools.lru_cache(maxsize=4)  # several shapes of one size are written in a row (the tests)
 def padded_vocabulary(size: int, source: Optional[os.PathLike] = None) -> Vocabulary:
-    """The tokenizer of the GGUF file ``source`` (default SmolLM2's) padded to ``size`` tokens."""
+    """The tokenizer of the GGUF file ``source`` (default SmolLM2's) padded to ``size`` tokens
+    (shared: not to be changed)."""
     # transformers' metadata reader: it reads a 49k-token vocabulary in ~0.4 s where gguf's
     # GGUFReader, which builds an object per array element, takes seconds
     from transformers.integrations.gguf.reader import read_gguf_metadata
@@ -71,8 +70,32 @@ def padded_vocabulary(size: int, source: Optional[os.PathLike] = None) -> Vocabu
     real = len(tokens)
     tokens += [f"[PAD{i}]" for i in range(real, size)]
     types += [UNUSED] * (size - real)
+    quiet = tuple(i for i, kind in enumerate(types) if kind in (CONTROL, UNUSED))
     return Vocabulary(tokens, types, list(meta.get("tokenizer.ggml.merges", [])), fields,
-                      meta.get("tokenizer.chat_template"), real)
+                      meta.get("tokenizer.chat_template"), real, quiet)
+
+
+def gguf_writer(path: Path, arch: str):
+    """A ``gguf.GGUFWriter`` that packs an array with a named element type at once: its own
+    packing appends each of a vocabulary's 150k strings, types and merges to a bytearray (seconds
+    per file)."""
+    import struct
+
+    import gguf
+
+    class Writer(gguf.GGUFWriter):
+        def _pack_val(self, val, vtype, add_vtype: bool, sub_type=None) -> bytes:
+            simple = self._simple_value_packing.get(sub_type)
+            if vtype != gguf.GGUFValueType.ARRAY or self.endianess != gguf.GGUFEndian.LITTLE or not val \
+                    or (sub_type != gguf.GGUFValueType.STRING and simple is None):
+                return super()._pack_val(val, vtype, add_vtype, sub_type)
+            head = (struct.pack("<I", vtype) if add_vtype else b"") + struct.pack("<IQ", sub_type, len(val))
+            if simple is not None:
+                return head + struct.pack(f"<{len(val)}{simple}", *val)
+            encoded = [v.encode("utf-8") for v in val]
+            return b"".join([head, *(struct.pack("<Q", len(e)) + e for e in encoded)])
+
+    return Writer(str(path), arch)
 
 
 def add_to_gguf(writer, vocab: Vocabulary) -> None:
@@ -87,30 +110,36 @@ def add_to_gguf(writer, vocab: Vocabulary) -> None:
             writer.add_uint32(name, value)
         else:
             writer.add_string(name, value)
-    writer.add_array("tokenizer.ggml.tokens", vocab.tokens)
+    # the element type named: else the writer checks the type of each of 100k elements
+    writer.add_key_value("tokenizer.ggml.tokens", vocab.tokens, GGUFValueType.ARRAY, sub_type=GGUFValueType.STRING)
     writer.add_key_value("tokenizer.ggml.token_type", vocab.token_types, GGUFValueType.ARRAY,
                          sub_type=GGUFValueType.INT32)
     if vocab.merges:
-        writer.add_array("tokenizer.ggml.merges", vocab.merges)
+        writer.add_key_value("tokenizer.ggml.merges", vocab.merges, GGUFValueType.ARRAY,
+                             sub_type=GGUFValueType.STRING)
     if vocab.chat_template:
         writer.add_chat_template(vocab.chat_template)
 
 
-def hf_tokenizer(vocab: Vocabulary, arch: str, out: Path) -> None:
-    """Save transformers' tokenizer of ``vocab`` into ``out`` (via a GGUF file of metadata only)."""
+def hf_tokenizer(vocab: Vocabulary, out: Path) -> None:
+    """Save transformers' tokenizer of ``vocab`` into ``out``."""
+    _converted(vocab).save_pretrained(str(out))
+
+
+@functools.lru_cache(maxsize=2)
+def _converted(vocab: Vocabulary):
+    """transformers' conversion of ``vocab``, through a GGUF file of its metadata only."""
     import tempfile
 
-    import gguf
     from transformers import PreTrainedTokenizerFast
 
     with tempfile.TemporaryDirectory(prefix="splitserve-vocab-") as tmp:
         path = Path(tmp) / "vocab.gguf"
-        writer = gguf.GGUFWriter(str(path), arch)
+        writer = gguf_writer(path, "llama")  # the architecture does not shape a gpt2 tokenizer
         add_to_gguf(writer, vocab)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         writer.close()
         # the class AutoTokenizer picks for a GGUF file, without its reading the file's config
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp, gguf_file=path.name, local_files_only=True)
-    tokenizer.save_pretrained(str(out))
+        return PreTrainedTokenizerFast.from_pretrained(tmp, gguf_file=path.name, local_files_only=True)
