@@ -35,6 +35,7 @@ from typing import Callable, Mapping, Optional
 from aiohttp import web
 
 from splitserve.errors import error_body
+from splitserve.hosts import allow_host, check_host, url_host
 
 log = logging.getLogger(__name__)
 
@@ -217,11 +218,11 @@ def caller_is(request: web.Request, name: str) -> bool:
 class AllowedPrefill:
     """``--allowed-prefill``: the bootstrap addresses a decode worker may be sent to."""
 
-    addresses: frozenset  # (host, port or None for any port), hosts lower-case
+    addresses: frozenset  # (host, port or None for any port), hosts as hosts.allow_host writes them
     networks: tuple  # ipaddress networks: any address in them, any port
 
     def __contains__(self, address: tuple) -> bool:
-        host, port = address[0].lower(), address[1]
+        host, port = allow_host(address[0]), address[1]
         if (host, port) in self.addresses or (host, None) in self.addresses:
             return True
         try:
@@ -233,9 +234,10 @@ class AllowedPrefill:
 
 def parse_allowed_prefill(text: Optional[str]) -> Optional[AllowedPrefill]:
     """``--allowed-prefill``: comma-separated ``HOST:PORT`` (a prefill's bootstrap address, as the
-    router names it: the host of its URL; ``[V6]:PORT`` for IPv6), ``HOST`` (any port there) or
-    ``NETWORK/BITS`` (any address in it, any port); None when unset. ValueError naming an entry
-    that is none of them."""
+    router names it: the host of its URL; ``[V6]:PORT`` for IPv6), ``HOST`` (any port there; an
+    IPv6 address with or without brackets) or ``NETWORK/BITS`` (any address in it, any port); None
+    when unset. Hosts are compared as ``hosts.allow_host`` writes them (``[0:0::1]`` is ``[::1]``,
+    names in any case). ValueError naming an entry that is none of them."""
     if text is None:
         return None
     addresses, networks = set(), []
@@ -258,9 +260,13 @@ def parse_allowed_prefill(text: Optional[str]) -> Optional[AllowedPrefill]:
             port = None if port is None else int(port)
         except ValueError:
             port = 0
-        if not host or host == "[]" or port is not None and not 0 < port < 65536 or " " in host:
+        try:
+            host = check_host(url_host(host))  # a bare IPv6 address is a host, any port
+        except ValueError:
+            host = ""
+        if not host or port is not None and not 0 < port < 65536:
             raise ValueError(f"--allowed-prefill: {entry!r} is not HOST:PORT, HOST or NETWORK/BITS")
-        addresses.add((host.lower(), port))
+        addresses.add((allow_host(host), port))
     return AllowedPrefill(frozenset(addresses), tuple(networks))
 
 

@@ -31,6 +31,7 @@ from aiohttp import web
 
 from splitserve.auth import bootstrap_refusal
 from splitserve.engine.io import EngineError, InvalidRequest, NotReady, RequestOutput
+from splitserve.hosts import allow_host
 from splitserve.http_util import read_body
 from splitserve.outcomes import Reason
 from splitserve.server import openai_protocol as proto
@@ -74,6 +75,11 @@ def engine_error_response(exc: EngineError) -> web.Response:
     return web.json_response(proto.engine_error_body(exc), status=exc.status, headers=headers)
 
 
+def _own_hosts(config) -> set[str]:
+    """The hosts a request may name this worker by, as ``hosts.allow_host`` writes them."""
+    return {allow_host(h) for h in (config.host, config.advertise_host, "127.0.0.1", "localhost", "::1") if h}
+
+
 async def serve_generation(state, request: web.Request, endpoint: str) -> web.StreamResponse:
     """The handler body for one generation endpoint; ``state`` is the app's WorkerState."""
     started = time.monotonic()
@@ -108,7 +114,7 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
                 raise NotReady(f"this worker is a prefill now (bootstrap port {state.config.bootstrap_port}); the "
                                f"request names bootstrap port {req.bootstrap_port}: a decode leg")
             if (state.config.role == "decode" and state.epoch > 0 and req.bootstrap_port == state.config.bootstrap_port
-                    and req.bootstrap_host in {state.config.host, state.config.advertise_host, "127.0.0.1", "localhost"}):
+                    and req.bootstrap_host is not None and allow_host(req.bootstrap_host) in _own_hosts(state.config)):
                 # the mirror: a prefill leg naming this worker's own bootstrap port, from a router that has
                 # not yet seen it switch back to decode (only a worker that was a prefill, epoch > 0)
                 raise NotReady(f"this worker is a decode now; the request names its own bootstrap port "

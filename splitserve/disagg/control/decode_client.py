@@ -40,6 +40,7 @@ from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_PO
 from splitserve.disagg.control.curve import FAILED, PROTOCOL_ERRORS, max_msg_size
 from splitserve.disagg.lifecycle import Deadlines, FromPeer, LocalFailure, Peer, PeerInfo, PeerLost, Reason
 from splitserve.disagg.transfer.links import ReceiveLinks
+from splitserve.hosts import host_port
 
 log = logging.getLogger(__name__)
 
@@ -95,8 +96,9 @@ class DecodeControl(ControlThread):
 
     def want_info(self, room: int, host: str, port: int) -> None:
         """Thread-safe: post ``PeerInfo`` for ``room`` once a session with the prefill at
-        host:port is ready (or ``LocalFailure`` if none can be)."""
-        self._requests.put((room, f"{host}:{port}"))
+        host:port is ready (or ``LocalFailure`` if none can be). The address is named in
+        ``hosts.host_port``'s form (``[::1]:8998``): one prefill, one name."""
+        self._requests.put((room, host_port(host, port)))
         self._wake()
 
     def sizes(self) -> dict[str, int]:
@@ -352,6 +354,7 @@ class ZmqDealer:
         self._curve = secret is not None
         try:
             self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.IPV6, 1)  # else libzmq resolves and dials IPv4 only
             self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(p.MAX_FRAME_BYTES, secret))  # CURVE's bytes too
             self.sock.setsockopt(zmq.IDENTITY, ident)
             if secret is not None:
@@ -359,7 +362,7 @@ class ZmqDealer:
             self._monitor = self.sock.get_monitor_socket(
                 zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                 | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
-            self.sock.connect(f"tcp://{name}")
+            self.sock.connect(f"tcp://{name}")  # ``name``: HOST:PORT as hosts.host_port writes it
         except zmq.ZMQError:
             self.close()
             raise

@@ -43,6 +43,7 @@ from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_PO
 from splitserve.disagg.control.curve import max_msg_size
 from splitserve.disagg.lifecycle import Deadlines, FromPeer, Peer, PeerLost, Reason
 from splitserve.disagg.transfer.thread import AddPeer, ResetPeer
+from splitserve.hosts import allow_host, zmq_endpoint
 from splitserve.log_sparsely import worth_logging
 
 log = logging.getLogger(__name__)
@@ -307,8 +308,9 @@ class PrefillControl(ControlThread):
 
 
 class ZmqRouterEndpoint:
-    """The prefill side's socket: a ZMQ ROUTER bound on the bootstrap port. ``recv`` gives one
-    message's frames (identity first) or None; ``send`` never blocks (a peer whose queue is full
+    """The prefill side's socket: a ZMQ ROUTER bound on the bootstrap port (``host`` an IPv4 or
+    IPv6 address, or a name: ``zmq.IPV6`` set). ``recv`` gives one message's frames (identity
+    first) or None; ``send`` never blocks (a peer whose queue is full
     is not reading: the frame is dropped, its deadlines handle it). With a ``secret``
     (``control/curve.py``) only holders of the cluster secret can connect; ``failures`` counts the
     connections refused."""
@@ -316,6 +318,7 @@ class ZmqRouterEndpoint:
     def __init__(self, host: str, port: int, secret=None):
         self.sock = zmq.Context.instance().socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.IPV6, 1)  # else libzmq binds IPv4 only
         self.sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(p.MAX_FRAME_BYTES, secret))  # CURVE's bytes too
         self._secret = secret
         try:
@@ -324,7 +327,7 @@ class ZmqRouterEndpoint:
             self.sock.close(0)  # left open, it would block the context's termination for ever
             raise
         try:
-            self.sock.bind(f"tcp://{host}:{port}")
+            self.sock.bind(zmq_endpoint(host, port))
         except zmq.ZMQError:
             self.close()
             raise
@@ -335,7 +338,8 @@ class ZmqRouterEndpoint:
         return {f"authentication_{k}": n for k, n in self._guard.failures.items()} if self._guard else {}
 
     last_source: Optional[str] = None
-    """The IP address the message :meth:`recv` last returned came from (its connection's peer)."""
+    """The IP address the message :meth:`recv` last returned came from (its connection's peer), as
+    ``hosts.allow_host`` writes it: an IPv4 peer of a dual-stack socket as its IPv4 address."""
 
     def recv(self) -> Optional[list[bytes]]:
         try:
@@ -343,9 +347,10 @@ class ZmqRouterEndpoint:
         except zmq.Again:
             return None
         try:
-            self.last_source = frames[-1].get("Peer-Address")
+            address = frames[-1].get("Peer-Address")
         except zmq.ZMQError:
-            self.last_source = None
+            address = None
+        self.last_source = allow_host(address) if isinstance(address, str) else None
         return [f.bytes for f in frames]
 
     def send(self, ident: bytes, frame: bytes) -> None:

@@ -1,8 +1,8 @@
 """Built-in tcp backend: KV bytes over ZMQ, no dependency beyond pyzmq.
 
-Each backend binds one ROUTER socket (``host:port``; port 0 picks a free port) served by a
-receiver thread, and advertises its address in :meth:`TcpBackend.metadata`. A writer keeps one
-DEALER socket per peer. A write is cut into frames of at most ``max_frame_bytes`` (the smaller of
+Each backend binds one ROUTER socket (``host:port``, IPv4 or IPv6; port 0 picks a free port)
+served by a receiver thread, and advertises its address in :meth:`TcpBackend.metadata`. A writer
+keeps one DEALER socket per peer, dialled only at a ``tcp://HOST:PORT`` (:func:`peer_endpoint`). A write is cut into frames of at most ``max_frame_bytes`` (the smaller of
 ours and the peer's)::
 
     [header, payload]   header = msgpack {v, to, frm, wid, off, n, last[, notif]}
@@ -61,6 +61,7 @@ import torch
 import zmq
 
 from splitserve.disagg.control.curve import max_msg_size
+from splitserve.hosts import allow_host, check_host, zmq_endpoint
 from splitserve.log_sparsely import worth_logging
 
 from .base import DONE, Handle, Span, TransferBackend, TransferState, encode_metadata, failed, refused
@@ -138,8 +139,9 @@ class TcpBackend(TransferBackend):
         if self._receiver.error is not None:
             self._ctx.destroy(linger=0)
             raise OSError(f"tcp transfer backend could not bind {host}:{port}: {self._receiver.error}")
-        bound_port = self._receiver.endpoint.rsplit(":", 1)[1]
-        self.endpoint = f"tcp://{advertise_host}:{bound_port}" if advertise_host else self._receiver.endpoint
+        bound_host, _, bound_port = self._receiver.endpoint.removeprefix("tcp://").rpartition(":")
+        # an IPv4 address bound with zmq.IPV6 reads back IPv4-mapped: advertised as the IPv4 address
+        self.endpoint = zmq_endpoint(advertise_host or allow_host(bound_host), bound_port)
 
     def metadata(self) -> bytes:
         return encode_metadata(
@@ -167,12 +169,14 @@ class TcpBackend(TransferBackend):
             return
         if md.get("protocol") != PROTOCOL:
             raise ValueError(f"peer {peer_name!r}: tcp transfer protocol {md.get('protocol')!r}, ours is {PROTOCOL}")
+        endpoint = peer_endpoint(peer_name, md.get("endpoint"))
         sock = self._ctx.socket(zmq.DEALER)
         if self._secret is not None:
             self._secret.connect(sock)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)  # else libzmq resolves and dials IPv4 only
         sock.setsockopt(zmq.SNDHWM, self._send_hwm)
-        sock.connect(md["endpoint"])
+        sock.connect(endpoint)
         self._peers[peer_name] = _Peer(
             peer_name, metadata, md["nbytes"], min(self.max_frame_bytes, int(md["max_frame"])),
             int(md["max_notif"]), sock,
@@ -356,6 +360,19 @@ class _WritablePages:
         return all(page in self._holders for page in range(first, last + 1))
 
 
+def peer_endpoint(peer_name: str, endpoint: object) -> str:
+    """The ``tcp://HOST:PORT`` a peer's metadata names, in ``hosts``' form; ValueError for anything
+    else (another transport, ``inproc://`` or ``ipc://``, would reach this process's own sockets)."""
+    if isinstance(endpoint, str) and endpoint.startswith("tcp://"):
+        host, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        try:
+            if port.isdigit() and 0 < int(port) < 65536:
+                return zmq_endpoint(check_host(host), int(port))
+        except ValueError:
+            pass
+    raise ValueError(f"peer {peer_name!r}: its endpoint {str(endpoint)[:100]!r} is not tcp://HOST:PORT")
+
+
 class _Receiver(threading.Thread):
     """Owns the ROUTER socket: writes incoming payloads into the buffer, queues notifications,
     answers each write's last frame. Survives bad frames; stops at :meth:`stop`."""
@@ -365,7 +382,7 @@ class _Receiver(threading.Thread):
         super().__init__(name=f"tcp-transfer-rx-{agent_name}", daemon=True)
         self._ctx, self._agent_name, self._dst = ctx, agent_name, dst
         self._writable = writable
-        self._bind = f"tcp://{host}:{port if port else '*'}"
+        self._bind = zmq_endpoint(host, port)
         self._max_msg, self._hwm = max_msg, hwm
         self._secret = secret
         self._guarded = False  # the receiving socket holds a user of the secret's guard (unbind once)
@@ -396,6 +413,7 @@ class _Receiver(threading.Thread):
                 self._secret.bind(sock, f"tcp transfer receiver of {self._agent_name}")
                 self._guarded = True
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IPV6, 1)  # else libzmq binds IPv4 only
             sock.setsockopt(zmq.MAXMSGSIZE, max_msg_size(self._max_msg, self._secret))  # CURVE's bytes too
             sock.setsockopt(zmq.RCVHWM, self._hwm)
             sock.bind(self._bind)
