@@ -1,8 +1,10 @@
 """``splitserve launch``: prefill workers, decode workers and a router on this host, supervised.
 
 :func:`build_specs` turns a :class:`LaunchConfig` into one :class:`ChildSpec` per process, each
-``sys.executable -m splitserve.cli ...``: workers on free loopback ports (each prefill worker with a
-free bootstrap port too), the router on ``--port`` pointed at all of them. :class:`Supervisor` runs
+``sys.executable -m splitserve.cli ...``: workers on free loopback ports, each with a bootstrap port
+too (a decode worker binds its own once switched to prefill, ``POST /role``) and every bootstrap port
+on each one's ``--allowed-prefill``, all picked in one place (:func:`launch_ports`); the router on
+``--port`` pointed at all of them. :class:`Supervisor` runs
 any list of specs (tests hand it plain ``python -c`` children):
 
 Ports: launch picks free ports and the children bind them a moment later; another process can take
@@ -62,6 +64,7 @@ from typing import Callable, Mapping, Optional, Sequence, TextIO
 
 from splitserve.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, METRICS_API_KEY_ENV, WORKER_API_KEY_ENV, load_key
 from splitserve.cpus import allowed_cpus, check_cpus, cpu_cores, format_cpu_list, split_between_workers
+from splitserve.hosts import host_port
 
 TAIL_LINES = 30
 POLL_S = 0.2
@@ -210,92 +213,81 @@ def _warn(text: str) -> None:
     print(f"splitserve launch: warning: {text}", file=sys.stderr, flush=True)
 
 
+@dataclass(frozen=True)
+class LaunchPorts:
+    """Every port of one launch, picked in one place (:func:`launch_ports`) and only there: a
+    worker started again takes its own ports again. Every worker has a bootstrap port from the
+    start, a decode worker too: switched to prefill (``POST /role``) it binds that one, which every
+    worker's ``--allowed-prefill`` already names."""
+
+    prefill: tuple[tuple[int, int], ...]
+    """(HTTP port, bootstrap port) of each prefill worker."""
+    decode: tuple[tuple[int, int], ...]
+    """(HTTP port, bootstrap port) of each decode worker."""
+    etcd: Optional[tuple[int, int]] = None
+    """The client and peer ports of the etcd ``--discovery local`` starts."""
+
+    def bootstraps(self) -> tuple[int, ...]:
+        """Every worker's bootstrap port, prefills first."""
+        return tuple(b for _, b in self.prefill + self.decode)
+
+
+def launch_ports(config: LaunchConfig, pick: Callable[..., list[int]] = free_ports) -> LaunchPorts:
+    """Free loopback ports for every process of ``config`` but the router (on ``config.port``)."""
+    workers = config.num_prefill + config.num_decode
+    local_etcd = config.discovery == "local"
+    ports = iter(pick(2 * workers + 2 * local_etcd, avoid=(config.port,)))
+    prefill = tuple((next(ports), next(ports)) for _ in range(config.num_prefill))
+    decode = tuple((next(ports), next(ports)) for _ in range(config.num_decode))
+    return LaunchPorts(prefill, decode, (next(ports), next(ports)) if local_etcd else None)
+
+
 def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Optional[Sequence[int]] = None,
                 warn: Callable[[str], None] = _warn, cores_of: CoresOf = cpu_cores,
                 environ: Optional[Mapping[str, str]] = None, secret_file: Optional[str] = None,
-                etcd_data: Optional[str] = None, run: Optional[str] = None) -> list[ChildSpec]:
+                etcd_data: Optional[str] = None, run: Optional[str] = None,
+                ports: Optional[LaunchPorts] = None) -> list[ChildSpec]:
     """The workers, then the router, as ``python -m splitserve.cli`` command lines. ``allowed``:
     the CPUs to split between the workers (default: launch's own), ``cores_of`` how they group
     into physical cores (default: the kernel's topology); ``warn`` gets the warnings; ``environ``:
     where ``$SPLITSERVE_API_KEY`` is read (default: ours); ``secret_file``: the workers'
     ``--cluster-secret-file`` (default ``config.cluster_secret_file``; none without either);
     ``etcd_data``: the data dir of the etcd ``--discovery local`` starts (default a new temporary one);
-    ``run``: what the workers' ids end in (default drawn at random: ids of this run only)."""
+    ``run``: what the workers' ids end in (default drawn at random: ids of this run only);
+    ``ports``: every process's ports (default :func:`launch_ports`)."""
     if config.num_prefill < 1 or config.num_decode < 1:
         raise ValueError("launch needs at least one prefill and one decode worker")
     if config.transfer_backend is not None and config.transfer_backend not in TRANSFER_BACKENDS:
         raise ValueError(f"--transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
                          f"not {config.transfer_backend!r}")
     if config.split_cpus:
-        prefill_cpus, decode_cpus, warnings = worker_cpus(config, allowed_cpus() if allowed is None else allowed,
-                                                          cores_of)
+        *cpus, warnings = worker_cpus(config, allowed_cpus() if allowed is None else allowed, cores_of)
         for text in warnings:
             warn(text)
     elif config.prefill_cpus is not None or config.decode_cpus is not None:
         raise ValueError("--prefill-cpus and --decode-cpus choose how CPUs are split: not with --no-split-cpus")
     else:
-        prefill_cpus = decode_cpus = None
-    client_key = load_key(config.api_key, config.api_key_file, API_KEY_ENV, environ=environ)
-    admin_key = load_key(config.admin_api_key, config.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key",
-                         environ)
-    keyed = bool(client_key or admin_key)  # then every process is keyed: docs/security.md
-    worker_key = secrets.token_urlsafe(32) if keyed else None  # the router's, known to it and its workers only
-    admin_key = admin_key or (secrets.token_urlsafe(32) if keyed else None)
-    if admin_key is not None and admin_key == client_key:
-        raise ValueError("--api-key and --admin-api-key are the same key: give each its own")
-    # keys travel in the environment only (an empty variable is no key: nothing stray is inherited)
-    worker_env = {API_KEY_ENV: "", WORKER_API_KEY_ENV: worker_key or "", ADMIN_API_KEY_ENV: admin_key or "",
-                  METRICS_API_KEY_ENV: ""}
-    router_env = {**worker_env, API_KEY_ENV: client_key or ""}
-    local_etcd = config.discovery == "local"
-    if local_etcd and shutil.which("etcd") is None:
+        cpus = (None, None)
+    worker_env, router_env = _keys_env(config, environ)
+    if config.discovery == "local" and shutil.which("etcd") is None:
         raise ValueError("--discovery local starts an etcd, and etcd is not on PATH (apt-get install etcd-server)")
-    if config.discovery is not None and not local_etcd:
+    if config.discovery is not None and config.discovery != "local":
         from splitserve.discovery.etcd import parse_target
 
         parse_target(config.discovery)
-    ports = free_ports(2 * config.num_prefill + config.num_decode + 2 * local_etcd, avoid=(config.port,))
+    ports = ports or launch_ports(config)
     specs, discovery = [], config.discovery
-    if local_etcd:
-        client, peer = f"http://127.0.0.1:{ports.pop()}", f"http://127.0.0.1:{ports.pop()}"
-        discovery = f"etcd://{client.removeprefix('http://')}/splitserve"
-        specs.append(ChildSpec("etcd", ("etcd", "--name", "launch", "--data-dir", etcd_data or tempfile.mkdtemp(
-            prefix="splitserve-etcd-"), "--listen-client-urls", client, "--advertise-client-urls", client,
-            "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"launch={peer}"),
-            url=client, health_url=client + "/health", note=f"discovery: {discovery}", stop_last=True))
+    if ports.etcd is not None:
+        etcd = _etcd_spec(ports.etcd, etcd_data)
+        discovery = etcd.note.removeprefix("discovery: ")
+        specs.append(etcd)
     cli = (python, "-m", "splitserve.cli")
-    extra = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
-    extra += ("--chat-template", os.path.abspath(config.chat_template)) if config.chat_template else ()
-    extra += tuple(shlex.split(config.worker_args))  # the worker refuses what it does not know, at start
-    if any(a == "--worker-id" or a.startswith("--worker-id=") for a in extra):
-        raise ValueError("--worker-args: launch gives each worker its own --worker-id")
-    run = run or secrets.token_hex(4)
-    secret_file = secret_file or config.cluster_secret_file
-    extra += ("--cluster-secret-file", secret_file) if secret_file else ()  # the path, never the secret
-    extra += ("--discovery", discovery) if discovery else ()
-    router_args, bootstraps = [], []
-    for i in range(config.num_prefill):
-        port, bootstrap = ports.pop(), ports.pop()
-        url, name = f"http://127.0.0.1:{port}", f"prefill-{i}"
-        cpus, where = _placement(prefill_cpus, i, cores_of)
-        specs.append(ChildSpec(
-            name, cli + ("serve", "--role", "prefill", "--model", config.model, "--host", "127.0.0.1",
-                         "--port", str(port), "--bootstrap-port", str(bootstrap), "--worker-id", f"{name}.{run}")
-            + extra + cpus, url=url, health_url=url + "/health", note=f"bootstrap port {bootstrap}{where}",
-            env=worker_env, worker_id=f"{name}.{run}"))
-        router_args += ["--prefill", url, str(bootstrap), f"id={name}.{run}"]
-        bootstraps.append(bootstrap)
-    # decode dials only these prefills, whoever names one (keyed, only the router may name any)
-    allowed = ("--allowed-prefill", ",".join(f"127.0.0.1:{port}" for port in bootstraps))
-    for i in range(config.num_decode):
-        port = ports.pop()
-        url, name = f"http://127.0.0.1:{port}", f"decode-{i}"
-        cpus, where = _placement(decode_cpus, i, cores_of)
-        specs.append(ChildSpec(
-            name, cli + ("serve", "--role", "decode", "--model", config.model, "--host", "127.0.0.1",
-                         "--port", str(port), "--worker-id", f"{name}.{run}") + allowed + extra + cpus,
-            url=url, health_url=url + "/health", note=where.lstrip("; "), env=worker_env, worker_id=f"{name}.{run}"))
-        router_args += ["--decode", url, f"id={name}.{run}"]
+    # every worker dials only these, whoever names one (keyed, only the router may name any), and
+    # every worker may become a prefill: all bootstrap ports, the decodes' too (--worker-args may add more)
+    extra = ("--allowed-prefill", ",".join(host_port("127.0.0.1", b) for b in ports.bootstraps()))
+    extra += _worker_args(config, secret_file or config.cluster_secret_file, discovery)
+    workers, router_args = _worker_specs(config, cli, extra, ports, cpus, cores_of, worker_env, run)
+    specs += workers
     if discovery:  # the router finds every worker in etcd, these and any registered elsewhere
         router_args = ["--discovery", discovery]
     router_url = _router_url(config)
@@ -306,9 +298,68 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     return specs
 
 
+def _keys_env(config: LaunchConfig, environ: Optional[Mapping[str, str]]) -> tuple[dict, dict]:
+    """The workers' and the router's environment of keys (keys never go on a command line)."""
+    client_key = load_key(config.api_key, config.api_key_file, API_KEY_ENV, environ=environ)
+    admin_key = load_key(config.admin_api_key, config.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key",
+                         environ)
+    keyed = bool(client_key or admin_key)  # then every process is keyed: docs/security.md
+    worker_key = secrets.token_urlsafe(32) if keyed else None  # the router's, known to it and its workers only
+    admin_key = admin_key or (secrets.token_urlsafe(32) if keyed else None)
+    if admin_key is not None and admin_key == client_key:
+        raise ValueError("--api-key and --admin-api-key are the same key: give each its own")
+    # an empty variable is no key: nothing stray is inherited
+    worker_env = {API_KEY_ENV: "", WORKER_API_KEY_ENV: worker_key or "", ADMIN_API_KEY_ENV: admin_key or "",
+                  METRICS_API_KEY_ENV: ""}
+    return worker_env, {**worker_env, API_KEY_ENV: client_key or ""}
+
+
+def _etcd_spec(ports: tuple[int, int], etcd_data: Optional[str]) -> ChildSpec:
+    """The etcd of ``--discovery local`` on loopback ``ports`` (client, peer); its note names the
+    discovery URL the workers and the router are given."""
+    client, peer = (f"http://{host_port('127.0.0.1', p)}" for p in ports)
+    discovery = f"etcd://{client.removeprefix('http://')}/splitserve"
+    return ChildSpec("etcd", ("etcd", "--name", "launch", "--data-dir", etcd_data or tempfile.mkdtemp(
+        prefix="splitserve-etcd-"), "--listen-client-urls", client, "--advertise-client-urls", client,
+        "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer, "--initial-cluster", f"launch={peer}"),
+        url=client, health_url=client + "/health", note=f"discovery: {discovery}", stop_last=True)
+
+
+def _worker_args(config: LaunchConfig, secret_file: Optional[str], discovery: Optional[str]) -> tuple[str, ...]:
+    """The options every worker gets."""
+    extra = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
+    extra += ("--chat-template", os.path.abspath(config.chat_template)) if config.chat_template else ()
+    extra += tuple(shlex.split(config.worker_args))  # the worker refuses what it does not know, at start
+    if any(a == "--worker-id" or a.startswith("--worker-id=") for a in extra):
+        raise ValueError("--worker-args: launch gives each worker its own --worker-id")
+    if any(a == "--bootstrap-port" or a.startswith("--bootstrap-port=") for a in extra):
+        raise ValueError("--worker-args: launch gives each worker its own --bootstrap-port")
+    extra += ("--cluster-secret-file", secret_file) if secret_file else ()  # the path, never the secret
+    return extra + (("--discovery", discovery) if discovery else ())
+
+
+def _worker_specs(config: LaunchConfig, cli: tuple, extra: tuple, ports: LaunchPorts, cpus: tuple, cores_of: CoresOf,
+                  env: dict, run: Optional[str]) -> tuple[list[ChildSpec], list[str]]:
+    """Each worker's spec (prefills first), and the router's options naming them."""
+    run = run or secrets.token_hex(4)
+    specs, router_args = [], []
+    for role, pairs, sets in (("prefill", ports.prefill, cpus[0]), ("decode", ports.decode, cpus[1])):
+        for i, (port, bootstrap) in enumerate(pairs):
+            url, name = f"http://{host_port('127.0.0.1', port)}", f"{role}-{i}"
+            placed, where = _placement(sets, i, cores_of)
+            note = f"bootstrap port {bootstrap}" + (" if it becomes a prefill" if role == "decode" else "")
+            specs.append(ChildSpec(
+                name, cli + ("serve", "--role", role, "--model", config.model, "--host", "127.0.0.1", "--port",
+                             str(port), "--bootstrap-port", str(bootstrap), "--worker-id", f"{name}.{run}")
+                + extra + placed, url=url, health_url=url + "/health", note=note + where, env=env,
+                worker_id=f"{name}.{run}"))
+            router_args += [f"--{role}", url] + ([str(bootstrap)] if role == "prefill" else []) + [f"id={name}.{run}"]
+    return specs, router_args
+
+
 def _router_url(config: LaunchConfig) -> str:
-    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::") else config.host
-    return f"http://{host}:{config.port}"
+    host = "127.0.0.1" if config.host in ("0.0.0.0", "", "::", "[::]") else config.host
+    return f"http://{host_port(host, config.port)}"
 
 
 def _placement(sets: Optional[list[tuple[int, ...]]], i: int, cores_of: CoresOf) -> tuple[tuple[str, ...], str]:

@@ -190,10 +190,10 @@ def test_build_specs_command_lines():
     p0 = specs[0].argv
     assert p0[:8] == ("py", "-m", "splitserve.cli", "serve", "--role", "prefill", "--model", "/m")
     assert p0[-2:] == ("--transfer-backend", "tcp") and "--bootstrap-port" in p0
-    assert specs[2].argv[4:6] == ("--role", "decode") and "--bootstrap-port" not in specs[2].argv
-    bootstraps = [s.argv[s.argv.index("--bootstrap-port") + 1] for s in specs[:2]]
-    decode = specs[2].argv  # it dials only the prefills launch started
-    assert decode[decode.index("--allowed-prefill") + 1] == ",".join(f"127.0.0.1:{b}" for b in bootstraps)
+    assert specs[2].argv[4:6] == ("--role", "decode")
+    bootstraps = [s.argv[s.argv.index("--bootstrap-port") + 1] for s in specs[:3]]  # a decode's too
+    for s in specs[:3]:  # each dials only the workers launch started, any of which may become a prefill
+        assert s.argv[s.argv.index("--allowed-prefill") + 1] == ",".join(f"127.0.0.1:{b}" for b in bootstraps)
     router = specs[3].argv
     assert router[3:5] == ("router", "--host") and "8123" in router
     prefill_args = [router[i + 1:i + 3] for i, a in enumerate(router) if a == "--prefill"]
@@ -205,11 +205,31 @@ def test_build_specs_command_lines():
     assert [router[i + 2] for i, a in enumerate(router) if a == "--decode"] == [f"id={ids[2]}"]
     with pytest.raises(ValueError, match="own --worker-id"):
         build_specs(LaunchConfig(split_cpus=False, worker_args="--worker-id mine"), python="py")
-    ports = [s.url.rsplit(":", 1)[1] for s in specs[:3]] + [s.argv[s.argv.index("--bootstrap-port") + 1]
-                                                            for s in specs[:2]]
-    assert len(set(ports)) == 5 and "8123" not in ports
+    ports = [s.url.rsplit(":", 1)[1] for s in specs[:3]] + bootstraps
+    assert len(set(ports)) == 6 and "8123" not in ports
     with pytest.raises(ValueError, match="transfer-backend"):
         build_specs(LaunchConfig(transfer_backend="carrier-pigeon"))
+
+
+def test_every_worker_launch_starts_has_a_bootstrap_port_that_every_worker_allows():
+    """A decode worker switched to prefill (``POST /role``) binds the bootstrap port launch gave it
+    at the start, and the other workers take it as a prefill: every worker has its own, and every
+    ``--allowed-prefill`` names them all. The ports come from one place: given again, a worker's
+    command line names the same ones (a worker started again takes its own ports)."""
+    from splitserve.launch import launch_ports
+
+    config = LaunchConfig(num_prefill=1, num_decode=2, split_cpus=False)
+    ports = launch_ports(config)
+    specs = build_specs(config, python="py", ports=ports, run="r")
+    workers = specs[:3]
+    assert [s.argv[s.argv.index("--bootstrap-port") + 1] for s in workers] == [str(b) for b in ports.bootstraps()]
+    assert [s.url for s in workers] == [f"http://127.0.0.1:{h}" for h, _ in ports.prefill + ports.decode]
+    everyone = ",".join(f"127.0.0.1:{b}" for b in ports.bootstraps())
+    assert all(s.argv[s.argv.index("--allowed-prefill") + 1] == everyone for s in workers)
+    assert len({p for pair in ports.prefill + ports.decode for p in pair}) == 6
+    assert build_specs(config, python="py", ports=ports, run="r")[:3] == workers
+    with pytest.raises(ValueError, match="own --bootstrap-port"):
+        build_specs(replace(config, worker_args="--bootstrap-port=9"), python="py")
 
 
 class Stray:
@@ -496,3 +516,36 @@ def test_launch_end_to_end(launch):
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(30) == 0, run.out()
     wait_all_gone(pids.values())
+
+
+@pytest.mark.long
+def test_a_decode_switched_to_prefill_under_launch_is_taken_by_the_other_decodes(launch):
+    """Under ``launch`` (one prefill, two decodes, unkeyed: the decodes take only the addresses on
+    their ``--allowed-prefill``), ``decode-1`` switched to prefill binds the bootstrap port launch
+    gave it, the router puts it in rotation, and every split request succeeds: those it prefills
+    too (none refused ``bootstrap_not_allowed``)."""
+    specs = build_specs(LaunchConfig(num_prefill=1, num_decode=2, port=free_port(), ready_timeout_s=150,
+                                     router_args="--pd-threshold-tokens 0 --health-interval-s 0.5"),
+                        secret_file=CLUSTER_SECRET)
+    run = launch(specs, ready_timeout_s=150, stop_timeout_s=20)
+    run.wait_for_output("processes are up", 180)
+    router, switched = specs[-1].url, next(s for s in specs if s.name == "decode-1")
+    epoch = requests.get(switched.url + "/health", timeout=10).json()["epoch"]
+    r = requests.post(switched.url + "/role", json={"role": "prefill", "epoch": epoch}, timeout=120)
+    assert r.status_code == 200 and r.json()["switched"], r.text
+
+    def prefills_in_rotation() -> int:
+        workers = requests.get(router + "/workers", timeout=10).json()["workers"]
+        return sum(w["role"] == "prefill" and w["state"] == "healthy" for w in workers)
+
+    deadline = time.monotonic() + 60
+    while prefills_in_rotation() < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert prefills_in_rotation() == 2, requests.get(router + "/workers", timeout=10).text
+    answers = [requests.post(router + "/v1/completions", json={"prompt": f"Hello {i}", "max_tokens": 4},
+                             timeout=60) for i in range(10)]
+    assert [a.status_code for a in answers] == [200] * 10, [a.text for a in answers if a.status_code != 200]
+    served = requests.get(switched.url + "/metrics", timeout=10).text
+    assert re.search(r'^splitserve_requests_total\{[^}]*role="prefill"[^}]*\} [1-9]', served, re.M), served[-3000:]
+    run.proc.send_signal(signal.SIGTERM)
+    assert run.wait(60) == 0, run.out()
