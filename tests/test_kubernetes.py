@@ -263,9 +263,9 @@ def test_etcd_takes_a_limited_user_and_only_splitserves_pods(objects):
 
 
 def test_the_etcd_user_of_the_workers_and_routers_may_use_its_prefix_and_nothing_else(objects):
-    """The Job's etcdctl calls, made through etcd's JSON gateway (the same API) on a real etcd:
-    then the limited user registers a worker under a lease, lists and watches the prefix, and is
-    refused everywhere else."""
+    """The Job's calls on a real etcd — its own ``etcdctl`` commands where etcdctl is installed
+    (Debian's etcd-client), else each made through etcd's JSON gateway (the same API): then the
+    limited user registers a worker under a lease, lists the prefix, and is refused elsewhere."""
     from etcd_server import EtcdServer, have_etcd
 
     from splitserve.discovery.etcd import Credentials, client, parse_target
@@ -275,10 +275,8 @@ def test_the_etcd_user_of_the_workers_and_routers_may_use_its_prefix_and_nothing
     job = by_kind(objects, "Job")["splitserve-etcd-auth"]["spec"]["template"]["spec"]
     passwords = {"$(ROOT_PASSWORD)": secrets.token_hex(8), "$(PASSWORD)": secrets.token_hex(8)}
     with EtcdServer() as etcd, tempfile.TemporaryDirectory() as folder:
-        for c in job["initContainers"][1:] + job["containers"]:
-            path, body = _gateway_call(c["command"][1:], passwords)
-            answer = __import__("requests").post(f"{etcd.http}/v3/auth/{path}", json=body, timeout=10)
-            assert answer.status_code == 200, (c["command"], answer.text)
+        for c in job["initContainers"] + job["containers"]:
+            _run_job_step(c["command"], passwords, etcd.http)
         password = Path(folder) / "etcd-password"
         password.write_text(passwords["$(PASSWORD)"] + "\n")
         password.chmod(0o600)
@@ -292,6 +290,22 @@ def test_the_etcd_user_of_the_workers_and_routers_may_use_its_prefix_and_nothing
         for key in ("/other/x", "/splitserve-other/x", "/x"):
             with pytest.raises(Exception, match="Forbidden|permission denied"):
                 limited.put(key, "v")
+
+
+def _run_job_step(command: list[str], passwords: dict[str, str], endpoint: str) -> None:
+    """One init container's ``etcdctl`` call of the Job, by etcdctl itself or through the gateway."""
+    if shutil.which("etcdctl"):
+        argv = []
+        for arg in command:  # the kubelet puts the Secret's values for $(NAME)
+            flag, eq, value = arg.partition("=")
+            argv.append(f"{flag}={passwords[value]}" if eq and value in passwords else arg)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, ETCDCTL_ENDPOINTS=endpoint))
+        assert done.returncode == 0, (command, done.stderr[-2000:])
+    elif command[1:] != ["endpoint", "health"]:
+        path, body = _gateway_call(command[1:], passwords)
+        answer = __import__("requests").post(f"{endpoint}/v3/auth/{path}", json=body, timeout=10)
+        assert answer.status_code == 200, (command, answer.text)
 
 
 def _gateway_call(args: list[str], passwords: dict[str, str]) -> tuple[str, dict]:
