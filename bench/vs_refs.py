@@ -88,6 +88,7 @@ from splitserve.models.shapes import BENCH_SHAPES
 
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script or imported by a sibling bench
 from memory_bound import TOKENS_PER_WORD, Step, allowed_line, fractions, read_bandwidth  # noqa: E402
+from q4k import QUANTIZE, q4k_gguf, tensor_bytes, tensor_types  # noqa: E402
 
 SETUPS = ("colocated", "colocated-quant", "launch", "launch-quant", "vllm", "vllm-bf16", "llamacpp")
 DEFAULT_SETUPS = ("colocated", "colocated-quant", "launch-quant", "vllm", "llamacpp")
@@ -204,19 +205,25 @@ def float32_checkpoint(src: Path, make: bool = True) -> Path:
 
 
 def the_model(shape_name: Optional[str] = None, gguf_type: str = "Q4_0", make: bool = True,
-              need: tuple[str, ...] = ("gguf", "hf")) -> Model:
+              need: tuple[str, ...] = ("gguf", "hf"), ref_python: Optional[str] = None) -> Model:
     """The demo model, or with ``shape_name`` that shape's random checkpoint (``splitserve
     make-model``'s files, made once into the model cache: the GGUF file in ``gguf_type`` and the
-    bfloat16 folder, only those ``need`` names). ``make``: else only where the files are or would be."""
+    bfloat16 folder, only those ``need`` names; Q4_K_M by llama.cpp's quantizer, ``ref_python``'s:
+    ``q4k.py``). ``make``: else only where the files are or would be."""
     if shape_name:
         from splitserve.models.make_model import cached_gguf, cached_hf
         from splitserve.models.shapes import shape
 
         s = shape(shape_name)
         dims = [t.shape for t in s.tensors()]
-        return Model(cached_gguf(s.name, gguf_type, make=make and "gguf" in need),
-                     cached_hf(s.name, make=make and "hf" in need), s.layers, s.kv_heads, s.dim,
-                     s.weight_bytes(gguf_type), sum(math.prod(d) for d in dims if len(d) == 2),
+        if gguf_type == "Q4_K_M":
+            gguf = q4k_gguf(s.name, ref_python, make=make and "gguf" in need)
+            gguf_bytes = tensor_bytes(gguf) if gguf.is_file() else s.weight_bytes("Q4_K")  # else an estimate
+        else:
+            gguf = cached_gguf(s.name, gguf_type, make=make and "gguf" in need)
+            gguf_bytes = s.weight_bytes(gguf_type)
+        return Model(gguf, cached_hf(s.name, make=make and "hf" in need), s.layers, s.kv_heads, s.dim,
+                     gguf_bytes, sum(math.prod(d) for d in dims if len(d) == 2),
                      sum(math.prod(d) for d in dims if len(d) == 1),
                      f"{s.name} ({s.source}'s shape, random weights; {gguf_type.upper()} GGUF, bfloat16 folder)",
                      s.name)
@@ -657,8 +664,9 @@ def parser() -> argparse.ArgumentParser:
                     help="serve a real model's shape with random weights instead of the demo model: "
                     + ", ".join(f"{k} = {v}" for k, v in BENCH_SHAPES.items())
                     + " (`splitserve make-model`'s files, made once into the model cache)")
-    ap.add_argument("--gguf-type", default="Q4_0", choices=("Q4_0", "Q8_0", "BF16"),
-                    help="with --shape: the GGUF file's type (default: %(default)s)")
+    ap.add_argument("--gguf-type", default="Q4_0", choices=("Q4_0", "Q8_0", "BF16", "Q4_K_M"),
+                    help="with --shape: the GGUF file's type; Q4_K_M made by llama.cpp's quantizer from the "
+                    "BF16 file, which needs --llamacpp-python (default: %(default)s)")
     ap.add_argument("--rounds", type=int, default=2, help="times each set-up is measured (default: %(default)s)")
     ap.add_argument("--phases", default="one,many", help="one (a single stream), many (--concurrency streams) or "
                     "both (default: %(default)s)")
@@ -731,6 +739,9 @@ def dry_run(setups: list[str], args: argparse.Namespace, model: Model, refs: dic
           f"{'' if model.shape else '; the GGUF is the installed wheel'}; --dry-run makes nothing)")
     print(f"context per stream ~{context:.0f} tokens ({args.prompt_words} words x {TOKENS_PER_WORD} tokens, a "
           f"guess; + half of {args.output_tokens}); read bandwidth {args.bandwidth / 1e9:.1f} GB/s")
+    if model.shape and args.gguf_type == "Q4_K_M":
+        print(f"the {args.gguf_type} file from the BF16 one: {refs['llamacpp'] or 'LLAMACPP_PYTHON'} {QUANTIZE} "
+              f"<{model.shape}-bf16.gguf> {model.gguf} {args.gguf_type}")
     logs = Path(tempfile.gettempdir()) / "splitserve-vs-refs-dry-run"
     for name in setups:
         server = make_server(name, args, model, refs, logs / f"{name}.log")
@@ -777,7 +788,8 @@ def main() -> int:
         return 1
     args.bandwidth = (args.read_bandwidth * 1e9 if args.read_bandwidth
                       else read_bandwidth(threads=len(allowed_cpus())))
-    model = the_model(args.shape, args.gguf_type, make=not args.dry_run, need=files_needed(setups, args.shape))
+    model = the_model(args.shape, args.gguf_type, make=not args.dry_run, need=files_needed(setups, args.shape),
+                      ref_python=refs["llamacpp"])
     if args.dry_run:
         return dry_run(setups, args, model, refs)
 
@@ -800,6 +812,10 @@ def main() -> int:
     say(f"model {model.label}")
     say(f"  GGUF: {model.gguf} ({model.gguf.stat().st_size / MB:.0f} MB)" if model.gguf.is_file() else
         "  GGUF: not needed")
+    if model.gguf.is_file() and args.gguf_type == "Q4_K_M":
+        say("  llama.cpp's types: " + "; ".join(f"{kind} {len(names)} ({', '.join(names[:3])}"
+                                                 f"{', ...' if len(names) > 3 else ''})"
+                                                 for kind, names in tensor_types(model.gguf).items()))
     say(f"  Hugging Face folder: {model.float_dir} ({model.float_bytes / MB:.0f} MB)" if model.float_dir.is_dir()
         else "  Hugging Face folder: not needed")
     phases = [f"one stream x {args.one_requests} requests"] if "one" in args.phases else []

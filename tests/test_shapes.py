@@ -217,3 +217,21 @@ def test_the_fast_gguf_writer_writes_what_the_gguf_librarys_writer_writes(tmp_pa
         writer.write_ti_data_to_file()
         writer.close()
     assert (tmp_path / "fast.gguf").read_bytes() == (tmp_path / "stock.gguf").read_bytes()
+
+
+def test_q4k_files_come_from_the_reference_quantizer_and_name_their_types(tmp_path, monkeypatch):
+    """The plumbing only: a stand-in for the llama-cpp-python venv's python copies the BF16 file."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import q4k
+
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path / "cache"))
+    stand_in = tmp_path / "python"
+    stand_in.write_text("#!/bin/sh\n# $1: quantize.py, $2: in, $3: out, $4: the type\ncp \"$2\" \"$3\"\n")
+    stand_in.chmod(0o755)
+    path = q4k.q4k_gguf("llama-3.2-test", str(stand_in))
+    assert path.name == "llama-3.2-test-q4_k_m.gguf" and path.is_file()
+    assert q4k.q4k_gguf("llama-3.2-test", None) == path  # made once: no quantizer needed the second time
+    types = json.loads((path.parent / q4k.TYPES).read_text())
+    assert set(types) == {"BF16", "F32"} and "token_embd.weight" in types["BF16"]
+    with pytest.raises(SystemExit, match="setup_llamacpp.sh"):
+        q4k.q4k_gguf("qwen2.5-test", None)

@@ -22,8 +22,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "h
                "original_max_position_embeddings": 8192}
 """Llama 3.2's rope scaling (1B and 3B alike)."""
 
-# bytes per element of each GGUF type a shape is written in (Q4_0: 18 bytes per 32, Q8_0: 34 per 32)
-TYPE_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32}
+# bytes per element of each GGUF type a shape is written in (Q4_0: 18 bytes per 32, Q8_0: 34 per 32;
+# Q4_K, 144 per 256, only as llama.cpp's quantizer writes it: a Q4_K_M file holds some Q6_K too)
+TYPE_BYTES = {"F32": 4.0, "F16": 2.0, "BF16": 2.0, "Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_K": 144 / 256}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
