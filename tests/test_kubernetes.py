@@ -238,7 +238,8 @@ def test_every_file_a_flag_names_is_one_the_kubelet_lets_the_pods_user_read(obje
 def test_etcd_takes_a_limited_user_and_only_splitserves_pods(objects):
     """The Job adds the user every --discovery-user names, with a role on exactly the prefix of
     every --discovery, and enables auth last; the user's password is the file the pods mount.
-    The NetworkPolicy admits etcd's client port from the router's, the workers' and the Job's pods."""
+    The NetworkPolicy admits etcd's client port from the router's, the workers' and the Job's pods,
+    and docs/deploy.md gives, as expected there, the warning plain etcd:// draws at every start."""
     job = by_kind(objects, "Job")["splitserve-etcd-auth"]["spec"]["template"]
     steps = [c["command"] for c in job["spec"]["initContainers"] + job["spec"]["containers"]]
     assert steps[-1] == ["etcdctl", "auth", "enable"]
@@ -254,6 +255,14 @@ def test_etcd_takes_a_limited_user_and_only_splitserves_pods(objects):
     assert ["etcdctl", "user", "add", user, "--new-user-password=$(PASSWORD)"] in steps
     env = {e["name"]: e for c in job["spec"]["initContainers"] for e in c.get("env", [])}
     assert env["PASSWORD"]["valueFrom"]["secretKeyRef"]["key"] == "etcd-password"
+    # plain etcd:// inside the policy: the warning every pod gives at start is documented as expected
+    from splitserve.discovery.etcd import Credentials, parse_target, plaintext_password
+
+    (c,) = splitserve_pods(objects)["splitserve-router"]["spec"]["containers"]
+    warning = plaintext_password(parse_target(_flag(c, "--discovery")), Credentials(user=user, password_file="f"))
+    assert warning is not None and "plain etcd://" in warning
+    said = re.sub(r"\s+", " ", (REPO / "docs" / "deploy.md").read_text())
+    assert f"--discovery-user {user} over plain etcd://" in said and warning.split(": ", 1)[1][:40] in said
     policy = by_kind(objects, "NetworkPolicy")["splitserve-etcd"]["spec"]
     assert policy["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "splitserve-etcd"}
     client_rule = next(r for r in policy["ingress"] if r["ports"] == [{"protocol": "TCP", "port": 2379}])
