@@ -5,10 +5,10 @@ Every block is drawn from its own generator, seeded by (seed, tensor name, block
 writer and the Hugging Face writer, run one after the other, get bit-identical bfloat16 values
 without holding them. The values:
 
-- a matrix ~ N(0, 1/fan_in) (a std of 0.018-0.033 at the real shapes' widths, as their 0.02
-  initialisation), so that a projection of a unit-RMS input has unit-RMS outputs at any width: each
-  layer adds O(1) to the residual stream, activations stay finite across 28 layers, attention
-  scores have a standard deviation near 1 (neither uniform nor one-hot);
+- a matrix ~ N(0, 1/fan_in) (a std of 0.011-0.033 at the real shapes' widths, near the 0.02 of
+  their initialisation), so that a projection of a unit-RMS input has unit-RMS outputs at any
+  width: each layer adds O(1) to the residual stream, activations stay finite across 28 layers,
+  attention scores have a standard deviation near 1 (neither uniform nor one-hot);
 - the embedding and the q/k/v biases ~ N(0, 0.02^2), norm weights 1: the current token's own
   embedding is a small part of the residual stream, so the tied head does not make every token its
   own successor, and the logits have a standard deviation of 0.02 * sqrt(hidden) (0.6 at 896, 1.1
