@@ -392,10 +392,10 @@ def _start_as(user: tuple[int, int, set[int]], python: list[str], args: list[str
     env = {"PATH": "/usr/bin:/bin", "HOME": str(home), "SPLITSERVE_CACHE": str(home / "cache"), "COLUMNS": "200",
            "PYTHONPATH": os.pathsep.join({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}),
            "PYTHONDONTWRITEBYTECODE": "1"}
-    out = open(home / "out.log", "wb")
-    return subprocess.Popen(python + ["-m", "splitserve.cli", *args], cwd=REPO, env=env, stdout=out,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, user=uid, group=gid,
-                            extra_groups=sorted(groups))
+    with open(home / "out.log", "wb") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(python + ["-m", "splitserve.cli", *args], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, user=uid, group=gid,
+                                extra_groups=sorted(groups))
 
 
 def _wait_for(proc: subprocess.Popen, log: Path, marks: list[str], timeout: float = 90.0) -> str:
