@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import struct
 from collections import deque
+from typing import Optional
 
 from splitserve.disagg.lifecycle import DecodeState
 from splitserve.disagg.lifecycle.states import is_terminal
@@ -153,53 +154,73 @@ class Checker:
 
     def after_iteration(self, worker, now: float) -> None:
         self.checks += 1
-        role, engine = worker.role, worker.ae.engine
-        alloc = engine.allocator
-        table = role.table
-        rooms = table.rooms()
+        rooms = worker.role.table.rooms()
+        why, held, quarantined = self._records(worker, rooms)
+        for check in (lambda: why, lambda: self._sequences(worker),
+                      lambda: self._conserved(worker, held, quarantined),
+                      lambda: self._terminal_kept(worker, rooms), lambda: self._in_time(worker, rooms, now)):
+            why = check()
+            if why is not None:
+                self.violation(f"{worker.name}: {why}")
+                return
+        n = self._iterations[worker.name] = self._iterations.get(worker.name, 0) + 1
+        if n % FULL_CHECK_EVERY == 0:
+            self._pages_disjoint(worker)
+            endings = self._endings[worker.name]
+            for room in [room for room in endings if room not in rooms]:  # released: its tombstone answers now
+                del endings[room]
+
+    @staticmethod
+    def _records(worker, rooms: dict) -> tuple[Optional[str], int, int]:
+        """Each room's record against its room: (what is wrong or None, the page references the
+        records hold, the pages quarantined rooms hold)."""
         held = 0  # references: a page of the prefix cache may be held by several rooms
         quarantined = 0
-        for room, rec in role.rooms.items():
+        for room, rec in worker.role.rooms.items():
             n = len(rec.pages) + (len(rec.seq.pages) if rec.seq is not None else 0)
             held += n
             r = rooms.get(room)
             live = r is not None and not is_terminal(r.state)
             if rec.want_pages and not (live and r.state is DecodeState.PREALLOC):
-                self.violation(f"{worker.name}: room {room} waits in the page queue although it is "
-                               f"{'gone' if r is None else r.state}")
-                return
+                return (f"room {room} waits in the page queue although it is {'gone' if r is None else r.state}",
+                        held, quarantined)
             if n and r is None:
-                self.violation(f"{worker.name}: room {room} holds {n} pages the table no longer knows of "
-                               f"(nothing will free them)")
-                return
+                return f"room {room} holds {n} pages the table no longer knows of (nothing will free them)", held, quarantined
             if not rec.answered and r is not None and not live:
-                self.violation(f"{worker.name}: room {room} ended ({r.ending}) but its request was not answered")
-                return
+                return f"room {room} ended ({r.ending}) but its request was not answered", held, quarantined
             if rec.quarantined:
                 quarantined += len(rec.pages)
                 if live:
-                    self.violation(f"{worker.name}: room {room} has quarantined pages while live ({r.state})")
-                    return
-        for rid, seq in engine.sequences().items():  # every sequence the engine runs is a room's here
-            rec = role.rooms.get(seq.room) if seq.room is not None else None
+                    return f"room {room} has quarantined pages while live ({r.state})", held, quarantined
+        return None, held, quarantined
+
+    @staticmethod
+    def _sequences(worker) -> Optional[str]:
+        """Every sequence the engine runs is a room's here."""
+        for rid, seq in worker.ae.engine.sequences().items():
+            rec = worker.role.rooms.get(seq.room) if seq.room is not None else None
             if rec is None or rec.seq is not seq:
-                self.violation(f"{worker.name}: the engine runs sequence {rid} of room {seq.room}, which no record "
-                               f"holds (the pages it takes are no one's)")
-                return
-        # the allocator's account is free + cached + owned = total by construction; what must hold is
-        # that the owned pages are what the rooms hold: one reference per holder of a shared page
+                return (f"the engine runs sequence {rid} of room {seq.room}, which no record holds (the pages it "
+                        f"takes are no one's)")
+        return None
+
+    @staticmethod
+    def _conserved(worker, held: int, quarantined: int) -> Optional[str]:
+        """The allocator's account is free + cached + owned = total by construction; what must hold
+        is that the owned pages are what the rooms hold: one reference per holder of a shared page."""
+        alloc = worker.ae.engine.allocator
         shared = [n for n in alloc.refcounts().values() if n]
         owned_refs = alloc.num_owned - len(shared) + sum(shared)
         if held != owned_refs:
-            self.violation(f"{worker.name}: pages not conserved: the rooms hold {held} page references, the "
-                           f"allocator counts {alloc.num_owned} owned ({len(shared)} of them shared, {sum(shared)} "
-                           f"references) beside {alloc.num_free} free and {alloc.num_cached} cached of "
-                           f"{alloc.num_pages}")
-            return
-        if worker.kind == "decode" and role.pages_quarantined != quarantined:
-            self.violation(f"{worker.name}: {role.pages_quarantined} pages counted quarantined, "
-                           f"{quarantined} held by quarantined rooms")
-            return
+            return (f"pages not conserved: the rooms hold {held} page references, the allocator counts "
+                    f"{alloc.num_owned} owned ({len(shared)} of them shared, {sum(shared)} references) beside "
+                    f"{alloc.num_free} free and {alloc.num_cached} cached of {alloc.num_pages}")
+        if worker.kind == "decode" and worker.role.pages_quarantined != quarantined:
+            return f"{worker.role.pages_quarantined} pages counted quarantined, {quarantined} held by quarantined rooms"
+        return None
+
+    def _terminal_kept(self, worker, rooms: dict) -> Optional[str]:
+        """A room that ended stays ended, with the ending it had (rule 2)."""
         endings = self._endings.setdefault(worker.name, {})
         for room, r in rooms.items():
             if is_terminal(r.state):
@@ -208,24 +229,21 @@ class Checker:
                     first = endings[room] = (r.state, r.ending)
                     self.trace("%s: room %d (%s) ended %s", worker.name, room, r.rid, r.ending)
                 if first[0] is not r.state or first[1] is not r.ending:
-                    self.violation(f"{worker.name}: room {room} ended {first[0]} ({first[1]}) and then became "
-                                   f"{r.state} ({r.ending}): a terminal state overwritten")
-                    return
+                    return (f"room {room} ended {first[0]} ({first[1]}) and then became {r.state} ({r.ending}): a "
+                            f"terminal state overwritten")
             elif room in endings:
-                self.violation(f"{worker.name}: room {room} ended {endings[room][0]} and is live again ({r.state})")
-                return
+                return f"room {room} ended {endings[room][0]} and is live again ({r.state})"
+        return None
+
+    def _in_time(self, worker, rooms: dict, now: float) -> Optional[str]:
+        """No live room outlives ``request_timeout_s``."""
         limit = self.config.deadlines.request_timeout_s
-        for room in table.live_rooms() if limit else ():
+        for room in worker.role.table.live_rooms() if limit else ():
             r = rooms[room]
             if r.born + limit < now - 1e-6:
-                self.violation(f"{worker.name}: room {room} is {r.state} {now - r.born:.3f}s after its arrival, past "
-                               f"request_timeout_s {limit:g}")
-                return
-        n = self._iterations[worker.name] = self._iterations.get(worker.name, 0) + 1
-        if n % FULL_CHECK_EVERY == 0:
-            self._pages_disjoint(worker)
-            for room in [room for room in endings if room not in rooms]:  # released: its tombstone answers now
-                del endings[room]
+                return (f"room {room} is {r.state} {now - r.born:.3f}s after its arrival, past request_timeout_s "
+                        f"{limit:g}")
+        return None
 
     def _pages_disjoint(self, worker) -> None:
         """No page held by two rooms unless it is a shared page of the prefix cache (and then its
