@@ -26,7 +26,6 @@ import argparse
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,14 +35,11 @@ from pathlib import Path
 
 import requests
 
+from procs import free_port, stop_all
+
 ROOT = Path(__file__).resolve().parent.parent
 LOGS = Path(tempfile.mkdtemp(prefix="splitserve-bench-cluster-"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(name: str, argv: list[str]) -> subprocess.Popen:
@@ -210,14 +206,7 @@ def main() -> int:
     finally:
         for w in workers.values():
             procs.append(w.proc)
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_all(reversed(procs))  # the router first: it stops sending to workers about to go
     return 0
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import socket
 import statistics
 import time
 
@@ -40,16 +39,13 @@ from splitserve.engine.async_engine import AbortRequest, AddRequest, AsyncEngine
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.io import Bootstrap, GenerateRequest, SamplingParams
 
+from procs import free_port
+
 LONG = Deadlines(bootstrap_s=3000, queue_s=3000, prefill_stall_s=3000, transfer_floor_s=3000, write_drain_s=3000,
                  prealloc_s=3000, kv_wait_s=3000, decode_stall_s=3000, pending_registration_s=3000,
                  heartbeat_interval_s=1, heartbeat_misses=3000, tombstone_s=9000)
 PROMPT = 8  # tokens: one page
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Worker:

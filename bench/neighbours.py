@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,13 +40,10 @@ from pathlib import Path
 
 import requests
 
+from procs import free_port, stop_all
+
 LOG = Path(tempfile.mkdtemp(prefix="splitserve-neighbours-")) / "serve.log"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def short_latency(url: str, tokens: int) -> float:
@@ -145,11 +140,7 @@ def main() -> None:
             print(f"{case:8s} alone {a * 1e3:8.1f} ms   beside {b * 1e3:8.1f} ms ({len(beside)} samples)   "
                   f"ratio {b / a:5.2f}x   neighbours answered {sorted(set(statuses))}", flush=True)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_all([proc], 60)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,14 +30,11 @@ import requests
 
 from splitserve.secret_file import write_secret_file
 
+from procs import free_port, stop_all
+
 LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-role-switch-"))
 ADMIN = "bench-admin-key"
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def spawn(name: str, args: list[str]) -> subprocess.Popen:
@@ -113,14 +109,7 @@ def main() -> None:
         s, r = statistics.median(times["switch"]), statistics.median(times["restart"])
         print(f"median: switch {s:.2f} s, restart {r:.2f} s: switch / restart {s / r:.3f}x", flush=True)
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in procs.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_all(procs.values())
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,14 +36,11 @@ from splitserve.bench.load import Load, run
 from splitserve.bench.stats import Summary, summarize
 from splitserve.bench.workload import Workload
 
+from procs import free_port
+
 LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-serving-"))
 DEPLOYMENTS = ("split", "shared", "colocated")
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def command(name: str, model: str, port: int, backend: str) -> list[str]:

@@ -22,7 +22,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,14 +34,11 @@ import requests
 
 from splitserve.secret_file import write_secret_file
 
+from procs import free_port
+
 POLL_S = 0.02
 LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-top-bench-"))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -35,11 +34,8 @@ import requests
 
 from splitserve.secret_file import write_secret_file
 
+from procs import free_port
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-ttft-"))

@@ -65,7 +65,6 @@ import json
 import math
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -89,6 +88,7 @@ from splitserve.models.shapes import BENCH_SHAPES
 sys.path.insert(0, str(Path(__file__).parent))  # run as a script or imported by a sibling bench
 from memory_bound import TOKENS_PER_WORD, Step, allowed_line, fractions, read_bandwidth  # noqa: E402
 from q4k import QUANTIZE, q4k_gguf, tensor_bytes, tensor_types  # noqa: E402
+from procs import free_port  # noqa: E402
 
 SETUPS = ("colocated", "colocated-quant", "launch", "launch-quant", "vllm", "vllm-bf16", "llamacpp")
 DEFAULT_SETUPS = ("colocated", "colocated-quant", "launch-quant", "vllm", "llamacpp")
@@ -102,11 +102,6 @@ CPU_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512_v
 MB = 1e6
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def load_average() -> float:
