@@ -206,7 +206,7 @@ def main() -> int:
     finally:
         for w in workers.values():
             procs.append(w.proc)
-        stop_all(reversed(procs))  # the router first: it stops sending to workers about to go
+        stop_all(reversed(procs))  # the workers first, etcd last: they revoke their leases while it is up
     return 0
 
 
