@@ -285,44 +285,6 @@ def test_a_call_never_closed_loses_none_of_the_words_after_it():
     assert cut["content"] is None and [c["function"]["name"] for c in cut["tool_calls"]] == ["f"], cut
 
 
-@pytest.mark.long
-def test_smollm2_refuses_tools_with_its_own_template_and_calls_with_one_that_renders_them(monkeypatch, tmp_path):
-    """The demo model: its template ignores tools (a 400); given the tiny models' template (less
-    its bos) by ``--chat-template``, a required call and the round trip, colocated and split."""
-    from conftest import ServerProcess, free_port
-
-    from splitserve.testing.tiny import CHAT_TEMPLATE
-
-    template = tmp_path / "tools.jinja"
-    template.write_text(CHAT_TEMPLATE.replace("{{ bos_token }}", "", 1))
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    small_pool = ("--max-total-tokens", "4096")
-    own = ServerProcess(*small_pool, model="smollm2")
-    own._spawn(free_port())
-    try:
-        with Cluster(1, 1, "nixl", model="smollm2", worker_args=small_pool + ("--chat-template", str(template))) \
-                as split:
-            own.wait_ready()
-            r = requests.post(own.url + "/v1/chat/completions", json={"messages": ASK, "tools": TOOLS}, timeout=60)
-            assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-            client = _client(split.url)
-            first = client.chat.completions.create(
-                model="smollm2", messages=ASK, tools=TOOLS, max_tokens=60, temperature=0,
-                tool_choice={"type": "function", "function": {"name": "get_weather"}})
-            [call] = first.choices[0].message.tool_calls
-            _valid_weather_args(call.function.arguments)
-            print(f"\nsmollm2 split: {call.function.name}({call.function.arguments})")
-            answer = client.chat.completions.create(
-                model="smollm2", messages=ASK + [first.choices[0].message.model_dump(exclude_none=True),
-                                                 {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}],
-                tools=TOOLS, tool_choice="none", max_tokens=30, temperature=0)
-            assert answer.choices[0].message.content
-            print(f"smollm2 answer: {answer.choices[0].message.content}")
-            split.assert_no_leaks()
-    finally:
-        own.stop()
-
-
 def test_n_choices_with_tools_stream_what_they_answer_whole(server):
     kwargs = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=12, seed=4, n=2)
     whole = _client(server.url).chat.completions.create(**kwargs)

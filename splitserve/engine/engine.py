@@ -123,6 +123,10 @@ def load_parts(config: EngineConfig) -> ModelParts:
         from pathlib import Path
 
         tokenizer.chat_template = Path(config.chat_template).expanduser().read_text()
+    else:  # SmolLM2's own renders no tools: the same with tools (models/smollm2_chat.py)
+        from splitserve.models.smollm2_chat import tool_template
+
+        tokenizer.chat_template = tool_template(tokenizer.chat_template) or tokenizer.chat_template
     return ModelParts(model, spec, tokenizer)
 
 
