@@ -24,7 +24,6 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
-import json
 import socket
 import threading
 from typing import Optional
@@ -34,7 +33,7 @@ import requests
 
 from cluster import (HTTP_TIMEOUT_S, Cluster, RouterProcess, metric, metric_sum, metrics, pages_back_to_total,
                      post_generate, sse_events)
-from conftest import free_port
+from conftest import CLUSTER_SECRET, free_port
 from etcd_cluster import Load
 from etcd_server import have_etcd
 from splitserve.auth import bearer
@@ -83,15 +82,20 @@ def cluster(request):
         stack.callback(c.stop)
         c.watcher = None  # a second router that knows X from etcd alone
         if etcd is not None:
-            c.watcher = RouterProcess([], [], "--discovery", etcd.url(ETCD_PREFIX), *ROUTER, wait_healthy=False).start()
+            c.watcher = RouterProcess([], [], "--discovery", etcd.url(ETCD_PREFIX), "--cluster-secret-file",
+                                      CLUSTER_SECRET, *ROUTER, wait_healthy=False).start()
             stack.callback(c.watcher.stop)
         yield c
 
 
 def record(c: Cluster) -> Optional[dict]:
-    """``X``'s record in etcd now (None: there is none), if it registers there."""
+    """``X``'s record in etcd now (None: there is none), if it registers there; its seal verified."""
+    from splitserve.disagg.control.curve import ClusterSecret
+    from splitserve.discovery.signing import RecordSeal
+
     found = c.etcd.client().get(f"{ETCD_PREFIX}/workers/x")
-    return json.loads(found[0]) if found else None
+    seal = RecordSeal(ClusterSecret.load(CLUSTER_SECRET).record_key)
+    return dataclasses.asdict(seal.open(found[0])) if found else None
 
 
 def assert_registered(c: Cluster, body: dict) -> None:
