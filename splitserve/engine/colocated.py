@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import EngineError, GenerateRequest, RequestOutput
-from splitserve.engine.role import IDLE_WAIT_S
+from splitserve.engine.role import IDLE_WAIT_S, EngineLoop
 from splitserve.outcomes import Ending, Reason
 from splitserve.timeline import TimelineBook
-
-if TYPE_CHECKING:
-    from splitserve.engine.async_engine import AsyncEngine
 
 
 class ColocatedRole:
@@ -25,7 +22,7 @@ class ColocatedRole:
     def __init__(self):
         self.timelines = TimelineBook(self.name)
 
-    def start(self, loop: "AsyncEngine") -> None:
+    def start(self, loop: EngineLoop) -> None:
         self.engine = loop.engine
 
     def check(self, req: GenerateRequest) -> None:

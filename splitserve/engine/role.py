@@ -4,16 +4,28 @@ disaggregated roles are ``disagg/prefill_role.py`` and ``disagg/decode_role.py``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import Callable, Optional, Protocol
 
-from splitserve.engine.engine import StepReport
+from splitserve.engine.engine import LLMEngine, StepReport
 from splitserve.engine.io import GenerateRequest, RequestOutput
 from splitserve.outcomes import Ending
 
-if TYPE_CHECKING:
-    from splitserve.engine.async_engine import AsyncEngine
-
 IDLE_WAIT_S = 0.5  # the longest the loop waits for an event when nothing is due
+
+
+class EngineLoop(Protocol):
+    """What a role is given when it starts: the engine loop that runs it (``AsyncEngine``)."""
+
+    engine: LLMEngine
+    loop_stall_s: float
+
+    def poster(self) -> Callable[[object], None]:
+        """What the role's threads post events to the loop with (thread-safe)."""
+        ...
+
+    def loop_stalled(self) -> bool:
+        """Whether the loop has made no iteration within ``loop_stall_s``."""
+        ...
 
 
 class Role(Protocol):
@@ -23,7 +35,7 @@ class Role(Protocol):
 
     name: str
 
-    def start(self, loop: "AsyncEngine") -> None: ...
+    def start(self, loop: EngineLoop) -> None: ...
     def check(self, req: GenerateRequest) -> None: ...
     def admit(self, req: GenerateRequest) -> list[RequestOutput]: ...
     def abort(self, rid: str, ending: Ending) -> list[RequestOutput]: ...

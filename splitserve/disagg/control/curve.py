@@ -53,19 +53,6 @@ DOMAIN = b"splitserve"
 FAILED = {zmq.EVENT_HANDSHAKE_FAILED_AUTH: "its credentials were refused",
           zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed",
           zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed"}
-CURVE_FRAME_OVERHEAD = 33
-"""Bytes CURVE adds to every frame on the wire: a MESSAGE command (its 8-byte name, an 8-byte
-nonce, a flags byte) and the box's 16-byte tag. ZMQ's ``MAXMSGSIZE`` counts the wire frame, so a
-CURVE socket that takes frames of up to N bytes allows N plus this (:func:`max_msg_size`); one
-that allows exactly N drops a frame of N bytes, and the connection that carried it."""
-
-
-def max_msg_size(nbytes: int, secret: "Optional[ClusterSecret]") -> int:
-    """The ``MAXMSGSIZE`` of a socket that takes frames of up to ``nbytes`` bytes (CURVE with
-    ``secret``)."""
-    return nbytes + (CURVE_FRAME_OVERHEAD if secret is not None else 0)
-
-
 PROTOCOL_ERRORS = {zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH: "one side has a cluster secret, the other none",
                    zmq.PROTOCOL_ERROR_ZMTP_CRYPTOGRAPHIC: "it does not hold our cluster secret",
                    zmq.PROTOCOL_ERROR_ZMTP_KEY_EXCHANGE: "it does not hold our cluster secret"}

@@ -37,9 +37,10 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.bootstrap import first_mismatch
 from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_POLL, ControlFaults,
                                            ControlThread, identity)
-from splitserve.disagg.control.curve import FAILED, PROTOCOL_ERRORS, max_msg_size
+from splitserve.disagg.control.curve import FAILED, PROTOCOL_ERRORS
 from splitserve.disagg.lifecycle import Deadlines, FromPeer, LocalFailure, Peer, PeerInfo, PeerLost, Reason
 from splitserve.disagg.transfer.links import ReceiveLinks
+from splitserve.disagg.zmq_frames import max_msg_size
 from splitserve.hosts import host_port
 
 log = logging.getLogger(__name__)

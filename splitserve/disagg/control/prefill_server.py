@@ -40,7 +40,7 @@ import zmq
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control.base import (GOODBYE_LINGER_MS, MAX_FRAMES_PER_POLL, ControlFaults,
                                            ControlThread, identity, peer_of)
-from splitserve.disagg.control.curve import max_msg_size
+from splitserve.disagg.zmq_frames import max_msg_size
 from splitserve.disagg.lifecycle import Deadlines, FromPeer, Peer, PeerLost, Reason
 from splitserve.disagg.transfer.thread import AddPeer, ResetPeer
 from splitserve.hosts import allow_host, zmq_endpoint

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 import zmq
 
-from splitserve.disagg.control.curve import max_msg_size
+from splitserve.disagg.zmq_frames import max_msg_size
 from splitserve.hosts import allow_host, check_host, zmq_endpoint
 from splitserve.log_sparsely import worth_logging
 

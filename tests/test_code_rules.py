@@ -1,0 +1,100 @@
+"""Rules that keep the code readable, read from the code as ``test_layers.py`` reads imports: no
+import cycle — between modules (any import: at the top, in a function, or only for type checking)
+nor between sibling packages (as ``disagg/control`` and ``disagg/transfer``). Each test names
+every offender."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "splitserve"
+
+
+@functools.lru_cache(maxsize=None)
+def modules() -> dict[str, pathlib.Path]:
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imported(path: pathlib.Path, name: str) -> set[str]:
+    """The splitserve modules ``path`` (module ``name``) imports, anywhere in it. ``from pkg import
+    x`` is an edge to ``pkg.x`` when that is a module, else to ``pkg``: a package's ``__init__``
+    that runs first on the way to a submodule is not counted."""
+    mods = modules()
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([node.module] if node.module else []))
+            subs = {f"{base}.{a.name}" for a in node.names} & mods.keys()
+            found |= subs if len(subs) == len(node.names) else subs | {base}
+    return {m for m in found if m in mods and m != name}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_between_modules():
+    graph = {name: imported(path, name) for name, path in modules().items()}
+    assert not cycles(graph), f"modules that import each other, by some path: {cycles(graph)}"
+
+
+def test_no_import_cycle_between_sibling_packages():
+    """Within one package, its subpackages' modules import in one direction only."""
+    def subpackage(module: str) -> str:
+        path = modules()[module]
+        return module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules().items():
+        here = subpackage(name)
+        for other in imported(path, name):
+            there = subpackage(other)
+            parent_of = lambda a, b: b.startswith(a + ".")  # noqa: E731 (a package and its own)
+            if here != there and here.rsplit(".", 1)[0] == there.rsplit(".", 1)[0] \
+                    and not parent_of(here, there) and not parent_of(there, here):
+                graph.setdefault(here, set()).add(there)
+    assert not cycles(graph), f"sibling packages that import each other: {cycles(graph)}"
