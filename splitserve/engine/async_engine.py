@@ -31,8 +31,11 @@ sequence whose token could not be sampled or checked (``StepReport.failed``). An
 that escapes a role is a bug in what the requests share: logged and counted, and the role fails
 whatever it holds through its own bookkeeping (``role.fail_all``), so nothing is left pinned.
 
-Admission is decided on the asyncio side from its own count of requests in flight, so a full
-server refuses at once (429) instead of queueing without bound. A request id stays taken until
+Refusal is decided on the asyncio side, at once: a full server (its own count of requests in
+flight) with 429 instead of queueing without bound, and a request whose whole need (every
+choice, ``role.check`` → ``LLMEngine.check_fits``) could never fit the pool with 400. Which
+admitted request runs when is the scheduler's one policy (``scheduler.py``, ``docs/design.md``,
+*Admission and order*). A request id stays taken until
 the engine has ended that request — also when its client left early — so a new request with the
 same id never receives the old one's tokens or its end.
 """
