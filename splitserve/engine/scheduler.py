@@ -179,17 +179,20 @@ class Scheduler:
         start promised sequences in order while the running cap, the budget and pages allow."""
         slack = self.unpromised_pages()
         blocked: list[Sequence] = []  # first sequences of requests that did not fit, in order
+        held = False  # one of them was passed max_passes times: nothing more is promised
         for group in self._groups():
             if not group[0].promised:
                 need = min(sum(self._growth(s) for s in group), self.allocator.num_pages)
-                if need > slack or any(b.passed >= self.max_passes for b in blocked):
-                    blocked.append(group[0])  # later requests may still pass it
+                if held or need > slack:
+                    blocked.append(group[0])
+                    held = held or group[0].passed >= self.max_passes
                     continue
                 slack -= need
                 for seq in group:
                     seq.promised = True
                 for b in blocked:
                     b.passed += 1
+                    held = held or b.passed >= self.max_passes
             for seq in group:
                 if len(self.running) >= self.max_running or budget <= 0:
                     return
