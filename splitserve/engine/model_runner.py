@@ -24,6 +24,7 @@ from splitserve.engine.scheduler import ScheduledSeq
 from splitserve.layers.attention import build_metadata
 from splitserve.layers.linear import packing_available
 from splitserve.layers.ops import best_ops
+from splitserve.models.packed_file import share_weights
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class ModelRunner:
         dense = model.set_ops(best_ops(self.device, self.dtype))  # compiled kernels where available
         log.info("model ops: %s; packed weights: %d; dense float32 weights through the kernels: %d",
                  self.model.ops.name, packed, dense)
+        share_weights(model)  # one copy per host: the packed weights mapped from a file all workers map
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], every_row_of: Sequence[int] = ()) -> torch.Tensor:

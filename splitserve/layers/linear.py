@@ -21,6 +21,10 @@ Packed weights (bfloat16 on CPU): ``Linear.pack`` swaps the dense weight for one
 (blocked) copy, which every call then uses as is. The plain ``F.linear`` on a bfloat16 weight
 reorders it into that layout on every call: packing once makes the decoder's matmuls ~1.3-2x
 faster on this CPU (``bench/engine.py``); the results are the same bits.
+
+``shared_tensors`` names the tensors a layer's weight is held in once loaded and packed, so that
+``models/packed_file.py`` can point them at one file all of a host's workers map (oneDNN's packed
+copy is opaque: it cannot be mapped and stays private).
 """
 
 from __future__ import annotations
@@ -109,6 +113,11 @@ class Linear(nn.Linear):
         self.f32_linear = linear
         self.weight = placeholder(self.weight)
 
+    def shared_tensors(self) -> dict[str, Optional[torch.Tensor]]:
+        """The tensors holding this layer's weight as it runs (None or empty: not held)."""
+        return {**dict(self.named_parameters(recurse=False)), "f32_packed": self.f32_packed, "packed": self.packed,
+                "quant": None if self.quant is None else self.quant.packed}
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.linear(x)
@@ -161,6 +170,10 @@ class Embedding(nn.Embedding):
     def finish_quantized(self, ops) -> None:
         self.quant = QuantWeight(self.quant_kind, self._staged.pop(None), self.embedding_dim, ops)
         self._staged = None
+
+    def shared_tensors(self) -> dict[str, Optional[torch.Tensor]]:
+        """The tensors holding the table as it runs (a tied head reads the same ones)."""
+        return {"weight": self.weight, "quant": None if self.quant is None else self.quant.packed}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:

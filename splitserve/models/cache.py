@@ -6,6 +6,7 @@ The cache lives in ``$SPLITSERVE_CACHE``, else ``~/.cache/splitserve`` (read at 
 into a temporary folder beside the final one, which is renamed into place when complete. Callers
 racing for the same folder wait and reuse it, a half-written folder is never visible, leftovers of
 a crashed build are removed, and a folder that fails ``is_complete`` is rebuilt rather than trusted.
+:func:`write_file_once` does the same for one file (the shared packed weights, ``packed_file.py``).
 """
 
 from __future__ import annotations
@@ -56,3 +57,33 @@ def build_once(final: Path, build: Callable[[Path], object], is_complete: Callab
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return final
+
+
+def write_file_once(final: Path, write: Callable[[object], object], is_valid: Callable[[Path], bool]) -> bool:
+    """Make ``final`` a file that passes ``is_valid``: if it does not yet, ``write(f)`` fills a
+    temporary file beside it (``f``: open for binary writing), which is renamed over it. Safe to call
+    from many processes at once: one writes under a lock (``.NAME.lock``), the others wait, then
+    find its file valid. A reader never sees a half-written file. Returns True if this call wrote."""
+    if is_valid(final):
+        return False
+    parent, name = final.parent, final.name
+    parent.mkdir(parents=True, exist_ok=True)
+    with open(parent / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we die
+        try:
+            if is_valid(final):  # someone else wrote it while we waited
+                return False
+            for stale in parent.glob(f".{name}.tmp-*"):  # a crashed writer's
+                stale.unlink(missing_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{name}.tmp-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    write(f)
+                os.chmod(tmp, 0o644)  # mkstemp made it private; the cache is shared by the host's workers
+                os.replace(tmp, final)
+            except BaseException:
+                Path(tmp).unlink(missing_ok=True)
+                raise
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return True

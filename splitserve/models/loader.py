@@ -9,11 +9,15 @@ reaches this loader as such a directory, converted once by ``gguf.py``; ``resolv
 The model is built on the meta device (no memory, no random init), cast, materialised on the
 target device and filled from the safetensors files; a tensor the model needs but the checkpoint
 lacks is an error naming it, so no parameter is ever left uninitialised.
+
+The model carries ``weights_identity`` (``checkpoint_identity``): what its weights' bytes follow
+from, the key by which a host's workers share one file of them (``packed_file.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -115,6 +119,7 @@ def load_model(model_dir: Union[str, os.PathLike], dtype: Union[str, torch.dtype
     if plan.layers:
         model.finish_quantized(kernels)
     model.eval().requires_grad_(False)
+    model.weights_identity = checkpoint_identity(path, files, plan.summary(), torch_dtype, device)
     log.info("--quantization %s: %s", quantization, plan.summary())
 
     generation = read_generation_config(path)
@@ -155,6 +160,19 @@ def load_tokenizer(model_dir: Union[str, os.PathLike]):
 
 
 # -- pieces ----------------------------------------------------------------------------------------
+
+
+def checkpoint_identity(path: Path, files: list[Path], plan: str, dtype: torch.dtype, device: torch.device) -> dict:
+    """What a loaded model's weight bytes follow from: the folder, its config and quantization
+    manifest (hashed), each weight file's name, size and mtime, the quantization plan, dtype and device."""
+    def digest(name: str) -> str:
+        file = path / name
+        return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else ""
+
+    stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    return {"name": path.name, "path": str(path), "config": digest("config.json"),
+            "manifest": digest(quantized.MANIFEST), "files": stats, "plan": plan,
+            "dtype": str(dtype), "device": str(device)}
 
 
 def read_config(path: Path) -> dict:

@@ -1,0 +1,243 @@
+"""One copy of a model's converted weights per host: a file in the model cache that every worker
+on the host maps read-only instead of holding its own copy.
+
+A worker's weights, once loaded and packed for the kernels (``QuantWeight.packed``,
+``Linear.f32_packed``, the plain parameters: ``layers/linear.py``'s ``shared_tensors``), are the
+same bytes in every process that loaded the same checkpoint the same way. :func:`share_weights`
+writes them once to ``$SPLITSERVE_CACHE/packed/NAME-KEY.weights`` and points every such tensor at
+a private (copy-on-write) mapping of that file, so the pages are the page cache's, counted once
+per host: two workers' weight mappings have a PSS of about half their RSS each. A write to a
+mapped tensor would copy its page, never change the file; no weight is written while serving.
+
+The key is a hash of everything that changes the bytes: the checkpoint's identity (its folder,
+``config.json``, ``quantized.json`` and each weight file's name, size and mtime: the loader's
+``weights_identity``), the quantization plan, the dtype, the compiled kernels' build (sources,
+flags, torch version, the CPU's instruction sets), the table of tensors (names, dtypes, shapes)
+and ``FORMAT_VERSION``. File layout::
+
+    MAGIC (8 bytes) | header length (8, little-endian) | header JSON | tensors, each at a 4 KiB offset
+
+The header holds the version, the key, the file's total size and the table (name, dtype, shape,
+offset, bytes). A file is trusted only when its size, magic, version, key and table are what this
+process expects and the first and last 4 KiB of every tensor equal the process's own (a sample,
+not a hash: a layout the key missed shows in every tensor); else it is rebuilt. It is written under
+a lock into a temporary file renamed into place (``cache.write_file_once``), so a worker never maps a
+half-written one. Tensors that cannot be mapped (oneDNN's opaque packed bfloat16 weights, the
+packed copy of a tied bfloat16 head) stay private; ``Shared`` counts them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import logging
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from splitserve.models.cache import cache_root, write_file_once
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MAGIC = b"SPSWGT1\0"
+ALIGN = 4096  # each tensor on its own pages: mapped views are aligned for any kernel load
+SAMPLE = 4096  # bytes compared at each end of every tensor
+MIN_BYTES = 64 * 2**20  # below this a model's weights are not worth a file (the tiny test models)
+ENV_SWITCH = "SPLITSERVE_SHARED_WEIGHTS"
+_DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
+                                                      torch.int8, torch.int32, torch.int64)}
+
+
+@dataclass
+class Shared:
+    """What ``share_weights`` did: the file, bytes now mapped from it, bytes left private."""
+
+    path: Optional[Path]
+    mapped_bytes: int
+    private_bytes: int
+    rebuilt: bool = False  # this process wrote the file
+
+
+def enabled() -> bool:
+    """False when ``SPLITSERVE_SHARED_WEIGHTS`` is 0/false/off/no."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def model_tensors(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], int]:
+    """The model's weight tensors that a file can hold, by a stable name, and the bytes of those
+    it cannot (opaque oneDNN tensors). A module with ``shared_tensors`` names its own; any other
+    gives its direct parameters. Tensors met twice (a tied weight) are named once."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    private = 0
+    for path, module in model.named_modules():
+        own = module.shared_tensors() if hasattr(module, "shared_tensors") else \
+            {n: p for n, p in module.named_parameters(recurse=False)}
+        extra = {"packed_head": getattr(module, "_packed_head", None)}  # a tied bfloat16 head's oneDNN copy
+        for name, t in [*own.items(), *extra.items()]:
+            if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
+                continue
+            if t.layout != torch.strided or t.device.type != "cpu" or not t.is_contiguous():
+                private += _opaque_bytes(t)
+                continue
+            if t.data_ptr() in seen or str(t.dtype).removeprefix("torch.") not in _DTYPES:
+                continue
+            seen.add(t.data_ptr())
+            found[f"{path}.{name}" if path else name] = t
+    return found, private
+
+
+def _opaque_bytes(t: torch.Tensor) -> int:
+    try:
+        return t.numel() * t.element_size()
+    except (RuntimeError, NotImplementedError):
+        return 0
+
+
+def table(tensors: dict[str, torch.Tensor]) -> list[dict]:
+    """The file's table for ``tensors``: name, dtype, shape, offset (from the file's start) and bytes."""
+    rows, offset = [], 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        rows.append({"name": name, "dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                     "offset": offset, "nbytes": nbytes})
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return rows
+
+
+def file_key(identity: dict, rows: list[dict], build: str) -> str:
+    """The hash naming the file: the checkpoint's identity, the kernels' build, the table, the format."""
+    layout = [{k: r[k] for k in ("name", "dtype", "shape")} for r in rows]
+    text = json.dumps({"version": FORMAT_VERSION, "identity": identity, "build": build, "torch": torch.__version__,
+                       "table": layout}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def kernels_build() -> str:
+    """The compiled kernels' build name (it hashes their sources, flags, torch and the CPU's flags)."""
+    from splitserve.layers import kernels
+
+    return kernels.build_name()
+
+
+def share_weights(model: torch.nn.Module, identity: Optional[dict] = None, min_bytes: int = MIN_BYTES,
+                  cache_dir: Optional[Path] = None) -> Shared:
+    """Point ``model``'s weight tensors at the host's one file of them (written first if no valid
+    one exists). ``identity``: the checkpoint's (default: the loader's ``model.weights_identity``;
+    none: nothing is shared); ``min_bytes``: share only models with at least this many bytes of
+    weights; ``cache_dir``: the folder of the files (default ``$SPLITSERVE_CACHE/packed``)."""
+    identity = identity if identity is not None else getattr(model, "weights_identity", None)
+    tensors, private = model_tensors(model)
+    rows = table(tensors)
+    total = sum(r["nbytes"] for r in rows)
+    if identity is None or not enabled() or total < max(min_bytes, 1):
+        return Shared(None, 0, total + private)
+    key = file_key(identity, rows, kernels_build())
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "packed"
+    path = folder / f"{_safe(identity.get('name', 'model'))}-{key[:20]}.weights"
+    header = {"version": FORMAT_VERSION, "key": key, "table": rows}
+    wrote = write_file_once(path, lambda f: write_tensors(f, header, tensors),
+                            lambda p: mapped_if_valid(p, key, rows, tensors) is not None)
+    whole = mapped_if_valid(path, key, rows, tensors)
+    if whole is None:  # replaced by a broken one since: keep our own copy
+        log.warning("the shared weights file %s failed its check just after it was written; weights stay private",
+                    path)
+        return Shared(None, 0, total + private)
+    _point_at(tensors, rows, whole, _data_start(header))
+    _release_freed_memory()
+    log.info("weights: %.1f MiB mapped from %s (%s); %.1f MiB private", total / 2**20, path,
+             "written" if wrote else "reused", private / 2**20)
+    return Shared(path, total, private, wrote)
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:60] or "model"
+
+
+def _header_bytes(header: dict) -> bytes:
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def _data_start(header: dict) -> int:
+    """Where the tensors begin: after magic, length and header JSON (with the size filled in), aligned."""
+    body = len(_header_bytes({**header, "size": 0})) + 32  # room for the size's digits
+    return -(-(len(MAGIC) + 8 + body) // ALIGN) * ALIGN
+
+
+def write_tensors(f, header: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Write the file to the open binary file ``f``: magic, header, each tensor at its offset."""
+    start = _data_start(header)
+    rows = header["table"]
+    end = start + (rows[-1]["offset"] + rows[-1]["nbytes"] if rows else 0)
+    body = _header_bytes({**header, "size": end})
+    f.write(MAGIC + struct.pack("<Q", len(body)) + body)
+    for row, t in zip(rows, tensors.values()):
+        f.seek(start + row["offset"])
+        f.write(t.detach().reshape(-1).view(torch.uint8).numpy().data)
+    f.truncate(end)
+
+
+def read_header(path: Path) -> Optional[dict]:
+    """The file's header, or None where the file is not one (short, wrong magic, bad JSON)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(MAGIC) + 8)
+            if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
+                return None
+            (length,) = struct.unpack("<Q", head[len(MAGIC):])
+            if length > 64 * 2**20:
+                return None
+            header = json.loads(f.read(length))
+        return header if isinstance(header, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def mapped_if_valid(path: Path, key: str, rows: list[dict], tensors: dict[str, torch.Tensor]
+                    ) -> Optional[torch.Tensor]:
+    """The whole file mapped copy-on-write as uint8, if it is the file this process wants: its size,
+    magic, version, key and table as expected, and every tensor's first and last ``SAMPLE`` bytes
+    equal to ``tensors``'. None otherwise (or when it does not exist)."""
+    header = read_header(path)
+    if header is None or header.get("version") != FORMAT_VERSION or header.get("key") != key \
+            or header.get("table") != rows:
+        return None
+    size = header.get("size")
+    try:
+        if not isinstance(size, int) or os.stat(path).st_size != size or size == 0:
+            return None
+        whole = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
+    except (OSError, RuntimeError):
+        return None
+    start = _data_start({k: v for k, v in header.items() if k != "size"})
+    for row, t in zip(rows, tensors.values()):
+        own = t.detach().reshape(-1).view(torch.uint8)
+        mine = whole[start + row["offset"]:start + row["offset"] + row["nbytes"]]
+        n = min(SAMPLE, row["nbytes"])
+        if not (torch.equal(own[:n], mine[:n]) and torch.equal(own[-n:], mine[-n:])):
+            log.warning("%s: %s differs from this process's own bytes; rebuilding it", path, row["name"])
+            return None
+    return whole
+
+
+def _point_at(tensors: dict[str, torch.Tensor], rows: list[dict], whole: torch.Tensor, start: int) -> None:
+    """Every tensor becomes a view of its bytes in ``whole``; its own storage is freed."""
+    with torch.no_grad():
+        for row, t in zip(rows, tensors.values()):
+            lo = start + row["offset"]
+            view = whole[lo:lo + row["nbytes"]].view(_DTYPES[row["dtype"]]).view(row["shape"])
+            t.set_(view)
+
+
+def _release_freed_memory() -> None:
+    """Give the heap's freed pages (the private copies just dropped) back to the kernel."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
