@@ -65,11 +65,11 @@ from typing import Callable, Mapping, Optional, Sequence, TextIO
 from splitserve.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, METRICS_API_KEY_ENV, WORKER_API_KEY_ENV, load_key
 from splitserve.cpus import allowed_cpus, check_cpus, cpu_cores, format_cpu_list, split_between_workers
 from splitserve.hosts import host_port
+from splitserve.transfer_backends import check_served
 
 TAIL_LINES = 30
 POLL_S = 0.2
 PR_SET_PDEATHSIG = 1
-TRANSFER_BACKENDS = ("nixl", "tcp")
 
 
 @dataclass(frozen=True)
@@ -257,9 +257,8 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     ``ports``: every process's ports (default :func:`launch_ports`)."""
     if config.num_prefill < 1 or config.num_decode < 1:
         raise ValueError("launch needs at least one prefill and one decode worker")
-    if config.transfer_backend is not None and config.transfer_backend not in TRANSFER_BACKENDS:
-        raise ValueError(f"--transfer-backend must be one of {', '.join(TRANSFER_BACKENDS)}, "
-                         f"not {config.transfer_backend!r}")
+    if config.transfer_backend is not None:
+        check_served(config.transfer_backend)
     if config.split_cpus:
         *cpus, warnings = worker_cpus(config, allowed_cpus() if allowed is None else allowed, cores_of)
         for text in warnings:

@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "splitserve"
 
 LAYERS = [
-    {"splitserve.hosts"},
+    {"splitserve.hosts", "splitserve.transfer_backends"},
     {"splitserve", "splitserve.outcomes", "splitserve.config", "splitserve.log_sparsely", "splitserve.timeline",
      "splitserve.metrics", "splitserve.cpus", "splitserve.tls", "splitserve.discovery", "splitserve.secret_file"},
     {"splitserve.errors"},

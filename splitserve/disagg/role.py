@@ -154,7 +154,9 @@ class DisaggRole:
         return (self.seams.io_probe or IoProbe)()
 
     def _transfer_opts(self) -> dict:
-        opts = {"host": self.advertise_host, "secret": self.secret} if self.server.transfer_backend == "tcp" else {}
+        from splitserve.disagg.transfer.base import get_backend
+
+        opts = get_backend(self.server.transfer_backend).options(self.advertise_host, self.secret)
         return {**opts, **self.seams.transfer_opts}
 
     def _cluster_secret(self):

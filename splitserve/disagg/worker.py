@@ -19,6 +19,7 @@ from splitserve.disagg.lifecycle import Deadlines
 from splitserve.disagg.seams import Seams
 from splitserve.disagg.transfer.thread import FaultConfig
 from splitserve.engine.async_engine import AsyncEngine
+from splitserve.transfer_backends import check_served
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,7 @@ def role_for(server: ServerConfig, deadlines: Deadlines, incarnation: Optional[s
     from splitserve.disagg.decode_role import DecodeRole
     from splitserve.disagg.prefill_role import PrefillRole
 
-    if server.transfer_backend not in ("nixl", "tcp"):
-        raise ValueError(f"--transfer-backend must be nixl or tcp, got {server.transfer_backend!r}")
+    check_served(server.transfer_backend)
     cls = {"prefill": PrefillRole, "decode": DecodeRole}.get(server.role)
     if cls is None:
         raise ValueError(f"--role must be colocated, prefill or decode, got {server.role!r}")

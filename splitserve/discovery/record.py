@@ -23,9 +23,10 @@ import re
 from typing import Optional
 from urllib.parse import urlsplit
 
+from splitserve.transfer_backends import SERVED
+
 PREFILL, DECODE = "prefill", "decode"
 ROLES = (PREFILL, DECODE)
-BACKENDS = ("nixl", "tcp")
 MAX_RECORD_BYTES = 4096
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@\[\]-]{0,127}")
 INCARNATION_PATTERN = re.compile(r"[A-Za-z0-9]{1,64}")
@@ -148,8 +149,8 @@ def parse_record(data: bytes | str | dict) -> WorkerRecord:
     if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 1 << 31:
         raise ValueError(f"protocol_version: a non-negative integer, not {_show(version)}")
     backend = data.get("transfer_backend")
-    if backend not in BACKENDS:
-        raise ValueError(f"transfer_backend: one of {', '.join(BACKENDS)}, not {_show(backend)}")
+    if backend not in SERVED:
+        raise ValueError(f"transfer_backend: one of {', '.join(SERVED)}, not {_show(backend)}")
     return WorkerRecord(check_id(data.get("id")), check_incarnation(data.get("incarnation")), role,
                         check_url(data.get("url")), port, model, version, backend)
 

@@ -56,6 +56,8 @@ from typing import Any, ClassVar, Optional
 import msgpack
 import torch
 
+from splitserve.transfer_backends import BACKENDS
+
 METADATA_VERSION = 1
 
 
@@ -201,6 +203,26 @@ class TransferBackend(ABC):
     def remove_peer(self, peer_name: str) -> None:
         """Forget a peer; its pending writes become FAILED(peer_removed). Unknown names are a no-op."""
 
+    # -- what a worker builds this backend with (class hooks: the worker asks before it has one) --
+
+    @classmethod
+    def options(cls, host: str, secret: Any) -> dict:
+        """Keyword arguments a worker builds this backend with beyond its name and pool, given the
+        address it advertises and its cluster secret (tcp: where it listens, CURVE); none here."""
+        return {}
+
+    @classmethod
+    def prepare_receiver(cls) -> None:
+        """Set the process up before its first receiving link (``links.py``; NIXL: UCX off shared
+        memory, which closing a link cannot fence). Nothing here."""
+
+    @classmethod
+    def receiver_options(cls, page_nbytes: Optional[int]) -> dict:
+        """A receiving link's extra keyword arguments, for a pool of pages of ``page_nbytes``
+        (tcp: refuse every byte outside the pages a writer was allowed). None here: NIXL's
+        one-sided writes reach the whole registered pool whatever the receiver says."""
+        return {}
+
     @abstractmethod
     def write(self, peer_name: str, spans: Sequence[Span], notif: bytes) -> Handle:
         """Start writing ``spans`` into the peer, then deliver ``notif`` to it. Never blocks on the
@@ -235,6 +257,15 @@ class TransferBackend(ABC):
         ``links.py`` relies on)."""
 
     # -- helpers shared by the backends -------------------------------------------------------
+
+    def _refusal(self, peer_name: str, spans: Sequence[Span], peer_nbytes: Optional[int]) -> Optional[str]:
+        """Why every backend refuses a write at once (closed; ``peer_nbytes`` None: the peer is not
+        known; spans out of either pool), or None."""
+        if self._closed:
+            return "closed"
+        if peer_nbytes is None:
+            return f"unknown_peer: {peer_name!r}"
+        return self._bad_spans(spans, peer_nbytes)
 
     def _bad_spans(self, spans: Sequence[Span], remote_nbytes: int) -> Optional[str]:
         """Why ``spans`` cannot be written (a reason string), or None when they are in bounds."""
@@ -294,23 +325,16 @@ def decode_metadata(data: bytes, backend: str, peer_name: str) -> dict[str, Any]
 
 # -- registry with lazy imports: a machine without nixl can still use tcp -----------------------
 
-_BACKENDS: dict[str, tuple[str, str]] = {
-    "nixl": ("splitserve.disagg.transfer.nixl", "NixlBackend"),
-    "tcp": ("splitserve.disagg.transfer.tcp", "TcpBackend"),
-    "fake": ("splitserve.disagg.transfer.fake", "FakeBackend"),
-}
-
-
 def backend_names() -> list[str]:
-    return list(_BACKENDS)
+    return list(BACKENDS)
 
 
 def get_backend(name: str) -> type[TransferBackend]:
     """The backend class registered as ``name``; importing it only now."""
     try:
-        module, cls = _BACKENDS[name]
+        module, cls = BACKENDS[name].split(":")
     except KeyError:
-        raise ValueError(f"unknown transfer backend {name!r}; known: {', '.join(_BACKENDS)}") from None
+        raise ValueError(f"unknown transfer backend {name!r}; known: {', '.join(BACKENDS)}") from None
     try:
         return getattr(importlib.import_module(module), cls)
     except ImportError as e:

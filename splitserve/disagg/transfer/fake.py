@@ -99,11 +99,7 @@ class FakeBackend(TransferBackend):
         spans = tuple(spans)
         h = FakeHandle(peer_name, sum(s.nbytes for s in spans), len(spans), spans=spans, notif=bytes(notif),
                        polls_left=self.polls_to_complete)
-        if self._closed:
-            h.state = refused("closed")
-        elif peer_name not in self._peers:
-            h.state = refused(f"unknown_peer: {peer_name!r}")
-        elif (reason := self._bad_spans(spans, self._peer_nbytes[peer_name])) is not None:
+        if (reason := self._refusal(peer_name, spans, self._peer_nbytes.get(peer_name))) is not None:
             h.state = refused(reason)
         elif self._hooks.stall:
             self._hooks.stall -= 1

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -74,12 +75,36 @@ class _Peer:
     dev: int
 
 
+SHARED_MEMORY_TLS = ("sm", "cma", "posix", "sysv", "xpmem", "knem", "all")
+
+
+def keep_ucx_off_shared_memory() -> None:
+    """Before the first NIXL agent of a process that receives: UCX without its shared-memory
+    transports, which closing a link cannot fence (module docstring). An operator's own
+    ``UCX_TLS`` is kept, with a warning if it lets them in."""
+    tls = os.environ.get("UCX_TLS")
+    if tls is None:
+        os.environ["UCX_TLS"] = "^sm"
+        return
+    names = {t.strip() for t in tls.lstrip("^").split(",")}
+    excluded = tls.startswith("^")
+    unfenced = ("sm" not in names and "cma" not in names) if excluded else bool(names & set(SHARED_MEMORY_TLS))
+    if unfenced:
+        log.warning("UCX_TLS=%s lets same-host writers use shared memory, which closing a receiving link does "
+                    "not fence: a frozen writer declared lost could still write into reused pages "
+                    "(unset UCX_TLS, or exclude sm)", tls)
+
+
 def _reason(prefix: str, e: BaseException) -> str:
     return f"{prefix}: {type(e).__name__}: {e}"
 
 
 class NixlBackend(TransferBackend):
     name = "nixl"
+
+    @classmethod
+    def prepare_receiver(cls) -> None:
+        keep_ucx_off_shared_memory()
 
     def __init__(
         self,
@@ -148,11 +173,7 @@ class NixlBackend(TransferBackend):
         self._retry_zombies()
         h = NixlHandle(peer_name, sum(s.nbytes for s in spans), len(spans))
         peer = self._peers.get(peer_name)
-        if self._closed:
-            h.state = refused("closed")
-        elif peer is None:
-            h.state = refused(f"unknown_peer: {peer_name!r}")
-        elif (reason := self._bad_spans(spans, peer.nbytes)) is not None:
+        if (reason := self._refusal(peer_name, spans, peer.nbytes if peer is not None else None)) is not None:
             h.state = refused(reason)
         elif not spans and not notif:
             h.state = DONE

@@ -97,6 +97,14 @@ class _Peer:
 class TcpBackend(TransferBackend):
     name = "tcp"
 
+    @classmethod
+    def options(cls, host: str, secret: Any) -> dict:
+        return {"host": host, "secret": secret}
+
+    @classmethod
+    def receiver_options(cls, page_nbytes: Optional[int]) -> dict:
+        return {"writable_page_nbytes": page_nbytes} if page_nbytes is not None else {}
+
     def __init__(
         self,
         agent_name: str,
@@ -196,11 +204,7 @@ class TcpBackend(TransferBackend):
     def write(self, peer_name: str, spans: Sequence[Span], notif: bytes) -> TcpHandle:
         h = TcpHandle(peer_name, sum(s.nbytes for s in spans), len(spans), notif=bytes(notif))
         peer = self._peers.get(peer_name)
-        if self._closed:
-            h.state = refused("closed")
-        elif peer is None:
-            h.state = refused(f"unknown_peer: {peer_name!r}")
-        elif (reason := self._bad_spans(spans, peer.nbytes)) is not None:
+        if (reason := self._refusal(peer_name, spans, peer.nbytes if peer is not None else None)) is not None:
             h.state = refused(reason)
         elif len(h.notif) > peer.max_notif:
             h.state = refused(f"notif_too_large: {len(h.notif)} B, peer takes {peer.max_notif} B")
