@@ -176,3 +176,13 @@ def test_two_processes_share_the_weight_pages(folder, kernels, tmp_path):
             assert pss <= 0.6 * rss, (pss, rss)  # half each, give or take the header page
     finally:
         child.communicate("\n", timeout=60)
+
+
+def test_an_unwritable_cache_leaves_the_weights_private(folder, kernels, tmp_path):
+    """Where the file cannot be written (its folder is a file here) the worker keeps its own copy."""
+    model, spec = _load(folder, kernels)
+    before = _logits(model, spec)
+    (tmp_path / "taken").write_text("")
+    shared = packed_file.share_weights(model, min_bytes=0, cache_dir=tmp_path / "taken")
+    assert shared.path is None and shared.mapped_bytes == 0 and shared.private_bytes > 0
+    assert torch.equal(_logits(model, spec), before)

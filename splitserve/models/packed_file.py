@@ -142,8 +142,12 @@ def share_weights(model: torch.nn.Module, identity: Optional[dict] = None, min_b
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "packed"
     path = folder / f"{_safe(identity.get('name', 'model'))}-{key[:20]}.weights"
     header = {"version": FORMAT_VERSION, "key": key, "table": rows}
-    wrote = write_file_once(path, lambda f: write_tensors(f, header, tensors),
-                            lambda p: mapped_if_valid(p, key, rows, tensors) is not None)
+    try:
+        wrote = write_file_once(path, lambda f: write_tensors(f, header, tensors),
+                                lambda p: mapped_if_valid(p, key, rows, tensors) is not None)
+    except OSError as exc:  # a full disk, a read-only cache: serve from our own copy
+        log.warning("cannot write the shared weights file %s (%s); this worker keeps its own copy", path, exc)
+        return Shared(None, 0, total + private)
     whole = mapped_if_valid(path, key, rows, tensors)
     if whole is None:  # replaced by a broken one since: keep our own copy
         log.warning("the shared weights file %s failed its check just after it was written; weights stay private",
