@@ -295,3 +295,23 @@ def test_a_record_naming_another_incarnation_replaces_a_worker_only_once_it_is_o
 def dataclasses_tail(record) -> tuple:
     return (record.role, record.url, record.bootstrap_port, record.model, record.protocol_version,
             record.transfer_backend)
+
+
+def test_a_worker_that_says_it_is_leaving_drains_once_its_record_is_gone():
+    from splitserve.metrics import Registry
+    from splitserve.router.discovery import Discovery
+
+    async def main():
+        state = FakeState()
+        discovery = Discovery(state, Registry(), absent_grace_s=10, clock=lambda: 0.0)
+        discovery.apply(records(2))
+        for w in state.workers.all():
+            w.healthy = w.proven = w.leaving = True
+        discovery.apply(records(2))  # its record still there: it serves on
+        assert ids(state, draining=True) == set()
+        discovery.apply(records(2)[1:])
+        assert ids(state, draining=True) == {"d-0"}
+        for task in state.tasks:
+            task.cancel()
+
+    asyncio.run(main())

@@ -149,9 +149,9 @@ class Discovery:
                 continue
             first = worker_id not in self.absent_since
             since = self.absent_since.setdefault(worker_id, now)
-            if not worker.routable:
+            if not worker.routable or worker.leaving:
                 gone = "is gone" if record is None else f"names incarnation {record.incarnation}"
-                self._drain(worker, f"its record {gone} and it is not in rotation")
+                self._drain(worker, f"its record {gone} and it is {'leaving' if worker.leaving else 'not in rotation'}")
             elif now - since >= self.absent_grace_s:
                 overdue.append((since, worker))
             elif first and self.state.checker is not None:  # its answer may say it left: then it drains now
@@ -163,7 +163,7 @@ class Discovery:
     async def _confirm(self, worker: Worker) -> None:
         """Check a worker whose record just went; drain it if it is not routable (still absent)."""
         await self.state.checker.check(worker)
-        if worker.id in self.absent_since and not worker.routable and not worker.draining:
+        if worker.id in self.absent_since and (not worker.routable or worker.leaving) and not worker.draining:
             self._drain(worker, "its record is gone or names another incarnation, and it is not in rotation")
 
     def _join(self, record) -> None:

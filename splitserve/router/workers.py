@@ -22,7 +22,8 @@ that carries no well-formed identity is no splitserve worker, and is never taken
 holds a key: an answer without a proof under one of its keys (``discovery/proof.py``) takes the
 worker out of rotation at once, and only a worker whose last answer proved itself is routable
 and gets calls carrying the worker key (``worker_trust.py``). A worker that says it is
-``leaving`` (it left discovery at SIGTERM or for a role switch) is out of rotation at once too. ``health_failures`` consecutive failures
+``leaving`` (it left discovery at SIGTERM or for a role switch) is noted: discovery drains it at
+once when its record is gone too. ``health_failures`` consecutive failures
 take a worker out of rotation; one success brings it back. A worker starts out of rotation until
 its first successful check, so the router never sends a request to a worker it has not seen up.
 When a worker comes (back) up, the checker also asks its ``/v1/models`` for the served model's
@@ -97,7 +98,7 @@ class Worker:
     proven: bool = False
     """Its last health check's answer proved it holds a key this router holds (``worker_trust.py``):
     only then is it routable and do calls to its address carry the worker key."""
-    leaving: bool = False  # its last answer said it left discovery on its way out: no new legs
+    leaving: bool = False  # its last answer said it left discovery on its way out (discovery.py)
     serial: int = field(default_factory=lambda: next(_serial))
     """The router's own number for this worker object (a new incarnation of a discovered worker is
     a new object; a static worker's restart is the same object with a new :attr:`key`)."""
@@ -303,10 +304,8 @@ class HealthChecker:
         if error is None:
             error = self.proof_error(worker.url, body, nonce) or self._identity_error(worker, body)
             worker.proven = error is None  # it holds our key and is who it should be
-            worker.leaving = body.get("leaving") is True
-            if error is None and worker.leaving:
-                error = "it left discovery: it is shutting down or switching its role"
-            if error is not None:  # another process on its address, or one on its way out: out at once
+            worker.leaving = body.get("leaving") is True  # discovery drains it once its record is gone too
+            if error is not None:  # another process on its address: out at once, not after a count
                 if worker.healthy:
                     log.warning("%s: %s, out of rotation", worker.describe(), error)
                 worker.healthy, worker.failures, worker.last_error = False, worker.failures + 1, error
