@@ -59,8 +59,15 @@ def _load(folder, kernels):
 
 
 def _logits(model, spec) -> torch.Tensor:
+    """The logits of three fixed rows, then every projection's output on fixed rows, concatenated."""
+    from splitserve.layers.linear import Linear
+
     hidden = torch.linspace(-1, 1, 3 * spec.hidden_size).reshape(3, spec.hidden_size)
-    return model.compute_logits(hidden)
+    outputs = [model.compute_logits(hidden).flatten()]
+    for m in model.modules():
+        if isinstance(m, Linear):
+            outputs.append(m(torch.linspace(-1, 1, 3 * m.in_features).reshape(3, m.in_features)).flatten())
+    return torch.cat(outputs)
 
 
 def test_weights_are_written_once_then_mapped_with_the_same_results(folder, kernels, tmp_path):
