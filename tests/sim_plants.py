@@ -267,7 +267,28 @@ def engine_ended_sessions_while_hand_overs_raise(seed: int, requests: int):
     return replace(base, faults=tuple(sorted(faults, key=lambda f: (f.at, f.kind))))
 
 
-DIRECTED = {"found: a session's transfer reset lost with its hand-over": engine_ended_sessions_while_hand_overs_raise}
+def prefills_killed_while_decodes_are_wedged(seed: int, requests: int):
+    """A scenario for "an answer to a caller that stopped waiting": a prefill that fails before it
+    accepted a request makes the router end decode's leg with its cause (``POST /abort_request``,
+    bounded by 2 s); while decode's engine loop is wedged that call gives up, its future is
+    cancelled, and the loop meets the call later. Here, four times, every decode is wedged for
+    4 s and a prefill is killed a second in. Drawn seeds reach that rarely (seed 6187 stopped
+    reaching it when the scheduler's admission changed)."""
+    from dataclasses import replace
+
+    from splitserve.sim.scenario import Fault, Scenario
+
+    base = Scenario.draw(seed, requests, quiet=True)
+    faults = []
+    for k in range(4):
+        at = base.arrival_s / 4 * (k + 0.3)
+        faults += [Fault("wedge", at, 4.0, f"decode{i}") for i in range(base.decodes)]
+        faults.append(Fault("kill", at + 1.0, 3.0, f"prefill{k % base.prefills}"))
+    return replace(base, faults=tuple(sorted(faults, key=lambda f: (f.at, f.kind))))
+
+
+DIRECTED = {"found: a session's transfer reset lost with its hand-over": engine_ended_sessions_while_hand_overs_raise,
+            "found: an answer to a caller that stopped waiting": prefills_killed_while_decodes_are_wedged}
 """RARE bugs shown by a scenario built to reach them (a seed and requests go in) rather than a drawn seed."""
 
 

@@ -267,10 +267,10 @@ def test_a_planted_bug_is_caught(bug, caught, capsys):
 # seeds that caught a real bug (tests/sim_plants.py, "found: ..."), kept as regression cases: (seed, requests)
 FOUND = {"a write call that raises": (4, 100), "a StartWrite hand-over that raises": (23, 100),
          "a room answered in the page queue": (12, 100),
-         "a record forgotten while its sequence waits preempted": (4535, 300),
-         "an answer to a caller that stopped waiting": (6187, 300)}
-# "a session's transfer reset lost with its hand-over" (tests/sim_plants.py, RARE) has a scenario
-# (sim_plants.DIRECTED) instead of a seed: seed 1205 stopped reaching it, and drawn seeds rarely do
+         "a record forgotten while its sequence waits preempted": (4535, 300)}
+# "a session's transfer reset lost with its hand-over" and "an answer to a caller that stopped
+# waiting" (tests/sim_plants.py, RARE) have a scenario (sim_plants.DIRECTED) instead of a seed:
+# seeds 1205 and 6187 stopped reaching them, and drawn seeds rarely do
 DIRECTED_SEED, DIRECTED_REQUESTS = 1, 60
 
 
