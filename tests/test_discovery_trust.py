@@ -8,7 +8,6 @@ are checked on :meth:`Discovery.apply` with a clock of the test's. Lists are cou
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import secrets
 

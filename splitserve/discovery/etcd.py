@@ -39,7 +39,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-import time
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
