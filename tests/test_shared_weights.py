@@ -62,33 +62,45 @@ def _logits(model, spec) -> torch.Tensor:
     """The logits of three fixed rows, then every projection's output on fixed rows, concatenated."""
     from splitserve.layers.linear import Linear
 
-    hidden = torch.linspace(-1, 1, 3 * spec.hidden_size).reshape(3, spec.hidden_size)
-    outputs = [model.compute_logits(hidden).flatten()]
+    rows = lambda n: torch.linspace(-1, 1, 3 * n).reshape(3, n).to(spec.dtype)  # noqa: E731
+    outputs = [model.compute_logits(rows(spec.hidden_size)).flatten()]
     for m in model.modules():
         if isinstance(m, Linear):
-            outputs.append(m(torch.linspace(-1, 1, 3 * m.in_features).reshape(3, m.in_features)).flatten())
+            outputs.append(m(rows(m.in_features)).float().flatten())
     return torch.cat(outputs)
 
 
-def test_weights_are_written_once_then_mapped_with_the_same_results(folder, kernels, tmp_path):
-    """The first load writes the file and every weight becomes a view of it, the logits unchanged;
-    a second load reuses it without writing."""
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """The model cache (the shared files under ``packed/``), empty."""
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _in_file(model, path: Path) -> bool:
+    tensors, _ = packed_file.model_tensors(model)
+    return bool(tensors) and all(t.untyped_storage().nbytes() == path.stat().st_size for t in tensors.values())
+
+
+def test_weights_are_written_once_then_mapped_with_the_same_results(folder, kernels, cache):
+    """The first load writes the file and every weight becomes a view of it, the results unchanged;
+    a second load maps it instead of loading the checkpoint, and sharing then writes nothing."""
     model, spec = _load(folder, kernels)
     before = _logits(model, spec)
-    first = packed_file.share_weights(model, min_bytes=0, cache_dir=tmp_path)
+    first = packed_file.share_weights(model, min_bytes=0)
     assert first.rebuilt and first.path.is_file() and first.mapped_bytes > 0 and first.private_bytes == 0
-    size = first.path.stat().st_size
-    tensors, _ = packed_file.model_tensors(model)
-    assert all(t.untyped_storage().nbytes() == size for t in tensors.values())  # all in the one mapping
+    assert _in_file(model, first.path)  # all in the one mapping
     if kernels:
-        assert any(name.endswith(".quant") for name in tensors)  # the kernels' packed blocks are shared
+        assert any(name.endswith(".quant") for name in packed_file.model_tensors(model)[0])  # the packed blocks
     assert torch.equal(_logits(model, spec), before)
 
     again, _ = _load(folder, kernels)
-    second = packed_file.share_weights(again, min_bytes=0, cache_dir=tmp_path)
+    assert _in_file(again, first.path)  # mapped by the loader, the checkpoint not read
+    assert torch.equal(_logits(again, spec), before)
+    second = packed_file.share_weights(again, min_bytes=0)
     assert second.path == first.path and not second.rebuilt
     assert torch.equal(_logits(again, spec), before)
-    assert [p.name for p in tmp_path.iterdir() if not p.name.startswith(".")] == [first.path.name]
+    assert [p.name for p in first.path.parent.iterdir() if not p.name.startswith(".")] == [first.path.name]
 
 
 def _truncate(path: Path) -> None:
@@ -100,14 +112,24 @@ def _bad_magic(path: Path) -> None:
         f.write(b"NOTMINE!")
 
 
-def _flip_first_tensor_byte(path: Path) -> None:
+def _flip(path: Path, first: bool) -> None:
+    """One byte of the first tensor's first 4 KiB (or the last one's last) inverted."""
     header = packed_file.read_header(path)
-    start = path.stat().st_size - header["table"][-1]["offset"] - header["table"][-1]["nbytes"]
+    end = path.stat().st_size
+    where = end - header["table"][-1]["offset"] - header["table"][-1]["nbytes"] if first else end - 1
     with open(path, "r+b") as f:  # the data starts where the last tensor's offset says, counted back
-        f.seek(start)
+        f.seek(where)
         byte = f.read(1)
-        f.seek(start)
+        f.seek(where)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def _flip_first_tensor_byte(path: Path) -> None:
+    _flip(path, first=True)
+
+
+def _flip_last_tensor_byte(path: Path) -> None:
+    _flip(path, first=False)
 
 
 def _other_version(path: Path) -> None:
@@ -115,19 +137,44 @@ def _other_version(path: Path) -> None:
     path.write_bytes(data)
 
 
-@pytest.mark.parametrize("damage", [_truncate, _bad_magic, _flip_first_tensor_byte, _other_version])
-def test_a_broken_file_is_rebuilt_never_trusted(folder, kernels, tmp_path, damage):
+@pytest.mark.parametrize("damage", [_truncate, _bad_magic, _flip_first_tensor_byte, _flip_last_tensor_byte,
+                                    _other_version])
+def test_a_broken_file_is_rebuilt_never_trusted(folder, kernels, cache, damage):
     """A file cut short, not one of ours, holding other bytes, or of another format version is
-    replaced by a good one, and the model computes what it computed before."""
+    neither mapped by the loader nor by sharing: it is replaced by a good one, and the model
+    computes what it computed before."""
     model, spec = _load(folder, kernels)
     before = _logits(model, spec)
-    path = packed_file.share_weights(model, min_bytes=0, cache_dir=tmp_path).path
+    path = packed_file.share_weights(model, min_bytes=0).path
     damage(path)
     again, _ = _load(folder, kernels)
-    shared = packed_file.share_weights(again, min_bytes=0, cache_dir=tmp_path)
+    assert not _in_file(again, path)  # the loader read the checkpoint
+    assert torch.equal(_logits(again, spec), before)
+    shared = packed_file.share_weights(again, min_bytes=0)
     assert shared.path == path and shared.rebuilt
     assert torch.equal(_logits(again, spec), before)
     assert packed_file.read_header(path)["size"] == path.stat().st_size
+    third, _ = _load(folder, kernels)
+    assert _in_file(third, path) and torch.equal(_logits(third, spec), before)
+
+
+def test_a_file_without_every_weight_the_model_needs_is_not_mapped_at_load(folder, cache):
+    """bfloat16 projections packed by oneDNN stay private, so their model's file holds only the
+    embedding and the norms: a later load of the same model reads the checkpoint instead."""
+    from splitserve.layers.linear import packing_available
+
+    if not packing_available(torch.bfloat16, "cpu"):
+        pytest.skip("oneDNN bf16 packing unavailable: every weight is in the file")
+    model, spec = load_model(folder, dtype="bfloat16", quantization="none", kernels=None)
+    before = _logits(model, spec)
+    model.pack_weights()
+    shared = packed_file.share_weights(model, min_bytes=0)
+    assert shared.path is not None and shared.private_bytes > shared.mapped_bytes > 0
+    names = {row["name"] for row in packed_file.read_header(shared.path)["table"]}
+    assert "model.embed_tokens.weight" in names and not any("proj" in name for name in names)
+    again, _ = load_model(folder, dtype="bfloat16", quantization="none", kernels=None)
+    assert not _in_file(again, shared.path)
+    assert torch.equal(_logits(again, spec), before)
 
 
 def test_nothing_is_shared_when_switched_off_or_below_the_size(folder, kernels, tmp_path, monkeypatch):

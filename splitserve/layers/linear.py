@@ -24,7 +24,8 @@ faster on this CPU (``bench/engine.py``); the results are the same bits.
 
 ``shared_tensors`` names the tensors a layer's weight is held in once loaded and packed, so that
 ``models/packed_file.py`` can point them at one file all of a host's workers map (oneDNN's packed
-copy is opaque: it cannot be mapped and stays private).
+copy is opaque: it cannot be mapped and stays private); ``shared_shapes`` says what a layer just
+made needs of such a file to run, and ``attach_shared`` takes it from there instead of loading.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.layers.quant import QuantWeight
+from splitserve.layers.quant import QuantWeight, packed_shape
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,14 @@ class Linear(nn.Linear):
         return {**dict(self.named_parameters(recurse=False)), "f32_packed": self.f32_packed, "packed": self.packed,
                 "quant": None if self.quant is None else self.quant.packed}
 
+    def shared_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """What a layer made but not loaded needs from a shared file: attribute -> (dtype, shape)."""
+        return _needed(self, self.out_features, self.in_features)
+
+    def attach_shared(self, attr: str, tensor: torch.Tensor, ops) -> None:
+        """Take ``attr`` (of ``shared_shapes``) as ``tensor``, a mapped file's view, instead of loading it."""
+        _attach(self, attr, tensor, ops, self.out_features, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.linear(x)
@@ -175,7 +184,34 @@ class Embedding(nn.Embedding):
         """The tensors holding the table as it runs (a tied head reads the same ones)."""
         return {"weight": self.weight, "quant": None if self.quant is None else self.quant.packed}
 
+    def shared_shapes(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return _needed(self, self.num_embeddings, self.embedding_dim)
+
+    def attach_shared(self, attr: str, tensor: torch.Tensor, ops) -> None:
+        _attach(self, attr, tensor, ops, self.num_embeddings, self.embedding_dim)
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant.rows(ids).to(self.weight.dtype).view(*ids.shape, self.embedding_dim)
         return super().forward(ids)
+
+
+def _needed(layer: nn.Module, N: int, K: int) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """A layer's parameters that hold values, and its packed blocks if it expects quantized ones."""
+    needed = {name: (str(p.dtype).removeprefix("torch."), tuple(p.shape))
+              for name, p in layer.named_parameters(recurse=False) if p.numel()}
+    if layer.quant_kind is not None:
+        needed["quant"] = ("uint8", packed_shape(layer.quant_kind, N, K))
+    return needed
+
+
+@torch.no_grad()
+def _attach(layer: nn.Module, attr: str, tensor: torch.Tensor, ops, N: int, K: int) -> None:
+    if attr == "quant":  # after the bias (shared_tensors' order), which the kernel reads as float32
+        bias = getattr(layer, "bias", None)
+        layer.quant = QuantWeight.from_packed(layer.quant_kind, tensor, N, K, ops, bias)
+        layer._staged = None
+    elif attr in dict(layer.named_parameters(recurse=False)):
+        getattr(layer, attr).set_(tensor)
+    else:
+        raise ValueError(f"{type(layer).__name__} has no shared tensor {attr!r}")

@@ -44,6 +44,17 @@ class RawQuant(NamedTuple):
     shape: tuple[int, int]  # (N, K): the matrix it holds
 
 
+PACKED_ROWS = 8  # quant_pack's group of output rows
+# bytes of one row's block once packed (Q4_K: its scales unpacked)
+PACKED_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 148}
+
+
+def packed_shape(kind: str, N: int, K: int) -> tuple[int, int]:
+    """The shape of ``quant_pack``'s output for an [N, K] matrix of ``kind``: [groups of 8 rows, bytes]."""
+    row_bytes(kind, K)
+    return -(-N // PACKED_ROWS), K // TYPES[kind][1] * PACKED_ROWS * PACKED_BLOCK_BYTES[kind]
+
+
 class QuantWeight:
     """An [N, K] weight of ``kind`` packed for ``ops`` (the compiled kernels' namespace)."""
 
@@ -52,10 +63,25 @@ class QuantWeight:
             raise ValueError(f"no kernel for {kind}; quantized types with one: {', '.join(TYPES)}")
         if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes(kind, K):
             raise ValueError(f"{kind} weight: raw rows [{tuple(raw.shape)}] {raw.dtype} do not hold K = {K}")
+        self._set(kind, raw.shape[0], K, ops, ops.quant_pack(raw.contiguous(), TYPES[kind][0], K), bias)
+
+    @classmethod
+    def from_packed(cls, kind: str, packed: torch.Tensor, N: int, K: int, ops,
+                    bias: Optional[torch.Tensor] = None) -> "QuantWeight":
+        """The weight from blocks ``quant_pack`` already packed (a shared file's): no copy is made."""
+        if kind not in TYPES:
+            raise ValueError(f"no kernel for {kind}; quantized types with one: {', '.join(TYPES)}")
+        if packed.dtype != torch.uint8 or tuple(packed.shape) != packed_shape(kind, N, K) or not packed.is_contiguous():
+            raise ValueError(f"{kind} [{N}, {K}]: packed blocks [{tuple(packed.shape)}] {packed.dtype} do not fit")
+        weight = cls.__new__(cls)
+        weight._set(kind, N, K, ops, packed, bias)
+        return weight
+
+    def _set(self, kind: str, N: int, K: int, ops, packed: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         self.kind, self.type_id = kind, TYPES[kind][0]
-        self.N, self.K = raw.shape[0], K
+        self.N, self.K = N, K
         self.ops = ops
-        self.packed = ops.quant_pack(raw.contiguous(), self.type_id, K)
+        self.packed = packed
         self.bias = None if bias is None else bias.detach().float().contiguous()
 
     @property

@@ -11,7 +11,9 @@ target device and filled from the safetensors files; a tensor the model needs bu
 lacks is an error naming it, so no parameter is ever left uninitialised.
 
 The model carries ``weights_identity`` (``checkpoint_identity``): what its weights' bytes follow
-from, the key by which a host's workers share one file of them (``packed_file.py``).
+from, the key by which a host's workers share one file of them (``packed_file.py``). Where that
+file exists and holds every weight the model needs as it is made (the quantized blocks already
+packed, the plain parameters), the model maps it and reads nothing of the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Iterable, Iterator, Optional, Union
 import torch
 from torch import nn
 
-from splitserve.models import get_model_class, quantized, supported_architectures
+from splitserve.models import get_model_class, packed_file, quantized, supported_architectures
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k")
@@ -115,11 +117,13 @@ def load_model(model_dir: Union[str, os.PathLike], dtype: Union[str, torch.dtype
         plan = quantized.make_plan(model.quantizable(), stored, quantization, kernels)
         model.expect_quantized(plan.layers)
     model = model.to(dtype=torch_dtype).to_empty(device=device)
-    model.load_weights(quantized.prepared(iter_weights(files), stored, plan, torch_dtype))
-    if plan.layers:
-        model.finish_quantized(kernels)
+    identity = checkpoint_identity(path, files, plan.summary(), torch_dtype, device, kernels is not None)
+    if packed_file.attach_file(model, identity, kernels) is None:  # no host's copy to map: load our own
+        model.load_weights(quantized.prepared(iter_weights(files), stored, plan, torch_dtype))
+        if plan.layers:
+            model.finish_quantized(kernels)
     model.eval().requires_grad_(False)
-    model.weights_identity = checkpoint_identity(path, files, plan.summary(), torch_dtype, device)
+    model.weights_identity = identity
     log.info("--quantization %s: %s", quantization, plan.summary())
 
     generation = read_generation_config(path)
@@ -162,9 +166,11 @@ def load_tokenizer(model_dir: Union[str, os.PathLike]):
 # -- pieces ----------------------------------------------------------------------------------------
 
 
-def checkpoint_identity(path: Path, files: list[Path], plan: str, dtype: torch.dtype, device: torch.device) -> dict:
+def checkpoint_identity(path: Path, files: list[Path], plan: str, dtype: torch.dtype, device: torch.device,
+                        kernels: bool) -> dict:
     """What a loaded model's weight bytes follow from: the folder, its config and quantization
-    manifest (hashed), each weight file's name, size and mtime, the quantization plan, dtype and device."""
+    manifest (hashed), each weight file's name, size and mtime, the quantization plan, dtype, device
+    and whether the compiled kernels run it (they repack float32 weights)."""
     def digest(name: str) -> str:
         file = path / name
         return hashlib.sha256(file.read_bytes()).hexdigest() if file.is_file() else ""
@@ -172,7 +178,7 @@ def checkpoint_identity(path: Path, files: list[Path], plan: str, dtype: torch.d
     stats = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     return {"name": path.name, "path": str(path), "config": digest("config.json"),
             "manifest": digest(quantized.MANIFEST), "files": stats, "plan": plan,
-            "dtype": str(dtype), "device": str(device)}
+            "dtype": str(dtype), "device": str(device), "kernels": kernels}
 
 
 def read_config(path: Path) -> dict:

@@ -17,13 +17,17 @@ and ``FORMAT_VERSION``. File layout::
 
     MAGIC (8 bytes) | header length (8, little-endian) | header JSON | tensors, each at a 4 KiB offset
 
-The header holds the version, the key, the file's total size and the table (name, dtype, shape,
-offset, bytes). A file is trusted only when its size, magic, version, key and table are what this
-process expects and the first and last 4 KiB of every tensor equal the process's own (a sample,
-not a hash: a layout the key missed shows in every tensor); else it is rebuilt. It is written under
-a lock into a temporary file renamed into place (``cache.write_file_once``), so a worker never maps a
-half-written one. Tensors that cannot be mapped (oneDNN's opaque packed bfloat16 weights, the
-packed copy of a tied bfloat16 head) stay private; ``Shared`` counts them.
+The header holds the version, the key, the file's total size, the table (name, dtype, shape,
+offset, bytes) and a hash of each tensor's first and last 4 KiB. A file is trusted only when its
+size, magic, version, key and table are what this process expects and the first and last 4 KiB of
+every tensor check out: against the process's own bytes when it has loaded them (a layout the key
+missed shows in every tensor), else against the header's hashes (``attach_file``: a model made but
+not loaded maps the file instead of reading the checkpoint). A sample, not a whole hash, which
+would cost seconds at every start; a file that fails is rebuilt. It is written under a lock into a
+temporary file renamed into place (``cache.write_file_once``), so a worker never maps a
+half-written one, and never changed in place (a mapping past a shortened file's end would fault).
+Tensors that cannot be mapped (oneDNN's opaque packed bfloat16 weights, the packed copy of a tied
+bfloat16 head) stay private; ``Shared`` counts them.
 """
 
 from __future__ import annotations
@@ -111,12 +115,19 @@ def table(tensors: dict[str, torch.Tensor]) -> list[dict]:
     return rows
 
 
-def file_key(identity: dict, rows: list[dict], build: str) -> str:
-    """The hash naming the file: the checkpoint's identity, the kernels' build, the table, the format."""
-    layout = [{k: r[k] for k in ("name", "dtype", "shape")} for r in rows]
-    text = json.dumps({"version": FORMAT_VERSION, "identity": identity, "build": build, "torch": torch.__version__,
-                       "table": layout}, sort_keys=True)
+def file_key(identity: dict, build: str) -> str:
+    """The hash naming the file: the checkpoint's identity, the kernels' build, torch, the format (the
+    table is the header's, compared: a loader knows the key before it has the tensors)."""
+    text = json.dumps({"version": FORMAT_VERSION, "identity": identity, "build": build, "torch": torch.__version__},
+                      sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def file_path(identity: dict, folder: Optional[Path] = None) -> tuple[Path, str]:
+    """Where the file of a checkpoint ``identity`` lives, and its key."""
+    key = file_key(identity, kernels_build())
+    folder = Path(folder) if folder is not None else cache_root() / "packed"
+    return folder / f"{_safe(identity.get('name', 'model'))}-{key[:20]}.weights", key
 
 
 def kernels_build() -> str:
@@ -138,10 +149,9 @@ def share_weights(model: torch.nn.Module, identity: Optional[dict] = None, min_b
     total = sum(r["nbytes"] for r in rows)
     if identity is None or not enabled() or total < max(min_bytes, 1):
         return Shared(None, 0, total + private)
-    key = file_key(identity, rows, kernels_build())
-    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "packed"
-    path = folder / f"{_safe(identity.get('name', 'model'))}-{key[:20]}.weights"
-    header = {"version": FORMAT_VERSION, "key": key, "table": rows}
+    path, key = file_path(identity, cache_dir)
+    header = {"version": FORMAT_VERSION, "key": key, "table": rows,
+              "samples": [sample_digest(t.detach().reshape(-1).view(torch.uint8)) for t in tensors.values()]}
     try:
         wrote = write_file_once(path, lambda f: write_tensors(f, header, tensors),
                                 lambda p: mapped_if_valid(p, key, rows, tensors) is not None)
@@ -158,6 +168,93 @@ def share_weights(model: torch.nn.Module, identity: Optional[dict] = None, min_b
     log.info("weights: %.1f MiB mapped from %s (%s); %.1f MiB private", total / 2**20, path,
              "written" if wrote else "reused", private / 2**20)
     return Shared(path, total, private, wrote)
+
+
+def attach_file(model: torch.nn.Module, identity: dict, ops, cache_dir: Optional[Path] = None) -> Optional[Shared]:
+    """Give a model just made (not loaded) its weights from the host's file, if a valid one holds
+    exactly what it needs (``shared_shapes``; every other module's parameters): its size, magic,
+    version, key and table checked, and each tensor's first and last 4 KiB against the header's
+    hashes. None, having changed nothing, where there is none, it does not fit or fails a check,
+    or ``SPLITSERVE_SHARED_WEIGHTS`` is off. ``ops``: the compiled kernels the quantized layers run on."""
+    if not enabled():
+        return None
+    path, key = file_path(identity, cache_dir)
+    header = read_header(path)
+    if header is None or header.get("version") != FORMAT_VERSION or header.get("key") != key:
+        return None
+    rows = header.get("table")
+    needed = {}
+    for prefix, module in model.named_modules():
+        own = module.shared_shapes() if hasattr(module, "shared_shapes") else \
+            {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape))
+             for n, p in module.named_parameters(recurse=False) if p.numel()}
+        needed.update({f"{prefix}.{n}" if prefix else n: (d, list(shape)) for n, (d, shape) in own.items()})
+    if not _fits(header, needed):
+        return None
+    try:
+        if os.stat(path).st_size != header.get("size"):
+            return None
+        whole = torch.from_file(str(path), shared=False, size=header["size"], dtype=torch.uint8)
+    except (OSError, RuntimeError, TypeError):
+        return None
+    start = _data_start({k: v for k, v in header.items() if k != "size"})
+    views = [whole[start + row["offset"]:start + row["offset"] + row["nbytes"]] for row in rows]
+    if header.get("samples") != [sample_digest(v) for v in views]:
+        log.warning("%s: its contents do not match its header; loading the checkpoint (it is rebuilt)", path)
+        return None
+    for row, view in zip(rows, views):
+        prefix, _, attr = row["name"].rpartition(".")
+        view = view.view(_DTYPES[row["dtype"]]).view(row["shape"])
+        module = model.get_submodule(prefix)
+        if hasattr(module, "attach_shared"):
+            module.attach_shared(attr, view, ops)
+        else:
+            with torch.no_grad():
+                getattr(module, attr).set_(view)
+    total = sum(r["nbytes"] for r in rows)
+    log.info("weights: %.1f MiB mapped from %s, not loaded", total / 2**20, path)
+    return Shared(path, total, 0)
+
+
+def sample_digest(flat: torch.Tensor) -> str:
+    """A hash of a tensor's first and last ``SAMPLE`` bytes (``flat``: its bytes): the header's check of
+    a file's contents where there is no copy to compare with (a whole hash would cost seconds)."""
+    n = min(SAMPLE, flat.numel())
+    return hashlib.sha256(flat[:n].numpy().tobytes() + flat[-n:].numpy().tobytes()).hexdigest()[:32]
+
+
+def _fits(header: dict, needed: dict) -> bool:
+    """The header's table names exactly ``needed`` (name -> (dtype, shape)), laid out as ``table``
+    lays it out, and its size is where the last tensor ends."""
+    rows = header.get("table")
+    try:
+        if {r["name"]: (r["dtype"], r["shape"]) for r in rows} != needed or table_of(rows) != rows:
+            return False
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return False
+    return header.get("size") == _end(header, rows)
+
+
+def _end(header: dict, rows: list[dict]) -> int:
+    start = _data_start({k: v for k, v in header.items() if k != "size"})
+    return start + (rows[-1]["offset"] + rows[-1]["nbytes"] if rows else 0)
+
+
+def table_of(rows: list[dict]) -> list[dict]:
+    """``rows`` with their offsets and sizes as ``table`` lays out such tensors (a header's check)."""
+    out, offset = [], 0
+    for r in rows:
+        nbytes = _nbytes(r)
+        out.append({**r, "offset": offset, "nbytes": nbytes})
+        offset += -(-nbytes // ALIGN) * ALIGN
+    return out
+
+
+def _nbytes(row: dict) -> int:
+    count = 1
+    for n in row["shape"]:
+        count *= n
+    return count * torch.empty(0, dtype=_DTYPES[row["dtype"]]).element_size()
 
 
 def _safe(name: str) -> str:
@@ -214,7 +311,7 @@ def mapped_if_valid(path: Path, key: str, rows: list[dict], tensors: dict[str, t
         return None
     size = header.get("size")
     try:
-        if not isinstance(size, int) or os.stat(path).st_size != size or size == 0:
+        if size != _end(header, rows) or os.stat(path).st_size != size or size == 0:
             return None
         whole = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
     except (OSError, RuntimeError):
