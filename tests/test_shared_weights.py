@@ -82,6 +82,10 @@ def _in_file(model, path: Path) -> bool:
     return bool(tensors) and all(t.untyped_storage().nbytes() == path.stat().st_size for t in tensors.values())
 
 
+def _mappings(model) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in packed_file.model_tensors(model)[0].values()}
+
+
 def test_weights_are_written_once_then_mapped_with_the_same_results(folder, kernels, cache):
     """The first load writes the file and every weight becomes a view of it, the results unchanged;
     a second load maps it instead of loading the checkpoint, and sharing then writes nothing."""
@@ -97,8 +101,10 @@ def test_weights_are_written_once_then_mapped_with_the_same_results(folder, kern
     again, _ = _load(folder, kernels)
     assert _in_file(again, first.path)  # mapped by the loader, the checkpoint not read
     assert torch.equal(_logits(again, spec), before)
+    mapping = _mappings(again)
     second = packed_file.share_weights(again, min_bytes=0)
     assert second.path == first.path and not second.rebuilt
+    assert _mappings(again) == mapping  # the loader's mapping kept, not mapped twice
     assert torch.equal(_logits(again, spec), before)
     assert [p.name for p in first.path.parent.iterdir() if not p.name.startswith(".")] == [first.path.name]
 

@@ -150,6 +150,8 @@ def share_weights(model: torch.nn.Module, identity: Optional[dict] = None, min_b
     if identity is None or not enabled() or total < max(min_bytes, 1):
         return Shared(None, 0, total + private)
     path, key = file_path(identity, cache_dir)
+    if getattr(model, "weights_file", None) == path and _mapped_from(path, key, rows):
+        return Shared(path, total, private)  # the loader mapped it: nothing to write or point
     header = {"version": FORMAT_VERSION, "key": key, "table": rows,
               "samples": [sample_digest(t.detach().reshape(-1).view(torch.uint8)) for t in tensors.values()]}
     try:
@@ -212,8 +214,15 @@ def attach_file(model: torch.nn.Module, identity: dict, ops, cache_dir: Optional
             with torch.no_grad():
                 getattr(module, attr).set_(view)
     total = sum(r["nbytes"] for r in rows)
+    model.weights_file = path
     log.info("weights: %.1f MiB mapped from %s, not loaded", total / 2**20, path)
     return Shared(path, total, 0)
+
+
+def _mapped_from(path: Path, key: str, rows: list[dict]) -> bool:
+    """The file at ``path`` is still the one of ``key`` and ``rows`` (not replaced since it was mapped)."""
+    header = read_header(path)
+    return header is not None and header.get("key") == key and header.get("table") == rows
 
 
 def sample_digest(flat: torch.Tensor) -> str:
