@@ -160,9 +160,13 @@ def main(argv: list[str] | None = None) -> int:
 
 def _worker_address(flag: str, item: list[str]) -> WorkerAddress:
     """``--prefill URL [BOOTSTRAP_PORT] [id=ID]`` or ``--decode URL [id=ID]``, read."""
-    from splitserve.discovery.record import check_id
+    from splitserve.discovery.record import check_id, check_url
 
-    url, rest, worker_id, port = item[0].rstrip("/"), item[1:], None, None
+    try:  # the same check as a discovered or POSTed worker's URL: nothing but http(s)://HOST:PORT
+        url = check_url(item[0], f"{flag} URL")
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
+    rest, worker_id, port = item[1:], None, None
     if rest and rest[-1].startswith("id="):
         try:
             worker_id = check_id(rest.pop()[3:], f"{flag} {url} id")

@@ -329,6 +329,9 @@ def test_the_tests_own_server_process_is_not_fooled_by_a_process_on_its_port():
     (["--prefill", "http://p:1", "x", "--decode", "http://d:2"], "is not a number"),
     (["--prefill", "http://p:1", "--decode", "http://d:2", "7"], "--decode takes a URL and an optional id=ID"),
     (["--prefill", "http://p:1", "id=", "--decode", "http://d:2"], "a worker id is"),
+    (["--prefill", "http://p:1\t", "--decode", "http://d:2"], "printable ASCII"),
+    (["--prefill", "http://p:1", "--decode", "http://d:2/v1"], "is not http"),
+    (["--prefill", "p:1", "--decode", "http://d:2"], "is not http"),
 ])
 def test_router_workers_on_the_command_line_may_name_their_ids(argv, want):
     from splitserve.cli import build_parser, router_config_from

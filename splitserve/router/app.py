@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import secrets
 import signal
@@ -58,6 +59,7 @@ from splitserve.errors import FLUSH_WAIT_S, error_body
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.router import debug, membership, split
+from splitserve.router.answers import LARGE_ANSWER_BYTES, SMALL_ANSWER_BYTES, read_answer
 from splitserve.router.discovery import Discovery
 from splitserve.router.legs import describe_error
 from splitserve.router.metrics import RouterMetrics
@@ -65,7 +67,7 @@ from splitserve.router.policy import CacheKnobs, Policy, make_policy
 from splitserve.router.proxy import ENDPOINTS, ROOM_BITS, forward
 from splitserve.router.retry import RetryBudget
 from splitserve.router.worker_trust import RouterKeys, worker_key_middleware
-from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet, describe_all
+from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet
 from splitserve.tls import client_context, server_context
 from splitserve.validation import REQUEST_ID
 
@@ -288,7 +290,7 @@ async def _flush_cache(request: web.Request) -> web.Response:
         try:
             async with state.session.post(worker.url + "/flush_cache",
                                           timeout=aiohttp.ClientTimeout(total=WORKER_FLUSH_S)) as resp:
-                body = await resp.json(content_type=None)
+                body = json.loads(await read_answer(resp, SMALL_ANSWER_BYTES))
                 result = {**(body if isinstance(body, dict) else {}), "url": worker.url, "status": resp.status}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             result = {"url": worker.url, "status": 502, "error": describe_error(exc)}
@@ -344,7 +346,7 @@ async def _tokenization(request: web.Request) -> web.Response:
         async with state.session.post(worker.url + request.path, data=raw,
                                       headers={"Content-Type": "application/json"},
                                       timeout=aiohttp.ClientTimeout(total=TOKENIZE_TIMEOUT_S)) as resp:
-            body = await resp.read()
+            body = await read_answer(resp, LARGE_ANSWER_BYTES)
             return web.Response(status=resp.status, body=body,
                                 headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
     except asyncio.TimeoutError:
@@ -359,7 +361,7 @@ async def _models_of(session: aiohttp.ClientSession, worker: Worker) -> web.Resp
     """One worker's ``/v1/models`` answer, or a 502 naming it (the caller bounds the time)."""
     try:
         async with session.get(worker.url + "/v1/models") as resp:
-            body = await resp.read()
+            body = await read_answer(resp, SMALL_ANSWER_BYTES)
             headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
             return web.Response(status=resp.status, body=body, headers=headers)
     except aiohttp.ClientError as exc:

@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections import OrderedDict
 from typing import Optional
@@ -25,6 +26,7 @@ from urllib.parse import quote
 import aiohttp
 from aiohttp import web
 
+from splitserve.router.answers import LARGE_ANSWER_BYTES, read_answer
 from splitserve.router.legs import describe_error
 from splitserve.router.workers import Worker
 from splitserve.errors import error_body
@@ -111,7 +113,7 @@ async def _ask(session: aiohttp.ClientSession, w: Worker, rid: str) -> dict:
     try:
         async with session.get(f"{w.url}/debug/requests/{quote(rid, safe='')}",
                                timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as resp:
-            body = await resp.json(content_type=None)
+            body = json.loads(await read_answer(resp, LARGE_ANSWER_BYTES))
             if resp.status == 200:
                 answer["timeline"] = body
             else:

@@ -23,6 +23,7 @@ from aiohttp import web
 from splitserve.client_writer import ClientLost, ClientWriter
 from splitserve.errors import error_body
 from splitserve.router import retry
+from splitserve.router.answers import LARGE_ANSWER_BYTES, SMALL_ANSWER_BYTES, read_answer
 from splitserve.router.legs import Leg, NoHeaders, describe_error
 from splitserve.router.metrics import TokenTimes
 from splitserve.router.outcomes import Refusal, RouterOutcome, client_left
@@ -185,10 +186,10 @@ class Exchange:
         return self.decode.answered
 
     async def _error_code(self, leg: Leg) -> Optional[str]:
-        """The OpenAI-style ``error.code`` of a leg's error body (read once; aiohttp keeps it)."""
+        """The OpenAI-style ``error.code`` of a leg's error body (read once: ``Leg.body``)."""
         try:
             async with asyncio.timeout(min(self.remaining(), ERROR_BODY_S)):  # not wait_for (router/legs.py)
-                payload = await leg.response.read()
+                payload = await leg.body(SMALL_ANSWER_BYTES)
             code = json.loads(payload).get("error", {}).get("code")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             return None
@@ -272,7 +273,7 @@ class Exchange:
         self.status = resp.status
         try:
             async with asyncio.timeout(min(self.remaining(), ERROR_BODY_S)):
-                payload = await resp.read()
+                payload = await leg.body(SMALL_ANSWER_BYTES)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             message = f"the {role} worker {leg.worker.url} answered {resp.status} and then failed: {describe_error(e)}"
             return self._refuse(Refusal(self.outcome, message, status=resp.status, code=""))
@@ -303,7 +304,7 @@ class Exchange:
         resp = self.decode.response
         try:
             async with asyncio.timeout(self.remaining()):
-                payload = await resp.read()
+                payload = await read_answer(resp, LARGE_ANSWER_BYTES)
         except asyncio.TimeoutError:
             raise Deadline() from None
         except aiohttp.ClientError as exc:
@@ -403,7 +404,7 @@ async def abort_with_cause(session: aiohttp.ClientSession, leg: Leg, room: int, 
         for wait in ABORT_AGAIN_S:  # the legs went out together: decode may not have taken the room yet
             async with session.post(leg.worker.url + "/abort_request", data=data, headers=JSON_HEADERS,
                                     timeout=aiohttp.ClientTimeout(total=max(0.1, until - clock()))) as resp:
-                payload = await resp.read()
+                payload = await read_answer(resp, SMALL_ANSWER_BYTES)
             answer = json.loads(payload) if resp.status == 200 else {}
             if answer.get("found") or leg.answered or clock() + wait >= until:
                 return

@@ -22,6 +22,7 @@ from typing import Optional
 
 import aiohttp
 
+from splitserve.router.answers import read_answer
 from splitserve.router.workers import Worker
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class Leg:
         self.response: Optional[aiohttp.ClientResponse] = None
         self._counted = True
         self.aborted = False
+        self._body: Optional[asyncio.Future] = None  # the body, read once (:meth:`body`)
         worker.in_flight += 1
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, connect=connect_timeout)
         headers = {"Content-Type": "application/json", **(headers or {})}
@@ -61,6 +63,15 @@ class Leg:
                             f"({header_timeout:g} s)") from None
         self.response = resp
         return resp
+
+    async def body(self, limit: int) -> bytes:
+        """The response's whole body, at most ``limit`` bytes (``answers.read_answer``), read once
+        and kept: a second reader gets what the first got, or the same error (the caller bounds
+        the time)."""
+        if self._body is None:
+            self._body = asyncio.ensure_future(read_answer(self.response, limit))
+            self._body.add_done_callback(retrieve)
+        return await asyncio.shield(self._body)
 
     @property
     def answered(self) -> bool:

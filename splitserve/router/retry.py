@@ -36,6 +36,7 @@ from typing import Optional
 
 import aiohttp
 
+from splitserve.router.answers import AnswerTooLarge
 from splitserve.router.legs import NoHeaders
 
 CAUSES = ("unreachable", "gone", "unavailable", "overloaded")
@@ -50,6 +51,8 @@ def cause(error: Optional[BaseException], status: Optional[int] = None) -> Optio
     tried again elsewhere; None if it may not."""
     if error is None:
         return RETRY_STATUSES.get(status) if status is not None else None
+    if isinstance(error, AnswerTooLarge):
+        return None  # another worker would answer as much
     if isinstance(error, aiohttp.ServerDisconnectedError):
         return "gone"
     if isinstance(error, (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)):

@@ -65,6 +65,7 @@ from splitserve.config import RouterConfig, WorkerAddress
 from splitserve.discovery.proof import NONCE_HEADER, new_nonce, verify
 from splitserve.discovery.record import identity_of
 from splitserve.hosts import check_host, url_host
+from splitserve.router.answers import SMALL_ANSWER_BYTES, read_answer
 from splitserve.router.bounded_set import BoundedSet
 
 log = logging.getLogger(__name__)
@@ -379,7 +380,7 @@ class HealthChecker:
         try:
             async with self.session.get(url + "/health", timeout=self.timeout, headers=headers,
                                         allow_redirects=False) as resp:
-                raw = await resp.read()  # bounded by the check's timeout
+                raw = await read_answer(resp, SMALL_ANSWER_BYTES)  # and by the check's timeout
                 try:
                     body = json.loads(raw) if len(raw) <= 65536 else {}
                 except ValueError:
@@ -395,7 +396,7 @@ class HealthChecker:
             async with self.session.get(worker.url + "/v1/models", timeout=self.timeout) as resp:
                 if resp.status != 200:
                     return None
-                data = (await resp.json()).get("data") or []
+                data = json.loads(await read_answer(resp, SMALL_ANSWER_BYTES)).get("data") or []
                 name = data[0].get("id") if data and isinstance(data[0], dict) else None
                 return name if isinstance(name, str) else None
         except (asyncio.TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
@@ -406,7 +407,7 @@ class HealthChecker:
         (a worker without them, or that does not answer, keeps what its record said, or None)."""
         try:
             async with self.session.get(worker.url + "/get_server_info", timeout=self.timeout) as resp:
-                info = json.loads(await resp.read()) if resp.status == 200 else {}
+                info = json.loads(await read_answer(resp, SMALL_ANSWER_BYTES)) if resp.status == 200 else {}
         except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
             return
         if not isinstance(info, dict):
