@@ -35,7 +35,8 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
   computes the whole prompt (no prefix cache) on one worker.
 - ``response_format`` (chat and completions): ``text``, ``json_object`` or ``json_schema``, checked
   here (``engine/grammar.parse_response_format``: shape, size, depth) and, given the worker's
-  ``GrammarCompiler``, compiled here too: a schema it cannot compile is a 400 naming why.
+  ``GrammarCompiler``, compiled after validation, off the tokenize lanes: a schema it cannot
+  compile is a 400 naming why.
 - Penalties and biases (applied to the logits sampled from, never to logprobs:
   ``engine/sampler.adjust_logits``): completions and chat ``presence_penalty`` and
   ``frequency_penalty``, numbers in [-2, 2], and ``logit_bias``, an object of token id (a string
@@ -158,8 +159,11 @@ class ValidatedRequest:
     thread, not the engine loop's)."""
     grammar_spec: Optional[object] = None  # engine/grammar.GrammarSpec of response_format (or a forced tool call)
     tools: Optional[object] = None  # chat: engine/grammar.ToolsSpec of tools and tool_choice; None: no tools
+    grammar_param: Optional[str] = None
+    """The field a refusal of ``grammar_spec`` names; set when ``grammars`` is to compile it, which
+    happens after validation, off the tokenize lanes (``server/tokenize_lanes.py``)."""
     grammar: Optional[object] = field(default=None, compare=False, repr=False)
-    """``grammar_spec`` compiled (by the worker's ``GrammarCompiler``, in the same thread)."""
+    """``grammar_spec`` compiled for this request (``engine/grammar_compiler.Grammar``)."""
 
     def generate_request(self, rid: Optional[str] = None) -> GenerateRequest:
         """The engine request; ``rid`` defaults to the client's ``rid``."""
@@ -245,9 +249,10 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     with the generation prompt) and checked against ``max_context``; ``vocab_size`` bounds token
     ids. ``chars_per_token`` (:func:`max_chars_per_token` of the tokenizer): a text prompt whose
     length in characters already proves it cannot fit ``max_context`` is refused before it is
-    tokenized. ``grammars`` (an ``engine/grammar.GrammarCompiler``, with a ``tokenizer``):
-    ``response_format`` is compiled by it, else only checked. Raises InvalidRequest (400, or 404
-    for an unknown model) naming the field."""
+    tokenized. ``grammars`` (an ``engine/grammar_compiler.GrammarCompiler``, with a ``tokenizer``):
+    prepared to compile ``response_format`` (``grammar_param`` set; the caller compiles it),
+    else it is only checked. Raises InvalidRequest (400, or 404 for an unknown model) naming the
+    field."""
     if endpoint not in ENDPOINTS:
         raise ValueError(f"endpoint must be one of {ENDPOINTS}, not {endpoint!r}")
     if not isinstance(body, dict):
@@ -382,10 +387,19 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room, cache_salt=cache_salt,
         return_text_in_logprobs=return_text_in_logprobs, echo=echo, logprob_start_len=start, stop_matcher=stop_matcher(stop) if stop and tokenizer is not None else None,
         grammar_spec=grammar_spec, tools=tools,
-        grammar=grammars.compile(grammar_spec, tokenizer, vocab_size or len(tokenizer),
-                                 "tool_choice" if grammar_spec.kind == "lark" else
-                                 "response_format" if endpoint != "generate" else f"sampling_params.{grammar_spec.kind}") if grammar_spec and grammars and tokenizer is not None else None,
+        grammar_param=_grammar_param(grammar_spec, endpoint, grammars, tokenizer, vocab_size),
     )
+
+
+def _grammar_param(spec, endpoint: str, grammars, tokenizer, vocab_size: Optional[int]) -> Optional[str]:
+    """The field a refusal of ``spec`` names, when ``grammars`` is to compile it (with a
+    tokenizer: its view of the tokenizer is built here, once per worker, in this thread)."""
+    if spec is None or grammars is None or tokenizer is None:
+        return None
+    grammars.prepare(tokenizer, vocab_size or len(tokenizer))
+    if spec.kind == "lark":
+        return "tool_choice"
+    return "response_format" if endpoint != "generate" else f"sampling_params.{spec.kind}"
 
 
 # -- pieces ----------------------------------------------------------------------------------------

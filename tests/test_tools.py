@@ -12,7 +12,8 @@ import random
 import pytest
 import requests
 
-from splitserve.engine.grammar import MAX_PARALLEL_TOOL_CALLS, MAX_TOOLS, GrammarCompiler, parse_tools
+from splitserve.engine.grammar import MAX_PARALLEL_TOOL_CALLS, MAX_TOOLS, parse_tools
+from splitserve.engine.grammar_compiler import GrammarCompiler
 from splitserve.engine.io import InvalidRequest
 from splitserve.server.tool_calls import ToolCallParser, parse
 from tests.cluster import Cluster
@@ -200,6 +201,27 @@ def test_the_forced_grammar_writes_what_the_parser_reads_whatever_the_tokens(tok
         [call] = parse(tokenizer_tiny.decode(out), spec.names).calls
         assert call["function"]["name"] in spec.names
         json.loads(call["function"]["arguments"])
+
+
+def test_a_parameters_schema_quoting_the_tool_call_tags_compiles_and_is_obeyed(tokenizer_tiny):
+    """The tags written as the tokenizer's added tokens are the ones around the call; the same
+    text inside a function's parameters schema (a const, an enum, a property's name) stays a JSON
+    string, so the grammar compiles and the arguments hold the tags as text."""
+    tagged = {"type": "function", "function": {"name": "echo", "parameters": {
+        "type": "object", "properties": {"open": {"const": "<tool_call>"}, "close": {"enum": ["</tool_call>"]},
+                                         "<tool_call>": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["open", "close", "<tool_call>"], "additionalProperties": False}}}
+    spec = parse_tools([tagged], "required", False)
+    state, out = GrammarCompiler().compile(spec.grammar, tokenizer_tiny, 2048).state(), []
+    rng = random.Random(2)
+    while not state.done:
+        out.append(rng.choice([int(t) for t in state.allowed().nonzero()[0]]))
+        state.advance(out[-1])
+    text = tokenizer_tiny.decode(out)
+    assert text.startswith("<tool_call>\n") and text.endswith("\n</tool_call>"), text
+    call = json.loads(text[len("<tool_call>\n"):-len("\n</tool_call>")])
+    assert call["name"] == "echo" and call["arguments"]["open"] == "<tool_call>"
+    assert call["arguments"]["close"] == "</tool_call>" and 0 <= call["arguments"]["<tool_call>"] <= 9
 
 
 def test_parallel_forced_calls_end_after_a_bounded_number(tokenizer_tiny):

@@ -2,13 +2,13 @@
 
 A request's ``response_format`` (``{"type": "json_object"}``, or ``{"type": "json_schema",
 "json_schema": {"schema": ...}}``) is checked at the edge (:func:`parse_response_format`: its
-shape, its size, its depth) into a :class:`GrammarSpec`, then compiled for this worker's tokenizer
-by a :class:`GrammarCompiler` off the engine loop (in the request's validation thread), under a
-time limit and a cap on concurrent compilations, and cached (bounded) by spec: a schema it cannot
-compile is refused with the engine's own words before the request reaches the engine.
+shape, its size, its depth, how many regexes it intersects) into a :class:`GrammarSpec`, then
+compiled for this worker's tokenizer by ``engine/grammar_compiler.py`` off the engine loop and
+off the tokenize lanes; a schema it cannot compile is refused with the engine's own words before
+the request reaches the engine.
 
-The engine gives each sequence its own :class:`GrammarState` (a copy of the compiled grammar's
-pristine matcher), masks the sequence's logits row with it before sampling (greedy or not) and
+The engine gives each sequence its own :class:`GrammarState` (a copy of its request's own
+matcher), masks the sequence's logits row with it before sampling (greedy or not) and
 advances it with the sampled token. The state is a function of the tokens generated so far, so it
 is never carried between workers: prefill samples the first token under the mask; decode builds a
 fresh state and replays the first token into it (a first token the grammar refuses is a transfer
@@ -23,16 +23,12 @@ from __future__ import annotations
 import json
 import logging
 import re
-import threading
-import time
-from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from splitserve.errors import InvalidRequest, Overloaded
+from splitserve.errors import InvalidRequest
 
 if TYPE_CHECKING:
     import torch
@@ -44,16 +40,14 @@ MAX_SCHEMA_BYTES = 64 << 10
 schema, far below what would make its compilation or its cache costly."""
 MAX_SCHEMA_DEPTH = 32
 """How deeply a schema's objects and arrays may nest (checked before anything recurses into it)."""
-COMPILE_TIMEOUT_S = 10.0
-"""How long a request waits for its grammar's compilation (and for a free compilation slot)."""
-MAX_CONCURRENT_COMPILES = 2
-"""Compilations running at once on a worker; one that overran its time limit keeps its slot until
-it ends, so runaway schemas cannot pile up threads."""
-CACHE_ENTRIES = 256
-"""Compiled grammars (and refusals) kept per worker, least recently used dropped first."""
+MAX_INTERSECTED_PATTERNS = 8
+"""How many regexes (``pattern``, ``patternProperties``) a schema that uses ``allOf`` may hold:
+the grammar engine intersects the patterns ``allOf`` joins, in time exponential in their number
+(20 joined patterns of 20 bytes each took a second, 22 four, and no fuel limit of the engine bounds
+it), so the count is bounded before anything compiles."""
 
 # The JSON a random model could pad without end is kept tight: no free whitespace between tokens.
-_JSON_OPTIONS = {"whitespace_flexible": False}
+JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 @dataclass(frozen=True)
@@ -79,6 +73,31 @@ def _depth_ok(value: Any, limit: int) -> bool:
         elif isinstance(v, list):
             stack.extend((x, d + 1) for x in v)
     return True
+
+
+def _patterns(schema: Any) -> tuple[int, bool]:
+    """How many regexes ``schema`` holds (``pattern`` values, ``patternProperties`` keys) and whether
+    it uses ``allOf`` anywhere; without recursion (its depth is checked first). A key that only
+    names a property ("pattern" under ``properties``) counts too: an overestimate, never under."""
+    count, joins, stack = 0, False, [schema]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, dict):
+            joins = joins or "allOf" in v
+            count += isinstance(v.get("pattern"), str)
+            if isinstance(v.get("patternProperties"), dict):
+                count += len(v["patternProperties"])
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return count, joins
+
+
+def limit_message(error: str) -> str:
+    """The grammar engine's error, its first line only (what failed, the limit it hit), at most 300
+    characters: never its state dump, and no more of the client's own grammar than a line."""
+    first = next((line.strip() for line in error.splitlines() if line.strip()), "an unknown error")
+    return first if len(first) <= 300 else first[:297] + "..."
 
 
 def parse_response_format(v: Any, param: str = "response_format") -> Optional[GrammarSpec]:
@@ -157,6 +176,10 @@ def schema_spec(schema: Any, param: str) -> GrammarSpec:
         raise InvalidRequest(f"{param} must be a JSON schema object", param)
     if not _depth_ok(schema, MAX_SCHEMA_DEPTH):
         raise InvalidRequest(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
+    patterns, joins = _patterns(schema)
+    if joins and patterns > MAX_INTERSECTED_PATTERNS:
+        raise InvalidRequest(f"{param} holds {patterns} regexes (pattern, patternProperties) and allOf, which "
+                             f"intersects them; at most {MAX_INTERSECTED_PATTERNS} are accepted with allOf", param)
     # keys keep the client's order: the order of "properties" is the order the answer's keys come in
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     if len(text.encode()) > MAX_SCHEMA_BYTES:
@@ -165,36 +188,45 @@ def schema_spec(schema: Any, param: str) -> GrammarSpec:
     return GrammarSpec("json_schema", text)
 
 
-class Grammar:
-    """A compiled grammar for one tokenizer: a pristine matcher that :meth:`state` copies. Never
-    advanced itself, so any thread may copy it."""
-
-    def __init__(self, spec: GrammarSpec, matcher, vocab_size: int):
-        self.spec = spec
-        self._pristine = matcher
-        self.vocab_size = vocab_size
-
-    def state(self) -> "GrammarState":
-        return GrammarState(self._pristine.deep_copy(), self.vocab_size)
-
-
 class GrammarError(ValueError):
-    """The grammar refused a token or failed (a resource limit); the request fails alone."""
+    """The grammar refused a token or failed (a resource limit: its message names it); the request
+    fails alone, as a bad request (the grammar is the client's)."""
 
 
 class GrammarState:
     """One sequence's place in its grammar. Engine loop only."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, lltok=None, added: tuple = ()):
         self._m = matcher
         self.vocab_size = vocab_size
+        self._lltok, self._added = lltok, added  # the tokenizer's added tokens' ids (see allowed)
 
     def allowed(self) -> np.ndarray:
         """The tokens the grammar allows next, as a bool array [vocab_size]."""
         bits = np.frombuffer(self._m.compute_bitmask(), dtype=np.uint8)
         if self._m.is_error():
-            raise GrammarError(f"the grammar failed: {self._m.get_error()}")
-        return np.unpackbits(bits, bitorder="little")[:self.vocab_size].view(bool)
+            raise GrammarError(f"the grammar failed: {limit_message(self._m.get_error())}")
+        allowed = np.unpackbits(bits, bitorder="little")[:self.vocab_size].view(bool)
+        for token in self._added:
+            if allowed[token] and self._m.validate_tokens([token]) == 0:
+                self._spell(allowed, token)
+        return allowed
+
+    def _spell(self, allowed: np.ndarray, token: int) -> None:
+        """Where the grammar forces text an added token spells (``"<tool_call>"`` inside a JSON
+        string), the grammar engine's mask offers the added token, which it then refuses: offer
+        the text's first ordinary token instead (its first byte's, where the tokenizer reads the
+        text as the added token)."""
+        allowed[token] = False
+        forced = self._m.compute_ff_bytes()
+        if not forced or self._lltok is None:
+            return
+        for text in (forced, forced[:1]):
+            first = self._lltok.tokenize_bytes(text)[:1]
+            if first and first[0] not in self._added and first[0] < allowed.size \
+                    and self._m.validate_tokens(first) == 1:
+                allowed[first[0]] = True
+                return
 
     def mask(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits`` [vocab] with every token the grammar forbids at ``-inf`` (a new tensor)."""
@@ -213,107 +245,12 @@ class GrammarState:
     def advance(self, token: int) -> None:
         """Take ``token``; raises GrammarError when the grammar does not allow it."""
         if not self._m.consume_token(token):
-            raise GrammarError(f"the grammar does not allow token {token} here: {self._m.get_error()}")
+            raise GrammarError(f"the grammar does not allow token {token} here: {limit_message(self._m.get_error())}")
 
     @property
     def done(self) -> bool:
         """The grammar is complete and allows nothing more: the request stops here."""
         return self._m.is_stopped()
-
-
-class GrammarCompiler:
-    """Compiles :class:`GrammarSpec` for one tokenizer, off the engine loop; one per worker.
-    ``timeout_s``, ``max_concurrent`` and ``cache_entries`` are the bounds above (parameters, so a
-    test can make them small); ``build(spec, lltok)`` -> (Grammar, None) or (None, why) compiles
-    (default: llguidance; a test gives a slow one)."""
-
-    def __init__(self, timeout_s: float = COMPILE_TIMEOUT_S,
-                 max_concurrent: int = MAX_CONCURRENT_COMPILES, cache_entries: int = CACHE_ENTRIES,
-                 build=None):
-        self.vocab_size: Optional[int] = None  # the logits' width, known at the first compilation
-        self._build_fn = build or self._build
-        self.timeout_s = timeout_s
-        self.cache_entries = cache_entries
-        self._slots = threading.BoundedSemaphore(max_concurrent)
-        self._pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="grammar")
-        self._lock = threading.Lock()
-        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()  # spec -> Grammar, or the refusal's text
-        self._lltok = None
-        self.compiled = 0  # counters: compilations run, and answers from the cache
-        self.cache_hits = 0
-
-    def _tokenizer(self, tokenizer, vocab_size: int):
-        with self._lock:
-            if self._lltok is None:
-                import llguidance.hf
-
-                self._lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
-                self.vocab_size = vocab_size
-            elif vocab_size != self.vocab_size:
-                raise ValueError(f"this compiler is for a vocabulary of {self.vocab_size}, not {vocab_size}")
-            return self._lltok
-
-    def compile(self, spec: GrammarSpec, tokenizer, vocab_size: int, param: str = "response_format") -> Grammar:
-        """The compiled grammar of ``spec`` for a model of ``vocab_size`` logits (``tokenizer``:
-        the caller's own copy of the worker's tokenizer, used once to build the grammar engine's
-        view of it; every call gives the same model's). Raises InvalidRequest
-        naming why a schema cannot be compiled, or when its compilation overran the time limit;
-        Overloaded when no compilation slot came free within it."""
-        with self._lock:
-            hit = self._cache.get(spec)
-            if hit is not None:
-                self._cache.move_to_end(spec)
-                self.cache_hits += 1
-        if isinstance(hit, Grammar):
-            return hit
-        if isinstance(hit, str):
-            raise InvalidRequest(hit, param)
-        lltok = self._tokenizer(tokenizer, vocab_size)
-        started = time.monotonic()
-        if not self._slots.acquire(timeout=self.timeout_s):
-            raise Overloaded(f"every grammar compilation slot stayed busy for {self.timeout_s:g}s")
-        try:
-            future = self._pool.submit(self._build_fn, spec, lltok)
-        except BaseException:
-            self._slots.release()
-            raise
-        future.add_done_callback(lambda _: self._slots.release())  # a slot is held until the work ends
-        try:
-            grammar, refusal = future.result(timeout=max(0.0, self.timeout_s - (time.monotonic() - started)))
-        except FutureTimeout:
-            raise InvalidRequest(f"the schema did not compile within {self.timeout_s:g}s", param) from None
-        self.compiled += 1
-        with self._lock:
-            self._cache[spec] = grammar if grammar is not None else refusal
-            while len(self._cache) > self.cache_entries:
-                self._cache.popitem(last=False)
-        if grammar is None:
-            raise InvalidRequest(refusal, param)
-        return grammar
-
-    def _build(self, spec: GrammarSpec, lltok) -> tuple[Optional[Grammar], Optional[str]]:
-        """Compile and warm (the first mask builds the lexer): (Grammar, None) or (None, why)."""
-        import llguidance
-
-        what = {"regex": "regex", "lark": "tool-call grammar"}.get(spec.kind, "JSON schema")
-        try:
-            if spec.kind == "lark":
-                text = llguidance.LLMatcher.grammar_from_lark(_tag_tokens(spec.schema, lltok))
-            elif spec.kind == "regex":
-                text = llguidance.LLMatcher.grammar_from_regex(spec.schema)
-            else:
-                text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=_JSON_OPTIONS)
-        except Exception as exc:  # llguidance raises ValueError for a schema it cannot read
-            return None, f"the {what} cannot be compiled: {exc}"
-        matcher = llguidance.LLMatcher(lltok, text, log_level=0)
-        if not matcher.is_error():
-            matcher.compute_bitmask()
-        if matcher.is_error():
-            return None, f"the {what} cannot be compiled: {matcher.get_error()}"
-        return Grammar(spec, matcher, self.vocab_size), None
-
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 # -- tool calls ------------------------------------------------------------------------------------
@@ -425,22 +362,32 @@ def parse_tools(tools: Any, choice: Any, parallel: Any) -> Optional[ToolsSpec]:
     return ToolsSpec(tuple(out), choice, parallel is not False, grammar)
 
 
-def _tag_tokens(lark: str, lltok) -> str:
-    """``lark`` with each quoted tool-call tag that is one added token of the tokenizer written as
-    that token (``<tool_call>``): llguidance matches added tokens only by such references, never
-    by their text, so a quoted tag would have to be spelled in ordinary tokens the model lacks."""
-    for tag in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+def tag_tokens(lark: str, lltok) -> str:
+    """``lark`` (a grammar of :func:`tool_call_spec`) with its quoted tool-call tags written as
+    the tokenizer's added tokens where each tag is one (``<tool_call>``): llguidance matches added
+    tokens only by such references, never by their text, so a quoted tag would have to be spelled
+    in ordinary tokens the model lacks. Only the tags around the call are rewritten: the same text
+    quoted inside a function's parameters schema is the client's, a JSON string, and stays one."""
+    head, sep, tail = lark.rpartition("\ncall: ")
+    if not sep:
+        return lark
+    opening, closing = json.dumps(TOOL_CALL_OPEN), json.dumps(TOOL_CALL_CLOSE)
+    if not (tail.startswith(opening + " ") and tail.endswith(" " + closing + "\n")):
+        return lark
+    body = tail[len(opening):-len(closing) - 1]
+
+    def written(tag: str, quoted: str) -> str:
         ids = lltok.tokenize_str(tag)
-        if len(ids) == 1 and lltok.is_special_token(ids[0]):
-            lark = lark.replace(json.dumps(tag), tag)
-    return lark
+        return tag if len(ids) == 1 and lltok.is_special_token(ids[0]) else quoted
+
+    return head + sep + written(TOOL_CALL_OPEN, opening) + body + written(TOOL_CALL_CLOSE, closing) + "\n"
 
 
 def tool_call_spec(tools: list, many: bool) -> GrammarSpec:
     """The grammar (Lark, llguidance's dialect) of an answer that is one tool call of one of
     ``tools`` (``many``: one to :data:`MAX_PARALLEL_TOOL_CALLS`, one per line): ``<tool_call>\\n{"name":
     <one of the names>, "arguments": <that function's parameters>}\\n</tool_call>``, its JSON compact."""
-    schema = {"x-guidance": dict(_JSON_OPTIONS), "anyOf": [
+    schema = {"x-guidance": dict(JSON_OPTIONS), "anyOf": [
         {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                           "arguments": t["function"]["parameters"]},
          "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}

@@ -100,8 +100,8 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             check = functools.partial(validate_request, raw, endpoint, served_model_name=state.model_name,
                                       max_context=spec.max_context, vocab_size=spec.vocab_size,
                                       generation_defaults=spec.generation_defaults, grammars=state.grammars)
-            req: ValidatedRequest = await state.tokenize.run(  # in its lane (tokenize_lanes.py)
-                len(raw), engine.tokenizer, lambda tok, per: check(tokenizer=tok, chars_per_token=per))
+            req: ValidatedRequest = await state.tokenize.validate(  # in its lane, the grammar off it (tokenize_lanes.py)
+                len(raw), engine.tokenizer, lambda tok, per: check(tokenizer=tok, chars_per_token=per), state.grammars)
             refusal = bootstrap_refusal(request, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room,
                                         state.config.role, state.allowed_prefill)
             if refusal is not None:  # whom decode would dial and hand its KV pool: docs/security.md

@@ -12,7 +12,7 @@ from aiohttp import web
 
 from splitserve.auth import parse_allowed_prefill
 from splitserve.config import ServerConfig
-from splitserve.engine.grammar import GrammarCompiler
+from splitserve.engine.grammar_compiler import GrammarCompiler
 from splitserve.metrics import Registry
 from splitserve.server.identity_proof import WorkerKeys
 from splitserve.server.tokenize_lanes import TokenizeLanes
@@ -38,7 +38,7 @@ class WorkerState:
         self.started_at = int(time.time())
         self.inflight: set[asyncio.Task] = set()  # generation handlers now running
         self.tokenize = TokenizeLanes()  # validation and tokenization, off the event loop
-        self.grammars = GrammarCompiler()  # response_format, compiled in the lanes
+        self.grammars = GrammarCompiler()  # response_format, compiled off the lanes
         self.allowed_prefill = parse_allowed_prefill(config.allowed_prefill)  # whose bootstrap fields decode takes
         self.epoch = 0
         """One more at every role switch begun (``POST /role``: a request names the epoch it expects)."""

@@ -12,12 +12,18 @@ sets its truncation state on each call: "RuntimeError: Already borrowed",
 huggingface/tokenizers#537), and the engine loop decodes with the engine's own. Each lane copies
 the tokenizer once, in its own thread, the first time it is given it (``copy.deepcopy``); one that
 cannot be copied is shared by the lanes under a lock (one lane at a time again, never two at once).
+
+A structured output's grammar is not compiled in a lane (:meth:`TokenizeLanes.validate`): the lane
+validates and tokenizes, then the grammar compiles on the compiler's own threads while the
+request awaits it (``engine/grammar_compiler.py``), so a plain request never queues behind a
+compilation, however long a hostile schema takes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +59,16 @@ class TokenizeLanes:
         lane's copy of ``tokenizer`` and the tokenizer's characters-per-token bound."""
         lane = self.lane_of(body_bytes)
         return await asyncio.get_running_loop().run_in_executor(self._pools[lane], self._call, lane, tokenizer, fn)
+
+    async def validate(self, body_bytes: int, tokenizer, fn: Callable[[Any, Optional[int]], Any], grammars=None):
+        """:meth:`run` a validation ``fn`` that returns a ``validation.ValidatedRequest``, then,
+        when it names a grammar to compile (``grammar_param``), compile it with ``grammars`` (an
+        ``engine/grammar_compiler.GrammarCompiler``) off the lanes: the request with its grammar."""
+        req = await self.run(body_bytes, tokenizer, fn)
+        if grammars is None or req.grammar_param is None or req.grammar is not None:
+            return req
+        grammar = await grammars.compile_async(req.grammar_spec, req.grammar_param)
+        return dataclasses.replace(req, grammar=grammar)
 
     def _call(self, lane: str, tokenizer, fn):
         own = self._own(lane, tokenizer)

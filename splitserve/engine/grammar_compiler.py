@@ -1,0 +1,293 @@
+"""Compiling a request's grammar for one worker: bounded work, a bounded cache, a matcher per request.
+
+A :class:`GrammarSpec` (checked at the edge by ``engine/grammar.py``) is compiled by the worker's
+:class:`GrammarCompiler` into llguidance's grammar text, once per spec: on a pool of its own
+(never a tokenize lane, never the engine loop), under llguidance's resource limits
+(:data:`LIMITS`) and a time limit. The text is cached (bounded in entries and in bytes); a refusal
+— the grammar engine's words, a limit it hit, a compilation past the time limit or too slow to
+repeat per request — is remembered by the spec's hash (bounded), so the same schema is refused at
+once next time.
+
+Each request gets a :class:`Grammar` of its own: a fresh llguidance matcher built from the
+cached text (milliseconds). A matcher's lexer grows as tokens are matched and every copy of a
+matcher shares its lexer, so a matcher shared by requests would grow with traffic until its
+limit and then fail every request with that grammar. A request's choices (``n``) copy the
+request's own matcher: its lexer grows with that request's tokens alone, up to
+:data:`LEXER_STATES`, and a request that reaches a limit fails alone (a 400 naming the limit).
+See ``docs/structured_outputs.md``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from typing import Optional
+
+from splitserve.engine.grammar import JSON_OPTIONS, GrammarError, GrammarSpec, GrammarState, limit_message, tag_tokens
+from splitserve.errors import InvalidRequest, Overloaded
+
+LEXER_STATES = 10_000
+"""Lexer states one request's matcher may build (llguidance's ``max_lexer_states``, default
+250,000). A bounded schema's whole answer builds a few hundred (SmolLM2's tokenizer, a random walk
+of 150 tokens stayed under 500); each state is 1-2 KB by llguidance's own account, so one
+request's lexer stays under 20 MB."""
+LIMITS = {"max_lexer_states": LEXER_STATES, "initial_lexer_fuel": 1_000_000, "step_lexer_fuel": 200_000,
+          "step_max_items": 50_000, "max_items_in_row": 2000, "max_grammar_size": 500_000,
+          "verbose_errors": False}
+"""llguidance's ``LLParserLimits`` for every matcher: its fuels and sizes bound the work of one
+mask and of building the lexer (defaults, named so a change is deliberate), the lexer states bound
+its memory, and ``verbose_errors`` off keeps the engine's state dump out of every error."""
+COMPILE_TIMEOUT_S = 10.0
+"""How long a request waits for its grammar's compilation, a free compilation thread included."""
+SLOW_COMPILE_S = 2.0
+"""A grammar whose compilation took longer is refused (and remembered): every request builds its
+own matcher from the grammar at about that cost. A bounded schema compiles in milliseconds."""
+MAX_CONCURRENT_COMPILES = 2
+"""Compilations running at once on a worker; one past its time limit keeps its thread until it
+ends (a call into the grammar engine cannot be stopped), so runaway schemas cannot pile up threads."""
+CACHE_ENTRIES = 256
+"""Compiled grammars kept per worker, least recently used dropped first."""
+CACHE_BYTES = 16 << 20
+"""...and their grammar texts together at most this many bytes (a text is about its schema's
+size: at most 64 KiB of schema and a few hundred bytes)."""
+REFUSALS = 4096
+"""Refused specs remembered per worker, by hash (32 bytes and a reason of at most 300 characters)."""
+_WHY_CHARS = 300
+
+
+def spec_key(spec: GrammarSpec) -> bytes:
+    """The hash a spec is cached and remembered by (the spec itself may be 64 KiB)."""
+    return hashlib.sha256(spec.kind.encode() + b"\0" + spec.schema.encode()).digest()
+
+
+class Grammar:
+    """One request's compiled grammar: a matcher of its own, never advanced, that :meth:`state`
+    copies for each of the request's choices (the copies share this request's lexer only)."""
+
+    def __init__(self, spec: GrammarSpec, matcher, vocab_size: int, lltok=None, added: tuple = ()):
+        self.spec = spec
+        self._pristine = matcher
+        self.vocab_size = vocab_size
+        self._lltok, self._added = lltok, added
+
+    def state(self) -> GrammarState:
+        return GrammarState(self._pristine.deep_copy(), self.vocab_size, self._lltok, self._added)
+
+
+class GrammarCompiler:
+    """Compiles :class:`GrammarSpec` for one tokenizer; one per worker. The bounds above are
+    parameters (a test makes them small). Seams: ``build(spec, lltok)`` -> (text, None) or (None,
+    why) compiles (default: llguidance's, with :data:`LIMITS`; a test gives one that blocks);
+    ``matcher(text, lltok)`` builds a request's matcher (raises GrammarError)."""
+
+    def __init__(self, timeout_s: float = COMPILE_TIMEOUT_S, max_concurrent: int = MAX_CONCURRENT_COMPILES,
+                 cache_entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES, refusals: int = REFUSALS,
+                 slow_s: float = SLOW_COMPILE_S, limits: Optional[dict] = None, build=None, matcher=None):
+        self.vocab_size: Optional[int] = None  # the logits' width, known at the first compilation
+        self.limits = dict(LIMITS, **(limits or {}))
+        self._build_fn = build or self._build
+        self._matcher_fn = matcher or self._matcher
+        self.timeout_s, self.slow_s = timeout_s, slow_s
+        self.cache_entries, self.cache_bytes, self.refusals = cache_entries, cache_bytes, refusals
+        self._compiles = ThreadPoolExecutor(max_concurrent, thread_name_prefix="grammar-compile")
+        # a request's own matcher: milliseconds, bounded by the limits; never behind a compilation
+        self._matchers = ThreadPoolExecutor(2, thread_name_prefix="grammar-matcher")
+        self._lock = threading.Lock()
+        self._cache: OrderedDict[bytes, str] = OrderedDict()  # spec_key -> grammar text
+        self._cached_bytes = 0
+        self._refused: OrderedDict[bytes, str] = OrderedDict()  # spec_key -> why
+        self._running: dict[bytes, Future] = {}  # spec_key -> its compilation (one per spec at a time)
+        self._lltok, self._added = None, ()
+        self.compiled = 0  # counters: compilations run, answers from the cache, matchers built
+        self.cache_hits = 0
+        self.matchers_built = 0
+
+    def prepare(self, tokenizer, vocab_size: int) -> None:
+        """Build the grammar engine's view of ``tokenizer`` (once per worker: 0.5-1.3 s for SmolLM2's
+        49,152 tokens). In the caller's thread, with the caller's own copy of the tokenizer (a
+        tokenizer may not be used by two threads at once)."""
+        with self._lock:
+            if self._lltok is None:
+                import llguidance.hf
+
+                lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+                self._added = tuple(i for i in range(lltok.vocab_size) if lltok.is_special_token(i))
+                self._lltok, self.vocab_size = lltok, vocab_size
+            elif vocab_size != self.vocab_size:
+                raise ValueError(f"this compiler is for a vocabulary of {self.vocab_size}, not {vocab_size}")
+
+    @property
+    def cached_bytes(self) -> int:
+        return self._cached_bytes
+
+    def compile(self, spec: GrammarSpec, tokenizer=None, vocab_size: Optional[int] = None,
+                param: str = "response_format") -> Grammar:
+        """A request's :class:`Grammar` of ``spec``, waiting in this thread (see :meth:`compile_async`)."""
+        if tokenizer is not None:
+            self.prepare(tokenizer, vocab_size or len(tokenizer))
+        text = self._known(spec, param)
+        if text is None:
+            future, started = self._start(spec)
+            try:
+                future.result(timeout=self._left(started))
+            except FutureTimeout:
+                pass
+            text = self._settle(spec, future, param)
+        return self._matchers.submit(self._own, spec, text, param).result()
+
+    async def compile_async(self, spec: GrammarSpec, param: str = "response_format") -> Grammar:
+        """A request's :class:`Grammar` of ``spec`` (after :meth:`prepare`), awaited off every
+        thread: compiled once per spec on the compilation threads, each request's matcher built on
+        a thread of its own. Raises InvalidRequest naming why (the grammar engine's words, the limit
+        it hit, the time limit), at once for a spec refused before; Overloaded when no compilation
+        thread came free within the time limit."""
+        text = self._known(spec, param)
+        if text is None:
+            future, started = self._start(spec)
+            try:
+                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self._left(started))
+            except asyncio.TimeoutError:
+                pass
+            text = self._settle(spec, future, param)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._matchers, self._own, spec, text, param)
+
+    def _left(self, started: float) -> float:
+        return max(0.0, self.timeout_s - (time.monotonic() - started))
+
+    def _known(self, spec: GrammarSpec, param: str) -> Optional[str]:
+        """The cached text of ``spec``; None when it must be compiled. Raises InvalidRequest for a
+        spec refused before, and ValueError before :meth:`prepare`."""
+        if self._lltok is None:
+            raise ValueError("prepare() the compiler with the worker's tokenizer first")
+        key = spec_key(spec)
+        with self._lock:
+            why = self._refused.get(key)
+            if why is not None:
+                self._refused.move_to_end(key)
+                self.cache_hits += 1
+                raise InvalidRequest(why, param)
+            text = self._cache.get(key)
+            if text is not None:
+                self._cache.move_to_end(key)
+                self.cache_hits += 1
+            return text
+
+    def _start(self, spec: GrammarSpec) -> tuple[Future, float]:
+        """The compilation of ``spec``: the one running already, or a new one queued."""
+        key = spec_key(spec)
+        with self._lock:
+            future, new = self._running.get(key), False
+            if future is None:
+                future = self._running[key] = self._compiles.submit(self._timed_build, spec)
+                new = True
+        if new:  # outside the lock: a future done already runs its callback here, at once
+            future.add_done_callback(lambda f: self._ran(key, f))
+        return future, time.monotonic()
+
+    def _ran(self, key: bytes, future: Future) -> None:
+        with self._lock:
+            if self._running.get(key) is future:
+                del self._running[key]
+
+    def _timed_build(self, spec: GrammarSpec) -> tuple[Optional[str], Optional[str]]:
+        started = time.monotonic()
+        text, why = self._build_fn(spec, self._lltok)
+        took = time.monotonic() - started
+        with self._lock:
+            self.compiled += 1
+        if text is not None and took > self.slow_s:
+            return None, f"the grammar took {took:.1f}s to compile, more than the {self.slow_s:g}s accepted"
+        return text, why
+
+    def _settle(self, spec: GrammarSpec, future: Future, param: str) -> str:
+        """What a wait on ``future`` gave: its text (cached), or the refusal (remembered) raised."""
+        if future.cancelled() or (not future.done() and future.cancel()):  # never started: threads busy
+            raise Overloaded(f"every grammar compilation thread stayed busy for {self.timeout_s:g}s")
+        if not future.done():
+            self._remember(spec, f"the grammar did not compile within {self.timeout_s:g}s (the time limit)")
+            raise InvalidRequest(self._refused_why(spec), param)
+        text, why = future.result()
+        if text is None:
+            self._remember(spec, why)
+            raise InvalidRequest(self._refused_why(spec), param)
+        self._keep(spec, text)
+        return text
+
+    def _refused_why(self, spec: GrammarSpec) -> str:
+        with self._lock:
+            return self._refused.get(spec_key(spec), "the grammar was refused")
+
+    def _remember(self, spec: GrammarSpec, why: str) -> None:
+        key = spec_key(spec)
+        with self._lock:
+            if key not in self._refused:
+                self._refused[key] = why[:_WHY_CHARS]
+            while len(self._refused) > self.refusals:
+                self._refused.popitem(last=False)
+
+    def _keep(self, spec: GrammarSpec, text: str) -> None:
+        key = spec_key(spec)
+        with self._lock:
+            if key in self._cache or len(text) > self.cache_bytes:
+                return
+            self._cache[key] = text
+            self._cached_bytes += len(text)
+            while len(self._cache) > self.cache_entries or self._cached_bytes > self.cache_bytes:
+                self._cached_bytes -= len(self._cache.popitem(last=False)[1])
+
+    def forget(self, spec: GrammarSpec) -> None:
+        """Drop ``spec``'s cached text (a matcher built from it failed: it is compiled anew next time)."""
+        with self._lock:
+            text = self._cache.pop(spec_key(spec), None)
+            if text is not None:
+                self._cached_bytes -= len(text)
+
+    def _own(self, spec: GrammarSpec, text: str, param: str) -> Grammar:
+        """A request's own matcher of ``text``; a text whose matcher fails is dropped from the cache."""
+        try:
+            matcher = self._matcher_fn(text, self._lltok)
+        except GrammarError as exc:
+            self.forget(spec)
+            raise InvalidRequest(f"the grammar cannot be compiled: {exc}", param) from None
+        self.matchers_built += 1
+        return Grammar(spec, matcher, self.vocab_size, self._lltok, self._added)
+
+    def _matcher(self, text: str, lltok):
+        """A fresh llguidance matcher of ``text`` with its first mask computed (which builds the
+        lexer's start), under :attr:`limits`. Raises GrammarError with the grammar engine's words
+        (the limit it hit, if that is why)."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(lltok, text, log_level=0, limits=llguidance.LLParserLimits(**self.limits))
+        if not matcher.is_error():
+            matcher.compute_bitmask()
+        if matcher.is_error():
+            raise GrammarError(limit_message(matcher.get_error()))
+        return matcher
+
+    def _build(self, spec: GrammarSpec, lltok) -> tuple[Optional[str], Optional[str]]:
+        """llguidance's grammar text of ``spec``, checked by building a matcher of it once:
+        (text, None) or (None, why)."""
+        import llguidance
+
+        what = {"regex": "regex", "lark": "tool-call grammar"}.get(spec.kind, "JSON schema")
+        try:
+            if spec.kind == "lark":
+                text = llguidance.LLMatcher.grammar_from_lark(tag_tokens(spec.schema, lltok))
+            elif spec.kind == "regex":
+                text = llguidance.LLMatcher.grammar_from_regex(spec.schema)
+            else:
+                text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=dict(JSON_OPTIONS))
+            self._matcher(text, lltok)
+        except (ValueError, GrammarError) as exc:  # llguidance raises ValueError for a schema it cannot read
+            return None, f"the {what} cannot be compiled: {limit_message(str(exc))}"
+        return text, None
+
+    def shutdown(self) -> None:
+        self._compiles.shutdown(wait=False, cancel_futures=True)
+        self._matchers.shutdown(wait=False, cancel_futures=True)
