@@ -2,8 +2,7 @@
 ``bootstrap_host`` for an IPv6 prefill, the allow-lists, the control and tcp transfer sockets on
 ``::1``, and a router, a prefill and a decode worker on ``[::1]`` serving a split request.
 
-A test that needs ``::1`` (a loopback with IPv6) is skipped where the kernel has none. The end to
-end test runs under ``make check-long``.
+A test that needs ``::1`` (a loopback with IPv6) is skipped where the kernel has none.
 """
 
 from __future__ import annotations
@@ -257,7 +256,6 @@ class V6Router(RouterProcess):
         return f"http://[::1]:{self.port}"
 
 
-@pytest.mark.long  # three processes: 30 s on a loaded machine
 @needs_ipv6
 def test_a_split_request_on_ipv6_answers_as_a_worker_alone():
     """A router, a prefill and a decode worker (tcp transfer) all on ``[::1]``: a split request
