@@ -222,6 +222,8 @@ def test_a_parameters_schema_quoting_the_tool_call_tags_compiles_and_is_obeyed(t
     call = json.loads(text[len("<tool_call>\n"):-len("\n</tool_call>")])
     assert call["name"] == "echo" and call["arguments"]["open"] == "<tool_call>"
     assert call["arguments"]["close"] == "</tool_call>" and 0 <= call["arguments"]["<tool_call>"] <= 9
+    [parsed] = parse(text, spec.names).calls  # and the answer's parser reads the call whole
+    assert json.loads(parsed["function"]["arguments"]) == call["arguments"]
 
 
 def test_parallel_forced_calls_end_after_a_bounded_number(tokenizer_tiny):
