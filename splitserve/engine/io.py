@@ -120,8 +120,8 @@ class GenerateRequest:
     """The automaton of ``sampling.stop`` (``engine/detokenizer.StopMatcher``), built off the engine
     loop at validation; None: the engine builds it."""
     grammar: Optional[object] = field(default=None, compare=False, repr=False)
-    """The compiled ``engine/grammar.Grammar`` of a structured output (``response_format``),
-    compiled off the engine loop at validation; None: unconstrained."""
+    """The request's own ``engine/grammar_compiler.Grammar`` of a structured output
+    (``response_format``), compiled off the engine loop; None: unconstrained."""
 
 
 @dataclass(frozen=True)
