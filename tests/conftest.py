@@ -44,6 +44,9 @@ CACHE_DIR = Path(os.environ.get("SPLITSERVE_CACHE") or REPO / ".cache" / "tests"
 # compiled CPU kernels off (the PyTorch reference ops) except where a test turns them on:
 # tests/test_kernels.py; `SPLITSERVE_KERNELS=1 make test` runs everything with them
 os.environ.setdefault("SPLITSERVE_KERNELS", "0")
+# no shared weights file (models/packed_file.py) except where a test turns it on: every engine a test
+# starts would write one per model and dtype into the run's cache (GBs for the SmolLM2 tests)
+os.environ.setdefault("SPLITSERVE_SHARED_WEIGHTS", "0")
 STARTUP_TIMEOUT_S = 180.0  # first run builds the tiny model; later runs take seconds
 
 _live: set["ServerProcess"] = set()

@@ -77,6 +77,12 @@ def cache(tmp_path, monkeypatch) -> Path:
     return tmp_path
 
 
+@pytest.fixture(autouse=True)
+def sharing_on(monkeypatch):
+    """Shared weights on, as a worker runs: conftest turns them off for every other test file."""
+    monkeypatch.setenv(packed_file.ENV_SWITCH, "1")
+
+
 def _in_file(model, path: Path) -> bool:
     tensors, _ = packed_file.model_tensors(model)
     return bool(tensors) and all(t.untyped_storage().nbytes() == path.stat().st_size for t in tensors.values())
@@ -219,7 +225,8 @@ def test_two_processes_share_the_weight_pages(folder, kernels, tmp_path):
     """Two processes (a child and this one) that load the same model at once map one file, which
     exactly one of them wrote: each one's PSS of the mapping is about half its RSS, and the RSS is
     all the weights."""
-    env = dict(os.environ, SPLITSERVE_CACHE=str(CACHE_DIR), SPLITSERVE_KERNELS="1" if kernels else "0")
+    env = dict(os.environ, SPLITSERVE_CACHE=str(CACHE_DIR), SPLITSERVE_KERNELS="1" if kernels else "0",
+               SPLITSERVE_SHARED_WEIGHTS="1")
     argv = [sys.executable, "-c", CHILD, str(folder), "int4" if kernels else "none", str(tmp_path)]
     child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
     try:
