@@ -148,8 +148,9 @@ class GrammarCompiler:
         text = self._known(spec, param)
         if text is None:
             future, started = self._start(spec)
-            try:
-                await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self._left(started))
+            try:  # asyncio.timeout, never wait_for: it can drop a cancellation (test_router)
+                async with asyncio.timeout(self._left(started)):
+                    await asyncio.shield(asyncio.wrap_future(future))
             except asyncio.TimeoutError:
                 pass
             text = self._settle(spec, future, param)
