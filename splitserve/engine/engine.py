@@ -425,28 +425,10 @@ class LLMEngine:
             self._prompt_logprobs(batch, logits, every, report)
             logits = logits[:len(sampling)]
             gone = {id(seq) for seq, _ in report.failed}  # their requests ended: nothing more is done
-        for item in batch:
-            seq = item.seq
-            if id(seq) in gone:
-                continue
-            self.prompt_tokens_computed += max(0, min(seq.num_computed + item.num_tokens, seq.num_prompt_tokens)
-                                               - seq.num_computed)
-            seq.num_computed += item.num_tokens
-            self.scheduler.index_computed(seq)
-            if not item.samples:
-                report.chunks.append(seq)
+        self._account(batch, gone, report)
         if not sampling:  # only prompt chunks ran: nothing to sample
             return
-        # penalties and biases change what is sampled from, never the logprobs (the raw logits')
-        try:
-            adjusted = adjust_logits(logits, [i.seq.sampling for i in sampling], [i.seq.token_ids for i in sampling],
-                                     [i.seq.num_prompt_tokens for i in sampling])
-        except Exception:  # a bug in one row's parameters must not end the loop: each fails alone below
-            log.exception("penalties failed for a batch of %d; adjusting row by row", len(sampling))
-            adjusted = None
-        greedy = None
-        if adjusted is not None and any(i.seq.sampling.greedy for i in sampling):
-            greedy = greedy_tokens(adjusted)
+        adjusted, greedy = self._adjusted(logits, sampling)
         for row, item in enumerate(sampling):
             seq = item.seq
             if id(seq) in gone:
@@ -457,50 +439,91 @@ class LLMEngine:
                 self._seqs.pop(seq.rid, None)
                 self.scheduler.finish(seq)
                 continue
+            sampled, delta = self._sample_row(seq, row, logits, adjusted, greedy, report)
+            if sampled:
+                self._after_token(seq, delta, report)
+
+    def _account(self, batch: list[ScheduledSeq], gone: set[int], report: StepReport) -> None:
+        """The tokens each sequence computed this step (prompt chunks reported as such)."""
+        for item in batch:
+            seq = item.seq
+            if id(seq) in gone:
+                continue
+            self.prompt_tokens_computed += max(0, min(seq.num_computed + item.num_tokens, seq.num_prompt_tokens)
+                                               - seq.num_computed)
+            seq.num_computed += item.num_tokens
+            self.scheduler.index_computed(seq)
+            if not item.samples:
+                report.chunks.append(seq)
+
+    @staticmethod
+    def _adjusted(logits: torch.Tensor, sampling: list[ScheduledSeq]):
+        """(the logits penalties and biases adjusted, or None when that failed: each row then
+        adjusts alone; the greedy tokens of the adjusted rows, or None when none is greedy).
+        Penalties and biases change what is sampled from, never the logprobs (the raw logits')."""
+        try:
+            adjusted = adjust_logits(logits, [i.seq.sampling for i in sampling], [i.seq.token_ids for i in sampling],
+                                     [i.seq.num_prompt_tokens for i in sampling])
+        except Exception:  # a bug in one row's parameters must not end the loop: each fails alone below
+            log.exception("penalties failed for a batch of %d; adjusting row by row", len(sampling))
+            return None, None
+        return adjusted, greedy_tokens(adjusted) if any(i.seq.sampling.greedy for i in sampling) else None
+
+    def _sample_row(self, seq: Sequence, row: int, logits: torch.Tensor, adjusted, greedy,
+                    report: StepReport) -> tuple[bool, Optional[RequestOutput]]:
+        """Sample and check ``seq``'s token from row ``row``: (whether it did, its delta). A failure
+        fails ``seq``'s request alone (``report.failed``): a grammar past its limit as the client's
+        bad request, anything else as an internal error."""
+        delta = None
+        try:
+            if adjusted is None:  # this row's own adjustment, failing this request alone
+                own = adjust_logits(logits[row:row + 1], [seq.sampling], [seq.token_ids], [seq.num_prompt_tokens])
+                token = self._sample(own, 0, seq, None if not seq.sampling.greedy else greedy_tokens(own))
+            else:
+                token = self._sample(adjusted, row, seq, greedy)
+            lp = None
+            if seq.sampling.logprobs is not None:
+                lp = token_logprobs(logits[row:row + 1], [token], [seq.sampling.logprobs])[0]
+            seq.token_ids.append(token)
+            if seq.prefill_only:
+                seq.first_logprob = lp  # travels to decode with the first token
+            else:
+                self._check_finish(seq, token)
+                delta = self._delta(seq, token, lp)
+        except GrammarError as exc:  # the client's grammar hit a limit: its own bad request, named
+            self._fail(seq, Ending(Reason.BAD_REQUEST, str(exc)), report)
+            return False, None
+        except Exception as exc:
+            log.exception("request %s: sampling or checking its token failed; failing that request alone", seq.rid)
+            self._fail(seq, Ending(Reason.INTERNAL_ERROR, f"sampling or checking a token failed: "
+                                   f"{type(exc).__name__}: {exc}"), report)
+            return False, None
+        return True, delta
+
+    def _fail(self, seq: Sequence, ending: Ending, report: StepReport) -> None:
+        if (out := self.abort(seq.rid, ending)) is not None:
+            report.failed.append((seq, out))
+
+    def _after_token(self, seq: Sequence, delta: Optional[RequestOutput], report: StepReport) -> None:
+        """``seq`` has its new token: a prefill's first token leaves for its transfer; else its
+        delta is reported, a finished sequence leaves, and a request's first choice forks the rest."""
+        if seq.prefill_only:  # the first token is the room's; the sequence waits for its transfer
+            self._seqs.pop(seq.rid, None)
+            self.scheduler.detach(seq)
+            report.first_tokens.append(seq)
+            return
+        report.sampled.append((seq, delta))
+        if seq.finish_reason is not None:
+            self._seqs.pop(seq.rid, None)
+            self.scheduler.finish(seq)
+        if seq.out_rid in self._requests and seq.choice == 0:
             try:
-                if adjusted is None:  # this row's own adjustment, failing this request alone
-                    own = adjust_logits(logits[row:row + 1], [seq.sampling], [seq.token_ids], [seq.num_prompt_tokens])
-                    token = self._sample(own, 0, seq, None if not seq.sampling.greedy else greedy_tokens(own))
-                else:
-                    token = self._sample(adjusted, row, seq, greedy)
-                lp = None
-                if seq.sampling.logprobs is not None:
-                    lp = token_logprobs(logits[row:row + 1], [token], [seq.sampling.logprobs])[0]
-                seq.token_ids.append(token)
-                if seq.prefill_only:
-                    seq.first_logprob = lp  # travels to decode with the first token
-                else:
-                    self._check_finish(seq, token)
-                    delta = self._delta(seq, token, lp)
-            except GrammarError as exc:  # the client's grammar hit a limit: its own bad request, named
-                ending = Ending(Reason.BAD_REQUEST, str(exc))
-                if (out := self.abort(seq.rid, ending)) is not None:
-                    report.failed.append((seq, out))
-                continue
+                self._fork(seq.rid, self._children(self._requests[seq.rid], seq), seq)
             except Exception as exc:
-                log.exception("request %s: sampling or checking its token failed; failing that request alone", seq.rid)
-                ending = Ending(Reason.INTERNAL_ERROR, f"sampling or checking a token failed: {type(exc).__name__}: {exc}")
-                if (out := self.abort(seq.rid, ending)) is not None:
-                    report.failed.append((seq, out))
-                continue
-            if seq.prefill_only:  # the first token is the room's; the sequence waits for its transfer
-                self._seqs.pop(seq.rid, None)
-                self.scheduler.detach(seq)
-                report.first_tokens.append(seq)
-                continue
-            report.sampled.append((seq, delta))
-            if seq.finish_reason is not None:
-                self._seqs.pop(seq.rid, None)
-                self.scheduler.finish(seq)
-            if seq.out_rid in self._requests and seq.choice == 0:
-                try:
-                    self._fork(seq.rid, self._children(self._requests[seq.rid], seq), seq)
-                except Exception as exc:
-                    log.exception("request %s: its choices could not fork; failing the request", seq.rid)
-                    ending = Ending(Reason.INTERNAL_ERROR, f"forking its choices failed: {type(exc).__name__}: {exc}")
-                    report.sampled = [(s, d) for s, d in report.sampled if s.out_rid != seq.rid]
-                    if (out := self.abort(seq.rid, ending)) is not None:
-                        report.failed.append((seq, out))
+                log.exception("request %s: its choices could not fork; failing the request", seq.rid)
+                report.sampled = [(s, d) for s, d in report.sampled if s.out_rid != seq.rid]
+                self._fail(seq, Ending(Reason.INTERNAL_ERROR, f"forking its choices failed: {type(exc).__name__}: "
+                                       f"{exc}"), report)
 
     def _children(self, req: GenerateRequest, first: Sequence) -> list[Sequence]:
         """Choices 1..n-1 of a request with n > 1, built (nothing changes yet; it may raise, e.g.
