@@ -64,6 +64,7 @@ Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending 
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -452,38 +453,37 @@ def _pick(value, default, fallback):
     return default if default is not None else fallback
 
 
-def _opt_int(obj: dict, key: str, prefix: str, minimum: Optional[int] = None,
-             maximum: Optional[int] = None) -> Optional[int]:
+_KIND_NAMES = {int: "an integer", float: "a number", bool: "a boolean", str: "a string"}
+
+
+def _opt(obj: dict, key: str, prefix: str, kind: type, minimum=None, maximum=None) -> Any:
+    """``obj[key]`` checked as ``kind`` (int, float: any finite number, returned as a float; bool;
+    str) and within ``minimum``/``maximum``, or None when absent or null. A bool is no number."""
     v = obj.get(key)
     if v is None:
         return None
     name = prefix + key
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise InvalidRequest(f"{name} must be an integer, not {_type_name(v)}", name)
+    accepted = (int, float) if kind is float else kind
+    if (isinstance(v, bool) and kind is not bool) or not isinstance(v, accepted):
+        raise InvalidRequest(f"{name} must be {_KIND_NAMES[kind]}, not {_type_name(v)}", name)
+    if kind is float and not math.isfinite(v):
+        raise InvalidRequest(f"{name} must be a finite number", name)
     if minimum is not None and v < minimum:
         raise InvalidRequest(f"{name} must be at least {minimum}, got {v}", name)
     if maximum is not None and v > maximum:
         raise InvalidRequest(f"{name} must be at most {maximum}, got {v}", name)
-    return v
+    return float(v) if kind is float else v
 
 
-def _opt_number(obj: dict, key: str, prefix: str, minimum: Optional[float] = None) -> Optional[float]:
-    v = obj.get(key)
-    if v is None:
-        return None
-    name = prefix + key
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise InvalidRequest(f"{name} must be a number, not {_type_name(v)}", name)
-    if not math.isfinite(v):
-        raise InvalidRequest(f"{name} must be a finite number", name)
-    if minimum is not None and v < minimum:
-        raise InvalidRequest(f"{name} must be at least {minimum}, got {v}", name)
-    return float(v)
+_opt_int = functools.partial(_opt, kind=int)
+_opt_number = functools.partial(_opt, kind=float)
+_opt_bool = functools.partial(_opt, kind=bool)
+_opt_str = functools.partial(_opt, kind=str)
 
 
 def _opt_range(obj: dict, key: str, prefix: str, low: float, high: float, open_below: bool = False) -> Optional[float]:
     """A number in [low, high] (``(low, high]`` with ``open_below``), or None when absent."""
-    v = _opt_number(obj, key, prefix)
+    v = _opt(obj, key, prefix, float)
     if v is not None and not ((low < v if open_below else low <= v) and v <= high):
         bounds = f"({low:g}, {high:g}]" if open_below else f"[{low:g}, {high:g}]"
         raise InvalidRequest(f"{prefix}{key} must be in {bounds}, got {v:g}", prefix + key)
@@ -514,24 +514,6 @@ def _logit_bias(v: Any, vocab_size: Optional[int]) -> tuple[tuple[int, float], .
             raise InvalidRequest(f"{name} must be in [-100, 100], got {bias:g}", "logit_bias")
         out[token] = float(bias)  # "07" and "7" name one token: the last one holds
     return tuple(sorted((t, b) for t, b in out.items() if b))
-
-
-def _opt_bool(obj: dict, key: str, prefix: str) -> Optional[bool]:
-    v = obj.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, bool):
-        raise InvalidRequest(f"{prefix}{key} must be a boolean, not {_type_name(v)}", prefix + key)
-    return v
-
-
-def _opt_str(obj: dict, key: str, prefix: str) -> Optional[str]:
-    v = obj.get(key)
-    if v is None:
-        return None
-    if not isinstance(v, str):
-        raise InvalidRequest(f"{prefix}{key} must be a string, not {_type_name(v)}", prefix + key)
-    return v
 
 
 def _stop(v: Any, name: str, max_count: int) -> tuple[str, ...]:
