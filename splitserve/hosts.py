@@ -11,9 +11,9 @@ written:
   bracketed, compressed and in lower case; anything else as given);
 - :func:`host_port`: ``HOST:PORT`` in that form (what a decode's control session is named by);
 - :func:`zmq_endpoint`: ``tcp://HOST:PORT`` to bind or connect (``*``: any address, any port);
-- :func:`allow_host`: the key two hosts are compared by (lower case, no brackets lost: an IPv6
-  address in :func:`url_host`'s form, an IPv4-mapped one as the IPv4 address it maps, which is how
-  a dual-stack socket reports an IPv4 peer);
+- :func:`allow_host`: the key two hosts are compared by (a name in lower case without a trailing
+  dot, an IPv6 address in :func:`url_host`'s form, an IPv4-mapped one as the IPv4 address it
+  maps, which is how a dual-stack socket reports an IPv4 peer);
 - :func:`check_host`: a host from the network (a ``bootstrap_host``) in its one form, or
   ValueError: a name (letters, digits, ``-``, ``_``, ``.``), an IPv4 address or ``[IPv6]``.
 
