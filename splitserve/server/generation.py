@@ -102,28 +102,10 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
                                       generation_defaults=spec.generation_defaults, grammars=state.grammars)
             req: ValidatedRequest = await state.tokenize.validate(  # in its lane, the grammar off it (tokenize_lanes.py)
                 len(raw), engine.tokenizer, lambda tok, per: check(tokenizer=tok, chars_per_token=per), state.grammars)
-            refusal = bootstrap_refusal(request, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room,
-                                        state.config.role, state.allowed_prefill)
+            refusal = _bootstrap_refusal(state, request, req)
             if refusal is not None:  # whom decode would dial and hand its KV pool: docs/security.md
                 result.ended(Reason.BAD_REQUEST)
                 return json_error(refusal, 403, param="bootstrap_host", code="bootstrap_not_allowed")
-            if (state.config.role == "prefill" and req.bootstrap_port is not None
-                    and req.bootstrap_port != state.config.bootstrap_port):
-                # a decode leg from a router that has not yet seen this worker switch to prefill (POST
-                # /role): taken as a prefill room it would wait for a registration that never comes
-                raise NotReady(f"this worker is a prefill now (bootstrap port {state.config.bootstrap_port}); the "
-                               f"request names bootstrap port {req.bootstrap_port}: a decode leg")
-            if (state.config.role == "decode" and state.epoch > 0 and req.bootstrap_port == state.config.bootstrap_port
-                    and req.bootstrap_host is not None and allow_host(req.bootstrap_host) in _own_hosts(state.config)):
-                # the mirror: a prefill leg naming this worker's own bootstrap port, from a router that has
-                # not yet seen it switch back to decode (only a worker that was a prefill, epoch > 0)
-                raise NotReady(f"this worker is a decode now; the request names its own bootstrap port "
-                               f"{req.bootstrap_port}: a prefill leg")
-            given = [f for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if getattr(req, f) is not None]
-            if state.config.role == "decode" and 0 < len(given) < 3:  # alone has none: a split request has all
-                raise InvalidRequest(f"{', '.join(given)} without the other bootstrap fields: a split request names "
-                                     "bootstrap_host, bootstrap_port and bootstrap_room, one served by decode alone "
-                                     "none of them", param="bootstrap_room")
             rid = req.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
             request[RID] = rid  # echoed in the answer's X-Request-Id header (app.py)
             stream = engine.submit(req.generate_request(rid))
@@ -152,6 +134,34 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             timeline = getattr(state.engine, "timeline_short", lambda rid: "-")(rid)
             log.info("request %s %s: %s (%s) prompt=%d completion=%d %.3fs timeline: %s", rid, endpoint,
                      result.outcome, result.reason, acc.prompt_tokens, acc.total_completion_tokens, seconds, timeline)
+
+
+def _bootstrap_refusal(state, request: web.Request, req: ValidatedRequest) -> Optional[str]:
+    """Why this caller may not send these bootstrap fields (a 403), or None; NotReady for a leg
+    meant for the role this worker no longer has (a router that has not seen a switch yet), and
+    InvalidRequest for a split request's fields given in part."""
+    refusal = bootstrap_refusal(request, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room,
+                                state.config.role, state.allowed_prefill)
+    if refusal is not None:
+        return refusal
+    if (state.config.role == "prefill" and req.bootstrap_port is not None
+            and req.bootstrap_port != state.config.bootstrap_port):
+        # a decode leg from a router that has not yet seen this worker switch to prefill (POST
+        # /role): taken as a prefill room it would wait for a registration that never comes
+        raise NotReady(f"this worker is a prefill now (bootstrap port {state.config.bootstrap_port}); the "
+                       f"request names bootstrap port {req.bootstrap_port}: a decode leg")
+    if (state.config.role == "decode" and state.epoch > 0 and req.bootstrap_port == state.config.bootstrap_port
+            and req.bootstrap_host is not None and allow_host(req.bootstrap_host) in _own_hosts(state.config)):
+        # the mirror: a prefill leg naming this worker's own bootstrap port, from a router that has
+        # not yet seen it switch back to decode (only a worker that was a prefill, epoch > 0)
+        raise NotReady(f"this worker is a decode now; the request names its own bootstrap port "
+                       f"{req.bootstrap_port}: a prefill leg")
+    given = [f for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if getattr(req, f) is not None]
+    if state.config.role == "decode" and 0 < len(given) < 3:  # alone has none: a split request has all
+        raise InvalidRequest(f"{', '.join(given)} without the other bootstrap fields: a split request names "
+                             "bootstrap_host, bootstrap_port and bootstrap_room, one served by decode alone "
+                             "none of them", param="bootstrap_room")
+    return None
 
 
 async def _consume(stream: AsyncIterator[RequestOutput], acc: proto.Accumulator):
@@ -260,61 +270,88 @@ async def _unary(state, endpoint: str, req: ValidatedRequest, rid: str, stream, 
     return web.json_response(body)
 
 
+class _Chunks:
+    """The SSE events of one streamed request, built from the engine's deltas: per choice, the
+    tokens whose logprobs were sent (the rest ride with its next chunk with text), the text offset
+    of its next token's logprobs (completions), its echo (sent with its first chunk) and its
+    tool-call parser (chat with tools)."""
+
+    def __init__(self, state, endpoint: str, req: ValidatedRequest, rid: str, acc: proto.Accumulator,
+                 started: float):
+        self.endpoint, self.req, self.rid, self.acc, self.started = endpoint, req, rid, acc, started
+        self.model, self.created = state.model_name, int(time.time())
+        self.strings = _strings(state, req)
+        n = self.n = req.sampling.n
+        self.sent, self.offset = [0] * n, [0] * n
+        self.echo = [_echo(state, req)] * n
+        names = _tool_names(req) if endpoint == "chat" else None
+        self.parsers = [tool_calls.ToolCallParser(names) for _ in range(n)] if names is not None else None
+
+    def first(self) -> list[dict]:
+        """Before any delta: chat's role chunk of each choice."""
+        if self.endpoint != "chat":
+            return []
+        return [proto.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None,
+                                 index=i) for i in range(self.n)]
+
+    def of(self, out: RequestOutput) -> list[dict]:
+        """The events one delta makes (none when it carries nothing to send yet)."""
+        if self.endpoint == "generate":
+            if out.token_ids or out.text or out.finished or out.finish_reason is not None:
+                return [proto.generate_chunk(self.rid, self.acc, self.started, self.req.sampling.logprobs is not None,
+                                             self.strings, _prompt_of(self.req),
+                                             index=out.index if self.n > 1 else None)]
+            return []
+        if not (out.text or out.finish_reason is not None or self.echo[out.index] is not None):
+            return []
+        i, c = out.index, self.acc.choice(out.index)
+        reason = c.finish_reason if out.finish_reason is not None or out.finished else None
+        logprobs, text = None, out.text
+        ids, lps = c.token_ids[self.sent[i]:], list(c.logprobs[self.sent[i]:])
+        self.sent[i] = len(c.token_ids)
+        if self.echo[i] is not None:  # the choice's first chunk starts with the prompt
+            text, ids, lps = self.echo[i][0] + text, self.echo[i][1] + ids, list(self.acc.prompt_logprobs) + lps
+            self.echo[i] = None
+        if self.strings is not None:
+            if self.endpoint == "chat":
+                logprobs = proto.chat_logprobs(self.strings, ids, lps)
+            else:
+                logprobs = proto.completion_logprobs(self.strings, ids, lps, self.offset[i])
+                self.offset[i] += sum(len(t) for t in logprobs["tokens"])
+        if self.endpoint != "chat":
+            return [proto.completion_chunk(self.rid, self.model, self.created, text, reason, logprobs, index=i)]
+        return self._chat(i, text, reason, logprobs)
+
+    def _chat(self, i: int, text: str, reason: Optional[str], logprobs: Optional[dict]) -> list[dict]:
+        """Chat: the text becomes content, and with tools, tool-call deltas."""
+        if self.parsers is None:
+            delta = {"content": text} if text else {}
+            return [proto.chat_chunk(self.rid, self.model, self.created, delta, reason, logprobs, index=i)]
+        parser = self.parsers[i]
+        deltas = parser.feed(text) if text else []
+        if reason is not None:
+            deltas += parser.finish()
+            reason = tool_calls.finish_reason(reason, parser)
+        if not deltas and (reason is not None or logprobs is not None):
+            deltas = [{}]
+        return [proto.chat_chunk(self.rid, self.model, self.created, delta, reason if k == len(deltas) - 1 else None,
+                                 logprobs if k == 0 else None, index=i) for k, delta in enumerate(deltas)]
+
+
 async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequest, rid: str, stream,
                   acc: proto.Accumulator, result: Result, started: float) -> web.StreamResponse:
     sse = SSEWriter(request, state.config.client_write_timeout_s)
-    model, created = state.model_name, int(time.time())
-    strings = _strings(state, req)
-    n = req.sampling.n
-    sent = [0] * n  # per choice, tokens whose logprobs have been sent: the rest ride with its next chunk with text
-    offset = [0] * n  # completions: the text offset of the choice's next token's logprobs
-    echo = [_echo(state, req)] * n  # completions' echo: sent with each choice's first chunk
-    names = _tool_names(req) if endpoint == "chat" else None
-    parsers = [tool_calls.ToolCallParser(names) for _ in range(n)] if names is not None else None
+    chunks = _Chunks(state, endpoint, req, rid, acc, started)
+    model, created = chunks.model, chunks.created
     try:
         await sse.start()
-        if endpoint == "chat":
-            for i in range(n):
-                await sse.send(proto.chat_chunk(rid, model, created, {"role": "assistant", "content": ""}, None,
-                                                index=i))
+        for event in chunks.first():
+            await sse.send(event)
         async for out in _consume(stream, acc):
             if out.finished and out.error is not None:
                 break
-            if endpoint == "generate":
-                if out.token_ids or out.text or out.finished or out.finish_reason is not None:
-                    await sse.send(proto.generate_chunk(rid, acc, started, req.sampling.logprobs is not None, strings,
-                                                        _prompt_of(req), index=out.index if n > 1 else None))
-            elif out.text or out.finish_reason is not None or echo[out.index] is not None:
-                i, c = out.index, acc.choice(out.index)
-                reason = c.finish_reason if out.finish_reason is not None or out.finished else None
-                logprobs, text = None, out.text
-                ids, lps = c.token_ids[sent[i]:], list(c.logprobs[sent[i]:])
-                sent[i] = len(c.token_ids)
-                if echo[i] is not None:  # the choice's first chunk starts with the prompt
-                    text, ids, lps = echo[i][0] + text, echo[i][1] + ids, list(acc.prompt_logprobs) + lps
-                    echo[i] = None
-                if strings is not None:
-                    if endpoint == "chat":
-                        logprobs = proto.chat_logprobs(strings, ids, lps)
-                    else:
-                        logprobs = proto.completion_logprobs(strings, ids, lps, offset[i])
-                        offset[i] += sum(len(t) for t in logprobs["tokens"])
-                if endpoint == "chat" and parsers is not None:  # text becomes content and tool-call deltas
-                    deltas = parsers[i].feed(text) if text else []
-                    if reason is not None:
-                        deltas += parsers[i].finish()
-                        reason = tool_calls.finish_reason(reason, parsers[i])
-                    if not deltas and (reason is not None or logprobs is not None):
-                        deltas = [{}]
-                    for k, delta in enumerate(deltas):
-                        last = k == len(deltas) - 1
-                        await sse.send(proto.chat_chunk(rid, model, created, delta, reason if last else None,
-                                                        logprobs if k == 0 else None, index=i))
-                elif endpoint == "chat":
-                    delta = {"content": text} if text else {}
-                    await sse.send(proto.chat_chunk(rid, model, created, delta, reason, logprobs, index=i))
-                else:
-                    await sse.send(proto.completion_chunk(rid, model, created, text, reason, logprobs, index=i))
+            for event in chunks.of(out):
+                await sse.send(event)
         status = _finish(result, acc)
         if status is not None:
             await sse.send(_error_of(acc))
