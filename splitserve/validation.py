@@ -77,6 +77,7 @@ from splitserve.engine.io import (
 )
 from splitserve.hosts import check_host
 from splitserve.outcomes import Reason
+from splitserve.validation_fields import ABSENT, ANY_BOOL, KNOWN, NOOP
 
 ENDPOINTS = ("completions", "chat", "generate")
 # Caps on one request's stop conditions, on every route (docs/security.md, "One request's input"):
@@ -91,47 +92,7 @@ MAX_SEED = 2**63
 MAX_ROOM = 2**63
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
-_ABSENT = object()
-_ANY_BOOL = object()  # a switch with no effect on the tokens (logging, reasoning display): any boolean
-
-# Fields of the OpenAI API we do not implement, with the value that means "not used".
-_NOOP = {
-    "best_of": 1, "suffix": "",
-    "functions": [], "function_call": "none", "store": False,
-    "metadata": _ABSENT, "modalities": ["text"], "audio": _ABSENT, "prediction": _ABSENT,
-    "reasoning_effort": _ABSENT, "service_tier": _ABSENT, "web_search_options": _ABSENT,
-    "verbosity": _ABSENT,
-    # fields SGLang's gateway adds to every request it forwards, at their defaults
-    "return_hidden_states": False, "background": False,
-    "return_bytes": False, "return_entropy": False, "continue_final_message": False,
-    "log_metrics": _ANY_BOOL, "no_logs": _ANY_BOOL, "separate_reasoning": _ANY_BOOL, "stream_reasoning": _ANY_BOOL,
-    # SGLang /generate sampling_params and request fields
-    "min_p": 0, "min_new_tokens": 0, "skip_special_tokens": True,
-    "spaces_between_special_tokens": True, "no_stop_trim": False,
-    "ebnf": _ABSENT, "image_data": _ABSENT, "lora_path": _ABSENT,
-}
-
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "stop",
-           "stop_token_ids", "ignore_eos", "seed", "user", "rid", "bootstrap_host", "bootstrap_port",
-           "bootstrap_room", "cache_salt"}
-_GATEWAY = {"no_stop_trim", "skip_special_tokens", "return_hidden_states"}
-_KNOWN = {
-    "completions": _COMMON | _GATEWAY | {"prompt", "n", "best_of", "echo", "suffix", "logprobs", "logit_bias",
-                              "presence_penalty", "frequency_penalty", "response_format"},
-    "chat": _COMMON | _GATEWAY | {"continue_final_message", "separate_reasoning", "stream_reasoning", "messages", "max_completion_tokens", "n", "logprobs", "top_logprobs", "logit_bias",
-                       "presence_penalty", "frequency_penalty", "tools", "tool_choice", "functions",
-                       "function_call", "parallel_tool_calls", "response_format", "store", "metadata",
-                       "modalities", "audio", "prediction", "reasoning_effort", "service_tier",
-                       "web_search_options", "verbosity"},
-    "generate": {"model", "text", "input_ids", "sampling_params", "stream", "rid", "bootstrap_host", "bootstrap_port",
-                 "bootstrap_room", "cache_salt", "return_logprob", "top_logprobs_num", "logprob_start_len",
-                 "image_data", "lora_path", "return_text_in_logprobs",
-                 "log_metrics", "return_hidden_states", "background", "no_logs", "return_bytes", "return_entropy"},
-}
-_KNOWN_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
-                   "seed", "sampling_seed", "n", "frequency_penalty", "presence_penalty", "repetition_penalty",
-                   "min_new_tokens", "min_p", "skip_special_tokens", "spaces_between_special_tokens",
-                   "no_stop_trim", "regex", "json_schema", "ebnf"}
+_ABSENT = object()  # a field not in the body (where None would be a client's null)
 
 
 @dataclass(frozen=True)
@@ -259,7 +220,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     if not isinstance(body, dict):
         body = parse_json_body(body)
     check_text(body)
-    _check_fields(body, _KNOWN[endpoint], "")
+    _check_fields(body, KNOWN[endpoint], "")
     defaults = dict(generation_defaults or {})
     if endpoint == "generate":
         sp = body.get("sampling_params")
@@ -267,7 +228,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
             sp = {}
         if not isinstance(sp, dict):
             raise InvalidRequest(f"sampling_params must be an object, not {_type_name(sp)}", "sampling_params")
-        _check_fields(sp, _KNOWN_SAMPLING, "sampling_params.")
+        _check_fields(sp, KNOWN["sampling_params"], "sampling_params.")
         if sp.get("seed") is not None and sp.get("sampling_seed") is not None:
             raise InvalidRequest("give seed or sampling_seed, not both", "sampling_params.seed")
         fields, prefix, max_key, max_stop = sp, "sampling_params.", "max_new_tokens", MAX_STOP
@@ -433,14 +394,14 @@ def _check_fields(obj: dict, known: set, prefix: str) -> None:
         name = prefix + str(key)
         if key not in known:
             raise InvalidRequest(f"unrecognized request field `{name}`", name)
-        if key in _NOOP and value is not None and not _is_noop(value, _NOOP[key]):
+        if key in NOOP and value is not None and not _is_noop(value, NOOP[key]):
             raise InvalidRequest(f"`{name}` is not supported by this server (got {json.dumps(value)})", name)
 
 
 def _is_noop(value: Any, noop: Any) -> bool:
-    if noop is _ABSENT:
+    if noop is ABSENT:
         return False
-    if noop is _ANY_BOOL:
+    if noop is ANY_BOOL:
         return isinstance(value, bool)
     if isinstance(noop, bool) or isinstance(value, bool):
         return type(value) is type(noop) and value == noop

@@ -22,7 +22,8 @@ PACKAGE = ROOT / "splitserve"
 LAYERS = [
     {"splitserve.hosts", "splitserve.transfer_backends"},
     {"splitserve", "splitserve.outcomes", "splitserve.config", "splitserve.log_sparsely", "splitserve.timeline",
-     "splitserve.metrics", "splitserve.cpus", "splitserve.tls", "splitserve.discovery", "splitserve.secret_file"},
+     "splitserve.metrics", "splitserve.cpus", "splitserve.tls", "splitserve.discovery", "splitserve.secret_file",
+     "splitserve.validation_fields"},
     {"splitserve.errors"},
     {"splitserve.layers"},
     {"splitserve.models"},

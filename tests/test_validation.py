@@ -517,3 +517,73 @@ def test_the_characters_per_token_bound_holds_and_is_refused_where_it_is_not_kno
     assert max_chars_per_token(variant(normalizer={"type": "Strip", "strip_left": True, "strip_right": True})) is None
     assert max_chars_per_token(variant(pre_tokenizer={"type": "Whitespace"})) is None
     assert max_chars_per_token(object()) is None  # not a fast tokenizer
+
+
+# -- the field table and docs/requests.md ------------------------------------------------------------
+
+REQUESTS_DOC = __import__("pathlib").Path(__file__).resolve().parent.parent / "docs" / "requests.md"
+
+
+def _doc_row(f) -> str:
+    """``docs/requests.md``'s row for field ``f`` of ``validation_fields.FIELDS``."""
+    import json
+
+    from splitserve.validation_fields import ABSENT, ANY_BOOL, USED
+    where = ["✓" if p in f.places else "" for p in ("completions", "chat")]
+    where.append("✓" if "generate" in f.places else "`sampling_params`" if "sampling_params" in f.places else "")
+    if f.noop is USED:
+        rule = f.rule
+    elif f.noop is ABSENT:
+        rule = "not implemented: refused unless absent or null"
+    elif f.noop is ANY_BOOL:
+        rule = "any boolean; no effect"
+    else:
+        rule = f"not implemented: refused unless `{json.dumps(f.noop)}` (or null)"
+    goes = ", ".join(f"`{g}`" for g in f.goes)
+    return f"| `{f.name}` | {' | '.join(where)} | {rule} | {goes} |"
+
+
+def test_the_docs_table_of_request_fields_is_the_validation_table():
+    """Every row of docs/requests.md's field table is the row the field table makes, in its order:
+    names, the endpoints that take each, its rule and where its value goes."""
+    from splitserve.validation_fields import FIELDS
+    expected = [_doc_row(f) for f in FIELDS]
+    rows = [line for line in REQUESTS_DOC.read_text().splitlines() if line.startswith("| `")]
+    missing = [r for r in expected if r not in rows]
+    assert rows == expected, "docs/requests.md's table differs from validation_fields.FIELDS; write:\n" + \
+        "\n".join(missing or expected)
+
+
+def test_the_field_table_names_real_destinations_and_places():
+    """Each field's destination is an attribute of ValidatedRequest or SamplingParams, each place one
+    of the four, and the known-field sets are the table's."""
+    import dataclasses
+
+    from splitserve.engine.io import SamplingParams
+    from splitserve.validation import ValidatedRequest
+    from splitserve.validation_fields import FIELDS, KNOWN, PLACES
+    attrs = {cls.__name__: {f.name for f in dataclasses.fields(cls)} for cls in (ValidatedRequest, SamplingParams)}
+    for f in FIELDS:
+        assert set(f.places) <= set(PLACES) and f.places, f.name
+        for goes in f.goes:
+            cls, attr = goes.split(".")
+            assert attr in attrs[cls], f"{f.name} goes to {goes}, which does not exist"
+    assert len({f.name for f in FIELDS}) == len(FIELDS), "a field named twice"
+    assert KNOWN["chat"] >= {"messages", "tools"} and "prompt" not in KNOWN["chat"]
+
+
+def test_the_field_tables_rules_name_the_codes_bounds():
+    """The numbers a rule in the field table states are the constants validation enforces."""
+    from splitserve.engine.grammar import MAX_TOOLS
+    from splitserve.engine.io import MAX_LOGIT_BIAS, MAX_TOP_LOGPROBS
+    from splitserve.validation import MAX_N, MAX_OPENAI_STOP, MAX_STOP, MAX_STOP_CHARS, MAX_STOP_TOKEN_IDS
+    from splitserve.validation_fields import FIELDS
+    rule = {f.name: f.rule for f in FIELDS}
+    assert f"at most {MAX_OPENAI_STOP} ({MAX_STOP} on `/generate`)" in rule["stop"]
+    assert f"at most {MAX_STOP_CHARS} characters" in rule["stop"]
+    assert f"at most {MAX_STOP_TOKEN_IDS} token ids" in rule["stop_token_ids"]
+    assert f"[1, {MAX_N}]" in rule["n"]
+    assert f"at most {MAX_LOGIT_BIAS} tokens" in rule["logit_bias"]
+    assert all(f"[0, {MAX_TOP_LOGPROBS}]" in rule[k] for k in ("logprobs", "top_logprobs", "top_logprobs_num"))
+    assert f"at most {MAX_TOOLS} functions" in rule["tools"]
+    assert f"absent: {DEFAULT_MAX_TOKENS}" in rule["max_tokens"]
