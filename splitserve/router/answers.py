@@ -20,11 +20,11 @@ async def read_answer(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     """``resp``'s body, or :class:`AnswerTooLarge` as soon as it passes ``limit`` bytes (its
     ``Content-Length`` says so before a byte is read)."""
     if resp.content_length is not None and resp.content_length > limit:
-        raise AnswerTooLarge(f"{resp.url} answered {resp.content_length} bytes, more than the {limit} read here")
+        raise AnswerTooLarge(f"an answer of {resp.content_length} bytes, more than the {limit} read here")
     chunks, size = [], 0
-    async for chunk in resp.content.iter_any():
+    while chunk := await resp.content.readany():
         size += len(chunk)
         if size > limit:
-            raise AnswerTooLarge(f"{resp.url} answered more than the {limit} bytes read here")
+            raise AnswerTooLarge(f"an answer of more than the {limit} bytes read here")
         chunks.append(chunk)
     return b"".join(chunks)

@@ -254,6 +254,11 @@ class Response:
         self.content = Body()
         self._body: Optional[bytes] = None
 
+    @property
+    def content_length(self) -> Optional[int]:
+        value = self.headers.get("Content-Length")
+        return int(value) if value is not None and value.isdigit() else None
+
     async def read(self) -> bytes:
         if self._body is None:
             parts = []
