@@ -92,7 +92,7 @@ MAX_SEED = 2**63
 MAX_ROOM = 2**63
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
-_ABSENT = object()  # a field not in the body (where None would be a client's null)
+_ABSENT = ABSENT  # a field not in the body (where None would be a client's null)
 
 
 @dataclass(frozen=True)
@@ -214,14 +214,74 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     tokenized. ``grammars`` (an ``engine/grammar_compiler.GrammarCompiler``, with a ``tokenizer``):
     prepared to compile ``response_format`` (``grammar_param`` set; the caller compiles it),
     else it is only checked. Raises InvalidRequest (400, or 404 for an unknown model) naming the
-    field."""
+    field. The parts run in a fixed order, so a request with several faults names the same one
+    on every process."""
     if endpoint not in ENDPOINTS:
         raise ValueError(f"endpoint must be one of {ENDPOINTS}, not {endpoint!r}")
     if not isinstance(body, dict):
         body = parse_json_body(body)
     check_text(body)
     _check_fields(body, KNOWN[endpoint], "")
-    defaults = dict(generation_defaults or {})
+    where = _where(body, endpoint)
+    model = _model(body, served_model_name)
+    echo = endpoint == "completions" and bool(_opt(body, "echo", "", bool))
+    start = _opt(body, "logprob_start_len", "", int, minimum=-1) if endpoint == "generate" else None
+    start = -1 if start is None or not body.get("return_logprob") else start
+    # the prompt alone (max_tokens 0) is what echo and the prompt's logprobs may ask for
+    sampling = _sampling(where, endpoint, vocab_size, min_tokens=0 if echo or start >= 0 else 1)
+    stream = _opt(body, "stream", "", bool) or False
+    include_usage = _include_usage(body, endpoint, stream)
+    bootstrap = _bootstrap(body)
+    logprobs = _logprobs(body, endpoint)
+    return_text_in_logprobs = bool(_opt(body, "return_text_in_logprobs", "", bool))
+    grammar_spec, tools = _structured(body, where.fields, endpoint)
+    n = _opt(where.fields, "n", where.prefix, int, minimum=1, maximum=MAX_N) or 1
+    if n > 1 and sampling["max_tokens"] == 0:
+        raise InvalidRequest("n > 1 needs max_tokens of at least 1", where.prefix + "n")
+    prompt_text, prompt_ids, messages = _prompt(body, endpoint, tools, tokenizer, vocab_size)
+    max_tokens_set = sampling["max_tokens"] is not None
+    prompt_ids, sampling["max_tokens"] = _fit_prompt(
+        prompt_text, prompt_ids, messages, tools, sampling["max_tokens"], where.prefix + where.max_key,
+        _Limits(tokenizer, max_context, chars_per_token))
+    if prompt_ids is not None and start >= len(prompt_ids):
+        raise InvalidRequest(f"logprob_start_len {start} is not below the prompt's {len(prompt_ids)} tokens",
+                             "logprob_start_len")
+    return ValidatedRequest(
+        endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
+        sampling=_sampling_params(sampling, dict(generation_defaults or {}), logprobs=logprobs, n=n,
+                                  prompt_logprobs=logprobs if echo or start >= 0 else None),
+        prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None, prompt_text=prompt_text,
+        messages=messages, max_tokens_set=max_tokens_set, **bootstrap,
+        return_text_in_logprobs=return_text_in_logprobs, echo=echo, logprob_start_len=start,
+        stop_matcher=stop_matcher(sampling["stop"]) if sampling["stop"] and tokenizer is not None else None,
+        grammar_spec=grammar_spec, tools=tools,
+        grammar_param=_grammar_param(grammar_spec, endpoint, grammars, tokenizer, vocab_size),
+    )
+
+
+# -- the parts of validate_request, in the order it runs them ------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Where:
+    """Where an endpoint's sampling fields are: the body, or ``/generate``'s ``sampling_params``."""
+
+    fields: dict
+    prefix: str  # how an error names one of them: "" or "sampling_params."
+    max_key: str  # the field of max_tokens here
+    max_stop: int  # how many stop strings it may give
+
+
+@dataclass(frozen=True)
+class _Limits:
+    """What the worker knows of its model that bounds a prompt (all None on the router)."""
+
+    tokenizer: Any
+    max_context: Optional[int]
+    chars_per_token: Optional[int]
+
+
+def _where(body: dict, endpoint: str) -> _Where:
     if endpoint == "generate":
         sp = body.get("sampling_params")
         if sp is None:
@@ -231,65 +291,81 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         _check_fields(sp, KNOWN["sampling_params"], "sampling_params.")
         if sp.get("seed") is not None and sp.get("sampling_seed") is not None:
             raise InvalidRequest("give seed or sampling_seed, not both", "sampling_params.seed")
-        fields, prefix, max_key, max_stop = sp, "sampling_params.", "max_new_tokens", MAX_STOP
-    else:
-        fields, prefix, max_key, max_stop = body, "", "max_tokens", MAX_OPENAI_STOP
-        if endpoint == "chat" and body.get("max_completion_tokens") is not None:
-            if body.get("max_tokens") is not None and body["max_tokens"] != body["max_completion_tokens"]:
-                raise InvalidRequest("max_tokens and max_completion_tokens differ; give one", "max_tokens")
-            max_key = "max_completion_tokens"
+        return _Where(sp, "sampling_params.", "max_new_tokens", MAX_STOP)
+    max_key = "max_tokens"
+    if endpoint == "chat" and body.get("max_completion_tokens") is not None:
+        if body.get("max_tokens") is not None and body["max_tokens"] != body["max_completion_tokens"]:
+            raise InvalidRequest("max_tokens and max_completion_tokens differ; give one", "max_tokens")
+        max_key = "max_completion_tokens"
+    return _Where(body, "", max_key, MAX_OPENAI_STOP)
 
-    model = _opt_str(body, "model", "")
+
+def _model(body: dict, served_model_name: Optional[str]) -> Optional[str]:
+    model = _opt(body, "model", "", str)
     if model is not None and served_model_name is not None and model != served_model_name:
         raise InvalidRequest(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
                              "model", reason=Reason.MODEL_NOT_FOUND)
+    return model
 
-    echo = endpoint == "completions" and bool(_opt_bool(body, "echo", ""))
-    start = _opt_int(body, "logprob_start_len", "", minimum=-1) if endpoint == "generate" else None
-    start = -1 if start is None or not body.get("return_logprob") else start
-    # the prompt alone (max_tokens 0) is what echo and the prompt's logprobs may ask for
-    max_tokens = _opt_int(fields, max_key, prefix, minimum=0 if echo or start >= 0 else 1)
-    temperature = _opt_number(fields, "temperature", prefix, minimum=0.0)
-    top_p = _opt_number(fields, "top_p", prefix)
+
+def _sampling(where: _Where, endpoint: str, vocab_size: Optional[int], min_tokens: int) -> dict[str, Any]:
+    """The sampling fields, checked, by ``SamplingParams``' names; None where absent (the
+    defaults are :func:`_sampling_params`')."""
+    f, prefix = where.fields, where.prefix
+    out: dict[str, Any] = {"max_tokens": _opt(f, where.max_key, prefix, int, minimum=min_tokens)}
+    out["temperature"] = _opt(f, "temperature", prefix, float, minimum=0.0)
+    out["top_p"] = top_p = _opt(f, "top_p", prefix, float)
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise InvalidRequest(f"{prefix}top_p must be in (0, 1], got {top_p}", prefix + "top_p")
-    top_k = _opt_int(fields, "top_k", prefix, minimum=-1)
-    seed_key = "sampling_seed" if fields.get("sampling_seed") is not None else "seed"
-    seed = _opt_int(fields, seed_key, prefix, minimum=0, maximum=MAX_SEED - 1)
-    ignore_eos = _opt_bool(fields, "ignore_eos", prefix)
-    stop = _stop(fields.get("stop"), prefix + "stop", max_stop)
-    stop_token_ids = _token_ids(fields.get("stop_token_ids"), prefix + "stop_token_ids", vocab_size,
-                                allow_empty=True, max_count=MAX_STOP_TOKEN_IDS) or ()
-    presence = _opt_range(fields, "presence_penalty", prefix, -2.0, 2.0)
-    frequency = _opt_range(fields, "frequency_penalty", prefix, -2.0, 2.0)
-    repetition = _opt_range(fields, "repetition_penalty", prefix, 0.0, 2.0, open_below=True) \
+    top_k = _opt(f, "top_k", prefix, int, minimum=-1)
+    out["top_k"] = 0 if top_k == -1 else top_k
+    seed_key = "sampling_seed" if f.get("sampling_seed") is not None else "seed"
+    out["seed"] = _opt(f, seed_key, prefix, int, minimum=0, maximum=MAX_SEED - 1)
+    out["ignore_eos"] = bool(_opt(f, "ignore_eos", prefix, bool))
+    out["stop"] = _stop(f.get("stop"), prefix + "stop", where.max_stop)
+    out["stop_token_ids"] = tuple(_token_ids(f.get("stop_token_ids"), prefix + "stop_token_ids", vocab_size,
+                                             allow_empty=True, max_count=MAX_STOP_TOKEN_IDS) or ())
+    out["presence_penalty"] = _opt_range(f, "presence_penalty", prefix, -2.0, 2.0) or 0.0
+    out["frequency_penalty"] = _opt_range(f, "frequency_penalty", prefix, -2.0, 2.0) or 0.0
+    repetition = _opt_range(f, "repetition_penalty", prefix, 0.0, 2.0, open_below=True) \
         if endpoint == "generate" else None
-    logit_bias = _logit_bias(fields.get("logit_bias"), vocab_size) if endpoint != "generate" else ()
+    out["repetition_penalty"] = repetition if repetition is not None else 1.0
+    out["logit_bias"] = _logit_bias(f.get("logit_bias"), vocab_size) if endpoint != "generate" else ()
+    return out
 
-    stream = _opt_bool(body, "stream", "") or False
-    include_usage = False
-    if body.get("stream_options") is not None:
-        if endpoint == "generate":
-            raise InvalidRequest("stream_options is not supported by /generate", "stream_options")
-        include_usage = _stream_options(body["stream_options"], stream)
 
-    _opt_str(body, "user", "")  # accepted (OpenAI's end-user id), not used
-    rid = check_request_id(_opt_str(body, "rid", ""), "rid")
-    bootstrap_host = _opt_str(body, "bootstrap_host", "")
-    if bootstrap_host is not None:  # in the one form the router sends and the allow-lists compare
+def _include_usage(body: dict, endpoint: str, stream: bool) -> bool:
+    if body.get("stream_options") is None:
+        return False
+    if endpoint == "generate":
+        raise InvalidRequest("stream_options is not supported by /generate", "stream_options")
+    return _stream_options(body["stream_options"], stream)
+
+
+def _bootstrap(body: dict) -> dict[str, Any]:
+    """Who the request is and where its KV comes from: ``rid``, ``bootstrap_host``, ``_port``,
+    ``_room`` and ``cache_salt``, by ``ValidatedRequest``'s names (``user`` is read, not kept)."""
+    _opt(body, "user", "", str)  # accepted (OpenAI's end-user id), not used
+    rid = check_request_id(_opt(body, "rid", "", str), "rid")
+    host = _opt(body, "bootstrap_host", "", str)
+    if host is not None:  # in the one form the router sends and the allow-lists compare
         try:
-            bootstrap_host = check_host(bootstrap_host)
+            host = check_host(host)
         except ValueError as exc:
             raise InvalidRequest(f"bootstrap_host must be a host name, an IPv4 address or an IPv6 address in "
                                  f"brackets: {exc}", "bootstrap_host") from None
-    bootstrap_port = _opt_int(body, "bootstrap_port", "", minimum=1, maximum=65535)
-    bootstrap_room = _opt_int(body, "bootstrap_room", "", minimum=0, maximum=MAX_ROOM - 1)
-    cache_salt = _opt_str(body, "cache_salt", "") or ""
+    port = _opt(body, "bootstrap_port", "", int, minimum=1, maximum=65535)
+    room = _opt(body, "bootstrap_room", "", int, minimum=0, maximum=MAX_ROOM - 1)
+    cache_salt = _opt(body, "cache_salt", "", str) or ""
     if len(cache_salt) > 256:
         raise InvalidRequest("cache_salt must be at most 256 characters", "cache_salt")
-    logprobs = _logprobs(body, endpoint)
-    return_text_in_logprobs = bool(_opt_bool(body, "return_text_in_logprobs", ""))
-    prompt_logprobs = logprobs if echo or start >= 0 else None
+    return {"rid": rid, "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room,
+            "cache_salt": cache_salt}
+
+
+def _structured(body: dict, fields: dict, endpoint: str) -> tuple[Any, Any]:
+    """The grammar the answer must follow (``response_format``, SGLang's ``regex`` or
+    ``json_schema``, or a forced tool call) and the chat's tools; None for either when absent."""
     grammar_spec = parse_response_format(body.get("response_format")) if endpoint != "generate" else \
         sglang_spec(fields)
     tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls")) \
@@ -299,58 +375,54 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
             raise InvalidRequest("a forced tool call (tool_choice required or a function) and response_format "
                                  "cannot be given together", "tool_choice")
         grammar_spec = tools.grammar
-    n = _opt_int(fields, "n", prefix, minimum=1, maximum=MAX_N) or 1
-    if n > 1 and max_tokens == 0:
-        raise InvalidRequest("n > 1 needs max_tokens of at least 1", prefix + "n")
+    return grammar_spec, tools
 
-    prompt_ids, prompt_text, messages = None, None, None
+
+def _prompt(body: dict, endpoint: str, tools, tokenizer, vocab_size: Optional[int]) \
+        -> tuple[Optional[str], Optional[list[int]], Optional[tuple[dict, ...]]]:
+    """The prompt as given: its text, its token ids or the chat's messages."""
     if endpoint == "completions":
-        prompt_text, prompt_ids = _completion_prompt(body.get("prompt", _ABSENT), vocab_size)
-    elif endpoint == "generate":
-        prompt_text, prompt_ids = _generate_prompt(body, vocab_size)
-    else:
-        messages = _messages(body.get("messages", _ABSENT))
-        if tools is not None and tools.parses and tokenizer is not None and not renders_tools(tokenizer):
-            raise InvalidRequest("this model's chat template does not render tools, so the model would never see "
-                                 "them; serve it with --chat-template FILE, a template that does", "tools")
-    max_tokens_set = max_tokens is not None
+        return (*_completion_prompt(body.get("prompt", _ABSENT), vocab_size), None)
+    if endpoint == "generate":
+        return (*_generate_prompt(body, vocab_size), None)
+    messages = _messages(body.get("messages", _ABSENT))
+    if tools is not None and tools.parses and tokenizer is not None and not renders_tools(tokenizer):
+        raise InvalidRequest("this model's chat template does not render tools, so the model would never see "
+                             "them; serve it with --chat-template FILE, a template that does", "tools")
+    return None, None, messages
+
+
+def _fit_prompt(text: Optional[str], ids: Optional[list[int]], messages: Optional[tuple[dict, ...]], tools,
+                max_tokens: Optional[int], param: str, limits: _Limits) -> tuple[Optional[list[int]], int]:
+    """The prompt's token ids (tokenized here when a tokenizer is given) and ``max_tokens`` as
+    the context leaves it (absent: :data:`DEFAULT_MAX_TOKENS`, lowered to fit); ``param`` names
+    the max-tokens field in errors."""
+    explicit = max_tokens is not None
     if max_tokens is None:
         max_tokens = DEFAULT_MAX_TOKENS
-    if tokenizer is not None and prompt_ids is None:
+    tokenizer, max_context, chars_per_token = limits.tokenizer, limits.max_context, limits.chars_per_token
+    if tokenizer is not None and ids is None:
         if chars_per_token and max_context is not None:
-            chars = len(prompt_text) if messages is None else len(_render(tokenizer, messages, tools))
-            _fit_context(-(-chars // chars_per_token), max_tokens, max_tokens_set, max_context, prefix + max_key,
+            chars = len(text) if messages is None else len(_render(tokenizer, messages, tools))
+            _fit_context(-(-chars // chars_per_token), max_tokens, explicit, max_context, param,
                          bound=f"{chars} characters, and no token of this model stands for more than {chars_per_token}")
-        prompt_ids = _tokenize(tokenizer, prompt_text, messages, tools)
-        if not prompt_ids:
+        ids = _tokenize(tokenizer, text, messages, tools)
+        if not ids:
             raise InvalidRequest("the prompt is empty after tokenization", "messages" if messages else "prompt")
-    if prompt_ids is not None and max_context is not None:
-        max_tokens = _fit_context(len(prompt_ids), max_tokens, max_tokens_set, max_context, prefix + max_key)
-    if prompt_ids is not None and start >= len(prompt_ids):
-        raise InvalidRequest(f"logprob_start_len {start} is not below the prompt's {len(prompt_ids)} tokens",
-                             "logprob_start_len")
+    if ids is not None and max_context is not None:
+        max_tokens = _fit_context(len(ids), max_tokens, explicit, max_context, param)
+    return ids, max_tokens
 
-    if top_k is not None and top_k == -1:
-        top_k = 0
-    sampling = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=_pick(temperature, defaults.get("temperature"), 1.0),
-        top_p=_pick(top_p, defaults.get("top_p"), 1.0),
-        top_k=int(_pick(top_k, defaults.get("top_k"), 0)),
-        seed=seed, stop=stop, stop_token_ids=tuple(stop_token_ids), ignore_eos=bool(ignore_eos),
-        logprobs=logprobs, prompt_logprobs=prompt_logprobs, n=n,
-        presence_penalty=presence or 0.0, frequency_penalty=frequency or 0.0,
-        repetition_penalty=repetition if repetition is not None else 1.0, logit_bias=logit_bias,
-    )
-    return ValidatedRequest(
-        endpoint=endpoint, sampling=sampling, model=model, stream=stream, include_usage=include_usage,
-        prompt_ids=tuple(prompt_ids) if prompt_ids is not None else None, prompt_text=prompt_text,
-        messages=messages, max_tokens_set=max_tokens_set, rid=rid, bootstrap_host=bootstrap_host,
-        bootstrap_port=bootstrap_port, bootstrap_room=bootstrap_room, cache_salt=cache_salt,
-        return_text_in_logprobs=return_text_in_logprobs, echo=echo, logprob_start_len=start, stop_matcher=stop_matcher(stop) if stop and tokenizer is not None else None,
-        grammar_spec=grammar_spec, tools=tools,
-        grammar_param=_grammar_param(grammar_spec, endpoint, grammars, tokenizer, vocab_size),
-    )
+
+def _sampling_params(values: dict[str, Any], defaults: dict, **rest: Any) -> SamplingParams:
+    """``SamplingParams`` of :func:`_sampling`'s values, the model's generation defaults (else
+    the API's) where the client gave none, and ``rest``."""
+    return SamplingParams(**{
+        **values, **rest,
+        "temperature": _pick(values["temperature"], defaults.get("temperature"), 1.0),
+        "top_p": _pick(values["top_p"], defaults.get("top_p"), 1.0),
+        "top_k": int(_pick(values["top_k"], defaults.get("top_k"), 0)),
+    })
 
 
 def _grammar_param(spec, endpoint: str, grammars, tokenizer, vocab_size: Optional[int]) -> Optional[str]:
@@ -370,12 +442,12 @@ def _grammar_param(spec, endpoint: str, grammars, tokenizer, vocab_size: Optiona
 def _logprobs(body: dict, endpoint: str) -> Optional[int]:
     """How many alternatives per token the request wants logprobs for; None: no logprobs."""
     if endpoint == "completions":
-        return _opt_int(body, "logprobs", "", minimum=0, maximum=MAX_TOP_LOGPROBS)
+        return _opt(body, "logprobs", "", int, minimum=0, maximum=MAX_TOP_LOGPROBS)
     if endpoint == "chat":
-        on, top, top_key = _opt_bool(body, "logprobs", ""), body.get("top_logprobs"), "top_logprobs"
+        on, top_key = _opt(body, "logprobs", "", bool), "top_logprobs"
     else:
-        on, top, top_key = _opt_bool(body, "return_logprob", ""), body.get("top_logprobs_num"), "top_logprobs_num"
-    k = _opt_int(body, top_key, "", minimum=0, maximum=MAX_TOP_LOGPROBS)
+        on, top_key = _opt(body, "return_logprob", "", bool), "top_logprobs_num"
+    k = _opt(body, top_key, "", int, minimum=0, maximum=MAX_TOP_LOGPROBS)
     if k and not on:
         flag = "logprobs" if endpoint == "chat" else "return_logprob"
         raise InvalidRequest(f"{top_key} needs {flag}: true", top_key)
@@ -436,8 +508,7 @@ def _opt(obj: dict, key: str, prefix: str, kind: type, minimum=None, maximum=Non
     return float(v) if kind is float else v
 
 
-_opt_int = functools.partial(_opt, kind=int)
-_opt_number = functools.partial(_opt, kind=float)
+# server/tokenization.py reads its fields with these two
 _opt_bool = functools.partial(_opt, kind=bool)
 _opt_str = functools.partial(_opt, kind=str)
 
@@ -520,7 +591,7 @@ def _stream_options(v: Any, stream: bool) -> bool:
     for key in v:
         if key != "include_usage":
             raise InvalidRequest(f"unrecognized request field `stream_options.{key}`", f"stream_options.{key}")
-    return bool(_opt_bool(v, "include_usage", "stream_options."))
+    return bool(_opt(v, "include_usage", "stream_options.", bool))
 
 
 def _completion_prompt(v: Any, vocab_size: Optional[int]) -> tuple[Optional[str], Optional[list[int]]]:
