@@ -284,11 +284,14 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     # every worker dials only these, whoever names one (keyed, only the router may name any), and
     # every worker may become a prefill: all bootstrap ports, the decodes' too (--worker-args may add more)
     extra = ("--allowed-prefill", ",".join(host_port("127.0.0.1", b) for b in ports.bootstraps()))
-    extra += _worker_args(config, secret_file or config.cluster_secret_file, discovery)
+    secret = secret_file or config.cluster_secret_file
+    extra += _worker_args(config, secret, discovery)
     workers, router_args = _worker_specs(config, cli, extra, ports, cpus, cores_of, worker_env, run)
     specs += workers
     if discovery:  # the router finds every worker in etcd, these and any registered elsewhere
         router_args = ["--discovery", discovery]
+    if secret:  # the router uses only records sealed with it and asks every worker to prove it holds it
+        router_args = [*router_args, "--cluster-secret-file", secret]
     router_url = _router_url(config)
     specs.append(ChildSpec(
         "router", cli + ("router", "--host", config.host, "--port", str(config.port), "--policy", config.policy,

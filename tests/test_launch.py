@@ -388,7 +388,7 @@ def test_build_specs_hands_keys_over_in_the_environment_never_the_command_line(t
                       environ={"SPLITSERVE_ADMIN_API_KEY": "the-operators-key"})
     assert all(s.env["SPLITSERVE_ADMIN_API_KEY"] == "the-operators-key" for s in own)
     secured = build_specs(LaunchConfig(split_cpus=False), python="py", environ={}, secret_file="/run/s")
-    assert all(s.argv[s.argv.index("--cluster-secret-file") + 1] == "/run/s" for s in secured[:-1])
+    assert all(s.argv[s.argv.index("--cluster-secret-file") + 1] == "/run/s" for s in secured)  # the router too
     plain = build_specs(LaunchConfig(split_cpus=False), python="py", environ={"SPLITSERVE_WORKER_API_KEY": "stray"})
     assert all(not v for s in plain for v in s.env.values())  # no key, and none inherited
 
