@@ -2,64 +2,10 @@
 
 The worker calls it with its tokenizer and model limits and gets token ids back; the router calls
 it without a tokenizer (checks of types, ranges and fields only) before it picks workers. Both
-therefore refuse the same requests with the same messages.
-
-Rules, each raising :class:`InvalidRequest` whose ``param`` names the offending field:
-
-- The body must be a JSON object (:func:`parse_json_body` for raw bytes; NaN/Infinity refused),
-  and no string in it, nor a field name, may hold a lone surrogate (:func:`check_text`).
-- Types are strict: a bool is not an int, ``1.0`` is not an int, a number may be an int or float.
-- ``max_tokens`` (``max_completion_tokens`` in chat, ``max_new_tokens`` in ``/generate``) is an
-  int >= 1; absent, it is :data:`DEFAULT_MAX_TOKENS`, lowered to what the context leaves when the
-  prompt is long. An explicit value that does not fit the context is an error with both numbers.
-  A text prompt too long in characters to fit in tokens is refused before it is tokenized
-  (:func:`max_chars_per_token`: a token stands for at most so many characters).
-- ``temperature`` >= 0 (0 is greedy; default: the model's generation_config, else 1.0),
-  ``top_p`` in (0, 1], ``top_k`` >= 0 with 0 or -1 meaning no limit (stored as 0).
-- ``stop``: a string or a list of strings, none empty, each at most :data:`MAX_STOP_CHARS`
-  characters, at most :data:`MAX_OPENAI_STOP` of them on the OpenAI endpoints and :data:`MAX_STOP`
-  on ``/generate``. ``stop_token_ids``: at most :data:`MAX_STOP_TOKEN_IDS` token ids.
-  ``seed``: int in [0, 2**63). ``ignore_eos``: bool.
-- Empty prompts and empty ``messages`` are refused; token ids must be ints in the vocabulary.
-- Logprobs (values from the raw logits, before temperature and any mask: ``engine/sampler.py``):
-  completions ``logprobs``, an int in [0, :data:`MAX_TOP_LOGPROBS`] (the alternatives per token);
-  chat ``logprobs`` (bool) and ``top_logprobs`` (int in [0, 20], only with ``logprobs: true``);
-  ``/generate`` SGLang's ``return_logprob`` (bool), ``top_logprobs_num`` (int in [0, 20], only
-  with ``return_logprob``), ``return_text_in_logprobs`` (bool) and ``logprob_start_len`` (-1:
-  none of the prompt's; k >= 0: the prompt's from token k, below its length).
-- ``n`` (completions, chat; SGLang's ``sampling_params.n`` on ``/generate``): 1 to :data:`MAX_N`
-  choices, with ``max_tokens`` >= 1; each choice of a structured output has its own grammar state.
-- ``echo`` (completions, bool): the answer starts with the prompt; with ``logprobs``, the prompt's
-  logprobs too (the first token's is null). ``max_tokens`` may then be 0 (as on ``/generate``
-  with ``logprob_start_len``): the prompt alone. A request that asks for its prompt's logprobs
-  computes the whole prompt (no prefix cache) on one worker.
-- ``response_format`` (chat and completions): ``text``, ``json_object`` or ``json_schema``, checked
-  here (``engine/grammar.parse_response_format``: shape, size, depth) and, given the worker's
-  ``GrammarCompiler``, compiled after validation, off the tokenize lanes: a schema it cannot
-  compile is a 400 naming why.
-- Penalties and biases (applied to the logits sampled from, never to logprobs:
-  ``engine/sampler.adjust_logits``): completions and chat ``presence_penalty`` and
-  ``frequency_penalty``, numbers in [-2, 2], and ``logit_bias``, an object of token id (a string
-  of digits, in the vocabulary) to a number in [-100, 100], at most :data:`MAX_LOGIT_BIAS`
-  tokens; ``/generate`` SGLang's ``sampling_params.presence_penalty``, ``frequency_penalty``
-  (both [-2, 2]) and ``repetition_penalty`` (in (0, 2], 1 is none).
-- ``tools``, ``tool_choice``, ``parallel_tool_calls`` (chat; ``engine/grammar.parse_tools``: at
-  most 128 functions, each ``parameters`` within the schema bounds, all of them together too);
-  messages of role ``tool`` (with ``tool_call_id``) and assistant messages with ``tool_calls``.
-  The chat template renders the tools (a template that does not is a 400); ``required`` and a
-  named function compile a grammar that forces the call (``docs/tools.md``).
-- Every field of the OpenAI API that we do not implement is refused with its name
-  (``best_of`` > 1, ``suffix``, ``functions`` ...),
-  except at its no-op value (``best_of: 1``, ``suffix: ""`` ...); ``null``
-  counts as absent. A field nobody knows is refused too: nothing is ignored silently.
-- Known extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids`` (as vLLM and SGLang), ``rid``
-  (request id), ``cache_salt`` (as vLLM: prefix-cache pages are shared only among requests with
-  the same salt; at most 256 characters), and SGLang's PD fields ``bootstrap_host`` (a host name,
-  an IPv4 address or an IPv6 address in brackets: ``hosts.check_host``), ``bootstrap_port``,
-  ``bootstrap_room``.
-  ``user`` is accepted and not used.
-- A ``model`` other than the served one is a 404 (``InvalidRequest`` with ``Reason.MODEL_NOT_FOUND``);
-  a missing ``model`` means the served one.
+therefore refuse the same requests with the same messages: an :class:`InvalidRequest` (400; 404
+for another ``model``) whose ``param`` names the offending field. The fields each endpoint takes
+and each one's rule are ``validation_fields.FIELDS``; ``docs/requests.md`` writes them out, with
+the rules that join fields.
 """
 
 from __future__ import annotations
