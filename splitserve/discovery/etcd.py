@@ -42,11 +42,14 @@ import threading
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
+from splitserve.log_sparsely import worth_logging
+
 log = logging.getLogger(__name__)
 
 RELIST_S = 1.0  # the longest a change can go unseen while etcd is up (the watch is usually faster)
 BACKOFF_S, BACKOFF_MAX_S = 0.5, 8.0
 REQUEST_TIMEOUT_S = 5.0  # one call to etcd
+MAX_LISTED = 2048  # keys read per list (etcd's range limit): past MAX_DISCOVERED workers and a margin of junk
 KEY_DIR = "workers"
 
 
@@ -168,6 +171,13 @@ def _authenticate(etcd, creds: Credentials) -> None:
     etcd.session.headers["Authorization"] = answer.json()["token"]
 
 
+def get_prefix(etcd, prefix: str, limit: int) -> list:
+    """(value, meta) of the first ``limit`` keys under ``prefix``, by key (etcd's range limit: the
+    rest never crosses the network)."""
+    return etcd.get(prefix, metadata=True, range_end=prefix[:-1] + chr(ord(prefix[-1]) + 1), limit=limit,
+                    sort_order="ascend", sort_target="key")
+
+
 class Registration:
     """A worker's record in etcd under a lease kept alive by a thread of its own."""
 
@@ -253,6 +263,9 @@ class Watcher:
         self.changed = threading.Event()
         self._stop = threading.Event()
         self._cancel_watch: Optional[Callable] = None
+        self._down: Optional[str] = None  # why the last list failed (None: it did not)
+        self.unexpected = 0  # lists whose values could not be applied (a bug, said sparsely)
+        self.capped = 0  # lists that met MAX_LISTED
         self._thread = threading.Thread(target=self._run, name="discovery-watch", daemon=True)
 
     def start(self) -> "Watcher":
@@ -266,45 +279,74 @@ class Watcher:
         self._thread.join(REQUEST_TIMEOUT_S + 1)
 
     def _run(self) -> None:
-        etcd, backoff, down = None, BACKOFF_S, None
+        etcd, backoff, self._down = None, BACKOFF_S, None
         while not self._stop.is_set():
             try:
                 if etcd is None:
                     etcd = self.make_client(self.target, self.creds)
                 self.changed.clear()
-                listed = etcd.get_prefix(self.target.key_prefix)
+                listed = self._list(etcd)
             except Exception as exc:
-                why = f"{type(exc).__name__}: {exc}"[:300]
-                if down is None:
-                    log.warning("discovery: etcd %s unreachable (%s); keeping the workers known, retrying",
-                                self.target, why)
-                    self.on_outage(why)
-                down = why
-                self._end_watch()
+                self._failed(f"{type(exc).__name__}: {exc}"[:300])
                 etcd = None
                 self._stop.wait(backoff)
                 backoff = min(BACKOFF_MAX_S, backoff * 2)
                 continue
-            if down is not None:
-                log.info("discovery: etcd %s reachable again", self.target)
-                self.on_outage(None)
-                down = None
+            try:
+                self._listed(listed)
+                if self._cancel_watch is None:
+                    self._watch(etcd)
+            except Exception as exc:  # a bug here must not end discovery for good: an outage, said sparsely
+                self.unexpected += 1
+                if worth_logging(self.unexpected):
+                    log.exception("discovery: applying a list of %s failed (%d times so far)", self.target,
+                                  self.unexpected)
+                self._failed(f"{type(exc).__name__}: {exc}"[:300], said=True)
+                self._stop.wait(backoff)
+                backoff = min(BACKOFF_MAX_S, backoff * 2)
+                continue
             backoff = BACKOFF_S
-            records, invalid = [], []
-            for value, meta in listed:
-                key = meta.get("key", b"")
-                key = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
-                try:
-                    record = self.read(value)
-                    if key != self.target.key(record.id):
-                        raise ValueError(f"its key is not {self.target.key_prefix}ID for its id {record.id!r}")
-                    records.append(record)
-                except ValueError as exc:
-                    invalid.append((key[:200], str(exc)[:300]))
-            self.on_records(records, invalid)
-            if self._cancel_watch is None:
-                self._watch(etcd)
             self.changed.wait(RELIST_S)
+
+    def _list(self, etcd) -> list:
+        """At most :data:`MAX_LISTED` (value, meta) of the prefix, by key: the rest is not read at all."""
+        listed = get_prefix(etcd, self.target.key_prefix, MAX_LISTED)
+        if len(listed) >= MAX_LISTED:
+            self.capped += 1
+            if worth_logging(self.capped):
+                log.warning("discovery: %s holds %d keys or more; only the first %d (by key) are read, the "
+                            "workers past them are not seen", self.target, MAX_LISTED, MAX_LISTED)
+        return listed
+
+    def _failed(self, why: str, said: bool = False) -> None:
+        if self._down is None:
+            if not said:
+                log.warning("discovery: etcd %s unreachable (%s); keeping the workers known, retrying",
+                            self.target, why)
+            self.on_outage(why)
+        self._down = why
+        self._end_watch()
+
+    def _listed(self, listed: list) -> None:
+        """Read every value of a list (one that cannot be read is invalid, whatever it raises) and
+        hand the records on."""
+        if self._down is not None:
+            log.info("discovery: etcd %s reachable again", self.target)
+            self.on_outage(None)
+            self._down = None
+        records, invalid = [], []
+        for value, meta in listed:
+            key = meta.get("key", b"")
+            key = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+            try:
+                record = self.read(value)
+                if key != self.target.key(record.id):
+                    raise ValueError(f"its key is not {self.target.key_prefix}ID for its id {record.id!r}")
+                records.append(record)
+            except Exception as exc:  # ValueError, or whatever else a hostile value makes a parser raise
+                invalid.append((key[:200], f"{'' if isinstance(exc, ValueError) else type(exc).__name__ + ': '}"
+                                           f"{exc}"[:300]))
+        self.on_records(records, invalid)
 
     def _watch(self, etcd) -> None:
         try:

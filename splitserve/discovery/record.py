@@ -32,6 +32,29 @@ ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@\[\]-]{0,127}")
 INCARNATION_PATTERN = re.compile(r"[A-Za-z0-9]{1,64}")
 MODEL_PATTERN = re.compile(r"[\x21-\x7e]{1,256}")
 HOST_PATTERN = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
+MAX_JSON_DEPTH = 16  # a record is 2 deep, a worker's answers a few: json's decoder recurses once a level
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')  # a string (closed or not: linear) or a bracket
+
+
+def loads_shallow(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> object:
+    """``json.loads`` for bytes from the network: ValueError for text that is not JSON or that nests
+    deeper than ``max_depth`` (which ``json.loads`` would meet with a RecursionError, no ValueError:
+    a few kilobytes of brackets are enough). The depth is read before anything is parsed."""
+    if isinstance(data, (bytes, bytearray)):
+        try:
+            data = bytes(data).decode(json.detect_encoding(data))
+        except (UnicodeDecodeError, LookupError) as exc:
+            raise ValueError(f"not JSON text: {exc}") from None
+    depth = 0
+    for token in _JSON_TOKEN.finditer(data):
+        if token.group()[0] != '"':
+            depth += 1 if token.group() in "[{" else -1
+            if depth > max_depth:
+                raise ValueError(f"JSON nested deeper than {max_depth} levels")
+    try:
+        return json.loads(data)
+    except RecursionError:  # unreachable after the count above; never let it out
+        raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
 
 
 def default_worker_id(role: str, host: str, port: int) -> str:
@@ -126,8 +149,8 @@ def parse_record(data: bytes | str | dict) -> WorkerRecord:
         if len(data) > MAX_RECORD_BYTES:
             raise ValueError(f"a worker record is at most {MAX_RECORD_BYTES} bytes, not {len(data)}")
         try:
-            data = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
+            data = loads_shallow(data)
+        except ValueError as exc:
             raise ValueError(f"a worker record is a JSON object: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError("a worker record is a JSON object")

@@ -26,7 +26,7 @@ import json
 import re
 from typing import Optional
 
-from splitserve.discovery.record import MAX_RECORD_BYTES, WorkerRecord, parse_record
+from splitserve.discovery.record import MAX_RECORD_BYTES, WorkerRecord, loads_shallow, parse_record
 
 DOMAIN = b"splitserve worker record v1\n"
 MAX_SEALED_BYTES = MAX_RECORD_BYTES + 256  # a record and its tag
@@ -61,8 +61,8 @@ class RecordSeal:
         if len(value) > MAX_SEALED_BYTES:
             raise ValueError(f"a worker record is at most {MAX_SEALED_BYTES} bytes sealed, not {len(value)}")
         try:
-            data = json.loads(value)
-        except (ValueError, UnicodeDecodeError) as exc:
+            data = loads_shallow(value)
+        except ValueError as exc:
             raise ValueError(f"a worker record is a JSON object: {exc}") from None
         sealed = isinstance(data, dict) and set(data) == {"record", "hmac"}
         if self.key is None:

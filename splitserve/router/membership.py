@@ -33,7 +33,8 @@ from aiohttp import web
 
 from splitserve.config import DEFAULT_BOOTSTRAP_PORT
 from splitserve.discovery.proof import new_nonce
-from splitserve.discovery.record import check_id, check_incarnation, check_port, check_url, identity_of
+from splitserve.discovery.record import (check_id, check_incarnation, check_port, check_url, identity_of,
+                                        loads_shallow)
 from splitserve.router.workers import API, DECODE, PREFILL, Worker
 from splitserve.errors import error_body
 
@@ -74,8 +75,8 @@ def parse_worker(body: object) -> dict:
 
 async def add(state, request: web.Request) -> web.Response:
     try:
-        fields = parse_worker(await request.json())
-    except ValueError as exc:  # json's own errors are ValueErrors too
+        fields = parse_worker(loads_shallow(await request.read()))
+    except ValueError as exc:  # not JSON, nested too deep, or a field that is wrong
         return _refuse(400, f"POST /workers: {exc}", "invalid_worker")
     workers = state.workers
     for other in workers.all():

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -63,7 +62,7 @@ import aiohttp
 
 from splitserve.config import RouterConfig, WorkerAddress
 from splitserve.discovery.proof import NONCE_HEADER, new_nonce, verify
-from splitserve.discovery.record import identity_of
+from splitserve.discovery.record import identity_of, loads_shallow
 from splitserve.hosts import check_host, url_host
 from splitserve.router.answers import SMALL_ANSWER_BYTES, read_answer
 from splitserve.router.bounded_set import BoundedSet
@@ -382,7 +381,7 @@ class HealthChecker:
                                         allow_redirects=False) as resp:
                 raw = await read_answer(resp, SMALL_ANSWER_BYTES)  # and by the check's timeout
                 try:
-                    body = json.loads(raw) if len(raw) <= 65536 else {}
+                    body = loads_shallow(raw) if len(raw) <= 65536 else {}
                 except ValueError:
                     body = {}
                 return resp.status, body if isinstance(body, dict) else {}, None
@@ -396,7 +395,7 @@ class HealthChecker:
             async with self.session.get(worker.url + "/v1/models", timeout=self.timeout) as resp:
                 if resp.status != 200:
                     return None
-                data = json.loads(await read_answer(resp, SMALL_ANSWER_BYTES)).get("data") or []
+                data = loads_shallow(await read_answer(resp, SMALL_ANSWER_BYTES)).get("data") or []
                 name = data[0].get("id") if data and isinstance(data[0], dict) else None
                 return name if isinstance(name, str) else None
         except (asyncio.TimeoutError, aiohttp.ClientError, ValueError, AttributeError):
@@ -407,7 +406,7 @@ class HealthChecker:
         (a worker without them, or that does not answer, keeps what its record said, or None)."""
         try:
             async with self.session.get(worker.url + "/get_server_info", timeout=self.timeout) as resp:
-                info = json.loads(await read_answer(resp, SMALL_ANSWER_BYTES)) if resp.status == 200 else {}
+                info = loads_shallow(await read_answer(resp, SMALL_ANSWER_BYTES)) if resp.status == 200 else {}
         except (asyncio.TimeoutError, aiohttp.ClientError, ValueError):
             return
         if not isinstance(info, dict):
