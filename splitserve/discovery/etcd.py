@@ -42,8 +42,6 @@ import threading
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
-from splitserve.log_sparsely import worth_logging
-
 log = logging.getLogger(__name__)
 
 RELIST_S = 1.0  # the longest a change can go unseen while etcd is up (the watch is usually faster)
@@ -169,6 +167,11 @@ def _authenticate(etcd, creds: Credentials) -> None:
     if answer.status_code != 200 or not isinstance(answer.json().get("token"), str):
         raise ConnectionError(f"etcd refused user {creds.user!r}: {answer.status_code} {answer.text[:200]}")
     etcd.session.headers["Authorization"] = answer.json()["token"]
+
+
+def worth_logging(count: int) -> bool:
+    """The first few and then one in many (``log_sparsely``'s rule: that module is this one's sibling)."""
+    return count <= 20 or count % 1000 == 0
 
 
 def get_prefix(etcd, prefix: str, limit: int) -> list:
