@@ -7,6 +7,7 @@ open. No model, no etcd: cheap."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 from splitserve.config import RouterConfig, WorkerAddress
@@ -138,3 +139,36 @@ def test_a_router_with_a_bad_cluster_secret_file_does_not_start(tmp_path):
         with pytest.raises(ValueError, match=f"--cluster-secret-file.*{words}"):
             create_app(RouterConfig(prefill=(WorkerAddress("http://127.0.0.1:1", 8998),),
                                     decode=(WorkerAddress("http://127.0.0.1:2"),), cluster_secret_file=str(path)))
+
+
+def test_the_health_probe_never_carries_the_key_and_a_probe_that_times_out_unproves_at_once(tmp_path):
+    """The /health probe re-proves a worker, so it never carries the worker key (whatever answers
+    at a proven address gets no key by being asked); a probe that times out takes the worker out
+    of rotation at once, before its failures reach health_failures, until a probe proves it again."""
+    secret = Secret.new(tmp_path)
+
+    async def main():
+        p = await ProvingWorker("p-1", "prefill", {SECRET: secret.proof_key}).start()
+        d = await ProvingWorker("d-1", "decode", {SECRET: secret.proof_key}).start()
+        try:
+            cfg = config(secret, p, decode=(d,), worker_api_key=WORKER_KEY)
+            cfg = dataclasses.replace(cfg, health_failures=3)
+            async with running_router(cfg) as (url, state):
+                await until("both routable", lambda: by_url(state, p).routable and by_url(state, d).routable)
+                await until("probes after proof", lambda: p.calls.count(("/health", None)) >= 4)
+                p.stall_s = 5.0
+                await until("a probe timed out", lambda: "timed out" in by_url(state, p).last_error)
+                seen = by_url(state, p)
+                assert not seen.proven and not seen.routable and seen.failures < 3, seen
+                status, _ = await call("POST", url + "/generate", json={"text": "hi"})
+                assert status != 200 and p.generations() == 0
+                p.stall_s = 0.0
+                await until("proven again", lambda: by_url(state, p).routable)
+            for w in (p, d):
+                assert "/health" not in w.keyed_calls(), w.calls
+                assert "/v1/models" in w.keyed_calls()
+        finally:
+            for w in (p, d):
+                await w.stop()
+
+    asyncio.run(main())

@@ -30,6 +30,7 @@ class ProvingWorker:
         self.calls: list[tuple[str, Optional[str]]] = []
         self.runner: Optional[web.AppRunner] = None
         self.port = 0
+        self.stall_s = 0.0  # /health answers only after this long (a probe that times out)
 
     @property
     def url(self) -> str:
@@ -61,6 +62,8 @@ class ProvingWorker:
 
     async def _any(self, request: web.Request) -> web.Response:
         self.calls.append((request.path, request.headers.get("Authorization")))
+        if request.path == "/health" and self.stall_s:
+            await asyncio.sleep(self.stall_s)
         if request.path == "/health":
             body = {"status": "ok", "id": self.id, "incarnation": self.incarnation, "role": self.role}
             proof = prove(self.keys, request.headers.get(NONCE_HEADER), self.id, self.incarnation)

@@ -9,7 +9,14 @@ A worker gets nothing of value before it proved itself: every health check carri
 held a proof under a key the router holds too. Only a proven worker is routable (a client's
 prompt), and the worker key travels only on calls to a proven worker's address
 (:func:`worker_key_middleware`, on the one session every leg, check and admin call uses): never as
-a default header on every call. A router without keys cannot ask for a proof: it trusts every
+a default header on every call, never on the ``/health`` probe. A probe that fails or times out
+unproves the worker at once: what answers there next must prove itself before it gets a prompt.
+
+The proof binds the worker's id and incarnation and the router's nonce, not the URL the router
+dialled: a worker cannot know reliably by which address it is reached (NAT, a Service, a proxy, an
+IPv4-mapped address), so it could not prove an address. An impostor on a proven worker's port can
+therefore only relay the nonce to the real worker, which it must reach; and it gets the key on the
+calls made between two probes (legs, at most one health interval), never on the probe itself. A router without keys cannot ask for a proof: it trusts every
 worker it is told of, and says so at start (:meth:`RouterKeys.warnings`).
 """
 
@@ -60,12 +67,14 @@ class RouterKeys:
 def worker_key_middleware(workers, key: Optional[str]):
     """An aiohttp client middleware: ``Authorization: Bearer KEY`` on a call whose origin is the
     address of a proven worker of ``workers`` (a ``WorkerSet``), on no other; a caller's own
-    ``Authorization`` header is dropped first, so nothing else ever carries it to a worker."""
+    ``Authorization`` header is dropped first, so nothing else ever carries it to a worker. Never
+    on ``/health`` (open on every worker): that probe is what proves the worker again, so whatever
+    now answers at a proven address must not get the key by being asked to prove itself."""
     header = bearer(key) if key else {}
 
     async def add_worker_key(request, handler):
         request.headers.popall("Authorization", None)
-        if header and _proven_origin(workers, request.url):
+        if header and request.url.path != "/health" and _proven_origin(workers, request.url):
             request.headers.update(header)
         return await handler(request)
 

@@ -19,8 +19,8 @@ that carries no well-formed identity is no splitserve worker, and is never taken
 
 **Health.** :class:`HealthChecker` GETs ``/health`` on every worker every ``health_interval_s``
 (all workers at once, each check bounded by a timeout), each with a fresh nonce when the router
-holds a key: an answer without a proof under one of its keys (``discovery/proof.py``) takes the
-worker out of rotation at once, and only a worker whose last answer proved itself is routable
+holds a key: an answer without a proof under one of its keys (``discovery/proof.py``), and a probe
+that fails or times out, takes the worker out of rotation at once, and only a worker whose last answer proved itself is routable
 and gets calls carrying the worker key (``worker_trust.py``). A worker that says it is
 ``leaving`` (it left discovery at SIGTERM or for a role switch) is noted: discovery drains it at
 once when its record is gone too. ``health_failures`` consecutive failures
@@ -301,7 +301,9 @@ class HealthChecker:
     async def check(self, worker: Worker) -> None:
         nonce = new_nonce() if self.proof_keys else None
         status, body, error = await self.probe(worker.url, nonce)
-        if error is None:
+        if error is not None and self.proof_keys:  # what answers there next proves itself before a prompt or key
+            worker.proven = False
+        else:
             error = self.proof_error(worker.url, body, nonce) or self._identity_error(worker, body)
             worker.proven = error is None  # it holds our key and is who it should be
             worker.leaving = body.get("leaving") is True  # discovery drains it once its record is gone too
