@@ -78,7 +78,7 @@ SHUTDOWN_GRACE_S = 5.0
 MODELS_TIMEOUT_S = 10.0  # GET /v1/models from the decode workers, end to end
 TOKENIZE_TIMEOUT_S = 30.0  # POST /tokenize or /detokenize to one worker, end to end (a long text takes seconds)
 BOUNDS = ("request_timeout_s", "client_header_timeout_s", "client_body_timeout_s", "client_write_timeout_s",
-          "worker_connect_timeout_s", "worker_header_timeout_s", "health_interval_s")
+          "worker_connect_timeout_s", "worker_header_timeout_s", "health_interval_s", "stream_stall_s")
 
 
 class RouterState:
@@ -170,8 +170,9 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     for name in ("cache_block_chars", "cache_balance_rel", "cache_index_blocks"):
         if not getattr(config, name) > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, not {getattr(config, name)}")
-    if config.max_retries < 0 or config.retry_budget_ratio < 0 or config.retry_budget_min < 0:
-        raise ValueError("--max-retries, --retry-budget-ratio and --retry-budget-min must be at least 0")
+    if min(config.max_retries, config.retry_budget_ratio, config.retry_budget_min, config.max_migrations) < 0:
+        raise ValueError("--max-retries, --retry-budget-ratio, --retry-budget-min and --max-migrations must be at "
+                         "least 0")
     if config.pd_threshold_tokens < 0 or not config.pd_chars_per_token > 0:
         raise ValueError("--pd-threshold-tokens must be at least 0 and --pd-chars-per-token positive")
     if not config.retry_budget_window_s > 0:

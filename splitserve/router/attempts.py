@@ -4,8 +4,9 @@
 ones) and its own request id on the workers (:func:`attempt_rid`), the workers that failed the
 request remembered by role so no later attempt goes to them, and what follows an exchange that
 failed (:meth:`Attempts.after`): a retry on other workers (:class:`RetryGate`, ``retry.py``), or
-the same decode worker alone (``split.py``), or the answer. ``after`` is the one place that
-decides whether there is another attempt.
+the same decode worker alone (``split.py``), or a migration: a decode lost after the client's
+answer began continued on another decode worker alone (``migrate.py``; a whole answer sent there
+again), or the answer. ``after`` is the one place that decides whether there is another attempt.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import NamedTuple, Optional
 from aiohttp import web
 
 from splitserve.router import retry
-from splitserve.router.exchange import Attempt, Exchange
+from splitserve.router.exchange import Attempt, Carried, Exchange
 from splitserve.router.outcomes import RouterOutcome
 from splitserve.router.workers import DECODE, PREFILL, Worker
 
@@ -133,6 +134,9 @@ class Attempts:
         self.attempt: Optional[Attempt] = None  # the latest
         self.exchange: Optional[Exchange] = None  # the latest
         self.recorded = False  # the router's record of the request (state.recent) was started
+        self.migrations = 0
+        self.carried: Optional[Carried] = None  # the client's stream the next attempt continues
+        self.continuation: Optional[dict] = None  # the next attempt's continuation field
 
     async def run(self, prefill: Optional[Worker], decode: Worker) -> web.StreamResponse:
         """Attempt until an exchange's answer is the request's; that answer (not yet sent)."""
@@ -141,7 +145,7 @@ class Attempts:
             self.attempt = self._attempt(n, prefill, decode)
             self._record(self.attempt)
             gate = RetryGate(self.state, n + 1, self.failed, self.deadline, self.rid)
-            self.exchange = Exchange(self.state, self.request, self.attempt, gate)
+            self.exchange = Exchange(self.state, self.request, self.attempt, gate, self.carried)
             try:
                 response = await self.exchange.run()
             except Exception:  # a bug: the middleware answers 500; count it as what it is
@@ -155,7 +159,10 @@ class Attempts:
 
     async def after(self, exchange: Exchange, gate: RetryGate) -> Optional[tuple[Optional[Worker], Worker]]:
         """The next attempt's (prefill or None, decode) after ``exchange``, or None: its answer is
-        the request's. A retry on other workers, or its decode worker alone after a prefill failure."""
+        the request's. A retry on other workers, its decode worker alone after a prefill failure,
+        or another decode worker alone after a decode lost (:meth:`_migrate`)."""
+        if exchange.lost is not None and (exchange.track is not None or not exchange.stream):
+            return await self._migrate(exchange)
         if exchange.retry is not None:
             again = await gate.next_attempt(self.route.key, self.route.tokens, self.route.one_worker)
             return None if again is None else (again[0], again[1])
@@ -163,6 +170,35 @@ class Attempts:
             self.state.metrics.pd_decisions.labels(decision="fallback").inc()
             return None, exchange.decode_worker
         return None
+
+    async def _migrate(self, exchange: Exchange) -> Optional[tuple[None, Worker]]:
+        """``exchange``'s decode was lost (:attr:`Exchange.lost`): the request goes on at another
+        healthy decode worker alone, never one that failed it, within ``--max-migrations`` and its
+        deadline (not charged to the retry budget): a stream continued from the ids the client
+        has, a whole answer sent again. Else the client's answer ends with the failure."""
+        state, lost = self.state, exchange.lost
+        self.failed[DECODE].add(exchange.decode_worker)
+        continuation = exchange.track.continuation() if exchange.stream else None
+        denied = "the request's own error" if lost.own_error else \
+            "--max-migrations used up" if self.migrations >= state.config.max_migrations else \
+            "its deadline passed" if asyncio.get_running_loop().time() >= self.deadline else \
+            "nothing to continue from" if exchange.stream and continuation is None else None
+        decodes = state.workers.candidates(DECODE, self.failed) if denied is None else []
+        if not decodes:
+            log.info("rid=%s: %s (%s); not continued: %s", self.rid, lost.detail, lost.reason,
+                     denied or "no other decode worker")
+            await exchange.end_lost()
+            return None
+        decode = state.policies[DECODE].pick(decodes, self.route.key)
+        self.migrations += 1
+        state.metrics.migrations.labels(reason=lost.reason).inc()
+        state.recent.retried(self.rid, DECODE, f"{lost.reason}: {lost.detail}; continued on {decode.url}")
+        log.info("rid=%s: %s (%s); migration %d: continued on decode=%s", self.rid, lost.detail, lost.reason,
+                 self.migrations, decode.url)
+        if exchange.stream:
+            self.carried = Carried(exchange.response, exchange.times, exchange.track)
+        self.continuation = continuation
+        return None, decode
 
     def _attempt(self, n: int, prefill: Optional[Worker], decode: Worker) -> Attempt:
         """Attempt ``n``'s plan: split, a room never used before by this request; alone, no
@@ -174,6 +210,8 @@ class Attempts:
             room = _fresh_room(self.state, self.rooms)
             self.rooms.append(room)
             leg_body.update(bootstrap_host=prefill.host, bootstrap_port=prefill.bootstrap_port, bootstrap_room=room)
+        if self.continuation is not None:
+            leg_body["continuation"] = self.continuation
         if self.endpoint == "generate" or "rid" in leg_body:  # SGLang's field (the OpenAI routes take it too,
             leg_body["rid"] = worker_rid                       # else carry the id as X-Request-Id): this attempt's
         return Attempt(n, prefill, decode, room, worker_rid, leg_body, self.stream, self.deadline, self.started)

@@ -15,7 +15,7 @@ import contextlib
 import json
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import aiohttp
 from aiohttp import web
@@ -26,8 +26,9 @@ from splitserve.router import retry
 from splitserve.router.answers import LARGE_ANSWER_BYTES, SMALL_ANSWER_BYTES, read_answer
 from splitserve.router.legs import Leg, NoHeaders, describe_error
 from splitserve.router.metrics import TokenTimes
+from splitserve.router.migrate import WORKER_FAILED_CODES, Lost, StreamTrack
 from splitserve.router.outcomes import Refusal, RouterOutcome, client_left
-from splitserve.router.stream import DecodeStream
+from splitserve.router.stream import DecodeStream, StreamStalled
 from splitserve.router.workers import DECODE, PREFILL, Worker
 from splitserve.validation import REQUEST_ID
 
@@ -69,11 +70,21 @@ class Attempt:
         return f" prefill={p_url} decode={self.decode.url}" + (f" attempt={self.n + 1}" if self.n else "")
 
 
+class Carried(NamedTuple):
+    """What a continuation's exchange takes over from the one whose decode was lost: the client's
+    stream (already under way), what it saw (:class:`TokenTimes`), and the request's track."""
+
+    response: web.StreamResponse
+    times: TokenTimes
+    track: StreamTrack
+
+
 class Exchange:
-    """The two legs of one request and the answer built from them (:meth:`run`)."""
+    """The two legs of one request and the answer built from them (:meth:`run`); ``carried``: the
+    client's stream this exchange continues (a continuation: decode alone, no prefill)."""
 
     def __init__(self, state, request: web.Request, attempt: Attempt,
-                 retry_gate: Optional[Callable[..., Optional[str]]] = None):
+                 retry_gate: Optional[Callable[..., Optional[str]]] = None, carried: Optional[Carried] = None):
         self.state = state
         self.retry_gate = retry_gate
         self.config = state.config
@@ -99,6 +110,17 @@ class Exchange:
         self.fallback = False
         """The prefill leg failed before prefill accepted the request, no retry was left, and the
         request goes to this exchange's decode worker alone (``split.py``): the answer is not sent."""
+        self.migrating = self.config.max_migrations > 0
+        self.track: Optional[StreamTrack] = None  # decode's ids and what the client got (streams with ids)
+        if carried is not None:
+            self.response, self.times, self.track = carried.response, carried.times, carried.track
+            self.track.new_stream()
+        elif self.stream and self.migrating and request.path != "/generate":
+            self.track = StreamTrack(self.body.get("n") or 1)
+        self.lost: Optional[Lost] = None
+        """Decode was lost after the client's answer began (or, a whole answer, after the leg was
+        sent): whether the request goes on elsewhere is the caller's (``attempts.py``); if not,
+        :meth:`end_lost` ends the client's answer."""
 
     def _refuse(self, refusal: Refusal) -> web.Response:
         """Answer with the router's own ``refusal``, counted as its outcome."""
@@ -121,7 +143,9 @@ class Exchange:
         session = self.state.session
         if self.prefill_worker is not None:  # else decode alone: no prefill leg (split.py)
             self.prefill = Leg(self.prefill_worker, session, path, data, **bounds)
-        self.decode = Leg(self.decode_worker, session, path, data, **bounds)
+        decode_data = data if self.track is None else \
+            json.dumps({**self.body, "stream_ids": True}, ensure_ascii=False).encode("utf-8")
+        self.decode = Leg(self.decode_worker, session, path, decode_data, **bounds)
         try:
             return await self._run()
         except Deadline:
@@ -138,10 +162,10 @@ class Exchange:
         while not self._may_commit():
             waiting = {leg.task for leg in (p, d) if leg is not None and not leg.answered}
             if self.stream and d.ok:  # read decode's stream ahead meanwhile (see _may_commit)
-                if self.decode_stream is None:
-                    self.decode_stream = DecodeStream(d.response, self._wait)
-                waiting.add(self.decode_stream.read())
-            await self._wait(waiting)
+                waiting.add(self._decode_stream().read())
+            lost = await self._wait_or_lose(waiting)
+            if lost is not None:
+                return lost
             if p is not None and p.answered and not self.prefill_handed_off:  # prefill first: its failure is the cause
                 if not p.ok and not await self._decode_has_the_cause():
                     return await self._prefill_failed()
@@ -169,10 +193,44 @@ class Exchange:
             return True
         return (self.prefill is None or self.prefill.answered) and ahead is not None and ahead.ahead_bytes > 0
 
-    async def _wait(self, tasks: set) -> None:
-        done, _ = await asyncio.wait(tasks, timeout=self.remaining(), return_when=asyncio.FIRST_COMPLETED)
+    async def _wait(self, tasks: set, bound: Optional[float] = None) -> None:
+        """Until one of ``tasks`` is done; :class:`Deadline` when the request's passes first, else
+        :class:`StreamStalled` after ``bound`` seconds (if given)."""
+        remaining = self.remaining()
+        timeout = remaining if bound is None else min(remaining, bound)
+        done, _ = await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         if not done:
-            raise Deadline()
+            raise Deadline() if bound is None or bound >= remaining else StreamStalled(
+                f"said nothing for the router's stream_stall_s ({bound:g} s)")
+
+    async def _wait_or_lose(self, tasks: set) -> Optional[web.Response]:
+        """:meth:`_wait` before the commit; a whole answer's decode worker is watched meanwhile:
+        once it has left rotation (its health checks failed), the leg is lost (:meth:`_whole_lost`)."""
+        if self.stream or not self.migrating:
+            await self._wait(tasks)
+            return None
+        while True:
+            try:
+                await self._wait(tasks, self.config.health_interval_s)
+                return None
+            except StreamStalled:
+                if not self.decode_worker.healthy:
+                    return self._whole_lost("unhealthy", "left rotation (its health checks failed) while the "
+                                            "router waited for its answer")
+
+    def _whole_lost(self, reason: str, detail: str) -> web.Response:
+        """A whole answer's decode leg failed after it was sent: nothing reached the client, so
+        the caller may send the request whole to another decode worker (:attr:`lost`); else the
+        answer returned (the failure) is the client's."""
+        self._abort_prefill()
+        message = f"the decode worker {self.decode_worker.url} {detail}"
+        self.lost = Lost(reason, message, b"")
+        return self._refuse(Refusal(RouterOutcome.DECODE_FAILED, message))
+
+    def _decode_stream(self) -> DecodeStream:
+        if self.decode_stream is None:
+            self.decode_stream = DecodeStream(self.decode.response, self._wait, self.track, self.config.stream_stall_s)
+        return self.decode_stream
 
     # -- failures before the commit ----------------------------------------------------------------
 
@@ -240,13 +298,33 @@ class Exchange:
             await asyncio.wait({p.task}, timeout=min(self.remaining(), ECHO_WAIT_S))
         return p.answered and p.error is None and not p.ok and await self._error_code(p) not in ECHO_CODES
 
-    async def _decode_failed(self) -> web.Response:
+    async def _decode_failed(self) -> web.StreamResponse:
+        if self.response is not None:  # a continuation's leg: the client's stream is under way
+            return await self._continuation_refused()
         if await self._prefill_has_the_cause():
             return await self._prefill_failed()  # as when prefill's answer comes first
         self._abort_prefill()  # nobody will come for its KV
         self.outcome = RouterOutcome.DECODE_FAILED
+        if not self.stream and self.migrating and retry.cause(self.decode.error) == "gone":
+            return self._whole_lost("broken", f"broke off before its answer: {describe_error(self.decode.error)}")
         self._may_retry(self.decode, DECODE)
         return await self._leg_error(self.decode, DECODE)
+
+    async def _continuation_refused(self) -> web.StreamResponse:
+        """A continuation's decode leg failed before its stream: lost as its worker's failure (it
+        is unreachable, broke, or answered 5xx or 429), or the request's own (a 4xx), which ends
+        the client's stream with that error."""
+        leg = self.decode
+        self.outcome = RouterOutcome.DECODE_FAILED
+        if leg.error is not None or leg.response.status >= 500 or leg.response.status == 429:
+            failure = describe_error(leg.error) if leg.error is not None else f"answered {leg.response.status}"
+            self.lost = Lost("broken", f"the decode worker {leg.worker.url} refused the continuation: {failure}", b"")
+            return self.response
+        status, code = leg.response.status, await self._error_code(leg)
+        leg.abort()
+        await self._end_stream_with_error(f"the decode worker {leg.worker.url} refused the continuation "
+                                          f"({status}, {code})", status)
+        return self.response
 
     def _abort_prefill(self) -> None:
         if self.prefill is not None:
@@ -308,6 +386,8 @@ class Exchange:
         except asyncio.TimeoutError:
             raise Deadline() from None
         except aiohttp.ClientError as exc:
+            if self.migrating:
+                return self._whole_lost("broken", f"broke off its answer: {describe_error(exc)}")
             self._abort_prefill()
             self._may_retry(self.decode, DECODE, exc)
             return self._refuse(Refusal(RouterOutcome.DECODE_FAILED, f"the decode worker {self.decode.worker.url} "
@@ -318,10 +398,8 @@ class Exchange:
 
     async def _stream_decode(self) -> web.StreamResponse:
         resp = self.decode.response
-        if self.decode_stream is None:
-            self.decode_stream = DecodeStream(resp, self._wait)
-        decode_in = self.decode_stream
-        if decode_in.broke is not None:  # before anything reached the client: another decode may take it
+        decode_in = self._decode_stream()
+        if decode_in.broke is not None and self.response is None:  # nothing reached the client: another decode may take it
             self._may_retry(self.decode, DECODE, decode_in.broke)
             if self.retry is not None:
                 self._abort_prefill()
@@ -332,10 +410,11 @@ class Exchange:
             self._abort_prefill()  # decode decided first, and failed: nobody will come for prefill's KV
         elif self.prefill is not None and not self.prefill_handed_off:
             self._hand_off_prefill()
-        self.status = resp.status
-        out = web.StreamResponse(status=resp.status, headers=_pass_headers(resp))
-        self.response = out
-        await self.client.prepare(out)
+        if self.response is None:
+            self.status = resp.status
+            self.response = web.StreamResponse(status=resp.status, headers=_pass_headers(resp))
+            await self.client.prepare(self.response)
+        out = self.response
         try:
             async with contextlib.aclosing(decode_in.chunks()) as chunks:
                 async for chunk in chunks:
@@ -344,24 +423,56 @@ class Exchange:
                     await self.client.write(out, chunk)
                     self.times.feed(chunk, self.clock())
         except aiohttp.ClientError as exc:
-            return await self._decode_broke_off(describe_error(exc))
+            return await self._decode_broke_off("broken", describe_error(exc))
+        except StreamStalled as exc:
+            return await self._decode_broke_off("stalled", str(exc))
         self.decode.release()
         if not decode_in.watch.saw_done:
-            return await self._decode_broke_off("its stream ended without data: [DONE]")
+            return await self._decode_broke_off("broken", "its stream ended without data: [DONE]")
+        track = self.track
+        if track is not None and track.error_code in WORKER_FAILED_CODES:
+            return await self._decode_broke_off("worker_error", f"ended its stream with error {track.error_code}")
+        if track is not None:
+            await self.client.write(out, track.held)  # the stream's end, held back until now
         self.outcome = RouterOutcome.DECODE_FAILED if decode_in.watch.saw_error else RouterOutcome.FINISHED
         await self.client.finish(out)
         return out
 
-    async def _decode_broke_off(self, why: str) -> web.StreamResponse:
+    async def _decode_broke_off(self, reason: str, why: str) -> web.StreamResponse:
+        """Decode was lost after the commit. With a track the caller decides whether the stream
+        goes on elsewhere (:attr:`lost`; else :meth:`end_lost`); without, it ends here."""
         self.outcome = RouterOutcome.DECODE_FAILED
         message = f"the decode worker {self.decode.worker.url} broke off its stream: {why}"
-        log.warning("%s: %s", self.name, message)
-        self._close_legs()
-        await self._end_stream_with_error(message, 502)
+        self._close_legs()  # the abandoned leg is aborted
+        track = self.track
+        own = track is not None and track.error_code is not None and track.error_code not in WORKER_FAILED_CODES
+        self.lost = Lost(reason, message, track.held if track is not None else b"", own_error=own)
+        if self.track is None:
+            await self.end_lost()
         return self.response
+
+    async def end_lost(self) -> None:
+        """The lost stream is not continued: the client gets decode's own error event and
+        ``[DONE]`` if it sent them, else the router's error event."""
+        lost = self.lost
+        log.warning("%s: %s", self.name, lost.detail)
+        if not self.stream or self.response is None:
+            return  # a whole answer: the failure returned is the answer
+        try:
+            if lost.held:
+                await self.client.write(self.response, lost.held)
+            if lost.reason == "worker_error":  # its own [DONE] was among them
+                await self.client.finish(self.response)
+                return
+        except ClientLost as exc:
+            self.outcome = client_left(exc)
+            return
+        await self._end_stream_with_error(lost.detail, 502)
 
     async def _end_stream_with_error(self, message: str, status: int) -> None:
         event = "data: " + json.dumps(error_body(message, status), separators=(",", ":")) + "\n\n"
+        if self.track is not None:
+            event = self.track.end_block().decode() + event
         try:
             if not self.response.prepared:
                 await self.client.prepare(self.response)

@@ -7,6 +7,8 @@
   request sent to decode alone after its prefill failed).
 - ``retries_total{role,cause}``: legs tried again on another worker (``retry.CAUSES``), and
   ``retries_denied_total{reason}``: failed legs that qualified and were not (``retry.DENIALS``).
+- ``migrations_total{reason}``: requests whose decode was lost after their answer began, continued
+  on another decode worker (``migrate.REASONS``; ``attempts.Attempts.after``).
 - ``requests_in_flight``: generation requests now inside the router.
 - ``request_seconds{outcome}``: end-to-end latency, from receipt to the end of the answer.
 - ``time_to_first_token_seconds{endpoint}`` and ``inter_token_latency_seconds{endpoint}``: what a
@@ -26,6 +28,7 @@ from typing import Optional
 
 from splitserve.metrics import Registry
 from splitserve.router.outcomes import RouterOutcome
+from splitserve.router.migrate import REASONS
 from splitserve.router.retry import CAUSES, DENIALS
 from splitserve.router.split import DECISIONS
 from splitserve.router.workers import WorkerSet
@@ -126,6 +129,12 @@ class RouterMetrics:
                 self.retries.labels(role=role, cause=cause)
         for reason in DENIALS:
             self.retries_denied.labels(reason=reason)
+        self.migrations = registry.counter("splitserve_router_migrations_total",
+                                           "Requests whose decode worker was lost after their answer began (a "
+                                           "whole answer: after its leg was sent), continued on another decode "
+                                           "worker, by why the leg was given up.", ["reason"])
+        for reason in REASONS:
+            self.migrations.labels(reason=reason)
         registry.derived_gauge("splitserve_router_worker_healthy", "1 if the worker is in rotation, else 0.",
                                ["role", "url"],
                                read=lambda: {(w.role, w.url): int(w.healthy) for w in workers.all()})

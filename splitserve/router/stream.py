@@ -4,8 +4,12 @@ Before the commit (the prefill leg's status is not known yet) the exchange keeps
 next chunk in progress among the things it waits on, and keeps what arrives (:meth:`keep`), so
 that the stream can decide the exchange (:attr:`DecodeStream.decided`): an error event, its end,
 a broken connection, or more than :data:`LOOKAHEAD_BYTES`. After the commit :meth:`chunks`
-yields what was kept, then the rest. :class:`SSEWatch` follows the bytes for ``data: {"error"``
-and ``data: [DONE]``, without which a stream that ended was cut short.
+yields what was kept, then the rest, each read bounded by the request's deadline and, after the
+commit, by ``--stream-stall-s`` of silence (:class:`StreamStalled`). :class:`SSEWatch` follows the
+bytes for ``data: {"error"`` and ``data: [DONE]``, without which a stream that ended was cut short.
+With a :class:`~splitserve.router.migrate.StreamTrack` (the leg asked for its ids) the bytes kept
+and yielded are the track's: comments dropped (never counted as read-ahead), the error event and
+``[DONE]`` held back in the track.
 """
 
 from __future__ import annotations
@@ -16,8 +20,13 @@ from typing import AsyncIterator, Awaitable, Callable, Optional
 import aiohttp
 
 from splitserve.router.legs import retrieve
+from splitserve.router.migrate import StreamTrack
 
 LOOKAHEAD_BYTES = 64 * 1024  # read ahead before the commit, at most (decode is generating past this)
+
+
+class StreamStalled(Exception):
+    """Decode's stream said nothing (not even a comment) for ``--stream-stall-s``."""
 
 
 class SSEWatch:
@@ -40,12 +49,17 @@ class SSEWatch:
 
 
 class DecodeStream:
-    """The body of decode's streaming response. ``wait(tasks)`` is the exchange's bounded wait
-    (it raises when the request's deadline passes)."""
+    """The body of decode's streaming response. ``wait(tasks, bound)`` is the exchange's bounded
+    wait (it raises when the request's deadline passes, or :class:`StreamStalled` after ``bound``
+    seconds without any done); ``stall_s`` the bound on silence after the commit; ``track`` (or
+    None) what the client's bytes are made by."""
 
-    def __init__(self, response: aiohttp.ClientResponse, wait: Callable[[set], Awaitable[None]]):
+    def __init__(self, response: aiohttp.ClientResponse, wait: Callable[..., Awaitable[None]],
+                 track: Optional[StreamTrack] = None, stall_s: Optional[float] = None):
         self.response = response
         self.wait = wait
+        self.track = track
+        self.stall_s = stall_s
         self.watch = SSEWatch()
         self.reading: Optional[asyncio.Future] = None
         self.ahead: list[bytes] = []
@@ -70,9 +84,14 @@ class DecodeStream:
         elif not read.result():
             self.ended = True
         else:
-            self.watch.feed(read.result())
-            self.ahead.append(read.result())
-            self.ahead_bytes += len(read.result())
+            passed = self._pass(read.result())
+            if passed:
+                self.ahead.append(passed)
+                self.ahead_bytes += len(passed)
+
+    def _pass(self, chunk: bytes) -> bytes:
+        self.watch.feed(chunk)
+        return chunk if self.track is None else self.track.feed(chunk)
 
     @property
     def decided(self) -> bool:
@@ -93,17 +112,19 @@ class DecodeStream:
             yield chunk
         if self.broke is not None:
             raise self.broke
-        if self.ended:
-            return
-        while True:
+        while not self.ended:
             read = self.read()
-            await self.wait({read})
+            await self.wait({read}, self.stall_s)
             self.reading = None
             chunk = read.result()
             if not chunk:
-                return
-            self.watch.feed(chunk)
-            yield chunk
+                break
+            passed = self._pass(chunk)
+            if passed:
+                yield passed
+        rest = self.track.flush() if self.track is not None else b""
+        if rest:
+            yield rest
 
     def cancel(self) -> None:
         if self.reading is not None:

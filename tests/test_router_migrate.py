@@ -1,0 +1,285 @@
+"""A decode lost after the client's answer began is continued on another decode worker
+(``splitserve/router/migrate.py``, ``attempts.Attempts.after``, ``docs/router.md``):
+
+- :class:`StreamTrack` drops every SSE comment and keeps decode's ids, at every cut of the bytes;
+- through the real router process, in front of fake decode workers that speak the wire (``: ids``
+  comments when asked with ``stream_ids``; a body with ``continuation`` streams the rest): a
+  stream whose decode closes its connection, goes silent past ``--stream-stall-s`` or ends with a
+  worker's error reaches the client as one uninterrupted stream, with the ids it had sent named in
+  the continuation; a request's own error, no other decode left, and ``--max-migrations 0`` are
+  not continued; a whole answer whose decode broke or left rotation is sent again whole.
+
+The fakes are ``test_router``'s (real sockets in a thread of this process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Optional
+
+import pytest
+import requests
+from aiohttp import web
+
+from cluster import RouterProcess
+from test_router import MODEL, reply, sse, sse_events, wait_for
+from test_router import fake_loop, fakes, start_router  # noqa: F401 (fixtures)
+
+from splitserve.router.migrate import StreamTrack
+
+TOTAL = 6  # tokens of every fake answer
+CREATED = 1700000000
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8"}
+BOOTSTRAP = {"bootstrap_host", "bootstrap_port", "bootstrap_room"}
+
+
+def event(i: int, rid: str = "cmpl-wire", created: int = CREATED) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": MODEL,
+            "choices": [{"index": 0, "text": f" t{i}", "finish_reason": "length" if i == TOTAL - 1 else None}]}
+
+
+def wire_decoder(cut: Optional[int] = None, how: str = "close"):
+    """A decode worker of the wire: token ``i`` has id ``100 + i`` (named in a ``: ids`` comment,
+    cut in two writes, when the body asks ``stream_ids``); a keep-alive comment after token 1. A
+    body with ``continuation`` streams the tokens after the ids it names, with its id and created.
+    An original leg is lost before token ``cut``: ``close`` (the connection), ``silent`` (until
+    the test ends) or ``error:CODE`` (an error event and ``[DONE]``)."""
+    async def behaviour(fake, request, body):
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        cont = body.get("continuation")
+        start = len(cont["choices"][0]["ids"]) if cont else 0
+        rid, created = (cont["id"], cont["created"]) if cont else ("cmpl-wire", CREATED)
+        for i in range(start, TOTAL):
+            if cont is None and i == cut:
+                return await lose(fake, request, resp, how)
+            if body.get("stream_ids"):
+                await resp.write(b": id")
+                await asyncio.sleep(0.005)
+                await resp.write(f"s 0 {100 + i}\n".encode())
+            await resp.write(f"data: {json.dumps(event(i, rid, created))}\n\n".encode())
+            if i == 1 and body.get("stream_ids"):
+                await resp.write(b": keepalive\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+    return behaviour
+
+
+async def lose(fake, request, resp, how: str):
+    if how == "close":
+        await asyncio.sleep(0.05)  # what was written reaches the router first
+        request.transport.close()
+        await asyncio.sleep(1)
+    elif how == "silent":
+        await fake.release.wait()
+    else:
+        code = how.split(":", 1)[1]
+        error = {"error": {"message": "lost", "type": "x", "param": None, "code": code}}
+        await resp.write(f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode())
+        await resp.write_eof()
+    return resp
+
+
+def texts(events: list) -> list[str]:
+    return [e["choices"][0]["text"] for e in events if isinstance(e, dict) and "choices" in e]
+
+
+def migrations(router: RouterProcess) -> dict:
+    return {dict(labels)["reason"]: v for (name, labels), v in router.metrics().items()
+            if name == "splitserve_router_migrations_total" and v}
+
+
+def retried(router: RouterProcess) -> dict:
+    return {dict(labels)["role"] + ":" + dict(labels)["cause"]: v for (name, labels), v in router.metrics().items()
+            if name == "splitserve_router_retries_total" and v}
+
+
+def stream(router: RouterProcess, rid: str) -> tuple[bytes, list]:
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": TOTAL, "stream": True}
+    with requests.post(router.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=60,
+                       stream=True) as resp:
+        assert resp.status_code == 200, resp.text
+        raw = resp.raw.read()
+    return raw, sse_events(_Lines(raw))
+
+
+class _Lines:
+    def __init__(self, raw: bytes):
+        self.raw = raw
+
+    def iter_lines(self):
+        return iter(self.raw.split(b"\n"))
+
+
+# -- the track, at every cut ----------------------------------------------------------------------
+
+
+def wire_bytes() -> tuple[bytes, bytes]:
+    """Decode's bytes (comments, a keep-alive, three events, [DONE]) and what the client is to get."""
+    client = b"".join(f"data: {json.dumps(event(i))}\n\n".encode() for i in range(3))
+    wire = b": keepalive\n\n" + b"".join(f": ids 0 {100 + i} {200 + i}\r\ndata: {json.dumps(event(i))}\n\n".encode()
+                                         for i in range(3)) + b": keepalive\n\n" + b"data: [DONE]\n\n"
+    return wire, client
+
+
+def test_the_track_drops_every_comment_and_keeps_the_ids_at_every_cut():
+    """Fed in two pieces cut at every byte (and byte by byte), the client's bytes are decode's
+    without a comment line or the blank line of a comment-only block; the ids, id and created are
+    kept; ``[DONE]`` is held back; ids whose event has not passed yet are not counted."""
+    wire, client = wire_bytes()
+    pieces = [[wire[:cut], wire[cut:]] for cut in range(len(wire) + 1)] + [[wire[i:i + 1] for i in range(len(wire))]]
+    for chunks in pieces:
+        track = StreamTrack(1)
+        out = b"".join(track.feed(c) for c in chunks) + track.flush()
+        assert out == client, chunks
+        assert track.held == b"data: [DONE]\n\n" and track.error_code is None
+        assert track.ids == {0: [100, 200, 101, 201, 102, 202]} and (track.id, track.created) == ("cmpl-wire", CREATED)
+    track = StreamTrack(1)
+    track.feed(wire[:wire.index(b"data: {", wire.index(b": ids 0 101"))])  # event 1's ids, not yet its event
+    assert track.ids == {0: [100, 200]}
+    assert track.continuation() == {"id": "cmpl-wire", "created": CREATED, "choices": [{"index": 0, "ids": [100, 200]}],
+                                    "finished_tokens": 0}
+
+
+def test_the_track_names_only_unfinished_choices_and_refuses_what_it_cannot_read():
+    """``n`` = 2 with choice 1 finished: the continuation carries choice 0 only; a malformed ids
+    line or a choice index out of range leaves nothing to continue from; the worker's error event
+    is held with its code."""
+    track = StreamTrack(2)
+    done = {**event(0), "choices": [{"index": 1, "text": "x", "finish_reason": "stop"}]}
+    track.feed(b": ids 0 5\n" + f"data: {json.dumps(event(0))}\n\n".encode()
+               + b": ids 1 7\n" + f"data: {json.dumps(done)}\n\n".encode()
+               + b'data: {"error": {"code": "loop_stalled"}}\n\n')
+    assert track.continuation()["choices"] == [{"index": 0, "ids": [5]}]
+    assert track.continuation()["finished_tokens"] == 1
+    assert track.error_code == "loop_stalled" and track.held.startswith(b'data: {"error"')
+    for bad in (b": ids 0 x\n", b": ids 2 1\n", b": ids 0 -1\n"):
+        track = StreamTrack(2)
+        track.feed(f"data: {json.dumps(event(0))}\n\n".encode() + bad)
+        assert track.continuation() is None, bad
+
+
+# -- through the router ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how, reason", [("close", "broken"), ("silent", "stalled"),
+                                         ("error:not_ready", "worker_error")])
+def test_a_stream_whose_decode_is_lost_is_continued_on_another(how, reason, fakes, start_router):
+    """Decode lost after 3 tokens reached the client: the client gets one stream of all 6 tokens
+    with one id and created, no comment and one [DONE]; the other decode got the continuation
+    (the 3 ids, the id and created; no bootstrap fields; decode alone); the lost leg was closed;
+    counted once by reason, not as a retry; the request's record names both legs."""
+    decoder = wire_decoder(cut=3, how=how)
+    first, second = fakes(decoder), fakes(decoder)
+    router = start_router([(fakes(sse([])).url, 1)], [first.url, second.url], "--max-migrations", "2",
+                          "--stream-stall-s", "1", "--pd-threshold-tokens", "0")
+    for w in (first, second):
+        wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30,
+                 "both decode workers up")
+    raw, events = stream(router, f"lost-{reason}")
+    assert texts(events) == [f" t{i}" for i in range(TOTAL)], raw
+    assert {(e["id"], e["created"]) for e in events[:-1]} == {("cmpl-wire", CREATED)}
+    assert events[-1] == "[DONE]" and raw.count(b"[DONE]") == 1
+    assert not any(line.startswith(b":") for line in raw.split(b"\n")) and b"\n\n\n" not in raw, raw
+    legs = first.requests + second.requests
+    assert len(legs) == 2 and legs[0][1]["stream_ids"] is True
+    cont = legs[1][1]
+    assert cont["continuation"] == {"id": "cmpl-wire", "created": CREATED, "finished_tokens": 0,
+                                    "choices": [{"index": 0, "ids": [100, 101, 102]}]}, cont
+    assert cont["stream_ids"] is True and not BOOTSTRAP & set(cont)
+    lost = first if "continuation" not in first.requests[0][1] else second
+    assert how.startswith("error") or lost.aborted.wait(10)  # the abandoned leg was closed (if still open)
+    assert migrations(router) == {reason: 1} and retried(router) == {}
+    assert router.metric("splitserve_router_requests_total", outcome="finished") == 1
+    attempts = requests.get(f"{router.url}/debug/requests/lost-{reason}", timeout=10).json()["router"]["attempts"]
+    assert len(attempts) == 2 and attempts[1]["prefill"] is None and reason in attempts[0]["failed"], attempts
+
+
+def test_what_is_not_continued_ends_as_before(fakes, start_router):
+    """The request's own error event passes to the client as it came; with every decode lost the
+    client gets an error event and [DONE] after what it had (one migration, then none left); with
+    ``--max-migrations 0`` (the default) no leg is asked for ids and nothing is continued."""
+    own = wire_decoder(cut=2, how="error:grammar_exhausted")
+    a, b = fakes(own), fakes(own)
+    router, off = start_router.together(
+        ([(fakes(sse([])).url, 1)], [a.url, b.url], "--max-migrations", "2", "--pd-threshold-tokens", "100000"),
+        ([(fakes(sse([])).url, 1)], [a.url], "--pd-threshold-tokens", "100000"))
+    for w in (a, b):
+        wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30,
+                 "both decode workers up")
+    raw, events = stream(router, "own")
+    assert texts(events) == [" t0", " t1"] and events[2]["error"]["code"] == "grammar_exhausted", raw
+    assert events[-1] == "[DONE]" and len(a.requests) + len(b.requests) == 1
+
+    for w in (a, b):  # every leg is lost, the continuation's too
+        w.reset(lost_always())
+    raw, events = stream(router, "all-lost")
+    assert texts(events) == [" t0", " t1"] and "error" in events[2] and events[-1] == "[DONE]", raw
+    assert migrations(router) == {"broken": 1}
+    assert len(a.requests) + len(b.requests) == 2
+
+    a.reset(wire_decoder(cut=2, how="close"))
+    wait_for(lambda: off.metric("splitserve_router_worker_healthy", role="decode", url=a.url) == 1, 30, "decode up")
+    raw, events = stream(off, "off")
+    assert texts(events) == [" t0", " t1"] and "error" in events[2] and events[-1] == "[DONE]", raw
+    assert "stream_ids" not in a.requests[0][1] and migrations(off) == {}
+
+
+def lost_always():
+    """Two tokens (with ids), then the connection closed: every leg, the continuation's too."""
+    async def behaviour(fake, request, body):
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        cont = body.get("continuation")
+        start = len(cont["choices"][0]["ids"]) if cont else 0
+        for i in range(start, 2):
+            await resp.write(f": ids 0 {100 + i}\ndata: {json.dumps(event(i))}\n\n".encode())
+        return await lose(fake, request, resp, "close")
+    return behaviour
+
+
+def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
+    """Non-streamed: a decode whose connection breaks before its answer, and one that leaves
+    rotation (its health checks fail) while the router waits, each give way to the other decode
+    worker, which gets the whole request (no continuation, no ids asked); counted as migrations,
+    not retries."""
+    ok = reply(200, {"who": "whole"})
+    state = {"n": 0}
+
+    async def breaks_first(fake, request, body):
+        state["n"] += 1
+        if state["n"] == 1:
+            request.transport.close()
+            await asyncio.sleep(1)
+        return await ok(fake, request, body)
+
+    a, b = fakes(breaks_first), fakes(breaks_first)
+    router = start_router([(fakes(sse([])).url, 1)], [a.url, b.url], "--max-migrations", "2",
+                          "--pd-threshold-tokens", "100000", "--health-interval-s", "0.3")
+    for w in (a, b):
+        wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30,
+                 "both decode workers up")
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": TOTAL}
+    resp = requests.post(router.url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200 and resp.json() == {"who": "whole"}, resp.text
+    legs = a.requests + b.requests
+    assert len(legs) == 2 and not {"continuation", "stream_ids"} & set(legs[1][1])
+    assert migrations(router) == {"broken": 1} and retried(router) == {}
+
+    async def first_hangs_and_sickens(fake, request, body):
+        state["n"] += 1
+        if state["n"] == 1:
+            fake.health_status = 503
+            await fake.release.wait()
+        return await ok(fake, request, body)
+
+    state["n"] = 0
+    a.reset(first_hangs_and_sickens)
+    b.reset(first_hangs_and_sickens)
+    resp = requests.post(router.url + "/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200 and resp.json() == {"who": "whole"}, resp.text
+    assert len(a.requests) == 1 and len(b.requests) == 1
+    assert (a if a.health_status == 503 else b).aborted.wait(10)
+    assert migrations(router) == {"broken": 1, "unhealthy": 1}
