@@ -314,3 +314,51 @@ def test_a_worker_that_says_it_is_leaving_drains_once_its_record_is_gone():
             task.cancel()
 
     asyncio.run(main())
+
+
+def test_a_record_of_an_ended_incarnation_never_replaces_a_live_worker(tmp_path):
+    """A check of a worker pinned to incarnation A answered, proven, by its id as incarnation B
+    marks A ended; A's sealed record put back later (from etcd's history) neither joins nor
+    drains the live B, past the absent grace and any number of lists; once B is out of rotation
+    the old record drains it as before (its own record comes back at its next keepalive)."""
+    import aiohttp
+
+    from splitserve.discovery.record import WorkerRecord
+    from splitserve.metrics import Registry
+    from splitserve.router.discovery import Discovery
+    from splitserve.router.workers import DISCOVERY, HealthChecker, Worker
+
+    secret = Secret.new(tmp_path)
+
+    async def main():
+        live = await ProvingWorker("d-0", "decode", {SECRET: secret.proof_key}).start()
+        now = [0.0]
+        state = FakeState()
+        discovery = Discovery(state, Registry(), absent_grace_s=10, clock=lambda: now[0])
+        try:
+            async with aiohttp.ClientSession() as session:
+                checker = HealthChecker(state.workers, session, 1.0, 3, {SECRET: secret.proof_key})
+                checker.on_superseded.append(discovery.ended)
+                gone = Worker("decode", live.url, id="d-0", incarnation="a0", source=DISCOVERY,
+                              fixed_incarnation=True)
+                await checker.check(gone)  # its address answers, proven, as another incarnation
+                assert not gone.routable and ("d-0", "a0") in discovery.superseded
+        finally:
+            await live.stop()
+        old = WorkerRecord("d-0", "a0", "decode", live.url, None, "fake:fp", 1, "nixl")
+        new = WorkerRecord("d-0", live.incarnation, *dataclasses_tail(old))
+        discovery.apply([new])
+        worker = next(w for w in state.workers.all() if w.id == "d-0")
+        worker.healthy = worker.proven = True
+        for t in (0.0, 5.0, 10.0, 50.0, 100.0):
+            now[0] = t
+            discovery.apply([old])
+            serving = {(w.id, w.incarnation) for w in state.workers.all() if not w.draining}
+            assert serving == {("d-0", live.incarnation)}, (t, serving)
+        worker.healthy = False
+        discovery.apply([old])
+        assert ids(state, draining=True) == {"d-0"} and ids(state) == set()
+        for task in state.tasks:
+            task.cancel()
+
+    asyncio.run(main())

@@ -9,7 +9,11 @@ the worker's :class:`~splitserve.discovery.record.WorkerRecord` as JSON.
   TTL: a plain thread that sleeps and does blocking HTTP, so neither the engine loop nor the HTTP
   event loop can starve it (on a busy 2-core machine a thread can still go unscheduled for seconds,
   which is why the TTL is 10 s and not 2). A lease that expired anyway (etcd unreachable longer
-  than the TTL) is granted anew and the record put again. On SIGTERM :meth:`Registration.revoke`
+  than the TTL) is granted anew and the record put again. At every refresh the worker also reads
+  its key back: one that no longer holds its own value under its lease (deleted, or overwritten
+  with an old record of it from etcd's history) gets it put again, so neither drains a live worker
+  for longer than a keepalive. (Two live processes given one ``--worker-id`` would take the key
+  from each other at every keepalive: an id names one worker.) On SIGTERM :meth:`Registration.revoke`
   revokes the lease first, so routers stop sending new legs before the worker drains.
 - **A router** (:class:`Watcher`) lists the prefix, then watches it, and lists again at every change
   it is told of and at least every :data:`RELIST_S`: the list is the truth, the watch only makes it
@@ -194,6 +198,7 @@ class Registration:
         self._stop = threading.Event()
         self._lease = None
         self._etcd = None
+        self.restored = 0  # times the key was found without this worker's value, and put again
         self._thread = threading.Thread(target=self._run, name="discovery-keepalive", daemon=True)
 
     def start(self) -> "Registration":
@@ -212,6 +217,12 @@ class Registration:
                     log.warning("discovery: the lease of %s expired; registering again", self.key)
                     self._lease = None
                     continue
+                elif not self._holds_own():  # deleted, or overwritten (an old record put back)
+                    self.restored += 1
+                    if worth_logging(self.restored):
+                        log.warning("discovery: %s does not hold this worker's record under its lease (deleted "
+                                    "or overwritten); putting it again (%d times so far)", self.key, self.restored)
+                    self._etcd.put(self.key, self.value, lease=self._lease)
                 if not self.registered.is_set():
                     log.info("discovery: registered %s in %s (lease %.0f s)", self.record.id, self.target, self.ttl_s)
                     self.registered.set()
@@ -224,6 +235,15 @@ class Registration:
                 self.registered.clear()
                 self._stop.wait(backoff)
                 backoff = min(BACKOFF_MAX_S, backoff * 2, self.ttl_s / 3)
+
+    def _holds_own(self) -> bool:
+        """Whether the key holds exactly this worker's value, under its lease."""
+        found = self._etcd.get(self.key, metadata=True)
+        if len(found) != 1:
+            return False
+        value, meta = found[0]
+        value = value.encode() if isinstance(value, str) else value
+        return value == self.value.encode() and str(meta.get("lease", "")) == str(self._lease.id)
 
     def _put(self) -> None:
         lease = self._etcd.lease(ttl=self.ttl_s)

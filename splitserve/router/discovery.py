@@ -12,6 +12,11 @@ sealed with the cluster secret is dropped and counted like any other invalid val
 - a record with a new incarnation for a known id: the old incarnation's record is absent (below),
   and the new one joins once the old one left (a restart in place shows at the old one's next
   check: another incarnation answers there; a member's old record put back drains nothing);
+- a record naming an incarnation seen ended (a check of it was answered, proven, by its id as
+  another incarnation: :meth:`Discovery.ended`, at most :data:`MEMORY` remembered) never joins, and
+  counts as the record of a routable worker with its id: an old sealed record put back, read from
+  etcd's history, replaces no live worker, however long it stays (the worker also puts its own
+  record back at its next keepalive: ``discovery/etcd.py``);
 - a discovered worker without a record any more: the record's absence is evidence, not proof (an
   etcd restored without its data, or wiped, lists nothing while every worker serves on, and each
   puts its record again at its next keepalive). It is checked at once, and drains when it is also
@@ -66,6 +71,7 @@ class Discovery:
         self.invalid_seen: dict[str, bytes] = {}  # key -> digest of why its value was refused (last list)
         self._said = BoundedSet(MEMORY)
         self.absent_since: dict[str, float] = {}  # discovered worker id -> when its record was first missed
+        self.superseded = BoundedSet(MEMORY)  # (id, incarnation) seen ended: its id answered, proven, as another
         self.absent_grace_s, self.clock = absent_grace_s, clock
         self.watcher = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -89,12 +95,19 @@ class Discovery:
 
         config = self.state.config
         self.loop = loop
+        if self.state.checker is not None:
+            self.state.checker.on_superseded.append(self.ended)
         self.watcher = Watcher(parse_target(config.discovery), self._listed, self._outage,
                                Credentials.of(config), read=seal.open).start()
 
     def stop(self) -> None:
         if self.watcher is not None:
             self.watcher.stop()
+
+    def ended(self, worker_id: str, incarnation: str) -> None:
+        """``incarnation`` of ``worker_id`` has ended (its address answered, proven, as another):
+        a record of it is a member's old record, and never replaces a routable worker."""
+        self.superseded.add((worker_id, incarnation))
 
     # called from the watcher's thread
     def _listed(self, records, invalid) -> None:
@@ -116,6 +129,10 @@ class Discovery:
         wanted = {r.id: r for r in records}
         self._leave(found, wanted)
         for record in records:
+            if record.identity in self.superseded:  # an ended incarnation's record, put back: never joins
+                self._say(("ended", record.identity), "discovery: the record of %s names incarnation %s, which "
+                          "has ended; not used", record.id, record.incarnation)
+                continue
             current = found.get(record.id)
             if current is None or current.incarnation != record.incarnation:
                 self._join(record)
@@ -139,13 +156,12 @@ class Discovery:
         """Drain the workers whose record is absent (gone, or naming another incarnation) and that
         are not routable; a routable one only past the grace, one per list (the module says why)."""
         now = self.clock()
-        for worker_id in [i for i in self.absent_since if i not in found or
-                          i in wanted and wanted[i].incarnation == found[i].incarnation]:
+        for worker_id in [i for i in self.absent_since if i not in found or self._holds(found[i], wanted.get(i))]:
             del self.absent_since[worker_id]
         overdue = []
         for worker_id, worker in found.items():
             record = wanted.get(worker_id)
-            if record is not None and record.incarnation == worker.incarnation:
+            if self._holds(worker, record):
                 continue
             first = worker_id not in self.absent_since
             since = self.absent_since.setdefault(worker_id, now)
@@ -159,6 +175,12 @@ class Discovery:
         if overdue:
             since, worker = min(overdue, key=lambda item: item[0])
             self._drain(worker, f"its record is gone for {now - since:.0f} s (one such worker per list)")
+
+    def _holds(self, worker: Worker, record) -> bool:
+        """Whether ``record`` keeps ``worker``: it names its incarnation, or one that has ended while
+        the worker is routable (a member's old record put back is no evidence the worker left)."""
+        return record is not None and (record.incarnation == worker.incarnation or
+                                       worker.routable and record.identity in self.superseded)
 
     async def _confirm(self, worker: Worker) -> None:
         """Check a worker whose record just went; drain it if it is not routable (still absent)."""

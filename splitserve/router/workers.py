@@ -284,6 +284,9 @@ class HealthChecker:
         self.timeout = aiohttp.ClientTimeout(total=max(0.5, min(5.0, interval_s)))
         self.on_new_incarnation: list[Callable[[Worker], None]] = []
         """Called with a static or API worker whose id came back with a new incarnation."""
+        self.on_superseded: list[Callable[[str, str], None]] = []
+        """Called with (id, incarnation) of a worker pinned to an incarnation whose address answers,
+        proven, with its id and another incarnation: that one has ended (``discovery.py``)."""
 
     async def run(self) -> None:
         while True:
@@ -356,6 +359,9 @@ class HealthChecker:
             log.info("%s answers as %s, incarnation %s", worker.url, seen_id, seen_incarnation)
             return None
         if seen_id != worker.id or (worker.fixed_incarnation and seen_incarnation != worker.incarnation):
+            if seen_id == worker.id and self.proof_keys:  # proven: its id lives on as another incarnation
+                for callback in self.on_superseded:
+                    callback(worker.id, worker.incarnation)
             return (f"another process answers at {worker.url}: {seen_id} incarnation {seen_incarnation}, not "
                     f"{worker.id} incarnation {worker.incarnation}")
         role = body.get("role")

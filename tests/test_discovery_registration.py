@@ -1,0 +1,62 @@
+"""A worker keeps its own record in etcd (``discovery/etcd.py``, ``Registration``): a key deleted
+under it, or overwritten with an old record of it (read from etcd's history), is put back at its
+next keepalive, not only once its lease is gone. A real etcd of its own; a 2 s lease (keepalive
+every second), no worker process."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from etcd_server import EtcdServer, have_etcd
+from splitserve.discovery.etcd import Registration, client, parse_target
+from splitserve.discovery.record import WorkerRecord
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    if not have_etcd():
+        message = "etcd is not installed (apt-get install etcd-server; .ci/run does)"
+        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
+    with EtcdServer() as server:
+        yield server
+
+
+def until(what: str, check, rounds: int = 400, step_s: float = 0.05):
+    for _ in range(rounds):
+        if check():
+            return
+        time.sleep(step_s)
+    raise AssertionError(f"never came: {what}")
+
+
+def test_a_deleted_or_overwritten_record_is_put_back_at_the_next_keepalive(etcd):
+    target = parse_target(etcd.url("/reg-test"))
+    record = WorkerRecord("d-0", "new1", "decode", "http://10.0.0.1:8000", None, "m", 1, "nixl")
+    old = WorkerRecord("d-0", "old0", "decode", "http://10.0.0.1:8000", None, "m", 1, "nixl")
+    registration = Registration(target, record, ttl_s=2).start()
+    etcd3 = client(target)
+    key = target.key(record.id)
+    try:
+        until("registered", registration.registered.is_set)
+
+        def holds_own() -> bool:
+            return etcd3.get(key) == [record.to_json()]
+
+        until("its record", holds_own)
+        etcd3.delete(key)
+        until("put back after a delete", holds_own)
+        etcd3.put(key, old.to_json().decode())  # an old record of it, without a lease
+        until("put back after an overwrite", holds_own)
+        lease = etcd3.lease(ttl=30)
+        etcd3.put(key, record.to_json().decode(), lease=lease)  # its very value, under another lease
+        until("put back under its own lease", lambda: holds_own() and registration.restored >= 3)
+        assert registration.restored == 3
+        lease.revoke()
+        time.sleep(1.5)  # a keepalive more: its own value under its own lease is left alone
+        assert holds_own() and registration.restored == 3
+    finally:
+        assert registration.revoke()
+    assert etcd3.get(key) == []
