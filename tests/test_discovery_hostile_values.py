@@ -127,3 +127,41 @@ def test_post_workers_nested_too_deep_is_a_400_and_a_deep_health_answer_a_failed
             await runner.cleanup()
 
     asyncio.run(main())
+
+
+def test_a_list_reads_a_bounded_number_of_keys_and_junk_is_logged_sparsely(caplog):
+    """3,000 junk values under the prefix: a list asks etcd for at most MAX_LISTED keys (the rest
+    never crosses the network) and says so; 5,000 junk keys applied on the router log at most a
+    few dozen lines while every one is counted."""
+    from splitserve.discovery.etcd import MAX_LISTED
+    from splitserve.metrics import Registry
+    from splitserve.router.discovery import Discovery
+
+    class Limited(FakeEtcd):
+        def get(self, prefix, limit=None, **kwargs):
+            return super().get(prefix)[:limit]
+
+    seen = []
+    etcd = Limited([(f"/p/workers/j{i:05}", "junk") for i in range(3000)])
+    watcher = Watcher(TARGET, lambda r, i: seen.append(i), lambda why: None, make_client=lambda *a: etcd)
+    watcher.start()
+    try:
+        for _ in range(2000):
+            if seen:
+                break
+            time.sleep(0.01)
+    finally:
+        watcher.stop()
+    assert len(seen[0]) == MAX_LISTED and watcher.capped >= 1
+
+    class State:
+        workers, checker = None, None
+
+    from splitserve.router.workers import WorkerSet
+
+    State.workers = WorkerSet()
+    discovery = Discovery(State, Registry())
+    with caplog.at_level("WARNING", logger="splitserve.router.discovery"):
+        for rewrite in range(5):
+            discovery.apply([], [(f"/p/workers/j{i}", f"junk {rewrite}") for i in range(1000)])
+    assert discovery.invalid == 5000 and len(caplog.records) <= 30, len(caplog.records)

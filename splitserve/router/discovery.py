@@ -49,6 +49,7 @@ import logging
 import time
 from typing import Callable, Optional
 
+from splitserve.log_sparsely import worth_logging
 from splitserve.router.bounded_set import BoundedSet
 from splitserve.router.workers import DISCOVERY, Worker
 
@@ -138,7 +139,8 @@ class Discovery:
                 self._join(record)
 
     def _refused(self, invalid) -> None:
-        """Count and log each refused value once: when it first appears under its key. Only the
+        """Count each refused value once, when it first appears under its key, and log the first
+        few of them and then one in many (``log_sparsely``). Only the
         last list's keys are remembered, at most :data:`MEMORY` of them (past that, a value is
         neither counted nor logged, and one line says how many were not looked at)."""
         seen, now = self.invalid_seen, {}
@@ -146,7 +148,9 @@ class Discovery:
             now[key] = hashlib.blake2b(why.encode(), digest_size=16).digest()
             if seen.get(key) != now[key]:
                 self.invalid += 1
-                log.warning("discovery: %s is no valid worker record, ignored: %s", key, why)
+                if worth_logging(self.invalid):  # a flood of junk keys is counted, not logged line by line
+                    log.warning("discovery: %s is no valid worker record, ignored (%d so far): %s", key,
+                                self.invalid, why)
         if len(invalid) > MEMORY and len(seen) < MEMORY:
             log.warning("discovery: %d values under the prefix are no valid record; only the first %d are "
                         "counted and logged", len(invalid), MEMORY)
