@@ -71,6 +71,20 @@ def allow_host(host: str) -> str:
     return host.lower().removesuffix(".")
 
 
+def check_bind_host(host: str, flag: str = "--host") -> str:
+    """``host`` as a listening address is given (``--host``): a name, an IPv4 address or an IPv6
+    address without brackets (``::1``; the socket takes no brackets) and without a zone id;
+    ValueError saying which form to give."""
+    if "%" in host:
+        raise ValueError(f"{flag} {host!r}: a zone id (%...) is not supported; give a global, unique local or "
+                         "loopback address")
+    if host.startswith("[") and host.endswith("]") and _ipv6(host) is not None:
+        raise ValueError(f"{flag} {host!r}: an address to listen on is written without brackets: {host[1:-1]}")
+    if host in ANY or host == "::" or _ipv6(host) is not None or NAME.fullmatch(host):
+        return host
+    raise ValueError(f"{flag} {host!r} is not a host name, an IPv4 address or an IPv6 address (no brackets)")
+
+
 def check_host(host: object) -> str:
     """``host`` from the network (a ``bootstrap_host``) in :func:`url_host`'s form; ValueError
     unless it is a host name, an IPv4 address or an IPv6 address in brackets."""

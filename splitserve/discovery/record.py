@@ -76,7 +76,10 @@ def check_incarnation(value: object, what: str = "incarnation") -> str:
 
 
 def check_url(value: object, what: str = "url") -> str:
-    """``http(s)://HOST:PORT`` (a trailing slash dropped), HOST a DNS name or an IP address."""
+    """``http(s)://HOST:PORT`` (a trailing slash dropped), HOST a DNS name or an IP address, in the
+    one form every check and comparison takes (:func:`_one_form`: ``http://[0::1]:0080`` is
+    ``http://[::1]:80``); ValueError for anything else, an alias the resolver would read as an IPv4
+    address in another spelling (``127.1``, ``0x7f.0.0.1``) and an IPv6 zone id included."""
     if not isinstance(value, str) or len(value) > 300:
         raise ValueError(f"{what}: a URL is a string of at most 300 characters, not {_show(value)}")
     if not printable_ascii(value):  # urlsplit drops tab, CR and LF before anything could see them
@@ -87,24 +90,35 @@ def check_url(value: object, what: str = "url") -> str:
         port = parts.port
     except ValueError:
         raise ValueError(f"{what}: {_show(value)} is not http(s)://HOST:PORT") from None
-    host = parts.hostname or ""
+    host = _one_form(parts.hostname or "", bracketed="[" in parts.netloc)
     if (parts.scheme not in ("http", "https") or port is None or not 0 < port < 65536 or parts.username is not None
-            or parts.password is not None or parts.path or parts.query or parts.fragment or not _host_ok(host)):
+            or parts.password is not None or parts.path or "?" in url or "#" in url or host is None):
         raise ValueError(f"{what}: {_show(value)} is not http(s)://HOST:PORT (no user, path, query or fragment)")
-    return url
+    return f"{parts.scheme}://{host}:{port}"
+
+
+def _one_form(host: str, bracketed: bool) -> Optional[str]:
+    """A URL's host in its one form (an IPv6 address bracketed and compressed, an IPv4 address
+    dotted, a name in lower case), or None when it is none of them or an alias of one."""
+    if "%" in host:  # an IPv6 zone id: local to one host's interfaces
+        return None
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if bracketed:
+        return f"[{ip.compressed}]" if isinstance(ip, ipaddress.IPv6Address) else None
+    if ip is not None:
+        return str(ip)
+    last = host.rsplit(".", 1)[-1].lower()
+    if not HOST_PATTERN.fullmatch(host) or last.isdigit() or last.startswith("0x"):
+        return None  # a numeric last label is read as an IPv4 address by resolvers: 127.1, 0x7f.1
+    return host.lower()
 
 
 def printable_ascii(text: str) -> bool:
     """Whether ``text`` is only printable ASCII, no space (what a URL here may hold)."""
     return all(33 <= ord(c) < 127 for c in text)
-
-
-def _host_ok(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return bool(HOST_PATTERN.fullmatch(host))
 
 
 def check_port(value: object, what: str = "bootstrap_port") -> int:

@@ -62,7 +62,7 @@ import aiohttp
 
 from splitserve.config import RouterConfig, WorkerAddress
 from splitserve.discovery.proof import NONCE_HEADER, new_nonce, verify
-from splitserve.discovery.record import identity_of, loads_shallow
+from splitserve.discovery.record import check_url, identity_of, loads_shallow
 from splitserve.hosts import check_host, url_host
 from splitserve.router.answers import SMALL_ANSWER_BYTES, read_answer
 from splitserve.router.bounded_set import BoundedSet
@@ -158,7 +158,7 @@ class WorkerSet:
     @classmethod
     def from_config(cls, config: RouterConfig) -> "WorkerSet":
         def make(role: str, addr: WorkerAddress) -> Worker:
-            return Worker(role, addr.url.rstrip("/"), addr.bootstrap_port if role == PREFILL else None, id=addr.id)
+            return Worker(role, one_form(addr.url), addr.bootstrap_port if role == PREFILL else None, id=addr.id)
 
         return cls([make(PREFILL, a) for a in config.prefill], [make(DECODE, a) for a in config.decode])
 
@@ -177,7 +177,8 @@ class WorkerSet:
         return [w for w in self.all() if w.id == worker_id]
 
     def add(self, worker: Worker) -> Worker:
-        """Add ``worker``; ValueError when one not draining has its id or its URL already."""
+        """Add ``worker``; ValueError when one not draining has its id or its URL already (URLs in
+        :func:`one_form`: every way in writes them so)."""
         for other in self.all():
             if other.draining:
                 continue
@@ -430,6 +431,15 @@ class HealthChecker:
             worker.protocol_version = version
         if isinstance(backend, str) and len(backend) <= 16:
             worker.backend = backend
+
+
+def one_form(url: str) -> str:
+    """A worker's URL as discovery and ``POST /workers`` write it (``record.check_url``), so that
+    the set compares one spelling per address; one it refuses (a path, say) as given."""
+    try:
+        return check_url(url)
+    except ValueError:
+        return url.rstrip("/")
 
 
 def describe_all(workers: Iterable[Worker]) -> str:

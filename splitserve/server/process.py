@@ -33,6 +33,7 @@ from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import place_process
 from splitserve.http_util import bound_url, check_client_bounds
 from splitserve.server.app import create_app
+from splitserve.hosts import check_bind_host
 from splitserve.server.registration import check_discovery, register
 from splitserve.server.state import STATE, WorkerState
 from splitserve.tls import server_context
@@ -52,6 +53,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
         signal.signal(sig, lambda signum, _frame: _exit_now(f"received {signal.Signals(signum).name} while starting"))
     try:
         check_client_bounds(server_config)
+        check_bind_host(server_config.host, "--host")  # [::1] or a zone id: exit 2 saying which form
         check_bootstrap_trust(server_config)
         check_control_plane(server_config)
         ssl_context = server_context(server_config.ssl_certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs)

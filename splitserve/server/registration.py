@@ -9,6 +9,8 @@ import logging
 from aiohttp import web
 
 from splitserve.config import ServerConfig
+from splitserve.discovery.record import check_url
+from splitserve.hosts import url_host
 from splitserve.server.state import WorkerState
 
 log = logging.getLogger(__name__)
@@ -27,8 +29,20 @@ def check_discovery(config: ServerConfig) -> None:
     if (config.advertise_host or config.host) in ("0.0.0.0", "::", ""):
         raise ValueError(f"--discovery: routers cannot reach {config.host}; give --advertise-host (on "
                          "Kubernetes the pod's IP, status.podIP)")
+    url = advertised_url(config, config.port or 1, tls=False)
+    try:
+        check_url(url)
+    except ValueError:
+        raise ValueError(f"--discovery: this worker would register {url!r}, which no router takes: give "
+                         "--advertise-host a host name, an IPv4 address or an IPv6 address (brackets optional, "
+                         "no zone id)") from None
     for warning in discovery_warnings(config):
         log.warning("%s", warning)
+
+
+def advertised_url(config: ServerConfig, port: int, tls: bool) -> str:
+    """The URL this worker registers: its ``--advertise-host`` (else ``--host``) as a URL writes it."""
+    return f"{'https' if tls else 'http'}://{url_host(config.advertise_host or config.host)}:{port}"
 
 
 def discovery_warnings(config: ServerConfig) -> list[str]:
@@ -46,14 +60,14 @@ def discovery_warnings(config: ServerConfig) -> list[str]:
 def register(state: WorkerState, runner: web.AppRunner, tls: bool):
     """Put this worker's record in etcd under a lease kept alive by a thread (``discovery/etcd.py``)."""
     from splitserve.discovery.etcd import Credentials, Registration, parse_target
-    from splitserve.discovery.record import WorkerRecord
+    from splitserve.discovery.record import WorkerRecord, parse_record
     from splitserve.discovery.signing import RecordSeal
 
     config, pairing = state.config, state.pairing()
     port = runner.addresses[0][1] if runner.addresses else config.port
-    host = config.advertise_host or config.host
-    url = f"{'https' if tls else 'http'}://{'[%s]' % host if ':' in host else host}:{port}"
-    record = WorkerRecord(state.worker_id, state.incarnation, config.role, url, pairing["bootstrap_port"],
-                          pairing["model_fingerprint"], pairing["protocol_version"], pairing["transfer_backend"])
+    record = WorkerRecord(state.worker_id, state.incarnation, config.role, advertised_url(config, port, tls),
+                          pairing["bootstrap_port"], pairing["model_fingerprint"], pairing["protocol_version"],
+                          pairing["transfer_backend"])
+    record = parse_record(record.to_json())  # in the one form every router reads it in (and checked)
     return Registration(parse_target(config.discovery), record, config.discovery_ttl_s,
                         Credentials.of(config), seal=RecordSeal(state.keys.record).seal).start()
