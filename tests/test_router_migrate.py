@@ -200,12 +200,14 @@ def test_a_stream_whose_decode_is_lost_is_continued_on_another(how, reason, fake
 def test_what_is_not_continued_ends_as_before(fakes, start_router):
     """The request's own error event passes to the client as it came; with every decode lost the
     client gets an error event and [DONE] after what it had (one migration, then none left); with
-    ``--max-migrations 0`` (the default) no leg is asked for ids and nothing is continued."""
+    ``--max-migrations 0`` (the default) no leg is asked for ids and nothing is continued, and a
+    decode silent past ``--stream-stall-s`` ends the stream with an error event (its leg closed);
+    a client's own ``stream_ids`` and ``continuation`` never reach a worker."""
     own = wire_decoder(cut=2, how="error:grammar_exhausted")
     a, b = fakes(own), fakes(own)
     router, off = start_router.together(
         ([(fakes(sse([])).url, 1)], [a.url, b.url], "--max-migrations", "2", "--pd-threshold-tokens", "100000"),
-        ([(fakes(sse([])).url, 1)], [a.url], "--pd-threshold-tokens", "100000"))
+        ([(fakes(sse([])).url, 1)], [a.url], "--pd-threshold-tokens", "100000", "--stream-stall-s", "1"))
     for w in (a, b):
         wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30,
                  "both decode workers up")
@@ -225,6 +227,18 @@ def test_what_is_not_continued_ends_as_before(fakes, start_router):
     raw, events = stream(off, "off")
     assert texts(events) == [" t0", " t1"] and "error" in events[2] and events[-1] == "[DONE]", raw
     assert "stream_ids" not in a.requests[0][1] and migrations(off) == {}
+
+    a.reset(wire_decoder(cut=2, how="silent"))  # a stopped decode no longer pins the stream
+    raw, events = stream(off, "silent")
+    assert texts(events) == [" t0", " t1"] and "stream_stall_s" in events[2]["error"]["message"], raw
+    assert events[-1] == "[DONE]" and a.aborted.wait(10)
+
+    # a client's own router-only fields never reach a worker
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2, "stream": True, "stream_ids": True,
+            "continuation": {"id": "cmpl-x", "created": 1, "choices": [{"index": 0, "ids": [1]}]}}
+    a.reset(wire_decoder())
+    resp = requests.post(off.url + "/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 400 or not {"stream_ids", "continuation"} & set(a.requests[-1][1]), resp.text
 
 
 def lost_always():

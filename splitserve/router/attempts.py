@@ -25,6 +25,7 @@ from splitserve.router.workers import DECODE, PREFILL, Worker
 log = logging.getLogger(__name__)
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")  # the router's own, never a client's
+ROUTER_FIELDS = (*BOOTSTRAP_FIELDS, "stream_ids", "continuation")  # likewise (migrate.py): never passed on
 
 
 class Route(NamedTuple):
@@ -204,7 +205,7 @@ class Attempts:
         """Attempt ``n``'s plan: split, a room never used before by this request; alone, no
         bootstrap fields (decode draws a room of its own)."""
         worker_rid = attempt_rid(self.rid, n)
-        leg_body = {k: v for k, v in self.body.items() if k not in BOOTSTRAP_FIELDS}
+        leg_body = {k: v for k, v in self.body.items() if k not in ROUTER_FIELDS}
         room = None
         if prefill is not None:
             room = _fresh_room(self.state, self.rooms)
