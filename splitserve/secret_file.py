@@ -17,9 +17,12 @@ one of these models compresses by 40 bits."""
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import os
 import secrets
+import string
 from collections import Counter
 from typing import Callable, Optional
 
@@ -37,6 +40,34 @@ def write_secret_file(path: str) -> str:
     with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
         f.write(secrets.token_hex(MIN_SECRET_BYTES) + "\n")
     return str(path)
+
+
+def secret_bytes(text: bytes, nested: bool = True) -> Optional[bytes]:
+    """A secret's bytes from the text of its file, whitespace and line breaks ignored; None when it
+    is in none of these forms: hex (a ``0x`` prefix, and ``-`` or ``:`` between digits, as uuids and
+    ``xxd``/``openssl -c`` write them, allowed), else base64 (standard or URL-safe, padded or not);
+    base64 of such a text (``openssl rand -hex 32 | base64``, as Kubernetes Secrets are written) is
+    read as the text it holds."""
+    try:
+        word = "".join(text.decode("ascii").split())
+    except UnicodeDecodeError:
+        return None
+    hexed = (word[2:] if word[:2] in ("0x", "0X") else word).replace("-", "").replace(":", "")
+    if hexed and len(hexed) % 2 == 0 and all(c in string.hexdigits for c in hexed) and \
+            not word.startswith(("-", ":")) and "--" not in word and "::" not in word:
+        return bytes.fromhex(hexed)
+    if not word or not all(c in BASE64_CHARS for c in word):
+        return None
+    bare = word.rstrip("=").replace("-", "+").replace("_", "/")  # either alphabet, padded or not
+    try:
+        raw = base64.b64decode(bare + "=" * (-len(bare) % 4), validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    inner = secret_bytes(raw, nested=False) if nested and all(32 <= b < 127 or b in b"\t\r\n" for b in raw) else None
+    return inner if inner is not None and len(inner) >= MIN_SECRET_BYTES else raw
+
+
+BASE64_CHARS = frozenset(string.ascii_letters + string.digits + "+/-_=")
 
 
 def _kt_bits(seq: list[int], size: int) -> float:

@@ -20,15 +20,12 @@ Nothing here logs a key or the secret.
 
 from __future__ import annotations
 
-import base64
-import binascii
 import hashlib
 import hmac
 import logging
 import os
 import queue
 import stat
-import string
 import threading
 import time
 from collections import Counter
@@ -39,7 +36,7 @@ from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from splitserve.log_sparsely import worth_logging
-from splitserve.secret_file import MIN_SECRET_BYTES, REFUSE_SAVING_BITS, why_guessable
+from splitserve.secret_file import MIN_SECRET_BYTES, REFUSE_SAVING_BITS, secret_bytes, why_guessable
 
 log = logging.getLogger(__name__)
 
@@ -82,23 +79,11 @@ PROOF_KEY_INFO = b"splitserve identity proof v1"  # a worker's answer to a route
 
 
 def parse_secret(text: bytes) -> bytes:
-    """The secret's bytes from the text of its file: hex, or base64 (standard or URL-safe, padded
-    or not, wrapped or not); ValueError (never repeating the text) unless it holds at least
+    """The secret's bytes from the text of its file (``secret_file.secret_bytes``: hex, base64, or
+    base64 of either); ValueError (never repeating the text) unless it holds at least
     ``MIN_SECRET_BYTES`` and is not plainly guessable (``secret_file.why_guessable``: a random one
     is refused with probability at most ``2**-REFUSE_SAVING_BITS``)."""
-    try:
-        word = "".join(text.decode("ascii").split())  # base64 may come wrapped in lines
-    except UnicodeDecodeError:
-        word = ""
-    raw = None
-    if word and len(word) % 2 == 0 and all(c in string.hexdigits for c in word):
-        raw = bytes.fromhex(word)
-    elif word and all(c in BASE64_CHARS for c in word):
-        bare = word.rstrip("=").replace("-", "+").replace("_", "/")  # either alphabet, padded or not
-        try:
-            raw = base64.b64decode(bare + "=" * (-len(bare) % 4), validate=True)
-        except (binascii.Error, ValueError):
-            raw = None
+    raw = secret_bytes(text)
     if raw is None:
         raise ValueError(f"a cluster secret is written as hex or base64, e.g. {HOW_TO_MAKE}")
     if len(raw) < MIN_SECRET_BYTES:
@@ -106,12 +91,15 @@ def parse_secret(text: bytes) -> bytes:
                          f"(e.g. {HOW_TO_MAKE})")
     why = why_guessable(raw)
     if why is not None:
+        letters = text.strip().isalpha()
         raise ValueError(f"a cluster secret is random bytes, and this one is plainly not ({why}: written in "
-                         f"{REFUSE_SAVING_BITS}+ bits fewer than random bytes need); make one with {HOW_TO_MAKE}")
+                         f"{REFUSE_SAVING_BITS}+ bits fewer than random bytes need)"
+                         + ("; a secret of letters alone is read as base64 and refused, as passphrases and "
+                            "placeholders look so, even when the letters were drawn at random" if letters else "")
+                         + f"; make one with {HOW_TO_MAKE}")
     return raw
 
 
-BASE64_CHARS = frozenset(string.ascii_letters + string.digits + "+/-_=")
 
 
 class ClusterSecret:
