@@ -237,7 +237,8 @@ def parse_allowed_prefill(text: Optional[str]) -> Optional[AllowedPrefill]:
     router names it: the host of its URL; ``[V6]:PORT`` for IPv6), ``HOST`` (any port there; an
     IPv6 address with or without brackets) or ``NETWORK/BITS`` (any address in it, any port); None
     when unset. Hosts are compared as ``hosts.allow_host`` writes them (``[0:0::1]`` is ``[::1]``,
-    names in any case). ValueError naming an entry that is none of them."""
+    names in any case). ValueError naming an entry that is none of them, or that reads both as
+    an IPv6 address and as one with a port (``::1:8998``)."""
     if text is None:
         return None
     addresses, networks = set(), []
@@ -256,6 +257,9 @@ def parse_allowed_prefill(text: Optional[str]) -> Optional[AllowedPrefill]:
                 port = rest.removeprefix(":") if rest.startswith(":") else "bad"
         elif entry.count(":") == 1:
             host, port = entry.split(":")
+        elif entry.rpartition(":")[2].isdigit() and url_host(entry.rpartition(":")[0]).startswith("["):
+            raise ValueError(f"--allowed-prefill: {entry!r} is ambiguous: an IPv6 address with a port is written "
+                             "[ADDRESS]:PORT (any port: [ADDRESS])")
         try:
             port = None if port is None else int(port)
         except ValueError:

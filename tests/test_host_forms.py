@@ -69,3 +69,13 @@ def test_the_advertised_url_is_bracketed_once_and_a_zone_id_stops_the_worker():
     for advertise in ("fe80::1%lo", "::1%25lo", "[fe80::1%lo]"):
         with pytest.raises(ValueError, match="no router takes"):
             check_discovery(config(advertise))
+
+
+def test_an_allowed_prefill_entry_that_reads_as_an_address_and_as_one_with_a_port_is_refused():
+    from splitserve.auth import parse_allowed_prefill
+
+    for entry in ("::1:8998", "fe80::1:2"):
+        with pytest.raises(ValueError, match=r"ambiguous: an IPv6 address with a port is written \[ADDRESS\]:PORT"):
+            parse_allowed_prefill(entry)
+    assert parse_allowed_prefill("[::1]:8998,::1,2001:db8::1,[fe80::1:2]").addresses == {
+        ("[::1]", 8998), ("[::1]", None), ("[2001:db8::1]", None), ("[fe80::1:2]", None)}
