@@ -257,8 +257,9 @@ def lost_always():
 def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
     """Non-streamed: a decode whose connection breaks before its answer, and one that leaves
     rotation (its health checks fail) while the router waits, each give way to the other decode
-    worker, which gets the whole request (no continuation, no ids asked); counted as migrations,
-    not retries."""
+    worker, which gets the whole request (no continuation, no ids asked); so does a stream whose
+    decode is silent past ``--stream-stall-s`` before anything reached the client; counted as
+    migrations, not retries."""
     ok = reply(200, {"who": "whole"})
     state = {"n": 0}
 
@@ -271,7 +272,7 @@ def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
 
     a, b = fakes(breaks_first), fakes(breaks_first)
     router = start_router([(fakes(sse([])).url, 1)], [a.url, b.url], "--max-migrations", "2",
-                          "--pd-threshold-tokens", "100000", "--health-interval-s", "0.3")
+                          "--pd-threshold-tokens", "100000", "--health-interval-s", "0.3", "--stream-stall-s", "1")
     for w in (a, b):
         wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30,
                  "both decode workers up")
@@ -297,3 +298,20 @@ def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
     assert len(a.requests) == 1 and len(b.requests) == 1
     assert (a if a.health_status == 503 else b).aborted.wait(10)
     assert migrations(router) == {"broken": 1, "unhealthy": 1}
+
+    # a stream whose decode sent its headers and then nothing past --stream-stall-s: nothing
+    # reached the client, so it is sent again whole (no continuation)
+    silent_first, rest = wire_decoder(cut=0, how="silent"), wire_decoder()
+    state["n"] = 0
+
+    async def first_silent(fake, request, body):
+        state["n"] += 1
+        return await (silent_first if state["n"] == 1 else rest)(fake, request, body)
+
+    a.reset(first_silent)
+    b.reset(first_silent)
+    raw, events = stream(router, "silent-before")
+    assert texts(events) == [f" t{i}" for i in range(TOTAL)] and events[-1] == "[DONE]", raw
+    legs = a.requests + b.requests
+    assert len(legs) == 2 and "continuation" not in legs[1][1] and legs[1][1]["stream_ids"] is True
+    assert migrations(router) == {"broken": 1, "unhealthy": 1, "stalled": 1}

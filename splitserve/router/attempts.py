@@ -175,15 +175,17 @@ class Attempts:
     async def _migrate(self, exchange: Exchange) -> Optional[tuple[None, Worker]]:
         """``exchange``'s decode was lost (:attr:`Exchange.lost`): the request goes on at another
         healthy decode worker alone, never one that failed it, within ``--max-migrations`` and its
-        deadline (not charged to the retry budget): a stream continued from the ids the client
-        has, a whole answer sent again. Else the client's answer ends with the failure."""
+        deadline (not charged to the retry budget): a stream under way continued from the ids the
+        client has, else (nothing reached the client) the request sent again whole. Else the
+        client's answer ends with the failure."""
         state, lost = self.state, exchange.lost
         self.failed[DECODE].add(exchange.decode_worker)
-        continuation = exchange.track.continuation() if exchange.stream else None
+        under_way = exchange.stream and exchange.response is not None  # else nothing reached the client
+        continuation = exchange.track.continuation() if under_way else None
         denied = "the request's own error" if lost.own_error else \
             "--max-migrations used up" if self.migrations >= state.config.max_migrations else \
             "its deadline passed" if asyncio.get_running_loop().time() >= self.deadline else \
-            "nothing to continue from" if exchange.stream and continuation is None else None
+            "nothing to continue from" if under_way and continuation is None else None
         decodes = state.workers.candidates(DECODE, self.failed) if denied is None else []
         if not decodes:
             log.info("rid=%s: %s (%s); not continued: %s", self.rid, lost.detail, lost.reason,
@@ -196,7 +198,7 @@ class Attempts:
         state.recent.retried(self.rid, DECODE, f"{lost.reason}: {lost.detail}; continued on {decode.url}")
         log.info("rid=%s: %s (%s); migration %d: continued on decode=%s", self.rid, lost.detail, lost.reason,
                  self.migrations, decode.url)
-        if exchange.stream:
+        if under_way:
             self.carried = Carried(exchange.response, exchange.times, exchange.track)
         self.continuation = continuation
         return None, decode

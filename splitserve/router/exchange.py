@@ -204,9 +204,20 @@ class Exchange:
                 f"said nothing for the router's stream_stall_s ({bound:g} s)")
 
     async def _wait_or_lose(self, tasks: set) -> Optional[web.Response]:
-        """:meth:`_wait` before the commit; a whole answer's decode worker is watched meanwhile:
-        once it has left rotation (its health checks failed), the leg is lost (:meth:`_whole_lost`)."""
-        if self.stream or not self.migrating:
+        """:meth:`_wait` before the commit; decode is watched meanwhile (when migrating): a stream
+        that asked for ids (so decode keeps it alive with comments) is lost once it is silent for
+        ``--stream-stall-s``, a whole answer once its worker has left rotation (its health checks
+        failed)."""
+        if self.stream:
+            bound = self.config.stream_stall_s if self.track is not None and self.decode.ok else None
+            try:
+                await self._wait(tasks, bound)
+            except StreamStalled as exc:
+                if self.response is not None:  # a continuation: the client's stream is under way
+                    return await self._decode_broke_off("stalled", str(exc))
+                return self._whole_lost("stalled", str(exc))
+            return None
+        if not self.migrating:
             await self._wait(tasks)
             return None
         while True:
@@ -219,9 +230,9 @@ class Exchange:
                                             "router waited for its answer")
 
     def _whole_lost(self, reason: str, detail: str) -> web.Response:
-        """A whole answer's decode leg failed after it was sent: nothing reached the client, so
-        the caller may send the request whole to another decode worker (:attr:`lost`); else the
-        answer returned (the failure) is the client's."""
+        """Decode's leg failed after it was sent, before anything reached the client (a whole
+        answer, or a stream before its commit): the caller may send the request whole to another
+        decode worker (:attr:`lost`); else the answer returned (the failure) is the client's."""
         self._abort_prefill()
         message = f"the decode worker {self.decode_worker.url} {detail}"
         self.lost = Lost(reason, message, b"")
