@@ -193,8 +193,10 @@ def test_a_stream_whose_decode_is_lost_is_continued_on_another(how, reason, fake
     assert how.startswith("error") or lost.aborted.wait(10)  # the abandoned leg was closed (if still open)
     assert migrations(router) == {reason: 1} and retried(router) == {}
     assert router.metric("splitserve_router_requests_total", outcome="finished") == 1
-    attempts = requests.get(f"{router.url}/debug/requests/lost-{reason}", timeout=10).json()["router"]["attempts"]
+    record = requests.get(f"{router.url}/debug/requests/lost-{reason}", timeout=10).json()["router"]
+    attempts = record["attempts"]
     assert len(attempts) == 2 and attempts[1]["prefill"] is None and reason in attempts[0]["failed"], attempts
+    assert record["status"] == 200 and record["outcome"] == "finished", record
 
 
 def test_what_is_not_continued_ends_as_before(fakes, start_router):

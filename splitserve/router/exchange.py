@@ -114,6 +114,7 @@ class Exchange:
         self.track: Optional[StreamTrack] = None  # decode's ids and what the client got (streams with ids)
         if carried is not None:
             self.response, self.times, self.track = carried.response, carried.times, carried.track
+            self.status = carried.response.status
             self.track.new_stream()
         elif self.stream and self.migrating and request.path != "/generate":
             self.track = StreamTrack(self.body.get("n") or 1)
