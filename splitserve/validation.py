@@ -13,9 +13,10 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
+from splitserve.engine.continuation import parse_continuation
 from splitserve.engine.detokenizer import stop_matcher
 from splitserve.engine.grammar import MAX_TOOLS, parse_response_format, parse_tools, sglang_spec
 from splitserve.engine.io import (
@@ -59,6 +60,8 @@ class ValidatedRequest:
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
     cache_salt: str = ""
+    stream_ids: bool = False  # the router's: each event's token ids in a comment line (server/generation.py)
+    continuation: Optional[object] = None  # the router's: engine/continuation.Continuation
     return_text_in_logprobs: bool = False  # /generate: each logprob entry names its token's text
     echo: bool = False  # completions: the answer starts with the prompt (and its logprobs, if asked)
     logprob_start_len: int = -1  # /generate: the prompt's logprobs from this token (-1: none)
@@ -82,7 +85,8 @@ class ValidatedRequest:
         if self.bootstrap_room is not None and self.bootstrap_host is not None and self.bootstrap_port is not None:
             bootstrap = Bootstrap(self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
         return GenerateRequest(rid=rid, prompt_ids=self.prompt_ids, sampling=self.sampling, bootstrap=bootstrap,
-                               cache_salt=self.cache_salt, stop_matcher=self.stop_matcher, grammar=self.grammar)
+                               cache_salt=self.cache_salt, stop_matcher=self.stop_matcher, grammar=self.grammar,
+                               continuation=self.continuation)
 
 
 def parse_json_body(raw: bytes | str) -> dict:
@@ -192,7 +196,7 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
     if prompt_ids is not None and start >= len(prompt_ids):
         raise InvalidRequest(f"logprob_start_len {start} is not below the prompt's {len(prompt_ids)} tokens",
                              "logprob_start_len")
-    return ValidatedRequest(
+    return _router_fields(body, vocab_size, ValidatedRequest(
         endpoint=endpoint, model=model, stream=stream, include_usage=include_usage,
         sampling=_sampling_params(sampling, dict(generation_defaults or {}), logprobs=logprobs, n=n,
                                   prompt_logprobs=logprobs if echo or start >= 0 else None),
@@ -202,7 +206,15 @@ def validate_request(body: Any, endpoint: str, *, served_model_name: Optional[st
         stop_matcher=stop_matcher(sampling["stop"]) if sampling["stop"] and tokenizer is not None else None,
         grammar_spec=grammar_spec, tools=tools,
         grammar_param=_grammar_param(grammar_spec, endpoint, grammars, tokenizer, vocab_size),
-    )
+    ))
+
+
+def _router_fields(body: dict, vocab_size: Optional[int], req: ValidatedRequest) -> ValidatedRequest:
+    """``stream_ids`` and ``continuation`` (``engine/continuation.py``), checked against the request."""
+    ids = bool(_opt(body, "stream_ids", "", bool))
+    cont = parse_continuation(body.get("continuation"), req.endpoint, stream=req.stream, n=req.sampling.n,
+                              max_tokens=req.sampling.max_tokens, vocab_size=vocab_size)
+    return replace(req, stream_ids=ids, continuation=cont) if ids or cont is not None else req
 
 
 # -- the parts of validate_request, in the order it runs them ------------------------------------------

@@ -110,6 +110,11 @@ FIELDS: tuple[Field, ...] = (
           ("ValidatedRequest.bootstrap_host",)),
     Field("bootstrap_port", ALL, "integer in [1, 65535]", ("ValidatedRequest.bootstrap_port",)),
     Field("bootstrap_room", ALL, "integer in [0, 2**63)", ("ValidatedRequest.bootstrap_room",)),
+    Field("stream_ids", ALL, "boolean; the router's (worker key): each streamed event's token ids in an "
+          "`: ids` comment line", ("ValidatedRequest.stream_ids",)),
+    Field("continuation", ALL, "the router's (worker key): `{id, created, choices: [{index, ids}], "
+          "finished_tokens}` of a lost stream, with `stream: true` (`docs/lifecycle.md`)",
+          ("ValidatedRequest.continuation",)),
     Field("cache_salt", ALL, "string of at most 256 characters: prefix-cache pages are shared only within a salt",
           ("ValidatedRequest.cache_salt",)),
     # -- not implemented: accepted only at the value that means "not used"

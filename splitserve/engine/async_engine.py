@@ -255,6 +255,8 @@ class AsyncEngine:
         if req.rid in self._streams:
             raise InvalidRequest(f"request id {req.rid!r} is already in flight", param="rid")
         self.role.check(req)
+        if req.continuation is not None:  # its ids refused here, not once a role has taken it
+            self.engine.check_continuation(req)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         stream = self._streams[req.rid] = _Stream()

@@ -25,6 +25,7 @@ last choice, and an abort (or a room's ``cancel``) ends them all.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from typing import Callable, Mapping, Optional
 import torch
 
 from splitserve.config import EngineConfig
+from splitserve.engine.continuation import replay
 from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.grammar import GrammarError
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput, TokenLogprob
@@ -183,6 +185,10 @@ class LLMEngine:
         token, then hold the sequence and its pages for the transfer (``StepReport.first_tokens``)."""
         if prefill_only:
             self._one_worker_only(req)
+            if req.continuation is not None:
+                raise InvalidRequest("a continuation is served by a decode or colocated worker", param="continuation")
+        if req.continuation is not None:
+            return self._continued(req)
         seq = self._new_sequence(req, room_owned=prefill_only, prefill_only=prefill_only)
         seq.prefill_only = prefill_only
         self._seqs[req.rid] = seq
@@ -190,6 +196,69 @@ class LLMEngine:
             self._choices(req)
         self.scheduler.add(seq)
         return seq
+
+    def _continued(self, req: GenerateRequest, room: Optional[int] = None,
+                   setup: Callable[[Sequence], None] = lambda seq: None) -> Sequence:
+        """Queue a continuation (``req.continuation``) as a preempted request is queued: each
+        choice named is a sequence of the prompt and its given ids, replayed through its grammar,
+        stop matcher and detokenizer without a delta (their KV is computed as prompt chunks, and
+        the penalties count them as tokens of the answer), then generating on with its own
+        seed. The first choice named is keyed ``rid`` (``room``'s, after ``setup``), the others
+        as forks. Raises InvalidRequest (changing nothing) for ids its grammar refuses or that
+        already end the choice."""
+        req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, prompt_logprobs=None))
+        lead = self._new_sequence(req, room_owned=room is not None, room=room)
+        seed, seqs = lead.seed, []
+        for k, (index, ids) in enumerate(req.continuation.choices):
+            seq = lead if k == 0 else Sequence(
+                rid=f"{req.rid}{CHOICE_KEY}{index}", token_ids=list(req.prompt_ids),
+                num_prompt_tokens=len(req.prompt_ids), sampling=req.sampling, seed=0,
+                cache_salt=req.cache_salt, salt_key=lead.salt_key, request_rid=req.rid)
+            if k:
+                seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop, req.stop_matcher)
+                seq.grammar = req.grammar.state() if req.grammar is not None else None
+            seq.choice, seq.seed, seq.continued = index, choice_seed(seed, index), True
+            self._replay(seq, ids, index)
+            seqs.append(seq)
+        setup(lead)
+        self._seqs[req.rid] = lead
+        self.scheduler.add(lead)
+        if len(seqs) > 1:
+            self._open[req.rid], self._forks[req.rid] = len(seqs), seqs[1:]
+            for seq in seqs[1:]:
+                self._seqs[seq.rid] = seq
+                self.scheduler.add(seq, request=lead)
+        return lead
+
+    def check_continuation(self, req: GenerateRequest) -> None:
+        """Replay a continuation's ids on throwaway state, from any thread (what it reads is read
+        only): InvalidRequest for ids ``_continued`` would refuse, before a worker's role admits it."""
+        for index, ids in req.continuation.choices:
+            seq = Sequence(rid=req.rid, token_ids=list(req.prompt_ids), num_prompt_tokens=len(req.prompt_ids),
+                           sampling=req.sampling, seed=0)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, req.sampling.stop, req.stop_matcher)
+            seq.grammar = req.grammar.state() if req.grammar is not None else None
+            self._replay(seq, ids, index)
+
+    def _replay(self, seq: Sequence, ids: tuple[int, ...], index: int) -> None:
+        """Give ``seq`` the ids already streamed of its choice, emitting nothing (InvalidRequest:
+        one outside the vocabulary, refused by its grammar, or one that ends the choice)."""
+        param = "continuation.choices"
+        for token in ids:
+            if not 0 <= token < self.spec.vocab_size:
+                raise InvalidRequest(f"choice {index}: token {token} is outside the vocabulary", param=param)
+            if seq.finish_reason is not None:
+                raise InvalidRequest(f"choice {index}: its ids end it ({seq.finish_reason}) before the last",
+                                     param=param)
+            if seq.grammar is not None:
+                try:
+                    seq.grammar.advance(token)
+                except GrammarError as exc:
+                    raise InvalidRequest(f"choice {index}: token {token}: {exc}", param=param) from None
+            seq.token_ids.append(token)
+            self._check_finish(seq, token, replayed=True)
+        if seq.finish_reason is not None:
+            raise InvalidRequest(f"choice {index}: its ids end it ({seq.finish_reason})", param=param)
 
     def _choices(self, req: GenerateRequest) -> None:
         """A request with n > 1: its choices fork from its first sequence once its prompt has run."""
@@ -249,9 +318,14 @@ class LLMEngine:
             raise InvalidRequest(f"{len(pages)} pages cannot hold a prompt of {len(req.prompt_ids)} tokens")
         if cached_pages and req.sampling.prompt_logprobs is not None:
             raise InvalidRequest("the prompt's logprobs need every prompt token computed, none from the cache")
+        def setup(seq: Sequence) -> None:
+            seq.pages, seq.indexed = list(pages), cached_pages
+            seq.num_computed = seq.cached_tokens = cached_pages * self.layout.page_size
+
+        if req.continuation is not None:
+            return self._continued(req, room, setup)
         seq = self._new_sequence(req, room_owned=True, room=room)
-        seq.pages, seq.indexed = list(pages), cached_pages
-        seq.num_computed = seq.cached_tokens = cached_pages * self.layout.page_size
+        setup(seq)
         self._seqs[req.rid] = seq
         self._choices(req)
         self.scheduler.add(seq)
@@ -300,8 +374,8 @@ class LLMEngine:
 
     def _members(self, rid: str) -> list[Sequence]:
         """Every live sequence of request ``rid``: its first choice and the ones forked from it."""
-        first = self._seqs.get(rid)
-        members = [first] if first is not None and first.choice == 0 else []
+        first = self._seqs.get(rid)  # keyed by the request's id: choice 0, or a continuation's first
+        members = [first] if first is not None and first.request_rid is None else []
         return members + [s for s in self._forks.get(rid, ()) if self._seqs.get(s.rid) is s]
 
     def cancel(self, rid: str) -> Optional[Sequence]:
@@ -571,7 +645,9 @@ class LLMEngine:
             raise NoFiniteLogits("the model gave no finite logit for this token")
         return greedy[row]
 
-    def _check_finish(self, seq: Sequence, token: int) -> None:
+    def _check_finish(self, seq: Sequence, token: int, replayed: bool = False) -> None:
+        """Set ``seq.finish_reason`` if ``token`` ends it; ``replayed``: a continuation's given token,
+        whose text the client has (released here as it was when generated, and dropped)."""
         p = seq.sampling
         if not p.ignore_eos and token in self._eos:
             seq.finish_reason = "stop"
@@ -579,7 +655,10 @@ class LLMEngine:
         if token in p.stop_token_ids:
             seq.finish_reason = "stop"
             return
-        seq.detok.add(token)
+        if replayed:
+            replay(seq.detok, [token])
+        else:
+            seq.detok.add(token)
         if seq.detok.stopped or (seq.grammar is not None and seq.grammar.done):
             seq.finish_reason = "stop"
         elif seq.num_output_tokens >= p.max_tokens or len(seq) >= self.spec.max_context:

@@ -122,6 +122,9 @@ class GenerateRequest:
     grammar: Optional[object] = field(default=None, compare=False, repr=False)
     """The request's own ``engine/grammar_compiler.Grammar`` of a structured output
     (``response_format``), compiled off the engine loop; None: unconstrained."""
+    continuation: Optional[object] = None
+    """``engine/continuation.Continuation``: the rest of an answer whose worker was lost; its
+    choices start from the ids given, replayed without a delta (``LLMEngine._continued``)."""
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,8 @@ class Scheduler:
             return max(0, self.request_need(seq) - len(seq.pages))
         each = -(-(seq.num_prompt_tokens + seq.sampling.max_tokens) // self.page_size)
         shared = (seq.num_prompt_tokens - 1) // self.page_size if self.allocator.cache_enabled else 0
+        if seq.continued:  # a continuation's choices are each a whole sequence, none forks
+            return max(0, each - len(seq.pages))
         held = len(seq.pages) if seq.pages else shared if seq.choice else 0  # a choice > 0 shares the prompt
         forks = seq.sampling.n - 1 if seq.choice == 0 and not seq.num_output_tokens else 0
         return max(0, each - held) + forks * (each - shared)

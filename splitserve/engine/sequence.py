@@ -53,6 +53,7 @@ class Sequence:
     order: int = -1  # its request's place in the scheduler's queue (a ticket; -1: not queued yet)
     promised: bool = False  # the scheduler promised its request's need (scheduler.py: admission)
     passed: int = 0  # later requests promised before it while its need did not fit
+    continued: bool = False  # a continuation's choice: shares no prompt pages by promise, forks nothing
 
     @property
     def out_rid(self) -> str:
