@@ -320,6 +320,19 @@ def bootstrap_refusal(request: web.Request, host: Optional[str], port: Optional[
     return f"the bootstrap address {host}:{port} is not on this decode worker's --allowed-prefill list"
 
 
+def router_fields_refusal(request: web.Request, stream_ids: bool, continuation: bool) -> Optional[str]:
+    """Why ``stream_ids`` or ``continuation`` may not be taken from this caller, or None: a worker
+    with the router's key takes them only from its holder (an unkeyed worker from anyone)."""
+    if not stream_ids and not continuation:
+        return None
+    seen = request.get(ACCESS)
+    access, who = seen if seen is not None else (None, None)
+    if access is not None and WORKER in access.keys and who != WORKER:
+        return ("stream_ids and continuation are taken only from the router: a request carrying them needs "
+                "the router's key (--worker-api-key)")
+    return None
+
+
 def unauthorized_counter(registry):
     """``splitserve_http_unauthorized_total{why}`` on ``registry`` (every reason there from the start)."""
     counter = registry.counter("splitserve_http_unauthorized_total",

@@ -29,7 +29,9 @@ from typing import AsyncIterator, Optional
 
 from aiohttp import web
 
-from splitserve.auth import bootstrap_refusal
+from splitserve.auth import bootstrap_refusal, router_fields_refusal
+from splitserve.engine.continuation import replay
+from splitserve.engine.detokenizer import IncrementalDetokenizer
 from splitserve.engine.io import EngineError, InvalidRequest, NotReady, RequestOutput
 from splitserve.hosts import allow_host
 from splitserve.http_util import read_body
@@ -45,6 +47,8 @@ RID = web.RequestKey("rid", str)
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_S = 1
+KEEPALIVE_S = 5.0
+"""With ``stream_ids`` (the router's), a stream quiet this long gets a ``: keepalive`` comment."""
 RELEASE_TIMEOUT_S = 5.0
 FINISHED_BY = {"stop": Reason.STOP, "length": Reason.LENGTH, "prefill_done": Reason.TRANSFERRED}
 
@@ -106,7 +110,13 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             if refusal is not None:  # whom decode would dial and hand its KV pool: docs/security.md
                 result.ended(Reason.BAD_REQUEST)
                 return json_error(refusal, 403, param="bootstrap_host", code="bootstrap_not_allowed")
+            refusal = router_fields_refusal(request, req.stream_ids, req.continuation is not None)
+            if refusal is not None:
+                result.ended(Reason.BAD_REQUEST)
+                return json_error(refusal, 403, param="continuation" if req.continuation else "stream_ids",
+                                  code="router_field_not_allowed")
             rid = req.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
+            rid = req.continuation.rid if req.continuation is not None else rid  # the answer's id goes on
             request[RID] = rid  # echoed in the answer's X-Request-Id header (app.py)
             stream = engine.submit(req.generate_request(rid))
             submitted = True
@@ -164,13 +174,41 @@ def _bootstrap_refusal(state, request: web.Request, req: ValidatedRequest) -> Op
     return None
 
 
-async def _consume(stream: AsyncIterator[RequestOutput], acc: proto.Accumulator):
-    """Yield the engine's deltas, adding each to ``acc``, up to the last one."""
+async def _consume(stream: AsyncIterator[Optional[RequestOutput]], acc: proto.Accumulator, sse=None):
+    """Yield the engine's deltas, adding each to ``acc``, up to the last one; a None from
+    :func:`_keepalive` becomes a ``: keepalive`` comment on ``sse``."""
     async for out in stream:
+        if out is None:
+            await sse.comment("keepalive")
+            continue
         acc.add(out)
         yield out
         if out.finished:
             return
+
+
+async def _keepalive(stream: AsyncIterator[RequestOutput], every: float) -> AsyncIterator[Optional[RequestOutput]]:
+    """``stream``'s deltas, with a None whenever ``every`` seconds pass without one (a router
+    bounds a stream's silence: a request queued or prefilling is not silent)."""
+    it = aiter(stream)
+    pending: Optional[asyncio.Task] = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(anext(it))
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            task, pending = pending, None
+            try:
+                out = task.result()
+            except StopAsyncIteration:
+                return
+            yield out
+    finally:
+        if pending is not None:
+            pending.cancel()
 
 
 async def _release(state, rid: str, stream, acc: proto.Accumulator) -> None:
@@ -286,10 +324,41 @@ class _Chunks:
         self.echo = [_echo(state, req)] * n
         names = _tool_names(req) if endpoint == "chat" else None
         self.parsers = [tool_calls.ToolCallParser(names) for _ in range(n)] if names is not None else None
+        self.listed = [0] * n  # per choice: its tokens named in an ``: ids`` line
+        if req.continuation is not None:
+            self._resume(state.engine.tokenizer, req.continuation)
+
+    def _resume(self, tokenizer, cont) -> None:
+        """A continuation: the client has the answer up to the given ids, so nothing is echoed, the
+        chunks carry the client's ``created``, each choice's logprobs' text offset and tool-call
+        parser start where the client's stream left them; usage counts the finished choices."""
+        self.created, self.echo = cont.created, [None] * self.n
+        req, acc = self.req, self.acc
+        acc.prompt_tokens, acc.carried = len(req.prompt_ids), cont.finished_tokens
+        if all(index for index, _ in cont.choices):
+            acc.finish_reason = "stop"  # choice 0 ended on the lost worker: this answer has no more of it
+        for index, ids in cont.choices:
+            if self.strings is not None and self.endpoint == "completions":
+                shown = (list(req.prompt_ids) if req.echo else []) + list(ids)
+                self.offset[index] = sum(len(self.strings.text(t)) for t in shown)
+            if self.parsers is not None:
+                detok = IncrementalDetokenizer(tokenizer, list(req.prompt_ids), req.sampling.stop, req.stop_matcher)
+                for text in replay(detok, ids):
+                    if text:
+                        self.parsers[index].feed(text)
+
+    def ids_line(self, index: int) -> Optional[str]:
+        """With ``stream_ids``: the comment naming the tokens of choice ``index`` not named yet
+        (sent with the event that carries their text), else None."""
+        if not self.req.stream_ids:
+            return None
+        ids = self.acc.choice(index).token_ids[self.listed[index]:]
+        self.listed[index] += len(ids)
+        return f"ids {index} " + " ".join(map(str, ids)) if ids else None
 
     def first(self) -> list[dict]:
-        """Before any delta: chat's role chunk of each choice."""
-        if self.endpoint != "chat":
+        """Before any delta: chat's role chunk of each choice (a continuation's client has it)."""
+        if self.endpoint != "chat" or self.req.continuation is not None:
             return []
         return [proto.chat_chunk(self.rid, self.model, self.created, {"role": "assistant", "content": ""}, None,
                                  index=i) for i in range(self.n)]
@@ -347,11 +416,14 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
         await sse.start()
         for event in chunks.first():
             await sse.send(event)
-        async for out in _consume(stream, acc):
+        quiet = _keepalive(stream, KEEPALIVE_S) if req.stream_ids else stream
+        async for out in _consume(quiet, acc, sse):
             if out.finished and out.error is not None:
                 break
-            for event in chunks.of(out):
-                await sse.send(event)
+            events = chunks.of(out)
+            line = chunks.ids_line(out.index) if events else None
+            for k, event in enumerate(events):
+                await sse.send(event, line if k == 0 else None)
         status = _finish(result, acc)
         if status is not None:
             await sse.send(_error_of(acc))

@@ -55,6 +55,8 @@ class Accumulator:
     choices: dict = field(default_factory=dict)
     """index -> Accumulator of choice index > 0."""
     done: bool = False
+    carried: int = 0
+    """Completion tokens of choices this worker did not generate (a continuation's finished ones)."""
 
     def choice(self, index: int) -> "Accumulator":
         if index == 0:
@@ -68,7 +70,7 @@ class Accumulator:
 
     @property
     def total_completion_tokens(self) -> int:
-        return self.completion_tokens + sum(c.completion_tokens for c in self.choices.values())
+        return self.carried + self.completion_tokens + sum(c.completion_tokens for c in self.choices.values())
 
     def add(self, out: RequestOutput) -> None:
         if out.finished:

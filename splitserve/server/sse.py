@@ -60,8 +60,15 @@ class SSEWriter:
         except (ConnectionResetError, ConnectionError) as e:
             raise ClientGone() from e
 
-    async def send(self, obj: dict) -> None:
-        await self._write("data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n")
+    async def send(self, obj: dict, comment: Optional[str] = None) -> None:
+        """One event; ``comment``: an SSE comment line (``: <comment>``) written in the same block
+        before its ``data:`` line (clients ignore it)."""
+        head = f": {comment}\n" if comment is not None else ""
+        await self._write(head + "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n")
+
+    async def comment(self, text: str) -> None:
+        """A comment alone (``: <text>``, a block of its own): keeps a quiet stream alive."""
+        await self._write(f": {text}\n\n")
 
     async def done(self) -> None:
         """``data: [DONE]`` and the end of the body."""
