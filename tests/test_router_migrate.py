@@ -7,7 +7,9 @@
   stream whose decode closes its connection, goes silent past ``--stream-stall-s`` or ends with a
   worker's error reaches the client as one uninterrupted stream, with the ids it had sent named in
   the continuation; a request's own error, no other decode left, and ``--max-migrations 0`` are
-  not continued; a whole answer whose decode broke or left rotation is sent again whole.
+  not continued; a whole answer whose decode broke or left rotation is sent again whole;
+- real processes (``make check-long``): a decode SIGKILLed mid-stream, continued with the tokens
+  of an undisturbed run.
 
 The fakes are ``test_router``'s (real sockets in a thread of this process).
 """
@@ -22,7 +24,7 @@ import pytest
 import requests
 from aiohttp import web
 
-from cluster import RouterProcess
+from cluster import Cluster, RouterProcess, pages_back_to_total
 from test_router import MODEL, reply, sse, sse_events, wait_for
 from test_router import fake_loop, fakes, start_router  # noqa: F401 (fixtures)
 
@@ -317,3 +319,50 @@ def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
     legs = a.requests + b.requests
     assert len(legs) == 2 and "continuation" not in legs[1][1] and legs[1][1]["stream_ids"] is True
     assert migrations(router) == {"broken": 1, "unhealthy": 1, "stalled": 1}
+
+
+# -- real workers -----------------------------------------------------------------------------------
+
+
+@pytest.mark.long
+def test_a_killed_decode_s_stream_ends_as_an_undisturbed_run_s(monkeypatch):
+    """Real processes (tiny model, the compiled kernels): 1 prefill and 2 decode workers behind a
+    router with ``--max-migrations 2``. A seeded, sampled stream of ``n`` = 2 with its usage is
+    asked twice; the second time the decode serving it is SIGKILLed after 2 events reached the
+    client. The client gets the same events (text, logprobs, finish reasons, usage; one [DONE],
+    no comment), the same id on every chunk, and the request was continued once; nothing is left
+    held on the surviving workers."""
+    monkeypatch.setenv("SPLITSERVE_KERNELS", "1")
+
+    body = {"prompt": "one two three four five six seven", "max_tokens": 160, "temperature": 0.8, "seed": 7,
+            "n": 2, "logprobs": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with Cluster(prefill=1, decode=2, router_args=["--max-migrations", "2", "--pd-threshold-tokens", "0"]) as c:
+        ref, _ = real_stream(c.url, body, "undisturbed")
+        got, raw = real_stream(c.url, body, "cut", kill_after=2, decode=c.decode)
+        assert not any(line.startswith(b":") for line in raw.split(b"\n"))
+        assert len({e["id"] for e in got[:-1]}) == 1 and got[-1] == "[DONE]" and raw.count(b"[DONE]") == 1
+        strip = [{k: v for k, v in e.items() if k not in ("id", "created")} if isinstance(e, dict) else e for e in got]
+        assert strip == [{k: v for k, v in e.items() if k not in ("id", "created")} if isinstance(e, dict) else e
+                         for e in ref]
+        assert migrations(c.router) == {"broken": 1}
+        survivors = [d for d in c.decode if d.proc.poll() is None]
+        assert len(survivors) == 1
+        for worker in (*survivors, *c.prefill):
+            pages_back_to_total(worker)
+
+
+def real_stream(url: str, body: dict, rid: str, kill_after: Optional[int] = None, decode=()) -> tuple[list, bytes]:
+    """The stream's events and raw bytes; with ``kill_after``, the decode worker the router chose
+    (its record says which) SIGKILLed once that many events came."""
+    raw, seen = b"", 0
+    with requests.post(url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, stream=True,
+                       timeout=180) as resp:
+        assert resp.status_code == 200, resp.text
+        for chunk in resp.iter_content(chunk_size=None):
+            raw += chunk
+            seen = raw.count(b"\ndata: ") + raw.startswith(b"data: ")
+            if kill_after is not None and seen >= kill_after:
+                chosen = requests.get(f"{url}/debug/requests/{rid}", timeout=10).json()["router"]["decode"]
+                next(d for d in decode if d.url == chosen).proc.kill()
+                kill_after = None
+    return sse_events(_Lines(raw)), raw
