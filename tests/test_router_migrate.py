@@ -157,6 +157,8 @@ def test_the_track_names_only_unfinished_choices_and_refuses_what_it_cannot_read
     assert track.continuation()["choices"] == [{"index": 0, "ids": [5]}]
     assert track.continuation()["finished_tokens"] == 1
     assert track.error_code == "loop_stalled" and track.held.startswith(b'data: {"error"')
+    track.feed(b"data: x\n" * 20000)  # after the error event: kept, bounded
+    assert len(track.held) < 100 << 10
     for bad in (b": ids 0 x\n", b": ids 2 1\n", b": ids 0 -1\n"):
         track = StreamTrack(2)
         track.feed(f"data: {json.dumps(event(0))}\n\n".encode() + bad)

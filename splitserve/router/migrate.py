@@ -26,6 +26,7 @@ left rotation while the router waited for it."""
 WORKER_FAILED_CODES = frozenset({"not_ready", "draining", "loop_stalled", "peer_lost", "internal_error"})
 """Error codes in decode's stream that say the worker failed, not the request: continued elsewhere."""
 MAX_LINE_BYTES = 8 << 20  # a line longer than this is passed through as it comes (no continuation)
+MAX_HELD_BYTES = 64 << 10  # what decode sends after its error event or [DONE] is kept up to this
 MAX_CHOICES = 128
 MAX_IDS = 1 << 20  # per choice
 _FINISHED = re.compile(rb'"finish_reason":\s*(?!null)')
@@ -113,7 +114,8 @@ class StreamTrack:
     def _line(self, line: bytes, out: list) -> None:
         bare = line.rstrip(b"\r")
         if self.holding:
-            self.held += line + b"\n"
+            if len(self.held) < MAX_HELD_BYTES:  # after an error event or [DONE]: its rest, bounded
+                self.held += line + b"\n"
         elif bare.startswith(b":"):
             if bare.startswith(b": ids "):
                 self._ids(bare[6:])
