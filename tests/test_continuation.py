@@ -64,6 +64,8 @@ class Answer:
         self.usage, self.chunk_ids, self.created, self.roles = None, set(), set(), 0
         self.carrying: list[int] = []  # indices into events of those that carry ids
         self.multi = 0  # events naming several ids of which all but the last had no text of their own
+        self.calls: dict = {}  # (choice, call index) -> [name, arguments] of its tool calls
+        self.lps: dict = {}  # choice -> completions logprobs' tokens, logprobs and text offsets
         for k, (comments, data) in enumerate(events):
             if not isinstance(data, dict):
                 continue
@@ -77,6 +79,14 @@ class Answer:
                 self.text[i] = self.text.get(i, "") + _text(data)
                 if c["finish_reason"] is not None:
                     self.finish[i] = c["finish_reason"]
+                for call in c.get("delta", {}).get("tool_calls") or ():
+                    got = self.calls.setdefault((i, call["index"]), ["", ""])
+                    got[0] += call.get("function", {}).get("name") or ""
+                    got[1] += call.get("function", {}).get("arguments") or ""
+                if c.get("logprobs") and "text_offset" in c["logprobs"]:
+                    lp = self.lps.setdefault(i, ([], [], []))
+                    for k, key in enumerate(("tokens", "token_logprobs", "text_offset")):
+                        lp[k].extend(c["logprobs"][key])
             for line in comments:
                 if line.startswith("ids "):
                     _, i, *ids = line.split(" ")
@@ -104,7 +114,7 @@ def check_cuts(server, path: str, body: dict, cuts=None, tokenizer=None) -> Answ
     events = stream(server, path, body)
     full = Answer(events)
     assert full.chunk_ids and len(full.created) == 1
-    ends = [k + 1 for k in full.carrying]
+    ends = full.carrying[1:] + [len(events)]  # a delta's events are one write: cut before the next ids
     full.held = 0
     for cut in (ends[:-1] if cuts is None else [ends[c] for c in cuts if c < len(ends)]):
         cont, head = continuation_of(events, cut, body.get("n", 1))
@@ -122,6 +132,15 @@ def check_cuts(server, path: str, body: dict, cuts=None, tokenizer=None) -> Answ
             assert head.text.get(i, "") + rest.text.get(i, "") == full.text[i], (cut, i)
             assert head.ids.get(i, []) + rest.ids.get(i, []) == full.ids[i], (cut, i)
             assert rest.finish[i] == full.finish[i]
+        calls = {**head.calls}
+        for key, (name, args) in rest.calls.items():
+            got = calls.setdefault(key, ["", ""])
+            got[0], got[1] = got[0] + name, got[1] + args
+        assert calls == full.calls, cut
+        for i, (tokens, lps, offsets) in full.lps.items():
+            h, r = head.lps.get(i, ([], [], [])), rest.lps.get(i, ([], [], []))
+            assert h[0] + r[0] == tokens and h[2] + r[2] == offsets, (cut, i)
+            assert h[1] + r[1] == pytest.approx(lps, abs=1e-3), (cut, i)
     return full
 
 
@@ -311,3 +330,25 @@ def test_the_router_fields_need_the_worker_key_where_one_is_set(byte_tokenizer, 
                 else:
                     assert r.status == 200 and ("stream_ids" not in fields or "\n: ids 0 " in "\n" + text), text
     asyncio.run(main())
+
+
+@pytest.mark.long
+def test_a_forced_tool_call_continues_whole(server):
+    """A forced call cut inside its arguments: the parser resumed from the replayed text, the
+    call's name and arguments are the undisturbed ones, finish_reason tool_calls."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+        "additionalProperties": False}}}
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40, "temperature": 1.0,
+            "seed": 3, "tools": [weather], "tool_choice": "required", "parallel_tool_calls": False}
+    full = check_cuts(server, "/v1/chat/completions", body, cuts=[0, 3, 6, 10])
+    assert full.finish[0] == "tool_calls" and full.calls[(0, 0)][0] == "get_weather"
+
+
+@pytest.mark.long
+def test_logprobs_and_echo_continue_with_their_offsets(server):
+    """Completions with echo and logprobs: the continuation echoes nothing, and its tokens,
+    logprobs and text offsets go on from the client's."""
+    body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 8, "logprobs": 2, "echo": True}
+    full = check_cuts(server, "/v1/completions", body, cuts=[0, 2, 6])
+    assert len(full.lps[0][0]) > 10

@@ -421,9 +421,7 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
             if out.finished and out.error is not None:
                 break
             events = chunks.of(out)
-            line = chunks.ids_line(out.index) if events else None
-            for k, event in enumerate(events):
-                await sse.send(event, line if k == 0 else None)
+            await sse.send_all(events, chunks.ids_line(out.index) if events else None)
         status = _finish(result, acc)
         if status is not None:
             await sse.send(_error_of(acc))

@@ -63,8 +63,16 @@ class SSEWriter:
     async def send(self, obj: dict, comment: Optional[str] = None) -> None:
         """One event; ``comment``: an SSE comment line (``: <comment>``) written in the same block
         before its ``data:`` line (clients ignore it)."""
+        await self.send_all([obj], comment)
+
+    async def send_all(self, objs: list[dict], comment: Optional[str] = None) -> None:
+        """Events in one write (``comment`` before the first): what one delta makes, so that a
+        reader that saw its comment sees its events too unless the write itself broke."""
+        if not objs:
+            return
         head = f": {comment}\n" if comment is not None else ""
-        await self._write(head + "data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n\n")
+        await self._write(head + "".join("data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+                                          + "\n\n" for obj in objs))
 
     async def comment(self, text: str) -> None:
         """A comment alone (``: <text>``, a block of its own): keeps a quiet stream alive."""
