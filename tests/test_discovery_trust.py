@@ -362,3 +362,35 @@ def test_a_record_of_an_ended_incarnation_never_replaces_a_live_worker(tmp_path)
             task.cancel()
 
     asyncio.run(main())
+
+
+def test_a_drained_incarnation_whose_id_serves_again_as_another_never_comes_back():
+    """A worker restarted the usual way (its record revoked, it drained, its new incarnation
+    joined and proved itself): the old incarnation's record put back joins nothing and drains
+    the new one neither, past the grace."""
+    from splitserve.discovery.record import WorkerRecord
+    from splitserve.metrics import Registry
+    from splitserve.router.discovery import Discovery
+
+    async def main():
+        now = [0.0]
+        state = FakeState()
+        discovery = Discovery(state, Registry(), absent_grace_s=10, clock=lambda: now[0])
+        old = records(1)[0]
+        new = WorkerRecord(old.id, "b1", *dataclasses_tail(old))
+        discovery.apply([old])
+        state.workers.all()[0].leaving = True
+        discovery.apply([])  # revoked at SIGTERM: it drains at once
+        state.workers.remove(state.workers.all()[0])
+        discovery.apply([new])
+        joined = state.workers.all()[0]
+        joined.healthy = joined.proven = True
+        discovery.apply([new])
+        for t in (0.0, 20.0, 100.0):
+            now[0] = t
+            discovery.apply([old])
+            assert [(w.incarnation, w.draining) for w in state.workers.all()] == [("b1", False)]
+        for task in state.tasks:
+            task.cancel()
+
+    asyncio.run(main())

@@ -13,7 +13,8 @@ sealed with the cluster secret is dropped and counted like any other invalid val
   and the new one joins once the old one left (a restart in place shows at the old one's next
   check: another incarnation answers there; a member's old record put back drains nothing);
 - a record naming an incarnation seen ended (a check of it was answered, proven, by its id as
-  another incarnation: :meth:`Discovery.ended`, at most :data:`MEMORY` remembered) never joins, and
+  another incarnation, or it was drained and its id then served, proven, as another:
+  :meth:`Discovery.ended`, at most :data:`MEMORY` remembered) never joins, and
   counts as the record of a routable worker with its id: an old sealed record put back, read from
   etcd's history, replaces no live worker, however long it stays (the worker also puts its own
   record back at its next keepalive: ``discovery/etcd.py``);
@@ -73,6 +74,7 @@ class Discovery:
         self._said = BoundedSet(MEMORY)
         self.absent_since: dict[str, float] = {}  # discovered worker id -> when its record was first missed
         self.superseded = BoundedSet(MEMORY)  # (id, incarnation) seen ended: its id answered, proven, as another
+        self.drained: dict[str, str] = {}  # id -> the incarnation drained last (at most MEMORY ids)
         self.absent_grace_s, self.clock = absent_grace_s, clock
         self.watcher = None
         self.loop: Optional[asyncio.AbstractEventLoop] = None
@@ -127,6 +129,9 @@ class Discovery:
         self.lists += 1
         self._refused(invalid)
         found = {w.id: w for w in self.state.workers.all() if w.source == DISCOVERY and not w.draining}
+        for worker in found.values():  # a drained incarnation whose id now serves, proven, as another: ended
+            if worker.routable and self.drained.get(worker.id, worker.incarnation) != worker.incarnation:
+                self.ended(worker.id, self.drained.pop(worker.id))
         wanted = {r.id: r for r in records}
         self._leave(found, wanted)
         for record in records:
@@ -226,5 +231,9 @@ class Discovery:
 
         log.info("discovery: %s leaves: %s", worker.describe(), why)
         self.absent_since.pop(worker.id, None)
+        self.drained.pop(worker.id, None)
+        self.drained[worker.id] = worker.incarnation
+        if len(self.drained) > MEMORY:
+            del self.drained[next(iter(self.drained))]
         worker.draining = True  # at once: no leg may be picked for it from here on
         self.state.spawn(self.state.workers.drain(worker, self.state.config.request_timeout_s + DRAIN_MARGIN_S))
