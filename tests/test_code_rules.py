@@ -1,7 +1,7 @@
 """Rules that keep the code readable, read from the code as ``test_layers.py`` reads imports: no
-import cycle — between modules (any import: at the top, in a function, or only for type checking)
-nor between sibling packages (as ``disagg/control`` and ``disagg/transfer``). Each test names
-every offender."""
+function longer than 70 lines (TigerBeetle's limit), and no import cycle — between modules (any
+import: at the top, in a function, or only for type checking) nor between sibling packages (as
+``disagg/control`` and ``disagg/transfer``). Each test names every offender."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "splitserve"
+MAX_FUNCTION_LINES = 70
 
 
 @functools.lru_cache(maxsize=None)
@@ -75,6 +76,18 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return found
+
+
+def test_no_function_is_longer_than_70_lines():
+    """Counted from the ``def`` line to the function's last line, its docstring included."""
+    long = []
+    for name, path in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    assert not long, "functions over 70 lines: " + ", ".join(long)
 
 
 def test_no_import_cycle_between_modules():
