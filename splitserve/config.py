@@ -284,12 +284,12 @@ class RouterConfig(FrontConfig):
     """...plus this many (so that a quiet router may still retry)."""
     retry_budget_window_s: float = 10.0
     """The window of the retry budget, in seconds."""
-    max_migrations: int = 0
+    max_migrations: int = 2
     """A decode worker lost after the client's answer began (its connection broken, its stream
     silent for --stream-stall-s, or ended by an error that says the worker failed) is continued on
     another decode worker, from the token ids the client has (a whole answer is sent there again), at
-    most this many times per request, not charged to the retry budget (0: never). Needs decode
-    workers that take ``stream_ids`` and ``continuation`` (docs/router.md)."""
+    most this many times per request, not charged to the retry budget (0: never; decode workers
+    of an older version, which refuse ``stream_ids``, need it: docs/router.md)."""
     stream_stall_s: float = 30.0
     """A decode stream that says nothing (not even a keep-alive comment) this long after the client's
     answer began is given up as lost."""

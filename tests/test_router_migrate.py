@@ -206,14 +206,15 @@ def test_a_stream_whose_decode_is_lost_is_continued_on_another(how, reason, fake
 def test_what_is_not_continued_ends_as_before(fakes, start_router):
     """The request's own error event passes to the client as it came; with every decode lost the
     client gets an error event and [DONE] after what it had (one migration, then none left); with
-    ``--max-migrations 0`` (the default) no leg is asked for ids and nothing is continued, and a
+    ``--max-migrations 0`` no leg is asked for ids and nothing is continued, and a
     decode silent past ``--stream-stall-s`` ends the stream with an error event (its leg closed);
     a client's own ``stream_ids`` and ``continuation`` never reach a worker."""
     own = wire_decoder(cut=2, how="error:grammar_exhausted")
     a, b = fakes(own), fakes(own)
     router, off = start_router.together(
         ([(fakes(sse([])).url, 1)], [a.url, b.url], "--max-migrations", "2", "--pd-threshold-tokens", "100000"),
-        ([(fakes(sse([])).url, 1)], [a.url], "--pd-threshold-tokens", "100000", "--stream-stall-s", "1"))
+        ([(fakes(sse([])).url, 1)], [a.url], "--pd-threshold-tokens", "100000", "--stream-stall-s", "1",
+         "--max-migrations", "0"))
     for w in (a, b):
         wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30,
                  "both decode workers up")
