@@ -105,11 +105,12 @@ def continuation_of(events: list, cut: int, n: int) -> tuple[dict, Answer]:
             "choices": [{"index": i, "ids": head.ids.get(i, [])} for i in unfinished]}, head
 
 
-def check_cuts(server, path: str, body: dict, cuts=None, tokenizer=None) -> Answer:
+def check_cuts(server, path: str, body: dict, cuts=None, tokenizer=None, to=None) -> Answer:
     """R streamed with stream_ids; for each cut after a token-carrying event (every one, or
     ``cuts``), R's head plus the continuation's answer is R's answer. With ``tokenizer``, counts
     in ``full.held`` the cuts whose ids decode to more than the client was sent (a partial
-    character, a stop string's prefix held back)."""
+    character, a stop string's prefix held back). ``to``: the worker the continuations go to
+    (``server`` itself when None)."""
     body = {**body, "stream_ids": True, "stream_options": {"include_usage": True}}
     events = stream(server, path, body)
     full = Answer(events)
@@ -122,7 +123,7 @@ def check_cuts(server, path: str, body: dict, cuts=None, tokenizer=None) -> Answ
             full.held += tokenizer.decode(head.ids.get(0, [])) != head.text.get(0, "")
         if not cont["choices"]:
             continue
-        rest = Answer(stream(server, path, {**body, "continuation": cont}))
+        rest = Answer(stream(to or server, path, {**body, "continuation": cont}))
         assert rest.roles == 0 and rest.chunk_ids == full.chunk_ids and rest.created == full.created
         assert rest.usage == full.usage, cut
         for i in full.text:
@@ -352,3 +353,14 @@ def test_logprobs_and_echo_continue_with_their_offsets(server):
     body = {"prompt": PROMPT, "max_tokens": 10, "temperature": 1.0, "seed": 8, "logprobs": 2, "echo": True}
     full = check_cuts(server, "/v1/completions", body, cuts=[0, 2, 6])
     assert len(full.lps[0][0]) > 10
+
+
+@pytest.mark.long
+def test_a_decode_worker_alone_continues_a_colocated_answer(server, pd_cluster):
+    """R served by the colocated worker, continued on the split cluster's decode worker (decode
+    alone: its own local room computes prompt and ids): greedy and n = 2 seeded."""
+    decode = pd_cluster.decode[0]
+    check_cuts(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 12, "temperature": 0},
+               cuts=[0, 4, 9], to=decode)
+    check_cuts(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+                                                "temperature": 1.0, "seed": 6, "n": 2}, cuts=[1, 6], to=decode)
