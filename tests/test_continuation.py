@@ -162,14 +162,12 @@ def test_stream_ids_add_only_comment_lines(server):
     assert len(full.ids[0]) == 6 and all(events_of(marked)[k][0] for k in full.carrying)
 
 
-@pytest.mark.long
 def test_greedy_completion_continues_at_every_cut(server):
     """Greedy, every cut."""
     full = check_cuts(server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 24, "temperature": 0})
     assert full.finish[0] == "length"
 
 
-@pytest.mark.long
 def test_cut_inside_a_multibyte_character(server):
     """An answer with characters of several tokens (an event naming several ids: the first had no
     text of its own): a decode lost between them had sent none of them, and every cut concatenates."""
@@ -178,7 +176,6 @@ def test_cut_inside_a_multibyte_character(server):
     assert full.multi > 0
 
 
-@pytest.mark.long
 def test_stop_string_across_the_cut(server, tiny_engine):
     """A stop string whose prefix is held back across events: the cuts inside it continue to the
     same stop."""
@@ -197,7 +194,6 @@ def test_seeded_chat_with_penalties_continues(server):
     check_cuts(server, "/v1/chat/completions", body, cuts=[0, 3])
 
 
-@pytest.mark.long
 def test_n_2_with_a_choice_finished_before_the_cut(server):
     """n = 2, one choice ended by a stop string before the other: cuts before and after its end;
     after it the continuation carries the other choice only, and usage still counts both."""
@@ -207,7 +203,6 @@ def test_n_2_with_a_choice_finished_before_the_cut(server):
     assert len(full.text) == 2 and full.finish[1] == "stop" and len(full.ids[1]) < len(full.ids[0])
 
 
-@pytest.mark.long
 def test_json_schema_continues(server):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                "age": {"type": "integer"}}, "required": ["name", "age"]}
@@ -333,7 +328,6 @@ def test_the_router_fields_need_the_worker_key_where_one_is_set(byte_tokenizer, 
     asyncio.run(main())
 
 
-@pytest.mark.long
 def test_a_forced_tool_call_continues_whole(server):
     """A forced call cut inside its arguments: the parser resumed from the replayed text, the
     call's name and arguments are the undisturbed ones, finish_reason tool_calls."""
@@ -346,7 +340,6 @@ def test_a_forced_tool_call_continues_whole(server):
     assert full.finish[0] == "tool_calls" and full.calls[(0, 0)][0] == "get_weather"
 
 
-@pytest.mark.long
 def test_logprobs_and_echo_continue_with_their_offsets(server):
     """Completions with echo and logprobs: the continuation echoes nothing, and its tokens,
     logprobs and text offsets go on from the client's."""
@@ -355,7 +348,6 @@ def test_logprobs_and_echo_continue_with_their_offsets(server):
     assert len(full.lps[0][0]) > 10
 
 
-@pytest.mark.long
 def test_a_decode_worker_alone_continues_a_colocated_answer(server, pd_cluster):
     """R served by the colocated worker, continued on the split cluster's decode worker (decode
     alone: its own local room computes prompt and ids): greedy and n = 2 seeded."""
