@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import logging
 import secrets
 import signal
@@ -55,6 +54,7 @@ from aiohttp import web
 from splitserve.auth import METRICS, ROUTER_ROUTES, access_middlewares, caller_may
 from splitserve.client_writer import send
 from splitserve.config import RouterConfig
+from splitserve.discovery.record import loads_shallow
 from splitserve.errors import FLUSH_WAIT_S, error_body
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
@@ -291,7 +291,7 @@ async def _flush_cache(request: web.Request) -> web.Response:
         try:
             async with state.session.post(worker.url + "/flush_cache",
                                           timeout=aiohttp.ClientTimeout(total=WORKER_FLUSH_S)) as resp:
-                body = json.loads(await read_answer(resp, SMALL_ANSWER_BYTES))
+                body = loads_shallow(await read_answer(resp, SMALL_ANSWER_BYTES))
                 result = {**(body if isinstance(body, dict) else {}), "url": worker.url, "status": resp.status}
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
             result = {"url": worker.url, "status": 502, "error": describe_error(exc)}

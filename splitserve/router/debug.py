@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections import OrderedDict
 from typing import Optional
@@ -30,6 +29,7 @@ from splitserve.router.answers import LARGE_ANSWER_BYTES, read_answer
 from splitserve.router.legs import describe_error
 from splitserve.router.workers import Worker
 from splitserve.errors import error_body
+from splitserve.discovery.record import loads_shallow
 
 RECENT_REQUESTS = 4096
 ASK_TIMEOUT_S = 5.0
@@ -113,7 +113,7 @@ async def _ask(session: aiohttp.ClientSession, w: Worker, rid: str) -> dict:
     try:
         async with session.get(f"{w.url}/debug/requests/{quote(rid, safe='')}",
                                timeout=aiohttp.ClientTimeout(total=ASK_TIMEOUT_S)) as resp:
-            body = json.loads(await read_answer(resp, LARGE_ANSWER_BYTES))
+            body = loads_shallow(await read_answer(resp, LARGE_ANSWER_BYTES))
             if resp.status == 200:
                 answer["timeline"] = body
             else:

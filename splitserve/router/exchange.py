@@ -31,6 +31,7 @@ from splitserve.router.outcomes import Refusal, RouterOutcome, client_left
 from splitserve.router.stream import DecodeStream, StreamStalled
 from splitserve.router.workers import DECODE, PREFILL, Worker
 from splitserve.validation import REQUEST_ID
+from splitserve.discovery.record import loads_shallow
 
 log = logging.getLogger(__name__)
 
@@ -260,7 +261,7 @@ class Exchange:
         try:
             async with asyncio.timeout(min(self.remaining(), ERROR_BODY_S)):  # not wait_for (router/legs.py)
                 payload = await leg.body(SMALL_ANSWER_BYTES)
-            code = json.loads(payload).get("error", {}).get("code")
+            code = loads_shallow(payload).get("error", {}).get("code")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
             return None
         return code if isinstance(code, str) else None
@@ -528,7 +529,7 @@ async def abort_with_cause(session: aiohttp.ClientSession, leg: Leg, room: int, 
             async with session.post(leg.worker.url + "/abort_request", data=data, headers=JSON_HEADERS,
                                     timeout=aiohttp.ClientTimeout(total=max(0.1, until - clock()))) as resp:
                 payload = await read_answer(resp, SMALL_ANSWER_BYTES)
-            answer = json.loads(payload) if resp.status == 200 else {}
+            answer = loads_shallow(payload) if resp.status == 200 else {}
             if answer.get("found") or leg.answered or clock() + wait >= until:
                 return
             await asyncio.sleep(wait)

@@ -13,10 +13,11 @@ stream goes on elsewhere (:attr:`StreamTrack.held`).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from typing import Optional
+
+from splitserve.discovery.record import loads_shallow
 
 REASONS = ("broken", "stalled", "worker_error", "unhealthy")
 """Why a decode leg was given up and its request continued elsewhere: its connection broke or its
@@ -152,7 +153,7 @@ class StreamTrack:
         if not first and not _FINISHED.search(text):
             return
         try:
-            event = json.loads(text)
+            event = loads_shallow(text)
         except ValueError:
             self.bad = True
             return
@@ -180,7 +181,7 @@ class StreamTrack:
 
 def _error_code(text: bytes) -> Optional[str]:
     try:
-        code = json.loads(text).get("error", {}).get("code")
+        code = loads_shallow(text).get("error", {}).get("code")
     except (ValueError, AttributeError):
         return None
     return code if isinstance(code, str) else None

@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 
 from aiohttp import web
 
 from splitserve.auth import check_bootstrap_trust
+from splitserve.discovery.record import loads_shallow
 from splitserve.errors import error_body
 from splitserve.http_util import read_body
 
@@ -92,7 +92,7 @@ async def handle(request: web.Request, state) -> web.Response:
     """``POST /role`` (module docstring)."""
     raw = await read_body(request, state.config.client_body_timeout_s, state.config.max_body_bytes)
     try:
-        role, epoch = parse(json.loads(raw) if raw else None)
+        role, epoch = parse(loads_shallow(raw) if raw else None)  # too deep a body: a ValueError too
     except ValueError as exc:  # json's own errors are ValueErrors too
         return _refuse(400, f"POST /role: {exc}", "invalid_role_request")
     if not state.engine.ready:
