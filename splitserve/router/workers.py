@@ -305,8 +305,9 @@ class HealthChecker:
     async def check(self, worker: Worker) -> None:
         nonce = new_nonce() if self.proof_keys else None
         status, body, error = await self.probe(worker.url, nonce)
-        if error is not None and self.proof_keys:  # what answers there next proves itself before a prompt or key
-            worker.proven = False
+        if error is not None:
+            if self.proof_keys:  # what answers there next proves itself before a prompt or key
+                worker.proven = False
         else:
             error = self.proof_error(worker.url, body, nonce) or self._identity_error(worker, body)
             worker.proven = error is None  # it holds our key and is who it should be
