@@ -12,6 +12,7 @@ import asyncio
 import json
 import random
 import threading
+import time
 
 import pytest
 import requests
@@ -20,7 +21,7 @@ from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.grammar import MAX_INTERSECTED_PATTERNS, GrammarError, GrammarSpec, schema_spec
 from splitserve.engine.grammar_compiler import GrammarCompiler
-from splitserve.engine.io import GenerateRequest, InvalidRequest, SamplingParams
+from splitserve.engine.io import GenerateRequest, InvalidRequest, Overloaded, SamplingParams
 from splitserve.outcomes import Reason
 from splitserve.server.tokenize_lanes import TokenizeLanes
 from splitserve.validation import validate_request
@@ -248,3 +249,33 @@ def test_a_grammar_past_a_limit_over_http_is_a_400_naming_it(server):
         assert "<state>" not in r.text and "too large" in r.json()["error"]["message"], r.text[:500]
     r = requests.post(server.url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=120)
     assert r.status_code == 200
+
+
+def test_a_compilation_slowed_by_others_is_refused_for_now_never_remembered(tokenizer):
+    """A schema whose compilation got a thread late (it queued behind other clients') and is still
+    running at the time limit is the machine's load, not the schema's cost: a 429, and the next
+    request compiles it. Wall time spent asleep is not the grammar's cost either: a compilation
+    is measured in its thread's CPU time."""
+    plain = GrammarCompiler()
+    specs = [schema_spec({"type": "string", "maxLength": n}, "s") for n in (1, 2, 3)]
+
+    def build(spec, lltok):
+        time.sleep(0.5 if spec is not specs[2] else 0.3)  # asleep: no CPU spent (the bound is 0.1 s of CPU)
+        return plain._build(spec, lltok)
+
+    compiler = GrammarCompiler(timeout_s=0.6, slow_s=0.1, build=build)
+    compiler.prepare(tokenizer, V)
+    try:
+        others = [threading.Thread(target=compiler.compile, args=(s,)) for s in specs[:2]]
+        for t in others:
+            t.start()
+        time.sleep(0.05)  # both compilation threads taken for 0.5 s
+        with pytest.raises(Overloaded):
+            compiler.compile(specs[2])  # gets a thread at ~0.5 s, still running at 0.6 s
+        for t in others:
+            t.join(10)
+        assert compiler.compile(specs[2]) is not None  # compiled now: nothing was remembered
+        assert compiler.compile(specs[0]) is not None  # 0.5 s asleep is not 0.1 s of CPU
+    finally:
+        compiler.shutdown()
+        plain.shutdown()

@@ -44,8 +44,10 @@ its memory, and ``verbose_errors`` off keeps the engine's state dump out of ever
 COMPILE_TIMEOUT_S = 10.0
 """How long a request waits for its grammar's compilation, a free compilation thread included."""
 SLOW_COMPILE_S = 2.0
-"""A grammar whose compilation took longer is refused (and remembered): every request builds its
-own matcher from the grammar at about that cost. A bounded schema compiles in milliseconds."""
+"""A grammar whose compilation took more CPU time than this is refused (and remembered): every
+request builds its own matcher from the grammar at about that cost. A bounded schema compiles in
+milliseconds. CPU time of the compiling thread, not wall time: a loaded machine must not make a
+schema's refusal."""
 MAX_CONCURRENT_COMPILES = 2
 """Compilations running at once on a worker; one past its time limit keeps its thread until it
 ends (a call into the grammar engine cannot be stopped), so runaway schemas cannot pile up threads."""
@@ -101,6 +103,7 @@ class GrammarCompiler:
         self._cached_bytes = 0
         self._refused: OrderedDict[bytes, str] = OrderedDict()  # spec_key -> why
         self._running: dict[bytes, Future] = {}  # spec_key -> its compilation (one per spec at a time)
+        self._began: dict[bytes, float] = {}  # spec_key -> when its compilation got a thread
         self._lltok, self._added = None, ()
         self.compiled = 0  # counters: compilations run, answers from the cache, matchers built
         self.cache_hits = 0
@@ -196,9 +199,16 @@ class GrammarCompiler:
                 del self._running[key]
 
     def _timed_build(self, spec: GrammarSpec) -> tuple[Optional[str], Optional[str]]:
-        started = time.monotonic()
-        text, why = self._build_fn(spec, self._lltok)
-        took = time.monotonic() - started
+        key = spec_key(spec)
+        with self._lock:
+            self._began[key] = time.monotonic()
+        started = time.thread_time()  # this thread's CPU: the grammar's own cost, whatever the load
+        try:
+            text, why = self._build_fn(spec, self._lltok)
+        finally:
+            with self._lock:
+                self._began.pop(key, None)
+        took = time.thread_time() - started
         with self._lock:
             self.compiled += 1
         if text is not None and took > self.slow_s:
@@ -210,6 +220,13 @@ class GrammarCompiler:
         if future.cancelled() or (not future.done() and future.cancel()):  # never started: threads busy
             raise Overloaded(f"every grammar compilation thread stayed busy for {self.timeout_s:g}s")
         if not future.done():
+            with self._lock:
+                began = self._began.get(spec_key(spec))
+            if began is None or time.monotonic() - began < self.timeout_s / 2:
+                # it waited behind other clients' compilations: the machine's load, not the schema's
+                # cost, so nothing is remembered against the schema
+                raise Overloaded(f"the grammar's compilation waited for a thread and did not end within "
+                                 f"{self.timeout_s:g}s: try again")
             self._remember(spec, f"the grammar did not compile within {self.timeout_s:g}s (the time limit)")
             raise InvalidRequest(self._refused_why(spec), param)
         text, why = future.result()
