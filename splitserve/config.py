@@ -4,7 +4,7 @@ its options from them, so ``--help`` and the code never disagree)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,12 @@ class EngineConfig:
     """Tokens per KV page."""
     max_total_tokens: int = 65536
     """KV pool size in tokens (rounded up to whole pages)."""
+    kv_cache_dtype: str = "auto"
+    """What the KV pages hold: auto (the model's compute dtype) or int8 (8-bit keys and values, a
+    float32 scale per token and KV head inside the page: about half the bytes per token, so the
+    same memory holds about twice the --max-total-tokens, and half the bytes cross from prefill to
+    decode; the logits move by its rounding: bench/accuracy.py measures it). Prefill and decode
+    workers must agree (their handshake and fingerprint compare it)."""
     max_running_requests: int = 64
     """Cap on requests in the running batch."""
     max_waiting_requests: int = 256
@@ -103,6 +109,25 @@ class FrontConfig:
 
 
 @dataclass(frozen=True)
+class DiscoveryConfig:
+    """How a worker and the router reach the store ``--discovery`` names: TLS and credentials. Each
+    app's config holds one (``discovery_access``); its options are named with :attr:`FLAGS` before
+    each field (``--discovery-ca-certs``: ``cli.py``)."""
+
+    FLAGS: ClassVar[str] = "discovery_"
+    ca_certs: Optional[str] = None
+    """CA certificates (PEM) etcd's certificate must be signed by (TLS to etcd; etcds:// also turns it on)."""
+    certfile: Optional[str] = None
+    """A client certificate (PEM) for an etcd that requires one (with --discovery-keyfile)."""
+    keyfile: Optional[str] = None
+    """The private key of --discovery-certfile."""
+    user: Optional[str] = None
+    """An etcd user (etcd's auth; with --discovery-password-file)."""
+    password_file: Optional[str] = None
+    """A file whose first line is --discovery-user's password (chmod 600)."""
+
+
+@dataclass(frozen=True)
 class ServerConfig(FrontConfig):
     """A worker: its HTTP front end (:class:`FrontConfig`), its role and what the role needs."""
 
@@ -148,16 +173,8 @@ class ServerConfig(FrontConfig):
     discovery_grace_s: float = 5.0
     """On SIGTERM the lease is revoked first (routers stop sending new requests), then the worker
     goes on serving, and taking what was already routed to it, this long before it drains."""
-    discovery_ca_certs: Optional[str] = None
-    """CA certificates (PEM) etcd's certificate must be signed by (TLS to etcd; etcds:// also turns it on)."""
-    discovery_certfile: Optional[str] = None
-    """A client certificate (PEM) for an etcd that requires one (with --discovery-keyfile)."""
-    discovery_keyfile: Optional[str] = None
-    """The private key of --discovery-certfile."""
-    discovery_user: Optional[str] = None
-    """An etcd user (etcd's auth; with --discovery-password-file)."""
-    discovery_password_file: Optional[str] = None
-    """A file whose first line is --discovery-user's password (chmod 600)."""
+    discovery_access: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    """How the store of --discovery is reached: its --discovery-* options (DiscoveryConfig)."""
     cluster_secret_file: Optional[str] = None
     """Prefill and decode roles: a file holding a secret shared by the cluster's workers (at least
     32 random bytes as hex or base64, e.g. `head -c 32 /dev/urandom | base64`; chmod 600: a file
@@ -310,16 +327,8 @@ class RouterConfig(FrontConfig):
     workers registered there are added and those whose record goes are drained and removed; while
     etcd is unreachable the workers known are kept (docs/deploy.md). Beside or instead of
     --prefill/--decode."""
-    discovery_ca_certs: Optional[str] = None
-    """CA certificates (PEM) etcd's certificate must be signed by (TLS to etcd; etcds:// also turns it on)."""
-    discovery_certfile: Optional[str] = None
-    """A client certificate (PEM) for an etcd that requires one (with --discovery-keyfile)."""
-    discovery_keyfile: Optional[str] = None
-    """The private key of --discovery-certfile."""
-    discovery_user: Optional[str] = None
-    """An etcd user (etcd's auth; with --discovery-password-file)."""
-    discovery_password_file: Optional[str] = None
-    """A file whose first line is --discovery-user's password (chmod 600)."""
+    discovery_access: DiscoveryConfig = field(default_factory=DiscoveryConfig)
+    """How the store of --discovery is reached: its --discovery-* options (DiscoveryConfig)."""
     cluster_secret_file: Optional[str] = None
     """The workers' cluster secret (their --cluster-secret-file): the router then uses only discovery
     records sealed with it, and trusts a worker (its worker key, a client's prompt) only once it

@@ -141,7 +141,8 @@ class LLMEngine:
         self.model, self.spec, self.tokenizer = parts.model, parts.spec, parts.tokenizer
         num_pages = -(-config.max_total_tokens // config.page_size)
         self.layout = KVLayout(num_pages=num_pages, num_layers=self.spec.num_layers, page_size=config.page_size,
-                               num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self.spec.dtype)
+                               num_kv_heads=self.spec.num_kv_heads, head_dim=self.spec.head_dim, dtype=self.spec.dtype,
+                               kv_cache_dtype=config.kv_cache_dtype)
         self.kv = KVPool(self.layout, device=config.device)
         self.allocator = PageAllocator(num_pages, cache=config.prefix_cache)
         self.scheduler = Scheduler(self.allocator, config.page_size, config.max_running_requests,

@@ -10,6 +10,12 @@ consecutive page ids is one contiguous span too. A KV transfer therefore needs o
 contiguous run of pages, not one per (layer, page) — descriptor count, not bytes, sets transfer
 speed (docs/design.md §3). The attention layers see per-layer strided views of the same memory.
 
+``--kv-cache-dtype int8`` (``kv_cache_dtype``) makes the buffer int8 with rows of ``head_dim + 4``
+bytes: each (token, KV head) row's 8-bit values, then its float32 scale (``layers/kv_int8.py``).
+The scales being inside the page, everything above holds as it is; a page is about half the bytes
+of a bfloat16 one, so the same memory holds about twice the tokens. ``dtype`` stays the model's
+compute dtype either way.
+
 The pool owns memory only; which page belongs to whom is the page allocator's business
 (``engine/page_allocator.py``).
 """
@@ -19,6 +25,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from splitserve.layers.kv_int8 import SCALE_BYTES
+
+KV_CACHE_DTYPES = ("auto", "int8")
+"""auto: pages in the model's compute dtype; int8: 8-bit rows with their scales."""
 
 
 @dataclass(frozen=True)
@@ -30,16 +41,38 @@ class KVLayout:
     page_size: int
     num_kv_heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the model's compute dtype
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+
+    def __post_init__(self):
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
+
+    @property
+    def storage_dtype(self) -> torch.dtype:
+        """The buffer's element type."""
+        return torch.int8 if self.kv_cache_dtype == "int8" else self.dtype
+
+    @property
+    def row_elements(self) -> int:
+        """Elements of one (token, KV head) row of keys or values: its scale's bytes included for int8."""
+        return self.head_dim + SCALE_BYTES if self.kv_cache_dtype == "int8" else self.head_dim
 
     @property
     def element_size(self) -> int:
-        return self.dtype.itemsize
+        return self.storage_dtype.itemsize
 
     @property
     def page_nbytes(self) -> int:
         """Bytes of one page across all layers, keys and values."""
-        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.head_dim * self.element_size
+        return self.num_layers * 2 * self.page_size * self.num_kv_heads * self.row_elements * self.element_size
+
+    @property
+    def pages_dtype(self) -> str:
+        """What a page holds, as the handshake compares it: ``bfloat16``, or ``int8`` rows of a
+        ``bfloat16`` model (``int8/bfloat16``)."""
+        compute = str(self.dtype).removeprefix("torch.")
+        return compute if self.kv_cache_dtype == "auto" else f"{self.kv_cache_dtype}/{compute}"
 
     @property
     def total_tokens(self) -> int:
@@ -52,14 +85,14 @@ class KVPool:
     def __init__(self, layout: KVLayout, device: str | torch.device = "cpu"):
         self.layout = layout
         self.buffer = torch.zeros(
-            (layout.num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.head_dim),
-            dtype=layout.dtype,
+            (layout.num_pages, layout.num_layers, 2, layout.page_size, layout.num_kv_heads, layout.row_elements),
+            dtype=layout.storage_dtype,
             device=device,
         )
         self._layers = [self.buffer[:, layer] for layer in range(layout.num_layers)]  # made once, read every step
 
     def layer(self, layer: int) -> torch.Tensor:
-        """A view of one layer's keys and values, [num_pages, 2, page_size, num_kv_heads, head_dim]."""
+        """A view of one layer's keys and values, [num_pages, 2, page_size, num_kv_heads, row_elements]."""
         return self._layers[layer]
 
     @property

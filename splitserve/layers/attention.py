@@ -21,6 +21,10 @@ last ``q_len`` of its ``kv_len`` tokens. Two kinds of sequence, each on its own 
   not: its blocked softmax sums in another order than a decode row's, ~1e-6 apart in float32).
 
 Grouped-query attention goes through SDPA's ``enable_gqa`` (no ``repeat_interleave``).
+
+An int8 pool (``--kv-cache-dtype int8``, ``layers/kv_int8.py``) has rows of ``D + 4`` bytes:
+``write_kv`` quantizes, and every read dequantizes what it gathered, the prompt's own new keys
+included (a prompt attends to the keys decode will read, not to the unrounded ones).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from splitserve.layers import kv_int8
 
 
 class KVLayers(Protocol):
@@ -124,7 +130,8 @@ def build_metadata(seqs: Sequence[tuple[int, int, Sequence[int]]], page_size: in
 
 def write_kv(kv_layer: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> None:
     """Store the new keys and values ``kv`` [T, 2, Hkv, D] into one layer of the pool."""
-    kv_layer[meta.slot_pages, :, meta.slot_offsets] = kv.to(kv_layer.dtype)
+    rows = kv_int8.quantize(kv) if kv_layer.dtype == torch.int8 else kv.to(kv_layer.dtype)
+    kv_layer[meta.slot_pages, :, meta.slot_offsets] = rows
 
 
 def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -133,12 +140,18 @@ def gather_pages(cache: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return pages.view(*table.shape[:-1], table.shape[-1] * cache.shape[1], *cache.shape[2:])
 
 
+def read_pages(cache: torch.Tensor, table: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``gather_pages`` in ``dtype``: an int8 pool's rows dequantized, [..., n * P, Hkv, D]."""
+    rows = gather_pages(cache, table)
+    return kv_int8.dequantize(rows, dtype) if cache.dtype == torch.int8 else rows
+
+
 def decode_attention_reference(q: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata,
                                scale: float) -> torch.Tensor:
     """The decode rows' attention, PyTorch only: q [B, H, D] -> [B, H, D]. Gathers every page of
     every decode sequence (one copy of its KV) and runs one padded SDPA."""
-    k = gather_pages(kv_layer[:, 0], meta.block_table).transpose(1, 2)  # [B, Hkv, L, D]
-    v = gather_pages(kv_layer[:, 1], meta.block_table).transpose(1, 2)
+    k = read_pages(kv_layer[:, 0], meta.block_table, q.dtype).transpose(1, 2)  # [B, Hkv, L, D]
+    v = read_pages(kv_layer[:, 1], meta.block_table, q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(q.unsqueeze(2).to(k.dtype), k, v, attn_mask=meta.decode_mask,
                                        scale=scale, enable_gqa=True)  # [B, H, 1, D]
     return o.squeeze(2).to(q.dtype)
@@ -148,11 +161,11 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_laye
                       s: SeqAttention, scale: float) -> torch.Tensor:
     """One prefilling sequence: q [n, H, D], its new k, v [n, Hkv, D] -> [n, H, D]."""
     n = s.q_len
-    if s.kv_len == n:  # from the start: the new keys are all there is
+    if s.kv_len == n and kv_layer.dtype != torch.int8:  # from the start: the new keys are all there is
         ks, vs, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
-    else:  # a later chunk: earlier keys come from the pages
-        ks = gather_pages(kv_layer[:, 0], s.page_table)[:s.kv_len].transpose(0, 1)  # [Hkv, kv_len, D]
-        vs = gather_pages(kv_layer[:, 1], s.page_table)[:s.kv_len].transpose(0, 1)
+    else:  # a later chunk (or int8 pages): the keys come from the pages
+        ks = read_pages(kv_layer[:, 0], s.page_table, q.dtype)[:s.kv_len].transpose(0, 1)  # [Hkv, kv_len, D]
+        vs = read_pages(kv_layer[:, 1], s.page_table, q.dtype)[:s.kv_len].transpose(0, 1)
         qpos = torch.arange(s.kv_len - n, s.kv_len, device=q.device).unsqueeze(1)
         mask, causal = torch.arange(s.kv_len, device=q.device).unsqueeze(0) <= qpos, False  # [n, kv_len]
     o = F.scaled_dot_product_attention(q.transpose(0, 1).to(ks.dtype), ks, vs, attn_mask=mask, is_causal=causal,

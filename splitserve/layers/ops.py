@@ -17,7 +17,9 @@ switched off (``layers/kernels.py``), else the reference. Shapes::
     pack_linear, linear_packed      None, or pack(weight) -> packed once and linear_packed(x, packed,
         N, bias): the projections' float32 weights (faster on many rows; the same bits per row)
 
-``kv_layer``: [num_pages, 2, page_size, Hkv, D], one layer of the pool (``engine/kv_pool.py``).
+``kv_layer``: [num_pages, 2, page_size, Hkv, D], one layer of the pool (``engine/kv_pool.py``); an
+int8 pool's rows are ``D + 4`` bytes, the scale after the values (``layers/kv_int8.py``): both
+implementations read and write them as they are.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve.layers import kernels
+from splitserve.layers.kv_int8 import head_dim_of
 from splitserve.layers.attention import (AttentionMetadata, SeqAttention, decode_attention_reference,
                                         prefill_attention, write_kv)
 
@@ -54,7 +57,7 @@ class TorchOps:
     def rope_store(self, qkv: torch.Tensor, tables, H: int, Hkv: int, kv_layer: torch.Tensor,
                    meta: AttentionMetadata) -> None:
         cos, sin = tables
-        T, D = qkv.shape[0], kv_layer.shape[-1]
+        T, D = qkv.shape[0], head_dim_of(kv_layer)
         qk = qkv[:, :(H + Hkv) * D].view(T, H + Hkv, D)
         torch.addcmul(qk * cos, torch.roll(qk, D // 2, dims=-1), sin, out=qk)
         write_kv(kv_layer, qkv[:, H * D:].view(T, 2, Hkv, D), meta)
