@@ -16,25 +16,37 @@ from splitserve.config import (DEFAULT_BOOTSTRAP_PORT, EngineConfig, RouterConfi
 from splitserve.launch import LaunchConfig
 
 
-def _add_config_options(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = ()) -> None:
+def _add_config_options(parser: argparse.ArgumentParser, cls, skip: tuple[str, ...] = (), prefix: str = "") -> None:
+    """An option per field of ``cls``; a field holding a config dataclass adds that class's options,
+    each named with its ``FLAGS`` prefix (``config.DiscoveryConfig``: ``--discovery-user``)."""
     helps = field_help(cls)
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        hint = hints[f.name]
         if f.name in skip:
             continue
-        flag = "--" + f.name.replace("_", "-")
-        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            _add_config_options(parser, hint, prefix=hint.FLAGS)
+            continue
+        name = prefix + f.name
+        flag = "--" + name.replace("_", "-")
         text = helps.get(f.name, "")
         if hint is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f"{text} (default: {f.default})")
             continue
         base = typing.get_args(hint)[0] if typing.get_origin(hint) is typing.Union else hint
-        parser.add_argument(flag, dest=f.name, type=base, default=f.default, help=f"{text} (default: %(default)s)")
+        parser.add_argument(flag, dest=name, type=base, default=f.default, help=f"{text} (default: %(default)s)")
 
 
-def _config_from(cls, args: argparse.Namespace):
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+def _config_from(cls, args: argparse.Namespace, prefix: str = ""):
+    hints, values = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):
+            values[f.name] = _config_from(hints[f.name], args, hints[f.name].FLAGS)
+        elif hasattr(args, prefix + f.name):
+            values[f.name] = getattr(args, prefix + f.name)
+    return cls(**values)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -60,13 +60,14 @@ def test_discovery_targets():
 
 
 def test_a_worker_that_cannot_register_does_not_start(tmp_path):
-    from splitserve.config import ServerConfig
+    from splitserve.config import DiscoveryConfig, ServerConfig
     from splitserve.server.registration import check_discovery
 
     for config, words in ((ServerConfig(role="colocated", discovery="etcd://h:1/p"), "prefill and decode"),
                           (ServerConfig(role="decode", host="0.0.0.0", discovery="etcd://h:1/p"), "--advertise-host"),
                           (ServerConfig(role="decode", discovery="etcd://h:1/p", discovery_ttl_s=1), "ttl"),
-                          (ServerConfig(role="decode", discovery="etcd://h:1/p", discovery_user="u"), "go together"),
+                          (ServerConfig(role="decode", discovery="etcd://h:1/p",
+                                        discovery_access=DiscoveryConfig(user="u")), "go together"),
                           (ServerConfig(role="decode", discovery="etcd:/h"), "--discovery")):
         with pytest.raises(ValueError, match=words):
             check_discovery(config)
@@ -123,7 +124,7 @@ def test_a_sealed_record_opens_only_under_its_key():
 def test_a_password_in_the_clear_is_said_at_start_by_router_and_worker(tmp_path, caplog):
     import logging
 
-    from splitserve.config import RouterConfig, ServerConfig
+    from splitserve.config import DiscoveryConfig, RouterConfig, ServerConfig
     from splitserve.discovery.etcd import plaintext_password
     from splitserve.router.app import create_app
     from splitserve.server.registration import discovery_warnings
@@ -134,9 +135,9 @@ def test_a_password_in_the_clear_is_said_at_start_by_router_and_worker(tmp_path,
     assert plaintext_password(parse_target("etcd://h:1/p"), Credentials(user="u", password_file="p",
                                                                         ca_certs="ca.pem")) is None
     assert plaintext_password(parse_target("etcd://h:1/p"), Credentials()) is None
-    said = discovery_warnings(ServerConfig(role="decode", discovery="etcd://h:1/p", discovery_user="u",
-                                           discovery_password_file="p"))
+    said = discovery_warnings(ServerConfig(role="decode", discovery="etcd://h:1/p",
+                                           discovery_access=DiscoveryConfig(user="u", password_file="p")))
     assert any("in the clear" in s for s in said) and any("unsigned" in s for s in said)
     with caplog.at_level(logging.WARNING, logger="splitserve.router.app"):
-        create_app(RouterConfig(discovery="etcd://h:1/p", discovery_user="u", discovery_password_file="p"))
+        create_app(RouterConfig(discovery="etcd://h:1/p", discovery_access=DiscoveryConfig(user="u", password_file="p")))
     assert "in the clear" in caplog.text and "whoever can write to etcd" in caplog.text

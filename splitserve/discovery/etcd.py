@@ -33,9 +33,10 @@ TLS: ``--discovery-ca-certs`` (the CA etcd's certificate must be signed by),
 ``--client-cert-auth``); auth: ``--discovery-user`` and ``--discovery-password-file``. A user's
 password over plain ``etcd://`` travels in the clear (:func:`plaintext_password` says so at start).
 
-What a record says is read and written through a seal (``signing.py``): :class:`Registration`
-puts ``seal(record)``, and :class:`Watcher` takes only what ``read`` makes a record of, so the
-etcd code never decides what a valid record is, and another store would use the same seal.
+What a record says is read and written through a seal (``signing.py``), outside this module
+(``backends.py``): :class:`Registration` puts the value it is given, and :class:`Watcher` takes
+only what ``read`` makes a record of, so the etcd code never decides what a valid record is.
+:class:`EtcdBackend` is what ``backends.BACKENDS`` names for both schemes.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ import logging
 import threading
 from typing import Callable, Optional
 from urllib.parse import urlsplit
+
+from splitserve.discovery.backends import Backend, read_values
 
 log = logging.getLogger(__name__)
 
@@ -104,9 +107,9 @@ class Credentials:
     password_file: Optional[str] = None
 
     @classmethod
-    def of(cls, config) -> "Credentials":
-        creds = cls(config.discovery_ca_certs, config.discovery_certfile, config.discovery_keyfile,
-                    config.discovery_user, config.discovery_password_file)
+    def of(cls, access) -> "Credentials":
+        """From ``access`` (``config.DiscoveryConfig``); ValueError for flags that go together alone."""
+        creds = cls(access.ca_certs, access.certfile, access.keyfile, access.user, access.password_file)
         if (creds.certfile is None) != (creds.keyfile is None):
             raise ValueError("--discovery-certfile and --discovery-keyfile go together")
         if (creds.user is None) != (creds.password_file is None):
@@ -173,6 +176,10 @@ def _authenticate(etcd, creds: Credentials) -> None:
     etcd.session.headers["Authorization"] = answer.json()["token"]
 
 
+def _key_text(key) -> str:
+    return key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
+
+
 def worth_logging(count: int) -> bool:
     """The first few and then one in many (``log_sparsely``'s rule: that module is this one's sibling)."""
     return count <= 20 or count % 1000 == 0
@@ -189,11 +196,11 @@ class Registration:
     """A worker's record in etcd under a lease kept alive by a thread of its own."""
 
     def __init__(self, target: Target, record, ttl_s: float, creds: Credentials = Credentials(),
-                 make_client: Callable = client, seal: Optional[Callable] = None):
+                 make_client: Callable = client, value: Optional[bytes] = None):
         self.target, self.record, self.ttl_s, self.creds = target, record, max(2, int(round(ttl_s))), creds
         self.key = target.key(record.id)
         self.make_client = make_client
-        self.value = (seal or type(record).to_json)(record).decode()  # what is put: the record, sealed or bare
+        self.value = (record.to_json() if value is None else value).decode()  # what is put: sealed, or the bare record
         self.registered = threading.Event()  # the record is in etcd (as far as the last call knew)
         self._stop = threading.Event()
         self._lease = None
@@ -357,18 +364,8 @@ class Watcher:
             log.info("discovery: etcd %s reachable again", self.target)
             self.on_outage(None)
             self._down = None
-        records, invalid = [], []
-        for value, meta in listed:
-            key = meta.get("key", b"")
-            key = key.decode("utf-8", "replace") if isinstance(key, bytes) else str(key)
-            try:
-                record = self.read(value)
-                if key != self.target.key(record.id):
-                    raise ValueError(f"its key is not {self.target.key_prefix}ID for its id {record.id!r}")
-                records.append(record)
-            except Exception as exc:  # ValueError, or whatever else a hostile value makes a parser raise
-                invalid.append((key[:200], f"{'' if isinstance(exc, ValueError) else type(exc).__name__ + ': '}"
-                                           f"{exc}"[:300]))
+        records, invalid = read_values(((_key_text(meta.get("key", b"")), value) for value, meta in listed),
+                                       self.read, self.target.key)
         self.on_records(records, invalid)
 
     def _watch(self, etcd) -> None:
@@ -391,3 +388,20 @@ class Watcher:
                 cancel()
             except Exception:
                 pass
+
+
+class EtcdBackend(Backend):
+    """``etcd://`` and ``etcds://`` (``backends.BACKENDS``): :class:`Registration` and :class:`Watcher`."""
+
+    @classmethod
+    def check(cls, url: str, access) -> list[str]:
+        said = plaintext_password(parse_target(url), Credentials.of(access))
+        return [said] if said else []
+
+    @classmethod
+    def registrar(cls, url: str, access, record, value: bytes, ttl_s: float) -> Registration:
+        return Registration(parse_target(url), record, ttl_s, Credentials.of(access), value=value)
+
+    @classmethod
+    def watcher(cls, url: str, access, read, on_records, on_outage) -> "Watcher":
+        return Watcher(parse_target(url), on_records, on_outage, Credentials.of(access), read=read)

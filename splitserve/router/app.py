@@ -157,9 +157,9 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
         raise ValueError("the router needs at least one prefill and one decode worker, or --discovery")
     keys, said = RouterKeys.of(config), []
     if config.discovery:
-        from splitserve.discovery.etcd import Credentials, parse_target, plaintext_password
+        from splitserve.discovery.backends import check
 
-        said = [plaintext_password(parse_target(config.discovery), Credentials.of(config))]
+        said = check(config.discovery, config.discovery_access)  # an unknown scheme or bad URL: ValueError
     for warning in [*said, *keys.warnings(config)]:
         if warning:
             log.warning("%s", warning)

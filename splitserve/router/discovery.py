@@ -1,8 +1,9 @@
-"""The router's side of etcd discovery (``--discovery``): the workers registered under the prefix
-join the worker set, and leave it (drained) when their record goes.
+"""The router's side of discovery (``--discovery``): the workers registered in the store join the
+worker set, and leave it (drained) when their record goes.
 
-:class:`Discovery` owns a :class:`~splitserve.discovery.etcd.Watcher` (its own threads) and applies
-every list it makes on the router's event loop (:meth:`Discovery.apply`). Every value is opened
+:class:`Discovery` owns the watcher of the store the URL's scheme names (``discovery/backends.py``;
+etcd's watches a prefix: ``discovery/etcd.py``), which runs in threads of its own, and applies every
+list it makes on the router's event loop (:meth:`Discovery.apply`). Every value is opened
 with the router's seal first (``discovery/signing.py``): with ``--cluster-secret-file`` a value not
 sealed with the cluster secret is dropped and counted like any other invalid value. Then:
 
@@ -48,8 +49,9 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
+from splitserve.discovery import backends as stores
 from splitserve.log_sparsely import worth_logging
 from splitserve.router.bounded_set import BoundedSet
 from splitserve.router.workers import DISCOVERY, Worker
@@ -63,8 +65,8 @@ MAX_DISCOVERED = 1024  # workers taken from discovery records at once
 
 class Discovery:
     def __init__(self, state, registry, absent_grace_s: float = ABSENT_GRACE_S,
-                 clock: Callable[[], float] = time.monotonic):
-        self.state = state
+                 clock: Callable[[], float] = time.monotonic, backends: Mapping = stores.BACKENDS):
+        self.state, self.backends = state, backends  # backends: the stores by URL scheme
         self.outage: Optional[str] = None
         self.errors = 0
         self.lists = 0  # lists applied
@@ -93,15 +95,13 @@ class Discovery:
                                read=lambda: self.invalid_now)
 
     def start(self, loop: asyncio.AbstractEventLoop, seal) -> None:
-        """Watch the prefix, opening every value with ``seal`` (``discovery/signing.py``)."""
-        from splitserve.discovery.etcd import Credentials, Watcher, parse_target
-
+        """Watch the store, opening every value with ``seal`` (``discovery/signing.py``)."""
         config = self.state.config
         self.loop = loop
         if self.state.checker is not None:
             self.state.checker.on_superseded.append(self.ended)
-        self.watcher = Watcher(parse_target(config.discovery), self._listed, self._outage,
-                               Credentials.of(config), read=seal.open).start()
+        self.watcher = stores.watch(config.discovery, config.discovery_access, seal, self._listed, self._outage,
+                                    self.backends)
 
     def stop(self) -> None:
         if self.watcher is not None:

@@ -1,14 +1,16 @@
 """A worker's record in discovery (``--discovery``): checked at start (what it leaves open said
-then), put in etcd under a lease once the worker serves (``discovery/etcd.py``), sealed with the
-cluster secret's record key when it has one (``discovery/signing.py``)."""
+then), kept in the store the URL's scheme names (``discovery/backends.py``) once the worker serves,
+sealed with the cluster secret's record key when it has one (``discovery/signing.py``)."""
 
 from __future__ import annotations
 
 import logging
+from typing import Mapping
 
 from aiohttp import web
 
 from splitserve.config import ServerConfig
+from splitserve.discovery import backends as stores
 from splitserve.discovery.record import check_url
 from splitserve.hosts import url_host
 from splitserve.server.state import WorkerState
@@ -16,12 +18,9 @@ from splitserve.server.state import WorkerState
 log = logging.getLogger(__name__)
 
 
-def check_discovery(config: ServerConfig) -> None:
-    """ValueError for a ``--discovery`` this worker cannot register with."""
-    from splitserve.discovery.etcd import Credentials, parse_target
-
-    parse_target(config.discovery)
-    Credentials.of(config)
+def check_discovery(config: ServerConfig, backends: Mapping = stores.BACKENDS) -> None:
+    """ValueError for a ``--discovery`` this worker cannot register with (``backends``: by scheme)."""
+    stores.check(config.discovery, config.discovery_access, backends)
     if config.role not in ("prefill", "decode"):
         raise ValueError("--discovery registers prefill and decode workers (--role prefill|decode)")
     if not config.discovery_ttl_s >= 2 or not config.discovery_grace_s >= 0:
@@ -36,7 +35,7 @@ def check_discovery(config: ServerConfig) -> None:
         raise ValueError(f"--discovery: this worker would register {url!r}, which no router takes: give "
                          "--advertise-host a host name, an IPv4 address or an IPv6 address (brackets optional, "
                          "no zone id)") from None
-    for warning in discovery_warnings(config):
+    for warning in discovery_warnings(config, backends):
         log.warning("%s", warning)
 
 
@@ -45,11 +44,9 @@ def advertised_url(config: ServerConfig, port: int, tls: bool) -> str:
     return f"{'https' if tls else 'http'}://{url_host(config.advertise_host or config.host)}:{port}"
 
 
-def discovery_warnings(config: ServerConfig) -> list[str]:
+def discovery_warnings(config: ServerConfig, backends: Mapping = stores.BACKENDS) -> list[str]:
     """What a worker registering with ``config`` is told at start about what it leaves open."""
-    from splitserve.discovery.etcd import Credentials, parse_target, plaintext_password
-
-    said = [plaintext_password(parse_target(config.discovery), Credentials.of(config))]
+    said = stores.check(config.discovery, config.discovery_access, backends)
     if not config.cluster_secret_file:
         said.append("--discovery without --cluster-secret-file: this worker's record goes unsigned; a router "
                     "given --cluster-secret-file drops it, and one without takes any record anyone who can write "
@@ -57,9 +54,9 @@ def discovery_warnings(config: ServerConfig) -> list[str]:
     return [s for s in said if s]
 
 
-def register(state: WorkerState, runner: web.AppRunner, tls: bool):
-    """Put this worker's record in etcd under a lease kept alive by a thread (``discovery/etcd.py``)."""
-    from splitserve.discovery.etcd import Credentials, Registration, parse_target
+def register(state: WorkerState, runner: web.AppRunner, tls: bool, backends: Mapping = stores.BACKENDS):
+    """Keep this worker's record, sealed, in the store of ``--discovery`` (a started registrar:
+    ``discovery/backends.py``; ``backends``: by scheme)."""
     from splitserve.discovery.record import WorkerRecord, parse_record
     from splitserve.discovery.signing import RecordSeal
 
@@ -69,5 +66,5 @@ def register(state: WorkerState, runner: web.AppRunner, tls: bool):
                           pairing["bootstrap_port"], pairing["model_fingerprint"], pairing["protocol_version"],
                           pairing["transfer_backend"])
     record = parse_record(record.to_json())  # in the one form every router reads it in (and checked)
-    return Registration(parse_target(config.discovery), record, config.discovery_ttl_s,
-                        Credentials.of(config), seal=RecordSeal(state.keys.record).seal).start()
+    return stores.register(config.discovery, config.discovery_access, record, config.discovery_ttl_s,
+                           RecordSeal(state.keys.record), backends)
