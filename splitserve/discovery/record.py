@@ -12,6 +12,11 @@ and bootstrap port), so whoever can write it steers KV traffic: :func:`parse_rec
 a JSON object of bounded size with exactly the known fields, each of its type and shape, and the
 URL a plain ``http(s)://HOST:PORT`` (no user info, path, query or fragment). ValueError names the
 first field that is wrong.
+
+What the KV pages hold (``--kv-cache-dtype``) is part of the model fingerprint (a ``/kv-int8``
+suffix: :func:`kv_cache_dtype_of`), so a router never pairs workers whose pages differ, and the
+record names it too (``kv_cache_dtype``, left out of the JSON when ``auto``, so that a record of
+the model's own dtype reads as before); a record whose field and fingerprint disagree is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +38,9 @@ INCARNATION_PATTERN = re.compile(r"[A-Za-z0-9]{1,64}")
 MODEL_PATTERN = re.compile(r"[\x21-\x7e]{1,256}")
 HOST_PATTERN = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")
 MAX_JSON_DEPTH = 16  # a record is 2 deep, a worker's answers a few: json's decoder recurses once a level
+KV_CACHE_DTYPES = ("auto", "int8")
+"""--kv-cache-dtype: auto, pages in the model's compute dtype; int8, 8-bit rows with their scales."""
+KV_SUFFIX = "/kv-"  # a fingerprint's suffix naming a KV cache dtype other than auto
 _JSON_TOKEN = re.compile(r'"(?:[^"\\]|\\.)*"?|[\[\]{}]')  # a string (closed or not: linear) or a bracket
 
 
@@ -55,6 +63,19 @@ def loads_shallow(data: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> object:
         return json.loads(data)
     except RecursionError:  # unreachable after the count above; never let it out
         raise ValueError(f"JSON nested deeper than {max_depth} levels") from None
+
+
+def with_kv_cache_dtype(fingerprint: str, kv_cache_dtype: str) -> str:
+    """The fingerprint of a model served with pages of ``kv_cache_dtype``."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, not {_show(kv_cache_dtype)}")
+    return fingerprint if kv_cache_dtype == "auto" else f"{fingerprint}{KV_SUFFIX}{kv_cache_dtype}"
+
+
+def kv_cache_dtype_of(fingerprint: str) -> str:
+    """The KV cache dtype a model fingerprint names (``auto`` when it names none)."""
+    head, sep, tail = fingerprint.rpartition(KV_SUFFIX)
+    return tail if sep and tail in KV_CACHE_DTYPES else "auto"
 
 
 def default_worker_id(role: str, host: str, port: int) -> str:
@@ -144,9 +165,17 @@ class WorkerRecord:
     model: str  # the model fingerprint (bootstrap.model_identity: quantization included)
     protocol_version: int
     transfer_backend: str  # nixl | tcp
+    kv_cache_dtype: Optional[str] = None  # what its pages hold (KV_CACHE_DTYPES); None: the model's says
+
+    def __post_init__(self):
+        if self.kv_cache_dtype is None:
+            object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_of(self.model))
 
     def to_json(self) -> bytes:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, separators=(",", ":")).encode()
+        fields = dataclasses.asdict(self)
+        if fields["kv_cache_dtype"] == "auto":  # as a record read before the field existed
+            del fields["kv_cache_dtype"]
+        return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     @property
     def identity(self) -> tuple[str, str]:
@@ -188,8 +217,13 @@ def parse_record(data: bytes | str | dict) -> WorkerRecord:
     backend = data.get("transfer_backend")
     if backend not in SERVED:
         raise ValueError(f"transfer_backend: one of {', '.join(SERVED)}, not {_show(backend)}")
+    kv = data.get("kv_cache_dtype", "auto")
+    if kv not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, not {_show(kv)}")
+    if kv != kv_cache_dtype_of(model):
+        raise ValueError(f"kv_cache_dtype: {kv}, but the model fingerprint names {kv_cache_dtype_of(model)}")
     return WorkerRecord(check_id(data.get("id")), check_incarnation(data.get("incarnation")), role,
-                        check_url(data.get("url")), port, model, version, backend)
+                        check_url(data.get("url")), port, model, version, backend, kv)
 
 
 def identity_of(body: object) -> Optional[tuple[str, str]]:

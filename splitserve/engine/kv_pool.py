@@ -26,10 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.discovery.record import KV_CACHE_DTYPES
 from splitserve.layers.kv_int8 import SCALE_BYTES
-
-KV_CACHE_DTYPES = ("auto", "int8")
-"""auto: pages in the model's compute dtype; int8: 8-bit rows with their scales."""
 
 
 @dataclass(frozen=True)
