@@ -21,7 +21,11 @@ import pytest
 import zmq
 
 from cluster import Cluster, generate, metric, metric_sum, metrics
-from test_faults import DEADLINES, GREEDY, Call, assert_clean, direct_pair, prompt, wait_for
+from helpers.calls import Call
+from helpers.fault_deadlines import DEADLINES
+from helpers.prompts import GREEDY, prompt
+from helpers.waiting import wait_for
+from helpers.worker_checks import assert_clean
 from splitserve.disagg import protocol as p
 
 SLACK_S = 3.0

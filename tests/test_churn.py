@@ -30,7 +30,9 @@ import pytest
 
 from cluster import metric_sum, metrics, pages_back_to_total
 from conftest import ServerProcess, free_port
-from test_faults import DEADLINES, PEER_SILENCE_S, direct_pair, kill9, prompt
+from helpers.fault_deadlines import DEADLINES, PEER_SILENCE_S
+from helpers.prompts import prompt
+from helpers.split_pair import direct_pair, kill9
 
 SIZES = ("splitserve_control_sessions", "splitserve_transfer_peers", "splitserve_receive_links_open")
 

@@ -36,51 +36,29 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-import json
 import random
 import re
 import signal
-import threading
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import pytest
 import requests
 
-from cluster import (Cluster, RouterProcess, metric, metrics, pages_back_to_total, post_generate, sse_events,
+from cluster import (Cluster, RouterProcess, metric, metrics, post_generate, sse_events,
                      start_routers, stop_routers)
 from conftest import ServerProcess, free_port
+from helpers.calls import Call
+from helpers.fault_deadlines import (BOOTSTRAP_S, DEADLINES, HEARTBEAT_S, KV_WAIT_S, LOOP_STALL_S, PEER_SILENCE_S,
+                                     PREALLOC_S, SHOW_FAILURES, SLACK_S, STALL)
+from helpers.prompts import GREEDY, new_room, prompt
+from helpers.split_pair import direct_pair, kill9
+from helpers.waiting import wait_for
+from helpers.worker_checks import assert_clean, debug_rows
 
-GREEDY = {"temperature": 0}
-VOCAB_LO, VOCAB_HI = 10, 2047
-
-HEARTBEAT_S, HEARTBEAT_MISSES = 0.2, 5
-PEER_SILENCE_S = HEARTBEAT_S * HEARTBEAT_MISSES  # a silent peer is declared lost after this
-TRANSFER_FLOOR_S = 6.0  # > PEER_SILENCE_S + SLACK_S: a lost peer is seen before the transfer times out
-KV_WAIT_S = 10.0
-PREALLOC_S = 5.0
-PREFILL_STALL_S = 5.0
-LOOP_STALL_S = 5.0  # a loop that makes no progress for this long is wedged
-BOOTSTRAP_S = 8.0
-TOMBSTONE_S = 40.0
-SLACK_S = 3.0  # on top of a bound, for two busy shared cores
-
-DEADLINES = [
-    "--heartbeat-interval-s", str(HEARTBEAT_S), "--heartbeat-misses", str(HEARTBEAT_MISSES),
-    "--transfer-floor-s", str(TRANSFER_FLOOR_S), "--kv-wait-s", str(KV_WAIT_S),
-    "--prealloc-s", str(PREALLOC_S), "--bootstrap-s", str(BOOTSTRAP_S), "--queue-s", "8",
-    "--pending-registration-s", "8", "--prefill-stall-s", str(PREFILL_STALL_S), "--decode-stall-s", "5",
-    "--write-drain-s", "3", "--quarantine-resend-s", "0.5", "--register-resend-s", "1",
-    "--tombstone-s", str(TOMBSTONE_S), "--loop-stall-s", str(LOOP_STALL_S),
-    "--reclaim-s", "15",  # under the tombstone, as every deadline must be
-]
-STALL = ["--inject-faults", "stall_writes"]
-# a router that shows a failure instead of surviving it (its retries and decode-alone fallback are
-# tests/test_router_retry.py's and test_router_split.py's): these tests are about what it tells
-SHOW_FAILURES = ["--max-retries", "0", "--no-pd-fallback"]
 
 # "prefill request <rid> room=<room> ended FAILED(peer_lost): <detail> last_state=TRANSFERRING age=1.2s"
 ENDING = re.compile(r"\b(prefill|decode) request (\S+) room=(\d+) ended (\w+)\((\w+)\)(?::.*?)? "
@@ -88,26 +66,6 @@ ENDING = re.compile(r"\b(prefill|decode) request (\S+) room=(\d+) ended (\w+)\((
 
 
 # -- helpers -----------------------------------------------------------------------------------------
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(VOCAB_LO, VOCAB_HI) for _ in range(n)]
-
-
-def new_room() -> int:
-    return random.getrandbits(63)
-
-
-def get_json(worker, path: str):
-    """GET ``path`` from ``worker`` (a :class:`netns.NetnsServer` is asked from inside its namespace)."""
-    if hasattr(worker, "netns"):
-        return worker.get(path).json()
-    return requests.get(worker.url + path, timeout=10).json()
-
-
-def debug_rows(worker) -> list[dict]:
-    return get_json(worker, "/debug/requests")
 
 
 @dataclass
@@ -133,24 +91,6 @@ def ending_of(proc, room: int) -> Optional[Ending]:
     return found[0] if found else None
 
 
-def wait_for(what: str, check: Callable[[], object], timeout: float, interval: float = 0.05, on_fail=None):
-    """Poll ``check`` until it returns something truthy; AssertionError naming ``what`` after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last = None
-    while True:
-        try:
-            value = check()
-            if value:
-                return value
-            last = value
-        except (requests.RequestException, OSError) as exc:
-            last = exc
-        if time.monotonic() >= deadline:
-            extra = on_fail() if on_fail is not None else ""
-            raise AssertionError(f"{what}: not after {timeout:g}s (last: {last!r})\n{extra}")
-        time.sleep(interval)
-
-
 def wait_mid_transfer(prefill, decode, rooms: Optional[set] = None, n: int = 1, timeout: float = 30.0,
                       on_fail=None) -> set[int]:
     """Poll both workers' ``/debug/requests`` until ``n`` rooms (of ``rooms``, if given) are
@@ -164,69 +104,9 @@ def wait_mid_transfer(prefill, decode, rooms: Optional[set] = None, n: int = 1, 
     return wait_for(f"{n} room(s) mid-transfer", check, timeout, on_fail=on_fail)
 
 
-def assert_clean(worker, timeout: float = 20.0) -> dict:
-    """Live gauges 0, every page free, none quarantined, ``/debug/requests`` empty."""
-    if hasattr(worker, "netns"):
-        samples = worker.call(pages_back_to_total, worker, timeout)
-    else:
-        samples = pages_back_to_total(worker, timeout)
-    assert metric(samples, "splitserve_kv_pages_quarantined") == 0, samples
-    wait_for("/debug/requests empty", lambda: debug_rows(worker) == [], 5.0,
-             on_fail=lambda: json.dumps(debug_rows(worker)))
-    return samples
-
-
 def counted(samples: dict, role: str, outcome: str, reason: str) -> float:
     """``splitserve_requests_total`` for one lifecycle outcome and reason."""
     return metric(samples, "splitserve_requests_total", role=role, outcome=outcome, reason=reason)
-
-
-def kill9(proc: ServerProcess) -> float:
-    """SIGKILL and reap; the time of the kill."""
-    at = time.monotonic()
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
-    return at
-
-
-class Call:
-    """A function run in its own thread, timed: ``outcome()`` waits for it (bounded)."""
-
-    def __init__(self, fn: Callable, *args, **kwargs):
-        self.started = time.monotonic()
-        self.ended: Optional[float] = None
-        self.future: Future = Future()
-        self.thread = threading.Thread(target=self._run, args=(fn, args, kwargs), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn, args, kwargs) -> None:
-        try:
-            value = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            self.ended = time.monotonic()
-            self.future.set_exception(exc)
-        else:
-            self.ended = time.monotonic()
-            self.future.set_result(value)
-
-    def outcome(self, timeout: float):
-        """(response or exception, when it ended)."""
-        try:
-            value = self.future.result(timeout)
-        except TimeoutError:
-            raise AssertionError(f"no answer after {timeout:g}s: the client hangs") from None
-        except BaseException as exc:  # noqa: BLE001
-            value = exc
-        return value, self.ended
-
-
-def direct_pair(prefill, decode, ids: list[int], max_new_tokens: int, room: int, timeout: float) -> tuple[Call, Call]:
-    """What the router does, by hand: the same request with the same room to both workers at once
-    (the prefill's ``host`` if it has one: a :class:`netns.NetnsServer`)."""
-    extra = {"bootstrap_host": getattr(prefill, "host", "127.0.0.1"), "bootstrap_port": prefill.bootstrap_port,
-             "bootstrap_room": room}
-    return tuple(Call(getattr(w, "post_generate", post_generate), w.url, ids, max_new_tokens, timeout=timeout,
-                      extra=extra, **GREEDY) for w in (prefill, decode))
 
 
 def error_message(resp: requests.Response) -> str:

@@ -29,7 +29,10 @@ import requests
 
 from cluster import Cluster, RouterProcess, metric, metrics, pages_back_to_total, post_generate
 from conftest import ServerProcess, free_port
-from test_faults import DEADLINES, GREEDY, SHOW_FAILURES, kill9, prompt, wait_for
+from helpers.fault_deadlines import DEADLINES, PEER_SILENCE_S, SHOW_FAILURES
+from helpers.prompts import GREEDY, new_room, prompt
+from helpers.split_pair import direct_pair, kill9
+from helpers.waiting import wait_for
 
 LOOP_STALL_S = 2.0
 HEALTH_S, HEALTH_FAILURES = 0.5, 2
@@ -110,7 +113,6 @@ def test_a_hung_transfer_thread_is_seen_and_its_peers_are_let_go(wedging):
     seen: within the loop bound ``P2``'s ``/health`` answers 503 naming the thread, the room fails on
     both sides (``P2`` declares decode ``D1`` lost; ``D1`` fences ``P2``'s session and frees its
     pages)."""
-    from test_faults import PEER_SILENCE_S, direct_pair, new_room
 
     c, _ = wedging
     P, D = c.prefill[1], c.decode[0]

@@ -37,7 +37,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from cluster import Cluster, RouterProcess, free_port, metrics, start_routers, stop_routers
 from conftest import REPO, log_dir
 from splitserve.auth import bearer
-from test_faults import Call, wait_for
+from helpers.calls import Call
+from helpers.waiting import wait_for
 
 STALL_FLOOR_S = 8.0  # P2's transfer deadline: a stalled request is late after 4 s, fails at 8 s
 DEPLOY = REPO / "deploy"

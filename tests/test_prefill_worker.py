@@ -18,7 +18,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from cluster import Cluster, metric, metric_sum, metrics, post_generate
-from test_faults import DEADLINES, GREEDY, assert_clean, prompt
+from helpers.fault_deadlines import DEADLINES
+from helpers.prompts import GREEDY, prompt
+from helpers.worker_checks import assert_clean
 
 RESEND_S = 0.5
 

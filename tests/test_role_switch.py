@@ -37,7 +37,8 @@ from conftest import CLUSTER_SECRET, free_port
 from etcd_cluster import Load
 from etcd_server import have_etcd
 from splitserve.auth import bearer
-from test_faults import GREEDY, prompt, wait_for
+from helpers.prompts import GREEDY, prompt
+from helpers.waiting import wait_for
 
 ADMIN, WORKER, METRICS = "role-test-admin-key", "role-test-worker-key", "role-test-metrics-key"
 KEYS = ["--admin-api-key", ADMIN, "--worker-api-key", WORKER, "--metrics-api-key", METRICS]
