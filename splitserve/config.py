@@ -162,6 +162,10 @@ class ServerConfig(FrontConfig):
     """This worker's id, stable across its restarts (reported on /health and /get_server_info with
     the incarnation drawn at each start; the router tracks workers by them); default
     ROLE@ADVERTISE_HOST:PORT."""
+    role_file: Optional[str] = None
+    """A file the worker writes its role to (one word and a newline, replaced whole), at start and
+    at each role switch (POST /role) before it is answered: whoever starts it again reads it, so a
+    worker switched and then killed comes back switched (`splitserve launch` gives each worker one)."""
     discovery: Optional[str] = None
     """Prefill and decode roles: register in etcd, etcd://HOST:PORT/PREFIX (etcds:// for TLS), under
     a lease kept alive while the worker runs; routers with the same --discovery find it there. Its

@@ -63,6 +63,13 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
             from splitserve.disagg.control.curve import ClusterSecret
 
             ClusterSecret.load(server_config.cluster_secret_file, warn=False)
+        if server_config.role_file:
+            from splitserve.server.role_file import write_role
+
+            try:
+                write_role(server_config.role_file, server_config.role)
+            except OSError as exc:
+                raise ValueError(f"--role-file {server_config.role_file}: cannot write it: {exc}") from None
     except ValueError as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
         return 2

@@ -33,7 +33,9 @@ The switch (:func:`switch`), in order — what it does to each state of each rol
    tells every peer goodbye (they end its sessions at once) and closes, its transfer agent (NIXL or
    tcp) closes, every page it held goes back; the new role is built on the same engine and KV pool,
    under a **new incarnation**, and starts (a prefill binds its ``--bootstrap-port``);
-4. serve again, and register the new record (new role, incarnation and bootstrap port) in etcd.
+4. write the new role to ``--role-file`` (``server/role_file.py``: whoever restarts the worker
+   reads it), serve again, and register the new record (new role, incarnation and bootstrap port)
+   in etcd.
 
 A router sees the new incarnation and role at its next health check (``router/workers.py``).
 The switch runs in a task of its own: a client that disconnects does not stop it half way.
@@ -52,6 +54,7 @@ from splitserve.auth import check_bootstrap_trust
 from splitserve.discovery.record import loads_shallow
 from splitserve.errors import error_body
 from splitserve.http_util import read_body
+from splitserve.server.role_file import write_role
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +172,7 @@ async def switch(state, target, make_role=None) -> int:
             log.warning("role switch: the %s role still held %d pages when it closed (given back)", config.role,
                         released)
         state.config, state.incarnation = target, incarnation
+        _record_role(target)
         _serve(state)
         log.info("role switch: a %s worker now, incarnation %s, epoch %d", target.role, incarnation, state.epoch)
         return released
@@ -217,6 +221,18 @@ async def _back(state, loop, config, deadlines, why: str, make_role) -> None:
         raise SwitchFailed(f"and the {config.role} role could not start again: restart the worker") from None
     state.incarnation = incarnation
     _serve(state)
+
+
+def _record_role(config) -> None:
+    """The new role in ``--role-file``, before the switch is answered: a worker killed right after
+    comes back in it. A file that cannot be written is logged, and the switch stands."""
+    if not config.role_file:
+        return
+    try:
+        write_role(config.role_file, config.role)
+    except OSError as exc:
+        log.error("role switch: cannot write --role-file %s (%s): a restart would take the old role", config.role_file,
+                  exc)
 
 
 def _serve(state) -> None:
