@@ -17,6 +17,10 @@
 // row), so a token's logits are the same whether it was computed in a prefill chunk of any size or
 // alone (what the recompute after a lost transfer relies on).
 //
+// An int8 pool (--kv-cache-dtype int8, layers/kv_int8.py) has rows of D int8 values and their float32
+// scale after them: attention reads them in place (a key's dot product, a value's weight, times the
+// row's scale), rope_store quantizes as kv_int8.quantize does, bit for bit.
+//
 //   decode_attention   one query row per sequence over its paged KV, read in place (no gather)
 //   prefill_attention  the rows of one prompt chunk over the sequence's paged KV, each as decode would
 //   add_rms_norm       residual += x (rounded like the reference's add), then RMSNorm of it
@@ -37,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -44,6 +49,7 @@ namespace {
 using bf16 = at::BFloat16;
 
 inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return float(x); }
 inline float to_float(bf16 x) {
   uint32_t u = uint32_t(x.x) << 16;
   float f;
@@ -71,6 +77,17 @@ template <typename T> inline void load(const T* src, float* dst, int64_t n) {
 template <typename T> inline void store(const float* src, T* dst, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) dst[i] = from_float<T>(src[i]);
+}
+
+// The scale of a pool row of D values: an int8 row's float32 after its values; 1 (never applied) else.
+template <typename K> inline float row_scale(const K* row, int64_t D) {
+  if constexpr (std::is_same_v<K, int8_t>) {
+    float f;
+    std::memcpy(&f, row + D, sizeof f);
+    return f;
+  } else {
+    return 1.f;
+  }
 }
 
 // exp(x), x clamped to [-87, 88] (below: ~1e-38 instead of 0; above: ~1.6e38 instead of inf):
@@ -118,6 +135,9 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const bf16* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 // fast_exp on 8 lanes, the same operations
 inline __m256 fast_exp8(__m256 x) {
@@ -184,6 +204,7 @@ inline void page_scores(const float* q, const T* k, int64_t rs, int64_t n, int64
       __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), load8(r));
       for (int64_t d = 8; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(r + d), a);
       out[i] = hsum8(a);
+      if constexpr (std::is_same_v<T, int8_t>) out[i] *= row_scale(r, D);
     }
     return;
   }
@@ -193,6 +214,7 @@ inline void page_scores(const float* q, const T* k, int64_t rs, int64_t n, int64
     float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
     for (int64_t d = 0; d < D; ++d) part[d % 8] += q[d] * to_float(r[d]);
     out[i] = sum8(part);
+    if constexpr (std::is_same_v<T, int8_t>) out[i] *= row_scale(r, D);
   }
 }
 
@@ -200,7 +222,8 @@ template <typename T>
 inline void page_accumulate(const float* w, const T* v, int64_t rs, int64_t n, int64_t D, float* acc) {
   for (int64_t i = 0; i < n; ++i) {
     const T* r = v + i * rs;
-    const float wi = w[i];
+    float wi = w[i];
+    if constexpr (std::is_same_v<T, int8_t>) wi *= row_scale(r, D);
 #pragma omp simd
     for (int64_t d = 0; d < D; ++d) acc[d] += wi * to_float(r[d]);  // elementwise: any vectorization
   }
@@ -211,6 +234,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const bf16* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // GB query heads of one kv head, of R consecutive rows of one sequence (row r attends its first
@@ -238,7 +264,9 @@ inline void attend_heads_v(const float* q, int64_t qs, const T* kv, const int64_
         for (int g = 0; g < GB; ++g) {
           __m512 a = _mm512_mul_ps(qv[r][g][0], kr[0]);
           for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[r][g][c], kr[c], a);
-          scores[(r * GB + g) * Lmax + t0 + i] = _mm512_reduce_add_ps(a);
+          float sc = _mm512_reduce_add_ps(a);
+          if constexpr (std::is_same_v<T, int8_t>) sc *= row_scale(k + i * s_row, DV * 16);
+          scores[(r * GB + g) * Lmax + t0 + i] = sc;
         }
       }
     }
@@ -259,7 +287,9 @@ inline void attend_heads_v(const float* q, int64_t qs, const T* kv, const int64_
       for (int r = 0; r < R; ++r) {
         if (t0 + i >= L[r]) continue;
         for (int g = 0; g < GB; ++g) {
-          const __m512 w = _mm512_set1_ps(scores[(r * GB + g) * Lmax + t0 + i]);
+          float wi = scores[(r * GB + g) * Lmax + t0 + i];
+          if constexpr (std::is_same_v<T, int8_t>) wi *= row_scale(v + i * s_row, DV * 16);
+          const __m512 w = _mm512_set1_ps(wi);
           for (int c = 0; c < DV; ++c) acc[r][g][c] = _mm512_fmadd_ps(w, vr[c], acc[r][g][c]);
         }
       }
@@ -299,11 +329,16 @@ inline void attend_group_v(int64_t gb, const float* q, int64_t qs, const T* kv, 
 }
 #endif
 
-// The layout of one layer of the pool: kv [num_pages, 2, P, Hkv, D], any outer strides.
+// The layout of one layer of the pool: kv [num_pages, 2, P, Hkv, D] (int8: D + 4 bytes a row, the
+// scale last), any outer strides.
+constexpr int64_t kScaleBytes = 4;
+inline int64_t head_dim_of(const at::Tensor& kv) {
+  return kv.size(4) - (kv.scalar_type() == at::kChar ? kScaleBytes : 0);
+}
 struct KVView {
   int64_t P, Hkv, D, s_page, s_kv, s_row, s_head;
   explicit KVView(const at::Tensor& kv)
-      : P(kv.size(2)), Hkv(kv.size(3)), D(kv.size(4)), s_page(kv.stride(0)), s_kv(kv.stride(1)),
+      : P(kv.size(2)), Hkv(kv.size(3)), D(head_dim_of(kv)), s_page(kv.stride(0)), s_kv(kv.stride(1)),
         s_row(kv.stride(2)), s_head(kv.stride(3)) {}
 };
 
@@ -311,8 +346,8 @@ struct KVView {
 // attend the first L tokens held in `pages`; the result goes to out (heads osH apart). Every row
 // of a decode batch and of a prefill chunk goes through here (AVX-512: up to 16 / DV heads at once,
 // each key and value row loaded once for them).
-template <typename T, int DV>
-void attend_item(const T* q, int64_t qsH, const T* kvp, const KVView& kv, int64_t h, const int64_t* pages,
+template <typename T, typename K, int DV>
+void attend_item(const T* q, int64_t qsH, const K* kvp, const KVView& kv, int64_t h, const int64_t* pages,
                  int64_t L, float scale, int64_t G, T* out, int64_t osH, std::vector<float>& qf,
                  std::vector<float>& acc, std::vector<float>& scores) {
   const int64_t D = kv.D, P = kv.P;
@@ -327,7 +362,7 @@ void attend_item(const T* q, int64_t qsH, const T* kvp, const KVView& kv, int64_
   if constexpr (DV > 0) {
     constexpr int64_t gmax = heads_per_group(DV, 1);
     for (int64_t g0 = 0; g0 < G; g0 += gmax) {
-      attend_group_v<T, DV, 1>(std::min(gmax, G - g0), qf.data() + g0 * D, 0, kvp + h * kv.s_head, pages, &L, P,
+      attend_group_v<K, DV, 1>(std::min(gmax, G - g0), qf.data() + g0 * D, 0, kvp + h * kv.s_head, pages, &L, P,
                                kv.s_page, kv.s_kv, kv.s_row, scores.data(), acc.data() + g0 * D);
     }
   } else
@@ -335,14 +370,14 @@ void attend_item(const T* q, int64_t qsH, const T* kvp, const KVView& kv, int64_
   {
     for (int64_t g = 0; g < G; ++g) {
       for (int64_t t0 = 0; t0 < L; t0 += P) {
-        const T* k = kvp + pages[t0 / P] * kv.s_page + h * kv.s_head;
+        const K* k = kvp + pages[t0 / P] * kv.s_page + h * kv.s_head;
         page_scores(qf.data() + g * D, k, kv.s_row, std::min(P, L - t0), D, scores.data() + t0);
       }
       const float inv = softmax_unnormalized(scores.data(), L);
       float* ag = acc.data() + g * D;
       std::fill(ag, ag + D, 0.f);
       for (int64_t t0 = 0; t0 < L; t0 += P) {
-        const T* v = kvp + pages[t0 / P] * kv.s_page + kv.s_kv + h * kv.s_head;
+        const K* v = kvp + pages[t0 / P] * kv.s_page + kv.s_kv + h * kv.s_head;
         page_accumulate(scores.data() + t0, v, kv.s_row, std::min(P, L - t0), D, ag);
       }
       for (int64_t d = 0; d < D; ++d) ag[d] *= inv;
@@ -355,8 +390,8 @@ void attend_item(const T* q, int64_t qsH, const T* kvp, const KVView& kv, int64_
 // heads of kv head h: each key and value row is loaded once for both rows, each (row, head) runs
 // exactly what attend_item runs for it (the same bits: a row's result never depends on its
 // neighbour). Where two rows' registers do not fit (D = 256, or no AVX-512), one row at a time.
-template <typename T, int DV>
-void attend_pair(const T* q, int64_t qsT, int64_t qsH, const T* kvp, const KVView& kv, int64_t h,
+template <typename T, typename K, int DV>
+void attend_pair(const T* q, int64_t qsT, int64_t qsH, const K* kvp, const KVView& kv, int64_t h,
                  const int64_t* pages, int64_t L0, float scale, int64_t G, T* out, int64_t osT, int64_t osH,
                  std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores) {
 #if defined(__AVX512F__)
@@ -373,7 +408,7 @@ void attend_pair(const T* q, int64_t qsT, int64_t qsH, const T* kvp, const KVVie
         for (int64_t d = 0; d < D; ++d) dst[d] *= scale;
       }
     for (int64_t g0 = 0; g0 < G; g0 += gmax) {
-      attend_group_v<T, DV, 2>(std::min(gmax, G - g0), qf.data() + g0 * D, G * D, kvp + h * kv.s_head, pages, L,
+      attend_group_v<K, DV, 2>(std::min(gmax, G - g0), qf.data() + g0 * D, G * D, kvp + h * kv.s_head, pages, L,
                                kv.P, kv.s_page, kv.s_kv, kv.s_row, scores.data(), acc.data() + g0 * D);
     }
     for (int64_t r = 0; r < 2; ++r)
@@ -382,12 +417,12 @@ void attend_pair(const T* q, int64_t qsT, int64_t qsH, const T* kvp, const KVVie
   }
 #endif
   for (int64_t r = 0; r < 2; ++r)
-    attend_item<T, DV>(q + r * qsT, qsH, kvp, kv, h, pages, L0 + r, scale, G, out + r * osT, osH, qf, acc, scores);
+    attend_item<T, K, DV>(q + r * qsT, qsH, kvp, kv, h, pages, L0 + r, scale, G, out + r * osT, osH, qf, acc, scores);
 }
 
 // q [B, H, D]; kv one layer of the pool; table [B, max_pages] int64; lens [B] int64; out [B, H, D].
 // Work item = (sequence, kv head).
-template <typename T, int DV>
+template <typename T, typename K, int DV>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& table,
                            const at::Tensor& lens, double scale, at::Tensor& out) {
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
@@ -395,7 +430,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::
   const int64_t G = H / view.Hkv;
   const int64_t qsB = q.stride(0), qsH = q.stride(1), tsB = table.stride(0), osB = out.stride(0), osH = out.stride(1);
   const T* qp = q.data_ptr<T>();
-  const T* kvp = kv.data_ptr<T>();
+  const K* kvp = kv.data_ptr<K>();
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
@@ -405,7 +440,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::
     std::vector<float> qf, acc, scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / view.Hkv, h = item % view.Hkv;
-      attend_item<T, DV>(qp + b * qsB + h * G * qsH, qsH, kvp, view, h, tp + b * tsB, lp[b], float(scale), G,
+      attend_item<T, K, DV>(qp + b * qsB + h * G * qsH, qsH, kvp, view, h, tp + b * tsB, lp[b], float(scale), G,
                          op + b * osB + h * G * osH, osH, qf, acc, scores);
     }
   });
@@ -413,7 +448,7 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::
 
 // q [n, H, D]: a chunk of one sequence's rows, row i at position start + i (its keys already in the
 // pool: rope_store ran first); pages [>= ceil((start + n) / P)] int64. Work item = (pair of rows, kv head).
-template <typename T, int DV>
+template <typename T, typename K, int DV>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& pages, int64_t start,
                             double scale, at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
@@ -421,7 +456,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at:
   const int64_t G = H / view.Hkv;
   const int64_t qsT = q.stride(0), qsH = q.stride(1), osT = out.stride(0), osH = out.stride(1);
   const T* qp = q.data_ptr<T>();
-  const T* kvp = kv.data_ptr<T>();
+  const K* kvp = kv.data_ptr<K>();
   const int64_t* pp = pages.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
   const int64_t work = n * (start + n) * H * D * 2, pairs = (n + 1) / 2;
@@ -432,45 +467,58 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& kv, const at:
       const T* qi = qp + i * qsT + h * G * qsH;
       T* oi = op + i * osT + h * G * osH;
       if (i + 1 < n)
-        attend_pair<T, DV>(qi, qsT, qsH, kvp, view, h, pp, start + i + 1, float(scale), G, oi, osT, osH, qf, acc,
+        attend_pair<T, K, DV>(qi, qsT, qsH, kvp, view, h, pp, start + i + 1, float(scale), G, oi, osT, osH, qf, acc,
                            scores);
       else
-        attend_item<T, DV>(qi, qsH, kvp, view, h, pp, start + i + 1, float(scale), G, oi, osH, qf, acc, scores);
+        attend_item<T, K, DV>(qi, qsH, kvp, view, h, pp, start + i + 1, float(scale), G, oi, osH, qf, acc, scores);
     }
   });
 }
 
-template <typename T, template <typename, int> class Impl>
+template <typename T, typename K, template <typename, typename, int> class Impl>
 struct ByHeadDim {
   template <typename... Args>
   static void run(int64_t D, Args&&... args) {
 #if defined(__AVX512F__)
     switch (D) {
-      case 64: return Impl<T, 4>::run(args...);
-      case 128: return Impl<T, 8>::run(args...);
-      case 256: return Impl<T, 16>::run(args...);
+      case 64: return Impl<T, K, 4>::run(args...);
+      case 128: return Impl<T, K, 8>::run(args...);
+      case 256: return Impl<T, K, 16>::run(args...);
       default: break;
     }
 #endif
-    Impl<T, 0>::run(args...);
+    Impl<T, K, 0>::run(args...);
   }
 };
 
-template <typename T, int DV>
+template <typename T, typename K, int DV>
 struct DecodeImpl {
   template <typename... Args>
-  static void run(Args&&... args) { decode_attention_impl<T, DV>(args...); }
+  static void run(Args&&... args) { decode_attention_impl<T, K, DV>(args...); }
 };
-template <typename T, int DV>
+template <typename T, typename K, int DV>
 struct PrefillImpl {
   template <typename... Args>
-  static void run(Args&&... args) { prefill_attention_impl<T, DV>(args...); }
+  static void run(Args&&... args) { prefill_attention_impl<T, K, DV>(args...); }
 };
+
+// Impl<q's type, the pool's type> by the tensors' dtypes: float32 or bfloat16 q over a pool of the
+// same dtype or of int8 rows
+template <template <typename, typename, int> class Impl, typename... Args>
+void by_dtypes(const at::Tensor& q, const at::Tensor& kv, Args&&... args) {
+  const bool f32 = q.scalar_type() == at::kFloat, i8 = kv.scalar_type() == at::kChar;
+  if (f32 && i8) return ByHeadDim<float, int8_t, Impl>::run(q.size(2), args...);
+  if (f32) return ByHeadDim<float, float, Impl>::run(q.size(2), args...);
+  if (i8) return ByHeadDim<bf16, int8_t, Impl>::run(q.size(2), args...);
+  ByHeadDim<bf16, bf16, Impl>::run(q.size(2), args...);
+}
 
 void check_attention(const at::Tensor& q, const at::Tensor& kv) {
   TORCH_CHECK(q.dim() == 3 && kv.dim() == 5, "q must be [rows, H, D] and kv [pages, 2, P, Hkv, D]");
-  TORCH_CHECK(kv.size(1) == 2 && kv.size(4) == q.size(2) && q.size(1) % kv.size(3) == 0, "q / kv shapes disagree");
-  TORCH_CHECK(q.scalar_type() == kv.scalar_type(), "q and kv dtypes differ");
+  TORCH_CHECK(kv.size(1) == 2 && head_dim_of(kv) == q.size(2) && q.size(1) % kv.size(3) == 0,
+              "q / kv shapes disagree");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type() || kv.scalar_type() == at::kChar,
+              "kv must be of q's dtype or int8 rows");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "attention: float32 or bfloat16 only");
   check_last_dim_contiguous(q, "q");
   check_last_dim_contiguous(kv, "kv");
@@ -484,11 +532,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& kv, const at:
   TORCH_CHECK(table.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "table and lens must be int64");
   auto table_c = table.contiguous(), lens_c = lens.contiguous();
   auto out = at::empty(q.sizes(), q.options());
-  if (q.scalar_type() == at::kFloat) {
-    ByHeadDim<float, DecodeImpl>::run(q.size(2), q, kv, table_c, lens_c, scale, out);
-  } else {
-    ByHeadDim<bf16, DecodeImpl>::run(q.size(2), q, kv, table_c, lens_c, scale, out);
-  }
+  by_dtypes<DecodeImpl>(q, kv, q, kv, table_c, lens_c, scale, out);
   return out;
 }
 
@@ -499,11 +543,7 @@ at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& kv, const at
   TORCH_CHECK(start >= 0 && pages.size(0) * kv.size(2) >= start + q.size(0), "pages do not hold start + rows tokens");
   auto pages_c = pages.contiguous();
   auto out = at::empty(q.sizes(), q.options());
-  if (q.scalar_type() == at::kFloat) {
-    ByHeadDim<float, PrefillImpl>::run(q.size(2), q, kv, pages_c, start, scale, out);
-  } else {
-    ByHeadDim<bf16, PrefillImpl>::run(q.size(2), q, kv, pages_c, start, scale, out);
-  }
+  by_dtypes<PrefillImpl>(q, kv, q, kv, pages_c, start, scale, out);
   return out;
 }
 
@@ -570,17 +610,36 @@ at::Tensor add_rms_norm(const std::optional<at::Tensor>& x, at::Tensor residual,
 
 // -- rotary embedding + KV store --------------------------------------------------------------
 
+// x[0, D) -> dst: D int8 values, then their float32 scale; kv_int8.quantize's operations (absmax /
+// 127, x / scale rounded half to even, clamped to +-127; 0 where the scale is 0), bit for bit.
+template <typename T>
+inline void quantize_row(const T* x, int8_t* dst, int64_t D) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) {
+    const float a = std::fabs(to_float(x[d]));
+    amax = a > amax ? a : amax;
+  }
+  const float scale = amax / 127.f;
+  for (int64_t d = 0; d < D; ++d) {
+    float v = scale > 0.f ? std::nearbyint(to_float(x[d]) / scale) : 0.f;
+    v = v < -127.f ? -127.f : (v > 127.f ? 127.f : v);
+    dst[d] = int8_t(v);
+  }
+  std::memcpy(dst + D, &scale, sizeof scale);
+}
+
 // qkv [T, (H + 2 Hkv) D] (unit last stride): q and k heads rotated in place ("rotate half": with
 // x = [x1, x2], x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin); then k and v copied to
-// kv [num_pages, 2, P, Hkv, D] at (slot_pages[t], slot_offsets[t]). cos, sin: [T, D / 2] float32.
-template <typename T>
+// kv [num_pages, 2, P, Hkv, D] at (slot_pages[t], slot_offsets[t]), or quantized into an int8 pool's
+// rows (K = int8_t). cos, sin: [T, D / 2] float32.
+template <typename T, typename K>
 void rope_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv,
                      at::Tensor& kv, const at::Tensor& pages, const at::Tensor& offsets) {
-  const int64_t rows = qkv.size(0), D = kv.size(4), half = D / 2;
+  const int64_t rows = qkv.size(0), D = head_dim_of(kv), half = D / 2;
   const int64_t qs = qkv.stride(0);
   const int64_t kvs0 = kv.stride(0), kvs1 = kv.stride(1), kvs2 = kv.stride(2), kvs3 = kv.stride(3);
   T* qp = qkv.data_ptr<T>();
-  T* kvp = kv.data_ptr<T>();
+  K* kvp = kv.data_ptr<K>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t* pp = pages.data_ptr<int64_t>();
@@ -601,10 +660,15 @@ void rope_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
           xh[i + half] = from_float<T>(x2 * c[i] + x1 * s[i]);
         }
       }
-      T* slot = kvp + pp[t] * kvs0 + offp[t] * kvs2;
+      K* slot = kvp + pp[t] * kvs0 + offp[t] * kvs2;
       for (int64_t head = 0; head < Hkv; ++head) {
-        std::memcpy(slot + head * kvs3, row + (H + head) * D, D * sizeof(T));
-        std::memcpy(slot + kvs1 + head * kvs3, row + (H + Hkv + head) * D, D * sizeof(T));
+        if constexpr (std::is_same_v<K, int8_t>) {
+          quantize_row(row + (H + head) * D, slot + head * kvs3, D);
+          quantize_row(row + (H + Hkv + head) * D, slot + kvs1 + head * kvs3, D);
+        } else {
+          std::memcpy(slot + head * kvs3, row + (H + head) * D, D * sizeof(T));
+          std::memcpy(slot + kvs1 + head * kvs3, row + (H + Hkv + head) * D, D * sizeof(T));
+        }
       }
     }
   });
@@ -613,21 +677,24 @@ void rope_store_impl(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 void rope_store(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t Hkv,
                 at::Tensor kv, const at::Tensor& pages, const at::Tensor& offsets) {
   TORCH_CHECK(qkv.dim() == 2 && kv.dim() == 5 && kv.size(1) == 2 && kv.size(3) == Hkv, "bad shapes");
-  const int64_t D = kv.size(4), T = qkv.size(0);
+  const int64_t D = head_dim_of(kv), T = qkv.size(0);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * Hkv) * D, "qkv must be [T, (H + 2 Hkv) D]");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
               sin.is_contiguous() && cos.size(0) == T && cos.size(1) == D / 2 && sin.sizes() == cos.sizes(),
               "cos and sin must be contiguous float32 [T, D / 2]");
   TORCH_CHECK(pages.scalar_type() == at::kLong && offsets.scalar_type() == at::kLong && pages.is_contiguous() &&
               offsets.is_contiguous() && pages.size(0) == T && offsets.size(0) == T, "slots must be int64 [T]");
-  TORCH_CHECK(qkv.scalar_type() == kv.scalar_type(), "qkv and kv dtypes differ");
-  TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == D, "kv rows must be contiguous");
+  const bool i8 = kv.scalar_type() == at::kChar;
+  TORCH_CHECK(qkv.scalar_type() == kv.scalar_type() || i8, "kv must be of qkv's dtype or int8 rows");
+  TORCH_CHECK(kv.stride(4) == 1 && kv.stride(3) == kv.size(4), "kv rows must be contiguous");
   check_last_dim_contiguous(qkv, "qkv");
   if (qkv.scalar_type() == at::kFloat) {
-    rope_store_impl<float>(qkv, cos, sin, H, Hkv, kv, pages, offsets);
+    i8 ? rope_store_impl<float, int8_t>(qkv, cos, sin, H, Hkv, kv, pages, offsets)
+       : rope_store_impl<float, float>(qkv, cos, sin, H, Hkv, kv, pages, offsets);
   } else {
     TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rope_store: float32 or bfloat16 only");
-    rope_store_impl<bf16>(qkv, cos, sin, H, Hkv, kv, pages, offsets);
+    i8 ? rope_store_impl<bf16, int8_t>(qkv, cos, sin, H, Hkv, kv, pages, offsets)
+       : rope_store_impl<bf16, bf16>(qkv, cos, sin, H, Hkv, kv, pages, offsets);
   }
 }
 
