@@ -41,10 +41,11 @@ schema, far below what would make its compilation or its cache costly."""
 MAX_SCHEMA_DEPTH = 32
 """How deeply a schema's objects and arrays may nest (checked before anything recurses into it)."""
 MAX_INTERSECTED_PATTERNS = 8
-"""How many regexes (``pattern``, ``patternProperties``) a schema that uses ``allOf`` may hold:
-the grammar engine intersects the patterns ``allOf`` joins, in time exponential in their number
-(20 joined patterns of 20 bytes each took a second, 22 four, and no fuel limit of the engine bounds
-it), so the count is bounded before anything compiles."""
+"""How many regexes (``pattern``, ``patternProperties``) one join of a schema may intersect: the
+grammar engine intersects the patterns that ``allOf``, a ``$ref`` beside a constraint or an
+``anyOf`` beside one join on one value, in time exponential in their number (20 joined patterns of
+20 bytes each took a second, 22 four, whichever form joins them, and no fuel limit of the engine
+bounds it), so the count is bounded before anything compiles."""
 
 # The JSON a random model could pad without end is kept tight: no free whitespace between tokens.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -75,22 +76,50 @@ def _depth_ok(value: Any, limit: int) -> bool:
     return True
 
 
-def _patterns(schema: Any) -> tuple[int, bool]:
-    """How many regexes ``schema`` holds (``pattern`` values, ``patternProperties`` keys) and whether
-    it uses ``allOf`` anywhere; without recursion (its depth is checked first). A key that only
-    names a property ("pattern" under ``properties``) counts too: an overestimate, never under."""
-    count, joins, stack = 0, False, [schema]
+_NOT_CONSTRAINTS = frozenset({"title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+                              "writeOnly", "$id", "$schema", "$anchor", "$defs", "definitions"})
+"""Keys beside a ``$ref`` or an ``anyOf`` that constrain nothing, so join nothing to it."""
+
+
+def _joins(v: dict) -> bool:
+    """Whether the schema object ``v`` makes the grammar engine intersect subschemas on one value:
+    ``allOf``; a ``$ref`` beside a constraint (the target and the constraint both hold); an
+    ``anyOf``/``oneOf`` beside a constraint (each choice is joined with it)."""
+    if "allOf" in v:
+        return True
+    rest = set(v) - _NOT_CONSTRAINTS
+    if isinstance(v.get("$ref"), str) and rest - {"$ref"}:
+        return True
+    return ("anyOf" in v or "oneOf" in v) and bool(rest - {"anyOf", "oneOf"})
+
+
+def _own_patterns(v: dict) -> int:
+    props = v.get("patternProperties")
+    return isinstance(v.get("pattern"), str) + (len(props) if isinstance(props, dict) else 0)
+
+
+def _joined_patterns(schema: Any) -> int:
+    """The most regexes (``pattern`` values, ``patternProperties`` keys) one join of ``schema``
+    (see :func:`_joins`) can intersect: those inside the joining object, or every regex of the
+    schema where a ``$ref`` inside it could reach any of them. An overestimate, never under; 0
+    without a join. Without recursion (the depth is checked first)."""
+    below: dict[int, tuple[int, bool]] = {}  # id(node) -> (regexes inside it, whether it holds a $ref)
+    most, every, stack = 0, False, [(schema, False)]
     while stack:
-        v = stack.pop()
+        v, done = stack.pop()
+        kids = [k for k in (v.values() if isinstance(v, dict) else v) if isinstance(k, (dict, list))]
+        if not done:
+            stack.append((v, True))
+            stack.extend((k, False) for k in kids)
+            continue
+        inside = [below[id(k)] for k in kids]
+        count, refs = sum(c for c, _ in inside), any(r for _, r in inside)
         if isinstance(v, dict):
-            joins = joins or "allOf" in v
-            count += isinstance(v.get("pattern"), str)
-            if isinstance(v.get("patternProperties"), dict):
-                count += len(v["patternProperties"])
-            stack.extend(v.values())
-        elif isinstance(v, list):
-            stack.extend(v)
-    return count, joins
+            count, refs = count + _own_patterns(v), refs or isinstance(v.get("$ref"), str)
+            if _joins(v):
+                most, every = max(most, count), every or refs
+        below[id(v)] = (count, refs)
+    return below[id(schema)][0] if every else most
 
 
 def limit_message(error: str) -> str:
@@ -176,10 +205,11 @@ def schema_spec(schema: Any, param: str) -> GrammarSpec:
         raise InvalidRequest(f"{param} must be a JSON schema object", param)
     if not _depth_ok(schema, MAX_SCHEMA_DEPTH):
         raise InvalidRequest(f"{param} nests deeper than {MAX_SCHEMA_DEPTH} levels", param)
-    patterns, joins = _patterns(schema)
-    if joins and patterns > MAX_INTERSECTED_PATTERNS:
-        raise InvalidRequest(f"{param} holds {patterns} regexes (pattern, patternProperties) and allOf, which "
-                             f"intersects them; at most {MAX_INTERSECTED_PATTERNS} are accepted with allOf", param)
+    joined = _joined_patterns(schema)
+    if joined > MAX_INTERSECTED_PATTERNS:
+        raise InvalidRequest(f"{param} joins {joined} regexes (pattern, patternProperties) on one value (allOf, or "
+                             "$ref or anyOf beside other keywords), which intersects them; at most "
+                             f"{MAX_INTERSECTED_PATTERNS} are accepted", param)
     # keys keep the client's order: the order of "properties" is the order the answer's keys come in
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     if len(text.encode()) > MAX_SCHEMA_BYTES:
