@@ -227,7 +227,7 @@ def test_every_worker_launch_starts_has_a_bootstrap_port_that_every_worker_allow
     everyone = ",".join(f"127.0.0.1:{b}" for b in ports.bootstraps())
     assert all(s.argv[s.argv.index("--allowed-prefill") + 1] == everyone for s in workers)
     assert len({p for pair in ports.prefill + ports.decode for p in pair}) == 6
-    assert build_specs(config, python="py", ports=ports, run="r")[:3] == workers
+    assert [s.argv for s in build_specs(config, python="py", ports=ports, run="r")[:3]] == [s.argv for s in workers]
     with pytest.raises(ValueError, match="own --bootstrap-port"):
         build_specs(replace(config, worker_args="--bootstrap-port=9"), python="py")
 
@@ -389,8 +389,15 @@ def test_build_specs_hands_keys_over_in_the_environment_never_the_command_line(t
     assert all(s.env["SPLITSERVE_ADMIN_API_KEY"] == "the-operators-key" for s in own)
     secured = build_specs(LaunchConfig(split_cpus=False), python="py", environ={}, secret_file="/run/s")
     assert all(s.argv[s.argv.index("--cluster-secret-file") + 1] == "/run/s" for s in secured)  # the router too
-    plain = build_specs(LaunchConfig(split_cpus=False), python="py", environ={"SPLITSERVE_WORKER_API_KEY": "stray"})
-    assert all(not v for s in plain for v in s.env.values())  # no key, and none inherited
+    stray = {"SPLITSERVE_WORKER_API_KEY": "stray", "SPLITSERVE_METRICS_API_KEY": "stray2"}
+    *workers, router = build_specs(LaunchConfig(split_cpus=False), python="py", environ=stray)
+    worker_key = router.env["SPLITSERVE_WORKER_API_KEY"]  # unkeyed: the workers take fields from the router only
+    assert len(worker_key) >= 32 and worker_key != "stray"
+    for w in workers:
+        assert w.env["SPLITSERVE_WORKER_API_KEY"] == worker_key and len(w.env["SPLITSERVE_ADMIN_API_KEY"]) >= 32
+        assert not w.env["SPLITSERVE_API_KEY"] and not w.env["SPLITSERVE_METRICS_API_KEY"]
+    assert not router.env["SPLITSERVE_API_KEY"] and not router.env["SPLITSERVE_ADMIN_API_KEY"]  # its routes open
+    assert not router.env["SPLITSERVE_METRICS_API_KEY"]
 
 
 def test_build_specs_passes_more_options_on():
@@ -509,7 +516,8 @@ def test_launch_end_to_end(launch):
     for spec in specs[:2]:
         cpus, threads = _placement(spec)
         assert _cpus_allowed(pids[spec.name]) == cpus
-        info = requests.get(spec.url + "/get_server_info", timeout=10).json()
+        operator = {"Authorization": f"Bearer {spec.env['SPLITSERVE_ADMIN_API_KEY']}"}  # workers are always keyed
+        info = requests.get(spec.url + "/get_server_info", headers=operator, timeout=10).json()
         assert (info["cpus"], info["threads"]) == (cpus, int(threads)), spec.name
         placed[spec.name] = set(parse_cpu_list(cpus))
     if len(os.sched_getaffinity(0)) >= 2:
@@ -534,7 +542,8 @@ def test_a_decode_switched_to_prefill_under_launch_is_taken_by_the_other_decodes
     run.wait_for_output("processes are up", 180)
     router, switched = specs[-1].url, next(s for s in specs if s.name == "decode-1")
     epoch = requests.get(switched.url + "/health", timeout=10).json()["epoch"]
-    r = requests.post(switched.url + "/role", json={"role": "prefill", "epoch": epoch}, timeout=120)
+    r = requests.post(switched.url + "/role", json={"role": "prefill", "epoch": epoch}, timeout=120,
+                      headers={"Authorization": f"Bearer {switched.env['SPLITSERVE_ADMIN_API_KEY']}"})
     assert r.status_code == 200 and r.json()["switched"], r.text
 
     def prefills_in_rotation() -> int:
@@ -548,7 +557,8 @@ def test_a_decode_switched_to_prefill_under_launch_is_taken_by_the_other_decodes
     answers = [requests.post(router + "/v1/completions", json={"prompt": f"Hello {i}", "max_tokens": 4},
                              timeout=60) for i in range(10)]
     assert [a.status_code for a in answers] == [200] * 10, [a.text for a in answers if a.status_code != 200]
-    served = requests.get(switched.url + "/metrics", timeout=10).text
+    served = requests.get(switched.url + "/metrics", timeout=10,
+                          headers={"Authorization": f"Bearer {switched.env['SPLITSERVE_ADMIN_API_KEY']}"}).text
     assert re.search(r'^splitserve_requests_total\{[^}]*role="prefill"[^}]*\} [1-9]', served, re.M), served[-3000:]
     run.proc.send_signal(signal.SIGTERM)
     assert run.wait(60) == 0, run.out()

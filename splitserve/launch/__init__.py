@@ -4,8 +4,8 @@
 ``sys.executable -m splitserve.cli ...``: workers on free loopback ports, each with a bootstrap port
 too (a decode worker binds its own once switched to prefill, ``POST /role``) and every bootstrap port
 on each one's ``--allowed-prefill``, all picked in one place (:func:`launch_ports`); the router on
-``--port`` pointed at all of them. :class:`Supervisor` runs
-any list of specs (tests hand it plain ``python -c`` children):
+``--port`` pointed at all of them. :class:`Supervisor` (``supervisor.py``) starts, watches and
+stops them.
 
 Ports: launch picks free ports and the children bind them a moment later; another process can take
 one meanwhile, and may answer ``/health`` like a worker (a stray worker of another run). So every
@@ -21,55 +21,40 @@ together) out of the CPUs launch may run on, an equal share each, and one torch 
 ``--no-split-cpus`` lets every worker use every CPU). With fewer cores than workers they share,
 and launch warns. The router only moves bytes: it runs on every CPU.
 
-1. start every child, each in its own session (process group), its stdout and stderr merged into
-   a pipe that a thread per child echoes with a ``[name]`` prefix and keeps the last lines of;
-2. wait until every child with a ``health_url`` answers 200 there (at most ``ready_timeout_s``; on
-   timeout it names the children that are not healthy, with their last lines, and fails);
-3. print where each child listens and a curl example, then watch: a child that exits is reported
-   (name, pid, exit code or signal, last lines of its output), the others are stopped, and
-   ``run`` returns 1; SIGINT or SIGTERM stops every child and ``run`` returns 0.
+Keys: the workers always take a worker key (the router's, drawn for this run), so that only the
+router may send the fields that name a prefill to dial or continue a stream; and an operators'
+(admin) key, drawn unless given, written to a file of this run (mode 0600) that the summary names
+(``POST /role``, ``splitserve top``). The router is keyed for clients and operators only when a
+client or admin key is given (``docs/security.md``).
 
-Stopping: SIGTERM to each child's process group, then SIGKILL to the groups still alive after
-``stop_timeout_s`` (a second Ctrl-C or SIGTERM skips the wait). Workers drain on SIGTERM. A child
-marked ``stop_last`` (the etcd of ``--discovery local``) gets its SIGTERM once the others exited.
-
-No orphans, also when launch itself is killed with SIGKILL: on Linux every child is started with
-``prctl(PR_SET_PDEATHSIG, SIGTERM)`` (through ctypes, in the child between fork and exec), so the
-kernel sends it SIGTERM when launch dies; a child whose parent died before the prctl took effect
-exits at once. The death signal is tied to the thread that started the child, which is launch's
-main thread, alive until launch exits. Elsewhere only the process groups are used (an orderly exit
-of launch still stops everything; a SIGKILL of launch may leave children).
+Restarts: a worker that exits or is killed once everything is up is started again, in the role it
+last wrote to its role file (``serve --role-file``, a file of this run), on the same ports, under
+the same id and keys, as :class:`RestartPolicy` allows (``--restart-budget``); the router takes it
+back through its health checks or discovery. The supervisor (``supervisor.py``) runs it all.
 """
 
 from __future__ import annotations
 
-import collections
-import ctypes
-import json
 import os
+import secrets
 import shlex
-import signal
+import shutil
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
-import time
-import urllib.error
-import urllib.request
-import secrets
-import shutil
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Optional, Sequence, TextIO
+from typing import Callable, Mapping, Optional, Sequence
 
 from splitserve.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, METRICS_API_KEY_ENV, WORKER_API_KEY_ENV, load_key
 from splitserve.cpus import allowed_cpus, check_cpus, cpu_cores, format_cpu_list, split_between_workers
 from splitserve.hosts import host_port
+from splitserve.launch.child import ChildSpec
+from splitserve.launch.restart import RestartPolicy
+from splitserve.launch.supervisor import Supervisor
 from splitserve.transfer_backends import check_served
 
-TAIL_LINES = 30
-POLL_S = 0.2
-PR_SET_PDEATHSIG = 1
+__all__ = ["ChildSpec", "LaunchConfig", "LaunchPorts", "RestartPolicy", "Supervisor", "build_specs", "launch_ports",
+           "run_launch"]
 
 
 @dataclass(frozen=True)
@@ -132,29 +117,26 @@ class LaunchConfig:
     """etcd://HOST:PORT/PREFIX: the workers register in that etcd and the router finds them there
     (it gets no static list), so workers on other hosts registered there join too; local: launch
     starts an etcd on free loopback ports with a temporary data dir (etcd must be on PATH:
-    Debian's etcd-server) and uses it. Unkeyed, launch's decode workers still dial only launch's
-    prefills (--allowed-prefill); with --api-key they take whatever address the router names."""
+    Debian's etcd-server) and uses it. Launch's decode workers still dial only the bootstrap ports of
+    launch's workers (--allowed-prefill; --worker-args may add more)."""
+    restart_budget: int = 5
+    """A worker that exits or is killed once every process is up is started again (same ports, id
+    and keys; the role it last served in), at most this many times in --restart-window-s; one more
+    exit and launch gives up, stops everything and exits 1 naming it. 0: never restart (a worker's
+    exit stops everything)."""
+    restart_window_s: float = 600.0
+    """The window --restart-budget counts a worker's restarts in."""
+    restart_delay_s: float = 0.5
+    """The delay before a worker's first restart in the window; it doubles with each one more."""
+    restart_max_delay_s: float = 30.0
+    """The longest delay before a restart."""
 
-
-@dataclass(frozen=True)
-class ChildSpec:
-    name: str
-    """Short unique name used in every message (``prefill-0``, ``router``)."""
-    argv: tuple[str, ...]
-    url: Optional[str] = None
-    """Where it serves, for the summary."""
-    health_url: Optional[str] = None
-    """GET answering 200 means ready; None: ready once started."""
-    note: str = ""
-    """Extra words for the summary (``bootstrap port 8998``)."""
-    env: Optional[Mapping[str, str]] = None
-    """Extra environment variables (on top of launch's own)."""
-    stop_last: bool = False
-    """Stopped only once every other child has exited (or the stop bound passed): the etcd that
-    the workers revoke their leases in as they stop."""
-    worker_id: Optional[str] = None
-    """The id its ``/health`` must answer with to count as ready (a worker): another process that
-    answers 200 on its port is not it."""
+    def restart_policy(self) -> RestartPolicy:
+        """The restart options as a :class:`RestartPolicy`; ValueError naming one out of range."""
+        policy = RestartPolicy(self.restart_budget, self.restart_window_s, self.restart_delay_s,
+                               self.restart_max_delay_s)
+        policy.check()
+        return policy
 
 
 def free_ports(n: int, avoid: Sequence[int] = ()) -> list[int]:
@@ -246,7 +228,7 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
                 warn: Callable[[str], None] = _warn, cores_of: CoresOf = cpu_cores,
                 environ: Optional[Mapping[str, str]] = None, secret_file: Optional[str] = None,
                 etcd_data: Optional[str] = None, run: Optional[str] = None,
-                ports: Optional[LaunchPorts] = None) -> list[ChildSpec]:
+                ports: Optional[LaunchPorts] = None, role_dir: Optional[str] = None) -> list[ChildSpec]:
     """The workers, then the router, as ``python -m splitserve.cli`` command lines. ``allowed``:
     the CPUs to split between the workers (default: launch's own), ``cores_of`` how they group
     into physical cores (default: the kernel's topology); ``warn`` gets the warnings; ``environ``:
@@ -254,7 +236,8 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     ``--cluster-secret-file`` (default ``config.cluster_secret_file``; none without either);
     ``etcd_data``: the data dir of the etcd ``--discovery local`` starts (default a new temporary one);
     ``run``: what the workers' ids end in (default drawn at random: ids of this run only);
-    ``ports``: every process's ports (default :func:`launch_ports`)."""
+    ``ports``: every process's ports (default :func:`launch_ports`); ``role_dir``: the folder of the
+    workers' role files (``serve --role-file``; default none: a worker restarts in its first role)."""
     if config.num_prefill < 1 or config.num_decode < 1:
         raise ValueError("launch needs at least one prefill and one decode worker")
     if config.transfer_backend is not None:
@@ -286,7 +269,7 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     extra = ("--allowed-prefill", ",".join(host_port("127.0.0.1", b) for b in ports.bootstraps()))
     secret = secret_file or config.cluster_secret_file
     extra += _worker_args(config, secret, discovery)
-    workers, router_args = _worker_specs(config, cli, extra, ports, cpus, cores_of, worker_env, run)
+    workers, router_args = _worker_specs(config, cli, extra, ports, cpus, cores_of, worker_env, run, role_dir)
     specs += workers
     if discovery:  # the router finds every worker in etcd, these and any registered elsewhere
         router_args = ["--discovery", discovery]
@@ -301,19 +284,21 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
 
 
 def _keys_env(config: LaunchConfig, environ: Optional[Mapping[str, str]]) -> tuple[dict, dict]:
-    """The workers' and the router's environment of keys (keys never go on a command line)."""
+    """The workers' and the router's environment of keys (keys never go on a command line). The
+    workers always get the worker key (drawn: the router's, known to it and them only) and an admin
+    key (given, or drawn); the router gets the worker key, and the client and admin keys only when
+    a client or admin key is given (unkeyed, its own routes stay open)."""
     client_key = load_key(config.api_key, config.api_key_file, API_KEY_ENV, environ=environ)
-    admin_key = load_key(config.admin_api_key, config.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key",
-                         environ)
-    keyed = bool(client_key or admin_key)  # then every process is keyed: docs/security.md
-    worker_key = secrets.token_urlsafe(32) if keyed else None  # the router's, known to it and its workers only
-    admin_key = admin_key or (secrets.token_urlsafe(32) if keyed else None)
-    if admin_key is not None and admin_key == client_key:
+    given_admin = load_key(config.admin_api_key, config.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key",
+                           environ)
+    keyed = bool(client_key or given_admin)  # then the router is keyed too: docs/security.md
+    admin_key = given_admin or secrets.token_urlsafe(32)
+    if admin_key == client_key:
         raise ValueError("--api-key and --admin-api-key are the same key: give each its own")
     # an empty variable is no key: nothing stray is inherited
-    worker_env = {API_KEY_ENV: "", WORKER_API_KEY_ENV: worker_key or "", ADMIN_API_KEY_ENV: admin_key or "",
+    worker_env = {API_KEY_ENV: "", WORKER_API_KEY_ENV: secrets.token_urlsafe(32), ADMIN_API_KEY_ENV: admin_key,
                   METRICS_API_KEY_ENV: ""}
-    return worker_env, {**worker_env, API_KEY_ENV: client_key or ""}
+    return worker_env, {**worker_env, API_KEY_ENV: client_key or "", ADMIN_API_KEY_ENV: admin_key if keyed else ""}
 
 
 def _etcd_spec(ports: tuple[int, int], etcd_data: Optional[str]) -> ChildSpec:
@@ -332,17 +317,17 @@ def _worker_args(config: LaunchConfig, secret_file: Optional[str], discovery: Op
     extra = ("--transfer-backend", config.transfer_backend) if config.transfer_backend else ()
     extra += ("--chat-template", os.path.abspath(config.chat_template)) if config.chat_template else ()
     extra += tuple(shlex.split(config.worker_args))  # the worker refuses what it does not know, at start
-    if any(a == "--worker-id" or a.startswith("--worker-id=") for a in extra):
-        raise ValueError("--worker-args: launch gives each worker its own --worker-id")
-    if any(a == "--bootstrap-port" or a.startswith("--bootstrap-port=") for a in extra):
-        raise ValueError("--worker-args: launch gives each worker its own --bootstrap-port")
+    for own in ("--worker-id", "--bootstrap-port", "--role-file"):
+        if any(a == own or a.startswith(own + "=") for a in extra):
+            raise ValueError(f"--worker-args: launch gives each worker its own {own}")
     extra += ("--cluster-secret-file", secret_file) if secret_file else ()  # the path, never the secret
     return extra + (("--discovery", discovery) if discovery else ())
 
 
 def _worker_specs(config: LaunchConfig, cli: tuple, extra: tuple, ports: LaunchPorts, cpus: tuple, cores_of: CoresOf,
-                  env: dict, run: Optional[str]) -> tuple[list[ChildSpec], list[str]]:
-    """Each worker's spec (prefills first), and the router's options naming them."""
+                  env: dict, run: Optional[str], role_dir: Optional[str]) -> tuple[list[ChildSpec], list[str]]:
+    """Each worker's spec (prefills first; restarted when it exits, in the role its role file in
+    ``role_dir`` names), and the router's options naming them."""
     run = run or secrets.token_hex(4)
     specs, router_args = [], []
     for role, pairs, sets in (("prefill", ports.prefill, cpus[0]), ("decode", ports.decode, cpus[1])):
@@ -350,11 +335,13 @@ def _worker_specs(config: LaunchConfig, cli: tuple, extra: tuple, ports: LaunchP
             url, name = f"http://{host_port('127.0.0.1', port)}", f"{role}-{i}"
             placed, where = _placement(sets, i, cores_of)
             note = f"bootstrap port {bootstrap}" + (" if it becomes a prefill" if role == "decode" else "")
+            role_file = os.path.join(role_dir, f"{name}.role") if role_dir else None
             specs.append(ChildSpec(
                 name, cli + ("serve", "--role", role, "--model", config.model, "--host", "127.0.0.1", "--port",
                              str(port), "--bootstrap-port", str(bootstrap), "--worker-id", f"{name}.{run}")
-                + extra + placed, url=url, health_url=url + "/health", note=note + where, env=env,
-                worker_id=f"{name}.{run}"))
+                + (("--role-file", role_file) if role_file else ()) + extra + placed, url=url,
+                health_url=url + "/health", note=note + where, env=env, worker_id=f"{name}.{run}", restart=True,
+                role_file=role_file))
             router_args += [f"--{role}", url] + ([str(bootstrap)] if role == "prefill" else []) + [f"id={name}.{run}"]
     return specs, router_args
 
@@ -374,245 +361,11 @@ def _placement(sets: Optional[list[tuple[int, ...]]], i: int, cores_of: CoresOf)
     return ("--cpus", cpus, "--threads", str(threads)), f"; CPUs {cpus}, {threads} thread{'s' * (threads > 1)}"
 
 
-class Child:
-    """One running child: its process, and the thread that echoes and keeps its output."""
-
-    def __init__(self, spec: ChildSpec, proc: subprocess.Popen, echo: Optional[TextIO], echo_lock: threading.Lock):
-        self.spec = spec
-        self.proc = proc
-        self.tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self._echo, self._echo_lock = echo, echo_lock
-        self.reader = threading.Thread(target=self._read, name=f"output-{spec.name}", daemon=True)
-
-    def _read(self) -> None:
-        for raw in iter(self.proc.stdout.readline, b""):
-            line = raw.decode("utf-8", errors="replace").rstrip("\n")
-            self.tail.append(line)
-            if self._echo is not None:
-                with self._echo_lock:
-                    self._echo.write(f"[{self.spec.name}] {line}\n")
-                    self._echo.flush()
-        self.proc.stdout.close()
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def how_it_ended(self) -> str:
-        rc = self.proc.returncode
-        if rc is not None and rc < 0:
-            try:
-                return f"was killed by signal {signal.Signals(-rc).name}"
-            except ValueError:
-                return f"was killed by signal {-rc}"
-        return f"exited with code {rc}"
-
-    def last_lines(self) -> str:
-        if self.reader.is_alive():
-            self.reader.join(timeout=1.0)  # the last lines may still be in the pipe
-        lines = list(self.tail)
-        return "\n".join("    " + line for line in lines) if lines else "    (no output)"
-
-    def signal_group(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)  # its own session: the group id is its pid
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def _die_with_parent(parent_pid: int):
-    """A ``preexec_fn`` (Linux): SIGTERM this child when launch dies; exit if it already has."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        prctl = libc.prctl
-    except (OSError, AttributeError):
-        return None
-
-    def preexec() -> None:
-        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-        if os.getppid() != parent_pid:
-            os._exit(1)
-
-    return preexec
-
-
-class Supervisor:
-    """Runs, watches and stops a list of children; :meth:`run` returns launch's exit code."""
-
-    def __init__(self, specs: Sequence[ChildSpec], ready_timeout_s: float = 300.0, stop_timeout_s: float = 40.0,
-                 out: TextIO = sys.stdout, echo: Optional[TextIO] = sys.stderr, title: str = "splitserve launch",
-                 notes: Sequence[str] = ()):
-        names = [s.name for s in specs]
-        if len(set(names)) != len(names):
-            raise ValueError(f"child names must be unique: {names}")
-        self.specs = list(specs)
-        self.ready_timeout_s = ready_timeout_s
-        self.stop_timeout_s = stop_timeout_s
-        self.out, self.echo = out, echo
-        self.title = title
-        self.notes = list(notes)  # more lines for the summary
-        self.children: list[Child] = []
-        self._signals: list[int] = []
-        self._echo_lock = threading.Lock()
-
-    def say(self, text: str) -> None:
-        with self._echo_lock:
-            self.out.write(text + "\n")
-            self.out.flush()
-
-    def run(self) -> int:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            code = self._start_all()
-            if code is None:
-                code = self._wait_ready()
-            if code is None:
-                self._print_summary()
-                code = self._watch()
-            return code
-        finally:
-            self._stop_all()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _on_signal(self, signum: int, frame) -> None:
-        self._signals.append(signum)
-
-    def _start_all(self) -> Optional[int]:
-        """Start every child (None), or say which could not be started (1)."""
-        preexec = _die_with_parent(os.getpid())
-        try:
-            for spec in self.specs:
-                env = dict(os.environ, PYTHONUNBUFFERED="1", **dict(spec.env or {}))
-                proc = subprocess.Popen(list(spec.argv), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                        preexec_fn=preexec)
-                self.children.append(Child(spec, proc, self.echo, self._echo_lock))
-        except (OSError, subprocess.SubprocessError) as exc:
-            self.say(f"{self.title}: cannot start {spec.name} ({' '.join(spec.argv)}): {exc}")
-            return 1
-        finally:  # the output threads start once no more forks are to come (preexec_fn and threads)
-            for c in self.children:
-                c.reader.start()
-        return None
-
-    def _wait_ready(self) -> Optional[int]:
-        """None once every child is healthy, else the exit code to return."""
-        deadline = time.monotonic() + self.ready_timeout_s
-        waiting = [c for c in self.children if c.spec.health_url]
-        why: dict[str, str] = {}  # child name -> why its last check did not count
-        while waiting:
-            if self._signals:
-                self.say(f"{self.title}: {self._signal_name()} before every process was up: stopping")
-                return 0
-            code = self._check_deaths()
-            if code is not None:
-                return code
-            why = {c.spec.name: _not_ready(c.spec.health_url, c.spec.worker_id) for c in waiting}
-            waiting = [c for c in waiting if why[c.spec.name] is not None]
-            if waiting and time.monotonic() > deadline:
-                for c in waiting:
-                    self.say(f"{self.title}: {c.spec.name} (pid {c.proc.pid}) is not healthy after "
-                             f"{self.ready_timeout_s:g} s ({c.spec.health_url}: {why[c.spec.name]}); its last "
-                             f"lines:\n{c.last_lines()}")
-                names = ", ".join(c.spec.name for c in waiting)
-                self.say(f"{self.title}: gave up waiting for {names}; stopping everything")
-                return 1
-            if waiting:
-                time.sleep(POLL_S)
-        return None
-
-    def _watch(self) -> int:
-        while True:
-            if self._signals:
-                self.say(f"{self.title}: {self._signal_name()}: stopping every process")
-                return 0
-            code = self._check_deaths()
-            if code is not None:
-                return code
-            time.sleep(POLL_S)
-
-    def _check_deaths(self) -> Optional[int]:
-        for c in self.children:
-            if not c.alive():
-                self.say(f"{self.title}: {c.spec.name} (pid {c.proc.pid}) {c.how_it_ended()}; its last lines:\n"
-                         f"{c.last_lines()}\n{self.title}: stopping the other processes")
-                return 1
-        return None
-
-    def _signal_name(self) -> str:
-        return f"received {signal.Signals(self._signals[-1]).name}"
-
-    def _print_summary(self) -> None:
-        width = max(len(c.spec.name) for c in self.children)
-        lines = [f"{self.title}: all {len(self.children)} processes are up"]
-        for c in self.children:
-            where = f"  {c.spec.url}" if c.spec.url else ""
-            note = f"  ({c.spec.note})" if c.spec.note else ""
-            lines.append(f"  {c.spec.name:<{width}}  pid {c.proc.pid}{where}{note}")
-        router = next((c for c in self.children if c.spec.name == "router" and c.spec.url), None)
-        if router is not None:
-            url = router.spec.url
-            key = " -H 'Authorization: Bearer <your API key>'" if (router.spec.env or {}).get(API_KEY_ENV) else ""
-            lines.append(f"splitserve ready: {url}  try: curl {url}/v1/completions{key} -H 'Content-Type: "
-                         f"application/json' -d '{{\"prompt\": \"Hello, my name is\", \"max_tokens\": 16}}'")
-        lines += self.notes
-        lines.append("Ctrl-C stops every process.")
-        self.say("\n".join(lines))
-
-    def _stop_all(self) -> None:
-        seen = len(self._signals)
-        deadline = time.monotonic() + self.stop_timeout_s
-        for last in (False, True):  # the stop_last children once the others are gone
-            group = [c for c in self.children if c.spec.stop_last == last]
-            for c in group:
-                if c.alive():
-                    c.signal_group(signal.SIGTERM)
-            while any(c.alive() for c in group) and time.monotonic() < deadline:
-                if len(self._signals) > seen:
-                    self.say(f"{self.title}: {self._signal_name()} again: killing now")
-                    deadline = 0.0
-                    break
-                time.sleep(0.05)
-        for c in self.children:
-            if c.alive():
-                self.say(f"{self.title}: {c.spec.name} (pid {c.proc.pid}) still running after SIGTERM: SIGKILL")
-            c.signal_group(signal.SIGKILL)  # also takes down anything it started in its group
-        for c in self.children:
-            try:
-                c.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.say(f"{self.title}: {c.spec.name} (pid {c.proc.pid}) did not exit after SIGKILL")
-            if c.reader.is_alive():
-                c.reader.join(timeout=1.0)
-
-
-def _not_ready(url: str, worker_id: Optional[str] = None) -> Optional[str]:
-    """None when ``url`` answers 200 (and, given ``worker_id``, as that worker), else why not."""
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never a proxy
-    try:
-        with opener.open(url, timeout=1.0) as resp:
-            if resp.status != 200:
-                return f"answered {resp.status}"
-            if worker_id is None:
-                return None
-            body = resp.read(65536)
-    except urllib.error.HTTPError as exc:
-        return f"answered {exc.code}"
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        return f"no answer ({exc})"
-    try:
-        seen = json.loads(body).get("id")
-    except (ValueError, AttributeError):
-        seen = None
-    return None if seen == worker_id else f"another process answers there, as {str(seen)[:130]!r}, not {worker_id!r}"
-
-
 def run_launch(config: LaunchConfig) -> int:
     """What ``splitserve launch`` runs: the exit code (0 after Ctrl-C/SIGTERM, 1 if a process
-    died or never became healthy, 2 for a bad configuration). The workers share a cluster secret:
-    ``--cluster-secret-file``, or one drawn for this run into a private temporary file."""
+    died or never became healthy, or a worker used up its restarts, 2 for a bad configuration).
+    The workers share a cluster secret: ``--cluster-secret-file``, or one drawn for this run into a
+    private temporary file, where the workers' role files and the drawn admin key are too."""
     with tempfile.TemporaryDirectory(prefix="splitserve-launch-") as folder:  # mode 700, removed at the end
         secret_file = config.cluster_secret_file
         if secret_file is None:
@@ -621,17 +374,21 @@ def run_launch(config: LaunchConfig) -> int:
             secret_file = write_secret_file(os.path.join(folder, "cluster-secret"))
         notes = []
         try:
-            if load_key(config.admin_api_key, config.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key") is None \
-                    and load_key(config.api_key, config.api_key_file, API_KEY_ENV) is not None:
-                admin_file = _private_file(folder, "admin-api-key", secrets.token_urlsafe(32))
-                config = replace(config, admin_api_key_file=admin_file)
+            restart = config.restart_policy()
+            specs = build_specs(config, secret_file=secret_file, etcd_data=os.path.join(folder, "etcd"),
+                                role_dir=folder)
+            if load_key(config.admin_api_key, config.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key") is None:
+                drawn = next(s for s in specs if s.restart).env[ADMIN_API_KEY_ENV]
+                admin_file = _private_file(folder, "admin-api-key", drawn)
                 notes.append(f"the operators' key (admin) is in {admin_file} while launch runs: "
                              f"splitserve top --router {_router_url(config)} --admin-api-key-file {admin_file}")
-            specs = build_specs(config, secret_file=secret_file, etcd_data=os.path.join(folder, "etcd"))
         except ValueError as exc:
             print(f"splitserve launch: {exc}", file=sys.stderr, flush=True)
             return 2
-        return Supervisor(specs, config.ready_timeout_s, config.stop_timeout_s, notes=notes).run()
+        if restart.budget:
+            notes.append(f"a worker that exits is started again, at most {restart.budget} times in "
+                         f"{restart.window_s:g} s (--restart-budget, --restart-window-s)")
+        return Supervisor(specs, config.ready_timeout_s, config.stop_timeout_s, notes=notes, restart=restart).run()
 
 
 def _private_file(folder: str, name: str, text: str) -> str:
