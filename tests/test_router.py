@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
@@ -26,207 +25,16 @@ import pytest
 import requests
 from aiohttp import web
 
-from cluster import RouterProcess, metric, start_routers
+from cluster import RouterProcess, metric
 from conftest import ServerProcess
-
-MODEL = "fake-model"
-
-
-# -- fake workers ----------------------------------------------------------------------------------
-
-
-class FakeWorker:
-    """An HTTP server with a worker's routes, in the fake loop's thread. ``behaviour`` is an async
-    function ``(request, body) -> response`` for the generation routes; every request that reaches
-    them is kept in ``requests``; a handler cancelled, or failing to write, because its client (the
-    router) closed the connection sets ``aborted``. ``reset`` makes it new for the next test that
-    shares it (:func:`shared_pair`)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, behaviour=None):
-        self.loop = loop
-        self.runner: Optional[web.AppRunner] = None
-        self.port = 0
-        self._round = 0
-        self.reset(behaviour)
-        self._call(self._start())
-
-    def reset(self, behaviour=None) -> None:
-        """A new behaviour and empty records. A handler still running from before keeps the
-        records it began with (its ``aborted`` and ``finished`` are not the next test's)."""
-        self._round += 1
-        self.behaviour = behaviour or reply(200, {"who": "fake"})
-        self.health_status = 200
-        self.models_hang = False  # /v1/models accepts and never answers (until end_hangs)
-        self.requests: list[tuple[str, dict]] = []
-        self.aborted = threading.Event()
-        self.finished = 0
-        self.flushes = 0  # POST /flush_cache received
-        self.abort_requests: list[dict] = []  # POST /abort_request bodies received
-        self.flush_status = 200
-        self.release = asyncio.Event()  # set (from the loop) to end `hang` behaviours
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def _call(self, coro, timeout: float = 10.0):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    async def _start(self) -> None:
-        app = web.Application()
-        for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
-            app.router.add_post(path, self._generate)
-        app.router.add_get("/health", self._health)
-        app.router.add_get("/v1/models", self._models)
-        app.router.add_post("/flush_cache", self._flush_cache)
-        app.router.add_post("/abort_request", self._abort_request)
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", self.port)
-        await site.start()
-        self.port = self.runner.addresses[0][1]
-
-    async def _health(self, request):
-        return web.json_response({"status": "ok", "id": f"fake-{self.port}", "incarnation": "fake1"},
-                                 status=self.health_status)
-
-    async def _models(self, request):
-        if self.models_hang:
-            await self.release.wait()
-        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    async def _abort_request(self, request):
-        self.abort_requests.append(await request.json())
-        return web.json_response({"found": True})
-
-    async def _flush_cache(self, request):
-        self.flushes += 1
-        return web.json_response({"flushed_pages": 3}, status=self.flush_status)
-
-    async def _generate(self, request):
-        body = await request.json()
-        self.requests.append((request.path, body))
-        began, aborted = self._round, self.aborted
-        try:
-            resp = await self.behaviour(self, request, body)
-            if self._round == began:
-                self.finished += 1
-            return resp
-        except (asyncio.CancelledError, ConnectionError):  # the router closed the connection
-            aborted.set()
-            raise
-
-    def stop_listening(self) -> None:
-        """Close the listener and connections: the port now refuses connections."""
-        self._call(self.runner.cleanup())
-
-    def end_hangs(self) -> None:
-        self.loop.call_soon_threadsafe(self.release.set)
-
-    def rooms(self) -> list[int]:
-        return [body["bootstrap_room"] for _, body in self.requests]
-
-
-def reply(status: int, body: dict, headers: Optional[dict] = None, delay: float = 0.0):
-    async def behaviour(fake, request, _body):
-        await asyncio.sleep(delay)
-        return web.json_response(body, status=status, headers=headers)
-    return behaviour
-
-
-def hang():
-    async def behaviour(fake, request, _body):
-        await fake.release.wait()
-        return web.json_response({"who": "released"})
-    return behaviour
-
-
-def sse(events: list[dict], then_hang: bool = False, delay: float = 0.0):
-    async def behaviour(fake, request, _body):
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
-        await resp.prepare(request)
-        for event in events:
-            await asyncio.sleep(delay)
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-        if then_hang:
-            await fake.release.wait()
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-    return behaviour
-
-
-def error_then_hang(status: int):
-    """Error headers, then the start of a body whose rest never comes (until ``end_hangs``)."""
-    async def behaviour(fake, request, _body):
-        resp = web.StreamResponse(status=status, headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        await resp.write(b'{"error": ')
-        await fake.release.wait()
-        return resp
-    return behaviour
-
-
-def drop_connection():
-    async def behaviour(fake, request, _body):
-        request.transport.close()
-        await asyncio.sleep(1)
-        return web.Response()
-    return behaviour
-
-
-@pytest.fixture(scope="module")
-def fake_loop():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="fake-workers", daemon=True)
-    thread.start()
-    yield loop
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(5)
-
-
-@pytest.fixture
-def fakes(fake_loop):
-    """``fakes(behaviour)`` makes a fake worker; all are stopped after the test."""
-    made: list[FakeWorker] = []
-
-    def make(behaviour=None) -> FakeWorker:
-        fake = FakeWorker(fake_loop, behaviour)
-        made.append(fake)
-        return fake
-
-    yield make
-    for fake in made:
-        fake.end_hangs()
-        try:
-            fake.stop_listening()
-        except Exception:
-            pass
+from helpers.fake_workers import COMPLETION, MODEL, FakeWorker, drop_connection, error_then_hang, hang, reply, sse
+from helpers.fake_workers import fake_loop, fakes  # noqa: F401 (fixtures)
+from helpers.router_fixture import start_router  # noqa: F401 (a fixture)
+from helpers.sse import sse_events
+from helpers.waiting import wait_for
 
 
 # -- the router process ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def start_router():
-    """``start_router(prefill, decode, *args)``: a router, stopped after the test;
-    ``start_router.together((prefill, decode, *args), ...)``: several, started side by side."""
-    started: list[RouterProcess] = []
-
-    def start(prefill, decode, *args: str) -> RouterProcess:
-        router = RouterProcess(prefill, decode, *args, wait_healthy=False)
-        started.append(router)
-        return router.start()
-
-    def together(*specs) -> list[RouterProcess]:
-        routers = [RouterProcess(*spec, wait_healthy=False) for spec in specs]
-        started.extend(routers)
-        return start_routers(*routers)
-
-    start.together = together
-    yield start
-    for router in started:
-        router.stop()
 
 
 SHARED_BOOTSTRAP_PORT = 4242
@@ -299,24 +107,12 @@ def shared_pair(shared_routers):
         assert_nothing_in_flight(router, prefill, decode)
 
 
-def wait_for(predicate, timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 def assert_openai_error(resp: requests.Response, status: int) -> dict:
     assert resp.status_code == status, resp.text
     error = resp.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}, error
     assert error["message"]
     return error
-
-
-COMPLETION = {"prompt": "Hello", "max_tokens": 4}
 
 
 # -- against real colocated workers ----------------------------------------------------------------
@@ -330,15 +126,6 @@ def real_workers(server):
     # that forks, so a server started from a pool thread dies with that thread.
     with ServerProcess() as prefill:
         yield prefill, server
-
-
-def sse_events(resp: requests.Response) -> list:
-    events = []
-    for line in resp.iter_lines():
-        if line.startswith(b"data: "):
-            data = line[len(b"data: "):]
-            events.append("[DONE]" if data == b"[DONE]" else json.loads(data))
-    return events
 
 
 def test_passthrough_with_real_workers(real_workers, start_router):
@@ -367,8 +154,8 @@ def test_passthrough_with_real_workers(real_workers, start_router):
     # both workers ran the request (one as "prefill", one as "decode"); nothing left open
     m = router.metrics()
     assert m[("splitserve_router_requests_total", frozenset({("outcome", "finished")}))] == 2
-    wait_for(lambda: router.metric("splitserve_router_worker_in_flight", role="prefill", url=prefill.url) == 0,
-             what="the prefill leg to end")
+    wait_for("the prefill leg to end",
+             lambda: router.metric("splitserve_router_worker_in_flight", role="prefill", url=prefill.url) == 0, 5.0)
     assert router.metric("splitserve_router_worker_healthy", role="decode", url=decode.url) == 1
 
 
@@ -449,8 +236,8 @@ def test_prefill_failure_aborts_the_decode_leg(case, fakes, start_router, shared
         assert prefill.url in assert_openai_error(r, 502)["message"]
     assert decode.aborted.wait(3.0), "the decode leg was not closed"
     assert decode.finished == 0
-    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="prefill_failed") == 1,
-             what="the outcome metric")
+    wait_for("the outcome metric",
+             lambda: router.metric("splitserve_router_requests_total", outcome="prefill_failed") == 1, 5.0)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -466,8 +253,8 @@ def test_a_prefill_error_that_echoes_decode_gives_way_to_decode_s_own(stream, sh
     router, _, _ = shared_pair(reply(502, echo), reply(502, cause, delay=0.3))
     r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
     assert assert_openai_error(r, 502)["code"] == "incompatible_peer", r.text
-    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="decode_failed") == 1,
-             what="the outcome metric")
+    wait_for("the outcome metric",
+             lambda: router.metric("splitserve_router_requests_total", outcome="decode_failed") == 1, 5.0)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
@@ -484,8 +271,8 @@ def test_a_decode_error_that_echoes_prefill_gives_way_to_prefill_s_own(stream, s
     router, _, _ = shared_pair(reply(504, cause, delay=0.3), reply(502, echo), "--max-retries", "0", "--no-pd-fallback")
     r = requests.post(router.url + "/v1/completions", json={**COMPLETION, "stream": stream}, timeout=10)
     assert assert_openai_error(r, 504)["code"] == "transfer_timeout", r.text
-    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="prefill_failed") == 1,
-             what="the outcome metric")
+    wait_for("the outcome metric",
+             lambda: router.metric("splitserve_router_requests_total", outcome="prefill_failed") == 1, 5.0)
 
 
 def test_decode_error_passes_through_and_closes_prefill(shared_pair):
@@ -522,12 +309,12 @@ def test_client_disconnect_closes_both_legs(stream, shared_pair):
             received += sock.recv(4096)
         assert received.startswith(b"HTTP/1.1 200")
     else:
-        wait_for(lambda: prefill.requests and decode.requests, what="both legs")
+        wait_for("both legs", lambda: prefill.requests and decode.requests, 5.0)
     sock.close()
     assert decode.aborted.wait(3.0), "the decode leg was not closed"
     assert prefill.aborted.wait(3.0), "the prefill leg was not closed"
-    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="client_disconnect") == 1,
-             what="the outcome metric")
+    wait_for("the outcome metric",
+             lambda: router.metric("splitserve_router_requests_total", outcome="client_disconnect") == 1, 5.0)
     assert router.metric("splitserve_router_requests_in_flight") == 0
 
 
@@ -559,14 +346,14 @@ def test_unhealthy_worker_leaves_rotation_and_comes_back(fakes, start_router):
                 for _ in range(n)]
 
     a.health_status = 503
-    wait_for(lambda: healthy(a) == 0, what="a to leave the rotation")
+    wait_for("a to leave the rotation", lambda: healthy(a) == 0, 5.0)
     assert whos(3) == ["b"] * 3
     a.health_status = 200
-    wait_for(lambda: healthy(a) == 1, what="a to come back")
+    wait_for("a to come back", lambda: healthy(a) == 1, 5.0)
     assert sorted(whos(2)) == ["a", "b"]
 
     prefill.health_status = 500  # no prefill worker left: 503 with a reason, and /health says so
-    wait_for(lambda: healthy(prefill, "prefill") == 0, what="the prefill worker to leave")
+    wait_for("the prefill worker to leave", lambda: healthy(prefill, "prefill") == 0, 5.0)
     r = requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=5)
     assert "no healthy prefill worker" in assert_openai_error(r, 503)["message"]
     assert requests.get(router.url + "/health", timeout=5).status_code == 503
@@ -588,7 +375,7 @@ def test_least_load_picks_the_idle_worker(fakes, start_router):
     with ThreadPoolExecutor(1) as pool:
         # the first pick is a tie, broken round robin: that is `busy`, which holds the request
         held = pool.submit(requests.post, router.url + "/v1/completions", json=COMPLETION, timeout=10)
-        wait_for(lambda: busy.requests, what="the held request")
+        wait_for("the held request", lambda: busy.requests, 5.0)
         for _ in range(3):
             assert requests.post(router.url + "/v1/completions", json=COMPLETION, timeout=5).json()["who"] == "idle"
         busy.end_hangs()
@@ -706,8 +493,8 @@ def test_a_decode_stream_that_breaks_off_ends_with_an_error_event(shared_pair):
         events = sse_events(r)
     assert events[0] == {"token": "a"} and events[-1] == "[DONE]"
     assert decode.url in events[1]["error"]["message"]
-    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome="decode_failed") == 1,
-             what="the outcome metric")
+    wait_for("the outcome metric",
+             lambda: router.metric("splitserve_router_requests_total", outcome="decode_failed") == 1, 5.0)
 
 
 # -- bounds on both legs and on the client (docs/router.md) -----------------------------------------
@@ -768,12 +555,12 @@ def assert_nothing_in_flight(router, prefill, decode) -> None:
         return (m.get(("splitserve_router_requests_in_flight", frozenset()), -1) == 0
                 and all(m.get(("splitserve_router_worker_in_flight", frozenset({("role", role), ("url", w.url)})), -1)
                         == 0 for role, w in (("prefill", prefill), ("decode", decode))))
-    wait_for(zero, what="no request and no leg in flight")
+    wait_for("no request and no leg in flight", zero, 5.0)
 
 
 def assert_outcome(router, outcome: str, timeout: float = 5.0) -> None:
-    wait_for(lambda: router.metric("splitserve_router_requests_total", outcome=outcome) == 1, timeout,
-             what=f"outcome {outcome}")
+    wait_for(f"outcome {outcome}",
+             lambda: router.metric("splitserve_router_requests_total", outcome=outcome) == 1, timeout)
 
 
 @pytest.mark.parametrize("kind", ["error", "reset", "no_done"])
@@ -984,7 +771,7 @@ def test_ready_and_models_wait_for_a_usable_pair(fakes, start_router):
     r = requests.get(router.url + "/v1/models", timeout=5)
     assert "no healthy prefill worker" in assert_openai_error(r, 503)["message"]
     prefill.health_status = 200
-    wait_for(lambda: "splitserve router ready" in router.output(), what="the ready line")
+    wait_for("the ready line", lambda: "splitserve router ready" in router.output(), 5.0)
     assert "prefill 1/1 up, decode 1/1 up" in router.output().split("splitserve router ready")[1]
     r = requests.get(router.url + "/v1/models", timeout=5)
     assert r.status_code == 200 and r.json()["data"][0]["id"] == MODEL, r.text

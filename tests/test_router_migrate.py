@@ -25,8 +25,11 @@ import requests
 from aiohttp import web
 
 from cluster import Cluster, RouterProcess, pages_back_to_total
-from test_router import MODEL, reply, sse, sse_events, wait_for
-from test_router import fake_loop, fakes, start_router  # noqa: F401 (fixtures)
+from helpers.fake_workers import MODEL, reply, sse
+from helpers.fake_workers import fake_loop, fakes  # noqa: F401 (fixtures)
+from helpers.router_fixture import start_router  # noqa: F401 (a fixture)
+from helpers.sse import sse_events
+from helpers.waiting import wait_for
 
 from splitserve.router.migrate import StreamTrack
 
@@ -104,15 +107,7 @@ def stream(router: RouterProcess, rid: str) -> tuple[bytes, list]:
                        stream=True) as resp:
         assert resp.status_code == 200, resp.text
         raw = resp.raw.read()
-    return raw, sse_events(_Lines(raw))
-
-
-class _Lines:
-    def __init__(self, raw: bytes):
-        self.raw = raw
-
-    def iter_lines(self):
-        return iter(self.raw.split(b"\n"))
+    return raw, sse_events(raw)
 
 
 # -- the track, at every cut ----------------------------------------------------------------------
@@ -180,8 +175,8 @@ def test_a_stream_whose_decode_is_lost_is_continued_on_another(how, reason, fake
     router = start_router([(fakes(sse([])).url, 1)], [first.url, second.url], "--max-migrations", "2",
                           "--stream-stall-s", "1", "--pd-threshold-tokens", "0")
     for w in (first, second):
-        wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30,
-                 "both decode workers up")
+        wait_for("both decode workers up",
+                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
     raw, events = stream(router, f"lost-{reason}")
     assert texts(events) == [f" t{i}" for i in range(TOTAL)], raw
     assert {(e["id"], e["created"]) for e in events[:-1]} == {("cmpl-wire", CREATED)}
@@ -216,8 +211,8 @@ def test_what_is_not_continued_ends_as_before(fakes, start_router):
         ([(fakes(sse([])).url, 1)], [a.url], "--pd-threshold-tokens", "100000", "--stream-stall-s", "1",
          "--max-migrations", "0"))
     for w in (a, b):
-        wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30,
-                 "both decode workers up")
+        wait_for("both decode workers up",
+                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
     raw, events = stream(router, "own")
     assert texts(events) == [" t0", " t1"] and events[2]["error"]["code"] == "grammar_exhausted", raw
     assert events[-1] == "[DONE]" and len(a.requests) + len(b.requests) == 1
@@ -230,7 +225,7 @@ def test_what_is_not_continued_ends_as_before(fakes, start_router):
     assert len(a.requests) + len(b.requests) == 2
 
     a.reset(wire_decoder(cut=2, how="close"))
-    wait_for(lambda: off.metric("splitserve_router_worker_healthy", role="decode", url=a.url) == 1, 30, "decode up")
+    wait_for("decode up", lambda: off.metric("splitserve_router_worker_healthy", role="decode", url=a.url) == 1, 30)
     raw, events = stream(off, "off")
     assert texts(events) == [" t0", " t1"] and "error" in events[2] and events[-1] == "[DONE]", raw
     assert "stream_ids" not in a.requests[0][1] and migrations(off) == {}
@@ -281,8 +276,8 @@ def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
     router = start_router([(fakes(sse([])).url, 1)], [a.url, b.url], "--max-migrations", "2",
                           "--pd-threshold-tokens", "100000", "--health-interval-s", "0.3", "--stream-stall-s", "1")
     for w in (a, b):
-        wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30,
-                 "both decode workers up")
+        wait_for("both decode workers up",
+                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": TOTAL}
     resp = requests.post(router.url + "/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200 and resp.json() == {"who": "whole"}, resp.text
@@ -368,4 +363,4 @@ def real_stream(url: str, body: dict, rid: str, kill_after: Optional[int] = None
                 chosen = requests.get(f"{url}/debug/requests/{rid}", timeout=10).json()["router"]["decode"]
                 next(d for d in decode if d.url == chosen).proc.kill()
                 kill_after = None
-    return sse_events(_Lines(raw)), raw
+    return sse_events(raw), raw

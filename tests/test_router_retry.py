@@ -27,8 +27,11 @@ import requests
 from aiohttp import web
 
 from cluster import RouterProcess
-from test_router import COMPLETION, MODEL, FakeWorker, reply, sse, sse_events, wait_for
-from test_router import fake_loop, fakes, start_router  # noqa: F401 (fixtures)
+from helpers.fake_workers import COMPLETION, MODEL, FakeWorker, reply, sse
+from helpers.fake_workers import fake_loop, fakes  # noqa: F401 (fixtures)
+from helpers.router_fixture import start_router  # noqa: F401 (a fixture)
+from helpers.sse import sse_events
+from helpers.waiting import wait_for
 
 SLOW_HEALTH = ("--health-interval-s", "600")
 BOOTSTRAP = {"bootstrap_host", "bootstrap_port", "bootstrap_room"}  # a worker that dies stays in rotation for the test
@@ -139,7 +142,8 @@ def test_a_429_is_tried_again_only_on_another_worker(fakes, start_router):
     other, decode = fakes(reply(200, {"who": "prefill"})), fakes(reply(200, {"who": "decode"}))
     router, alone = start_router.together(([(shedding.url, 1), (other.url, 2)], [decode.url], "--policy", "round_robin"),
                                           ([(shedding.url, 1)], [decode.url]))
-    wait_for(lambda: requests.get(router.url + "/health", timeout=2).status_code == 200, 30, "the router's pair")
+    wait_for("the router's pair",
+             lambda: requests.get(router.url + "/health", timeout=2).status_code == 200, 30)
     for i in range(4):
         body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}, "rid": f"shed-{i}"}
         resp = requests.post(router.url + "/generate", json=body, timeout=30)
@@ -153,7 +157,7 @@ def test_a_429_is_tried_again_only_on_another_worker(fakes, start_router):
     assert len(set(rooms)) == len(rooms)
     assert len({body["bootstrap_room"] for _, body in decode.requests}) == len(rooms)
 
-    wait_for(lambda: requests.get(alone.url + "/health", timeout=2).status_code == 200, 30, "the router's pair")
+    wait_for("the router's pair", lambda: requests.get(alone.url + "/health", timeout=2).status_code == 200, 30)
     resp = requests.post(alone.url + "/v1/completions", json={"model": MODEL, **COMPLETION}, timeout=30)
     assert resp.status_code == 200 and resp.json() == {"who": "decode"}  # no other prefill: decode alone
     assert len(shedding.requests) == len(shed) + 1  # once, not again
@@ -212,8 +216,8 @@ def test_a_decode_stream_broken_before_the_commit_is_tried_again_never_after(fak
         ([(fakes(sse([])).url, 1)], [late.url, good.url]),
         ([(fakes(sse([])).url, 1)], [gone_alone.url, good.url], "--pd-threshold-tokens", "100000",
          "--policy", "round_robin"))
-    wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30,
-             "both decode workers up")
+    wait_for("both decode workers up",
+             lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30)
     body = {"model": MODEL, **COMPLETION, "stream": True}
     with requests.post(router.url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
         assert resp.status_code == 200
@@ -221,14 +225,14 @@ def test_a_decode_stream_broken_before_the_commit_is_tried_again_never_after(fak
     assert events == [TOKEN, TOKEN, "[DONE]"], events
     assert len(gone.requests) == 1 and len(good.requests) == 1
     # the retry's prefill leg is read by the fake on its own loop: it may land just after the answer
-    wait_for(lambda: len(prefill.requests) == 2, 30, "the retry's prefill leg at prefill")
+    wait_for("the retry's prefill leg at prefill", lambda: len(prefill.requests) == 2, 30)
     assert len(set(prefill.rooms())) == 2
     assert retries(router) == {"decode:gone": 1}
 
     # prefill accepts at once, decode sends a token and breaks 1 s later: the token reached the
     # client, so the break is its answer's end (an error event), and no other worker is asked
-    wait_for(lambda: router2.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30,
-             "both decode workers up")
+    wait_for("both decode workers up",
+             lambda: router2.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30)
     with requests.post(router2.url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
         events = sse_events(resp)
     assert events[0] == TOKEN and "error" in events[1] and events[-1] == "[DONE]", events
@@ -238,8 +242,8 @@ def test_a_decode_stream_broken_before_the_commit_is_tried_again_never_after(fak
 
     # decode alone (no prefill leg: nothing to wait for before the commit), its stream broken
     # after the headers, before any event: nothing reached the client, so another decode takes it
-    wait_for(lambda: router3.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30,
-             "both decode workers up")
+    wait_for("both decode workers up",
+             lambda: router3.metric("splitserve_router_worker_healthy", role="decode", url=good.url) == 1, 30)
     for _ in range(2):  # round robin: one of the two lands on the broken worker first
         with requests.post(router3.url + "/v1/completions", json=body, stream=True, timeout=30) as resp:
             assert resp.status_code == 200
@@ -277,7 +281,7 @@ def test_decode_alone_and_the_fallback_give_the_split_s_tokens(real_pair, fakes,
     assert attempts[1]["prefill"] is None and attempts[1]["room"] is None, attempts
     said = f"room={attempts[0]['room']} ended ABORTED(client_abort): the prefill worker"
     # the abort reaches decode's loop after the client's answer: wait for it (a busy machine)
-    wait_for(lambda: said in decode.stderr(), 30, "decode's log line naming the cause")  # not only "client gone"
+    wait_for("decode's log line naming the cause", lambda: said in decode.stderr(), 30)  # not only "client gone"
     first = requests.get(f"{decode.url}/debug/rooms/{attempts[0]['room']}", timeout=5)
     assert first.status_code == 200 and first.json()["ending"] == "ABORTED(client_abort)", first.text
     assert decisions_of(fallback) == {"split": 2, "fallback": 2} and decisions_of(alone) == {"alone": 2}

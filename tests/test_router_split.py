@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import requests
 
-from test_router import MODEL, reply, wait_for
-from test_router import fake_loop, fakes, start_router  # noqa: F401 (fixtures)
+from helpers.fake_workers import MODEL, reply
+from helpers.fake_workers import fake_loop, fakes  # noqa: F401 (fixtures)
+from helpers.router_fixture import start_router  # noqa: F401 (a fixture)
+from helpers.waiting import wait_for
 
 BOOTSTRAP = {"bootstrap_host", "bootstrap_port", "bootstrap_room"}
 
@@ -107,8 +109,8 @@ def test_with_no_prefill_up_a_split_request_goes_to_decode_alone(fakes, start_ro
     prefill, decode = fakes(reply(200, {"who": "prefill"})), fakes(reply(200, {"who": "decode"}))
     router = start_router([(prefill.url, 7)], [decode.url], "--health-interval-s", "0.1")
     prefill.health_status = 500
-    wait_for(lambda: router.metric("splitserve_router_worker_healthy", role="prefill", url=prefill.url) == 0,
-             what="the prefill worker to leave the rotation")
+    wait_for("the prefill worker to leave the rotation",
+             lambda: router.metric("splitserve_router_worker_healthy", role="prefill", url=prefill.url) == 0, 5.0)
     assert completion(router, "hello").json() == {"who": "decode"}
     assert not prefill.requests and not BOOTSTRAP & set(decode.requests[-1][1])
     assert decisions(router) == {"fallback": 1}
