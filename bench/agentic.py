@@ -37,6 +37,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -166,10 +167,10 @@ class Scrape:
     values: dict[str, dict[str, float]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, workers: dict[str, str]) -> "Scrape":
+    def of(cls, workers: dict[str, str], headers: dict[str, str]) -> "Scrape":
         s = cls()
         for url, role in workers.items():
-            samples = parse_exposition(requests.get(url + "/metrics", timeout=10).text)
+            samples = parse_exposition(requests.get(url + "/metrics", headers=headers, timeout=10).text)
             total = lambda name: sum(v for (n, _), v in samples.items() if n == name)  # noqa: E731
             s.values[url] = {
                 "computed": total("splitserve_prompt_tokens_computed_total"),
@@ -236,16 +237,28 @@ def start(name: str, args: argparse.Namespace) -> tuple[Deployment, dict[str, st
     return dep, roles
 
 
+def operator_headers(dep: Deployment, patience_s: float = 30) -> dict[str, str]:
+    """The operators' key launch drew (its workers are always keyed): its summary names the file."""
+    deadline = time.monotonic() + patience_s
+    while time.monotonic() < deadline:
+        found = re.search(r"the operators' key \(admin\) is in (\S+) while launch runs", dep.log.read_text())
+        if found:
+            return {"Authorization": f"Bearer {Path(found[1]).read_text().split()[0]}"}
+        time.sleep(0.2)
+    raise SystemExit(f"{dep.name}: launch named no operators' key file; see {dep.log}")
+
+
 def measure(name: str, args: argparse.Namespace) -> Result:
     dep, roles = start(name, args)
     try:
         # one request first: the first forward pass of a fresh worker builds its kernels and caches
         asyncio.run(warm_up(dep.url, args))
         flush(dep.url)
-        before = Scrape.of(roles)
+        headers = operator_headers(dep)
+        before = Scrape.of(roles, headers)
         marks: list[Scrape] = []
-        turns, wall = asyncio.run(run_workload(dep.url, args, lambda: marks.append(Scrape.of(roles))))
-        after = Scrape.of(roles)
+        turns, wall = asyncio.run(run_workload(dep.url, args, lambda: marks.append(Scrape.of(roles, headers))))
+        after = Scrape.of(roles, headers)
     finally:
         dep.stop()
     errors = [t.error for t in turns if t.error]
