@@ -7,5 +7,7 @@
   uses only records a cluster member wrote.
 - ``proof.py``: a worker's answer to a router's nonce, which proves it holds a key of the cluster
   before the router trusts it with its worker key or a client's prompt.
+- ``backends.py``: the discovery stores by ``--discovery``'s scheme, and what one provides: a
+  worker's registrar and a router's watcher, handed sealed values and a seal's ``open``.
 - ``etcd.py``: registration under an etcd lease (a worker) and a watch of the prefix (a router).
 """

@@ -71,7 +71,8 @@ class Backend:
 
 
 def scheme_of(url: str) -> str:
-    return url.split("://", 1)[0] if "://" in url else ""
+    """``url``'s scheme in lower case (as ``urlsplit`` reads it); empty when it names none."""
+    return url.split(":", 1)[0].lower() if ":" in url else ""
 
 
 def backend_for(url: str, backends: Mapping[str, Union[str, type]] = BACKENDS) -> type:
