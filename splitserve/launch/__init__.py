@@ -99,15 +99,17 @@ class LaunchConfig:
     (or, with --prefill-cpus, the CPUs it leaves)."""
     api_key: Optional[str] = field(default=None, repr=False)
     """Clients of the router must send `Authorization: Bearer KEY`; also from --api-key-file or
-    $SPLITSERVE_API_KEY (`ps` shows a command line: prefer those). The workers then take only the
-    router's key, drawn at random and known to the router and them. Keys reach the children through
-    their environment, never their command lines."""
+    $SPLITSERVE_API_KEY (`ps` shows a command line: prefer those). Unset, the router's routes are
+    open. The workers always take the router's key, drawn at random and known to the router and
+    them, and the operators' key. Keys reach the children through their environment, never their
+    command lines."""
     api_key_file: Optional[str] = None
     """A file whose first line is the clients' API key (chmod 600)."""
     admin_api_key: Optional[str] = field(default=None, repr=False)
     """The operators' key of the router and every worker (/flush_cache, /workers, /debug/*,
-    /metrics; `splitserve top` needs it); also from --admin-api-key-file or $SPLITSERVE_ADMIN_API_KEY.
-    Unset while a client key is set: launch draws one and writes it to a file (mode 0600) it names."""
+    /metrics, POST /role; `splitserve top` needs it); also from --admin-api-key-file or
+    $SPLITSERVE_ADMIN_API_KEY. Unset: launch draws one and writes it to a file (mode 0600) it names,
+    and the router takes it only while a client key is set."""
     admin_api_key_file: Optional[str] = None
     """A file whose first line is the operators' key."""
     cluster_secret_file: Optional[str] = None
