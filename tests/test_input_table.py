@@ -1,5 +1,5 @@
 """Every input has its row: ``docs/security.md``'s table *Every input* against the places in the
-code that take input, read from the code as ``tests/test_layers.py`` reads its imports.
+code that take input, read from the code as ``tests/test_import_order.py`` reads its imports.
 
 The places (:func:`code_sites`), each named as the table names it:
 
