@@ -10,8 +10,9 @@
   ``test_kernels.py::test_a_row_computed_alone_and_in_a_chunk_gives_the_same_logits``.)
 - Agreement: the fingerprint, the handshake and the discovery record name the KV cache dtype; a
   mismatch is named first.
-- Real processes: a prefill and a decode worker both int8 give a colocated int8 worker's tokens;
-  a decode worker of the model's dtype refuses an int8 prefill, naming ``kv_cache_dtype``.
+- Real processes: a prefill and a decode worker both int8 give the tokens the decode worker gives
+  serving the request alone (as a colocated worker: ``test_decode_alone.py``); a decode worker of
+  the model's dtype refuses an int8 prefill, naming ``kv_cache_dtype``.
 """
 
 from __future__ import annotations
@@ -199,24 +200,16 @@ def test_the_fingerprint_handshake_and_record_name_the_kv_cache_dtype(tmp_path):
 # -- real processes --------------------------------------------------------------------------------
 
 INT8 = ["--kv-cache-dtype", "int8"]
-SHARED = ["--page-size", "16", "--max-total-tokens", "2048"]
+SHARED = ["--page-size", "16", "--max-total-tokens", "2048", "--no-prefix-cache"]  # every prompt page crosses
 
 
 @pytest.fixture(scope="module")
 def workers():
-    """An int8 prefill, an int8 decode, a decode of the model's dtype, and a colocated int8 worker."""
+    """An int8 prefill, an int8 decode and a decode of the model's dtype."""
     from cluster import Cluster
-    from conftest import ServerProcess
 
-    colocated = ServerProcess(*SHARED, *INT8).spawn()
-    cluster = Cluster(1, 2, "nixl", router=False, worker_args=SHARED, prefill_args=[INT8], decode_args=[INT8, []])
-    try:
-        cluster.start()
-        colocated.wait_ready()
-        yield colocated, cluster
-    finally:
-        cluster.stop()
-        colocated.stop()
+    with Cluster(1, 2, "nixl", router=False, worker_args=SHARED, prefill_args=[INT8], decode_args=[INT8, []]) as c:
+        yield c
 
 
 def split(prefill, decode, ids: list[int], new_tokens: int) -> tuple[requests.Response, dict]:
@@ -242,22 +235,29 @@ def split(prefill, decode, ids: list[int], new_tokens: int) -> tuple[requests.Re
     return answers.get("decode"), answers
 
 
-def test_an_int8_pair_gives_the_colocated_int8_workers_tokens(workers):
-    from cluster import generate, pages_back_to_total
+def test_an_int8_pair_gives_the_tokens_of_the_int8_decode_worker_alone(workers):
+    """And the prompt's pages cross as they are: the prefill wrote its 5 pages of int8 rows (9,216
+    bytes each for the tiny model, a float32 page being 32,768)."""
+    from cluster import generate, metric, metrics, pages_back_to_total
 
-    colocated, cluster = workers
+    cluster = workers
     ids = [random.Random(1).randint(10, 2000) for _ in range(70)]
-    want = generate(colocated.url, ids, 12, ignore_eos=True, temperature=0)
+    written = metric(metrics(cluster.prefill[0]), "splitserve_kv_transfer_bytes_total", role="prefill")
     resp, _ = split(cluster.prefill[0], cluster.decode[0], ids, 12)
     assert isinstance(resp, requests.Response) and resp.status_code == 200, resp
+    want = generate(cluster.decode[0].url, ids, 12, ignore_eos=True, temperature=0)  # no bootstrap: colocated
     assert resp.json()["output_ids"] == want
+    page = KVLayout(1, 4, 16, 2, 32, torch.float32, kv_cache_dtype="int8").page_nbytes
+    assert page == 9216
+    assert metric(metrics(cluster.prefill[0]), "splitserve_kv_transfer_bytes_total", role="prefill") - written \
+        == 5 * page
     pages_back_to_total(cluster.decode[0])
 
 
 def test_a_decode_worker_of_another_kv_cache_dtype_refuses_the_int8_prefill(workers):
     from cluster import pages_back_to_total
 
-    _, cluster = workers
+    cluster = workers
     resp, _ = split(cluster.prefill[0], cluster.decode[1], list(range(10, 50)), 4)
     assert isinstance(resp, requests.Response) and 500 <= resp.status_code < 600, resp
     error = resp.json()["error"]
