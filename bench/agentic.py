@@ -48,7 +48,8 @@ import aiohttp
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import Deployment, free_port  # noqa: E402
+from procs import free_port  # noqa: E402
+from serving import Deployment  # noqa: E402
 
 from splitserve.metrics import parse_exposition  # noqa: E402
 

@@ -46,7 +46,8 @@ from pathlib import Path
 import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serving import LOG_DIR, Deployment, free_port  # noqa: E402
+from procs import free_port  # noqa: E402
+from serving import LOG_DIR, Deployment  # noqa: E402
 
 from splitserve.bench.client import Target, send  # noqa: E402
 from splitserve.bench.load import Load, run  # noqa: E402

@@ -32,7 +32,8 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_refs import Server, free_port, memory_of, splitserve_argv  # noqa: E402
+from procs import free_port  # noqa: E402
+from vs_refs import Server, memory_of, splitserve_argv  # noqa: E402
 
 OVERHEAD_BOUND = 600e6  # bytes
 SETUPS = {

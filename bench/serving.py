@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,7 +35,7 @@ from splitserve.bench.load import Load, run
 from splitserve.bench.stats import Summary, summarize
 from splitserve.bench.workload import Workload
 
-from procs import free_port
+from procs import free_port, stop_all
 
 LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-serving-"))
 DEPLOYMENTS = ("split", "shared", "colocated")
@@ -75,13 +74,7 @@ class Deployment:
         raise SystemExit(f"{self.name}: not healthy after {timeout:.0f} s; see {self.log}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        stop_all([self.proc], 60)
 
 
 def measure(name: str, args: argparse.Namespace, workload: Workload, load: Load, tag: str) -> Summary:

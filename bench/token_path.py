@@ -59,7 +59,8 @@ import aiohttp
 import requests
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import ttft  # noqa: E402  (its process helpers: free ports, spawn, wait until healthy)
+import ttft  # noqa: E402  (its process helpers: spawn, wait until healthy)
+from procs import free_port, stop_all  # noqa: E402
 from vs_refs import cpu_description  # noqa: E402
 
 from splitserve.bench.client import Target, send  # noqa: E402
@@ -337,7 +338,7 @@ def main() -> None:
 
     print(f"CPU: {cpu_description()}; {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f} at the start",
           flush=True)
-    ports = {k: ttft.free_port() for k in ("prefill", "bootstrap", "decode", "router")}
+    ports = {k: free_port() for k in ("prefill", "bootstrap", "decode", "router")}
     common = ["--model", args.model, "--host", "127.0.0.1"]
     secret = ["--cluster-secret-file", write_secret_file(str(LOG_DIR / "cluster-secret"))]
     transfer = ["--transfer-backend", args.backend]
@@ -369,7 +370,7 @@ def main() -> None:
         print(f"the router sent {alone:.0f} requests to decode alone, {split:.0f} split; load average "
               f"{os.getloadavg()[0]:.2f} at the end", flush=True)
     finally:
-        ttft.stop_all(procs.values())
+        stop_all(procs.values())
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ import argparse
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import requests
 
 from splitserve.secret_file import write_secret_file
 
-from procs import free_port
+from procs import free_port, stop_all
 
 POLL_S = 0.02
 LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-top-bench-"))
@@ -63,13 +62,7 @@ class Proc:
         raise SystemExit(f"{self.name} not healthy after {timeout:.0f} s; see {self.log}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_all([self.proc], 20)
 
 
 def crossing(prefill: str, rid: str, timeout: float) -> tuple[float, float]:

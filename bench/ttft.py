@@ -34,8 +34,7 @@ import requests
 
 from splitserve.secret_file import write_secret_file
 
-from procs import free_port
-
+from procs import free_port, stop_all
 
 
 LOG_DIR = Path(tempfile.mkdtemp(prefix="splitserve-ttft-"))
@@ -149,18 +148,6 @@ def main() -> None:
                   flush=True)
     finally:
         stop_all(procs.values())
-
-
-def stop_all(procs) -> None:
-    """SIGTERM every process, then SIGKILL those not gone within 30 s."""
-    procs = list(procs)
-    for proc in procs:
-        proc.terminate()
-    for proc in procs:
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def decisions(metrics_text: str, decision: str) -> float:

@@ -31,7 +31,8 @@ import psutil
 import requests
 
 sys.path.insert(0, str(Path(__file__).parent))
-from vs_refs import Server, free_port, splitserve_argv  # noqa: E402
+from procs import free_port  # noqa: E402
+from vs_refs import Server, splitserve_argv  # noqa: E402
 
 TARGET = 1.2
 SETUPS = {"shared": {}, "private": {"SPLITSERVE_SHARED_WEIGHTS": "0"}}
