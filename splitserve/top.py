@@ -17,8 +17,8 @@ loop), and the screen shows:
 
 On a keyed deployment top sends the operators' key (``--admin-api-key``, ``--admin-api-key-file``
 or ``$SPLITSERVE_ADMIN_API_KEY``) to the routers and the workers alike: it opens ``/workers``,
-``/metrics`` and ``/debug/requests`` everywhere (``docs/security.md``). ``splitserve launch
---api-key-file`` writes the one it draws to a file and names it in its summary.
+``/metrics`` and ``/debug/requests`` everywhere (``docs/security.md``). ``splitserve launch``
+(whose workers are always keyed) writes the one it draws to a file and names it in its summary.
 """
 
 from __future__ import annotations
