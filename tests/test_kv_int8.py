@@ -76,6 +76,16 @@ def test_an_int8_pool_holds_about_twice_the_tokens_of_a_bfloat16_pool_in_the_sam
 # -- attention over int8 pages ---------------------------------------------------------------------
 
 
+def naive_attention(q, keys, values, positions, scale):
+    """float64 attention of queries [n, H, D] at ``positions`` over keys/values [kv_len, Hkv, D] (causal)."""
+    H, Hkv = q.shape[1], keys.shape[1]
+    k = keys.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, L, D]
+    v = values.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
+    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, n, L]
+    visible = torch.arange(keys.shape[0])[None, :] <= torch.tensor(positions)[:, None]  # [n, L]
+    return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1)  # [n, H, D]
+
+
 class Int8Pool:
     """A 2-layer int8 pool with random rows (``test_kernels.RandomPool``'s layout) and shuffled pages."""
 
@@ -103,8 +113,6 @@ def run_int8_batch(pool: Int8Pool, seqs, H: int, ops, dtype=torch.float32, seed:
     pool.layer[meta.slot_pages, :, meta.slot_offsets] = kv_int8.quantize(new_kv)
     out = paged_attention(q, new_kv[:, 0], new_kv[:, 1], pool.layer, meta, D ** -0.5, ops.decode_attention,
                           ops.prefill_attention)
-    from test_kernels import naive_attention
-
     refs = []
     for (start, q_len), (_, _, pages), s in zip(seqs, described, meta.seqs):
         kv = kv_int8.dequantize(pool.layer[pages], torch.float64)  # [n, 2, P, Hkv, D]
