@@ -8,11 +8,12 @@ import pytest
 import torch
 
 from conftest import tiny_model
+from helpers.hf_greedy import hf_greedy
+from helpers.prompts import prompts
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine, merge_outputs
 from splitserve.engine.io import GenerateRequest, SamplingParams
 
-PROMPT_LENGTHS = [1, 5, 16, 17, 40, 64, 100, 257]
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
@@ -25,12 +26,6 @@ def tiny(request):
 @pytest.fixture(scope="module")
 def tiny_llama():
     return str(tiny_model("llama"))
-
-
-def prompts(vocab: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    # stay clear of the special tokens, which the tiny tokenizer puts at the start of the vocab
-    return [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def make_engine(model: str, **kw) -> LLMEngine:
@@ -59,21 +54,6 @@ def run_staggered(engine: LLMEngine, reqs: list[GenerateRequest], every: int = 2
     merged = {rid: merge_outputs(o) for rid, o in outs.items()}
     assert all(m.finished and m.error is None for m in merged.values())
     return {rid: list(m.token_ids) for rid, m in merged.items()}
-
-
-def hf_greedy(model_dir: str, ids: list[int], n: int) -> list[int]:
-    from transformers import AutoModelForCausalLM
-
-    model = _hf_cache.get(model_dir)
-    if model is None:
-        model = _hf_cache[model_dir] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-    return out[0, len(ids):].tolist()
-
-
-_hf_cache: dict = {}
 
 
 def assert_pool_full(engine: LLMEngine):

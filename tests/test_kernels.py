@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import kernel_builds, kernels_built_for
+from helpers.attention_reference import naive_attention
 from splitserve.layers import kernels
 from splitserve.layers.attention import build_metadata, paged_attention
 from splitserve.layers.linear import Linear, packing_available
@@ -32,17 +33,6 @@ from splitserve.layers.ops import CompiledOps, TorchOps, best_ops
 
 PAGE = 4
 NUM_PAGES = 64
-
-
-def naive_attention(q, keys, values, positions, scale):
-    """float64 attention of queries at ``positions`` over keys/values [kv_len, Hkv, D] (causal)."""
-    H, Hkv = q.shape[1], keys.shape[1]
-    k = keys.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, L, D]
-    v = values.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
-    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, n, L]
-    visible = torch.arange(keys.shape[0])[None, :] <= torch.tensor(positions)[:, None]  # [n, L]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return (scores.softmax(-1) @ v).transpose(0, 1)  # [n, H, D]
 
 
 class RandomPool:
@@ -215,7 +205,8 @@ def test_compiled_silu_mul_matches_the_reference(compiled, dtype):
 
 
 def test_engine_with_compiled_ops_matches_transformers(compiled, monkeypatch):
-    from test_engine import hf_greedy, prompts
+    from helpers.hf_greedy import hf_greedy
+    from helpers.prompts import prompts
 
     from splitserve.config import EngineConfig
     from splitserve.engine.engine import LLMEngine
@@ -295,7 +286,8 @@ def test_packed_bf16_linear_equals_the_dense_one():
 @pytest.mark.skipif(not packing_available(torch.bfloat16, "cpu"), reason="oneDNN bf16 packing unavailable")
 @pytest.mark.parametrize("family,tied", [("Llama", True), ("Qwen2", False)])
 def test_a_packed_model_gives_the_dense_models_logits(tmp_path, family, tied):
-    from test_models import PagedSequences, make_checkpoint
+    from helpers.checkpoints import make_checkpoint
+    from helpers.paged_sequences import PagedSequences
 
     from splitserve.models.loader import load_model
 
@@ -322,7 +314,7 @@ def test_a_packed_model_gives_the_dense_models_logits(tmp_path, family, tied):
 
 
 def last_logits(model, seqs, work, s) -> torch.Tensor:
-    """One step of ``work`` (test_models.PagedSequences); the logits of sequence ``s``'s last new
+    """One step of ``work`` (a ``PagedSequences``); the logits of sequence ``s``'s last new
     token, computed with the step's other sampling rows as the engine does (one head call)."""
     ids, positions, meta = seqs.step(work)
     with torch.inference_mode():
@@ -332,19 +324,33 @@ def last_logits(model, seqs, work, s) -> torch.Tensor:
     return logits[[w[0] for w in work].index(s)]
 
 
-def logits_every_way(model, spec, prompt: list[int]) -> dict[str, torch.Tensor]:
+def paged_sequences(spec, num_pages: int, kv_cache_dtype: str = "auto"):
+    """A ``PagedSequences`` over a pool of ``kv_cache_dtype`` pages."""
+    import dataclasses
+
+    from helpers.paged_sequences import PagedSequences
+
+    from splitserve.engine.kv_pool import KVPool
+
+    seqs = PagedSequences(spec, num_pages=num_pages)
+    if kv_cache_dtype != "auto":
+        seqs.kv = KVPool(dataclasses.replace(seqs.kv.layout, kv_cache_dtype=kv_cache_dtype))
+    return seqs
+
+
+def logits_every_way(model, spec, prompt: list[int], kv_cache_dtype: str = "auto") -> dict[str, torch.Tensor]:
     """The last prompt token's logits: the prompt in one chunk, in chunks of several sizes, the
     token decoded alone after the rest, in a decode batch of 16 and beside another prompt's chunk."""
-    from test_models import PagedSequences, run_step
+    from helpers.paged_sequences import run_step
 
     n, out = len(prompt), {}
     for chunks in ([n], [16, 16, n - 32], [1, n - 1], [n - 1, 1], [5] * (n // 5) + [n % 5]):
-        seqs = PagedSequences(spec, num_pages=64)
+        seqs = paged_sequences(spec, 64, kv_cache_dtype)
         s = seqs.add(prompt)
         for size in chunks[:-1]:
             run_step(model, seqs, [(s, size)])
         out[f"chunks {chunks}"] = last_logits(model, seqs, [(s, chunks[-1])], s)
-    seqs = PagedSequences(spec, num_pages=256)
+    seqs = paged_sequences(spec, 256, kv_cache_dtype)
     others = [seqs.add([(7 * i + j) % 500 + 3 for j in range(3 + i)]) for i in range(15)]
     s = seqs.add(prompt)
     run_step(model, seqs, [(o, len(seqs.tokens[o])) for o in others] + [(s, n - 1)])
@@ -352,7 +358,7 @@ def logits_every_way(model, spec, prompt: list[int]) -> dict[str, torch.Tensor]:
         seqs.tokens[o].append(11)
     out["in a decode batch of 16"] = last_logits(model, seqs, [(o, 1) for o in others[:7]] + [(s, 1)]
                                                  + [(o, 1) for o in others[7:]], s)
-    seqs = PagedSequences(spec, num_pages=64)
+    seqs = paged_sequences(spec, 64, kv_cache_dtype)
     s = seqs.add(prompt)
     run_step(model, seqs, [(s, n - 1)])
     late = seqs.add(prompt[::-1] * 2)
@@ -360,14 +366,17 @@ def logits_every_way(model, spec, prompt: list[int]) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
-def test_a_row_computed_alone_and_in_a_chunk_gives_the_same_logits(compiled, quantization, monkeypatch):
+@pytest.mark.parametrize("quantization,kv_cache_dtype", [("none", "auto"), ("int8", "auto"), ("int4", "auto"),
+                                                          ("none", "int8")])
+def test_a_row_computed_alone_and_in_a_chunk_gives_the_same_logits(compiled, quantization, kv_cache_dtype,
+                                                                     monkeypatch):
     """Batch invariance, which the token-identical recompute of a lost transfer relies on: with
     the compiled kernels a prompt's last token gets the same logits, bit for bit, however the
     prompt is chunked and whatever else shares its steps: its own chunk, decoded alone, in a
     decode batch of 16, beside another prompt. On the tiny model in float32 (dense weights through
     linear_f32) and with its weights quantized at load (int8: Q8_0; int4: Q4_1, embedding and
-    head Q8_0).
+    head Q8_0); and over int8 KV pages (``--kv-cache-dtype int8``: the rows quantized as they are
+    stored, read as they are).
     (The PyTorch ops do not promise it: BLAS and SDPA add in orders that follow the batch; the
     last test below states by how much.)"""
     from splitserve.models.loader import load_model
@@ -377,7 +386,7 @@ def test_a_row_computed_alone_and_in_a_chunk_gives_the_same_logits(compiled, qua
     model, spec = load_model(tiny_model_path(), dtype="float32", quantization=quantization)
     assert model.set_ops(compiled) == (4 * spec.num_layers + 1 if quantization == "none" else 0)  # + the head
     assert spec.quantization == {"none": "none", "int8": "Q8_0:30", "int4": "Q4_1:28,Q8_0:2"}[quantization]
-    ways = logits_every_way(model, spec, [(5 * i) % 400 + 3 for i in range(37)])
+    ways = logits_every_way(model, spec, [(5 * i) % 400 + 3 for i in range(37)], kv_cache_dtype)
     first = ways.pop("chunks [37]")
     for way, logits in ways.items():
         assert torch.equal(logits, first), f"{way}: max |dlogit| {(logits - first).abs().max():.3g}"

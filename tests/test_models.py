@@ -19,16 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from splitserve.engine.kv_pool import KVLayout, KVPool
-from splitserve.layers.attention import build_metadata
-from splitserve.models.loader import ModelSpec, load_model, load_tokenizer
+from helpers.checkpoints import VOCAB, make_checkpoint
+from helpers.paged_sequences import PagedSequences, run_step
+from splitserve.models.loader import load_model, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-PAGE_SIZE = 4
-VOCAB = 500
-SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 32}
 
@@ -45,27 +41,6 @@ CASES = {
 }
 
 
-def make_checkpoint(path: Path, family: str, overrides: dict, save: dict, seed: int = 0):
-    """Save a random transformers model to ``path``; returns it (the reference), in float32 eval mode."""
-    config_cls = getattr(transformers, f"{family}Config")
-    model_cls = getattr(transformers, f"{family}ForCausalLM")
-    torch.manual_seed(seed)
-    config = config_cls(**{**SMALL, **overrides})
-    hf = model_cls(config).eval()
-    with torch.no_grad():  # move every weight off its init value (norms off 1, biases off 0)
-        for p in hf.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    shard = {"max_shard_size": save["max_shard_size"]} if "max_shard_size" in save else {}
-    hf.save_pretrained(path, safe_serialization=True, **shard)
-    if save.get("v4_rope_spelling"):
-        cfg = json.loads((path / "config.json").read_text())
-        params = cfg.pop("rope_parameters")
-        cfg["rope_theta"] = params.pop("rope_theta")
-        cfg["rope_scaling"] = {"type" if k == "rope_type" else k: v for k, v in params.items()}
-        (path / "config.json").write_text(json.dumps(cfg))
-    return hf
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def case(request, tmp_path_factory):
     family, overrides, save = CASES[request.param]
@@ -77,48 +52,7 @@ def case(request, tmp_path_factory):
     return hf, model, spec
 
 
-# -- paged batches ---------------------------------------------------------------------------------
-
-
-class PagedSequences:
-    """Sequences sharing one KV pool. Pages come from a shuffled free list (non-contiguous tables)."""
-
-    def __init__(self, spec: ModelSpec, num_pages: int = 48, seed: int = 0):
-        self.kv = KVPool(KVLayout(num_pages, spec.num_layers, PAGE_SIZE, spec.num_kv_heads, spec.head_dim,
-                                  spec.dtype))
-        self.free = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed)).tolist()
-        self.tokens: list[list[int]] = []  # every token of each sequence so far
-        self.pages: list[list[int]] = []
-        self.cached: list[int] = []  # tokens whose KV is in the pool
-
-    def add(self, prompt: list[int]) -> int:
-        self.tokens.append(list(prompt))
-        self.pages.append([])
-        self.cached.append(0)
-        return len(self.tokens) - 1
-
-    def step(self, work: list[tuple[int, int]]):
-        """``work``: (sequence, number of its next uncached tokens). Returns input_ids, positions, meta."""
-        ids, positions, described = [], [], []
-        for s, n in work:
-            start, kv_len = self.cached[s], self.cached[s] + n
-            assert kv_len <= len(self.tokens[s])
-            while len(self.pages[s]) * PAGE_SIZE < kv_len:
-                self.pages[s].append(self.free.pop())
-            described.append((start, n, self.pages[s]))
-            ids += self.tokens[s][start:kv_len]
-            positions += range(start, kv_len)
-            self.cached[s] = kv_len
-        meta = build_metadata(described, PAGE_SIZE, dtype=self.kv.layout.dtype)
-        return torch.tensor(ids), torch.tensor(positions), meta
-
-
-@torch.inference_mode()
-def run_step(model, seqs: PagedSequences, work) -> list[torch.Tensor]:
-    """Forward one step; per work item, the log-probs [n, vocab] of its new tokens."""
-    ids, positions, meta = seqs.step(work)
-    logprobs = F.log_softmax(model.compute_logits(model(ids, positions, meta, seqs.kv)), dim=-1)  # [T, V]
-    return [logprobs[m.q_start:m.q_start + m.q_len] for m in meta.seqs]
+# -- the reference and the tolerance ----------------------------------------------------------------
 
 
 @torch.inference_mode()

@@ -28,7 +28,7 @@ from splitserve.layers.quant import TYPES, QuantWeight
 from splitserve.models import quantized
 from splitserve.models.loader import load_model
 from conftest import kernel_builds, kernels_built_for
-from test_gguf import byte_tok  # noqa: F401  (a fixture)
+from helpers.made_up_gguf import byte_tok  # noqa: F401  (a fixture)
 
 gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
@@ -124,7 +124,7 @@ def test_packed_float32_linear_matches_and_is_batch_invariant(ops, N, K):
 
 
 def logits_of(model, spec, prompt):
-    from test_models import run_step, PagedSequences
+    from helpers.paged_sequences import PagedSequences, run_step
 
     seqs = PagedSequences(spec)
     (lp,) = run_step(model, seqs, [(seqs.add(prompt), len(prompt))])
@@ -133,7 +133,7 @@ def logits_of(model, spec, prompt):
 
 @pytest.fixture(scope="module")
 def hf_checkpoint(tmp_path_factory):
-    from test_models import make_checkpoint
+    from helpers.checkpoints import make_checkpoint
 
     path = tmp_path_factory.mktemp("hf")
     make_checkpoint(path, "Llama", dict(hidden_size=64, intermediate_size=256, tie_word_embeddings=True), {})
@@ -183,7 +183,7 @@ def test_quantization_errors(hf_checkpoint, ops):
 def quantized_gguf(tmp_path_factory, byte_tok):
     """A small llama written as llama.cpp would with its projections quantized (layer 0's
     attention Q4_1, its MLP Q4_0, layer 1 Q8_0; the tied embedding Q8_0) and converted."""
-    from test_gguf import small_model, write_family_gguf
+    from helpers.made_up_gguf import small_model, write_family_gguf
 
     from splitserve.models.resolve import resolve_model_dir
 

@@ -25,12 +25,12 @@ import torch
 from tokenizers import Tokenizer
 
 from conftest import REPO
+from helpers.paged_sequences import PagedSequences, run_step
 from splitserve.models import shape_gguf
 from splitserve.models.loader import load_model, load_tokenizer
 from splitserve.models.make_model import make_model
 from splitserve.models.shape_vocab import UNUSED
 from splitserve.models.shapes import SHAPES, gguf_name, shape
-from test_models import PagedSequences, run_step
 
 gguf = pytest.importorskip("gguf")
 
