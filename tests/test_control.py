@@ -15,6 +15,7 @@ import pytest
 import zmq
 
 from conftest import free_port
+from helpers.waiting import wait_for
 from splitserve.disagg import protocol as p
 from splitserve.disagg.control import PrefillControl, identity, peer_of
 from splitserve.disagg.control.prefill_server import SessionLimits
@@ -64,14 +65,6 @@ def prefill_control(**options):
 
 
 ARRIVE_S = 10.0  # how long a frame that must come may take on a busy machine (it ends the wait when it comes)
-
-
-def wait_until(check, timeout: float) -> None:
-    """Poll ``check`` until true; AssertionError after ``timeout`` (a bound for a busy machine)."""
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not so after {timeout:g}s"
-        time.sleep(0.01)
 
 
 def _recv_all(sock: zmq.Socket, seconds: float, until=None) -> list:
@@ -136,7 +129,8 @@ def test_a_control_thread_sleeps_until_its_next_heartbeat_and_no_longer_than_pol
         waits = [control.poll_ms() for _ in range(50)]
         assert all(0 <= w <= 21 for w in waits), waits
     with prefill_control(deadlines=Deadlines(heartbeat_interval_s=10.0)) as (control, decode, events, transfer):
-        wait_until(lambda: control.poll_ms() == POLL_MS, ARRIVE_S)  # once its first heartbeat went (to nobody)
+        # once its first heartbeat went (to nobody)
+        wait_for("the idle poll", lambda: control.poll_ms() == POLL_MS, ARRIVE_S, interval=0.01)
 
 
 def test_prefill_answers_link_registrations_and_holds_back_rooms_that_come_before_their_link():
@@ -267,13 +261,13 @@ def test_decode_resends_its_link_until_answered_and_a_forgotten_session_makes_wa
         assert again and set(again) == set(first), again
         prefill.send_multipart([identity(sender), p.encode(p.PeerRegistered("pf1", first[0].agent_name))])
         peer = Peer(f"127.0.0.1:{port}", "pf1", 1)
-        wait_until(lambda: PeerInfo(7, peer, None) in events, ARRIVE_S)  # the answer was taken
+        wait_for("the answer taken", lambda: PeerInfo(7, peer, None) in events, ARRIVE_S, interval=0.01)
         assert links.writers() == [peer]
         receive(0.2)  # a resend already on its way when the answer came
         assert not [m for _, m in receive(1.6) if isinstance(m, p.RegisterPeer)]  # answered: no more
 
         control.forget(peer)  # the engine declared this session lost (and closed its link)
-        wait_until(lambda: links.writers() == [], ARRIVE_S)
+        wait_for("the link closed", lambda: links.writers() == [], ARRIVE_S, interval=0.01)
         control.want_info(8, "127.0.0.1", port)
         [(sender2, ask2)] = receive(ARRIVE_S, until=len)
         assert isinstance(ask2, p.GetInfo) and sender2 == Peer("decode:1", "d1", 2)

@@ -11,6 +11,7 @@ import time
 import pytest
 
 from etcd_server import EtcdServer, have_etcd
+from helpers.waiting import wait_for
 from splitserve.discovery.etcd import Registration, client, parse_target
 from splitserve.discovery.record import WorkerRecord
 
@@ -24,14 +25,6 @@ def etcd():
         yield server
 
 
-def until(what: str, check, rounds: int = 400, step_s: float = 0.05):
-    for _ in range(rounds):
-        if check():
-            return
-        time.sleep(step_s)
-    raise AssertionError(f"never came: {what}")
-
-
 def test_a_deleted_or_overwritten_record_is_put_back_at_the_next_keepalive(etcd):
     target = parse_target(etcd.url("/reg-test"))
     record = WorkerRecord("d-0", "new1", "decode", "http://10.0.0.1:8000", None, "m", 1, "nixl")
@@ -40,19 +33,19 @@ def test_a_deleted_or_overwritten_record_is_put_back_at_the_next_keepalive(etcd)
     etcd3 = client(target)
     key = target.key(record.id)
     try:
-        until("registered", registration.registered.is_set)
+        wait_for("registered", registration.registered.is_set, 20)
 
         def holds_own() -> bool:
             return etcd3.get(key) == [record.to_json()]
 
-        until("its record", holds_own)
+        wait_for("its record", holds_own, 20)
         etcd3.delete(key)
-        until("put back after a delete", holds_own)
+        wait_for("put back after a delete", holds_own, 20)
         etcd3.put(key, old.to_json().decode())  # an old record of it, without a lease
-        until("put back after an overwrite", holds_own)
+        wait_for("put back after an overwrite", holds_own, 20)
         lease = etcd3.lease(ttl=30)
         etcd3.put(key, record.to_json().decode(), lease=lease)  # its very value, under another lease
-        until("put back under its own lease", lambda: holds_own() and registration.restored >= 3)
+        wait_for("put back under its own lease", lambda: holds_own() and registration.restored >= 3, 20)
         assert registration.restored == 3
         lease.revoke()
         time.sleep(1.5)  # a keepalive more: its own value under its own lease is left alone
