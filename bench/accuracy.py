@@ -23,9 +23,14 @@ there (``bench/refs/setup_llamacpp.sh``; ``--llamacpp-python`` or ``$SPLITSERVE_
 llama.cpp's perplexity on the same file and the same tokens (llama-cpp-python with
 ``logits_all``; its full logits come back through a temporary ``.npy`` file, not JSON) is printed
 beside ours, with the same KL divergence and top-1 figures, as the reference for the quantized
-arithmetic. Usage::
+arithmetic.
+
+``--kv-cache-dtype int8`` measures the KV cache instead: the reference is then the model as it is
+served (``--quantization auto``, ``--kv-dtype``: bfloat16 by default) with pages of its own dtype,
+against the same model with int8 pages, by the same figures and bounds. Usage::
 
     .venv/bin/python bench/accuracy.py [--model smollm2|PATH.gguf] [--modes auto,int8] [--new-tokens 96]
+    .venv/bin/python bench/accuracy.py --kv-cache-dtype int8 [--kv-dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -92,8 +97,8 @@ def gguf_source(model: str) -> Path:
     return src
 
 
-def engine_for(model_dir: str, mode: str, args) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=model_dir, dtype="float32", quantization=mode,
+def engine_for(model_dir: str, mode: str, args, dtype: str = "float32", kv_cache_dtype: str = "auto") -> LLMEngine:
+    return LLMEngine(EngineConfig(model=model_dir, dtype=dtype, quantization=mode, kv_cache_dtype=kv_cache_dtype,
                                   max_running_requests=len(PROMPTS), max_total_tokens=8192,
                                   max_batch_tokens=max(2048, args.chunk)))
 
@@ -112,7 +117,8 @@ def text_logprobs(engine: LLMEngine, tokens: list[int], chunk: int) -> torch.Ten
     model, spec = engine.runner.model, engine.spec
     page = engine.runner.page_size
     pages = list(range(-(-len(tokens) // page)))
-    kv = KVPool(KVLayout(len(pages), spec.num_layers, page, spec.num_kv_heads, spec.head_dim, spec.dtype))
+    kv = KVPool(KVLayout(len(pages), spec.num_layers, page, spec.num_kv_heads, spec.head_dim, spec.dtype,
+                         engine.layout.kv_cache_dtype))
     out: Optional[torch.Tensor] = None
     for start in range(0, len(tokens) - 1, chunk):
         piece = tokens[start:start + chunk]
@@ -216,6 +222,74 @@ def agreement(ours: list[list[int]], ref: list[list[int]]) -> tuple[float, int]:
     return before / sum(len(b) for b in ref), sum(a == b for a, b in zip(ours, ref))
 
 
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def pool_line(spec, dtype: torch.dtype, kv_cache_dtypes: list[str], tokens: int = 65536, page: int = 16) -> str:
+    """What a pool of ``tokens`` pages of the model's dtype takes, and how many tokens each KV cache
+    dtype holds in those bytes: the pool allocated (and zeroed, so resident) and its resident
+    growth measured."""
+    shape = dict(num_layers=spec.num_layers, page_size=page, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                 dtype=dtype)
+    budget = KVLayout(num_pages=tokens // page, **shape).page_nbytes * (tokens // page)
+    parts = []
+    for kv in ["auto", *kv_cache_dtypes]:
+        layout = KVLayout(num_pages=budget // KVLayout(num_pages=1, kv_cache_dtype=kv, **shape).page_nbytes,
+                          kv_cache_dtype=kv, **shape)
+        before = resident_bytes()
+        pool = KVPool(layout)
+        grown = resident_bytes() - before
+        parts.append(f"{kv}: {layout.total_tokens:,} tokens ({layout.total_tokens / tokens:.2f}x; page "
+                     f"{layout.page_nbytes:,} B; resident +{grown / 2**20:,.0f} MiB)")
+        del pool
+    return f"pool of {budget / 2**20:,.0f} MiB ({tokens:,} tokens of {str(dtype).removeprefix('torch.')}): " + \
+        "; ".join(parts)
+
+
+def kv_cache_main(args, model_dir: str, prompts: list[list[int]], text_tokens: list[int]) -> int:
+    """``--kv-cache-dtype``: the model served as it is (``--quantization auto``, ``--kv-dtype``) with
+    pages of its dtype (the reference) and of each named dtype; the same figures and bounds."""
+    rows, answers, ref_logprobs, failed = {}, {}, None, []
+    for kv in ["auto", *args.kv_cache_dtype.split(",")]:
+        t0 = time.perf_counter()
+        engine = engine_for(model_dir, "auto", args, dtype=args.kv_dtype, kv_cache_dtype=kv)
+        logprobs = text_logprobs(engine, text_tokens, args.chunk)
+        nll, n = negative_log_likelihood(logprobs, text_tokens)
+        answers[kv] = greedy(engine, prompts, args.new_tokens)
+        ref_logprobs = logprobs if ref_logprobs is None else ref_logprobs
+        spec = engine.spec
+        rows[kv] = dict(ppl=math.exp(nll / n), tokens=n, page_nbytes=engine.layout.page_nbytes,
+                        ops=engine.runner.model.ops.name,
+                        seconds=time.perf_counter() - t0, **divergence(ref_logprobs, logprobs, text_tokens))
+        del engine, logprobs
+    print(f"KV cache: reference pages of the model's dtype ({args.kv_dtype}, --quantization auto); text "
+          f"{TEXT.relative_to(Path(__file__).parent.parent)} ({len(text_tokens)} tokens, chunks of {args.chunk}); "
+          f"{len(PROMPTS)} chat prompts x {args.new_tokens} greedy tokens; ops {rows['auto']['ops']}; threads "
+          f"{torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}")
+    print(f"{'--kv-cache-dtype':>16} {'page bytes':>10} {'perplexity':>10} {'/ reference':>11} {'greedy agree':>12} "
+          f"{'whole answers':>13} {'KLD mean':>9} {'KLD p99':>8} {'same top-1':>10} {'ratio ± 1 SE':>12}")
+    ref = rows["auto"]
+    print(pool_line(spec, spec.dtype, args.kv_cache_dtype.split(",")))
+    for kv, r in rows.items():
+        share, whole = agreement(answers[kv], answers["auto"])
+        r.update(agree=share, whole=whole, ratio=r["ppl"] / ref["ppl"])
+        print(f"{kv:>16} {r['page_nbytes']:>10} {r['ppl']:>10.3f} {r['ratio']:>10.4f}x {share:>11.1%} "
+              f"{whole:>6}/{len(PROMPTS)} {r['kld']:>15.5f} {r['kld_p99']:>8.4f} {r['top1']:>10.2%} "
+              f"{'±':>5} {r['ratio'] * r['ln_ratio_se']:.4f}")
+        if kv != "auto":
+            failed += [f"{kv}: {what}" for what, bad in (
+                (f"perplexity {r['ratio']:.4f}x the reference's > {PPL_BOUND}", r["ratio"] > PPL_BOUND),
+                (f"mean KL divergence {r['kld']:.5f} > {KLD_BOUND}", r["kld"] > KLD_BOUND),
+                (f"the same top-1 token at {r['top1']:.2%} < {TOP1_BOUND:.0%}", r["top1"] < TOP1_BOUND)) if bad]
+    print(f"bounds: perplexity <= {PPL_BOUND}x the reference's, mean KLD <= {KLD_BOUND}, the same top-1 >= "
+          f"{TOP1_BOUND:.0%}: " + ("; ".join(failed) if failed else "all hold"))
+    if args.result_json:
+        args.result_json.write_text(json.dumps(dict(rows=rows, failed=failed), indent=1))
+    return 1 if failed else 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="smollm2 (the demo model) or a .gguf file")
@@ -226,6 +300,10 @@ def main() -> int:
     ap.add_argument("--llamacpp-python", default=os.environ.get("SPLITSERVE_REF_LLAMACPP", DEFAULT_LLAMACPP),
                     help="the python of llama.cpp's venv (default: $SPLITSERVE_REF_LLAMACPP, else %(default)s)")
     ap.add_argument("--result-json", type=Path, default=None)
+    ap.add_argument("--kv-cache-dtype", default=None,
+                    help="measure these KV cache dtypes (comma-separated, e.g. int8) against pages of the model's "
+                         "dtype instead of the weights' modes")
+    ap.add_argument("--kv-dtype", default="bfloat16", help="the model's dtype with --kv-cache-dtype (%(default)s)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -237,6 +315,8 @@ def main() -> int:
                for p in PROMPTS]
     prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     text_tokens = list(tok(TEXT.read_text())["input_ids"])
+    if args.kv_cache_dtype:
+        return kv_cache_main(args, model_dir, prompts, text_tokens)
 
     rows = {}
     answers = {}
