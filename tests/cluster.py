@@ -25,7 +25,6 @@ worker's ``/metrics`` until its KV pages are all free and its live lifecycle que
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -36,6 +35,7 @@ from typing import Optional, Sequence
 import requests
 
 from conftest import REPO, STARTUP_TIMEOUT_S, ServerProcess, free_port, log_dir
+from helpers.sse import sse_events
 from splitserve.auth import bearer
 from splitserve.metrics import parse_exposition
 
@@ -291,16 +291,6 @@ def post_generate(url: str, ids: Sequence[int], max_new_tokens: int, stream: boo
     body = {"input_ids": list(ids), "sampling_params": {"max_new_tokens": max_new_tokens, **sampling},
             **({"stream": True} if stream else {}), **(extra or {})}
     return requests.post(url.rstrip("/") + "/generate", json=body, timeout=timeout)
-
-
-def sse_events(text: str) -> list:
-    """The ``data:`` payloads of an SSE body, JSON-decoded; ``[DONE]`` kept as the string."""
-    events = []
-    for line in text.splitlines():
-        if line.startswith("data: "):
-            data = line[len("data: "):]
-            events.append("[DONE]" if data == "[DONE]" else json.loads(data))
-    return events
 
 
 def generate(url: str, ids: Sequence[int], max_new_tokens: int, stream: bool = False, *,

@@ -17,27 +17,18 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from typing import Callable, Optional
 
 import pytest
 import requests
 
-from cluster import metric_sum, metrics, sse_events
+from cluster import metric_sum, metrics
 from conftest import ServerProcess, free_port
 from etcd_server import EtcdServer, have_etcd
+from helpers.sse import sse_events
+from helpers.waiting import wait_for
 
 TTL_S = "6"  # short for the tests, long enough that a loaded machine keeps a live worker's lease
-
-
-def wait_for(what: str, check, timeout: float = 90.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"not within {timeout:g} s: {what}")
 
 
 class EtcdCluster:

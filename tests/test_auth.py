@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import types
 from pathlib import Path
 
 import pytest
@@ -18,8 +17,8 @@ import requests
 
 from cluster import Cluster, RouterProcess, pages_back_to_total
 from conftest import REPO
+from helpers.fake_engine import FullFakeEngine
 from splitserve.auth import load_key
-from test_server import FakeEngine
 
 openai = pytest.importorskip("openai")
 
@@ -28,19 +27,6 @@ WORKER_KEY = "worker-key-9876543210"
 ADMIN_KEY = "admin-key-5555555555"
 METRICS_KEY = "metrics-key-7777777777"
 WORKERS_CLIENT_KEY = "a-worker-s-own-client-key"
-
-
-class Engine(FakeEngine):
-    """The fake engine of test_server, with what /debug/requests, /flush_cache and /metrics ask of
-    it (``role``: where a prefill or decode worker's metrics hang their counters)."""
-
-    role = types.SimpleNamespace()
-
-    def debug_requests(self):
-        return []
-
-    def flush_cache(self):
-        return 0
 
 
 def key_file(tmp_path_factory, name: str, key: str) -> str:
@@ -163,7 +149,7 @@ def test_metrics_need_a_key_wherever_a_key_is_set(side, byte_tokenizer):
         if side == "router":
             down = "http://127.0.0.1:9"
             return router_app(RouterConfig(prefill=(WorkerAddress(down, 9),), decode=(WorkerAddress(down),), **keys))
-        return worker_app(Engine(byte_tokenizer), ServerConfig(**keys))
+        return worker_app(FullFakeEngine(byte_tokenizer), ServerConfig(**keys))
 
     keyed = {"Authorization": f"Bearer {CLIENT_KEY}"}
 
@@ -260,7 +246,7 @@ def test_every_route_opens_with_the_keys_of_this_table(byte_tokenizer):
         "router": lambda: router_app(RouterConfig(
             prefill=(WorkerAddress(down, 9),), decode=(WorkerAddress(down),), api_key=CLIENT_KEY,
             admin_api_key=ADMIN_KEY, metrics_api_key=METRICS_KEY, worker_api_key=WORKER_KEY, protect_metrics=True)),
-        "worker": lambda: worker_app(Engine(byte_tokenizer), ServerConfig(
+        "worker": lambda: worker_app(FullFakeEngine(byte_tokenizer), ServerConfig(
             api_key=WORKERS_CLIENT_KEY, worker_api_key=WORKER_KEY, admin_api_key=ADMIN_KEY,
             metrics_api_key=METRICS_KEY, protect_metrics=True)),
     }
@@ -302,7 +288,7 @@ def test_a_client_key_never_opens_the_admin_routes(side, byte_tokenizer):
                                       protect_metrics=True))
         admin = [("POST", "/flush_cache"), ("GET", "/workers"), ("GET", "/debug/requests/x")]
     else:
-        app = worker_app(Engine(byte_tokenizer), ServerConfig(api_key=CLIENT_KEY, protect_metrics=True))
+        app = worker_app(FullFakeEngine(byte_tokenizer), ServerConfig(api_key=CLIENT_KEY, protect_metrics=True))
         admin = [("POST", "/flush_cache"), ("GET", "/debug/requests"), ("GET", "/debug/rooms/1")]
     keyed = {"Authorization": f"Bearer {CLIENT_KEY}"}
 
@@ -416,7 +402,7 @@ def test_bootstrap_fields_come_only_from_the_router_or_an_allowed_address(role, 
     from splitserve.config import ServerConfig
     from splitserve.server.app import create_app
 
-    app = create_app(Engine(byte_tokenizer), ServerConfig(role=role, **config))
+    app = create_app(FullFakeEngine(byte_tokenizer), ServerConfig(role=role, **config))
 
     async def main():
         async with TestClient(TestServer(app)) as client:
@@ -443,7 +429,7 @@ def test_a_prefill_refuses_a_leg_that_names_another_bootstrap_port(byte_tokenize
     from splitserve.config import ServerConfig
     from splitserve.server.app import create_app
 
-    app = create_app(Engine(byte_tokenizer), ServerConfig(role="prefill", bootstrap_port=8998))
+    app = create_app(FullFakeEngine(byte_tokenizer), ServerConfig(role="prefill", bootstrap_port=8998))
 
     async def main():
         async with TestClient(TestServer(app)) as client:

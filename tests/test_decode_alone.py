@@ -8,15 +8,17 @@ by the module; each test ends with the decode worker's pages all free and no liv
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import requests
 
-from cluster import generate, metric, metrics, pages_back_to_total, post_generate, sse_events
+from cluster import generate, metric, metrics, pages_back_to_total, post_generate
 from conftest import ServerProcess
+from helpers.prompts import prompt
+from helpers.sse import sse_events
 
 PAGE = 16
+PROMPT_HIGH = 2000  # the top token id of a prompt
 SAME = ["--page-size", str(PAGE), "--max-total-tokens", "4096", "--max-batch-tokens", "48"]  # prompts run in chunks
 
 
@@ -33,17 +35,12 @@ def pair():
         colocated.stop()
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randint(10, 2000) for _ in range(n)]
-
-
 @pytest.mark.parametrize("sampling", [{"temperature": 0}, {"temperature": 0.9, "top_p": 0.9, "seed": 1234}],
                          ids=["greedy", "seeded"])
 def test_decode_alone_gives_the_tokens_of_a_colocated_worker(pair, sampling):
     colocated, decode = pair
     for i, n in enumerate((5, 47, 130)):  # within a page; one chunk less a token; several chunks
-        ids = prompt(n, seed=n)
+        ids = prompt(n, seed=n, high=PROMPT_HIGH)
         want = generate(colocated.url, ids, 12, ignore_eos=True, **sampling)
         assert len(want) == 12
         assert generate(decode.url, ids, 12, ignore_eos=True, **sampling) == want, f"prompt of {n} tokens"
@@ -54,7 +51,7 @@ def test_decode_alone_gives_the_tokens_of_a_colocated_worker(pair, sampling):
 def test_decode_alone_shows_its_prompt_computed_here_and_ends_clean(pair):
     colocated, decode = pair
     before = metrics(decode)
-    resp = post_generate(decode.url, prompt(40, seed=7), 4, extra={"rid": "alone-1"}, temperature=0)
+    resp = post_generate(decode.url, prompt(40, seed=7, high=PROMPT_HIGH), 4, extra={"rid": "alone-1"}, temperature=0)
     assert resp.status_code == 200, resp.text
     timeline = requests.get(decode.url + "/debug/requests/alone-1", timeout=10).json()
     states = [s["state"] for s in timeline["steps"]]

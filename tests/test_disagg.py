@@ -32,7 +32,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from cluster import Cluster, generate, metric, metric_sum, metrics, pages_back_to_total, post_generate, sse_events
+from cluster import Cluster, generate, metric, metric_sum, metrics, pages_back_to_total, post_generate
+from helpers.sse import sse_events
 
 NEW_TOKENS = 8
 CONCURRENCY = 4

@@ -35,7 +35,8 @@ import pytest
 import requests
 
 from cluster import (Cluster, RouterProcess, free_port, generate, metric, metrics, pages_back_to_total,
-                     post_generate, sse_events, start_routers, stop_routers)
+                     post_generate, start_routers, stop_routers)
+from helpers.sse import sse_events
 
 P_PREALLOC_S, P_BOOTSTRAP_S = 2, 3
 D_PREALLOC_S, D_BOOTSTRAP_S, D_KV_WAIT_S = 3, 4, 5

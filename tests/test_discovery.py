@@ -19,7 +19,8 @@ import requests
 
 from cluster import RouterProcess, pages_back_to_total
 from conftest import CACHE_DIR, CLUSTER_SECRET
-from etcd_cluster import Load, finished, listed, routable, wait_for
+from etcd_cluster import Load, finished, listed, routable
+from helpers.waiting import wait_for
 
 ROUTER_ARGS = ("--health-interval-s", "0.5", "--health-failures", "2", "--cluster-secret-file", CLUSTER_SECRET)
 """The router holds the workers' cluster secret: it uses only sealed records, and workers that prove themselves."""
@@ -43,8 +44,8 @@ def running(c) -> set[str]:
 
 def test_workers_registered_in_etcd_are_served(etcd_cluster, router):
     p1, d1 = etcd_cluster.ensure("p1", "d1")
-    wait_for("the router ready", lambda: requests.get(router.url + "/health", timeout=5).status_code == 200)
-    wait_for("every running worker found", lambda: set(routable(router)) == running(etcd_cluster))
+    wait_for("the router ready", lambda: requests.get(router.url + "/health", timeout=5).status_code == 200, 90)
+    wait_for("every running worker found", lambda: set(routable(router)) == running(etcd_cluster), 90)
     seen = routable(router)
     assert {p1.name, d1.name} <= set(seen) and all(w["source"] == "discovery" for w in seen.values()), seen
     for proc in (p1, d1):
@@ -62,7 +63,8 @@ def test_static_workers_serve_beside_discovery(etcd_cluster, router):
     other = RouterProcess([(p1.url, p1.bootstrap_port)], [], "--discovery", etcd_cluster.etcd.url(), *ROUTER_ARGS,
                           wait_healthy=False).start()
     try:
-        wait_for("the second router ready", lambda: requests.get(other.url + "/health", timeout=5).status_code == 200)
+        wait_for("the second router ready",
+                 lambda: requests.get(other.url + "/health", timeout=5).status_code == 200, 90)
         seen = {w["id"]: w["source"] for w in listed(other)}
         assert seen[p1.name] == "static" and seen[d1.name] == "discovery", seen
         assert len(seen) == len(running(etcd_cluster)), seen
@@ -90,7 +92,7 @@ def test_values_under_the_prefix_that_are_no_records_are_ignored(etcd_cluster, r
         e.put(key, value)
     try:
         wait_for("every bad value counted", lambda: router.metric(
-            "splitserve_router_discovery_records_invalid_total") >= invalid + len(bad))
+            "splitserve_router_discovery_records_invalid_total") >= invalid + len(bad), 90)
         assert set(w["id"] for w in listed(router)) == running(etcd_cluster)
         r = requests.post(router.url + "/generate", json={"input_ids": [1, 2],
                                                           "sampling_params": {"max_new_tokens": 2}}, timeout=60)
@@ -110,7 +112,7 @@ def test_a_worker_started_under_load_gets_legs(etcd_cluster, router):
         for proc in started:
             proc.wait_ready()
         for proc in started:
-            wait_for(f"{proc.name} serving routed requests", lambda: finished(proc) > 0)
+            wait_for(f"{proc.name} serving routed requests", lambda: finished(proc) > 0, 90)
     assert not load.failures, load.failures[:3]
     assert set(routable(router)) >= {p.name for p in etcd_cluster.procs.values()}
 
@@ -178,12 +180,12 @@ def test_a_rolling_restart_under_load_fails_no_request_and_leaks_no_page(etcd_cl
                 old.send_signal(signal.SIGTERM)
                 new = c.spawn(name)
                 wait_for(f"the static router retrying {name}'s legs elsewhere",
-                         lambda: role_retries(old.role) > retried)
+                         lambda: role_retries(old.role) > retried, 90)
                 new.wait_ready()
                 incarnation = requests.get(new.url + "/health", timeout=10).json()["incarnation"]
                 assert incarnation != before
                 wait_for(f"{name}'s new incarnation in rotation at its new address",
-                         lambda: routable(router).get(name, {}).get("url") == new.url)
+                         lambda: routable(router).get(name, {}).get("url") == new.url, 90)
                 assert routable(router)[name]["incarnation"] == incarnation
                 assert requests.delete(f"{static.url}/workers/{name}", timeout=10).status_code == 202
                 added = {"url": new.url, "worker_type": new.role, "id": name,
@@ -191,7 +193,7 @@ def test_a_rolling_restart_under_load_fails_no_request_and_leaks_no_page(etcd_cl
                 r = requests.post(static.url + "/workers", json=added, timeout=30)
                 assert r.status_code == 202, r.text
                 wait_for(f"{name}'s new incarnation in the static router's rotation",
-                         lambda: routable(static).get(name, {}).get("url") == new.url)
+                         lambda: routable(static).get(name, {}).get("url") == new.url, 90)
                 assert old.proc.wait(120) == 0, old.output_tail()
                 old.stop()
                 found.wait_done(2)
@@ -200,7 +202,7 @@ def test_a_rolling_restart_under_load_fails_no_request_and_leaks_no_page(etcd_cl
         assert not pinned_load.failures, pinned_load.failures[:3]
         now = {p.name: p.url for p in c.procs.values() if p.name in names}
         wait_for("the old incarnations gone from both routers",
-                 lambda: all({w["id"]: w["url"] for w in listed(r)} == now for r in (router, static)))
+                 lambda: all({w["id"]: w["url"] for w in listed(r)} == now for r in (router, static)), 90)
         counted = retries(static)
         assert {k.split(":")[0] for k in counted} == {"prefill", "decode"}, counted
         assert {k.split(":")[1] for k in counted} <= {"unavailable", "unreachable", "gone"}, counted
@@ -250,7 +252,7 @@ def test_two_fingerprints_under_one_name_are_never_paired_across(etcd_cluster, r
     procs = [c.spawn(name, "--served-model-name", "tiny", model=other) for name in UPGRADED]
     for p in procs:
         p.wait_ready()
-    wait_for("pb and db in rotation", lambda: {"pb", "db"} <= set(routable(router)))
+    wait_for("pb and db in rotation", lambda: {"pb", "db"} <= set(routable(router)), 90)
     fingerprints = {w["id"]: w["model_fingerprint"] for w in listed(router)}
     p1, d1 = c.procs["p1"].name, c.procs["d1"].name
     assert fingerprints["pb"] == fingerprints["db"] != fingerprints[p1] == fingerprints[d1], fingerprints
@@ -268,25 +270,25 @@ def test_two_fingerprints_under_one_name_are_never_paired_across(etcd_cluster, r
         sum(served[p.name] for p in old if p.role == "decode") == 12 - new_pairs, served
     assert router.metric("splitserve_router_pairings_refused_total") > refused
     c.stop(*UPGRADED)
-    wait_for("pb and db gone", lambda: not {"pb", "db"} & {w["id"] for w in listed(router)})
+    wait_for("pb and db gone", lambda: not {"pb", "db"} & {w["id"] for w in listed(router)}, 90)
 
 
 @pytest.mark.long
 def test_etcd_stopped_under_load_fails_no_request_and_a_worker_started_meanwhile_joins(etcd_cluster, router):
     c, etcd = etcd_cluster, etcd_cluster.etcd
     c.ensure("p1", "d1")
-    wait_for("the router ready", lambda: requests.get(router.url + "/health", timeout=5).status_code == 200)
+    wait_for("the router ready", lambda: requests.get(router.url + "/health", timeout=5).status_code == 200, 90)
     with Load(router.url) as load:
         load.wait_done(2)
         known = {w["id"] for w in listed(router)}
         etcd.stop()
-        wait_for("the outage shown", lambda: router.metric("splitserve_router_discovery_outage") == 1)
+        wait_for("the outage shown", lambda: router.metric("splitserve_router_discovery_outage") == 1, 90)
         d3 = c.spawn("d3")
         d3.wait_ready()
         load.wait_done(10)
         assert {w["id"] for w in listed(router)} == known  # the workers known are kept, d3 not yet found
         etcd.start()
-        wait_for("d3 serving routed requests", lambda: finished(d3) > 0)
+        wait_for("d3 serving routed requests", lambda: finished(d3) > 0, 90)
         assert router.metric("splitserve_router_discovery_outage") == 0
     assert not load.failures, load.failures[:3]
     assert router.metric("splitserve_router_discovery_errors_total") >= 1

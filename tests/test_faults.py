@@ -48,14 +48,14 @@ from typing import Optional
 import pytest
 import requests
 
-from cluster import (Cluster, RouterProcess, metric, metrics, post_generate, sse_events,
-                     start_routers, stop_routers)
+from cluster import Cluster, RouterProcess, metric, metrics, post_generate, start_routers, stop_routers
 from conftest import ServerProcess, free_port
 from helpers.calls import Call
 from helpers.fault_deadlines import (BOOTSTRAP_S, DEADLINES, HEARTBEAT_S, KV_WAIT_S, LOOP_STALL_S, PEER_SILENCE_S,
                                      PREALLOC_S, SHOW_FAILURES, SLACK_S, STALL)
 from helpers.prompts import GREEDY, new_room, prompt
 from helpers.split_pair import direct_pair, kill9
+from helpers.sse import sse_events
 from helpers.waiting import wait_for
 from helpers.worker_checks import assert_clean, debug_rows
 

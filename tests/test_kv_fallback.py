@@ -27,10 +27,11 @@ import requests
 from cluster import generate, metric, metrics, pages_back_to_total, post_generate
 from conftest import ServerProcess
 from fake_prefill import FakePrefill, decode_info
-from test_decode_alone import prompt
+from helpers.prompts import prompt
 from splitserve.disagg import protocol as p
 
 PAGE = 16
+PROMPT_HIGH = 2000  # the top token id of a prompt
 SAME = ["--page-size", str(PAGE), "--max-total-tokens", "2048", "--max-batch-tokens", "48"]
 DEADLINES = ["--prealloc-s", "20", "--kv-wait-s", "30", "--heartbeat-interval-s", "0.2", "--heartbeat-misses", "10",
              "--register-resend-s", "1", "--quarantine-resend-s", "0.5", "--decode-stall-s", "10",
@@ -107,7 +108,7 @@ def fallbacks(decode, reason: str) -> float:
 
 def test_abort_request_client_abort_ends_the_leg_as_the_client_leaving(trio):
     colocated, decode, fake = trio
-    leg = Leg(decode, fake, prompt(40, 1), GREEDY)
+    leg = Leg(decode, fake, prompt(40, 1, high=PROMPT_HIGH), GREEDY)
     leg.registered(fake)
     resp = abort_request(decode, bootstrap_room=leg.room, reason="client_abort", detail="the router: client left")
     assert resp.status_code == 200 and resp.json() == {"found": True}, resp.text
@@ -123,7 +124,7 @@ def test_abort_request_prefill_failed_makes_decode_compute_the_prompt(trio, samp
     """The router's prefill leg was refused: decode's leg is answered as if the KV had come. The
     room was registered, so it waits for the fake's WritesSettled (RECLAIMING) first."""
     colocated, decode, fake = trio
-    ids = prompt(70, 2)
+    ids = prompt(70, 2, high=PROMPT_HIGH)
     want = generate(colocated.url, ids, 10, ignore_eos=True, **sampling)
     before = fallbacks(decode, "peer_failed")
     leg = Leg(decode, fake, ids, sampling)
@@ -142,7 +143,8 @@ def test_a_recomputed_room_of_n_choices_gives_the_colocated_n(trio):
     """n = 3 through the fallback: decode computes the prompt itself, then forks the other choices
     as a colocated worker does: the same three answers."""
     colocated, decode, fake = trio
-    body = {"model": "tiny", "prompt": prompt(70, 4), "max_tokens": 6, "n": 3, "ignore_eos": True, **SEEDED}
+    body = {"model": "tiny", "prompt": prompt(70, 4, high=PROMPT_HIGH), "max_tokens": 6, "n": 3, "ignore_eos": True,
+            **SEEDED}
     r = requests.post(colocated.url + "/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     want = [c["text"] for c in r.json()["choices"]]
@@ -161,7 +163,7 @@ def test_abort_request_prefill_failed_before_the_request_came_is_kept_for_it(tri
     """The router's legs race: its prefill_failed reaches decode before the request. The request,
     when it comes, computes its prompt at once (it never registers with a prefill)."""
     colocated, decode, fake = trio
-    ids = prompt(33, 3)
+    ids = prompt(33, 3, high=PROMPT_HIGH)
     want = generate(colocated.url, ids, 10, ignore_eos=True, **GREEDY)
     rid = f"early-{random.getrandbits(32)}"
     assert abort_request(decode, rid=rid, reason="prefill_failed", detail="the router: prefill refused").json() \

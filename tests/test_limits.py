@@ -162,7 +162,7 @@ def test_a_stream_nobody_reads_is_cut_off_by_the_worker_in_process(byte_tokenize
     from aiohttp.test_utils import TestServer
 
     from splitserve.server.app import create_app
-    from test_server import FakeEngine
+    from helpers.fake_engine import FakeEngine
 
     engine = FakeEngine(byte_tokenizer)
     engine.spec.max_context = 10 ** 8  # an endless stream, as fast as the event loop goes

@@ -17,7 +17,8 @@ import pytest
 import requests
 
 from cluster import RouterProcess, generate
-from etcd_cluster import finished, wait_for
+from etcd_cluster import finished
+from helpers.waiting import wait_for
 
 ROUTER_ARGS = ("--health-interval-s", "0.5", "--health-failures", "1", "--no-pd-fallback")
 

@@ -27,13 +27,13 @@ from __future__ import annotations
 import random
 import signal
 import threading
-import time
 
 import pytest
 import requests
 
 from cluster import Cluster, generate, metric, metrics, pages_back_to_total, post_generate
 from conftest import STARTUP_TIMEOUT_S, ServerProcess
+from helpers.waiting import wait_for
 
 PAGE = 16
 SHARED = ["--page-size", str(PAGE), "--max-total-tokens", "2048", "--heartbeat-interval-s", "0.2",
@@ -109,15 +109,6 @@ class Split:
         assert isinstance(resp, requests.Response), f"the decode leg got {resp!r}"
         assert resp.status_code == 200, resp.text
         return resp.json()["output_ids"]
-
-
-def wait_for(what: str, check, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (value := check()) is not None:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout:g}s")
 
 
 def mid_transfer(prefill, decode, rooms: set[int]) -> None:

@@ -32,12 +32,13 @@ import pytest
 import requests
 
 from cluster import (HTTP_TIMEOUT_S, Cluster, RouterProcess, metric, metric_sum, metrics, pages_back_to_total,
-                     post_generate, sse_events)
+                     post_generate)
 from conftest import CLUSTER_SECRET, free_port
 from etcd_cluster import Load
 from etcd_server import have_etcd
 from splitserve.auth import bearer
 from helpers.prompts import GREEDY, prompt
+from helpers.sse import sse_events
 from helpers.waiting import wait_for
 
 ADMIN, WORKER, METRICS = "role-test-admin-key", "role-test-worker-key", "role-test-metrics-key"

@@ -27,81 +27,17 @@ import pytest
 import requests
 from aiohttp.test_utils import TestClient, TestServer
 from conftest import ServerProcess, free_port
+from helpers.fake_engine import FakeEngine
+from helpers.sse import sse_events
 
 from splitserve.config import EngineConfig, ServerConfig
-from splitserve.engine.io import NotReady, Overloaded, RequestOutput
 from splitserve.metrics import parse_exposition
-from splitserve.outcomes import Ending, Reason
 from splitserve.server.app import create_app
 from splitserve.server.state import STATE
 
 # =============================================================================================
 # In process, with a fake engine
 # =============================================================================================
-
-
-class FakeEngine:
-    """Answers each request by echoing its prompt tokens, one every ``delay`` seconds, until
-    ``max_tokens`` ("length"). Scripts in the prompt text: ``FAIL`` fails the request with HTTP 503
-    after two tokens; ``RAISE`` makes ``submit`` raise a RuntimeError (a bug)."""
-
-    def __init__(self, tokenizer, delay: float = 0.0, capacity: int = 100):
-        self.tokenizer = tokenizer
-        self.spec = types.SimpleNamespace(name="fake", path="/models/fake", architecture="FakeForCausalLM",
-                                          max_context=256, vocab_size=len(tokenizer), eos_token_ids=(257,),
-                                          generation_defaults={}, dtype="torch.float32")
-        self.config = EngineConfig()
-        self.ready, self.draining = True, False
-        self.delay, self.capacity = delay, capacity
-        self.live: dict[str, bool] = {}  # rid -> abort requested
-        self.aborted: list[str] = []
-        self.submitted = 0
-
-    def submit(self, req):
-        if not self.ready or self.draining:
-            raise NotReady("not ready")
-        if len(self.live) >= self.capacity:
-            raise Overloaded("the waiting queue is full")
-        text = self.tokenizer.decode(req.prompt_ids)
-        if "RAISE" in text:
-            raise RuntimeError("a bug in submit")
-        self.submitted += 1
-        self.live[req.rid] = False
-        return self._run(req, text)
-
-    async def _run(self, req, text):
-        n_prompt = len(req.prompt_ids)
-        try:
-            for i in range(req.sampling.max_tokens):
-                await asyncio.sleep(self.delay)
-                if self.live.get(req.rid):
-                    yield RequestOutput.ended(req.rid, Ending(Reason.CLIENT_ABORT))
-                    return
-                if "FAIL" in text and i == 2:
-                    yield RequestOutput(req.rid, finished=True, error="the peer was lost", reason=Reason.NOT_READY,
-                                        prompt_tokens=n_prompt, completion_tokens=i)
-                    return
-                tok = req.prompt_ids[i % n_prompt]
-                last = i == req.sampling.max_tokens - 1
-                yield RequestOutput(req.rid, token_ids=(tok,), text=self.tokenizer.decode([tok]), finished=last,
-                                    finish_reason="length" if last else None, prompt_tokens=n_prompt,
-                                    completion_tokens=i + 1)
-        finally:
-            self.live.pop(req.rid, None)
-
-    def abort(self, rid):
-        self.aborted.append(rid)
-        if rid in self.live:
-            self.live[rid] = True
-
-    def stats(self):
-        return {"pages_free": 8, "pages_total": 8, "queues": {"waiting": 0, "running": len(self.live)}}
-
-    def begin_drain(self):
-        self.draining = True
-
-    def shutdown(self):
-        self.ready = False
 
 
 def run_app(engine, test, **runner_kwargs):
@@ -112,15 +48,6 @@ def run_app(engine, test, **runner_kwargs):
         async with TestClient(server) as client:
             await test(client, app)
     asyncio.run(main())
-
-
-def sse_events(body: str) -> list:
-    events = []
-    for block in body.strip().split("\n\n"):
-        assert block.startswith("data: "), block
-        payload = block[len("data: "):]
-        events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 def test_flush_cache_answers_what_it_dropped_or_503_while_the_loop_is_busy(byte_tokenizer):
@@ -165,7 +92,7 @@ def test_fake_engine_error_mid_stream_is_an_error_event_then_done(byte_tokenizer
     async def test(client, app):
         r = await client.post(endpoint, json=body)
         assert r.status == 200
-        events = sse_events(await r.text())
+        events = sse_events(await r.text(), strict=True)
         assert events[-1] == "[DONE]"
         assert events[-2]["error"]["message"] == "the peer was lost"
         for e in events[:-2]:  # nothing before the error claims the request finished
