@@ -9,7 +9,9 @@ repeat per request — is remembered by the spec's hash (bounded), so the same s
 once next time.
 
 Each request gets a :class:`Grammar` of its own: a fresh llguidance matcher built from the
-cached text (milliseconds). A matcher's lexer grows as tokens are matched and every copy of a
+cached text, on threads shared fairly between grammars (``engine/grammar_queue.py``: one
+grammar's requests hold one thread at a time and take one turn in each round), its cost bounded
+at compilation (:data:`MATCHER_CPU_S`). A matcher's lexer grows as tokens are matched and every copy of a
 matcher shares its lexer, so a matcher shared by requests would grow with traffic until its
 limit and then fail every request with that grammar. A request's choices (``n``) copy the
 request's own matcher: its lexer grows with that request's tokens alone, up to
@@ -28,6 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as Futur
 from typing import Optional
 
 from splitserve.engine.grammar import JSON_OPTIONS, GrammarError, GrammarSpec, GrammarState, limit_message, tag_tokens
+from splitserve.engine.grammar_queue import FairPool
 from splitserve.errors import InvalidRequest, Overloaded
 
 LEXER_STATES = 10_000
@@ -44,10 +47,16 @@ its memory, and ``verbose_errors`` off keeps the engine's state dump out of ever
 COMPILE_TIMEOUT_S = 10.0
 """How long a request waits for its grammar's compilation, a free compilation thread included."""
 SLOW_COMPILE_S = 2.0
-"""A grammar whose compilation took more CPU time than this is refused (and remembered): every
-request builds its own matcher from the grammar at about that cost. A bounded schema compiles in
-milliseconds. CPU time of the compiling thread, not wall time: a loaded machine must not make a
+"""A grammar whose compilation took more CPU time than this is refused (and remembered): a
+compilation holds one of the few compilation threads. A bounded schema compiles in milliseconds. CPU time of the compiling thread, not wall time: a loaded machine must not make a
 schema's refusal."""
+MATCHER_CPU_S = 0.25
+"""A grammar whose matcher took more CPU time than this to build (at compilation, the cheaper of
+two tries) is refused (and remembered): each request builds its own matcher, on threads every
+grammar shares. A bounded schema's takes under a millisecond, a forced call of 128 tools about
+0.06 s (SmolLM2's tokenizer); CPU time, not wall time, so that a loaded machine refuses nothing."""
+MATCHER_THREADS = 2
+"""Threads building requests' matchers, shared round robin between grammars, one at a time per grammar."""
 MAX_CONCURRENT_COMPILES = 2
 """Compilations running at once on a worker; one past its time limit keeps its thread until it
 ends (a call into the grammar engine cannot be stopped), so runaway schemas cannot pile up threads."""
@@ -88,16 +97,18 @@ class GrammarCompiler:
 
     def __init__(self, timeout_s: float = COMPILE_TIMEOUT_S, max_concurrent: int = MAX_CONCURRENT_COMPILES,
                  cache_entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES, refusals: int = REFUSALS,
-                 slow_s: float = SLOW_COMPILE_S, limits: Optional[dict] = None, build=None, matcher=None):
+                 slow_s: float = SLOW_COMPILE_S, limits: Optional[dict] = None, build=None, matcher=None,
+                 matcher_s: float = MATCHER_CPU_S, cpu_clock=time.thread_time):
         self.vocab_size: Optional[int] = None  # the logits' width, known at the first compilation
         self.limits = dict(LIMITS, **(limits or {}))
         self._build_fn = build or self._build
         self._matcher_fn = matcher or self._matcher
-        self.timeout_s, self.slow_s = timeout_s, slow_s
+        self.timeout_s, self.slow_s, self.matcher_s = timeout_s, slow_s, matcher_s
+        self._cpu = cpu_clock  # the calling thread's CPU time: what a grammar costs, whatever the load
         self.cache_entries, self.cache_bytes, self.refusals = cache_entries, cache_bytes, refusals
         self._compiles = ThreadPoolExecutor(max_concurrent, thread_name_prefix="grammar-compile")
-        # a request's own matcher: milliseconds, bounded by the limits; never behind a compilation
-        self._matchers = ThreadPoolExecutor(2, thread_name_prefix="grammar-matcher")
+        # a request's own matcher, never behind a compilation, nor behind another grammar's flood
+        self._matchers = FairPool(MATCHER_THREADS, per_key=1, name="grammar-matcher")
         self._lock = threading.Lock()
         self._cache: OrderedDict[bytes, str] = OrderedDict()  # spec_key -> grammar text
         self._cached_bytes = 0
@@ -140,7 +151,7 @@ class GrammarCompiler:
             except FutureTimeout:
                 pass
             text = self._settle(spec, future, param)
-        return self._matchers.submit(self._own, spec, text, param).result()
+        return self._matchers.submit(spec_key(spec), self._own, spec, text, param).result()
 
     async def compile_async(self, spec: GrammarSpec, param: str = "response_format") -> Grammar:
         """A request's :class:`Grammar` of ``spec`` (after :meth:`prepare`), awaited off every
@@ -157,8 +168,8 @@ class GrammarCompiler:
             except asyncio.TimeoutError:
                 pass
             text = self._settle(spec, future, param)
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._matchers, self._own, spec, text, param)
+        # not shielded: a request that goes away drops its build if it has not begun
+        return await asyncio.wrap_future(self._matchers.submit(spec_key(spec), self._own, spec, text, param))
 
     def _left(self, started: float) -> float:
         return max(0.0, self.timeout_s - (time.monotonic() - started))
@@ -202,18 +213,38 @@ class GrammarCompiler:
         key = spec_key(spec)
         with self._lock:
             self._began[key] = time.monotonic()
-        started = time.thread_time()  # this thread's CPU: the grammar's own cost, whatever the load
         try:
-            text, why = self._build_fn(spec, self._lltok)
+            return self._measured(spec)
         finally:
             with self._lock:
                 self._began.pop(key, None)
-        took = time.thread_time() - started
-        with self._lock:
-            self.compiled += 1
-        if text is not None and took > self.slow_s:
+                self.compiled += 1
+
+    def _measured(self, spec: GrammarSpec) -> tuple[Optional[str], Optional[str]]:
+        """``spec`` compiled, then one matcher built of it as a check, each measured in this
+        thread's CPU time (the grammar's own cost, whatever the load): (text, None) or (None, why)."""
+        started = self._cpu()
+        text, why = self._build_fn(spec, self._lltok)
+        took = self._cpu() - started
+        if text is None:
+            return None, why
+        if took > self.slow_s:
             return None, f"the grammar took {took:.1f}s to compile, more than the {self.slow_s:g}s accepted"
-        return text, why
+        try:
+            cost = self._matcher_cost(text)
+            if cost > self.matcher_s:  # a second try, the cheaper counts: the first may have paid for a cold cache
+                cost = min(cost, self._matcher_cost(text))
+        except GrammarError as exc:
+            return None, f"the {_what(spec)} cannot be compiled: {exc}"
+        if cost > self.matcher_s:
+            return None, (f"the grammar's matcher took {cost * 1000:.0f} ms of CPU to build, more than the "
+                          f"{self.matcher_s * 1000:g} ms accepted (every request builds its own)")
+        return text, None
+
+    def _matcher_cost(self, text: str) -> float:
+        started = self._cpu()
+        self._matcher_fn(text, self._lltok)
+        return self._cpu() - started
 
     def _settle(self, spec: GrammarSpec, future: Future, param: str) -> str:
         """What a wait on ``future`` gave: its text (cached), or the refusal (remembered) raised."""
@@ -289,11 +320,10 @@ class GrammarCompiler:
         return matcher
 
     def _build(self, spec: GrammarSpec, lltok) -> tuple[Optional[str], Optional[str]]:
-        """llguidance's grammar text of ``spec``, checked by building a matcher of it once:
+        """llguidance's grammar text of ``spec`` (a matcher of it is built as a check after):
         (text, None) or (None, why)."""
         import llguidance
 
-        what = {"regex": "regex", "lark": "tool-call grammar"}.get(spec.kind, "JSON schema")
         try:
             if spec.kind == "lark":
                 text = llguidance.LLMatcher.grammar_from_lark(tag_tokens(spec.schema, lltok))
@@ -301,11 +331,15 @@ class GrammarCompiler:
                 text = llguidance.LLMatcher.grammar_from_regex(spec.schema)
             else:
                 text = llguidance.LLMatcher.grammar_from_json_schema(spec.schema, defaults=dict(JSON_OPTIONS))
-            self._matcher(text, lltok)
-        except (ValueError, GrammarError) as exc:  # llguidance raises ValueError for a schema it cannot read
-            return None, f"the {what} cannot be compiled: {limit_message(str(exc))}"
+        except ValueError as exc:  # llguidance raises ValueError for a schema it cannot read
+            return None, f"the {_what(spec)} cannot be compiled: {limit_message(str(exc))}"
         return text, None
 
     def shutdown(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)
-        self._matchers.shutdown(wait=False, cancel_futures=True)
+        self._matchers.shutdown()
+
+
+def _what(spec: GrammarSpec) -> str:
+    """What ``spec`` is, in a refusal's words."""
+    return {"regex": "regex", "lark": "tool-call grammar"}.get(spec.kind, "JSON schema")
