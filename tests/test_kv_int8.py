@@ -26,6 +26,7 @@ import requests
 import torch
 
 from conftest import kernel_builds, kernels_built_for
+from helpers.attention_reference import naive_attention
 from splitserve.disagg.bootstrap import first_mismatch, local_info, model_identity
 from splitserve.discovery.record import WorkerRecord, parse_record
 from splitserve.engine.kv_pool import KVLayout, KVPool
@@ -74,16 +75,6 @@ def test_an_int8_pool_holds_about_twice_the_tokens_of_a_bfloat16_pool_in_the_sam
 
 
 # -- attention over int8 pages ---------------------------------------------------------------------
-
-
-def naive_attention(q, keys, values, positions, scale):
-    """float64 attention of queries [n, H, D] at ``positions`` over keys/values [kv_len, Hkv, D] (causal)."""
-    H, Hkv = q.shape[1], keys.shape[1]
-    k = keys.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, L, D]
-    v = values.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
-    scores = q.double().transpose(0, 1) @ k.transpose(1, 2) * scale  # [H, n, L]
-    visible = torch.arange(keys.shape[0])[None, :] <= torch.tensor(positions)[:, None]  # [n, L]
-    return (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v).transpose(0, 1)  # [n, H, D]
 
 
 class Int8Pool:

@@ -6,7 +6,7 @@ import torch
 
 
 def naive_attention(q, keys, values, positions, scale):
-    """float64 attention of queries at ``positions`` over keys/values [kv_len, Hkv, D] (causal)."""
+    """float64 attention of queries [n, H, D] at ``positions`` over keys/values [kv_len, Hkv, D] (causal)."""
     H, Hkv = q.shape[1], keys.shape[1]
     k = keys.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)  # [H, L, D]
     v = values.double().repeat_interleave(H // Hkv, dim=1).transpose(0, 1)
