@@ -1,7 +1,8 @@
-"""Rules that keep the code readable, read from the code as ``test_layers.py`` reads imports: no
-function longer than 70 lines (TigerBeetle's limit), and no import cycle — between modules (any
+"""Rules that keep the code readable, read from the code as ``test_import_order.py`` reads imports:
+no function longer than 70 lines (TigerBeetle's limit); no import cycle — between modules (any
 import: at the top, in a function, or only for type checking) nor between sibling packages (as
-``disagg/control`` and ``disagg/transfer``). Each test names every offender."""
+``disagg/control`` and ``disagg/transfer``); and no test file importing another (shared helpers
+live in ``tests/helpers/``). Each test names every offender."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "splitserve"
+TESTS = ROOT / "tests"
 MAX_FUNCTION_LINES = 70
 
 
@@ -111,3 +113,25 @@ def test_no_import_cycle_between_sibling_packages():
                     and not parent_of(here, there) and not parent_of(there, here):
                 graph.setdefault(here, set()).add(there)
     assert not cycles(graph), f"sibling packages that import each other: {cycles(graph)}"
+
+
+def test_no_test_file_imports_another():
+    """No module under ``tests/`` (a test file or a helper; at the top or in a function) imports a
+    ``test_*`` module (``test_x`` or ``tests.test_x``): what two test files share belongs in
+    ``tests/helpers/``."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                parts = name.split(".")
+                if parts[0] == "tests":
+                    parts = parts[1:]
+                if parts and parts[0].startswith("test_"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not found, "test files importing test files: " + ", ".join(found)
