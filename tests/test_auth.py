@@ -395,8 +395,8 @@ FIELDS = {"bootstrap_host": "127.0.0.1", "bootstrap_port": 8998, "bootstrap_room
     ("decode", {}, [(None, FIELDS, "was given neither")]),
 ])
 def test_bootstrap_fields_come_only_from_the_router_or_an_allowed_address(role, config, calls, byte_tokenizer):
-    """Issue 18, 4.1: a decode worker dials the address the bootstrap fields name and hands it its
-    KV pool's link; so they are taken only from the router's key, or for an address on the list."""
+    """A decode worker dials the address the bootstrap fields name and hands it its KV pool's link;
+    so they are taken only from the router's key, or for an address on the list."""
     from aiohttp.test_utils import TestClient, TestServer
 
     from splitserve.config import ServerConfig

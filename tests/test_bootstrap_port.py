@@ -1,6 +1,6 @@
-"""A real prefill worker's bootstrap port under untrusted traffic (issue 8): every byte from the
-network — identity envelope, frame count, sizes, msgpack types — is untrusted; a bad frame is
-dropped and counted, never fatal to a thread, and bulk traffic never delays liveness.
+"""A real prefill worker's bootstrap port under untrusted traffic: every byte from the network —
+identity envelope, frame count, sizes, msgpack types — is untrusted; a bad frame is dropped and
+counted, never fatal to a thread, and bulk traffic never delays liveness.
 
 One cluster for the module: prefill ``P`` and decode ``D`` (nixl) behind a router, heartbeats every
 0.5 s (a peer silent for 3 s is declared lost: short against a flood that would hold heartbeats
@@ -80,8 +80,8 @@ def assert_nothing_broke(cluster: Cluster) -> None:
 
 
 def test_identity_envelopes_that_are_not_ours_are_dropped_not_fatal(cluster):
-    """Finding 6: ``'²'.isdigit()`` is true and ``int('²')`` raises: such identities (and other
-    malformed ones) are dropped and counted; the control thread goes on answering at once."""
+    """``'²'.isdigit()`` is true and ``int('²')`` raises: such identities (and other malformed ones)
+    are dropped and counted; the control thread goes on answering at once."""
     port = cluster.prefill[0].bootstrap_port
     ctx = zmq.Context()
     try:
@@ -102,9 +102,9 @@ def test_identity_envelopes_that_are_not_ours_are_dropped_not_fatal(cluster):
 
 
 def test_a_burst_of_frames_delays_no_heartbeat(cluster):
-    """Finding 12: 10^5 well-formed ``AbortRoom`` frames at ``P``'s bootstrap port as fast as they
-    go, while a room is bound to ``D`` on both sides (its decode leg registered, its prefill leg
-    not yet sent). No side may declare the other lost, and the room then finishes."""
+    """10^5 well-formed ``AbortRoom`` frames at ``P``'s bootstrap port as fast as they go, while a
+    room is bound to ``D`` on both sides (its decode leg registered, its prefill leg not yet sent).
+    No side may declare the other lost, and the room then finishes."""
     P, D = cluster.prefill[0], cluster.decode[0]
     room = random.getrandbits(63)
     ids = prompt(40, 2)

@@ -1,6 +1,5 @@
-"""Peers that come and go (issue 8, finding 8): pods restart on the same address and new ones
-appear at new addresses; a worker that outlives them must forget them, so that nothing it keeps per
-peer grows without bound.
+"""Peers that come and go: pods restart on the same address and new ones appear at new addresses; a
+worker that outlives them must forget them, so that nothing it keeps per peer grows without bound.
 
 A prefill ``P`` and a decode ``D`` live through the whole test. Each round starts a new decode
 ``Dk`` and a new prefill ``Pk`` (every other round on the previous one's ports: a restart; else on

@@ -1,4 +1,4 @@
-"""One request's own data fails that request alone, never the others on its worker (issue 18, 4.2).
+"""One request's own data fails that request alone, never the others on its worker.
 
 The edge refuses bad input (``splitserve/validation.py``); these tests hand the engine loop requests
 that slipped past it — data no validation lets through, standing for a bug in validation or in

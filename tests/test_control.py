@@ -161,12 +161,12 @@ class _Clock:
 
 
 def test_new_control_sessions_are_capped_in_total_per_address_and_in_rate():
-    """Issue 18 part 5: nothing capped the decode sessions a prefill registers (each holds a
-    transfer connection), at once, per source address, or per second. Real sockets, each session
-    connecting from its own loopback address (``tcp://127.0.0.N:0;...``: the address prefill sees is
-    the connection's, not a name the sender gives); the control thread's clock is the test's. With
-    at most 4 sessions, 2 per address and 1 new a second (a burst of 2), a refused ``register_peer``
-    is never answered and is counted by why; a decode's next session replaces its own at the caps."""
+    """The decode sessions a prefill registers (each holds a transfer connection) are capped: at
+    once, per source address and per second. Real sockets, each session connecting from its own
+    loopback address (``tcp://127.0.0.N:0;...``: the address prefill sees is the connection's, not a
+    name the sender gives); the control thread's clock is the test's. With at most 4 sessions, 2 per
+    address and 1 new a second (a burst of 2), a refused ``register_peer`` is never answered and is
+    counted by why; a decode's next session replaces its own at the caps."""
     events, transfer, clock = [], _Transfer(), _Clock()
     port = free_port()
     control = PrefillControl("127.0.0.1", port, INFO, transfer, events.append,
@@ -278,7 +278,7 @@ def test_decode_resends_its_link_until_answered_and_a_forgotten_session_makes_wa
         ctx.term()
 
 
-# -- the edges of sessions (issue 8) ------------------------------------------------------------------
+# -- the edges of sessions --------------------------------------------------------------------------
 
 
 class _FakePrefillSocket:
@@ -354,10 +354,10 @@ def _serve_session(prefill: _FakePrefillSocket, info: p.Info, seconds: float = 1
 
 
 def test_forgetting_an_old_incarnation_leaves_the_new_one_serving():
-    """Finding 5: prefill restarts on the same address; decode learns the new incarnation from a
-    heartbeat answer; then the engine declares the old incarnation lost. That must end the old
-    incarnation's session only: the new one keeps serving, and exactly one receiving link (the
-    new incarnation's) stays open."""
+    """Prefill restarts on the same address; decode learns the new incarnation from a heartbeat
+    answer; then the engine declares the old incarnation lost. That must end the old incarnation's
+    session only: the new one keeps serving, and exactly one receiving link (the new incarnation's)
+    stays open."""
     with decode_control() as (control, prefill, events, links):
         control.want_info(7, "127.0.0.1", prefill.port)
         first = _serve_session(prefill, INFO)
@@ -396,9 +396,9 @@ def _serve_until(prefill: _FakePrefillSocket, info: p.Info, check, timeout: floa
 
 
 def test_a_session_whose_link_is_never_registered_is_replaced():
-    """Finding 2: prefill answers GetInfo but never the link registration. Decode must not hand
-    that session to rooms (prefill would drop their registrations forever): within its bound
-    (the peer-silence limit) it ends the session and opens the next one, which serves."""
+    """Prefill answers GetInfo but never the link registration. Decode must not hand that session to
+    rooms (prefill would drop their registrations forever): within its bound (the peer-silence
+    limit) it ends the session and opens the next one, which serves."""
     with decode_control(silence_s=1.0) as (control, prefill, events, links):
         control.want_info(7, "127.0.0.1", prefill.port)
         first = None
@@ -424,9 +424,9 @@ def test_a_session_whose_link_is_never_registered_is_replaced():
 
 
 def test_a_link_that_cannot_be_opened_fails_the_waiting_rooms_at_once_and_the_next_session_serves():
-    """Finding 2: the receiving link cannot be opened (here: the first ``open`` raises, as a tcp
-    backend that cannot bind its address or fd exhaustion would). The rooms waiting for that
-    prefill fail at once with a clear error; the next room starts a new session, which serves."""
+    """The receiving link cannot be opened (here: the first ``open`` raises, as a tcp backend that
+    cannot bind its address or fd exhaustion would). The rooms waiting for that prefill fail at once
+    with a clear error; the next room starts a new session, which serves."""
     import torch
 
     from splitserve.disagg.lifecycle import LocalFailure
@@ -458,9 +458,10 @@ def test_a_link_that_cannot_be_opened_fails_the_waiting_rooms_at_once_and_the_ne
 
 
 def test_prefill_ends_a_session_that_registers_rooms_but_never_its_link():
-    """Finding 2, prefill's side: registrations from a decode session whose link never came are
-    dropped (decode re-sends them) — but not forever: after the peer-silence bound they are
-    answered ``room_failed(peer_lost)``, so that decode ends the session and opens the next."""
+    """Prefill's side of a link never registered: registrations from a decode session whose link
+    never came are dropped (decode re-sends them) — but not forever: after the peer-silence bound
+    they are answered ``room_failed(peer_lost)``, so that decode ends the session and opens the
+    next."""
     reg = p.RegisterRoom(5, "d1", "pf1", "r5", 8, [1, 2], 0)
     with prefill_control(deadlines=Deadlines(heartbeat_interval_s=0.2)) as (control, decode, events, transfer):
         deadline = time.monotonic() + 10  # the bound is 1 s (5 x 0.2 s); 4 s was outlasted once in the full suite

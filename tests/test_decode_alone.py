@@ -1,6 +1,6 @@
-"""Decode alone (issue 18, part 2's decode side): a decode worker that gets a request with no
-bootstrap fields serves it by itself — it computes the prompt into its own pages and generates —
-with exactly the tokens a colocated worker gives, greedy and seeded.
+"""Decode alone: a decode worker that gets a request with no bootstrap fields serves it by itself —
+it computes the prompt into its own pages and generates — with exactly the tokens a colocated worker
+gives, greedy and seeded.
 
 One colocated worker and one decode worker (tiny model, the same pool and batch options), shared
 by the module; each test ends with the decode worker's pages all free and no live room.

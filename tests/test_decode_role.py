@@ -48,10 +48,9 @@ def decode_role() -> tuple[DecodeRole, list[BrokenFence]]:
 
 
 def test_a_fence_that_raises_keeps_the_pages_quarantined_until_one_goes_through():
-    """Issue 18 part 5: the fence raising left the actions after it to free the lost prefill's
-    rooms' pages unfenced, where a late write could still land. Now they stay quarantined (counted,
-    the client answered at once), the fence is tried again at every tick, and the pages go back
-    only once it goes through."""
+    """A fence that raises leaves no page of the lost prefill's rooms unfenced, where a late write
+    could still land: they stay quarantined (counted, the client answered at once), the fence is
+    tried again at every tick, and the pages go back only once it goes through."""
     role, made = decode_role()
     allocator = role.engine.allocator
     peer = Peer("127.0.0.1:9", "prefill0", 1)

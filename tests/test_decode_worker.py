@@ -1,5 +1,5 @@
-"""A real decode worker at the edges of its lifecycle table (issue 8): what a faulty prefill sends,
-and the decode worker's own page queue.
+"""A real decode worker at the edges of its lifecycle table: what a faulty prefill sends, and the
+decode worker's own page queue.
 
 One decode worker ``D`` (tiny model, tcp transfer, a pool of 16 pages of 16 tokens, short
 deadlines) and a :class:`fake_prefill.FakePrefill` that speaks the real protocol and answers each
@@ -57,9 +57,9 @@ def answer_with(first_token: int):
 
 @pytest.mark.parametrize("first_token", [-1, 2**40])
 def test_a_first_token_outside_the_vocabulary_fails_its_room_and_frees_its_pages(setup, first_token):
-    """Finding 3: a KVDone whose first token is not a token of this model is the prefill's fault:
-    that room fails (502, transfer_error, naming the token), its pages are freed, and the worker
-    goes on serving."""
+    """A KVDone whose first token is not a token of this model is the prefill's fault: that room
+    fails (502, transfer_error, naming the token), its pages are freed, and the worker goes on
+    serving."""
     decode, fake = setup
     fake.on_register = answer_with(first_token)
     started = time.monotonic()
@@ -77,9 +77,9 @@ def test_a_first_token_outside_the_vocabulary_fails_its_room_and_frees_its_pages
 
 
 def test_a_room_that_ends_while_waiting_for_pages_leaves_the_page_queue(setup):
-    """Finding 4: ``B`` holds 10 of the 16 pages (its prefill never answers); ``A`` needs 12 and
-    waits for pages; ``A``'s client hangs up. ``C`` needs 1 page and 6 are free: it must get them
-    at once, not wait behind the ended ``A`` until ``B`` ends."""
+    """``B`` holds 10 of the 16 pages (its prefill never answers); ``A`` needs 12 and waits for
+    pages; ``A``'s client hangs up. ``C`` needs 1 page and 6 are free: it must get them at once, not
+    wait behind the ended ``A`` until ``B`` ends."""
     decode, fake = setup
     held = threading.Event()
     registered: dict[int, tuple] = {}
@@ -110,12 +110,12 @@ def test_a_room_that_ends_while_waiting_for_pages_leaves_the_page_queue(setup):
 
 
 def test_a_full_pool_with_work_it_cannot_schedule_does_not_spin(setup):
-    """Issue 18 part 5: ``B`` holds 14 of the 16 pages (its prefill answers late); ``A`` (the other
-    2) decodes its first token and needs a third page for the next: the engine has work it can
-    schedule none of. The loop spun on it (a core busy: 0.73 of one on a busy machine against 0.06
-    idle; thousands of empty steps a second). Now it waits for an event or a deadline as an idle
-    loop does (at most the role's 50 ms): over the window the empty steps are bounded by its
-    wake-ups (100 a second is twice the 50 ms cadence); then ``B``'s client hangs up and ``A`` ends."""
+    """``B`` holds 14 of the 16 pages (its prefill answers late); ``A`` (the other 2) decodes its
+    first token and needs a third page for the next: the engine has work it can schedule none of.
+    The loop must not spin on it (thousands of empty steps a second, a core busy): it waits for an
+    event or a deadline as an idle loop does (at most the role's 50 ms): over the window the empty
+    steps are bounded by its wake-ups (100 a second is twice the 50 ms cadence); then ``B``'s client
+    hangs up and ``A`` ends."""
     decode, fake = setup
     held = {}
 
@@ -161,11 +161,11 @@ def test_a_full_pool_with_work_it_cannot_schedule_does_not_spin(setup):
 
 
 def test_a_link_takes_writes_only_into_the_pages_of_its_own_rooms(setup):
-    """Issue 18, 4.1: whoever holds a receiving link's metadata (the fake prefill got it in
-    ``RegisterPeer``) writes junk over decode's whole pool while none of its rooms waits for KV.
-    The tcp link refuses every byte of it (the write fails, naming why), and a prompt answered from
-    decode's prefix cache answers as before, token for token. (The fake's honest writes, of zeros
-    into each room's pages, land.)"""
+    """Whoever holds a receiving link's metadata (the fake prefill got it in ``RegisterPeer``)
+    writes junk over decode's whole pool while none of its rooms waits for KV. The tcp link refuses
+    every byte of it (the write fails, naming why), and a prompt answered from decode's prefix cache
+    answers as before, token for token. (The fake's honest writes, of zeros into each room's pages,
+    land.)"""
     import torch
 
     from splitserve.disagg.transfer.base import Span, create_backend, page_spans
@@ -220,7 +220,7 @@ def test_a_link_takes_writes_only_into_the_pages_of_its_own_rooms(setup):
 
 
 def test_a_bootstrap_address_off_the_allowed_list_is_never_dialed(setup):
-    """Issue 18, 4.1: a client names a prefill of its own (``127.0.0.2``, not on this decode's
+    """A client names a prefill of its own (``127.0.0.2``, not on this decode's
     ``--allowed-prefill 127.0.0.1``): 403 naming the list, and the address is never dialed — no
     ``get_info``, no ``register_peer`` with the link's metadata. One on the list is served."""
     decode, fake = setup
@@ -246,9 +246,9 @@ def _swallow(fn):
 
 
 def test_a_lone_surrogate_salt_is_refused_and_the_live_rooms_go_on(setup):
-    """Issue 18, 4.2: a ``cache_salt`` of "\\ud800" raised in the engine loop (hashing it for the
-    prefix cache) and its catch-all failed every live room. It is refused at the edge (400), and a
-    room decoding meanwhile finishes with all its tokens."""
+    """A ``cache_salt`` of "\\ud800", which the engine loop cannot hash for the prefix cache (its
+    catch-all would fail every live room), is refused at the edge (400), and a room decoding
+    meanwhile finishes with all its tokens."""
     decode, fake = setup
     fake.on_register = answer_with(5)
     done = []

@@ -1,12 +1,11 @@
-"""Discovery through a real etcd (issue 19, part 2), on real processes: workers register with
-``--discovery`` and a router with ``--discovery`` and no static worker finds them. The etcd and the
-workers are the session's (``tests/etcd_cluster.py``, shared with ``test_membership.py``); one router
-is shared by this file's tests, which run in order: the first pair, records that are no records,
-scale-up under load, a rolling restart of 2 prefill + 2 decode under load (the rolling-stop test
-of issue 18 too; ``long``), a ``kill -9`` under load, two fingerprints, etcd stopped under load
-(``long``).
-The router does not retry (``--max-retries 0 --no-pd-fallback``): what it shows is discovery's
-own contract. Requests are counted, never timed."""
+"""Discovery through a real etcd, on real processes: workers register with ``--discovery`` and a
+router with ``--discovery`` and no static worker finds them. The etcd and the workers are the
+session's (``tests/etcd_cluster.py``, shared with ``test_membership.py``); one router is shared by
+this file's tests, which run in order: the first pair, records that are no records, scale-up under
+load, a rolling restart of 2 prefill + 2 decode under load (the router's retries before the commit
+too; ``long``), a ``kill -9`` under load, two fingerprints, etcd stopped under load (``long``). The
+router does not retry (``--max-retries 0 --no-pd-fallback``): what it shows is discovery's own
+contract. Requests are counted, never timed."""
 
 from __future__ import annotations
 
@@ -136,8 +135,8 @@ def attempts(router: RouterProcess, rids: list[str]) -> list[list[dict]]:
 
 @pytest.mark.long  # four workers restarted one at a time, each a model load: most of this file's time
 def test_a_rolling_restart_under_load_fails_no_request_and_leaks_no_page(etcd_cluster, router):
-    """The rolling-stop test of issue 18 (retries before the commit, each with a fresh room) and the
-    rolling restart of issue 19 (discovery's drain contract): one test, shared by both issues.
+    """A rolling restart checks both the router's retries before the commit (each with a fresh room)
+    and discovery's drain contract: one test for both.
 
     Each of 2 prefill + 2 decode workers, one at a time, is SIGTERMed and started again on other
     ports (a new incarnation of the same id, loading while the old one drains), under steady

@@ -1,5 +1,5 @@
-"""Real processes under faults (issue 4): what a client and an operator see when workers die, the
-network breaks and control messages get lost, with the real prefill, decode and router processes.
+"""Real processes under faults: what a client and an operator see when workers die, the network
+breaks and control messages get lost, with the real prefill, decode and router processes.
 
 Every scenario ends the same way: every client was answered (a response or an error, never a
 hang) within the bound its deadlines give, and on every live worker the live lifecycle gauges are
@@ -827,10 +827,10 @@ def test_no_late_write_lands_after_the_partition_heals():
 
 
 def test_two_decodes_on_two_hosts_with_the_same_address_are_two_peers():
-    """Finding 1: two decode workers on two hosts, both started with ``--host 0.0.0.0 --port N``
-    (namespaces ``a`` and ``b``), advertise the same address. They are two peers all the same: a
-    peer's identity is its incarnation, never an address. Requests through both, in flight at the
-    same time, all succeed on one prefill."""
+    """Two decode workers on two hosts, both started with ``--host 0.0.0.0 --port N`` (namespaces
+    ``a`` and ``b``), advertise the same address. They are two peers all the same: a peer's identity
+    is its incarnation, never an address. Requests through both, in flight at the same time, all
+    succeed on one prefill."""
     import netns
 
     why = netns.unavailable()

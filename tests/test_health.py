@@ -1,6 +1,6 @@
-"""Health that sees the engine loop (issue 8, finding 9): a worker whose engine loop is wedged or
-dead is out of the router's rotation within a stated time, its clients are answered meanwhile, and
-``/health``, ``/metrics`` and ``/debug/requests`` never wait on the loop.
+"""Health that sees the engine loop: a worker whose engine loop is wedged or dead is out of the
+router's rotation within a stated time, its clients are answered meanwhile, and ``/health``,
+``/metrics`` and ``/debug/requests`` never wait on the loop.
 
 Of prefill ``P1`` and decodes ``D1`` and ``D2`` behind a router, ``D2`` wedges its engine loop as
 soon as it holds a request (``--inject-faults wedge_loop``). With ``--loop-stall-s 2`` and the router checking
@@ -132,12 +132,12 @@ def test_a_hung_transfer_thread_is_seen_and_its_peers_are_let_go(wedging):
 
 
 def test_a_blocked_zmq_io_thread_is_seen_by_health():
-    """Issue 18 part 5 (stop 15, libzmq #3575): the ZMQ I/O thread moves every control socket's
-    bytes, and blocked it froze a decode's whole control plane while ``/health`` said 200. Decode
-    ``D`` blocks it as soon as a room arrives (``--inject-faults block_zmq_io``: a monitor whose
-    reader is closed, then an event). Within the loop bound ``/health`` answers 503 naming it (a
-    loopback probe through the context stops coming back; it stayed 200 before), the probe's age
-    shows in ``/metrics``, and the room still ends by its own deadline."""
+    """The ZMQ I/O thread moves every control socket's bytes; blocked (libzmq #3575), it freezes a
+    decode's whole control plane, which ``/health`` must show. Decode ``D`` blocks it as soon as a
+    room arrives (``--inject-faults block_zmq_io``: a monitor whose reader is closed, then an
+    event). Within the loop bound ``/health`` answers 503 naming it (a loopback probe through the
+    context stops coming back), the probe's age shows in ``/metrics``, and the room still ends by
+    its own deadline."""
     D = ServerProcess("--role", "decode", "--transfer-backend", "tcp", "--loop-stall-s", str(LOOP_STALL_S),
                       "--prealloc-s", "3", "--inject-faults", "block_zmq_io").start()
     try:
@@ -168,12 +168,12 @@ class _FakeClock:
 
 
 def test_a_slow_step_that_moves_is_not_a_wedge_and_a_stuck_layer_is(monkeypatch):
-    """Issue 18 part 5: a 2,048-token step at load 13 outlasted ``--loop-stall-s`` and the worker
-    declared itself wedged. The loop's age is the age of its last progress (an iteration begun or
-    a decoder layer finished), not of its last iteration. An in-process colocated engine loop over
-    the tiny model (4 decoder layers) on a fake clock, under a 1.5 s bound: a forward hook moves
-    the clock during each layer and asks ``loop_stalled()``. A step of 4 layers of 1 s each is
-    never stalled (it was from its second layer on before); a layer of 2 s is."""
+    """A long step that moves is no wedge (a 2,048-token step on a loaded machine can outlast
+    ``--loop-stall-s``): the loop's age is the age of its last progress (an iteration begun or a
+    decoder layer finished), not of its last iteration. An in-process colocated engine loop over the
+    tiny model (4 decoder layers) on a fake clock, under a 1.5 s bound: a forward hook moves the
+    clock during each layer and asks ``loop_stalled()``. A step of 4 layers of 1 s each is never
+    stalled; a layer of 2 s is."""
     import asyncio
 
     from conftest import CACHE_DIR

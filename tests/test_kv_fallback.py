@@ -1,6 +1,6 @@
-"""A decode worker whose KV will not come (issue 18, parts 0 and 1), shown with a prefill played by
-the test (:class:`fake_prefill.FakePrefill`: the real protocol and tcp writer, answering as the
-test says), against a colocated worker's tokens:
+"""A decode worker whose KV will not come, shown with a prefill played by the test
+(:class:`fake_prefill.FakePrefill`: the real protocol and tcp writer, answering as the test says),
+against a colocated worker's tokens:
 
 - ``POST /abort_request`` ends decode's leg with an explicit cause: ``client_abort`` (the client
   left) or ``prefill_failed`` (its KV will not come: decode computes the prompt itself);

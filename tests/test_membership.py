@@ -1,10 +1,10 @@
-"""Worker identity and the router's membership API (issue 19, parts 1 and 3), on real processes:
-the session's workers (``tests/etcd_cluster.py``, shared with ``test_discovery.py``: two prefill
-workers and a decode worker, registered in etcd, which this router does not read) behind a router
-that starts knowing one prefill and the decode worker. The tests share that router and run in order:
-identity, ``POST /workers``, ``DELETE /workers/{id}``, a foreign process on a removed worker's port.
-The router never falls back to decode alone (``--no-pd-fallback``): a request without a prefill
-worker is refused. Requests are counted, never timed."""
+"""Worker identity and the router's membership API, on real processes: the session's workers
+(``tests/etcd_cluster.py``, shared with ``test_discovery.py``: two prefill workers and a decode
+worker, registered in etcd, which this router does not read) behind a router that starts knowing one
+prefill and the decode worker. The tests share that router and run in order: identity,
+``POST /workers``, ``DELETE /workers/{id}``, a foreign process on a removed worker's port. The
+router never falls back to decode alone (``--no-pd-fallback``): a request without a prefill worker
+is refused. Requests are counted, never timed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""A real prefill worker at the edges of its lifecycle table (issue 8): what it owes a decode
-worker after its own part is over.
+"""A real prefill worker at the edges of its lifecycle table: what it owes a decode worker after its
+own part is over.
 
 Prefill ``P`` drops half of its KV notifications (``--inject-faults notify_drop=0.5``): the
 ``KVDone`` that tells decode the KV has landed is lost on its way, after ``P`` counted the room a

@@ -1,8 +1,8 @@
-"""Token identity under a lost prefill (issue 18, part 1): the same request, with a real prefill
-worker's fault struck at each point, gives exactly the tokens of an undisturbed run (a colocated
-worker), greedy and seeded. Decode learns before its first token that its KV will not come and
-computes the prompt itself, into pages no late write of the lost prefill can reach
-(``docs/lifecycle.md``, *The fallback*).
+"""Token identity under a lost prefill: the same request, with a real prefill worker's fault struck
+at each point, gives exactly the tokens of an undisturbed run (a colocated worker), greedy and
+seeded. Decode learns before its first token that its KV will not come and computes the prompt
+itself, into pages no late write of the lost prefill can reach (``docs/lifecycle.md``, *The
+fallback*).
 
 One decode worker ``D`` (``--kv-failure-policy recompute``), a colocated reference ``C`` and a
 prefill per fault, real processes over NIXL, shared by the module:

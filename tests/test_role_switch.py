@@ -1,6 +1,6 @@
-"""A worker that changes its role at runtime (issue 19, part 4): ``POST /role`` on a decode worker
-makes it a prefill worker with the model it holds, and back (``server/role_switch.py``,
-``docs/lifecycle.md``, *A role switch*).
+"""A worker that changes its role at runtime: ``POST /role`` on a decode worker makes it a prefill
+worker with the model it holds, and back (``server/role_switch.py``, ``docs/lifecycle.md``, *A role
+switch*).
 
 One cluster for the module (nixl): a prefill ``P``, a decode ``D`` and a decode ``X`` (given its
 ``--bootstrap-port`` from the start, so that it may become a prefill), behind a router that knows

@@ -319,10 +319,9 @@ def test_client_disconnect_closes_both_legs(stream, shared_pair):
 
 
 def test_a_client_gone_before_a_failure_reached_it_is_counted_as_leaving(shared_pair):
-    """Issue 18 part 5: decode answers 502 and its error body does not come; the router has taken
-    the failure as the answer (it closed the prefill leg) and reads that body when the client
-    hangs up. The client never saw the failure: it is counted ``client_disconnect`` (it was
-    counted ``decode_failed``)."""
+    """Decode answers 502 and its error body does not come; the router has taken the failure as the
+    answer (it closed the prefill leg) and reads that body when the client hangs up. The client
+    never saw the failure: it is counted ``client_disconnect`` (not ``decode_failed``)."""
     router, prefill, decode = shared_pair(hang(), error_then_hang(502))
     sock = raw_request(router.url, "/v1/completions", COMPLETION)
     assert prefill.aborted.wait(5.0), "the router did not take decode's failure as the answer"
@@ -757,11 +756,10 @@ def test_the_bounds_are_options_with_defaults_and_must_be_positive(capsys):
 
 
 def test_ready_and_models_wait_for_a_usable_pair(fakes, start_router):
-    """Issue 18 part 5: the router printed "ready ... try: curl" with 0 of 1 prefill and 0 of 1
-    decode up, and ``/v1/models`` answered 200 once a decode was up with no prefill: a client that
-    believed either got 503. With the decode up and the prefill down it says it listens and is not
-    ready, ``/v1/models`` answers 503 naming the prefill; once the prefill is up it prints its ready
-    line and ``/v1/models`` answers."""
+    """The router says it is ready, and ``/v1/models`` answers 200, only once a usable pair is up (a
+    client that believed either sooner would get 503). With the decode up and the prefill down it
+    says it listens and is not ready, ``/v1/models`` answers 503 naming the prefill; once the
+    prefill is up it prints its ready line and ``/v1/models`` answers."""
     prefill, decode = fakes(), fakes()
     prefill.health_status = 503
     router = start_router([(prefill.url, 1)], [decode.url], "--health-interval-s", "0.2")

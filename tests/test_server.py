@@ -133,7 +133,7 @@ class GatedTokenizer:
 def test_a_short_request_is_not_held_behind_long_tokenizations(byte_tokenizer):
     """Two long prompts are being tokenized (their tokenizer waits on a gate); a short request sent
     then is answered while both are still held, and they are answered once the gate opens. With
-    one tokenizer thread the short one waited behind them (issue 18, 4.4)."""
+    one tokenizer thread the short one would wait behind them."""
     from splitserve.server.tokenize_lanes import SHORT_BODY_BYTES
 
     tok = GatedTokenizer(byte_tokenizer)
@@ -637,10 +637,10 @@ def test_a_prompt_that_cannot_fit_is_refused_by_its_length_before_it_is_tokenize
 
 
 def test_sigterm_while_a_prefill_loads_its_model_exits_0():
-    """Issue 18 part 5: a prefill sent SIGTERM while its model loaded died with ``terminate called
-    without an active exception`` (SIGABRT, exit -6): the interpreter finalized under the thread
-    still loading the model in native code. SIGTERM as soon as the load begins (its ``--dtype``
-    line): exit 0, no C++ terminate."""
+    """A prefill sent SIGTERM while its model loads exits 0, not with
+    ``terminate called without an active exception`` (SIGABRT, exit -6: the interpreter finalizing
+    under the thread still loading the model in native code). SIGTERM as soon as the load begins
+    (its ``--dtype`` line): exit 0, no C++ terminate."""
     proc = ServerProcess("--role", "prefill", "--bootstrap-port", str(free_port())).spawn()
     try:
         deadline = time.monotonic() + 120
