@@ -1,4 +1,4 @@
-"""The cluster simulator (issue 9; ``docs/lifecycle.md``, *The simulator*): seeds keep every
+"""The cluster simulator (``docs/lifecycle.md``, *The simulator*): seeds keep every
 invariant, a seed replays exactly in another process, and every planted bug is caught.
 
 The figures (seeds, simulated requests and hours, faults by kind, wall time) are printed, never
