@@ -22,7 +22,7 @@ class FakeWorker:
     function ``(request, body) -> response`` for the generation routes; every request that reaches
     them is kept in ``requests``; a handler cancelled, or failing to write, because its client (the
     router) closed the connection sets ``aborted``. ``reset`` makes it new for the next test that
-    shares it (:func:`shared_pair`)."""
+    shares it (``shared_pair`` in ``tests/test_router.py``)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, behaviour=None):
         self.loop = loop

@@ -25,5 +25,5 @@ DEADLINES = [
 ]
 STALL = ["--inject-faults", "stall_writes"]  # every KV write stays pending until cancelled or reset
 # a router that shows a failure instead of surviving it (its retries and decode-alone fallback are
-# tests/test_router_retry.py's and test_router_split.py's): these tests are about what it tells
+# tests/test_router_retry.py's and test_router_split.py's): the fault tests are about what it tells
 SHOW_FAILURES = ["--max-retries", "0", "--no-pd-fallback"]
