@@ -15,7 +15,7 @@ import pytest
 
 from splitserve.disagg import protocol
 from splitserve.disagg.lifecycle import (
-    Cancel, CancelWrites, ChunkDone, ClientAbort, CountOutcome, DeadlineHeap, Deadlines, DecodeState,
+    Admitted, Cancel, CancelWrites, ChunkDone, ClientAbort, CountOutcome, DeadlineHeap, Deadlines, DecodeState,
     DecodeStep, DecodeTable, DisconnectPeer, Ending, Enqueue, Finished, ForwardDone, FreePages, FromPeer,
     IllegalMove, LocalFailure, LogTerminal, Moved, Notice, NoticeKind, NotifyClient, Outcome,
     PagesReserved, Peer, PeerHeard, PeerInfo, PeerLost, PeerTable, PrefillState, PrefillTable,
@@ -107,8 +107,9 @@ DECODE_PATH = [
     lambda: PagesReserved(ROOM, DST),
     lambda: PeerInfo(ROOM, PP),
     lambda: FromPeer(PP, protocol.KVDone(ROOM, PP.incarnation, 42, PROMPT)),
+    lambda: Admitted(ROOM),  # the scheduler took its sequence: the stall bound runs from here
 ]
-DECODE_STEPS = {DecodeState.PREALLOC: 2, DecodeState.AWAITING_KV: 3, DecodeState.DECODING: 4}
+DECODE_STEPS = {DecodeState.PREALLOC: 2, DecodeState.AWAITING_KV: 3, DecodeState.DECODING: 5}
 
 
 def decode_in(state, deadlines=D, now=0.0, with_pages=True):

@@ -42,8 +42,9 @@ from splitserve.disagg import protocol as p
 from splitserve.disagg.control import DecodeControl
 from splitserve.disagg.control.decode_client import ZmqDealer
 from splitserve.disagg.lifecycle import (
-    ComputePrompt, DecodeStep, DecodeTable, DisconnectPeer, Finished, FromPeer, KVFallback, KVLost, LocalFailure,
-    PagesReserved, Peer, PromptChunk, QuarantinePages, Reason, ReleaseQuarantine, ReservePages, StartDecode,
+    Admitted, ComputePrompt, DecodeStep, DecodeTable, DisconnectPeer, Finished, FromPeer, KVFallback, KVLost,
+    LocalFailure, PagesReserved, Peer, Preempted, PromptChunk, QuarantinePages, Reason, ReleaseQuarantine,
+    ReservePages, StartDecode,
 )
 from splitserve.disagg.lifecycle.recompute import KV_FALLBACK_REASONS
 from splitserve.disagg.role import DisaggRole, RoomRecord
@@ -99,6 +100,11 @@ class DecodeRole(DisaggRole):
     def check(self, req: GenerateRequest) -> None:
         self.engine.check_fits(req, split=req.bootstrap is not None)  # without bootstrap fields: served alone
 
+    @staticmethod
+    def computes_prompt(req: GenerateRequest) -> bool:
+        """Whether this worker computes the request's prompt on arrival: alone, not a split leg."""
+        return req.bootstrap is None
+
     def admit(self, req: GenerateRequest) -> list[RequestOutput]:
         if req.bootstrap is None:
             return self._admit_room(req, next(self._local_rooms), alone=True)
@@ -137,6 +143,12 @@ class DecodeRole(DisaggRole):
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
         out: list[RequestOutput] = []
+        for seq in report.preempted:  # waits for its turn again: no stall while it does
+            if (rec := self.rooms.get(seq.room)) is not None and rec.seq is seq:
+                out += self._handle_event(Preempted(rec.room))
+        for seq in report.admitted:  # its turn came (the scheduler's admission): its progress bound starts
+            if (rec := self.rooms.get(seq.room)) is not None and rec.seq is seq:
+                out += self._handle_event(Admitted(rec.room))
         for seq in report.chunks:
             if (rec := self._record_of(seq)) is not None and rec.seq is seq:  # not a choice > 0's
                 out += self._handle_event(PromptChunk(rec.room))

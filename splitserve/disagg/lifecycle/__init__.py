@@ -34,8 +34,8 @@ from splitserve.disagg.lifecycle.actions import (
 from splitserve.disagg.lifecycle.deadlines import DeadlineHeap, Deadlines
 from splitserve.disagg.lifecycle.decode_table import DecodeTable
 from splitserve.disagg.lifecycle.events import (
-    ChunkDone, ClientAbort, DecodeStep, Finished, ForwardDone, FromPeer, KVLost, LocalFailure, PagesReserved,
-    PeerHeard, PeerInfo, PeerLost, PromptChunk, RequestArrived, Scheduled, WriteDone, WriteFailed,
+    Admitted, ChunkDone, ClientAbort, DecodeStep, Finished, ForwardDone, FromPeer, KVLost, LocalFailure, PagesReserved,
+    PeerHeard, PeerInfo, PeerLost, Preempted, PromptChunk, RequestArrived, Scheduled, WriteDone, WriteFailed,
 )
 from splitserve.disagg.lifecycle.peers import Peer, PeerTable
 from splitserve.disagg.lifecycle.prefill_table import PrefillTable
@@ -46,12 +46,12 @@ from splitserve.disagg.lifecycle.table import RoomTable
 from splitserve.disagg.lifecycle.transitions import IllegalMove, Transitions, Waits
 
 __all__ = [
-    "Action", "Cancel", "CancelWrites", "ChunkDone", "ClientAbort", "ComputePrompt", "CountOutcome",
+    "Action", "Admitted", "Cancel", "CancelWrites", "ChunkDone", "ClientAbort", "ComputePrompt", "CountOutcome",
     "DeadlineHeap", "Deadlines", "DecodeState", "DecodeStep", "DecodeTable", "DisconnectPeer", "Ending",
     "Enqueue", "Finished", "ForwardDone", "FreePages", "FromPeer", "IllegalMove", "KVFallback",
     "KVLost", "LifecycleError", "LocalFailure", "LogTerminal", "Moved", "Notice", "NoticeKind",
     "NotifyClient", "Outcome", "PagesReserved", "Peer", "PeerHeard", "PeerInfo", "PeerLost",
-    "PeerTable", "PrefillState", "PrefillTable", "PromptChunk", "QuarantinePages", "Reason",
+    "PeerTable", "Preempted", "PrefillState", "PrefillTable", "PromptChunk", "QuarantinePages", "Reason",
     "ReleaseQuarantine", "RequestArrived", "ReservePages", "ResetTransfer", "Role", "RoomTable",
     "Scheduled", "SendToPeer", "StartDecode", "StartWrite", "Transitions", "Waits", "WriteDone",
     "WriteFailed", "is_terminal",

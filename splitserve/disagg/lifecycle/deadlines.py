@@ -27,9 +27,10 @@ class Deadlines:
     """Prefill BOOTSTRAPPING: decode's registration must arrive. -> FAILED(bootstrap_timeout).
     Longer than ``prealloc_s``: decode registers only once it holds pages."""
     queue_s: float = 60.0
-    """Prefill QUEUED: the forward pass must start. -> FAILED(overloaded)."""
+    """Prefill QUEUED: the forward pass must start. -> FAILED(overloaded). Decode: a room's
+    sequence must be admitted by the scheduler (its stall bounds start there)."""
     prefill_stall_s: float = 30.0
-    """Prefill PREFILLING: the next chunk must finish. -> FAILED(stalled)."""
+    """PREFILLING (prefill, and decode once admitted): the next chunk must finish. -> FAILED(stalled)."""
     transfer_floor_s: float = 10.0
     """Prefill TRANSFERRING: the fixed part of the transfer deadline. -> FAILED(transfer_timeout)."""
     transfer_s_per_gib: float = 4.0
@@ -44,7 +45,7 @@ class Deadlines:
     """Decode AWAITING_KV: every write and the first token must arrive; covers the prefill's queue,
     forward pass and transfer. -> FAILED(transfer_timeout)."""
     decode_stall_s: float = 30.0
-    """Decode DECODING: the next decode step must happen. -> FAILED(stalled)."""
+    """Decode DECODING, once admitted: the next decode step must happen. -> FAILED(stalled)."""
     reclaim_s: float = 45.0
     """Decode RECLAIMING: a room whose KV will not come, falling back to computing its prompt, waits
     this long for prefill to settle its writes (or to be declared lost) before it computes into its

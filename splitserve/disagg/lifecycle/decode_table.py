@@ -13,8 +13,9 @@ States, in order::
                   generating (a recompute after preemption counts as steps)          (decode_stall_s per step)
     FINISHED(stop|length) | ABORTED | FAILED(reason)
 
-Two ways lead to ``PREFILLING`` (the request came alone, or its KV will not come and the room
-falls back to computing its prompt): ``recompute.py``.
+Two ways lead to ``PREFILLING`` (alone, or a fallback): ``recompute.py``. In ``PREFILLING`` and
+``DECODING`` the progress bound runs from the scheduler's admission (``Admitted``); ``queue_s``
+bounds the wait for it, which is no stall.
 
 The room registers with prefill once it holds both its pages and a compatible prefill's info. From
 that moment prefill may write into those pages, so a room that ends before ``KVDone`` keeps them
@@ -39,7 +40,7 @@ from splitserve.disagg.lifecycle.actions import (
     ReservePages, SendToPeer, StartDecode,
 )
 from splitserve.disagg.lifecycle.events import (
-    DecodeStep, Finished, KVLost, PagesReserved, PeerInfo, PromptChunk, RequestArrived,
+    Admitted, DecodeStep, Finished, KVLost, PagesReserved, PeerInfo, Preempted, PromptChunk, RequestArrived,
 )
 from splitserve.disagg.lifecycle.deadlines import Deadlines
 from splitserve.disagg.lifecycle.peers import Peer
@@ -72,6 +73,7 @@ class DecodeRoom(Room):
     """Why its KV will not come, once it fell back to computing its prompt here."""
     reclaimed: bool = False
     """It computes its prompt here: no write of a prefill can reach its pages."""
+    waits_turn: bool = False  # its sequence waits for the scheduler's admission (``Admitted``): ``queue_s``
 
 
 class DecodeTable(RoomTable):
@@ -109,18 +111,21 @@ class DecodeTable(RoomTable):
                 self._first_token_here(room, now, out)
                 r = self._live_room_in(room, (DecodeState.DECODING,), event, out, tuple(new_pages))
                 if r is not None:
-                    r.pages += tuple(new_pages)
+                    r.pages, r.waits_turn = r.pages + tuple(new_pages), False
                     self._rearm(r, now)
             case Finished(room=room, reason=reason):
                 self._first_token_here(room, now, out)
                 r = self._live_room_in(room, (DecodeState.DECODING,), event, out)
                 if r is not None:
                     self._end(r, Ending(reason), now, out)
-            case PromptChunk(room=room):
+            case PromptChunk(room=room) | Admitted(room=room) | Preempted(room=room):
                 # A DECODING room the engine preempted for pages recomputes its tokens in chunks:
                 # that is progress too, or a long recompute would read as a stalled decode.
                 r = self._live_room_in(room, (DecodeState.PREFILLING, DecodeState.DECODING), event, out)
-                if r is not None:
+                if r is not None and isinstance(event, Preempted):
+                    self._wait_turn(r, now)
+                elif r is not None:
+                    r.waits_turn = False
                     self._rearm(r, now)
             case KVLost(room=room, detail=detail):
                 r = self._rooms.get(room)
@@ -271,6 +276,7 @@ class DecodeTable(RoomTable):
             self._timers.cancel(("resend", r.id))
             self.peers.unbind(r.peer, r.id)  # prefill's part is over: losing it now costs nothing
             self._enter(r, DecodeState.DECODING, now, out)
+            self._wait_turn(r, now)
             out.append(StartDecode(r.id, r.rid, msg.first_token, msg.first_logprobs))
 
     def _on_room_failed(self, r: DecodeRoom, msg: protocol.RoomFailed, now: float, out: list[Action]) -> None:
@@ -328,10 +334,15 @@ class DecodeTable(RoomTable):
         self.peers.unbind(r.peer, r.id)  # it no longer depends on that prefill
         r.reclaimed = True
         self._enter(r, DecodeState.PREFILLING, now, out)
+        self._wait_turn(r, now)
         out.append(ComputePrompt(r.id, r.rid, r.fallback.reason if r.fallback is not None else None))
 
-    def _first_token_here(self, room: int, now: float, out: list[Action]) -> None:
-        """A room whose prompt ran here produced its first token: it decodes from now on."""
+    def _wait_turn(self, r: DecodeRoom, now: float) -> None:
+        """Waiting behind work the engine does is no stall: ``queue_s`` bounds it until ``Admitted``."""
+        r.waits_turn = True
+        self._arm(r, self.cfg.queue_s, now)
+
+    def _first_token_here(self, room: int, now: float, out: list[Action]) -> None:  # it decodes from now on
         r = self._rooms.get(room)
         if r is not None and r.state is DecodeState.PREFILLING:
             self._enter(r, DecodeState.DECODING, now, out)

@@ -25,12 +25,15 @@ from splitserve.disagg.lifecycle.states import Reason
 class RequestArrived:
     """The request reached this worker (tokenized) with its ``bootstrap_room``. ``alone``
     (decode): it came with no prefill (no bootstrap fields; ``room`` is a local id): decode
-    computes its prompt itself."""
+    computes its prompt itself. ``deadline_s``: the seconds its sender gives it from now (the
+    router's remaining deadline, checked finite and positive); it can only end the room sooner
+    than ``request_timeout_s`` would, as ``request_timeout``."""
 
     room: int
     rid: str
     prompt_len: int
     alone: bool = False
+    deadline_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,22 @@ class Finished:
 @dataclass(frozen=True)
 class PromptChunk:
     """A chunk of a ``PREFILLING`` room's prompt ran on this worker (its stall deadline starts again)."""
+
+    room: int
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """Decode: the scheduler admitted the room's sequence into the batch (``StepReport.admitted``):
+    its turn came, so its progress bound (``prefill_stall_s``, ``decode_stall_s``) starts now."""
+
+    room: int
+
+
+@dataclass(frozen=True)
+class Preempted:
+    """Decode: the engine took the room's sequence's pages for another (``StepReport.preempted``):
+    it waits for its turn again, bounded by ``queue_s`` until :class:`Admitted` comes again."""
 
     room: int
 

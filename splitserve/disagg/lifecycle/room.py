@@ -24,6 +24,9 @@ class Room:
     """Live: when the current state times out. Held: when the held timer fires."""
     peer: Optional[Peer] = None
     ending: Optional[Ending] = None
+    expires: Optional[float] = None
+    """When the request's own deadline passes (``RequestArrived.deadline_s``, and
+    ``request_timeout_s``): the earlier of the two; None: neither is set."""
 
 
 @dataclass(frozen=True)

@@ -259,6 +259,8 @@ class RoomTable:
         self.transitions.check(ev.room, None, state)
         n_pages = -(-ev.prompt_len // self.page_size)
         r = cls(id=ev.room, rid=ev.rid, prompt_len=ev.prompt_len, n_pages=n_pages, born=now, state=state, entered=now)
+        ends = [now + s for s in (self.cfg.request_timeout_s, ev.deadline_s) if s is not None]
+        r.expires = min(ends) if ends else None  # the sender's deadline only ever shortens the worker's own
         self._rooms[ev.room] = r
         out.append(Moved(ev.room, None, state, describe(self._cause)))
         self._count(None, state)
@@ -284,9 +286,7 @@ class RoomTable:
 
     def _arm(self, r: Room, limit_s: float, now: float) -> None:
         """(Re)set a live room's deadline: ``limit_s`` from now, or the end-to-end limit if sooner."""
-        r.deadline = now + limit_s
-        if self.cfg.request_timeout_s is not None:
-            r.deadline = min(r.deadline, r.born + self.cfg.request_timeout_s)
+        r.deadline = now + limit_s if r.expires is None else min(now + limit_s, r.expires)
         self._timers.set(("room", r.id), r.deadline)
 
     def _hold(self, r: Room, seconds: float, now: float) -> None:
@@ -297,8 +297,8 @@ class RoomTable:
     def _on_deadline(self, r: Room, now: float, out: list[Action]) -> None:
         """A live room's deadline ran out: the request's own timeout, else what its state's
         declaration (``transitions.py``) says the timeout becomes."""
-        if self.cfg.request_timeout_s is not None and now >= r.born + self.cfg.request_timeout_s:
-            self._end(r, Ending(Reason.REQUEST_TIMEOUT, f"older than {self.cfg.request_timeout_s:g}s"), now, out)
+        if r.expires is not None and now >= r.expires:
+            self._end(r, Ending(Reason.REQUEST_TIMEOUT, f"older than {r.expires - r.born:g}s"), now, out)
             return
         live = self.transitions.states[r.state]
         ending = live.timeout(r, f"{now - r.entered:g}s")

@@ -144,10 +144,27 @@ def _decode_prealloc_timeout(r, waited: str) -> Ending:
 
 
 def _decode_prefilling_timeout(r, waited: str) -> Ending:
+    if r.waits_turn:
+        return _decode_turn_timeout(r, waited)
     if r.fallback is not None:
         return Ending(r.fallback.reason, f"{r.fallback.detail}; recomputing its prompt here made no progress "
                       f"in {waited}")
     return Ending(Reason.STALLED, f"no chunk of its prompt computed here in {waited}")
+
+
+def _decode_turn_timeout(r, waited: str) -> Ending:
+    """A room whose sequence waited ``queue_s`` for the scheduler to admit it (decode's rooms run
+    their progress bounds only from their admission: ``Admitted``)."""
+    detail = f"waited {waited} for its turn in the engine's queue"
+    if r.fallback is not None:
+        return Ending(r.fallback.reason, f"{r.fallback.detail}; {detail}")
+    return Ending(Reason.OVERLOADED, detail)
+
+
+def _decode_decoding_timeout(r, waited: str) -> Ending:
+    if r.waits_turn:
+        return _decode_turn_timeout(r, waited)
+    return Ending(Reason.STALLED, f"no decode step in {waited}")
 
 
 PREFILL = Transitions(Role.PREFILL, {
@@ -174,7 +191,7 @@ DECODE = Transitions(Role.DECODE, {
     D.RECLAIMING: Live("reclaim_s", W.PEER, lambda r, w: Ending(
         r.fallback.reason, f"{r.fallback.detail}; its writes did not settle in {w}")),
     D.PREFILLING: Live("prefill_stall_s", W.WORK, _decode_prefilling_timeout),
-    D.DECODING: Live("decode_stall_s", W.WORK, lambda r, w: Ending(Reason.STALLED, f"no decode step in {w}")),
+    D.DECODING: Live("decode_stall_s", W.WORK, _decode_decoding_timeout),
 }, (
     Move(None, D.PREALLOC, "`RequestArrived`"),
     Move(D.PREALLOC, D.AWAITING_KV, "pages and a compatible prefill's info in hand: `RegisterRoom` sent"),
