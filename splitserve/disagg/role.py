@@ -187,7 +187,8 @@ class DisaggRole:
                                                        f"bootstrap_room {room} is already in use on this worker"))]
         self.rooms[room] = RoomRecord(room, req, timeline=self.timelines.start(req.rid, room, None, self.clock()))
         self.room_of[req.rid] = room
-        out = self._handle_event(RequestArrived(room, req.rid, len(req.prompt_ids), alone=alone))
+        out = self._handle_event(RequestArrived(room, req.rid, len(req.prompt_ids), alone=alone,
+                                                deadline_s=req.deadline_s))
         self._arrived(self.rooms.get(room), out)
         return out
 

@@ -56,6 +56,7 @@ from splitserve.engine.colocated import ColocatedRole
 from splitserve.engine.engine import LLMEngine, ModelParts
 from splitserve.engine.io import (FLUSH_WAIT_S, GenerateRequest, InvalidRequest, NotReady, Overloaded,
                                   RequestOutput)
+from splitserve.engine.prompt_rate import PromptRate, refuse_if_late
 from splitserve.engine.role import Role
 from splitserve.outcomes import Ending, Reason
 
@@ -135,6 +136,7 @@ class AsyncEngine:
         self._unschedulable = False  # the last step had work and could schedule none of it
         self._role_serial = 0  # which role the loop runs (``replace_role`` counts them); stamps what is posted
         self.stale_events = 0  # events of a replaced role's threads, dropped
+        self.prompt_rate = PromptRate()  # the engine's recent pace at prompts: who is refused as too late
         self.last_progress = self.clock()
         """When the engine loop last moved (monotonic): began an iteration, or finished a decoder
         layer of a forward pass (``note_progress``); a wedged loop stops moving it."""
@@ -257,6 +259,9 @@ class AsyncEngine:
         self.role.check(req)
         if req.continuation is not None:  # its ids refused here, not once a role has taken it
             self.engine.check_continuation(req)
+        if getattr(self.role, "computes_prompt", lambda r: True)(req):  # 503 when it could not be in time
+            refuse_if_late(self.prompt_rate, self.engine.scheduler.prompt_backlog, len(req.prompt_ids), req.deadline_s,
+                           self.clock())
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         stream = self._streams[req.rid] = _Stream()
@@ -385,7 +390,10 @@ class AsyncEngine:
         return True
 
     def _step(self, _) -> list[RequestOutput]:
+        began, computed = self.clock(), self.engine.prompt_tokens_computed
         report = self.engine.step()
+        now = self.clock()
+        self.prompt_rate.note(self.engine.prompt_tokens_computed - computed, now - began, now)
         self._unschedulable = not report.scheduled
         return self.role.after_step(report)
 

@@ -125,6 +125,9 @@ class GenerateRequest:
     continuation: Optional[object] = None
     """``engine/continuation.Continuation``: the rest of an answer whose worker was lost; its
     choices start from the ids given, replayed without a delta (``LLMEngine._continued``)."""
+    deadline_s: Optional[float] = None
+    """Seconds its sender gives it from arrival (the router's ``X-Splitserve-Deadline-S``): it may
+    only end the request sooner than this worker's own bounds, never later."""
 
 
 @dataclass(frozen=True)

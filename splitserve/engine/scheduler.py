@@ -69,6 +69,10 @@ def request_pages(prompt_tokens: int, max_tokens: int, n: int, page_size: int, s
     return shared + n * (each - shared)
 
 
+def _prompt_left(seq: Sequence) -> int:
+    return max(0, seq.num_prompt_tokens - seq.num_computed)
+
+
 @dataclass
 class ScheduledSeq:
     seq: Sequence
@@ -96,6 +100,10 @@ class Scheduler:
         self.admitted: list[Sequence] = []  # admitted by the last schedule()
         self.preempted: list[Sequence] = []  # preempted by the last schedule()
         self._tickets = 0  # orders drawn
+        self.prompt_backlog = 0
+        """Prompt tokens of the queued and running sequences not computed yet, as of the last
+        ``add`` or ``schedule``: what a new request's prompt waits behind (``prompt_rate.py``;
+        any thread may read it)."""
 
     def add(self, seq: Sequence, request: Optional[Sequence] = None) -> None:
         """Queue a sequence in its request's place: a new request draws the next ticket; a choice
@@ -107,6 +115,7 @@ class Scheduler:
         elif seq.order < 0:
             seq.order = self._draw()
         self._enqueue(seq)
+        self.prompt_backlog += _prompt_left(seq)
 
     def _draw(self) -> int:
         self._tickets += 1
@@ -137,7 +146,13 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, n))
             budget -= n
         self._admit(budget, batch)
+        self._count_backlog(batch)
         return batch
+
+    def _count_backlog(self, batch: list[ScheduledSeq] = ()) -> None:
+        """``prompt_backlog`` anew: what stays uncomputed once ``batch`` (this step's) has run."""
+        left = sum(map(_prompt_left, self.waiting)) + sum(map(_prompt_left, self.running))
+        self.prompt_backlog = max(0, left - sum(min(s.num_tokens, _prompt_left(s.seq)) for s in batch))
 
     # -- admission and order (module docstring) -------------------------------------------------
 
@@ -245,6 +260,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SeqStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        self._count_backlog()  # an aborted prompt is no backlog, also while the engine idles
 
     def _chunk(self, seq: Sequence, budget: int, batch_empty: bool) -> int:
         need = seq.num_uncomputed

@@ -30,7 +30,7 @@ from splitserve.router.migrate import WORKER_FAILED_CODES, Lost, StreamTrack
 from splitserve.router.outcomes import Refusal, RouterOutcome, client_left
 from splitserve.router.stream import DecodeStream, StreamStalled
 from splitserve.router.workers import DECODE, PREFILL, Worker
-from splitserve.validation import REQUEST_ID
+from splitserve.validation import DEADLINE, MAX_DEADLINE_S, REQUEST_ID
 from splitserve.discovery.record import loads_shallow
 
 log = logging.getLogger(__name__)
@@ -136,12 +136,17 @@ class Exchange:
     def remaining(self) -> float:
         return max(0.0, self.deadline - self.clock())
 
+    def _deadline_header(self) -> dict:
+        """The request's remaining time, for a worker to refuse at once what it could not finish
+        in it, and to end no later (``docs/router.md``, *Deadlines*)."""
+        return {DEADLINE: f"{min(max(self.remaining(), 0.001), MAX_DEADLINE_S):.3f}"}
+
     async def run(self) -> web.StreamResponse:
         data = json.dumps(self.body, ensure_ascii=False).encode("utf-8")
         path = self.request.path
         bounds = dict(connect_timeout=min(self.config.worker_connect_timeout_s, self.config.request_timeout_s),
                       header_timeout=self.config.worker_header_timeout_s if self.stream else None,
-                      headers={REQUEST_ID: self.rid} if self.rid else None)
+                      headers={**({REQUEST_ID: self.rid} if self.rid else {}), **self._deadline_header()})
         session = self.state.session
         if self.prefill_worker is not None:  # else decode alone: no prefill leg (split.py)
             self.prefill = Leg(self.prefill_worker, session, path, data, **bounds)

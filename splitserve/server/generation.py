@@ -20,6 +20,7 @@ then ``data: [DONE]``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -39,7 +40,9 @@ from splitserve.outcomes import Reason
 from splitserve.server import openai_protocol as proto
 from splitserve.server import tool_calls
 from splitserve.server.sse import ClientGone, SSEWriter
-from splitserve.validation import REQUEST_ID, ValidatedRequest, check_request_id, validate_request
+from splitserve.validation import (
+    DEADLINE, REQUEST_ID, ValidatedRequest, check_deadline, check_request_id, validate_request,
+)
 
 RID = web.RequestKey("rid", str)
 """Where a generation request keeps its id for the answer's ``X-Request-Id`` header (``app.py``)."""
@@ -118,7 +121,8 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             rid = req.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
             rid = req.continuation.rid if req.continuation is not None else rid  # the answer's id goes on
             request[RID] = rid  # echoed in the answer's X-Request-Id header (app.py)
-            stream = engine.submit(req.generate_request(rid))
+            deadline_s = check_deadline(request.headers.get(DEADLINE))  # the router's: it only shortens ours
+            stream = engine.submit(dataclasses.replace(req.generate_request(rid), deadline_s=deadline_s))
             submitted = True
         except EngineError as exc:
             result.ended(exc.reason)
