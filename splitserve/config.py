@@ -220,7 +220,8 @@ class ServerConfig(FrontConfig):
     control_delay=P, control_delay_s=S, control_duplicate=P, seed=N, wedge_loop (the engine loop
     blocks for good once it holds a request, until shutdown), hang_transfer (the transfer thread
     blocks for good once a write is in flight), block_zmq_io (the ZMQ I/O thread blocks for good
-    once a room arrives)."""
+    once a room arrives), kill_after_tokens=N / pause_after_tokens=N (the worker SIGKILLs /
+    SIGSTOPs itself once it has streamed N tokens of one choice of some request)."""
 
 
 def field_help(cls) -> dict[str, str]:

@@ -14,7 +14,7 @@ from typing import Optional
 
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.disagg.control import ControlFaults
-from splitserve.disagg.faults import Faults
+from splitserve.disagg.faults import Faults, TokenFault
 from splitserve.disagg.lifecycle import Deadlines
 from splitserve.disagg.seams import Seams
 from splitserve.disagg.transfer.thread import FaultConfig
@@ -30,8 +30,9 @@ def parse_faults(spec: str) -> Faults:
     ``control_delay_s=S``, ``control_duplicate=P``, ``seed=N``, ``wedge_loop`` (the engine loop blocks
     as soon as it holds a room, until shutdown), ``hang_transfer`` (the transfer thread blocks once
     a write is in flight), ``block_zmq_io`` (the ZMQ I/O thread blocks for good as soon as a room
-    arrives)."""
-    transfer, control, wedge, block_io = {}, {}, False, False
+    arrives), ``kill_after_tokens=N`` / ``pause_after_tokens=N`` (the process SIGKILLs / SIGSTOPs
+    itself once it has streamed N tokens of one choice of some request: ``faults.TokenFault``)."""
+    transfer, control, wedge, block_io, tokens = {}, {}, False, False, None
     for item in filter(None, (x.strip() for x in spec.split(","))):
         key, _, value = item.partition("=")
         try:
@@ -49,13 +50,15 @@ def parse_faults(spec: str) -> Faults:
                 transfer[key] = int(value)
             elif key == "notify_drop":
                 transfer["notify_drop"] = float(value)
+            elif key in ("kill_after_tokens", "pause_after_tokens") and tokens is None:
+                tokens = TokenFault(key.split("_")[0], int(value))
             elif key == "seed":
                 control["seed"] = transfer["seed"] = int(value)
             else:
                 raise ValueError
         except ValueError:
             raise ValueError(f"unknown fault {item!r}; see `splitserve serve --help`") from None
-    return Faults(FaultConfig(**transfer), ControlFaults(**control), wedge, block_io)
+    return Faults(FaultConfig(**transfer), ControlFaults(**control), wedge, block_io, tokens)
 
 
 def engine_for_role(config: EngineConfig, server: ServerConfig, deadlines: Deadlines,

@@ -416,6 +416,7 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
     sse = SSEWriter(request, state.config.client_write_timeout_s)
     chunks = _Chunks(state, endpoint, req, rid, acc, started)
     model, created = chunks.model, chunks.created
+    fault = getattr(getattr(getattr(state.engine, "role", None), "faults", None), "tokens", None)
     try:
         await sse.start()
         for event in chunks.first():
@@ -426,6 +427,8 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
                 break
             events = chunks.of(out)
             await sse.send_all(events, chunks.ids_line(out.index) if events else None)
+            if fault is not None and events:  # --inject-faults kill|pause_after_tokens: off unless set
+                fault.streamed(rid, len(acc.choice(out.index).token_ids))
         status = _finish(result, acc)
         if status is not None:
             await sse.send(_error_of(acc))
