@@ -18,6 +18,7 @@ a seed exactly.
 | ``scenario.py`` | what a seed runs: settings, load, faults |
 | ``workload.py`` | the clients and their endings |
 | ``invariants.py`` | what must hold |
+| ``losses.py`` | a decode lost mid-answer, and what its requests must end with |
 | ``run.py`` | one seed, start to end |
 | ``__main__.py`` | the command line |
 """

@@ -17,9 +17,11 @@ are callbacks on the loop:
   step resumes after ``RESTART_PAUSE_S``, as ``SupervisedThread.run`` does.
 
 Faults act on these: a **wedged** engine loop does not iterate (its threads go on), a **hung**
-thread does not step (it stops beating), a **kill** drops the process on the floor — its sockets
-vanish, its links close, its HTTP connections break, its objects are never called again — and a
-**restart** builds a new process at the same address, with a new incarnation.
+thread does not step (it stops beating), a **stopped** process (SIGSTOP) runs none of its threads
+and nothing it sends over HTTP arrives until it goes on (``http.Connection``), a **kill** drops the
+process on the floor — its sockets vanish, its links close, its HTTP connections break, its objects
+are never called again — and a **restart** builds a new process at the same address, with a new
+incarnation.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+from functools import partial
 from typing import Callable, Optional
 
 from aiohttp import web
@@ -50,6 +53,7 @@ from splitserve.server.watchdog import loop_watchdog
 from splitserve.server.tokenize_lanes import TokenizeLanes
 from splitserve.sim.clock import InlineExecutor
 from splitserve.sim.http import Session, prepare_app, serve
+from splitserve.sim.losses import off_by
 from splitserve.sim.model import Cost, FakeModel, fake_parts
 
 log = logging.getLogger(__name__)
@@ -113,6 +117,7 @@ class SimWorker:
         self.rng = cluster.streams(f"worker/{self.name}")
         self.alive = True
         self.wedged_until = 0.0
+        self.stopped_until = 0.0  # SIGSTOP: nothing of this process runs before then
         self.control_hung = self.transfer_hung = False
         self.busy_until = 0.0
         self.connections: set = set()
@@ -217,6 +222,9 @@ class SimWorker:
         if not self.alive:
             return
         now = self.loop.time()
+        if now < self.stopped_until:
+            self.engine_act.at_or_before(self.stopped_until)
+            return
         if now < self.wedged_until:
             self.cluster.faults.effects["engine-loop wakeups held by a wedge"] += 1
             self.engine_act.at_or_before(self.wedged_until)
@@ -258,6 +266,9 @@ class SimWorker:
             self.cluster.faults.effects["control steps held by a hang"] += 1
             return
         now = self.loop.time()
+        if now < self.stopped_until:
+            self.control_act.at_or_before(self.stopped_until)
+            return
         control = self.role.control
         try:
             control.step()
@@ -276,6 +287,9 @@ class SimWorker:
             self.cluster.faults.effects["transfer steps held by a hang"] += 1
             return
         now = self.loop.time()
+        if now < self.stopped_until:
+            self.transfer_act.at_or_before(self.stopped_until)
+            return
         transfer = self.role.transfer
         try:
             busy = transfer.step()
@@ -325,6 +339,10 @@ class SimWorker:
                 conn.fail_recv += 1
         self.wake_control()
 
+    def stop(self, until: float) -> None:
+        """SIGSTOP until ``until`` (then SIGCONT): its threads do not run, its HTTP answers wait."""
+        self.stopped_until = max(self.stopped_until, until)
+
     def kill(self) -> None:
         """kill -9: nothing of this process runs again; what it held in the network goes."""
         if not self.alive:
@@ -354,7 +372,8 @@ class SimRouter:
         self.cluster = cluster
         self.app = router_app.create_app(config)
         self.state = self.app[router_app.ROUTER]
-        self.state.session = Session(cluster.loop, cluster.worker_at)
+        self.state.session = Session(cluster.loop, cluster.worker_at,
+                                     rewrite=partial(off_by, k=cluster.config.resend_off_by))
         rng = cluster.streams("router/rooms")
         self.state.new_room = lambda: rng.getrandbits(ROOM_BITS)
         prepare_app(self.app, lambda what: cluster.checker.violation(f"router: {what}"))

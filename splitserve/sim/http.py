@@ -291,7 +291,8 @@ class Connection:
         self._last = [0.0]  # arrival time of the last thing sent to the router (in order)
 
     def _later(self, fn: Callable[[], None]) -> None:
-        at = self._last[0] = max(self.loop.time() + LATENCY_S, self._last[0])
+        # a stopped worker's bytes leave when it goes on (the fault's end), in order
+        at = self._last[0] = max(self.loop.time() + LATENCY_S, self._last[0], self.worker.stopped_until + LATENCY_S)
         self.loop.call_at(at, fn)
 
     def writer(self) -> Sink:
@@ -311,7 +312,7 @@ class Connection:
             return
         self.closed = True
         self.worker.connections.discard(self)
-        self.loop.call_at(self.loop.time() + LATENCY_S, self._client_gone)
+        self.loop.call_at(max(self.loop.time(), self.worker.stopped_until) + LATENCY_S, self._client_gone)
 
     def released(self) -> None:
         self.closed = True
@@ -355,14 +356,18 @@ class _Call:
 
 class Session:
     """The router's ``aiohttp.ClientSession`` (module docstring). ``workers(address)``: the live
-    simulated worker at ``host:port``, or None."""
+    simulated worker at ``host:port``, or None; ``rewrite(body)``: what a POST's body becomes on
+    the wire (a plant's seam; as sent by default); ``opened(method, url)`` is called as each
+    request goes out, in its caller's context (the simulator follows each client's legs)."""
 
-    def __init__(self, loop, workers: Callable[[str], object]):
+    def __init__(self, loop, workers: Callable[[str], object], rewrite: Callable[[bytes], bytes] = lambda b: b):
         self.loop = loop
         self.workers = workers
+        self.rewrite = rewrite
+        self.opened: Callable[[str, str], None] = lambda method, url: None
 
     def post(self, url: str, data: bytes = b"", headers=None, timeout=None, allow_redirects=True):
-        return _Call(self._request("POST", url, data, timeout))
+        return _Call(self._request("POST", url, self.rewrite(data), timeout))
 
     def get(self, url: str, timeout=None, headers=None, allow_redirects=True):
         return _Call(self._request("GET", url, b"", timeout))
@@ -375,10 +380,17 @@ class Session:
 
     async def _open(self, method: str, url: str, data: bytes) -> Response:
         parts = urlsplit(url)
+        self.opened(method, url)
         await asyncio.sleep(LATENCY_S)
         worker = self.workers(parts.netloc)
         if worker is None:
             raise aiohttp.ClientConnectionError(f"Cannot connect to host {parts.netloc}: connection refused")
+        stopped = worker.stopped_until - self.loop.time()
+        if stopped > 0:  # SIGSTOPped: the kernel took the connection, the process reads it when it goes on
+            await asyncio.sleep(stopped)
+            worker = self.workers(parts.netloc)
+            if worker is None:
+                raise aiohttp.ServerDisconnectedError()
         conn = Connection(worker, self.loop)
         worker.connections.add(conn)
         req = request(method, parts.path, data, conn.writer(), conn.server_transport, self.loop, worker.app)

@@ -17,15 +17,18 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
+from urllib.parse import urlsplit
 
 from splitserve.router.outcomes import RouterOutcome
 from splitserve.sim.clock import SimLoop, Streams
 from splitserve.sim.cluster import Cluster
 from splitserve.sim.invariants import CLIENT_SLACK_S, Checker, Trace
+from splitserve.sim.losses import ARM_S, Losses
 from splitserve.sim.network import LinkFaults, Partition
-from splitserve.sim.scenario import FATAL, Fault, Scenario
+from splitserve.sim.scenario import FATAL, LOSS, Fault, Scenario
 from splitserve.sim.workload import CURRENT, Client, draw_clients, reference_text, run_client
 
+LEG_PATHS = ("/v1/completions", "/v1/chat/completions", "/generate")
 OVERLOAD_CODES = ("overloaded", "queue_full", "no_healthy_workers")
 ROUTER_LEFT = ("hung_up", "stopped_reading")
 LEAVING = {"hung_up": RouterOutcome.CLIENT_DISCONNECT, "stopped_reading": RouterOutcome.CLIENT_TIMEOUT}  # what the router counts
@@ -60,13 +63,15 @@ class FaultLog:
     def window(self, kind: str, target, start: float, end: float) -> None:
         self.windows.append((kind, target, start, end))
 
-    def excuses(self, pair: Optional[tuple[str, str]], born: float, ended: float, settle: float) -> list[str]:
+    def excuses(self, slots: Optional[set], pairs: set, born: float, ended: float, settle: float) -> list[str]:
+        """The kinds of the windows between ``born`` and ``ended`` (+ ``settle``) on one of
+        ``slots`` or ``pairs`` (or on every worker); ``slots`` None: on any."""
         out = []
         for kind, target, *span in self.windows:
             start, end = span if len(span) == 2 else span[0]
             if start > ended or end + settle < born:
                 continue
-            if target == "*" or pair is None or target in pair or target == pair:
+            if target == "*" or slots is None or target in slots or target in pairs:
                 out.append(kind)
         return out
 
@@ -170,6 +175,7 @@ class Run:
         self.clients: list[Client] = []
         self.started: set[int] = set()  # clients whose request the router began to handle
         self._restarts: dict[str, float] = {}
+        self.losses = Losses(self)
 
     # -- the run ----------------------------------------------------------------------------------
 
@@ -203,6 +209,9 @@ class Run:
             if w.kind == "decode" and getattr(w.role, "fallbacks", None) is not None)
         if fallbacks:
             result.effects["KV fallbacks (prompts recomputed on decode)"] = fallbacks
+        migrations = self._counted("splitserve_router_migrations_total")
+        if migrations:
+            result.effects["answers continued on another decode (router migrations)"] = migrations
         for kind, n in (("frames cut by a partition", net["partitioned"]), ("of them held to the heal", net["held"]),
                         ("late writes landed", tnet["late"]), ("links closed", tnet["fenced"]),
                         ("transfer backend raised", tnet["crashes"])):
@@ -212,10 +221,29 @@ class Run:
             result.trace = self.trace.lines()
         return result
 
+    def _counted(self, name: str) -> int:
+        """The sum of the router's counter ``name`` over its labels."""
+        registry = self.cluster.router.state.registry.collectors
+        return int(sum(s.value for m in registry.collect() for s in m.samples if s.name == name))
+
+    def _legs_followed(self) -> None:
+        """Each leg the router opens for a client is noted on it (``Client.decodes``, ``.prefills``):
+        the simulated session says so, in the client's context."""
+        slot_at = {host: slot for slot, host in self.cluster.hosts.items()}
+
+        def opened(method: str, url: str) -> None:
+            client, parts = CURRENT.get(), urlsplit(url)
+            slot = slot_at.get(parts.hostname)
+            if client is not None and slot is not None and method == "POST" and parts.path in LEG_PATHS:
+                (client.decodes if slot.startswith("decode") else client.prefills).append(slot)
+
+        self.cluster.router.state.session.opened = opened
+
     def _run(self) -> None:
         loop, s, cluster = self.loop, self.s, self.cluster
         for slot in cluster.slots():
             cluster.start_worker(slot)
+        self._legs_followed()
         pick = cluster.router.state.pick_workers
         host_slot = {host: slot for slot, host in cluster.hosts.items()}
 
@@ -246,7 +274,7 @@ class Run:
         for fault in s.faults:
             loop.call_at(fault.at, self._strike, fault)
         last = max((sp.at for sp in specs), default=0.0)
-        faults_over = max((f.end for f in s.faults), default=0.0)
+        faults_over = max((f.end + (ARM_S if f.kind == LOSS else 0.0) for f in s.faults), default=0.0)
         if not self._phase(last + s.end_to_end_s + CLIENT_SLACK_S + 0.1):
             return
         self._check_clients()
@@ -285,7 +313,7 @@ class Run:
     # -- clients ----------------------------------------------------------------------------------
 
     def _start_client(self, spec) -> None:
-        client = Client(spec)
+        client = Client(spec, watch=self.losses.watch)
         self.clients.append(client)
         self.trace("client %s: %d-char prompt, max_tokens %d, %s%s", client.rid, len(spec.prompt), spec.max_tokens,
                    "stream" if spec.stream else "unary",
@@ -310,19 +338,38 @@ class Run:
             if ending == "none":
                 self.checker.violation(f"client {client.rid} never got an ending")
                 return
-            if ending == "finished" and not client.spec.temperature:
+            if ending == "finished":  # greedy or seeded: the fake model's logits peak at one token
                 want = reference_text(client.spec.prompt, client.spec.max_tokens, self.s.eos_every)
                 got = client.text()
                 if got != want:
-                    self.checker.violation(f"client {client.rid} ({client.pair}) got {got!r}, the reference is {want!r}")
+                    self.checker.violation(f"client {client.rid} ({client.pair}, decodes {client.decodes}) got "
+                                           f"{got!r}, the reference is {want!r}")
                     return
             if not ending.startswith("error:") or ending.split(":", 1)[1] in OVERLOAD_CODES:
                 continue
-            ended = client.ended_at if client.ended_at is not None else self.loop.time()
-            if not self.faults.excuses(client.pair, client.born, ended, settle):
-                self.checker.violation(f"liveness: client {client.rid} ({client.pair}, born t={client.born:.3f}) "
-                                       f"ended {ending} at t={ended:.3f} with no fault touching its pair")
+            why = self._unexcused(client, ending, settle)
+            if why is not None:
+                self.checker.violation(why)
                 return
+
+    def _unexcused(self, client, ending: str, settle: float) -> Optional[str]:
+        """Why ``client``'s error is a violation, or None: a fault touched a worker it was sent to
+        (its pair, any leg's), or the decode it lost mid-answer left it no way (``losses.py``)."""
+        ended = client.ended_at if client.ended_at is not None else self.loop.time()
+        slots, pairs = None, set()
+        if client.pair is not None or client.decodes:
+            prefills = set(client.prefills) | ({client.pair[0]} if client.pair else set())
+            decodes = set(client.decodes) | ({client.pair[1]} if client.pair else set())
+            slots, pairs = prefills | decodes, {(p, d) for p in prefills for d in decodes}
+        kinds = self.faults.excuses(slots, pairs, client.born, ended, settle)
+        if any(kind != LOSS for kind in kinds):
+            return None
+        if not kinds:
+            return (f"liveness: client {client.rid} ({client.pair}, born t={client.born:.3f}) ended {ending} at "
+                    f"t={ended:.3f} with no fault touching its workers")
+        unserved = self.losses.unserved(client, ended, settle)
+        return None if unserved is None else (f"client {client.rid} ({client.pair}, decodes {client.decodes}, born "
+                                              f"t={client.born:.3f}) ended {ending} at t={ended:.3f}, but {unserved}")
 
     def _check_counters(self) -> None:
         """The router's outcome counter against what each client saw, request by request (the
@@ -379,10 +426,12 @@ class Run:
         worker = cluster.workers.get(f.target) if isinstance(f.target, str) else None
         if worker is not None and not worker.alive:
             return  # dead already: its restart is on the way
-        if f.kind == "kill":
+        if f.kind == LOSS:
+            self.losses.strike(f)
+        elif f.kind == "kill":
             worker.kill()
             self.trace("%s killed", worker.name)
-            self._restart_at(f.target, f.end)
+            self.restart_at(f.target, f.end)
         elif f.kind == "partition":
             (a, b), (one_way, from_decode) = f.target, f.params
             if from_decode:  # one way, decode's frames cut: prefill may forget a session decode keeps
@@ -415,7 +464,7 @@ class Run:
         tf = self.cluster.tnet.faults
         tf.refuse = tf.cut = tf.stall = 0.0
 
-    def _restart_at(self, slot: str, at: float) -> None:
+    def restart_at(self, slot: str, at: float) -> None:
         if slot in self._restarts:
             return
         self._restarts[slot] = at

@@ -5,7 +5,10 @@ control frames dropped, duplicated, delayed and reordered, transfer notification
 request whose client stays must finish) or **chaos** (those plus every fault that may fail the
 requests it touches: kill -9 and restart, partitions that heal, wedged engine loops, hung and
 crashing threads, failing forward passes, failing, stalled and late writes, calls into a thread
-that raise).
+that raise). About half the chaos seeds also lose a decode worker mid-answer (``decode_lost``: killed,
+or stopped and silent for a while, once some tokens of a stream reached its client; drawn from a
+stream of their own, so the other faults are the seed's as before): the router is to continue its
+requests elsewhere with the same tokens whenever the schedule leaves a way (``losses.py``).
 
 The deadlines are the defaults scaled down (``DEADLINES``): the same rules at a fifth of the time,
 so that a seed runs each of them many times. Everything else a seed may vary is a field of
@@ -31,6 +34,8 @@ FATAL = ("kill", "partition", "wedge", "hang_transfer", "hang_control", "crash_t
          "forward_fail", "edge_error", "write_faults")
 # faults the system must mask (never an excuse)
 MASKED = ("drop", "duplicate", "reorder", "notify_drop")
+LOSS = "decode_lost"  # a decode lost mid-answer: an excuse only where no way to serve is left (losses.py)
+LOSS_MODES = ("kill", "stop")  # kill -9 (restarted after the fault's duration), SIGSTOP (for its duration)
 
 
 @dataclass(frozen=True)
@@ -84,9 +89,13 @@ class Scenario:
     reorder: float = 0.0
     notify_drop: float = 0.0
     faults: tuple[Fault, ...] = ()
+    resend_off_by: int = 0
+    """A plant, never drawn: a continuation's ids as the router sent them, one too few (-1) or one
+    too many (+1, the last again), on the simulated wire (``losses.off_by``)."""
     router: dict = field(default_factory=lambda: dict(health_interval_s=1.0, health_failures=2, request_timeout_s=25.0,
                                                       worker_connect_timeout_s=3.0, worker_header_timeout_s=10.0,
                                                       client_write_timeout_s=5.0, client_body_timeout_s=5.0,
+                                                      stream_stall_s=6.0, max_migrations=2,
                                                       pd_threshold_tokens=0))  # every request split
 
     def engine_config(self, kind: str) -> EngineConfig:
@@ -118,8 +127,25 @@ class Scenario:
                 reorder=rng.choice((0.0, 0.02, 0.05)), notify_drop=rng.choice((0.0, 0.1, 0.3)),
                 eos_every=rng.choice((0, 24)), kv_failure_policy=kv_failure_policy)
         if not quiet:
-            s = replace(s, faults=tuple(_draw_faults(rng, s)))
+            faults = _draw_faults(rng, s) + _draw_losses(random.Random(stable_seed("decode_lost", seed)), s)
+            s = replace(s, faults=tuple(sorted(faults, key=lambda f: (f.at, f.kind))))
         return s
+
+
+def _draw_losses(rng: random.Random, s: Scenario) -> list[Fault]:
+    """About half the chaos seeds: one to three decodes lost once ``params[1]`` token events of one
+    of their streams reached its client (``params[0]``: how, :data:`LOSS_MODES`); a kill's
+    duration is its restart's delay, a stop's how long the process stays stopped (past the
+    router's ``stream_stall_s`` or not)."""
+    if rng.random() < 0.5:
+        return []
+    out = []
+    for _ in range(rng.randint(1, 3)):
+        mode = rng.choice(LOSS_MODES)
+        duration = rng.uniform(0.5, 8.0) if mode == "kill" else rng.choice((2.0, 8.0, 14.0))
+        out.append(Fault(LOSS, rng.uniform(1.0, s.arrival_s), duration, f"decode{rng.randrange(s.decodes)}",
+                         (mode, rng.randint(1, 3))))
+    return out
 
 
 def _draw_faults(rng: random.Random, s: Scenario) -> list[Fault]:
@@ -148,4 +174,4 @@ def _draw_faults(rng: random.Random, s: Scenario) -> list[Fault]:
         elif kind == "write_faults":
             rates = (rng.choice((0.0, 0.05, 0.2)), rng.choice((0.0, 0.05, 0.2)), rng.choice((0.0, 0.05, 0.2)))
             faults.append(Fault(kind, at, rng.uniform(1.0, 10.0), "*", rates))
-    return sorted(faults, key=lambda f: (f.at, f.kind))
+    return faults

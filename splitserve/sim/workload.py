@@ -15,7 +15,7 @@ import contextvars
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from splitserve.sim.http import Sink, Transport, request
 from splitserve.sim.model import EOS, ByteTokenizer, chain, chain_step, next_token
@@ -83,6 +83,10 @@ class Client:
     left_at: Optional[float] = None  # hung up or stopped reading
     left: Optional[str] = None
     pair: Optional[tuple[str, str]] = None  # (prefill slot, decode slot) the router picked
+    decodes: list = field(default_factory=list)  # the decode slot of each leg the router sent it on, in order
+    prefills: list = field(default_factory=list)  # likewise, its prefill legs
+    token_events: int = 0  # data events with tokens received (a stream's)
+    watch: Optional[Callable[["Client"], None]] = None  # called after each chunk it receives
     refused: bool = False  # the router had no pair to pick
     task: Optional[asyncio.Task] = None
     problems: list = field(default_factory=list)
@@ -114,6 +118,9 @@ class Client:
                 self.problems.append("bytes after the end")
             if self.left is None:
                 self.chunks.append(chunk)
+                self.token_events += chunk.count(b'"text"')
+                if self.watch is not None:
+                    self.watch(self)
 
         def eof() -> None:
             if self.eof:
