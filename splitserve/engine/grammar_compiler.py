@@ -3,9 +3,11 @@
 A :class:`GrammarSpec` (checked at the edge by ``engine/grammar.py``) is compiled by the worker's
 :class:`GrammarCompiler` into llguidance's grammar text, once per spec: on a pool of its own
 (never a tokenize lane, never the engine loop), under llguidance's resource limits
-(:data:`LIMITS`) and a time limit. The text is cached (bounded in entries and in bytes); a refusal
-— the grammar engine's words, a limit it hit, a compilation past the time limit or too slow to
-repeat per request — is remembered by the spec's hash (bounded), so the same schema is refused at
+(:data:`LIMITS`), its queue bounded (:data:`MAX_QUEUED_COMPILES`). One time limit
+(:data:`COMPILE_TIMEOUT_S`) covers all a request waits for its grammar, compilation and matcher
+both: past it the request is refused, never served late. The text is cached (bounded in entries
+and in bytes); a refusal — the grammar engine's words, a limit it hit, a compilation past the
+time limit or too costly, or a matcher too costly to build per request — is remembered by the spec's hash (bounded), so the same schema is refused at
 once next time.
 
 Each request gets a :class:`Grammar` of its own: a fresh llguidance matcher built from the
@@ -26,7 +28,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, TimeoutError as FutureTimeout
+from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
 from typing import Optional
 
 from splitserve.engine.grammar import JSON_OPTIONS, GrammarError, GrammarSpec, GrammarState, limit_message, tag_tokens
@@ -45,7 +47,9 @@ LIMITS = {"max_lexer_states": LEXER_STATES, "initial_lexer_fuel": 1_000_000, "st
 mask and of building the lexer (defaults, named so a change is deliberate), the lexer states bound
 its memory, and ``verbose_errors`` off keeps the engine's state dump out of every error."""
 COMPILE_TIMEOUT_S = 10.0
-"""How long a request waits for its grammar's compilation, a free compilation thread included."""
+"""How long a request waits for its grammar, end to end: for a compilation thread, the compilation,
+for a matcher thread and its matcher's build. Past it the request is refused: a 429 (nothing
+remembered) unless the compilation itself ran half of it."""
 SLOW_COMPILE_S = 2.0
 """A grammar whose compilation took more CPU time than this is refused (and remembered): a
 compilation holds one of the few compilation threads. A bounded schema compiles in milliseconds. CPU time of the compiling thread, not wall time: a loaded machine must not make a
@@ -60,6 +64,9 @@ MATCHER_THREADS = 2
 MAX_CONCURRENT_COMPILES = 2
 """Compilations running at once on a worker; one past its time limit keeps its thread until it
 ends (a call into the grammar engine cannot be stopped), so runaway schemas cannot pile up threads."""
+MAX_QUEUED_COMPILES = 8
+"""New grammars waiting for a compilation thread at most: one more is refused at once (a 429), not
+queued to wait out the time limit behind them."""
 CACHE_ENTRIES = 256
 """Compiled grammars kept per worker, least recently used dropped first."""
 CACHE_BYTES = 16 << 20
@@ -98,12 +105,13 @@ class GrammarCompiler:
     def __init__(self, timeout_s: float = COMPILE_TIMEOUT_S, max_concurrent: int = MAX_CONCURRENT_COMPILES,
                  cache_entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES, refusals: int = REFUSALS,
                  slow_s: float = SLOW_COMPILE_S, limits: Optional[dict] = None, build=None, matcher=None,
-                 matcher_s: float = MATCHER_CPU_S, cpu_clock=time.thread_time):
+                 matcher_s: float = MATCHER_CPU_S, cpu_clock=time.thread_time,
+                 max_queued: int = MAX_QUEUED_COMPILES):
         self.vocab_size: Optional[int] = None  # the logits' width, known at the first compilation
         self.limits = dict(LIMITS, **(limits or {}))
         self._build_fn = build or self._build
         self._matcher_fn = matcher or self._matcher
-        self.timeout_s, self.slow_s, self.matcher_s = timeout_s, slow_s, matcher_s
+        self.timeout_s, self.slow_s, self.matcher_s, self.max_queued = timeout_s, slow_s, matcher_s, max_queued
         self._cpu = cpu_clock  # the calling thread's CPU time: what a grammar costs, whatever the load
         self.cache_entries, self.cache_bytes, self.refusals = cache_entries, cache_bytes, refusals
         self._compiles = ThreadPoolExecutor(max_concurrent, thread_name_prefix="grammar-compile")
@@ -143,33 +151,51 @@ class GrammarCompiler:
         """A request's :class:`Grammar` of ``spec``, waiting in this thread (see :meth:`compile_async`)."""
         if tokenizer is not None:
             self.prepare(tokenizer, vocab_size or len(tokenizer))
+        started = time.monotonic()
         text = self._known(spec, param)
         if text is None:
-            future, started = self._start(spec)
-            try:
-                future.result(timeout=self._left(started))
-            except FutureTimeout:
-                pass
+            future = self._start(spec)
+            _wait(future, self._left(started))
             text = self._settle(spec, future, param)
-        return self._matchers.submit(spec_key(spec), self._own, spec, text, param).result()
+        build = self._matchers.submit(spec_key(spec), self._own, spec, text, param)
+        _wait(build, self._left(started))
+        return self._built(build)
 
     async def compile_async(self, spec: GrammarSpec, param: str = "response_format") -> Grammar:
         """A request's :class:`Grammar` of ``spec`` (after :meth:`prepare`), awaited off every
         thread: compiled once per spec on the compilation threads, each request's matcher built on
-        a thread of its own. Raises InvalidRequest naming why (the grammar engine's words, the limit
-        it hit, the time limit), at once for a spec refused before; Overloaded when no compilation
-        thread came free within the time limit."""
+        the matcher threads, all within :attr:`timeout_s` from the call. Raises InvalidRequest
+        naming why (the grammar engine's words, the limit it hit, the time limit), at once for a
+        spec refused before; Overloaded, remembering nothing, when the compilation queue is full,
+        or when the grammar is not ready within the time limit for want of a thread."""
+        started = time.monotonic()
         text = self._known(spec, param)
         if text is None:
-            future, started = self._start(spec)
-            try:  # asyncio.timeout, never wait_for: it can drop a cancellation (test_router)
-                async with asyncio.timeout(self._left(started)):
-                    await asyncio.shield(asyncio.wrap_future(future))
-            except asyncio.TimeoutError:
-                pass
+            future = self._start(spec)
+            await _wait_async(future, self._left(started), shield=True)  # others may wait on it too
             text = self._settle(spec, future, param)
-        # not shielded: a request that goes away drops its build if it has not begun
-        return await asyncio.wrap_future(self._matchers.submit(spec_key(spec), self._own, spec, text, param))
+        build = self._matchers.submit(spec_key(spec), self._own, spec, text, param)
+        await _wait_async(build, self._left(started))  # not shielded: a request gone drops its build
+        return self._built(build)
+
+    def _built(self, build: Future) -> Grammar:
+        """The request's grammar its ``build`` made, or Overloaded when the build did not end
+        within the time limit (the matcher threads were busy: nothing is remembered); a build
+        ready after the limit is not served."""
+        if not build.done():
+            build.cancel()  # one not begun never runs; one running ends unseen
+        if build.cancelled() or not build.done():
+            raise Overloaded(f"the grammar's matcher was not built within {self.timeout_s:g}s (every matcher "
+                             "thread was busy): try again")
+        return build.result()
+
+    def compiles_waiting(self) -> int:
+        """New grammars queued for a compilation thread (bounded by :attr:`max_queued`)."""
+        with self._lock:
+            return self._queued()
+
+    def _queued(self) -> int:
+        return sum(not f.running() and not f.done() for f in self._running.values())
 
     def _left(self, started: float) -> float:
         return max(0.0, self.timeout_s - (time.monotonic() - started))
@@ -192,17 +218,21 @@ class GrammarCompiler:
                 self.cache_hits += 1
             return text
 
-    def _start(self, spec: GrammarSpec) -> tuple[Future, float]:
-        """The compilation of ``spec``: the one running already, or a new one queued."""
+    def _start(self, spec: GrammarSpec) -> Future:
+        """The compilation of ``spec``: the one under way already, or a new one queued; Overloaded
+        when :attr:`max_queued` new ones wait already."""
         key = spec_key(spec)
         with self._lock:
             future, new = self._running.get(key), False
             if future is None:
+                waiting = self._queued()
+                if waiting >= self.max_queued:
+                    raise Overloaded(f"{waiting} grammars wait to compile already: try again")
                 future = self._running[key] = self._compiles.submit(self._timed_build, spec)
                 new = True
         if new:  # outside the lock: a future done already runs its callback here, at once
             future.add_done_callback(lambda f: self._ran(key, f))
-        return future, time.monotonic()
+        return future
 
     def _ran(self, key: bytes, future: Future) -> None:
         with self._lock:
@@ -338,6 +368,27 @@ class GrammarCompiler:
     def shutdown(self) -> None:
         self._compiles.shutdown(wait=False, cancel_futures=True)
         self._matchers.shutdown()
+
+
+def _wait(future: Future, seconds: float) -> None:
+    """Wait for ``future`` at most ``seconds``; it may still run after (its outcome is read by the caller)."""
+    futures_wait((future,), timeout=seconds)
+
+
+async def _wait_async(future: Future, seconds: float, shield: bool = False) -> None:
+    """Await ``future`` at most ``seconds`` (its outcome is read by the caller); unshielded, the
+    timeout cancels it if it has not begun."""
+    waited = asyncio.wrap_future(future)
+    try:  # asyncio.timeout, never wait_for: it can drop a cancellation (test_router)
+        async with asyncio.timeout(seconds):
+            await (asyncio.shield(waited) if shield else waited)
+    except asyncio.TimeoutError:
+        pass
+    except asyncio.CancelledError:  # ``future`` cancelled (by another waiter): this task goes on
+        if not future.cancelled() or asyncio.current_task().cancelling():
+            raise
+    except Exception:  # noqa: BLE001 - the future's own error, raised again where it is read
+        pass
 
 
 def _what(spec: GrammarSpec) -> str:
