@@ -354,8 +354,10 @@ def test_build_specs_with_discovery_registers_the_workers_and_the_router_watches
     router = given[-1].argv
     assert router[router.index("--discovery") + 1] == "etcd://10.0.0.2:2379/p"
     assert "--prefill" not in router and "--decode" not in router
-    with pytest.raises(ValueError, match="etcd://HOST:PORT/PREFIX"):
+    with pytest.raises(ValueError, match="scheme must be one of etcd://"):  # the store a scheme names
         build_specs(LaunchConfig(discovery="http://10.0.0.2:2379"), python="py")
+    with pytest.raises(ValueError, match="etcd://HOST:PORT/PREFIX"):  # and that store reads the rest
+        build_specs(LaunchConfig(discovery="etcd://10.0.0.2"), python="py")
     monkeypatch.setattr("shutil.which", lambda name: "/usr/bin/etcd")
     local = build_specs(LaunchConfig(discovery="local", split_cpus=False), python="py", etcd_data="/tmp/d")
     assert [s.name for s in local] == ["etcd", "prefill-0", "decode-0", "router"] and local[0].stop_last

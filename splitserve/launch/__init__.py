@@ -256,9 +256,10 @@ def build_specs(config: LaunchConfig, python: str = sys.executable, allowed: Opt
     if config.discovery == "local" and shutil.which("etcd") is None:
         raise ValueError("--discovery local starts an etcd, and etcd is not on PATH (apt-get install etcd-server)")
     if config.discovery is not None and config.discovery != "local":
-        from splitserve.discovery.etcd import parse_target
+        from splitserve.config import DiscoveryConfig
+        from splitserve.discovery.backends import check
 
-        parse_target(config.discovery)
+        check(config.discovery, DiscoveryConfig())  # the store its scheme names reads the URL
     ports = ports or launch_ports(config)
     specs, discovery = [], config.discovery
     if ports.etcd is not None:
