@@ -9,6 +9,7 @@ check-long`` runs many more seeds (``test_many_seeds``).
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import queue
 import re
@@ -343,10 +344,31 @@ def _decode_losses(seed: int, off_by: int = 0):
                     faults=(Fault(LOSS, 3.0, 2.0, "decode0", ("kill", 3)), Fault(LOSS, 18.0, 8.0, "decode1", ("stop", 2))))
 
 
+def _continuations_refused(body: bytes) -> bytes:
+    """A leg's body on the wire, a continuation's made one its decode refuses (400: a bad id)."""
+    if b'"continuation"' not in body:
+        return body
+    data = json.loads(body)
+    data["continuation"]["id"] = "refused"
+    return json.dumps(data).encode()
+
+
+def _run_refusing_continuations(seed: int):
+    """``_decode_losses`` with every continuation refused (the session's ``rewrite`` seam)."""
+    from splitserve.sim.run import Run
+
+    run = Run(_decode_losses(seed))
+    run.cluster.router.state.session.rewrite = _continuations_refused
+    return run.run()
+
+
 @pytest.fixture(scope="module")
 def loss_runs(pool, tally) -> dict:
     offs = (0, -1, 1)
-    results = dict(zip(offs, pool.starmap(run_seed, [(5, 80, None, _decode_losses(5, k)) for k in offs])))
+    runs = [pool.apply_async(run_seed, (5, 80, None, _decode_losses(5, k))) for k in offs]
+    refused = pool.apply_async(_run_refusing_continuations, (5,))
+    results = {k: run.get() for k, run in zip(offs, runs)}
+    results["refused"] = refused.get()
     tally.add(len(results), sum(r.requests for r in results.values()))
     return results
 
@@ -380,3 +402,11 @@ def test_a_continuation_resending_one_token_too_few_or_too_many_is_caught(off_by
     left out, or the last one sent twice): the reference-tokens invariant breaks."""
     result = loss_runs[off_by]
     assert not result.ok and "the reference is" in result.violations[0], result.violations
+
+
+def test_an_answer_cut_by_a_lost_decode_that_ends_in_an_error_while_another_decode_was_free_is_caught(loss_runs):
+    """The same run with every continuation refused by the decode it is sent to (a bad id on the
+    wire): the cut streams end with an error although the other decode was free, migrations were
+    left and the deadline far: a violation that says so."""
+    result = loss_runs["refused"]
+    assert not result.ok and "untouched by any fault" in result.violations[0], result.violations
