@@ -31,7 +31,7 @@ from helpers.router_fixture import start_router  # noqa: F401 (a fixture)
 from helpers.sse import sse_events
 from helpers.waiting import wait_for
 
-from splitserve.router.migrate import StreamTrack
+from splitserve.router.migrate import MAX_IDS, StreamTrack
 
 TOTAL = 6  # tokens of every fake answer
 CREATED = 1700000000
@@ -154,10 +154,25 @@ def test_the_track_names_only_unfinished_choices_and_refuses_what_it_cannot_read
     assert track.error_code == "loop_stalled" and track.held.startswith(b'data: {"error"')
     track.feed(b"data: x\n" * 20000)  # after the error event: kept, bounded
     assert len(track.held) < 100 << 10
-    for bad in (b": ids 0 x\n", b": ids 2 1\n", b": ids 0 -1\n"):
+    for bad in (b": ids 0 x\n", b": ids 2 1\n", b": ids 0 -1\n", b": ids 0 2147483648\n"):
         track = StreamTrack(2)
         track.feed(f"data: {json.dumps(event(0))}\n\n".encode() + bad)
         assert track.continuation() is None, bad
+
+
+def test_ids_waiting_for_their_event_count_toward_the_bound():
+    """A worker that sends ids lines without the events they belong to holds no more than
+    ``MAX_IDS`` of them: past it the stream cannot be continued and what was kept is let go."""
+    track = StreamTrack(1)
+    track.feed(f"data: {json.dumps(event(0))}\n\n".encode())
+    line = b": ids 0 " + b" ".join([b"7"] * (MAX_IDS // 4)) + b"\n"
+    for _ in range(4):
+        track.feed(line)
+    assert not track.bad
+    track.feed(b": ids 0 7\n")
+    assert track.bad and not track.ids
+    track.feed(line + f"data: {json.dumps(event(0))}\n\n".encode())
+    assert track.continuation() is None and not track.ids
 
 
 # -- through the router ---------------------------------------------------------------------------

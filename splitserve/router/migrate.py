@@ -29,7 +29,8 @@ WORKER_FAILED_CODES = frozenset({"not_ready", "draining", "loop_stalled", "peer_
 MAX_LINE_BYTES = 8 << 20  # a line longer than this is passed through as it comes (no continuation)
 MAX_HELD_BYTES = 64 << 10  # what decode sends after its error event or [DONE] is kept up to this
 MAX_CHOICES = 128
-MAX_IDS = 1 << 20  # per choice
+MAX_IDS = 1 << 20  # per choice, those whose event has not passed yet included
+MAX_ID = (1 << 31) - 1  # above any vocabulary: a larger id is a worker's garbage, never forwarded
 _FINISHED = re.compile(rb'"finish_reason":\s*(?!null)')
 
 
@@ -65,6 +66,7 @@ class StreamTrack:
         """A new decode leg's stream begins (the first, or a continuation)."""
         self._tail = b""
         self._pending: list[tuple[int, list[int]]] = []  # ids whose event has not passed yet
+        self._waiting: dict[int, int] = {}  # how many of them, per choice
         self._passing: Optional[str] = None  # within an over-long line: "pass" it as it comes, or "drop" it
         self.held = b""
         self.error_code: Optional[str] = None
@@ -133,20 +135,31 @@ class StreamTrack:
             for index, ids in self._pending:  # their text is in this event: the client has them now
                 self.ids[index].extend(ids)
             self._pending.clear()
+            self._waiting.clear()
             out.append(line + b"\n")
             self._in_block = True
 
     def _ids(self, text: bytes) -> None:
+        if self.bad:  # nothing is continued from here on: keep none of it
+            return
         try:
             index, *ids = (int(part) for part in text.split(b" "))
         except ValueError:
-            self.bad = True
-            return
+            return self._unusable()
         listed = self.ids.setdefault(index, []) if 0 <= index < min(self.n, MAX_CHOICES) else None
-        if listed is None or len(listed) + len(ids) > MAX_IDS or any(i < 0 for i in ids):
-            self.bad = True
-            return
+        if listed is None or len(listed) + self._waiting.get(index, 0) + len(ids) > MAX_IDS \
+                or any(not 0 <= i <= MAX_ID for i in ids):
+            return self._unusable()
         self._pending.append((index, ids))
+        self._waiting[index] = self._waiting.get(index, 0) + len(ids)
+
+    def _unusable(self) -> None:
+        """Decode said something the router cannot continue from: the ids kept so far are let go,
+        so a worker that floods them holds no memory here."""
+        self.bad = True
+        self.ids.clear()
+        self._pending.clear()
+        self._waiting.clear()
 
     def _event(self, text: bytes) -> None:
         first = self.id is None
