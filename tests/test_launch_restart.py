@@ -154,13 +154,27 @@ def test_a_switch_writes_the_new_role_before_it_is_answered(tmp_path, caplog, wr
     config = ServerConfig(role="decode", discovery_grace_s=0.0, drain_timeout_s=5.0, role_file=str(path),
                           allowed_prefill="127.0.0.1:1")
     state = WorkerState(FakeEngine(), config, Registry(), incarnation="i-old")
-    with caplog.at_level(logging.ERROR, logger="splitserve.server.role_switch"):
+    with caplog.at_level(logging.ERROR, logger="splitserve.server.role_file"):
         asyncio.run(switch(state, replace(config, role="prefill"), make_role=lambda *_: FakeRole()))
     assert state.config.role == "prefill" and state.incarnation != "i-old"
     if writable:
         assert path.read_text() == "prefill\n" and not caplog.records
     else:
         assert any("cannot write --role-file" in r.getMessage() for r in caplog.records), caplog.records
+
+
+def test_a_role_file_that_cannot_be_written_at_start_is_logged_and_the_worker_serves_on(tmp_path, caplog):
+    """A directory (or a missing folder) where the role file goes: the worker logs it and serves
+    in its role, rather than exiting into a restart that would fail the same way."""
+    from splitserve.server.role_file import keep_role
+
+    (tmp_path / "w.role").mkdir()
+    with caplog.at_level(logging.ERROR, logger="splitserve.server.role_file"):
+        assert keep_role(str(tmp_path / "w.role"), "decode", "start") is False
+        assert keep_role(str(tmp_path / "gone" / "w.role"), "decode", "start") is False
+    assert sum("start: cannot write --role-file" in r.getMessage() for r in caplog.records) == 2
+    assert keep_role(str(tmp_path / "x.role"), "prefill", "start") and (tmp_path / "x.role").read_text() == "prefill\n"
+    assert not list(tmp_path.glob(".w.role.*"))  # no temporary file left beside it
 
 
 # -- the supervisor, with stand-ins for workers ------------------------------------------------------------

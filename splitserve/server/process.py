@@ -64,12 +64,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
 
             ClusterSecret.load(server_config.cluster_secret_file, warn=False)
         if server_config.role_file:
-            from splitserve.server.role_file import write_role
+            from splitserve.server.role_file import keep_role
 
-            try:
-                write_role(server_config.role_file, server_config.role)
-            except OSError as exc:
-                raise ValueError(f"--role-file {server_config.role_file}: cannot write it: {exc}") from None
+            keep_role(server_config.role_file, server_config.role, "start")
     except ValueError as exc:
         print(f"splitserve serve: {exc}", file=sys.stderr, flush=True)
         return 2

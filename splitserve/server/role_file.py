@@ -13,10 +13,13 @@ else is refused with why, and the caller falls back to the role it started the w
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
 import tempfile
 from typing import Optional
+
+log = logging.getLogger(__name__)
 
 MAX_BYTES = 64
 ROLES = ("prefill", "decode")
@@ -37,6 +40,19 @@ def write_role(path: str, role: str) -> None:
         except OSError:
             pass
         raise
+
+
+def keep_role(path: str, role: str, when: str) -> bool:
+    """``role`` written to ``path`` (:func:`write_role`); a file that cannot be written is logged
+    and the worker serves on (``when``: at start, a role switch), since a worker that stopped
+    over it would only be restarted into the same failure: False then."""
+    try:
+        write_role(path, role)
+        return True
+    except OSError as exc:
+        log.error("%s: cannot write --role-file %s (%s): a restart would take the role it was launched in",
+                  when, path, exc)
+        return False
 
 
 def read_role(path: str) -> tuple[Optional[str], str]:

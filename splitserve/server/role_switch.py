@@ -54,7 +54,7 @@ from splitserve.auth import check_bootstrap_trust
 from splitserve.discovery.record import loads_shallow
 from splitserve.errors import error_body
 from splitserve.http_util import read_body
-from splitserve.server.role_file import write_role
+from splitserve.server.role_file import keep_role
 
 log = logging.getLogger(__name__)
 
@@ -226,13 +226,8 @@ async def _back(state, loop, config, deadlines, why: str, make_role) -> None:
 def _record_role(config) -> None:
     """The new role in ``--role-file``, before the switch is answered: a worker killed right after
     comes back in it. A file that cannot be written is logged, and the switch stands."""
-    if not config.role_file:
-        return
-    try:
-        write_role(config.role_file, config.role)
-    except OSError as exc:
-        log.error("role switch: cannot write --role-file %s (%s): a restart would take the old role", config.role_file,
-                  exc)
+    if config.role_file:
+        keep_role(config.role_file, config.role, "role switch")
 
 
 def _serve(state) -> None:
