@@ -171,11 +171,23 @@ def _bootstrap_refusal(state, request: web.Request, req: ValidatedRequest) -> Op
         raise NotReady(f"this worker is a decode now; the request names its own bootstrap port "
                        f"{req.bootstrap_port}: a prefill leg")
     given = [f for f in ("bootstrap_host", "bootstrap_port", "bootstrap_room") if getattr(req, f) is not None]
+    if req.continuation is not None:
+        _continuation_refusal(state.config.role, given)
     if state.config.role == "decode" and 0 < len(given) < 3:  # alone has none: a split request has all
         raise InvalidRequest(f"{', '.join(given)} without the other bootstrap fields: a split request names "
                              "bootstrap_host, bootstrap_port and bootstrap_room, one served by decode alone "
                              "none of them", param="bootstrap_room")
     return None
+
+
+def _continuation_refusal(role: Optional[str], bootstrap: list) -> None:
+    """A continuation is served by a decode (or colocated) worker alone: NotReady on a prefill
+    (a router that has not seen this worker switch), InvalidRequest beside bootstrap fields."""
+    if role == "prefill":
+        raise NotReady("this worker is a prefill; a continuation is served by a decode")
+    if bootstrap:
+        raise InvalidRequest(f"continuation is served by decode alone: not with {', '.join(bootstrap)}",
+                             param="continuation")
 
 
 async def _consume(stream: AsyncIterator[Optional[RequestOutput]], acc: proto.Accumulator, sse=None):
