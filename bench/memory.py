@@ -8,11 +8,14 @@ Each set-up is a real ``splitserve serve`` process (one at a time) on the demo m
 prompt first (so every path has run and the step's buffers exist); then its RSS and peak RSS
 (VmHWM) are read. The pool's size is what the worker reports (``/get_server_info``: tokens and
 dtype, which ``--dtype auto`` picks: bfloat16 where the CPU has native bf16, else float32), in
-bytes: tokens x layers x 2 x KV heads x head dim x dtype size. Set-ups (``--setups``):
+bytes: tokens x layers x 2 x KV heads x head dim x dtype size (an int8 cache: head dim + 4 for its
+scale). Set-ups (``--setups``):
 
   default     serve --model smollm2 (the default pool: 65,536 tokens)
   small-pool  the same with --max-total-tokens 8192: the overhead should not follow the pool
   prefill     serve --role prefill (a pool of its own; no decode-side structures)
+  int8-kv     --kv-cache-dtype int8 with 1.875x the default's tokens: its pool should take the
+              default's bytes (a 64-byte row and its 4-byte scale against 128 bytes of bfloat16)
 
 Prints one row per set-up and checks RSS <= GGUF + pool + OVERHEAD_BOUND for each (exit 1 when
 one fails). Usage::
@@ -39,6 +42,7 @@ OVERHEAD_BOUND = 600e6  # bytes
 SETUPS = {
     "default": [],
     "small-pool": ["--max-total-tokens", "8192"],
+    "int8-kv": ["--kv-cache-dtype", "int8", "--max-total-tokens", "122880"],
     "prefill": ["--role", "prefill", "--bootstrap-port", "{bootstrap}", "--insecure-control-plane"],
 }
 PROMPT = " ".join(["the lighthouse keeper watched the sea through the long night"] * 24)  # 240 words
@@ -47,8 +51,11 @@ PROMPT = " ".join(["the lighthouse keeper watched the sea through the long night
 def pool_bytes(info: dict, config: dict) -> int:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads", config["num_attention_heads"])
-    size = {"float32": 4, "bfloat16": 2, "float16": 2}[info["dtype"]]
-    return info["max_total_num_tokens"] * config["num_hidden_layers"] * 2 * kv_heads * head_dim * size
+    if info.get("kv_cache_dtype") == "int8":  # a row: head_dim bytes and its float32 scale
+        row = head_dim + 4
+    else:
+        row = head_dim * {"float32": 4, "bfloat16": 2, "float16": 2}[info["dtype"]]
+    return info["max_total_num_tokens"] * config["num_hidden_layers"] * 2 * kv_heads * row
 
 
 def measure(name: str, extra: list[str], args, gguf: Path, config: dict, logs: Path) -> dict:

@@ -322,6 +322,7 @@ def test_ready_line_health_models_and_sglang_info(server, info):
     si = requests.get(server.url + "/get_server_info", timeout=10).json()
     assert si["page_size"] == EngineConfig().page_size and si["context_length"] == info.max_context
     assert si["model_path"] == mi["model_path"] and si["max_total_num_tokens"] > 0
+    assert si["kv_cache_dtype"] == "auto"  # what the pages hold: a memory bench counts their bytes by it
 
 
 def test_completion_and_chat_shapes(server, info):

@@ -294,6 +294,7 @@ async def _server_info(request: web.Request) -> web.Response:
         "model_path": spec.path, "tokenizer_path": spec.path, "served_model_name": state.model_name,
         "host": state.config.host, "port": state.config.port, "context_length": spec.max_context,
         "dtype": str(spec.dtype).replace("torch.", ""), "device": cfg.device, "page_size": cfg.page_size,
+        "kv_cache_dtype": cfg.kv_cache_dtype,
         "max_total_num_tokens": stats["pages_total"] * cfg.page_size,
         "max_running_requests": cfg.max_running_requests, "max_queued_requests": cfg.max_waiting_requests,
         "chunked_prefill_size": cfg.max_batch_tokens if cfg.chunked_prefill else -1,
