@@ -179,7 +179,8 @@ def test_ids_waiting_for_their_event_count_toward_the_bound():
 
 
 @pytest.mark.parametrize("how, reason", [("close", "broken"), ("silent", "stalled"),
-                                         ("error:not_ready", "worker_error")])
+                                         ("error:not_ready", "worker_error"),
+                                         ("error:peer_failed", "worker_error")])
 def test_a_stream_whose_decode_is_lost_is_continued_on_another(how, reason, fakes, start_router):
     """Decode lost after 3 tokens reached the client: the client gets one stream of all 6 tokens
     with one id and created, no comment and one [DONE]; the other decode got the continuation
@@ -379,3 +380,26 @@ def real_stream(url: str, body: dict, rid: str, kill_after: Optional[int] = None
                 next(d for d in decode if d.url == chosen).proc.kill()
                 kill_after = None
     return sse_events(raw), raw
+
+
+@pytest.mark.parametrize("how", ["close", "error:not_ready"])
+def test_a_stream_lost_before_its_first_event_is_sent_whole_to_another(how, fakes, start_router):
+    """Decode answered with its headers and lost the stream before any event: the client has no
+    token, so the request goes whole (no continuation) to the other decode, and the client gets
+    one stream of all 6 tokens and one [DONE]."""
+    legs = []
+    lose_first, serve = wire_decoder(cut=0, how=how), wire_decoder()
+
+    async def decoder(fake, request, body):  # whichever decode gets the first leg loses it
+        legs.append(body)
+        return await (lose_first if len(legs) == 1 else serve)(fake, request, body)
+    first, second = fakes(decoder), fakes(decoder)
+    router = start_router([(fakes(sse([])).url, 1)], [first.url, second.url], "--max-migrations", "2",
+                          "--stream-stall-s", "1", "--pd-threshold-tokens", "0")
+    for w in (first, second):
+        wait_for("both decode workers up",
+                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
+    raw, events = stream(router, "lost-at-once")
+    assert texts(events) == [f" t{i}" for i in range(TOTAL)], raw
+    assert events[-1] == "[DONE]" and raw.count(b"[DONE]") == 1 and b'"error"' not in raw, raw
+    assert len(legs) == 2 and "continuation" not in legs[1], legs  # a retry or a migration, whole

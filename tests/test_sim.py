@@ -386,9 +386,6 @@ def test_answers_cut_by_a_lost_decode_end_with_the_reference_tokens(loss_runs, c
     assert result.effects["answers cut by a lost decode"] >= 2
 
 
-@pytest.mark.xfail(strict=True, reason="router: a stream whose decode sent its headers, then an error event that "
-                   "says the worker failed (peer_lost) before any token, is not sent to another decode "
-                   "(StreamTrack.continuation() has no id to continue from: 'nothing to continue from')")
 def test_streams_held_by_a_stopped_decode_before_their_first_token_are_served_elsewhere(loss_runs):
     """The same run: the streams sent to the stopped decode before the router took it out of
     rotation (their prefill gave up on it meanwhile) end with an answer too, as another decode

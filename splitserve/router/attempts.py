@@ -177,15 +177,18 @@ class Attempts:
         healthy decode worker alone, never one that failed it, within ``--max-migrations`` and its
         deadline (not charged to the retry budget): a stream under way continued from the ids the
         client has, else (nothing reached the client) the request sent again whole. Else the
-        client's answer ends with the failure."""
+        client's answer ends with the failure. A stream whose headers alone reached the client
+        (decode lost before its first event) is sent again whole on the same client stream."""
         state, lost = self.state, exchange.lost
         self.failed[DECODE].add(exchange.decode_worker)
         under_way = exchange.stream and exchange.response is not None  # else nothing reached the client
-        continuation = exchange.track.continuation() if under_way else None
+        # headers only, no event passed: the client has no token, so the request goes again whole
+        whole = not under_way or (exchange.track.id is None and not exchange.track.bad)
+        continuation = None if whole else exchange.track.continuation()
         denied = "the request's own error" if lost.own_error else \
             "--max-migrations used up" if self.migrations >= state.config.max_migrations else \
             "its deadline passed" if asyncio.get_running_loop().time() >= self.deadline else \
-            "nothing to continue from" if under_way and continuation is None else None
+            "nothing to continue from" if not whole and continuation is None else None
         decodes = state.workers.candidates(DECODE, self.failed) if denied is None else []
         if not decodes:
             log.info("rid=%s: %s (%s); not continued: %s", self.rid, lost.detail, lost.reason,

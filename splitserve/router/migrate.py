@@ -24,8 +24,11 @@ REASONS = ("broken", "stalled", "worker_error", "unhealthy")
 stream ended without ``[DONE]``; it said nothing for ``--stream-stall-s``; it ended the stream
 with an error whose code says the worker failed, not the request; (a whole answer) the worker
 left rotation while the router waited for it."""
-WORKER_FAILED_CODES = frozenset({"not_ready", "draining", "loop_stalled", "peer_lost", "internal_error"})
-"""Error codes in decode's stream that say the worker failed, not the request: continued elsewhere."""
+WORKER_FAILED_CODES = frozenset({"not_ready", "draining", "loop_stalled", "peer_lost", "peer_failed",
+                                 "internal_error"})
+"""Error codes in decode's stream that say the worker (or its pair) failed, not the request:
+continued elsewhere. ``peer_failed`` among them: the prefill gave the room up, e.g. while this
+decode was stopped; another decode alone computes the prompt itself."""
 MAX_LINE_BYTES = 8 << 20  # a line longer than this is passed through as it comes (no continuation)
 MAX_HELD_BYTES = 64 << 10  # what decode sends after its error event or [DONE] is kept up to this
 MAX_CHOICES = 128
