@@ -30,6 +30,7 @@ import requests
 
 from cluster import Cluster, pages_back_to_total, sse_events
 from conftest import ServerProcess
+from helpers.waiting import wait_for
 
 N = 6  # the fault's token count
 WORKER = ["--page-size", "16", "--max-total-tokens", "4096"]
@@ -122,8 +123,9 @@ def blocks(text: str) -> list:
     return out
 
 
-def run_all(colocated: ServerProcess, cluster: Cluster) -> dict:
-    """Send T, then the rest, through the router; compare every answer with C's."""
+def run_all(colocated: ServerProcess, cluster: Cluster, before_the_rest=lambda: None) -> dict:
+    """Send T, then (after ``before_the_rest()``) the rest, through the router; compare every
+    answer with C's."""
     cases = {"trigger": ("/v1/completions", trigger_body(colocated)), **OTHERS}
     reference = {name: the_answer(send(colocated.url, path, body, f"ref-{name}")) for name, (path, body) in cases.items()}
     got, first = {}, threading.Event()
@@ -140,6 +142,7 @@ def run_all(colocated: ServerProcess, cluster: Cluster) -> dict:
     assert first.wait(120), "T's first event never came"
     decode = requests.get(f"{cluster.url}/debug/requests/trigger", timeout=10).json()["router"]["decode"]
     assert decode == cluster.decode[0].url, f"round robin gave T {decode}, not the faulty decode"
+    before_the_rest()
     for name, (path, body) in OTHERS.items():
         threads.append(threading.Thread(target=one, args=(name, path, body), daemon=True))
         threads[-1].start()
@@ -183,12 +186,16 @@ def test_a_decode_stopped_after_n_tokens_loses_no_answer():
     """``A`` SIGSTOPs itself once T streamed N tokens: the router's silence bound
     (``--stream-stall-s`` 10, above decode's 5 s keep-alive, so a live but busy decode never trips
     it) continues the streams, and a whole answer is sent again once ``A`` fails its health checks;
-    every client has ``C``'s answer. After SIGCONT ``A`` aborts the legs the router gave up and
-    ends with every page free."""
+    every client has ``C``'s answer. The rest are sent once the router has taken ``A`` out of
+    rotation: a leg sent to a stopped worker before that gets no headers, and the router answers
+    504 after ``--worker-header-timeout-s`` rather than placing it elsewhere. After SIGCONT ``A``
+    aborts the legs the router gave up and ends with every page free."""
     colocated, cluster = start(f"pause_after_tokens={N}", "--stream-stall-s", "10", "--health-interval-s", "0.5")
     a = cluster.decode[0]
     try:
-        run_all(colocated, cluster)
+        run_all(colocated, cluster, lambda: wait_for(
+            "the router takes the stopped decode out of rotation",
+            lambda: cluster.router.metric("splitserve_router_worker_healthy", role="decode", url=a.url) == 0, 120))
         assert migrations(cluster).get("stalled", 0) >= 1
         os.kill(a.pid, signal.SIGCONT)
         for worker in (*cluster.decode, *cluster.prefill):
