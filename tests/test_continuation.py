@@ -143,7 +143,7 @@ def test_a_continuation_refused_is_a_400_naming_its_field(server):
                        ({**good, "choices": [{"index": 1, "ids": []}]}, "continuation.choices[0].index"),
                        ({**good, "created": "now"}, "continuation.created"),
                        ({**good, "finished_tokens": 1}, "continuation.finished_tokens"),
-                       ({**good, "choices": [{"index": 0, "ids": [2]}]}, "continuation.choices")]:  # eos ends it
+                       ({**good, "choices": [{"index": 0, "ids": [2, 5]}]}, "continuation.choices")]:  # after eos
         r = post(server, "/v1/completions", {**body, "continuation": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
     r = post(server, "/v1/completions", {**body, "stream": False, "continuation": good})
@@ -175,11 +175,12 @@ def test_engine_replays_without_a_delta_and_frees_every_page(tiny_engine):
     assert s.pages_owned == 0 and not tiny_engine.live_sequences()
 
 
-def test_engine_refuses_ids_that_end_the_choice(tiny_engine):
+def test_engine_refuses_ids_that_end_the_choice_before_their_last(tiny_engine):
+    """(Ids whose last ends the choice end it: ``test_continuation_ends.py``.)"""
     prompt = tuple(tiny_engine.tokenizer.encode(PROMPT))
     eos = tiny_engine.spec.eos_token_ids[0]
     req = GenerateRequest("c", prompt, SamplingParams(max_tokens=4),
-                          continuation=Continuation("cmpl-c", 0, ((0, (eos,)),)))
+                          continuation=Continuation("cmpl-c", 0, ((0, (eos, 5)),)))
     with pytest.raises(InvalidRequest):
         tiny_engine.add_request(req)
     assert not tiny_engine.live_sequences()

@@ -205,8 +205,9 @@ class LLMEngine:
         stop matcher and detokenizer without a delta (their KV is computed as prompt chunks, and
         the penalties count them as tokens of the answer), then generating on with its own
         seed. The first choice named is keyed ``rid`` (``room``'s, after ``setup``), the others
-        as forks. Raises InvalidRequest (changing nothing) for ids its grammar refuses or that
-        already end the choice."""
+        as forks. A choice whose last id ends it (the client lacks only its end) is computed and
+        then ends with no token, as ``max_tokens`` 0 does. Raises InvalidRequest (changing
+        nothing) for ids its grammar refuses or that end the choice before their last."""
         req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, prompt_logprobs=None))
         lead = self._new_sequence(req, room_owned=room is not None, room=room)
         seed, seqs = lead.seed, []
@@ -243,7 +244,8 @@ class LLMEngine:
 
     def _replay(self, seq: Sequence, ids: tuple[int, ...], index: int) -> None:
         """Give ``seq`` the ids already streamed of its choice, emitting nothing (InvalidRequest:
-        one outside the vocabulary, refused by its grammar, or one that ends the choice)."""
+        one outside the vocabulary, refused by its grammar, or one after the id that ended the
+        choice); the last may end it (``seq.finish_reason`` set)."""
         param = "continuation.choices"
         for token in ids:
             if not 0 <= token < self.spec.vocab_size:
@@ -258,8 +260,6 @@ class LLMEngine:
                     raise InvalidRequest(f"choice {index}: token {token}: {exc}", param=param) from None
             seq.token_ids.append(token)
             self._check_finish(seq, token, replayed=True)
-        if seq.finish_reason is not None:
-            raise InvalidRequest(f"choice {index}: its ids end it ({seq.finish_reason})", param=param)
 
     def _choices(self, req: GenerateRequest) -> None:
         """A request with n > 1: its choices fork from its first sequence once its prompt has run."""
@@ -508,8 +508,8 @@ class LLMEngine:
             seq = item.seq
             if id(seq) in gone:
                 continue
-            if seq.sampling.max_tokens == 0:  # the prompt alone was asked for (its logprobs, say)
-                seq.finish_reason = "length"
+            if seq.sampling.max_tokens == 0 or seq.finish_reason is not None:  # the prompt alone was
+                seq.finish_reason = seq.finish_reason or "length"  # asked for, or a continuation's ids end it
                 report.sampled.append((seq, self._delta(seq, None)))
                 self._seqs.pop(seq.rid, None)
                 self.scheduler.finish(seq)
