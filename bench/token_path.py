@@ -196,7 +196,7 @@ CATEGORIES = (
     ("sampler", ("splitserve/engine/sampler.py", "LLMEngine._sample (")),
     ("detokenizer", ("splitserve/engine/detokenizer.py", "tokenizers/", "transformers/")),
     ("HTTP/SSE", ("splitserve/server/", "aiohttp/", "asyncio/", "selectors.py", "json/", "multidict/", "yarl/",
-                  "splitserve/http_util.py", "splitserve/metrics.py", "splitserve/validation.py")),
+                  "splitserve/http_util.py", "splitserve/metrics.py", "splitserve/validation/")),
     ("lifecycle/scheduler", ("splitserve/",)),
 )
 NATIVE = "native threads"  # no Python frame: torch's intra-op workers (the forward pass's other cores)

@@ -1,6 +1,6 @@
 """One request's own data fails that request alone, never the others on its worker.
 
-The edge refuses bad input (``splitserve/validation.py``); these tests hand the engine loop requests
+The edge refuses bad input (``splitserve/validation/``); these tests hand the engine loop requests
 that slipped past it — data no validation lets through, standing for a bug in validation or in
 the engine — and check that only their own request fails, wherever the loop takes in a request's
 own data: its admission (prompt, sampling parameters, stop strings, ``cache_salt``), sampling its

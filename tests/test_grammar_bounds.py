@@ -24,7 +24,7 @@ from splitserve.engine.grammar_compiler import GrammarCompiler
 from splitserve.engine.io import GenerateRequest, InvalidRequest, Overloaded, SamplingParams
 from splitserve.outcomes import Reason
 from splitserve.server.tokenize_lanes import TokenizeLanes
-from splitserve.validation import validate_request
+from splitserve.validation import RequestContext, validate_request
 
 V = 2048  # the tiny model's vocabulary
 GROWING = GrammarSpec("regex", "[ab]*a[ab]{16}")  # a lexer state for almost every byte it matches
@@ -123,8 +123,8 @@ def test_a_plain_request_is_answered_while_a_compilation_is_held(tokenizer):
     async def scenario():
         def validate(raw, endpoint):
             def check(tok, per):
-                return validate_request(raw, endpoint, tokenizer=tok, vocab_size=V, grammars=compiler,
-                                        chars_per_token=per)
+                return validate_request(raw, endpoint, RequestContext(tokenizer=tok, vocab_size=V, grammars=compiler,
+                                                                    chars_per_token=per))
             return lanes.validate(len(raw), tokenizer, check, compiler)
 
         held = asyncio.ensure_future(validate(body(regex="(cat|dog)"), "generate"))

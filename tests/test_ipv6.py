@@ -77,11 +77,11 @@ def test_a_host_from_the_network_is_checked_and_put_in_its_form(host, want):
 
 
 def _validated_bootstrap_host(host: str) -> str:
-    from splitserve.validation import validate_request
+    from splitserve.validation import RequestContext, validate_request
 
     body = {"model": "m", "prompt": "hi", "max_tokens": 1, "bootstrap_host": host, "bootstrap_port": 8998,
             "bootstrap_room": 1}
-    return validate_request(body, "completions", served_model_name="m").bootstrap_host
+    return validate_request(body, "completions", RequestContext(served_model_name="m")).bootstrap_host
 
 
 @pytest.mark.parametrize("url, host", [

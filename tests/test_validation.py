@@ -5,20 +5,20 @@ from __future__ import annotations
 import pytest
 
 from splitserve.engine.io import DEFAULT_MAX_TOKENS, InvalidRequest
-from splitserve.validation import parse_json_body, validate_request
+from splitserve.validation import RequestContext, parse_json_body, validate_request
 
 MODEL = "tiny"
 
 
 def ok(body, endpoint="completions", **kw):
     kw.setdefault("served_model_name", MODEL)
-    return validate_request(body, endpoint, **kw)
+    return validate_request(body, endpoint, RequestContext(**kw))
 
 
 def bad(body, endpoint="completions", param=None, match=None, status=400, **kw):
     kw.setdefault("served_model_name", MODEL)
     with pytest.raises(InvalidRequest) as info:
-        validate_request(body, endpoint, **kw)
+        validate_request(body, endpoint, RequestContext(**kw))
     err = info.value
     assert err.status == status, str(err)
     if param is not None:

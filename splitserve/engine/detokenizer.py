@@ -14,7 +14,7 @@ Stop strings are matched by one automaton over all of a request's stop strings (
 :class:`StopMatcher`), fed each new character once: a character costs at most two steps on
 average, whatever the stop list, and the automaton's state says at once how much of the text's
 tail may still become a stop string (its depth: what is held back). A request's stop list is
-capped (``splitserve/validation.py``, ``MAX_STOP*``); its automaton is built off the engine loop, at
+capped (``splitserve/validation/sampling.py``, ``MAX_STOP*``); its automaton is built off the engine loop, at
 validation on the tokenizer's thread, and handed in with the request (``GenerateRequest.stop_matcher``);
 each distinct list's is built once and shared (:func:`stop_matcher`).
 """

@@ -1,6 +1,6 @@
 """What goes into the engine and what comes out: typed, immutable, shared by the server and router.
 
-A request is validated and tokenized before it gets here (``splitserve/validation.py``); the engine
+A request is validated and tokenized before it gets here (``splitserve/validation/``); the engine
 only sees token ids and :class:`SamplingParams`. It answers with a stream of
 :class:`RequestOutput` deltas, the last one with ``finished=True``.
 """

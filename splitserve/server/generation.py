@@ -41,7 +41,7 @@ from splitserve.server import openai_protocol as proto
 from splitserve.server import tool_calls
 from splitserve.server.sse import ClientGone, SSEWriter
 from splitserve.validation import (
-    DEADLINE, REQUEST_ID, ValidatedRequest, check_deadline, check_request_id, validate_request,
+    DEADLINE, REQUEST_ID, RequestContext, ValidatedRequest, check_deadline, check_request_id, validate_request,
 )
 
 RID = web.RequestKey("rid", str)
@@ -104,11 +104,12 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
             raw = await read_body(request, state.config.client_body_timeout_s, state.config.max_body_bytes)
             engine = state.engine
             spec = engine.spec
-            check = functools.partial(validate_request, raw, endpoint, served_model_name=state.model_name,
-                                      max_context=spec.max_context, vocab_size=spec.vocab_size,
-                                      generation_defaults=spec.generation_defaults, grammars=state.grammars)
+            known = RequestContext(served_model_name=state.model_name, max_context=spec.max_context,
+                                   vocab_size=spec.vocab_size, generation_defaults=spec.generation_defaults,
+                                   grammars=state.grammars)
             req: ValidatedRequest = await state.tokenize.validate(  # in its lane, the grammar off it (tokenize_lanes.py)
-                len(raw), engine.tokenizer, lambda tok, per: check(tokenizer=tok, chars_per_token=per), state.grammars)
+                len(raw), engine.tokenizer, lambda tok, per: validate_request(
+                    raw, endpoint, dataclasses.replace(known, tokenizer=tok, chars_per_token=per)), state.grammars)
             refusal = _bootstrap_refusal(state, request, req)
             if refusal is not None:  # whom decode would dial and hand its KV pool: docs/security.md
                 result.ended(Reason.BAD_REQUEST)

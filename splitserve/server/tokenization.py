@@ -23,9 +23,10 @@ from typing import Any, Optional
 
 from splitserve.engine.grammar import parse_tools
 from splitserve.engine.io import InvalidRequest
-from splitserve.outcomes import Reason
-from splitserve.validation import _messages, _opt_bool, _opt_str, _template_tools, _token_ids, _type_name, \
-    check_text, parse_json_body, renders_tools
+from splitserve.validation.body import check_fields, check_model, check_text, parse_json_body
+from splitserve.validation.messages import check_messages
+from splitserve.validation.template import renders_tools, template_tools
+from splitserve.validation.values import opt, token_ids, type_name
 
 _TOKENIZE = {"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",
              "return_token_strs"}
@@ -36,13 +37,8 @@ def _check(body: Any, known: set, served_model_name: Optional[str]) -> dict:
     if not isinstance(body, dict):
         body = parse_json_body(body)
     check_text(body)
-    for key in body:
-        if key not in known:
-            raise InvalidRequest(f"unrecognized request field `{key}`", str(key))
-    model = _opt_str(body, "model", "")
-    if model is not None and served_model_name is not None and model != served_model_name:
-        raise InvalidRequest(f"The model `{model}` does not exist; this server serves `{served_model_name}`",
-                             "model", reason=Reason.MODEL_NOT_FOUND)
+    check_fields(body, known, "")
+    check_model(body, served_model_name)
     return body
 
 
@@ -53,26 +49,26 @@ def tokenize(body: Any, tokenizer, *, served_model_name: Optional[str], max_cont
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", "prompt")
-    generation_prompt = _opt_bool(body, "add_generation_prompt", "")
+    generation_prompt = opt(body, "add_generation_prompt", "", bool)
     if prompt is not None:
         if not isinstance(prompt, str):
-            raise InvalidRequest(f"prompt must be a string, not {_type_name(prompt)}", "prompt")
+            raise InvalidRequest(f"prompt must be a string, not {type_name(prompt)}", "prompt")
         for key in ("add_generation_prompt", "tools"):
             if body.get(key) is not None:
                 raise InvalidRequest(f"{key} is for messages", key)
-        text, param, special = prompt, "prompt", _opt_bool(body, "add_special_tokens", "")
+        text, param, special = prompt, "prompt", opt(body, "add_special_tokens", "", bool)
         special = True if special is None else special
     else:
-        rendered = _messages(messages)
+        rendered = check_messages(messages)
         tools = parse_tools(body.get("tools"), None, None)
         if tools is not None and not renders_tools(tokenizer):
             raise InvalidRequest("this model's chat template does not render tools; serve it with --chat-template "
                                  "FILE, a template that does", "tools")
-        param, special = "messages", bool(_opt_bool(body, "add_special_tokens", ""))
+        param, special = "messages", bool(opt(body, "add_special_tokens", "", bool))
         try:
             text = tokenizer.apply_chat_template(list(rendered), tokenize=False,
                                                  add_generation_prompt=generation_prompt is not False,
-                                                 **_template_tools(tools))
+                                                 **template_tools(tools))
         except Exception as e:  # the template's own refusal ("roles must alternate")
             raise InvalidRequest(f"the chat template refused these messages: {e}", "messages") from None
     if chars_per_token and -(-len(text) // chars_per_token) > max_context:
@@ -83,7 +79,7 @@ def tokenize(body: Any, tokenizer, *, served_model_name: Optional[str], max_cont
     if len(ids) > max_context:
         raise InvalidRequest(f"{param} has {len(ids)} tokens, but the model's context is {max_context}", param)
     answer = {"count": len(ids), "max_model_len": max_context, "tokens": ids}
-    if _opt_bool(body, "return_token_strs", ""):
+    if opt(body, "return_token_strs", "", bool):
         answer["token_strs"] = tokenizer.convert_ids_to_tokens(ids)
     return answer
 
@@ -93,7 +89,7 @@ def detokenize(body: Any, tokenizer, *, served_model_name: Optional[str], max_co
     body = _check(body, _DETOKENIZE, served_model_name)
     if body.get("tokens") is None:
         raise InvalidRequest("tokens is required", "tokens")
-    ids = _token_ids(body["tokens"], "tokens", vocab_size, allow_empty=True, max_count=max_context)
+    ids = token_ids(body["tokens"], "tokens", vocab_size, allow_empty=True, max_count=max_context)
     try:
         return {"prompt": tokenizer.decode(ids)}
     except Exception as e:  # an id of the model's vocabulary the tokenizer has no text for
