@@ -1,16 +1,18 @@
 """The request fields each endpoint takes, as one table: name, where it may be given, its rule and
-where its value goes. The known-field sets and the no-op values that ``validation.py`` checks
-against are derived from it, and ``docs/requests.md``'s table is checked against it
-(``tests/test_validation.py``)."""
+where its value goes. The known-field sets and the no-op values that ``validation/`` and
+``server/tokenization.py`` check against are derived from it, and ``docs/requests.md``'s table
+(of the generation fields) is checked against it (``tests/test_validation.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-PLACES = ("completions", "chat", "generate", "sampling_params")
-"""Where a field is given: the body of ``/v1/completions``, of ``/v1/chat/completions``, of
-``/generate``, or ``/generate``'s ``sampling_params`` object."""
+GENERATION_PLACES = ("completions", "chat", "generate", "sampling_params")
+"""Where a generation field is given: the body of ``/v1/completions``, of
+``/v1/chat/completions``, of ``/generate``, or ``/generate``'s ``sampling_params`` object."""
+PLACES = GENERATION_PLACES + ("tokenize", "detokenize")
+"""And the bodies of a worker's ``/tokenize`` and ``/detokenize`` (``server/tokenization.py``)."""
 
 ABSENT = object()  # a no-op field whose only accepted value is absence (or null)
 ANY_BOOL = object()  # a switch with no effect on the tokens (logging, reasoning display): any boolean
@@ -41,16 +43,16 @@ def _noop(name: str, places: tuple[str, ...], value: Any) -> Field:
 
 FIELDS: tuple[Field, ...] = (
     # -- what is asked, and how the answer comes
-    Field("model", ALL, "the served model's name (another is a 404); absent: the served one", ("ValidatedRequest.model",)),
+    Field("model", ALL + ("tokenize", "detokenize"), "the served model's name (another is a 404); absent: the served one", ("ValidatedRequest.model",)),
     Field("stream", ALL, "boolean", ("ValidatedRequest.stream",)),
     Field("stream_options", OPENAI, "`{\"include_usage\": boolean}`, only with `stream: true`",
           ("ValidatedRequest.include_usage",)),
     Field("user", OPENAI, "string; accepted and not used"),
     Field("rid", ALL, "the request id: 1 to 256 printable characters without spaces", ("ValidatedRequest.rid",)),
     # -- the prompt
-    Field("prompt", ("completions",), "a non-empty string or list of token ids (a batch of one is taken)",
+    Field("prompt", ("completions", "tokenize"), "a non-empty string or list of token ids (a batch of one is taken)",
           ("ValidatedRequest.prompt_text", "ValidatedRequest.prompt_ids")),
-    Field("messages", ("chat",), "a non-empty list of `{role, content}` (roles system, developer, user, "
+    Field("messages", ("chat", "tokenize"), "a non-empty list of `{role, content}` (roles system, developer, user, "
           "assistant with `tool_calls`, tool with `tool_call_id`); content a string or text parts",
           ("ValidatedRequest.messages", "ValidatedRequest.prompt_ids")),
     Field("text", ("generate",), "a non-empty string; exactly one of `text` and `input_ids`",
@@ -101,7 +103,7 @@ FIELDS: tuple[Field, ...] = (
           ("ValidatedRequest.grammar_spec",)),
     Field("regex", ("sampling_params",), "a regular expression the answer matches", ("ValidatedRequest.grammar_spec",)),
     Field("json_schema", ("sampling_params",), "a JSON schema, as a string", ("ValidatedRequest.grammar_spec",)),
-    Field("tools", ("chat",), "at most 128 functions (`docs/tools.md`)", ("ValidatedRequest.tools",)),
+    Field("tools", ("chat", "tokenize"), "at most 128 functions (`docs/tools.md`)", ("ValidatedRequest.tools",)),
     Field("tool_choice", ("chat",), "`none`, `auto`, `required` or a named function; a forced call not with "
           "`response_format`", ("ValidatedRequest.tools", "ValidatedRequest.grammar_spec")),
     Field("parallel_tool_calls", ("chat",), "boolean", ("ValidatedRequest.tools",)),
@@ -117,6 +119,11 @@ FIELDS: tuple[Field, ...] = (
           ("ValidatedRequest.continuation",)),
     Field("cache_salt", ALL, "string of at most 256 characters: prefix-cache pages are shared only within a salt",
           ("ValidatedRequest.cache_salt",)),
+    # -- /tokenize and /detokenize only (not in docs/requests.md's table: server/tokenization.py)
+    Field("add_special_tokens", ("tokenize",), "boolean; absent: true for a prompt, false for messages"),
+    Field("add_generation_prompt", ("tokenize",), "boolean, messages only; absent: true"),
+    Field("return_token_strs", ("tokenize",), "boolean: the answer names each token's string"),
+    Field("tokens", ("detokenize",), "a list of token ids of the vocabulary, at most the context's number"),
     # -- not implemented: accepted only at the value that means "not used"
     _noop("best_of", ("completions",), 1),
     _noop("suffix", ("completions",), ""),

@@ -27,13 +27,11 @@ from splitserve.validation.body import check_fields, check_model, check_text, pa
 from splitserve.validation.messages import check_messages
 from splitserve.validation.template import renders_tools, template_tools
 from splitserve.validation.values import opt, token_ids, type_name
-
-_TOKENIZE = {"model", "prompt", "messages", "tools", "add_special_tokens", "add_generation_prompt",
-             "return_token_strs"}
-_DETOKENIZE = {"model", "tokens"}
+from splitserve.validation_fields import KNOWN
 
 
-def _check(body: Any, known: set, served_model_name: Optional[str]) -> dict:
+
+def _check(body: Any, known: frozenset, served_model_name: Optional[str]) -> dict:
     if not isinstance(body, dict):
         body = parse_json_body(body)
     check_text(body)
@@ -45,7 +43,7 @@ def _check(body: Any, known: set, served_model_name: Optional[str]) -> dict:
 def tokenize(body: Any, tokenizer, *, served_model_name: Optional[str], max_context: int,
              chars_per_token: Optional[int]) -> dict:
     """The answer to a ``/tokenize`` body, or InvalidRequest naming the field."""
-    body = _check(body, _TOKENIZE, served_model_name)
+    body = _check(body, KNOWN["tokenize"], served_model_name)
     prompt, messages = body.get("prompt"), body.get("messages")
     if (prompt is None) == (messages is None):
         raise InvalidRequest("give exactly one of prompt and messages", "prompt")
@@ -86,7 +84,7 @@ def tokenize(body: Any, tokenizer, *, served_model_name: Optional[str], max_cont
 
 def detokenize(body: Any, tokenizer, *, served_model_name: Optional[str], max_context: int, vocab_size: int) -> dict:
     """The answer to a ``/detokenize`` body, or InvalidRequest naming the field."""
-    body = _check(body, _DETOKENIZE, served_model_name)
+    body = _check(body, KNOWN["detokenize"], served_model_name)
     if body.get("tokens") is None:
         raise InvalidRequest("tokens is required", "tokens")
     ids = token_ids(body["tokens"], "tokens", vocab_size, allow_empty=True, max_count=max_context)
