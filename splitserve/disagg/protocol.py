@@ -5,19 +5,13 @@ message is one msgpack map ``{"v": PROTOCOL_VERSION, "t": tag, "f": {field: valu
 is strict, because control-plane input is untrusted: a frame that is too large, not msgpack, of
 another protocol version, of an unknown type, missing a field, carrying an unknown field, or with a
 field of the wrong type — an integer outside 64 bits, a string over 1 KiB — raises
-:class:`ProtocolError` (the listener logs and counts it, and goes on). Nothing is dispatched by method-name strings: the receiver matches on the class.
+:class:`ProtocolError` (the listener logs and counts it, and goes on). Nothing is dispatched by
+method-name strings: the receiver matches on the class.
 
-The flows (``docs/protocol.md`` has the full picture):
-
-* decode → prefill: ``GetInfo`` (answered with ``Info``), ``RegisterPeer`` once per session with
-  a prefill incarnation (the metadata of the receiving link decode opened for it; answered with
-  ``PeerRegistered``, re-sent until then),
-  ``RegisterRoom`` per request (the page ids it reserved), ``AbortRoom``;
-* prefill → decode: ``RoomFailed``, ``WritesSettled`` (no write of the room can still land), and
-  ``KVDone`` carried as the transfer notification of a room's last write (first token, room check);
-* both ways: ``Heartbeat`` / ``HeartbeatAck``, answered off the engine loop, and ``Goodbye``: the
-  sender's incarnation has ended (a role switch, a shutdown), so its sessions end at once rather
-  than at the peer-silence bound.
+The flows: decode → prefill ``GetInfo``, ``RegisterPeer``, ``RegisterRoom``, ``AbortRoom``;
+prefill → decode ``Info``, ``PeerRegistered``, ``RoomFailed``, ``WritesSettled`` and ``KVDone``
+(carried as the transfer notification of a room's last write); both ways ``Heartbeat`` /
+``HeartbeatAck`` and ``Goodbye``. What each means and when it is sent: ``docs/protocol.md``.
 """
 
 from __future__ import annotations

@@ -6,18 +6,14 @@ Layout is page-major::
                          (2 = key, value)
 
 so one page of *all* layers is one contiguous span of ``page_nbytes`` bytes, and a run of
-consecutive page ids is one contiguous span too. A KV transfer therefore needs one descriptor per
-contiguous run of pages, not one per (layer, page) — descriptor count, not bytes, sets transfer
-speed (docs/design.md §3). The attention layers see per-layer strided views of the same memory.
+consecutive page ids is one contiguous span too: a KV transfer needs one descriptor per run of
+pages (``docs/design.md``, few descriptors per transfer). The attention layers see per-layer
+strided views of the same memory.
 
-``--kv-cache-dtype int8`` (``kv_cache_dtype``) makes the buffer int8 with rows of ``head_dim + 4``
-bytes: each (token, KV head) row's 8-bit values, then its float32 scale (``layers/kv_int8.py``).
-The scales being inside the page, everything above holds as it is; a page is about half the bytes
-of a bfloat16 one, so the same memory holds about twice the tokens. ``dtype`` stays the model's
-compute dtype either way.
-
-The pool owns memory only; which page belongs to whom is the page allocator's business
-(``engine/page_allocator.py``).
+``--kv-cache-dtype int8`` makes the buffer int8 with rows of ``head_dim + 4`` bytes: each (token,
+KV head) row's 8-bit values, then its float32 scale (``layers/kv_int8.py``), so the layout above
+holds as it is. ``dtype`` stays the model's compute dtype either way. The pool owns memory only;
+which page belongs to whom is the page allocator's business (``engine/page_allocator.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the router trusts a worker with, and from when (``docs/security.md``).
+"""What the router trusts a worker with, and from when (``docs/security.md``, where the reasoning is).
 
 The router's keys (:class:`RouterKeys`): its worker key (``--worker-api-key``, what opens every
 route of a worker) and, from ``--cluster-secret-file``, the cluster secret's record key (discovery
@@ -6,18 +6,12 @@ records are used only once their seal verifies: ``discovery/signing.py``) and pr
 
 A worker gets nothing of value before it proved itself: every health check carries a fresh nonce
 (``discovery/proof.py``), and a worker is *proven* (``Worker.proven``) only while its last answer
-held a proof under a key the router holds too. Only a proven worker is routable (a client's
-prompt), and the worker key travels only on calls to a proven worker's address
-(:func:`worker_key_middleware`, on the one session every leg, check and admin call uses): never as
-a default header on every call, never on the ``/health`` probe. A probe that fails or times out
-unproves the worker at once: what answers there next must prove itself before it gets a prompt.
-
-The proof binds the worker's id and incarnation and the router's nonce, not the URL the router
-dialled: a worker cannot know reliably by which address it is reached (NAT, a Service, a proxy, an
-IPv4-mapped address), so it could not prove an address. An impostor on a proven worker's port can
-therefore only relay the nonce to the real worker, which it must reach; and it gets the key on the
-calls made between two probes (legs, at most one health interval), never on the probe itself. A router without keys cannot ask for a proof: it trusts every
-worker it is told of, and says so at start (:meth:`RouterKeys.warnings`).
+held a proof under a key the router holds too. Only a proven worker is routable, and the worker key
+travels only on calls to a proven worker's address (:func:`worker_key_middleware`, on the one
+session every leg, check and admin call uses), never on the ``/health`` probe. A probe that fails
+or times out unproves the worker at once. The proof binds the worker's id and incarnation and the
+router's nonce, not the URL the router dialled. A router without keys cannot ask for a proof: it
+trusts every worker it is told of, and says so at start (:meth:`RouterKeys.warnings`).
 """
 
 from __future__ import annotations

@@ -2,22 +2,16 @@
 route; the cause is ours).
 
 The router calls it to end a leg with an explicit cause instead of only closing it, since a closed
-leg reads as the client gone (``docs/router.md``, who owns a failure)::
+leg reads as the client gone (``docs/router.md`` has the fields and what each cause does)::
 
     {"rid": "...", "reason": "client_abort"}            the client left (as closing the leg says)
-    {"bootstrap_room": 42, "reason": "prefill_failed",  decode: its KV will not come (the prefill
-     "detail": "prefill answered 503"}                   leg was refused or failed before prefill
-                                                         accepted the room)
+    {"bootstrap_room": 42, "reason": "prefill_failed",  decode: its KV will not come
+     "detail": "prefill answered 503"}
 
-It names the request by ``rid`` or by ``bootstrap_room`` (one of them), with ``reason``
-``client_abort`` (the default) or, on a decode worker only, ``prefill_failed``: under
-``--kv-failure-policy recompute`` decode then computes the prompt itself and answers the leg as
-if the KV had come (``docs/lifecycle.md``, the fallback); under ``fail`` the request fails
-``peer_failed``. ``detail`` (at most 256 characters) goes into the request's timeline and its
-error. The answer is ``{"found": true|false}`` (200): a request that is not here (not yet, or
-already ended) is not an error, as in SGLang; a ``prefill_failed`` for one not here yet is kept
-for it (the router's two legs race), so it computes its prompt as soon as it comes. Bad input is a
-400 naming the field.
+The answer is ``{"found": true|false}`` (200): a request that is not here (not yet, or already
+ended) is not an error, as in SGLang; a ``prefill_failed`` for one not here yet is kept for it (the
+router's two legs race), so it computes its prompt as soon as it comes. Bad input is a 400 naming
+the field.
 """
 
 from __future__ import annotations
