@@ -3,23 +3,16 @@
 
 Four keys, each from ``--NAME KEY``, ``--NAME-file PATH`` (its first line) or the environment
 (:data:`KEYS`; :func:`load_key` takes them in that order and refuses two at once, an empty key, or
-one that cannot travel in an HTTP header):
-
-- the **client** key (``--api-key``): generation, the model list, ``/tokenize`` and ``/detokenize``;
-- the **worker** key (``--worker-api-key``): on the router the key it sends its workers, on a worker
-  the key it takes from the router. It opens every route of a worker, and only a caller holding it
-  may send the bootstrap fields of a split request (:func:`bootstrap_refusal`);
-- the **admin** key (``--admin-api-key``): the cache, the worker set, the debug routes;
-- the **metrics** key (``--metrics-api-key``): ``/metrics`` only (a scraper's key).
+one that cannot travel in an HTTP header): the **client** key (``--api-key``), the **worker** key
+(``--worker-api-key``: every route of a worker, and the only one that may send a split request's
+bootstrap fields, :func:`bootstrap_refusal`), the **admin** key and the **metrics** key.
 
 Each route belongs to one class (:data:`ROUTER_ROUTES`, :data:`WORKER_ROUTES`): ``open``,
-``client``, ``metrics`` or ``admin``; a route in neither table is ``admin``, so one added later is
-guarded (deny by default). A process given no key is open. Given any key, a route needs a key that
-opens its class (:meth:`Access.opens`); a class none of whose keys was given falls back as
-:meth:`Access.openers` says. A request without a key or with one this process does not know gets
-401 with an OpenAI error body (``invalid_api_key``) and ``WWW-Authenticate: Bearer``; a known key
-that does not open the route gets 403 (``permission_denied``); both are counted. Keys are compared
-in constant time (:func:`hmac.compare_digest`) and never logged.
+``client``, ``metrics`` or ``admin``; a route in neither table is ``admin`` (deny by default). A
+process given no key is open. Given any key, a route needs a key that opens its class
+(:meth:`Access.opens`, :meth:`Access.openers`). No key or an unknown one is a 401
+(``invalid_api_key``, ``WWW-Authenticate: Bearer``); a known key that does not open the route a
+403 (``permission_denied``); both are counted. Keys are compared in constant time and never logged.
 """
 
 from __future__ import annotations

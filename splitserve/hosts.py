@@ -2,20 +2,12 @@
 
 An IPv6 address is written in brackets wherever a port may follow it (``[::1]:8998``): in a URL
 (RFC 3986), in a ZMQ ``tcp://`` endpoint (libzmq reads ``tcp://::1:8998`` as a name and refuses
-it), and in a ``bootstrap_host`` (the host of the prefill's URL as the router sends it; a worker
-refuses an IPv6 address without brackets). Whatever forms, checks or compares a host goes through
-here, so that the router, the workers and the allow-lists never disagree on how one address is
-written:
-
-- :func:`url_host`: the host as a URL or a ``bootstrap_host`` names it (an IPv6 address
-  bracketed, compressed and in lower case; anything else as given);
-- :func:`host_port`: ``HOST:PORT`` in that form (what a decode's control session is named by);
-- :func:`zmq_endpoint`: ``tcp://HOST:PORT`` to bind or connect (``*``: any address, any port);
-- :func:`allow_host`: the key two hosts are compared by (a name in lower case without a trailing
-  dot, an IPv6 address in :func:`url_host`'s form, an IPv4-mapped one as the IPv4 address it
-  maps, which is how a dual-stack socket reports an IPv4 peer);
-- :func:`check_host`: a host from the network (a ``bootstrap_host``) in its one form, or
-  ValueError: a name (letters, digits, ``-``, ``_``, ``.``), an IPv4 address or ``[IPv6]``.
+it), and in a ``bootstrap_host`` (a worker refuses an IPv6 address without brackets). Whatever
+forms, checks or compares a host goes through here, so that the router, the workers and the
+allow-lists never disagree on how one address is written: :func:`url_host` (a URL's or a
+``bootstrap_host``'s form), :func:`host_port`, :func:`zmq_endpoint`, :func:`allow_host` (the key
+two hosts are compared by; an IPv4-mapped address as the IPv4 address it maps) and
+:func:`check_host` (a host from the network, or ValueError).
 
 A ZMQ socket that binds or connects over TCP also needs ``zmq.IPV6`` set, or libzmq resolves IPv4
 only: each socket's owner sets it (``disagg/control``, ``disagg/transfer/tcp.py``).

@@ -3,17 +3,9 @@
 The workers are found through routers (``--router URL``: their ``GET /workers``) and/or named
 (``--worker URL``). Every ``--interval`` seconds each worker is asked, at once and each within
 :data:`ASK_TIMEOUT_S`, for ``/metrics`` and ``/debug/requests`` (neither waits on its engine
-loop), and the screen shows:
-
-- per worker: its role and health (the router's view, and ``/health`` through the engine loop's
-  age), requests by state, late ones, KV usage (pages held by requests / total, the prefix
-  cache's reclaimable pages, quarantined ones), peers (live, lost) and how long each live one
-  has been silent (the most silent first), the outcome rates since the previous poll (finished
-  and each failure reason per second), and the engine loop's age;
-- the oldest live requests of all workers: worker, rid, room, state, age, time in the state,
-  time left before its deadline, peer; a request past half its deadline (``late``) in red.
-
-``--once`` prints one frame and exits (for scripts); otherwise the view refreshes until Ctrl-C.
+loop), and the screen shows per worker its role, health, requests by state, KV usage, peers,
+outcome rates and engine-loop age, and the oldest live requests of all workers (one past half its
+deadline in red). ``--once`` prints one frame and exits; otherwise the view refreshes until Ctrl-C.
 
 On a keyed deployment top sends the operators' key (``--admin-api-key``, ``--admin-api-key-file``
 or ``$SPLITSERVE_ADMIN_API_KEY``) to the routers and the workers alike: it opens ``/workers``,
