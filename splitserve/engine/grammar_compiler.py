@@ -6,19 +6,15 @@ A :class:`GrammarSpec` (checked at the edge by ``engine/grammar.py``) is compile
 (:data:`LIMITS`), its queue bounded (:data:`MAX_QUEUED_COMPILES`). One time limit
 (:data:`COMPILE_TIMEOUT_S`) covers all a request waits for its grammar, compilation and matcher
 both: past it the request is refused, never served late. The text is cached (bounded in entries
-and in bytes); a refusal — the grammar engine's words, a limit it hit, a compilation past the
-time limit or too costly, or a matcher too costly to build per request — is remembered by the spec's hash (bounded), so the same schema is refused at
-once next time.
+and in bytes); a refusal is remembered by the spec's hash (bounded), so the same schema is
+refused at once next time.
 
-Each request gets a :class:`Grammar` of its own: a fresh llguidance matcher built from the
-cached text, on threads shared fairly between grammars (``engine/grammar_queue.py``: one
-grammar's requests hold one thread at a time and take one turn in each round), its cost bounded
-at compilation (:data:`MATCHER_CPU_S`). A matcher's lexer grows as tokens are matched and every copy of a
-matcher shares its lexer, so a matcher shared by requests would grow with traffic until its
-limit and then fail every request with that grammar. A request's choices (``n``) copy the
-request's own matcher: its lexer grows with that request's tokens alone, up to
-:data:`LEXER_STATES`, and a request that reaches a limit fails alone (a 400 naming the limit).
-See ``docs/structured_outputs.md``.
+Each request gets a :class:`Grammar` of its own: a fresh llguidance matcher built from the cached
+text (its lexer grows with that request's tokens alone, up to :data:`LEXER_STATES`; why not a
+shared one: ``docs/structured_outputs.md``), on threads shared fairly between grammars
+(``engine/grammar_queue.py``), its cost bounded at compilation (:data:`MATCHER_CPU_S`). A
+request's choices (``n``) copy the request's own matcher; a request that reaches a limit fails
+alone (a 400 naming the limit).
 """
 
 from __future__ import annotations

@@ -2,23 +2,18 @@
 
 A :class:`Peer` is one *session* with one *incarnation* of a worker: its stable name (address or
 transfer-agent name), the incarnation id it drew at start, and the session number of the
-connection. A worker restarted on the same address is a new peer (docs/design.md §3); so is the same
-worker reached over a new session after the last one was declared lost (a healed partition).
+connection. A worker restarted on the same address is a new peer; so is the same worker reached
+over a new session after the last one was declared lost (a healed partition).
 
 The :class:`PeerTable` tracks the peers that rooms are bound to. Any sign of life refreshes
 ``last_heard``; a peer silent for ``heartbeat_misses`` intervals is declared lost by
 :meth:`PeerTable.expire` and the room table fails every room bound to it. A *fresh* sign of life
-(the answer to our own heartbeat, so certainly from the process running now) from a new
-incarnation of a name declares the older incarnations of that name lost at once. Only decode
-gives fresh signs: there a name is the prefill's address, which one process at a time can hold.
-A decode's name is only what it advertises — two decodes may advertise one address — so prefill
-never judges a decode by its name. A control
-message is not fresh: one from a dead incarnation may still sit in the inbox, and must never get a
-live peer declared lost.
-
-A lost peer is remembered for the tombstone lifetime, so that a late message from it is rejected,
-never acted on ("a failed peer is never silently recomputed against"). Peers with no rooms are not
-tracked: there is nothing of theirs to fail.
+(the answer to our own heartbeat) from a new incarnation of a name declares the older
+incarnations of that name lost at once; only decode gives fresh signs (a prefill's address is
+held by one process at a time, a decode's advertised name is not), and a control message is never
+fresh (one from a dead incarnation may still sit in the inbox). A lost peer is remembered for the
+tombstone lifetime, so that a late message from it is rejected, never acted on. Peers with no
+rooms are not tracked: there is nothing of theirs to fail. See ``docs/lifecycle.md``.
 """
 
 from __future__ import annotations

@@ -8,17 +8,12 @@ States, in order::
     TRANSFERRING   forward done, waiting for the last write                  (transfer_s(bytes))
     FINISHED(transferred) | ABORTED | FAILED(reason)
 
-A registration may come before the request (the router sends to both workers at once): it waits
-as a *pending registration* for ``pending_registration_s``; if the request never comes, decode is
-told and the room id is tombstoned so a very late request is refused.
-
-The KV leaves in writes, one per finished chunk plus one at the end. The room finishes when every
-write has completed: it then sends ``KVDone`` (first token, prompt length) and frees its pages.
-A room that ends any other way tells decode (``RoomFailed``), asks for its writes to be cancelled,
-and stays *held* until every write has settled: only then are its source pages freed and decode
-told ``WritesSettled`` (decode keeps its pages quarantined until it hears that). A write that does
-not settle within ``write_drain_s`` cannot be vouched for (tearing our side down does not stop
-bytes on the wire): the decode session is declared lost instead, so that decode fences it.
+A registration may come before the request: it waits as a *pending registration* for
+``pending_registration_s``, then decode is told and the room id tombstoned. The room finishes when
+every write has completed (``KVDone``, then its pages freed). A room that ends any other way tells
+decode (``RoomFailed``), asks for its writes to be cancelled, and stays *held* until every write
+has settled (then ``WritesSettled``); one whose writes do not settle within ``write_drain_s`` gets
+its decode session declared lost, so that decode fences it. Why each rule: ``docs/lifecycle.md``.
 """
 
 from __future__ import annotations
