@@ -7,18 +7,10 @@ backend, the forward pass and the HTTP wire. Clients, faults and every random ch
 one seed, invariants are checked while it runs, and ``python -m splitserve.sim --seed N`` replays
 a seed exactly.
 
-| module | what |
-|---|---|
-| ``clock.py`` | the virtual-time asyncio loop, random streams per name |
-| ``model.py`` | the fake forward pass, byte tokenizer |
-| ``network.py`` | links, partitions, the control plane's simulated sockets |
-| ``transfer.py`` | the simulated transfer network behind the fake backend |
-| ``http.py`` | the router's simulated session, requests for the real handlers |
-| ``cluster.py`` | worker processes and the router on the loop; kills, restarts, wedges |
-| ``scenario.py`` | what a seed runs: settings, load, faults |
-| ``workload.py`` | the clients and their endings |
-| ``invariants.py`` | what must hold |
-| ``losses.py`` | a decode lost mid-answer, and what its requests must end with |
-| ``run.py`` | one seed, start to end |
-| ``__main__.py`` | the command line |
+Modules: ``clock.py`` (the virtual-time loop, random streams by name), ``model.py`` (the forward
+pass, byte tokenizer), ``network.py`` (links, partitions, simulated sockets), ``transfer.py`` (the
+transfer network), ``http.py`` (the router's session, requests for the real handlers),
+``cluster.py`` (the processes on the loop; kills, restarts, wedges), ``scenario.py`` (what a seed
+runs), ``workload.py`` (the clients), ``invariants.py`` (what must hold), ``losses.py`` (a decode
+lost mid-answer), ``run.py`` (one seed), ``__main__.py`` (the command line).
 """

@@ -1,21 +1,17 @@
 """The simulated forward pass: deterministic tokens, KV that says whose it is, a cost in time.
 
-The engine around it is the real :class:`~splitserve.engine.engine.LLMEngine` — scheduler,
-page allocator, sequences, sampler, detokenizer — built from :func:`fake_parts` instead of a
-checkpoint. Only ``runner.run(batch)`` is fake:
+The engine around it is the real :class:`~splitserve.engine.engine.LLMEngine` built from
+:func:`fake_parts` instead of a checkpoint. Only ``runner.run(batch)`` is fake:
 
-- **KV**: every token a step computes writes its slot of the real KV pool — the key is a hash of
-  the sequence's tokens up to it (:func:`chain`: computed from the previous slot's key, read from
-  the pool, and the token), the value its position — so a slot says which tokens it is the KV of,
-  whichever room computed it (the prefix cache shares pages between rooms), and the simulator
-  checks every write that lands and every prompt decode starts from against the tokens of the room
-  that owns the page (``invariants.py``);
+- **KV**: every token a step computes writes its slot of the real KV pool — the key a hash of the
+  sequence's tokens up to it (:func:`chain`), the value its position — so a slot says which tokens
+  it is the KV of, whichever room computed it, and the simulator checks every write that lands and
+  every prompt decode starts from against the tokens of the room that owns the page
+  (``invariants.py``);
 - **tokens**: the logits of each sampling sequence peak at one token, a function of the key of its
-  last slot (printable bytes, now and then the end of sequence): the answer depends on the KV, so
-  KV that is not the prompt's gives another text (checked against :func:`reference_text`'s); the
-  real sampler picks it;
-- **time**: ``cost_s`` of the last step, proportional to its tokens; the simulated engine loop
-  begins its next iteration only that much later (``cluster.py``).
+  last slot: the answer depends on the KV, so KV that is not the prompt's gives another text
+  (checked against :func:`reference_text`'s); the real sampler picks it;
+- **time**: ``cost_s`` of the last step, proportional to its tokens (``cluster.py`` waits it).
 
 The tokenizer is byte-level (:class:`ByteTokenizer`): token i < 256 is byte i.
 """

@@ -2,16 +2,11 @@
 with ``network=``), and how they go wrong.
 
 A write (``FakeBackend.write`` on a prefill, to a decode's receiving link) takes a copy of its
-source bytes at once (the NIC has read them) and is then, by the seed:
-
-- **landed**: after a delay its bytes are copied into the target pool and its notification
-  queued there; the writer polls DONE one ack later;
-- **refused**: it polls FAILED with nothing landed (``may_land`` false);
-- **cut in flight**: it polls FAILED with ``may_land``, and its bytes may still land later;
-- **stalled**: it stays PENDING; if the writer gives up (releases or resets it) its bytes may
-  still land, at any later moment;
-- held by a **partition** between the two hosts until it heals, then landed;
-- its **notification lost** (the bytes land, the notification does not).
+source bytes at once (the NIC has read them) and is then, by the seed: **landed** after a delay
+(bytes into the target pool, notification queued; DONE one ack later); **refused** (FAILED,
+nothing landed); **cut in flight** (FAILED with ``may_land``: its bytes may land later);
+**stalled** (PENDING; if its writer gives up, its bytes may still land at any later moment); held
+by a **partition** until it heals, then landed; or landed with its **notification lost**.
 
 Whatever its writer did meanwhile, a write lands only while its target link is open: closing
 the link (``FakeBackend.close``: decode's fence, or the process dying) is the only thing that
