@@ -2,24 +2,19 @@
 
 A **session** is one socket (identity ``name#incarnation#session``, the session number unique in
 this process), one bootstrap-info fetch, one incarnation of the prefill and one receiving link
-(``transfer/links.py``). In order:
-
-1. ``connect``: a new socket; ``GetInfo`` until the ``Info`` comes (every ``INFO_RETRY_S``);
-2. the info: incompatible — the waiting rooms get it with the mismatch (they fail naming the
-   field); compatible — a receiving link is opened for this session and ``RegisterPeer`` sent
-   (again every ``INFO_RETRY_S`` until ``PeerRegistered``). A link that cannot be opened fails the
-   waiting rooms at once (``LocalFailure``, naming why) and ends the session;
-3. ``PeerRegistered``: the session is **ready**; waiting rooms get ``PeerInfo`` and register. A room
-   is never handed a session whose link prefill does not hold (prefill would drop its
-   registrations).
+(``transfer/links.py``). In order: ``connect`` (a new socket; ``GetInfo`` every ``INFO_RETRY_S``
+until ``Info`` comes); the info (incompatible: the waiting rooms fail naming the field;
+compatible: a receiving link is opened and ``RegisterPeer`` sent until answered; a link that
+cannot be opened fails the waiting rooms at once and ends the session); ``PeerRegistered`` (the
+session is **ready**: waiting rooms get ``PeerInfo`` and register; a room is never handed a
+session whose link prefill does not hold).
 
 A session ends — its socket and link closed, and the next room for that address opens a new one —
-when the engine loop declares it lost (``forget``; only that exact session, never another one of
-the same address), when its link registration goes unanswered or its prefill silent for the
-peer-silence bound (``PeerLost`` is posted), and when a heartbeat answer shows another incarnation
-on its address (the prefill restarted: the old incarnation's session ends with ``PeerLost`` and a
-new session meets the new one). Every per-peer structure is bounded: sessions by silence (and at
-most ``MAX_PREFILLS`` addresses at a time), waiting rooms by their deadline.
+when the engine loop declares it lost (``forget``: only that exact session), when its link
+registration goes unanswered or its prefill is silent for the peer-silence bound (``PeerLost``),
+and when a heartbeat answer shows another incarnation on its address (the prefill restarted).
+Every per-peer structure is bounded: sessions by silence (and at most ``MAX_PREFILLS`` addresses
+at a time), waiting rooms by their deadline.
 """
 
 from __future__ import annotations

@@ -5,21 +5,15 @@ A write does nothing until it is polled: after ``polls_to_complete`` polls (defa
 its spans straight into the target agent's buffer, queues the notification there and is DONE.
 A target that has closed meanwhile makes it FAILED(peer_lost).
 
-Hooks let lifecycle tests strike mid-transfer:
-
-* ``stall_next(n)`` / ``fail_next(reason, n)``: the next n writes never complete / fail on poll
-  (delivering nothing: refused);
-* ``stall(handle)`` / ``fail(handle, reason)`` / ``complete(handle)``: act on one write in flight
-  (``fail``: cut in flight, its bytes may still land);
-* ``land(handle)``: deliver a write's bytes and notification now, even if it was released, to
-  model a late write landing after the writer gave up (what quarantine guards against).
+Hooks let lifecycle tests strike mid-transfer: ``stall_next(n)`` / ``fail_next(reason, n)`` (the
+next n writes never complete / are refused), ``stall(handle)`` / ``fail(handle, reason)`` (cut in
+flight: its bytes may still land) / ``complete(handle)``, and ``land(handle)`` (a late write landing
+after the writer gave up: what quarantine guards against).
 
 With ``network=`` (the simulator's, ``splitserve/sim/transfer.py``) the agents live in that
-network's own registry (``network.agents``), and a write is handed to it (``network.start(self,
-handle)``): the network lands it when it decides (its bytes into the target's ``buffer``, its
-notification by ``queue_notification``) and sets the handle's state; ``poll`` asks the network
-(``network.poll(self, handle)``). A released or failed write may still be landed later by the network —
-until its target is ``closed`` (``close``, or ``die`` with its process), which is the fence.
+network's registry and a write is handed to it (``network.start``): the network lands it when it
+decides and sets the handle's state, and ``poll`` asks it. A released or failed write may still be
+landed later — until its target is ``closed`` (``close``, or ``die`` with its process): the fence.
 """
 
 from __future__ import annotations
