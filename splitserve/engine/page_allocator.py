@@ -3,27 +3,17 @@ account at every moment (``free + cached + owned = total``).
 
 - **free**: in no one's hands; ``allocate`` takes them.
 - **owned**: held by a sequence or a room (several at once for a shared cached page: its
-  reference count). A disaggregated role may hold some of its owned pages *quarantined* (a remote
-  write may still land in them); the allocator counts them as owned.
-- **cached**: a full page whose KV stays indexed for reuse with no owner left. It is evictable: an
-  allocation that finds too few free pages evicts the least recently used, so a full cache never
-  makes anyone wait (``num_available`` counts free and cached alike).
+  reference count); quarantined pages of a disaggregated role count as owned.
+- **cached**: a full page whose KV stays indexed for reuse with no owner left; evictable (least
+  recently used first), so a full cache never makes anyone wait.
 
-The prefix cache. A full page of a sequence whose KV has been computed is indexed by a key that
-chains its tokens with every page before it and the request's ``cache_salt`` (:func:`page_keys`:
-BLAKE2b over the previous key and the page's token ids), so one key means the same tokens at the
-same positions after the same prefix, and tenants with different salts share nothing. A new
-sequence takes the longest run of its prompt's pages found in the index (``match``: one more
-reference each) and computes only the rest. A cached page is read-only: nothing is ever written
-into it (the last token of a prompt is always computed, into a page of its own), and a
-disaggregated decode never lets a remote write target one.
-
-Allocation prefers contiguous runs of page ids, because a contiguous run of pages is one
-contiguous span of the page-major pool and so one transfer descriptor (``kv_pool.py``). A sequence
-that grows asks for pages right after its last one first.
-
-Pages are released exactly once per reference: releasing a page that is free, or a cached page no
-one references, is a bug in the caller and raises at once instead of corrupting the account.
+A full computed page is indexed by a key chaining its tokens with every page before it and the
+request's ``cache_salt`` (:func:`page_keys`; ``docs/prefix_cache.md``). A new sequence takes the
+longest run of its prompt's pages found in the index (``match``) and computes only the rest. A
+cached page is read-only: nothing is ever written into it, and a disaggregated decode never lets a
+remote write target one. Allocation prefers contiguous runs of page ids (one transfer descriptor
+per run, ``kv_pool.py``). Pages are released exactly once per reference: releasing a page that is
+free, or a cached page no one references, raises at once instead of corrupting the account.
 """
 
 from __future__ import annotations

@@ -11,19 +11,11 @@ Decode side, one room (``decode_table.py``)::
     AWAITING_KV -> [RECLAIMING ->] PREFILLING -> DECODING    (its KV lost: recomputed)
 
 Every allowed move, and the deadline of each live state, is declared once per role in
-``transitions.py``; the tables check each move against it.
-
-The engine loop owns one table per role (``PrefillTable`` or ``DecodeTable``) and, each iteration:
-
-    for event in inbox.drain():                  # posted by HTTP, ZMQ listener, transfer thread, engine
-        execute(table.handle(event, now))
-    execute(table.expire(now))                   # deadlines, silent peers, held rooms, tombstones
-
-where ``execute`` carries out the returned actions in order (send a control message, start a
-write, free or quarantine pages, answer the client, log and count the end). Nothing in this
-package reads a clock, sleeps, locks or does I/O: ``now`` is an argument, so tests drive every
-order of events with a fake clock. The rules it enforces (docs/design.md §2) and the tests that prove each
-are listed in ``docs/lifecycle.md``.
+``transitions.py``; the tables check each move against it. The engine loop owns one table per role
+and each iteration hands it the inbox's events (``table.handle(event, now)``) and the time
+(``table.expire(now)``), carrying out the actions returned. Nothing in this package reads a clock,
+sleeps, locks or does I/O: ``now`` is an argument, so tests drive every order of events with a
+fake clock. The rules and the tests that prove each: ``docs/lifecycle.md``.
 """
 
 from splitserve.disagg.lifecycle.actions import (

@@ -3,26 +3,20 @@
 The engine loop never touches the backend. It hands commands to this thread (``submit``, a queue
 put) and gets events back in its inbox: ``WriteDone`` / ``WriteFailed`` for every write it
 started (prefill, the writer: ``backend``), and ``KVNotification`` for every notification that
-arrives on a receiving link (decode: ``links``; the ``KVDone`` that travels with a room's last
-write). The thread also keeps the receiving side of NIXL progressing by calling
-``notifications()`` every ``BUSY_POLL_S`` while something is due: a write or notification in
-flight, or a room whose pages are open to a writer (``ReceiveLinks.expecting``). With nothing due
-it sleeps until a command comes (``wake()`` is one), at most ``IDLE_POLL_S``: a worker that serves
-only requests decoded alone would otherwise wake hundreds of times a second for nothing, taking
-the GIL from the engine thread each time.
+arrives on a receiving link (decode: ``links``). The thread calls ``notifications()`` every
+``BUSY_POLL_S`` while something is due (a write or notification in flight, a room whose pages are
+open to a writer); with nothing due it sleeps until a command comes, at most ``IDLE_POLL_S``, so
+an idle worker does not take the GIL from the engine thread hundreds of times a second.
 
-Supervised (rule 8): if an iteration raises, every write in flight is reported failed (so its room
-ends instead of waiting forever) after its session is declared lost (its bytes may still land, so
-prefill must not vouch for them), the exception is logged and counted, and the loop goes on. The
-same for a write that polls FAILED with ``may_land`` (handed to the network, not proved stopped —
-a NIXL error after posting, a tcp write whose connection broke): its session is declared lost
-first, so that prefill never tells decode ``WritesSettled`` for it and decode fences it.
+Supervised (rule 8): if an iteration raises, or a write polls FAILED with ``may_land`` (its bytes
+may still land), its session is declared lost first — so that prefill never tells decode
+``WritesSettled`` for it and decode fences it — then every affected write is reported failed and
+the loop goes on.
 
-Fault injection (off unless configured, read once at start): ``stall_writes`` keeps every new
-write pending until released (to strike "mid-transfer" for real), ``stall_writes_after=N`` lets
-each room's first N writes land and stalls the rest (some chunks written), ``fail_writes`` fails them,
-``notify_drop=P`` drops that fraction of notifications (a ``KVDone`` lost on its way),
-``hang_transfer`` blocks the thread for good once a write is in flight.
+Fault injection (off unless configured, read once at start): ``stall_writes``,
+``stall_writes_after=N`` (each room's first N writes land), ``fail_writes``, ``notify_drop=P``
+(that fraction of notifications dropped) and ``hang_transfer`` (the thread blocks for good once a
+write is in flight).
 """
 
 from __future__ import annotations
