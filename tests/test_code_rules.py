@@ -141,7 +141,6 @@ LONG_DOCSTRINGS_LEFT = {
     "splitserve/server/role_switch.py",
     "splitserve/server/tool_calls.py",
     "splitserve/sim/cluster.py",
-    "splitserve/sim/http.py",
     "splitserve/sim/invariants.py",
     "splitserve/testing/tiny.py",
 }

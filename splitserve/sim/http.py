@@ -1,25 +1,17 @@
 """Simulated HTTP: the router's client session to the workers, and the requests the real aiohttp
 handlers are called with, on both sides.
 
-The handlers are the real ones: the router's ``forward`` (``router/proxy.py``, with its legs,
-streams and bounded client writes) and the worker's ``serve_generation``, ``/health`` and
-``/v1/models`` (``server/``). What is simulated is the wire between them:
-
-- :class:`Session` stands for the router's ``aiohttp.ClientSession``: ``post`` / ``get`` connect
-  to the worker at the URL's address (refused when none is up there), start the worker's handler
-  on a :func:`request` of its own, and resolve with a :class:`Response` when the handler sends its
-  headers; the body follows chunk by chunk, each after the link's latency;
-- closing a response before its end (the router aborting a leg) closes the connection: the
-  worker's transport says it is closing and its handler is cancelled, as aiohttp does with
-  ``handler_cancellation``;
-- a worker killed with connections open breaks them: the router reads
-  ``ServerDisconnectedError`` (or a payload error mid-body);
-- :func:`serve` is what aiohttp's server does with one request: the app's own handler (its
-  routing, middlewares and signals), then the answer sent; :func:`findings` is a middleware put
-  innermost that reports an exception escaping a handler (the app's middleware answers it 500,
-  as in production; here it is also a finding);
-- :class:`Sink` is what a handler writes its response into (aiohttp's payload writer): a worker's
-  goes back over the wire to the router, a client's is what the client saw.
+The handlers are the real ones: the router's ``forward`` (``router/proxy.py``) and the worker's
+``serve_generation``, ``/health`` and ``/v1/models`` (``server/``). What is simulated is the wire
+between them: :class:`Session` stands for the router's ``aiohttp.ClientSession`` (``post`` /
+``get`` start the worker's handler on a :func:`request` of its own and resolve with a
+:class:`Response` when it sends its headers; the body follows chunk by chunk, each after the
+link's latency); closing a response early closes the connection and cancels the worker's handler,
+as aiohttp's ``handler_cancellation`` does; a killed worker's connections break
+(``ServerDisconnectedError``, or a payload error mid-body). :func:`serve` is what aiohttp's server
+does with one request (the app's own handler, then the answer sent); :func:`findings` is an
+innermost middleware that reports an exception escaping a handler; :class:`Sink` is what a handler
+writes its response into.
 
 HTTP is reliable here apart from kills: the seed's partitions cut the control and transfer
 links between workers, not the router's connections.
