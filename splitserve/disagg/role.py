@@ -7,22 +7,15 @@ the table returns. **The table decides**; the role only translates between the t
 engine, the transfer thread and the control thread.
 
 One record per room (:class:`RoomRecord`): the request, the engine's sequence once there is one,
-and the room's pages. Every other structure is derived from the records: the rid index, decode's
-page queue (rooms, each checked against its record when it reaches the head), the quarantined
-page count (kept as records enter and leave quarantine), the gauges. A record lives from the
-request's arrival until it is answered, holds no page *and* has no sequence in the engine (a
-preempted one holds none but takes some again); pages have one owner at a time — the allocator's
-free list, the room's record, or (decoding) the room's sequence.
+and the room's pages; every other structure (the rid index, decode's page queue, the quarantined
+page count, the gauges) is derived from the records. A record lives until its request is
+answered, holds no page *and* has no sequence in the engine; a page has one owner at a time.
 
 Carrying out actions (:meth:`DisaggRole._execute`) never stops half way: an action that raises is
-logged and counted, its room is failed *through the table* (``LocalFailure(internal_error)``,
-whose actions — the client's answer, freeing or quarantining the pages — run next), and the rest
-of the list still runs. What a session's end leaves for the threads (the control thread forgets
-it; prefill's transfer thread drops its connection) is a hand-over that must happen: one that
-raises is owed and tried again at every tick (``handovers.py``). Fields a peer sends
-are checked against what this worker knows before they reach the engine (the table checks a
-``KVDone``'s length and first token; the engine refuses anything else it cannot hold, changing
-nothing), so a bad peer fails its room, never the worker.
+logged and counted, its room is failed *through the table* (``LocalFailure(internal_error)``),
+and the rest of the list still runs. A hand-over a session's end leaves for the threads is owed
+until it succeeds (``handovers.py``). Fields a peer sends are checked against what this worker
+knows before they reach the engine, so a bad peer fails its room, never the worker.
 """
 
 from __future__ import annotations

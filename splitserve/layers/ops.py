@@ -7,15 +7,11 @@ switched off (``layers/kernels.py``), else the reference. Shapes::
 
     add_rms_norm(x [T, N] | None, residual [T, N], norm) -> (RMSNorm(residual + x) [T, N], residual + x)
     rope_tables(cos, sin [T, D/2] float32, dtype)        -> whatever rope_store takes, built once per step
-    rope_store(qkv [T, (H + 2 Hkv) D], tables, H, Hkv, kv_layer, meta)
-        rotates the q and k heads of qkv in place, then writes k and v into their pool slots
+    rope_store(qkv [T, (H + 2 Hkv) D], tables, H, Hkv, kv_layer, meta)  rotates q, k in place; stores k, v
     decode_attention(q [B, H, D], kv_layer, meta, scale) -> [B, H, D]   (the decode rows)
     prefill_attention(q [n, H, D], k, v [n, Hkv, D], kv_layer, s, scale) -> [n, H, D]   (one chunk)
     silu_mul(gate_up [T, 2I]) -> silu(gate) * up [T, I]                (the SwiGLU gate)
-    linear                                                              None, or linear(x, weight, bias)
-        for dense float32 weights (TorchOps: None, F.linear); the tied logits head's
-    pack_linear, linear_packed      None, or pack(weight) -> packed once and linear_packed(x, packed,
-        N, bias): the projections' float32 weights (faster on many rows; the same bits per row)
+    linear, pack_linear, linear_packed     None, or the float32 matmuls (dense; packed once per weight)
 
 ``kv_layer``: [num_pages, 2, page_size, Hkv, D], one layer of the pool (``engine/kv_pool.py``); an
 int8 pool's rows are ``D + 4`` bytes, the scale after the values (``layers/kv_int8.py``): both

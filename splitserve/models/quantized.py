@@ -1,26 +1,22 @@
 """What ``--quantization`` does to each weight of a checkpoint: kept as raw blocks, quantized at
 load, or expanded to the compute dtype.
 
-A converted GGUF folder (``gguf.py``) keeps the tensors of ``layers/quant.TYPES`` as their raw
-blocks (uint8 [N, bytes per row] in the safetensors) and lists them in ``quantized.json``
-(``{"tensors": {name: {"type": "Q4_1", "shape": [N, K]}}}``); every other tensor is a plain one.
-The modes, for the layers a model declares quantizable (its projections, the token embedding and
-the logits head: ``LlamaForCausalLM.quantizable``):
+A converted GGUF folder (``gguf.py``) keeps the tensors of ``layers/quant.TYPES`` as raw blocks,
+listed in ``quantized.json``. The modes, for the layers a model declares quantizable (projections,
+token embedding, logits head: ``LlamaForCausalLM.quantizable``):
 
-- ``none``: every weight expanded (dequantized exactly, as the ``gguf`` library does) to the
-  compute dtype;
+- ``none``: every weight expanded (dequantized exactly) to the compute dtype;
 - ``auto``: a tensor of a type the kernels run (Q8_0, Q4_0, Q4_1, Q4_K) stays as it is, the rest
-  is expanded (other GGUF types: Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K; a float checkpoint stays float);
-- ``int8``: every one in Q8_0 (a Q8_0 tensor kept, any other quantized from its float values, a
-  GGUF tensor of another type from its dequantized values);
+  is expanded (a float checkpoint stays float);
+- ``int8``: every one in Q8_0 (kept, or quantized from its float or dequantized values);
 - ``int4``: the projections in 4 bits (Q4_0, Q4_1, Q4_K kept, the rest quantized to Q4_1), the
-  embedding and the head in 8 (Q8_0; one of the four kernel types kept as it is): the logits are
-  the layer 4 bits would hurt most. Group size 32 (the types' block).
+  embedding and the head in Q8_0 (one of the kernels' types kept as it is): the logits are the
+  layer 4 bits would hurt most. Group size 32.
 
 One layer holds one type: a merged projection (q|k|v, gate|up) whose parts would end up in
-different types is expanded whole under ``auto``, and quantized whole from its float values in the
-mode's own type (Q8_0, Q4_1) under ``int8``/``int4``. Without the compiled kernels (``layers/kernels.py``: no
-compiler, or ``SPLITSERVE_KERNELS=0``) ``auto`` expands everything and ``int8``/``int4`` are refused.
+different types is expanded whole under ``auto``, and quantized whole in the mode's own type under
+``int8``/``int4``. Without the compiled kernels (``layers/kernels.py``) ``auto`` expands everything
+and ``int8``/``int4`` are refused.
 """
 
 from __future__ import annotations
