@@ -8,23 +8,14 @@ The model runner flattens every scheduled sequence's new tokens into one batch o
     k, v:         [T, num_kv_heads, head_dim]     their keys and values, written to the pool first
     kv_layer:     [num_pages, 2, page_size, num_kv_heads, head_dim]   one layer of the pool (2 = k, v)
 
-A new token at absolute position p attends to keys 0..p (causal); a sequence's new tokens are the
-last ``q_len`` of its ``kv_len`` tokens. Two kinds of sequence, each on its own path:
-
-* **decode** (``q_len == 1``): one query row each. All of them attend in one call, through a
-  block table [B, max_pages] of their pages (padded; an additive mask hides the padding).
-* **prefill** (``q_len > 1``): one call each. In PyTorch (``prefill_attention``) one SDPA: a
-  prompt computed from its start attends to its own new keys/values (causal, nothing read back
-  from the pool); a later chunk, or a recomputed sequence, reads its earlier keys from its pages.
-  The compiled kernel reads every key from the pages, each row exactly as a decode row at its
-  position would (``cpu_kernels.cpp``: the same logits however a prompt is chunked; SDPA's are
-  not: its blocked softmax sums in another order than a decode row's, ~1e-6 apart in float32).
-
-Grouped-query attention goes through SDPA's ``enable_gqa`` (no ``repeat_interleave``).
-
-An int8 pool (``--kv-cache-dtype int8``, ``layers/kv_int8.py``) has rows of ``D + 4`` bytes:
-``write_kv`` quantizes, and every read dequantizes what it gathered, the prompt's own new keys
-included (a prompt attends to the keys decode will read, not to the unrounded ones).
+A new token at position p attends to keys 0..p. **Decode** rows (``q_len == 1``) attend in one
+call, through a padded block table [B, max_pages] of their pages. **Prefill** (``q_len > 1``) is
+one SDPA call per sequence: a prompt from its start attends to its own new keys and values, a
+later chunk or a recomputed sequence reads its earlier keys from its pages (the compiled kernel
+reads every key from the pages, each row exactly as a decode row at its position would).
+Grouped-query attention goes through SDPA's ``enable_gqa``. An int8 pool (``layers/kv_int8.py``)
+is quantized by ``write_kv`` and dequantized on every read, the prompt's own new keys included (a
+prompt attends to the keys decode will read).
 """
 
 from __future__ import annotations

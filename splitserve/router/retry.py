@@ -1,30 +1,19 @@
-"""Retries before the commit: which leg failures may be tried again, how often, and how soon.
+"""Retries before the commit: which leg failures may be tried again, how often, and how soon
+(``docs/router.md`` has the reasons and the defaults).
 
 A leg that fails before anything reached the client, in a way that says the worker did not take
 the request, is tried again on *another* worker of that role, with a new bootstrap room
-(``proxy.forward``); :func:`cause` names the failures that qualify:
+(``proxy.forward``); :func:`cause` names the failures that qualify: ``unreachable`` (the
+connection could not be opened in time), ``gone`` (it broke before the answer began to reach the
+client), ``unavailable`` (a 503) and ``overloaded`` (a 429; never back to the worker that shed
+it). Nothing else is retried: another 4xx is the request's own fault, a worker silent past
+``worker_header_timeout_s`` has already cost that bound, and a byte sent commits the answer.
 
-- ``unreachable``: the connection could not be opened (refused, or not within
-  ``worker_connect_timeout_s``);
-- ``gone``: the connection broke before the worker's answer began to reach the client (the
-  worker died, or was killed, with the request in hand);
-- ``unavailable``: the worker answered 503 (starting, draining, its engine loop stalled);
-- ``overloaded``: the worker answered 429 (its queue is full). Like every retry it goes to a
-  different worker, never to the same one: the worker that shed load must not get it back.
-
-Nothing else is retried: a 4xx other than 429 is the request's own fault, a worker that took the
-connection and sent no headers within ``worker_header_timeout_s`` has already cost that bound,
-and once a byte reached the client the answer is committed.
-
-:class:`RetryBudget` keeps retries to a share of the traffic, so that a cluster already failing
-under load is not sent up to ``1 + max_retries`` times as many requests (Linkerd's retry budget
-and gRPC's retry throttling are the precedents): over the last ``retry_budget_window_s`` seconds,
-retries may number at most ``retry_budget_min`` plus ``retry_budget_ratio`` times the requests
-received. The counts are kept in one-second buckets, so its memory is bounded whatever the rate.
-
+:class:`RetryBudget` keeps retries to a share of the traffic: over the last
+``retry_budget_window_s`` seconds, at most ``retry_budget_min`` plus ``retry_budget_ratio`` times
+the requests received, counted in one-second buckets (bounded memory whatever the rate).
 :func:`backoff` is the wait before retry number ``n`` (from 1): ``BACKOFF_BASE_S`` doubled each
-time, at most ``BACKOFF_CAP_S``, times a jitter in [0.5, 1.5), so that the retries of many
-requests failed by one event do not arrive together.
+time, at most ``BACKOFF_CAP_S``, times a jitter in [0.5, 1.5).
 """
 
 from __future__ import annotations

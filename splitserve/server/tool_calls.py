@@ -12,19 +12,9 @@ OpenAI's streaming shape: ``{"content": ...}`` for text outside calls, then per 
 ``{"tool_calls": [{"index", "id", "type": "function", "function": {"name", "arguments": "{"}}]}``
 and argument fragments ``{"tool_calls": [{"index", "function": {"arguments": ...}}]}``. A whole
 answer is the same parser fed everything at once (:func:`parse`), so a streamed answer's deltas
-reassemble to exactly the whole answer's ``tool_calls``.
-
-Rules (as vLLM's ``hermes`` parser and SGLang's ``qwen25`` detector read the format, made
-incremental): a call's JSON must start ``{"name": "<a function of tools>", "arguments": {`` (any
-whitespace between); its ``arguments`` is the object's text as the model wrote it, up to its
-matching ``}`` (strings and escapes respected), not re-serialized. A ``<tool_call>`` whose start
-does not read so (another key order, an unknown name, not JSON) is left in ``content`` as text.
-Whitespace between and after calls is dropped; other text outside calls is ``content``. A call
-cut by ``max_tokens`` keeps the arguments written so far (finish_reason ``length``, as OpenAI).
-What follows a call's arguments up to ``</tool_call>`` is the call's own (its closing ``}``, a key
-after ``arguments``) and is not kept; a call the model never closed ends at the next
-``<tool_call>`` or at the end of the answer, and the text it wrote after the call's object is
-``content`` then: a malformed tail loses none of the model's words.
+reassemble to exactly the whole answer's ``tool_calls``. The rules (as vLLM's ``hermes`` parser
+and SGLang's ``qwen25`` detector read the format, made incremental): ``docs/tools.md``, *The
+format parsed*.
 """
 
 from __future__ import annotations
