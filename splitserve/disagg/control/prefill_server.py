@@ -3,29 +3,20 @@ frames through it.
 
 Sessions, by their full identity (``docs/protocol.md``): a decode *session* registers its
 receiving link (``RegisterPeer``) and is then **registered** here: heartbeated, its room
-messages posted to the engine loop as ``FromPeer``. Nothing here is keyed by name alone — two
-decodes that advertise one address are two peers (their incarnations differ); a decode's session
-n+1 replaces only its own earlier sessions. A session ends when:
-
-- the engine loop declares it lost (``forget``), or
-- it has been silent for the peer-silence bound (``peer_silence_s``): its transfer connection is
-  dropped and ``PeerLost`` posted, so a decode that died idle leaves nothing behind;
-
-an ended session is remembered (``tombstone_s``, and at most ``MAX_ENDED``) and never answered again
-but with ``room_failed(peer_lost)``, so that a decode that still lives ends it too and opens the
-next. A room message from a session that is not registered is dropped and counted; a
-``RegisterRoom`` that keeps coming from one (its ``RegisterPeer`` lost, or never sent) is answered
-``room_failed(peer_lost)`` once it has waited ``peer_silence_s``, so the pair never stays broken.
-
-Every per-peer structure here is bounded: registered sessions by silence, ended ones by time and
-count, unregistered senders by ``MAX_UNREGISTERED``.
+messages posted to the engine loop as ``FromPeer``. Nothing here is keyed by name alone (two
+decodes that advertise one address are two peers); a decode's session n+1 replaces only its own
+earlier sessions. A session ends when the engine loop declares it lost (``forget``) or when it
+has been silent for ``peer_silence_s`` (its transfer connection dropped, ``PeerLost`` posted). An
+ended session is remembered (``tombstone_s``, at most ``MAX_ENDED``) and answered only with
+``room_failed(peer_lost)``. A room message from an unregistered session is dropped and counted; a
+``RegisterRoom`` that keeps coming from one is answered ``room_failed(peer_lost)`` once it has
+waited ``peer_silence_s``, so the pair never stays broken. Every per-peer structure is bounded.
 
 **Session limits** (:class:`SessionLimits`; ``docs/security.md``): a link registration that would
-open a new session is refused — dropped, counted in ``refused`` by why, never answered, so decode
-re-sends it and ends the session at the silence bound — when ``max_sessions`` are registered
-(``limit``), when ``max_per_address`` of them come from its source IP address (``per_address``: the
-address the connection comes from, never the name a sender gives), or when more than ``rate`` new
-sessions a second (bursts of ``2 x rate``) were accepted lately (``rate``).
+open a new session is dropped unanswered and counted in ``refused`` by why — ``limit``
+(``max_sessions`` registered), ``per_address`` (``max_per_address`` from its source IP address,
+never the name a sender gives) or ``rate`` (more than ``rate`` new sessions a second lately,
+bursts of ``2 x rate``); decode re-sends it and ends the session at the silence bound.
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
 """Receiving links: the decode worker's KV pool opened to each writer separately, so that one
 writer can be *fenced* without touching the others.
 
-Why. A write already handed to the transport cannot be recalled by its writer: NIXL's release does
-not stop bytes on the wire, and a network partition can hold them for as long as it lasts, then
-deliver them when the link heals. Only the receiver can make sure nothing more lands: it closes
-its end. A decode worker therefore opens one link (a backend instance of its own, registering the
-same pool tensor) per writer incarnation, and gives that writer the link's metadata
-(``RegisterPeer``). Closing the link is the fence: for NIXL it destroys the UCX worker of that
-link (its sockets close, so bytes still on the wire are refused by the kernel; the writer sees
-``NIXL_ERR_REMOTE_DISCONNECT``); for tcp it stops the link's receiver thread and closes its socket.
-When :meth:`ReceiveLinks.close` returns, nothing written through that link can land any more, and
-the pages it could reach may be reused (docs/design.md, rule 6). ``tests/test_receive_links.py`` shows it
-for each backend with a writer that keeps writing while the link closes.
+A write already handed to the transport cannot be recalled by its writer (a partition may hold its
+bytes and deliver them when it heals): only the receiver can make sure nothing more lands, by
+closing its end. A decode worker therefore opens one link (a backend instance of its own on the
+same pool tensor) per writer incarnation and gives that writer the link's metadata
+(``RegisterPeer``). Closing the link is the fence — for NIXL it destroys the link's UCX worker (the
+writer sees ``NIXL_ERR_REMOTE_DISCONNECT``), for tcp it stops the link's receiver thread — and
+when :meth:`ReceiveLinks.close` returns, nothing written through that link can land any more, so
+the pages it could reach may be reused (``docs/design.md``, rule 6).
 
-Same host. UCX's shared-memory transports (``cma``, ``posix``, ``sysv``, ``xpmem``, ``knem``: the
-``sm`` group) let a writer on the same host copy into our pool from its own process (``cma`` is
-``process_vm_writev``); closing our end does not take that ability away, so a writer that was
-frozen (``SIGSTOP``) when it was declared lost could write once it runs again. Receiving links
-therefore never offer them: unless the operator set ``UCX_TLS`` (then a warning says what the
-choice costs), the decode process runs UCX with ``UCX_TLS=^sm`` before its first link (the
-backend class's ``prepare_receiver``, ``nixl.keep_ucx_off_shared_memory``), and a
-same-host writer goes over TCP like any other (measured here: 1.6 GB/s over loopback against
-5 GB/s over ``cma``, for a 64 MiB write). ``tests/test_receive_links.py`` freezes a same-host
-writer mid-write, closes its link, reuses the pages and lets the writer go on: no byte lands.
+Receiving links never offer UCX's shared-memory transports (a same-host writer would copy from its
+own process, and closing our end would not stop it): unless the operator set ``UCX_TLS`` (then a
+warning says what it costs), decode runs UCX with ``UCX_TLS=^sm`` before its first link (the
+backend class's ``prepare_receiver``, ``nixl.keep_ucx_off_shared_memory``).
 
 Thread-safe: the control thread opens links, the engine loop closes them (synchronously, before it
 reuses a page), the transfer thread polls their notifications.
