@@ -2,30 +2,21 @@
 
 Each sampled token uses one uniform number from a generator seeded by ``mix(seed, position)``, and
 picks the token whose cumulative probability first exceeds it. So a seeded request produces the
-same tokens whatever it is batched with, after a preemption, and on whichever worker it runs
-(prefill samples the first token, decode the rest).
+same tokens whatever it is batched with, after a preemption, and on whichever worker it runs.
 
 Logits that are not finite numbers: a NaN never wins (it counts as ``-inf``), a ``+inf`` wins over
 every finite logit, and a row with no logit above ``-inf`` raises :class:`NoFiniteLogits` (the
-engine fails that request alone). Temperature scales ``logits - max``, which is 0 at the best
-token and never positive: no temperature > 0, however small, overflows it to a NaN, and a
-temperature near 0 is near-greedy.
+engine fails that request alone). Temperature scales ``logits - max`` (no overflow to a NaN).
+Logprobs (:func:`token_logprobs`): the log-softmax of the raw logits, before temperature, top-k,
+top-p and any mask (OpenAI's convention), in float64 rounded to float32 on every worker alike.
 
-Logprobs (:func:`token_logprobs`) are the log-softmax of the raw logits, before temperature,
-top-k, top-p and any mask (OpenAI's convention: they describe the model, not the draw), computed
-in float64 and rounded to float32 so that the value a client reads is the same whichever worker
-computed it (prefill sends the first token's to decode as float32).
-
-Penalties and biases (:func:`adjust_logits`) change the logits a token is sampled from, row by
-row, before temperature, top-k, top-p and any grammar mask, in this order: ``repetition_penalty``
-(SGLang's and vLLM's: the logit of a token of the prompt or the answer so far is divided by it
-when positive, multiplied when negative), then ``frequency_penalty`` times the number of times a
-token is in the answer so far and ``presence_penalty`` once if it is there at all (OpenAI's:
-both count the answer's tokens, not the prompt's), subtracted, then ``logit_bias`` added. The rows
-that ask for none are not touched, and a batch where none asks costs nothing; the others are
-computed together, one scatter over the batch. The answer so far is the sequence's own tokens, so
-a token is adjusted the same on prefill (the first token: no answer yet, only the prompt and the
-bias count), on decode, after a preemption and in a recomputed prompt.
+Penalties and biases (:func:`adjust_logits`) change the logits a token is sampled from, before
+temperature, top-k, top-p and any grammar mask, in this order: ``repetition_penalty`` (SGLang's
+and vLLM's: a positive logit of a token of the prompt or the answer so far divided by it, a
+negative one multiplied), then ``frequency_penalty`` per occurrence in the answer and
+``presence_penalty`` once (OpenAI's: the answer's tokens only), subtracted, then ``logit_bias``
+added (rows that ask for none untouched). The answer so far is the sequence's own tokens, so
+prefill, decode, a preemption and a recompute adjust alike.
 """
 
 from __future__ import annotations

@@ -2,30 +2,21 @@
 until each is healthy, keeps its workers alive, and stops everything cleanly. It runs any list of
 :class:`~splitserve.launch.child.ChildSpec` (tests hand it plain ``python -c`` children).
 
-1. start every child, each in its own session (process group), its stdout and stderr merged into
-   a pipe that a thread per child echoes with a ``[name]`` prefix and keeps the last lines of;
-2. wait until every child with a ``health_url`` answers 200 there (at most ``ready_timeout_s``; on
-   timeout it names the children that are not healthy, with their last lines, and fails). A child
-   that exits before every child is up stops everything: a deployment that never came up is
-   restarted by no one;
-3. print where each child listens and a curl example, then watch. A child marked ``restart`` (a
-   worker) that exits or is killed is started again as the restart policy says (``restart.py``:
-   after a delay that grows with its restarts, in the role its role file names, under the same
-   command line otherwise), with one line saying which, why (exit code or signal), the attempt and
-   the delay; once its budget is used up launch gives up: it names it with its last lines, stops
-   the others and ``run`` returns 1. Any other child that exits does the same at once. SIGINT or
-   SIGTERM stops every child (a restart still waiting is dropped) and ``run`` returns 0.
+Each child runs in its own session (process group), its output echoed with a ``[name]`` prefix and
+its last lines kept. ``run`` waits until every child with a ``health_url`` answers 200 there (at
+most ``ready_timeout_s``; else it names the unhealthy ones with their last lines and fails; a
+child that exits before all are up stops everything), prints where each listens, then watches: a
+child marked ``restart`` (a worker) that exits is started again as ``restart.py``'s policy says,
+with one line saying which, why, the attempt and the delay, until its budget is used up (then the
+others are stopped and ``run`` returns 1); any other child that exits does the same at once.
+SIGINT or SIGTERM stops every child and ``run`` returns 0.
 
-Stopping: SIGTERM to each child's process group, then SIGKILL to the groups still alive after
-``stop_timeout_s`` (a second Ctrl-C or SIGTERM skips the wait). Workers drain on SIGTERM. A child
-marked ``stop_last`` (the etcd of ``--discovery local``) gets its SIGTERM once the others exited.
-A child that exits has its process group killed at once, so nothing it started outlives it.
-
-No orphans, also when launch itself is killed with SIGKILL: every child dies with launch on Linux
-(``child.die_with_parent``); elsewhere only the process groups are used (an orderly exit of launch
-still stops everything; a SIGKILL of launch may leave children). A restart forks while the output
-threads run: the code run between fork and exec (``die_with_parent``) takes no lock and allocates
-nothing, so another thread holding one cannot stall it.
+Stopping: SIGTERM to each child's process group, then SIGKILL to those still alive after
+``stop_timeout_s`` (a second Ctrl-C skips the wait); a ``stop_last`` child (the etcd of
+``--discovery local``) is stopped once the others exited. A child that exits has its group killed
+at once. On Linux every child dies with launch even when launch is killed with SIGKILL
+(``child.die_with_parent``, which takes no lock and allocates nothing between fork and exec, as
+the output threads run); elsewhere a SIGKILL of launch may leave children.
 """
 
 from __future__ import annotations

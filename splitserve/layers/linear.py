@@ -2,30 +2,21 @@
 
 ``MergedLinear`` stacks several projections of the same input along the output dim (q|k|v,
 gate|up), so a layer does one matmul where the checkpoint stores several matrices; each part is
-loaded from its own checkpoint tensor into the view ``part(name, kind)``.
-
-Tensor parallelism (docs/design.md §5, coming later) is not built. When it is, these loaders are where a rank takes its
-slice: output-dim parts (q, k, v, gate, up) split by rows, ``o_proj``/``down_proj`` by columns
-followed by an all-reduce. Nothing else in the models needs to change.
+loaded from its own checkpoint tensor into the view ``part(name, kind)``. These loaders are where
+a tensor-parallel rank would take its slice (``docs/design.md``; not built).
 
 Quantized weights (``layers/quant.py``): a layer told ``expect_quantized(kind)`` before loading
-(the loader decides which, ``models/quantized.py``) makes no dense weight, collects its parts' raw
-blocks (``stage_part``) and packs them as one ``QuantWeight`` (``finish_quantized``).
+(``models/quantized.py`` decides) makes no dense weight, collects its parts' raw blocks
+(``stage_part``) and packs them as one ``QuantWeight`` (``finish_quantized``).
 
-Dense float32 weights on CPU run through the compiled kernels where they are built: the model's
-``set_ops`` repacks each projection once into panels of 16 output columns (``Linear.pack_f32``,
-the dense weight dropped) for ``linear_f32_packed``, which, unlike BLAS, gives a row the same bits
-whatever the batch, at BLAS's speed on prompt chunks (``matmul_kernels.cpp``).
-
-Packed weights (bfloat16 on CPU): ``Linear.pack`` swaps the dense weight for oneDNN's packed
-(blocked) copy, which every call then uses as is. The plain ``F.linear`` on a bfloat16 weight
-reorders it into that layout on every call: packing once makes the decoder's matmuls ~1.3-2x
-faster on this CPU (``bench/engine.py``); the results are the same bits.
+Dense float32 weights on CPU: ``Linear.pack_f32`` repacks each projection once into panels of 16
+output columns for ``linear_f32_packed`` (``matmul_kernels.cpp``), which gives a row the same bits
+whatever the batch. bfloat16 weights on CPU: ``Linear.pack`` swaps the dense weight for oneDNN's
+packed copy once, instead of the reorder ``F.linear`` does on every call (the same bits, faster).
 
 ``shared_tensors`` names the tensors a layer's weight is held in once loaded and packed, so that
 ``models/packed_file.py`` can point them at one file all of a host's workers map (oneDNN's packed
-copy is opaque: it cannot be mapped and stays private); ``shared_shapes`` says what a layer just
-made needs of such a file to run, and ``attach_shared`` takes it from there instead of loading.
+copy stays private); ``shared_shapes`` and ``attach_shared`` take a weight from such a file.
 """
 
 from __future__ import annotations
