@@ -1,31 +1,20 @@
-"""Whether a request is split (a prefill and a decode leg) or goes to a decode worker alone.
+"""Whether a request is split (a prefill and a decode leg) or goes to a decode worker alone
+(``docs/router.md`` has why and how to choose the threshold).
 
-A decode worker given a request without bootstrap fields computes the prompt itself and
-generates (``docs/router.md``, the workers' contract): no prefill leg, no handshake, no transfer.
-That is cheaper for a short prompt, and costs the decode worker's other streams the time of the
-prompt's forward pass, which is short too. A long prompt is split, so that decode's streams are
-not stalled behind it. The rule (:func:`decide`): a request whose prompt's *uncached* part is
-estimated at ``--pd-threshold-tokens`` or more is split; a shorter one goes alone; ``0`` splits
-every request. A request that must run on one worker goes alone whatever its length
-(:func:`one_worker`): one that asks for its prompt's logprobs (``echo`` with ``logprobs``,
-``/generate``'s ``logprob_start_len``: prefill's answer never reaches the client, and they need
-every prompt position computed) or for ``max_tokens`` 0 (prefill always samples a first token).
-lm-evaluation-harness scores with such requests.
+The rule (:func:`decide`): a request whose prompt's *uncached* part is estimated at
+``--pd-threshold-tokens`` or more is split; a shorter one goes alone; ``0`` splits every request.
+A request that must run on one worker goes alone whatever its length (:func:`one_worker`): one
+that asks for its prompt's logprobs (``echo`` with ``logprobs``, ``/generate``'s
+``logprob_start_len``) or for ``max_tokens`` 0 (prefill always samples a first token).
 
-The router has no tokenizer. Its estimate of a prompt's length (:func:`estimate_tokens`):
+The router has no tokenizer. Its estimate of a prompt's length (:func:`estimate_tokens`): the
+number of token ids when the request carries them; else the text's length in characters (chat
+messages as the routing key writes them) divided by ``--pd-chars-per-token``. The part the chosen
+decode worker is known to hold in its prefix cache is subtracted where the router knows it
+(``cache_aware``'s index: :func:`known_cached_tokens`); other policies subtract nothing.
 
-- token ids, when the request carries them: their number, exactly;
-- text (a completion's prompt, chat messages as the routing key writes them, ``<role>content``
-  per message): its length in characters divided by ``--pd-chars-per-token``.
-
-The part the chosen decode worker is known to hold in its prefix cache is subtracted where the
-router knows it: ``cache_aware``'s index of what it sent each decode worker
-(:func:`known_cached_tokens`, the best match among the candidates, as a share of the key). Other
-policies know nothing of the workers' caches, and subtract nothing.
-
-Decisions are counted (``splitserve_router_pd_decisions_total{decision}``, llm-d's
-``llm_d_epp_pd_decision_total`` is the precedent): ``split``, ``alone``, and ``fallback`` (a
-request that was to be split and went to decode alone because its prefill leg failed before
+Decisions are counted (``splitserve_router_pd_decisions_total{decision}``): ``split``, ``alone``,
+and ``fallback`` (to be split, but sent to decode alone because its prefill leg failed before
 prefill accepted it and no retry was left, or no prefill worker was up).
 """
 

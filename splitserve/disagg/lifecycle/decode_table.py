@@ -3,30 +3,20 @@
 States, in order::
 
     PREALLOC      the request is here; waiting for KV pages and the prefill's info   (prealloc_s)
-    AWAITING_KV   RegisterRoom sent, and again every register_resend_s (prefill may
-                  now write into the pages)                                          (kv_wait_s)
+    AWAITING_KV   RegisterRoom sent, and again every register_resend_s               (kv_wait_s)
     RECLAIMING    the KV will not come, and a write may still land: AbortRoom sent
-                  (again every quarantine_resend_s) until prefill settles its writes
-                  or is declared lost and fenced                                     (reclaim_s)
+                  until prefill settles its writes or is declared lost and fenced    (reclaim_s)
     PREFILLING    the prompt runs here, into the room's own pages                    (prefill_stall_s per chunk)
-    DECODING      every write landed (KVDone, checked), or the prompt ran here;
-                  generating (a recompute after preemption counts as steps)          (decode_stall_s per step)
+    DECODING      every write landed (KVDone, checked), or the prompt ran here       (decode_stall_s per step)
     FINISHED(stop|length) | ABORTED | FAILED(reason)
 
 Two ways lead to ``PREFILLING`` (alone, or a fallback): ``recompute.py``. In ``PREFILLING`` and
 ``DECODING`` the progress bound runs from the scheduler's admission (``Admitted``); ``queue_s``
-bounds the wait for it, which is no stall.
-
-The room registers with prefill once it holds both its pages and a compatible prefill's info. From
-that moment prefill may write into those pages, so a room that ends before ``KVDone`` keeps them
-*quarantined* (never freed, never reused) until prefill says ``WritesSettled`` (or fails the room
-with nothing in flight) or is declared lost. While quarantined, the room re-sends its abort every
-``quarantine_resend_s``: prefill answers for a room it has released, so a lost message costs a
-delay, never the pages. There is deliberately no timeout that frees quarantined pages: freeing
-them early is how late writes garble other requests' output (docs/design.md, rule 6). "Declared lost"
-is safe because the engine closes the lost session's receiving link (the fence) before it frees
-anything; a prefill that answers ``peer_lost`` (it declared our session lost, and will never vouch
-for its writes) gets the session declared lost here too.
+bounds the wait for it. Once registered, prefill may write into the room's pages, so a room that
+ends before ``KVDone`` keeps them *quarantined* until prefill says ``WritesSettled`` (or fails the
+room with nothing in flight) or is declared lost — and fenced before anything is freed — re-sending
+its abort every ``quarantine_resend_s``. No timeout frees quarantined pages (``docs/design.md``,
+rule 6); a prefill that answers ``peer_lost`` gets its session declared lost here too.
 """
 
 from __future__ import annotations
