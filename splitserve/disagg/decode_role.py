@@ -2,33 +2,21 @@
 landed (``docs/protocol.md``). Its table is a :class:`~splitserve.disagg.lifecycle.DecodeTable`.
 
 Pages: a room asks for its prompt's pages (``ReservePages``) and waits in the **page queue** —
-first come, first served — until the allocator has them; the queue holds room ids, and an entry
-whose record no longer wants pages (it ended, was cancelled) is dropped when it reaches the head,
-so an ended room can never block the ones behind it. The room first takes the pages of its
-prompt's longest prefix in this worker's prefix cache (shared and read-only: registered with
-prefill as ``cached_tokens``, never as a write target), then new pages for the rest, which prefill
-writes. Reserved pages are the room's record's until ``StartDecode`` gives them to the room's
-sequence; the pages a remote write may still reach are quarantined on the record until the table
-releases them (its cached prefix is given back at once).
+first come, first served, room ids checked against their record at the head, so an ended room
+never blocks the ones behind it. It takes the pages of its prompt's longest prefix in this
+worker's prefix cache (read-only: registered as ``cached_tokens``, never a write target), then new
+pages for the rest, which prefill writes. Reserved pages are the record's until ``StartDecode``
+gives them to the room's sequence; pages a remote write may still reach stay quarantined on the
+record until the table releases them.
 
-A request with no bootstrap fields came with no prefill (*decode alone*): it gets a local room
-id (negative, so never a router's), waits for its pages, and its prompt runs here
-(``ComputePrompt``), exactly as on a colocated worker. So does a room whose KV will not come,
-under ``--kv-failure-policy recompute`` (``docs/lifecycle.md``, *The fallback*): the table decides
-when no write of the lost prefill can reach its pages; the link's permission for them is revoked
-before the engine computes into them, and a room of a peer whose fence failed never computes (it
-fails with its reason, its pages kept quarantined).
-
-A request with n > 1 choices is one room: the engine forks its other choices from the room's
-sequence (at ``StartDecode``, or once its prompt ran here), each a sequence with pages of its own
-whose tokens are the room's (``DecodeStep``); the room finishes with its last choice, and its
-``Cancel`` ends them all.
-
-From the engine's step report: each prompt chunk of a room computing its prompt here
-(``PromptChunk``), each sampled token (``DecodeStep``, or ``Finished`` on the last) and a forward
-pass that failed (``LocalFailure``). A decoding sequence may be preempted and
-recompute its KV locally: its writes have all landed, so the engine may free and reallocate its
-pages as for any sequence.
+A request with no bootstrap fields (*decode alone*) gets a local room id (negative, never a
+router's) and its prompt runs here (``ComputePrompt``); so does a room whose KV will not come,
+under ``--kv-failure-policy recompute`` (``docs/lifecycle.md``, *The fallback*), once the table
+knows no write can reach its pages and the link's permission for them is revoked. A request with
+n > 1 choices is one room: the engine forks its other choices from the room's sequence; the room
+finishes with its last choice. From the engine's step report the role takes ``PromptChunk``,
+``DecodeStep`` / ``Finished`` and ``LocalFailure``; a preempted decoding sequence recomputes its
+KV locally (its writes have all landed).
 """
 
 from __future__ import annotations

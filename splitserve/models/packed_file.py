@@ -1,33 +1,22 @@
 """One copy of a model's converted weights per host: a file in the model cache that every worker
-on the host maps read-only instead of holding its own copy.
+on the host maps read-only instead of holding its own copy (README, one copy of the weights).
 
-A worker's weights, once loaded and packed for the kernels (``QuantWeight.packed``,
-``Linear.f32_packed``, the plain parameters: ``layers/linear.py``'s ``shared_tensors``), are the
-same bytes in every process that loaded the same checkpoint the same way. :func:`share_weights`
-writes them once to ``$SPLITSERVE_CACHE/packed/NAME-KEY.weights`` and points every such tensor at
-a private (copy-on-write) mapping of that file, so the pages are the page cache's, counted once
-per host: two workers' weight mappings have a PSS of about half their RSS each. A write to a
-mapped tensor would copy its page, never change the file; no weight is written while serving.
-
-The key is a hash of everything that changes the bytes: the checkpoint's identity (its folder,
-``config.json``, ``quantized.json`` and each weight file's name, size and mtime: the loader's
-``weights_identity``), the quantization plan, the dtype, the compiled kernels' build (sources,
-flags, torch version, the CPU's instruction sets), the table of tensors (names, dtypes, shapes)
-and ``FORMAT_VERSION``. File layout::
+:func:`share_weights` writes a worker's loaded, packed weights (``layers/linear.py``'s
+``shared_tensors``) once to ``$SPLITSERVE_CACHE/packed/NAME-KEY.weights`` and points each tensor at
+a private (copy-on-write) mapping of it, so the pages are the page cache's, counted once per host;
+no weight is written while serving. The key hashes all that changes the bytes: the checkpoint's
+identity (``weights_identity``), the quantization plan, the dtype, the kernels' build, the table of
+tensors and ``FORMAT_VERSION``. Layout::
 
     MAGIC (8 bytes) | header length (8, little-endian) | header JSON | tensors, each at a 4 KiB offset
 
-The header holds the version, the key, the file's total size, the table (name, dtype, shape,
-offset, bytes) and a hash of each tensor's first and last 4 KiB. A file is trusted only when its
-size, magic, version, key and table are what this process expects and the first and last 4 KiB of
-every tensor check out: against the process's own bytes when it has loaded them (a layout the key
-missed shows in every tensor), else against the header's hashes (``attach_file``: a model made but
-not loaded maps the file instead of reading the checkpoint). A sample, not a whole hash, which
-would cost seconds at every start; a file that fails is rebuilt. It is written under a lock into a
-temporary file renamed into place (``cache.write_file_once``), so a worker never maps a
-half-written one, and never changed in place (a mapping past a shortened file's end would fault).
-Tensors that cannot be mapped (oneDNN's opaque packed bfloat16 weights, the packed copy of a tied
-bfloat16 head) stay private; ``Shared`` counts them.
+The header holds the version, the key, the total size, the table (name, dtype, shape, offset,
+bytes) and a hash of each tensor's first and last 4 KiB. A file is trusted only when its size,
+magic, version, key and table are this process's and every tensor's first and last 4 KiB check
+out (against its own bytes, or the header's hashes when it maps without loading: ``attach_file``):
+a sample, since a whole hash would cost seconds at every start; one that fails is rebuilt. It is
+written under a lock into a temporary file renamed into place (``cache.write_file_once``), never
+changed in place. Tensors that cannot be mapped stay private (``Shared`` counts them).
 """
 
 from __future__ import annotations

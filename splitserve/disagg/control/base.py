@@ -2,33 +2,21 @@
 loop's inbox, fault injection, and a receive loop that no frame can stop.
 
 **Identity.** A decode worker's control socket (a ZMQ DEALER) has the identity
-``name#incarnation#session``: its advertised address (for humans: two decodes may advertise the
-same one), the id it drew at start (what makes it unique), and the number of this connection.
-:func:`peer_of` parses it strictly: a session is ASCII digits (``'²'.isdigit()`` is true in
-Python), the parts are valid UTF-8 and bounded; anything else is not a peer, and its frames are
-dropped and counted.
+``name#incarnation#session``: its advertised address (for humans), the id it drew at start (what
+makes it unique), and the number of this connection. :func:`peer_of` parses it strictly (ASCII
+digits, valid UTF-8, bounded parts); anything else is not a peer, and its frames are dropped and
+counted. **Untrusted input.** Every frame is handled inside its own ``try``: it can only be
+dropped and counted (``bad_frames``), never end the thread or reach the engine half-parsed; a poll
+reads at most ``MAX_FRAMES_PER_POLL`` frames before heartbeats and the outbox get their turn.
 
-**Untrusted input.** Every frame is handled inside its own ``try``: whatever a frame holds —
-envelope, frame count, size, msgpack types — it can only be dropped and counted
-(``bad_frames``), never end the thread or reach the engine half-parsed. A poll reads at most
-``MAX_FRAMES_PER_POLL`` frames before heartbeats and the outbox get their turn, so a burst of
-frames delays neither.
+**Sockets behind a seam.** Each side reaches its sockets through a small transport (prefill's
+``ZmqRouterEndpoint``, decode's ``zmq_dial``), and one iteration of the thread's loop is
+``step()``: ``serve()`` polls the real sockets and calls it, the simulator calls it itself. Each
+``step()`` also steps an :class:`~splitserve.disagg.control.io_probe.IoProbe` (a loopback round
+trip through the ZMQ I/O thread), whose age :meth:`ControlThread.io_age` gives ``/health``.
 
-**Sockets behind a seam.** Each side reaches its sockets through a small transport (prefill:
-:class:`~splitserve.disagg.control.prefill_server.ZmqRouterEndpoint`, bind / receive / send by identity;
-decode: :func:`~splitserve.disagg.control.decode_client.zmq_dial`, connect / send / receive / close), and
-one iteration of the thread's loop is ``step()``: ``serve()`` polls the real sockets and calls it,
-a simulator (``splitserve/sim/``) passes simulated transports and calls ``step()`` itself.
-
-**The ZMQ I/O thread watched.** A thread's own beat cannot show that the context's I/O thread,
-which moves every socket's bytes, is blocked (``control/io_probe.py``): each side's ``step()``
-also steps an :class:`~splitserve.disagg.control.io_probe.IoProbe` (a loopback round trip through
-it), whose age :meth:`ControlThread.io_age` gives ``/health``.
-
-**Liveness off the inbox.** Any authentic frame from a peer shows it lives. The thread notes that
-in ``_heard`` (one entry per peer, however many frames), and the engine loop takes the notes
-(:meth:`ControlThread.take_heard`) before it judges silence — they never queue behind the
-events of a burst.
+**Liveness off the inbox.** Any authentic frame from a peer notes it in ``_heard`` (one entry per
+peer), which the engine loop takes (:meth:`ControlThread.take_heard`) before it judges silence.
 """
 
 from __future__ import annotations

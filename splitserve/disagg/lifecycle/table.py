@@ -7,30 +7,29 @@ return. Nothing here reads a clock, sleeps, locks or does I/O.
 A room is *live* while its state is a live state; *held* while it is terminal but still holds
 memory a write may touch (prefill: writes in flight; decode: quarantined pages); *released* once
 its memory is returned, when it becomes a tombstone. Every live room has a deadline; every held
-room has a timer (prefill: transfer reset; decode: re-send the abort); every tombstone expires.
+room has a timer; every tombstone expires.
 
-Every move of a room goes through :meth:`RoomTable._move`, which checks it against the side's
-declared ``transitions`` (``transitions.py``: a check that raises) and emits it as ``Moved``; the
-deadline of each live state entered is the one the transitions name. Ending a room
-(:meth:`RoomTable._end`) is the only way into a terminal state, and no move leaves one, so a
-terminal state is never left and never re-entered; it emits the single log line, count and client
-answer; and it hands over to the side's ``_after_end`` to tell the peer and release or hold memory.
-
-The order of hooks one event takes (``side.`` marks the prefill or decode table's own)::
-
-    handle(event)  RequestArrived -> _on_arrival -> _refuse | side._admit -> _new_room
-                   ClientAbort, LocalFailure -> _abort -> _end | _abort_unseen
-                   FromPeer -> side._on_peer_message     PeerHeard, PeerLost -> _peer_lost
-                   anything else -> side._on_event
-    expire(now)    a silent peer -> _peer_lost -> DisconnectPeer, side._on_peer_lost (per room)
-                   a live room's deadline -> _on_deadline -> request timeout: _end
-                       else the state's declared timeout (transitions.py) -> _end | side._kv_timed_out
-                   a held room's timer -> side._on_held_timer;  a tombstone's -> forgotten
-                   any other timer -> side._on_other_timer
-    a move         _move (checked, Moved) ; _enter = _move + the new state's deadline ; _rearm
-    an end         _end -> _move to terminal, NotifyClient, LogTerminal, CountOutcome, [Cancel]
-                       -> side._after_end -> _hold (held) | _release -> side._release_memory, tombstone
+Every move goes through :meth:`RoomTable._move`, checked against the side's declared
+``transitions`` (``transitions.py``) and emitted as ``Moved``. Ending a room (:meth:`RoomTable._end`)
+is the only way into a terminal state, and no move leaves one; it emits the single log line, count
+and client answer, and hands over to the side's ``_after_end``. The order of hooks one event takes
+is the comment below.
 """
+
+# The order of hooks one event takes (``side.`` marks the prefill or decode table's own):
+#
+#   handle(event)  RequestArrived -> _on_arrival -> _refuse | side._admit -> _new_room
+#                  ClientAbort, LocalFailure -> _abort -> _end | _abort_unseen
+#                  FromPeer -> side._on_peer_message     PeerHeard, PeerLost -> _peer_lost
+#                  anything else -> side._on_event
+#   expire(now)    a silent peer -> _peer_lost -> DisconnectPeer, side._on_peer_lost (per room)
+#                  a live room's deadline -> _on_deadline -> request timeout: _end
+#                      else the state's declared timeout (transitions.py) -> _end | side._kv_timed_out
+#                  a held room's timer -> side._on_held_timer;  a tombstone's -> forgotten
+#                  any other timer -> side._on_other_timer
+#   a move         _move (checked, Moved) ; _enter = _move + the new state's deadline ; _rearm
+#   an end         _end -> _move to terminal, NotifyClient, LogTerminal, CountOutcome, [Cancel]
+#                      -> side._after_end -> _hold (held) | _release -> side._release_memory, tombstone
 
 from __future__ import annotations
 
