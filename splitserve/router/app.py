@@ -16,7 +16,7 @@ Routes::
     POST /tokenize, /detokenize                             to one healthy worker (the least busy), its answer
 
 :func:`create_app` builds the application from a :class:`~splitserve.config.RouterConfig`; all of
-its state is one :class:`RouterState` on the app (no module-level globals), including the one
+its state is one :class:`~splitserve.router.state.RouterState` on the app (no module-level globals), including the one
 ``aiohttp.ClientSession`` every leg and health check uses (no connection limit: the workers'
 own queues decide what they accept; the worker key only on calls to a worker that proved itself,
 ``worker_trust.py``). The session and the health checker live as long as the app
@@ -41,12 +41,10 @@ exchange itself for generation); a request's legs, its body and its deadline are
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
-import secrets
 import signal
 import sys
-from typing import Optional, Union
+from typing import Optional
 
 import aiohttp
 from aiohttp import web
@@ -58,14 +56,12 @@ from splitserve.discovery.record import loads_shallow
 from splitserve.errors import FLUSH_WAIT_S, error_body
 from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
-from splitserve.router import debug, membership, split
+from splitserve.router import debug, membership
 from splitserve.router.answers import LARGE_ANSWER_BYTES, SMALL_ANSWER_BYTES, read_answer
-from splitserve.router.discovery import Discovery
 from splitserve.router.legs import describe_error
-from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policy import CacheKnobs, Policy, make_policy
-from splitserve.router.proxy import ENDPOINTS, ROOM_BITS, forward
-from splitserve.router.retry import RetryBudget
+from splitserve.router.policy import make_policy
+from splitserve.router.proxy import ENDPOINTS, forward
+from splitserve.router.state import RouterState
 from splitserve.router.worker_trust import RouterKeys, worker_key_middleware
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet
 from splitserve.tls import client_context, server_context
@@ -79,73 +75,6 @@ MODELS_TIMEOUT_S = 10.0  # GET /v1/models from the decode workers, end to end
 TOKENIZE_TIMEOUT_S = 30.0  # POST /tokenize or /detokenize to one worker, end to end (a long text takes seconds)
 BOUNDS = ("request_timeout_s", "client_header_timeout_s", "client_body_timeout_s", "client_write_timeout_s",
           "worker_connect_timeout_s", "worker_header_timeout_s", "health_interval_s", "stream_stall_s")
-
-
-class RouterState:
-    """Everything the handlers share."""
-
-    def __init__(self, config: RouterConfig, registry: Registry, keys: Optional[RouterKeys] = None):
-        self.config = config
-        self.keys = keys or RouterKeys.of(config)
-        self.workers = WorkerSet.from_config(config)
-        knobs = CacheKnobs(config.cache_block_chars, config.cache_threshold, config.cache_balance_abs,
-                           config.cache_balance_rel, config.cache_index_blocks)
-        self.policies: dict[str, Policy] = {role: make_policy(config.policy, knobs) for role in (PREFILL, DECODE)}
-        self.workers.on_remove.extend(policy.forget for policy in self.policies.values())
-        self.registry = registry
-        self.metrics = RouterMetrics(registry, self.workers)
-        self.recent = debug.RecentRequests()
-        self.retry_budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min,
-                                        config.retry_budget_window_s)
-        self.session: Optional[aiohttp.ClientSession] = None  # set at startup (needs the running loop)
-        self.checker: Optional[HealthChecker] = None  # likewise
-        self.discovery = Discovery(self, registry)  # started at startup when --discovery is given
-        self.background: set[asyncio.Task] = set()
-        self.connections: Optional[ConnectionCap] = None  # set by create_app
-        self.worker_ssl = None  # the ssl.SSLContext for https:// workers, if configured
-        self.new_room = functools.partial(secrets.randbits, ROOM_BITS)
-        """Draws each request's ``bootstrap_room`` (the simulator draws from its seed)."""
-
-    def plan(self, key: str, tokens: int, exclude: Optional[dict] = None, retrying: bool = False,
-             one_worker: bool = False):
-        """(prefill or None, decode, decision) for a request of about ``tokens`` prompt tokens whose
-        routing key is ``key``, none of them in ``exclude``: split (a pair, :meth:`pick_workers`)
-        when its uncached part reaches ``--pd-threshold-tokens``, else a decode worker alone
-        (``split.py``; always alone when it runs on ``one_worker``, ``split.one_worker``);
-        ``fallback``, alone, when it was to be split and no prefill is there to pair with (unless
-        ``--no-pd-fallback``). A string (why) when there is none to go to."""
-        decodes = self.workers.candidates(DECODE, exclude)
-        if not decodes:
-            return self.pick_workers(key, exclude)  # the refusal, as a pair's would be
-        cached = split.known_cached_tokens(self.policies[DECODE], decodes, key, tokens)
-        decision = split.decide(self.config.pd_threshold_tokens, tokens, cached, one_worker)
-        if decision == "split":
-            if self.workers.has_pair(exclude):
-                picked = self.pick_workers(key, exclude)
-                if not isinstance(picked, str):
-                    return picked[0], picked[1], "split"
-            if not self.config.pd_fallback:
-                return self.pick_workers(key, exclude)  # the refusal: why there is no pair
-            decision = "fallback"
-        return None, self.policies[DECODE].pick(decodes, key), decision
-
-    def can_pick(self, exclude: Optional[dict] = None) -> bool:
-        """Whether :meth:`pick_workers` would find a pair with ``exclude``."""
-        return self.workers.has_pair(exclude)
-
-    def pick_workers(self, key: str = "", exclude: Optional[dict] = None) -> Union[tuple[Worker, Worker], str]:
-        """A (prefill, decode) pair by the policy among healthy workers (each role chosen on its
-        own, among those that pair: ``WorkerSet.pick_pair``), for a request whose routing key is
-        ``key``, but none in ``exclude`` (role -> the workers that failed the request being
-        retried); or why there is none."""
-        return self.workers.pick_pair(self.policies, key, exclude)
-
-    def spawn(self, coro) -> asyncio.Task:
-        """Run ``coro`` in the background, owned by the app (cancelled at cleanup)."""
-        task = asyncio.ensure_future(coro)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        return task
 
 
 ROUTER = web.AppKey("splitserve_router", RouterState)

@@ -19,7 +19,8 @@ from aiohttp import web
 
 from splitserve.router import retry
 from splitserve.router.exchange import Attempt, Carried, Exchange
-from splitserve.router.outcomes import RouterOutcome
+from splitserve.router.outcomes import Refusal, RouterOutcome
+from splitserve.router.state import Plan, RouterState
 from splitserve.router.workers import DECODE, PREFILL, Worker
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,7 @@ def attempt_rid(rid: str, attempt: int) -> str:
     return rid[:256 - len(suffix)] + suffix
 
 
-def _fresh_room(state, used: list[int]) -> int:
+def _fresh_room(state: RouterState, used: list[int]) -> int:
     """A room drawn for this request's next attempt, never one of its earlier attempts'."""
     while True:
         room = state.new_room()
@@ -64,7 +65,7 @@ class RetryGate:
     ``failed``: role -> the workers that failed this request so far (no later attempt goes to
     them)."""
 
-    def __init__(self, state, n: int, failed: dict, deadline: float, rid: str):
+    def __init__(self, state: RouterState, n: int, failed: dict, deadline: float, rid: str):
         self.state, self.n, self.failed, self.deadline, self.rid = state, n, failed, deadline, rid
         self.delay = 0.0
         self.role: Optional[str] = None
@@ -108,12 +109,12 @@ class RetryGate:
             return "budget"
         return None
 
-    async def next_attempt(self, key: str, tokens: int, one_worker: bool = False):
+    async def next_attempt(self, key: str, tokens: int, one_worker: bool = False) -> Optional[Plan]:
         """After the backoff, the next attempt's (prefill or None, decode, decision) by
         ``RouterState.plan``, none of them a worker that failed; None if none is in rotation by then."""
         await asyncio.sleep(self.delay)
         planned = self.state.plan(key, tokens, exclude=self.failed, retrying=True, one_worker=one_worker)
-        if isinstance(planned, str):
+        if isinstance(planned, Refusal):
             self.state.metrics.retries_denied.labels(reason="no_other_worker").inc()
             return None
         prefill, decode, _ = planned
@@ -126,7 +127,7 @@ class Attempts:
     """The attempts of one request: ``body`` (the client's, validated), ``stream``, ``rid`` (the
     router's id of it), its ``route``, ``deadline`` and ``started`` (its arrival)."""
 
-    def __init__(self, state, request: web.Request, body: dict, stream: bool, rid: str, route: Route,
+    def __init__(self, state: RouterState, request: web.Request, body: dict, stream: bool, rid: str, route: Route,
                  deadline: float, started: float, endpoint: str):
         self.state, self.request, self.body, self.stream, self.rid = state, request, body, stream, rid
         self.route, self.deadline, self.started, self.endpoint = route, deadline, started, endpoint

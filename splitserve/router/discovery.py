@@ -54,7 +54,7 @@ from typing import Callable, Mapping, Optional
 from splitserve.discovery import backends as stores
 from splitserve.log_sparsely import worth_logging
 from splitserve.router.bounded_set import BoundedSet
-from splitserve.router.workers import DISCOVERY, Worker
+from splitserve.router.workers import DISCOVERY, DRAIN_MARGIN_S, Worker
 
 log = logging.getLogger(__name__)
 
@@ -227,8 +227,6 @@ class Discovery:
             log.info(message, *args)
 
     def _drain(self, worker: Worker, why: str) -> None:
-        from splitserve.router.membership import DRAIN_MARGIN_S
-
         log.info("discovery: %s leaves: %s", worker.describe(), why)
         self.absent_since.pop(worker.id, None)
         self.drained.pop(worker.id, None)

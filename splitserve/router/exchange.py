@@ -28,6 +28,7 @@ from splitserve.router.legs import Leg, NoHeaders, describe_error
 from splitserve.router.metrics import TokenTimes
 from splitserve.router.migrate import WORKER_FAILED_CODES, Lost, StreamTrack
 from splitserve.router.outcomes import Refusal, RouterOutcome, client_left
+from splitserve.router.state import RouterState
 from splitserve.router.stream import DecodeStream, StreamStalled
 from splitserve.router.workers import DECODE, PREFILL, Worker
 from splitserve.validation import DEADLINE, MAX_DEADLINE_S, REQUEST_ID
@@ -84,7 +85,7 @@ class Exchange:
     """The two legs of one request and the answer built from them (:meth:`run`); ``carried``: the
     client's stream this exchange continues (a continuation: decode alone, no prefill)."""
 
-    def __init__(self, state, request: web.Request, attempt: Attempt,
+    def __init__(self, state: RouterState, request: web.Request, attempt: Attempt,
                  retry_gate: Optional[Callable[..., Optional[str]]] = None, carried: Optional[Carried] = None):
         self.state = state
         self.retry_gate = retry_gate

@@ -35,12 +35,11 @@ from splitserve.config import DEFAULT_BOOTSTRAP_PORT
 from splitserve.discovery.proof import new_nonce
 from splitserve.discovery.record import (check_id, check_incarnation, check_port, check_url, identity_of,
                                         loads_shallow)
-from splitserve.router.workers import API, DECODE, PREFILL, Worker
+from splitserve.router.state import RouterState
+from splitserve.router.workers import API, DECODE, DRAIN_MARGIN_S, PREFILL, Worker
 from splitserve.errors import error_body
 
 log = logging.getLogger(__name__)
-
-DRAIN_MARGIN_S = 30.0  # past request_timeout_s, a leg's last bound (the prefill linger) has passed
 
 
 def _refuse(status: int, message: str, code: str) -> web.Response:
@@ -73,7 +72,7 @@ def parse_worker(body: object) -> dict:
             "incarnation": incarnation}
 
 
-async def add(state, request: web.Request) -> web.Response:
+async def add(state: RouterState, request: web.Request) -> web.Response:
     try:
         fields = parse_worker(loads_shallow(await request.read()))
     except ValueError as exc:  # not JSON, nested too deep, or a field that is wrong
@@ -114,7 +113,7 @@ async def add(state, request: web.Request) -> web.Response:
                              status=202)
 
 
-async def remove(state, worker_id: str) -> web.Response:
+async def remove(state: RouterState, worker_id: str) -> web.Response:
     found = [w for w in state.workers.find(worker_id)]
     if not found:
         return _refuse(404, f"no worker with id {worker_id!r}"[:300], "worker_not_found")

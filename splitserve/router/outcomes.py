@@ -89,6 +89,11 @@ class Refusal:
         return web.json_response(error_body(self.message, status, code=code), status=status, headers=self.headers)
 
 
+def no_workers(why: str) -> Refusal:
+    """The refusal of a request with no worker to go to: a 503 the client may try again soon."""
+    return Refusal(RouterOutcome.NO_WORKERS, why, headers={"Retry-After": "1"})
+
+
 def client_left(lost: Optional[ClientLost]) -> Optional[RouterOutcome]:
     """How a client that was lost counts (None when it was not)."""
     if lost is None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from typing import Optional, Union
+from typing import Optional
 
 from aiohttp import web
 
@@ -24,11 +24,11 @@ from splitserve.router.attempts import Attempts, Route
 from splitserve.router.outcomes import Refusal, RouterOutcome, client_left
 from splitserve.router.policy import routing_key
 from splitserve.router.client import read_body
+from splitserve.router.state import RouterState
 from splitserve.validation import REQUEST_ID, RequestContext, check_request_id, parse_json_body, validate_request
 
 log = logging.getLogger(__name__)
 
-ROOM_BITS = 63
 ENDPOINTS = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/generate": "generate"}
 
 
@@ -42,8 +42,8 @@ class _Answered(Exception):
         self.response, self.outcome, self.status, self.send = response, outcome, status, send
 
 
-async def forward(state, request: web.Request) -> web.StreamResponse:
-    """The handler body of every generation endpoint (``state`` is the app's RouterState). Every
+async def forward(state: RouterState, request: web.Request) -> web.StreamResponse:
+    """The handler body of every generation endpoint (``state``: the app's). Every
     answer is sent here, bounded — a refusal as the exchange's — so that a client that had gone
     before it could take it is counted as leaving (``client_disconnect`` / ``client_timeout``),
     never as the failure it was not there to see; so is a cancellation of the handler (aiohttp's
@@ -81,7 +81,7 @@ async def forward(state, request: web.Request) -> web.StreamResponse:
         _record(state, attempts, outcome, status, endpoint, clock() - started)
 
 
-async def _admit(state, request: web.Request, endpoint: str, started: float):
+async def _admit(state: RouterState, request: web.Request, endpoint: str, started: float):
     """The request read, validated and planned: its (attempts, prefill or None, decode); else
     :class:`_Answered` with the refusal."""
     config = state.config
@@ -101,10 +101,9 @@ async def _admit(state, request: web.Request, endpoint: str, started: float):
     key = routing_key(validated)
     route = Route(key, split.estimate_tokens(key, validated.prompt_ids, config.pd_chars_per_token),
                   split.one_worker(validated.sampling))  # e.g. lm-eval's prompt logprobs: decode alone
-    planned: Union[tuple, str] = state.plan(route.key, route.tokens, one_worker=route.one_worker)
-    if isinstance(planned, str):
-        refusal = Refusal(RouterOutcome.NO_WORKERS, planned, headers={"Retry-After": "1"})
-        raise _Answered(refusal.response(), refusal.outcome, refusal.http_status)
+    planned = state.plan(route.key, route.tokens, one_worker=route.one_worker)
+    if isinstance(planned, Refusal):
+        raise _Answered(planned.response(), planned.outcome, planned.http_status)
     prefill, decode, decision = planned
     state.metrics.pd_decisions.labels(decision=decision).inc()
     request[REQUEST_ID] = rid  # echoed to the client (app.py)
@@ -114,7 +113,7 @@ async def _admit(state, request: web.Request, endpoint: str, started: float):
     return attempts, prefill, decode
 
 
-def _record(state, attempts: Optional[Attempts], outcome: RouterOutcome, status: int, endpoint: str,
+def _record(state: RouterState, attempts: Optional[Attempts], outcome: RouterOutcome, status: int, endpoint: str,
             seconds: float) -> None:
     """The request's one count, its record's end and its log line."""
     exchange = attempts.exchange if attempts is not None else None

@@ -55,7 +55,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Union
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -66,6 +66,7 @@ from splitserve.discovery.record import check_url, identity_of, loads_shallow
 from splitserve.hosts import check_host, url_host
 from splitserve.router.answers import SMALL_ANSWER_BYTES, read_answer
 from splitserve.router.bounded_set import BoundedSet
+from splitserve.router.outcomes import Refusal, no_workers
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,7 @@ STATIC, API, DISCOVERY = "static", "api", "discovery"
 """Where a worker came from: the command line, ``POST /workers``, or discovery."""
 _serial = itertools.count(1)
 MAX_REMOVED = 1024  # worker ids removed by an operator that the router remembers
+DRAIN_MARGIN_S = 30.0  # past request_timeout_s, a leg's last bound (the prefill linger) has passed
 
 
 @dataclass(eq=False)
@@ -246,18 +248,19 @@ class WorkerSet:
         decodes = self.candidates(DECODE, exclude)
         return any(p.pairs_with(d) for p in self.candidates(PREFILL, exclude) for d in decodes)
 
-    def pick_pair(self, policies: dict, key: str = "", exclude: Optional[dict] = None):
+    def pick_pair(self, policies: dict, key: str = "", exclude: Optional[dict] = None) \
+            -> Union[tuple[Worker, Worker], Refusal]:
         """A (prefill, decode) pair by the role's policies among the routable workers that pair
         (the prefill first, among those with a decode to pair with; then its decode), none of them
         in ``exclude`` (role -> workers), for a request whose routing key is ``key``; or why there
-        is none (a string)."""
+        is none (a :class:`~splitserve.router.outcomes.Refusal`)."""
         prefills, decodes = self.candidates(PREFILL, exclude), self.candidates(DECODE, exclude)
         for role, workers in ((PREFILL, prefills), (DECODE, decodes)):
             if not workers:
-                return f"no healthy {role} worker: {describe_all(self.of_role(role))}"
+                return no_workers(f"no healthy {role} worker: {describe_all(self.of_role(role))}")
         candidates = [p for p in prefills if any(p.pairs_with(d) for d in decodes)]
         if not candidates:
-            return self.missing() or "no pair"
+            return no_workers(self.missing() or "no pair")
         prefill = policies[PREFILL].pick(candidates, key)
         matching = [d for d in decodes if prefill.pairs_with(d)]
         self.refused_pairings += len(decodes) - len(matching)

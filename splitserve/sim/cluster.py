@@ -45,7 +45,7 @@ from splitserve.engine.engine import LLMEngine
 from splitserve.engine.role import IDLE_WAIT_S
 from splitserve.metrics import Registry
 from splitserve.router import app as router_app
-from splitserve.router.proxy import ROOM_BITS
+from splitserve.router.state import ROOM_BITS
 from splitserve.router.workers import HealthChecker
 from splitserve.server import app as worker_app
 from splitserve.server.state import STATE

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 from urllib.parse import urlsplit
 
-from splitserve.router.outcomes import RouterOutcome
+from splitserve.router.outcomes import Refusal, RouterOutcome
 from splitserve.sim.clock import SimLoop, Streams
 from splitserve.sim.cluster import Cluster
 from splitserve.sim.invariants import CLIENT_SLACK_S, Checker, Trace
@@ -251,7 +251,7 @@ class Run:
             result = pick(*args, **kw)
             client = CURRENT.get()
             if client is not None:
-                if isinstance(result, str):
+                if isinstance(result, Refusal):
                     client.refused = True
                 else:
                     client.pair = (host_slot[result[0].host], host_slot[result[1].host])
