@@ -10,26 +10,9 @@ span (``page_spans`` has already merged runs of pages contiguous on both sides),
 ``initialize_xfer`` / ``transfer`` with the notification; :meth:`~NixlBackend.poll` maps
 ``check_xfer_state`` to PENDING/DONE/FAILED. Every NIXL call sits behind a try: a NIXL error
 becomes FAILED with its reason, never an exception out of ``write`` or ``poll``. An empty span list
-sends the notification alone (``send_notif``).
-
-NIXL facts this relies on (checked with ``tools/nixl_spike.py`` and ``tests/test_transfer.py``):
-
-* the notification of a transfer arrives after its bytes; notifications are keyed by the sender's
-  agent name, and the receiver needs no metadata of the sender to get them;
-* NIXL refuses (``NIXL_ERR_NOT_FOUND``) descriptors outside the peer's registered memory and
-  transfers to an agent whose metadata is not loaded — we check bounds before asking anyway;
-* releasing a transfer still in progress returns without error but does NOT stop bytes already
-  posted from landing (nor their notification): the receiver must quarantine (base.py);
-* the Python API starts NIXL's progress thread with zero delay, so it spins a whole core even when
-  idle; we turn it off by default (``progress_thread=False``). Then NIXL moves bytes only while
-  one side calls into it — ``poll`` on the writer, ``notifications`` on the receiver — and over
-  UCX's shared-memory/TCP transports a write does not finish unless the RECEIVER calls in too:
-  the receiving transfer thread must call ``notifications()`` every few milliseconds;
-* the wheel installs as ``nixl_cu12``; the ``nixl`` meta package (which would add the ``nixl``
-  name) pulls CUDA builds, so both import names are tried.
-
-Environment: ``UCX_TLS=tcp`` forces TCP (e.g. between network namespaces); ``NIXL_LOG_LEVEL=WARN``
-quiets NIXL's per-agent INFO lines. Neither is read here.
+sends the notification alone (``send_notif``). What this relies on of NIXL (notification order,
+releases that do not stop posted bytes, the progress thread kept off, the import names):
+``docs/protocol.md``, *Transfer backends*.
 """
 
 from __future__ import annotations
