@@ -1,37 +1,22 @@
 """Prometheus metrics on ``prometheus-client``: one registry per process, and derived metrics.
 
-There is no global registry: each process (worker app, router) creates one :class:`Registry`
-(a ``prometheus_client.CollectorRegistry`` inside) and hands it to whoever records metrics, so two
-apps in one test process never share counters. What a process records itself (a request's end,
-its latencies) are ordinary ``prometheus_client`` counters and histograms::
-
-    reg = Registry()
-    reqs = reg.counter("splitserve_requests_total", "Requests by outcome.", ["outcome"])
-    reqs.labels(outcome="finished").inc()
-    lat = reg.histogram("splitserve_request_seconds", "Latency.", buckets=(0.1, 1, 10))
-    lat.observe(0.25)
-
-A histogram fed a whole request's worth of observations at once (the gaps between its streamed
-tokens, when it ends) is a :class:`BatchHistogram` (``reg.batch_histogram``): one lock and one
-binary search a value, where ``prometheus_client``'s takes a lock and a scan of the buckets each
-(the router and the workers observe every gap of every stream).
+There is no global registry: each process (worker app, router) creates one :class:`Registry` and
+hands it to whoever records metrics, so two apps in one test process never share counters.
+What a process records itself (a request's end, its latencies) are ordinary counters and
+histograms (``reg.counter(name, help, labelnames)``, ``reg.histogram(..., buckets=...)``). A
+histogram fed a whole request's observations at once (the gaps between its streamed tokens) is a
+:class:`BatchHistogram` (``reg.batch_histogram``): one lock and one binary search a value.
 
 What another structure owns (the engine's pages and queues, the lifecycle table, the peers, the
-threads' counters) is **derived**: a custom collector reads it when ``/metrics`` is scraped, so
-the number shown is the structure's own, never a copy kept in step by hand, and a label set
-(a peer, a thread) is there exactly as long as the structure has it::
+threads' counters) is **derived** (``docs/metrics.md``): a collector reads it at scrape time::
 
     reg.derived_gauge("splitserve_kv_pages_free", "Free KV pages.", read=lambda: engine.stats()["pages_free"])
-    reg.derived_counter("splitserve_thread_restarts_total", "...", ["thread"], read=lambda: {("control",): 2})
 
 ``read`` returns a number, or ``{label values: value}`` (a tuple in ``labelnames`` order, or a
 plain string for one label), or ``None`` (no samples now). A ``read`` that raises makes that one
-metric show no samples for this scrape (and is logged), it never breaks ``/metrics``.
-
-Counters are exposed without their ``_created`` samples (``disable_created_metrics``, a setting
-of the library, not a registry): the text format 0.0.4 shows them as extra gauges nobody reads.
-:func:`parse_exposition` reads a scrape back with ``prometheus-client``'s own parser (tests, and
-``splitserve top``).
+metric show no samples for this scrape (and is logged), it never breaks ``/metrics``. Counters are
+exposed without their ``_created`` samples (``disable_created_metrics``). :func:`parse_exposition`
+reads a scrape back with ``prometheus-client``'s own parser (tests, and ``splitserve top``).
 """
 
 from __future__ import annotations

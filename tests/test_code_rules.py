@@ -114,8 +114,6 @@ LONG_DOCSTRINGS_LEFT = {
     "splitserve/engine/async_engine.py",
     "splitserve/engine/engine.py",
     "splitserve/engine/scheduler.py",
-    "splitserve/launch/__init__.py",
-    "splitserve/metrics.py",
     "splitserve/models/gguf.py",
     "splitserve/router/app.py",
     "splitserve/router/discovery.py",

@@ -2,35 +2,20 @@
 
 :func:`build_specs` turns a :class:`LaunchConfig` into one :class:`ChildSpec` per process, each
 ``sys.executable -m splitserve.cli ...``: workers on free loopback ports, each with a bootstrap port
-too (a decode worker binds its own once switched to prefill, ``POST /role``) and every bootstrap port
-on each one's ``--allowed-prefill``, all picked in one place (:func:`launch_ports`); the router on
+too (a decode worker binds its own once switched to prefill) and every bootstrap port on each
+one's ``--allowed-prefill``, all picked in one place (:func:`launch_ports`); the router on
 ``--port`` pointed at all of them. :class:`Supervisor` (``supervisor.py``) starts, watches and
 stops them.
 
-Ports: launch picks free ports and the children bind them a moment later; another process can take
-one meanwhile, and may answer ``/health`` like a worker (a stray worker of another run). So every
-worker gets an id of this run (``--worker-id NAME.RUN``), launch waits for each worker's ``/health``
-to answer with its id, and the router is given the ids (``--prefill URL PORT id=ID``) and takes no
-other process on those ports for them. A worker whose port was taken cannot bind it and exits, and
-launch then stops with its last lines.
-
-CPUs: by default every worker gets its own physical cores (``--cpus``, a core's SMT siblings
-together) out of the CPUs launch may run on, an equal share each, and one torch thread per core
-(``--threads``), so that a prefill and a decode worker never spin threads on the same core
-(:func:`worker_cpus`; ``--prefill-cpus`` and ``--decode-cpus`` choose the split,
-``--no-split-cpus`` lets every worker use every CPU). With fewer cores than workers they share,
-and launch warns. The router only moves bytes: it runs on every CPU.
-
-Keys: the workers always take a worker key (the router's, drawn for this run), so that only the
-router may send the fields that name a prefill to dial or continue a stream; and an operators'
-(admin) key, drawn unless given, written to a file of this run (mode 0600) that the summary names
-(``POST /role``, ``splitserve top``). The router is keyed for clients and operators only when a
-client or admin key is given (``docs/security.md``).
-
-Restarts: a worker that exits or is killed once everything is up is started again, in the role it
-last wrote to its role file (``serve --role-file``, a file of this run), on the same ports, under
-the same id and keys, as :class:`RestartPolicy` allows (``--restart-budget``); the router takes it
-back through its health checks or discovery. The supervisor (``supervisor.py``) runs it all.
+Ports picked free may be taken by another process before a child binds them, so every worker gets
+an id of this run (``--worker-id NAME.RUN``) that launch waits to see in its ``/health`` and the
+router is told (``--prefill URL PORT id=ID``). CPUs: each worker gets its own physical cores and
+one torch thread per core (:func:`worker_cpus`; the README has the flags). Keys: the workers
+always take a worker key drawn for this run, so only the router may send the fields that name a
+prefill to dial or continue a stream, and an admin key, drawn unless given, written to a file of
+this run (mode 0600) that the summary names. Restarts: a worker that exits once everything is up is
+started again in the role it last wrote to its role file, on the same ports, under the same id and
+keys, as :class:`RestartPolicy` allows (``--restart-budget``).
 """
 
 from __future__ import annotations
