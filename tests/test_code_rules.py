@@ -114,7 +114,6 @@ LONG_DOCSTRINGS_LEFT = {
     "splitserve/engine/async_engine.py",
     "splitserve/engine/engine.py",
     "splitserve/engine/scheduler.py",
-    "splitserve/models/gguf.py",
     "splitserve/router/app.py",
     "splitserve/router/discovery.py",
     "splitserve/router/membership.py",

@@ -1,40 +1,22 @@
 """GGUF checkpoints: a llama.cpp ``.gguf`` file converted once into a cached Hugging Face checkpoint
-folder, which ``loader.load_model`` then loads like any other.
+folder, which ``loader.load_model`` then loads like any other (README, *GGUF files*).
 
 ``gguf_checkpoint(file)`` returns the folder, converting on the first call only: it lives under the
 model cache (``cache.cache_root()/gguf/<key>/<file stem>``, built by ``cache.build_once``: locked,
 atomic, reused), keyed by the file's resolved path, size and modification time and by
 FORMAT_VERSION; the folder's basename is the file's stem, so the served model name is that stem.
 
-What a conversion writes, and whose code does it (``transformers``' GGUF integration and the
-``gguf`` library; nothing about llama.cpp's layout is re-implemented here):
-
-- ``config.json``: ``AutoConfig.from_pretrained(folder, gguf_file=...)``, i.e. transformers'
-  mapping of the metadata, plus what it leaves out: ``architectures``; ``head_dim`` from
-  ``attention.key_length`` where the file states it (transformers reads it only through
-  ``rope.dimension_count``, for llama); a Mistral file (llama architecture, named mistral) as
-  ``LlamaForCausalLM`` (splitserve's llama covers it); a llama ``rope_freqs`` tensor (Llama 3.1+)
-  as the ``llama3`` rope scaling whose factors it holds (transformers drops that tensor).
-- the weights as safetensors (shards of at most SHARD_BYTES, with an index beyond one), renamed by
-  transformers' ``get_gguf_hf_weights_map`` and passed through its tensor processor, which undoes
-  the Q/K row permutation llama.cpp applies to llama (its rotary layout, a permutation of rows;
-  qwen2/qwen3 files are not permuted). Tensors of the types the kernels run on (``layers/quant.TYPES``:
-  Q8_0, Q4_0, Q4_1, Q4_K) are stored as their raw blocks, uint8 [rows, bytes per row], listed with their type
-  and shape in ``quantized.json`` (``models/quantized.py``, which decides at load whether they stay
-  quantized: ``--quantization``). F16 and BF16 tensors are stored in their own dtype; F32 and the
-  other quantized types dequantized by ``gguf.quants.dequantize`` (exactly, in float32) in float32;
-  config.json's ``dtype`` names the type most weights expand to. The compute dtype is
-  ``--dtype``'s business. A tensor with no place in the model, a missing one or a wrong shape is
-  an error naming it; so is a tensor type outside TENSOR_TYPES or an architecture outside
-  ARCHITECTURES.
-- the tokenizer: ``AutoTokenizer.from_pretrained(folder, gguf_file=...)`` (transformers' conversion
-  of the ``tokenizer.ggml.*`` metadata, chat template included), saved with ``save_pretrained``.
-- ``generation_config.json``: bos/pad from the metadata; EOS ids ``tokenizer.ggml.eos_token_id``,
-  then ``eot_token_id`` and ``eom_token_id`` where present (llama.cpp stops on all three).
-- ``gguf_source.json`` (last, so its presence marks a finished folder): the source file, its
-  identity, tensor types, the versions used and how long the conversion took.
-
-The conversion holds one shard of weights in memory at a time, never the whole model.
+A conversion uses ``transformers``' GGUF integration and the ``gguf`` library; nothing of
+llama.cpp's layout is re-implemented here. It writes ``config.json`` (transformers' mapping, plus
+what it leaves out: ``architectures``, ``head_dim``, Mistral as ``LlamaForCausalLM``, a
+``rope_freqs`` tensor as ``llama3`` rope scaling); the weights as safetensors shards (of at most
+SHARD_BYTES), renamed and un-permuted by transformers' tensor processor, the kernels' types
+(``layers/quant.TYPES``) as raw blocks listed in ``quantized.json``, F16/BF16 as they are, the rest
+dequantized exactly to float32; the tokenizer (chat template included); ``generation_config.json``
+(EOS: the eos, eot and eom ids); and last ``gguf_source.json``, whose presence marks a finished
+folder. A tensor with no place in the model, a missing one, a wrong shape, a type outside
+TENSOR_TYPES or an architecture outside ARCHITECTURES is an error naming it. The conversion holds
+one shard of weights in memory at a time, never the whole model.
 """
 
 from __future__ import annotations
