@@ -1,42 +1,22 @@
-"""Discovery through etcd (the v3 API, over its JSON gateway, with ``etcd3gw``).
+"""Discovery through etcd (the v3 API, over its JSON gateway, with ``etcd3gw``; ``docs/deploy.md``).
 
-``--discovery etcd://HOST:PORT/PREFIX`` (``etcds://`` for TLS) names the etcd and the prefix
-under which a cluster's workers register, one key per worker id: ``PREFIX/workers/ID``, its value
-the worker's :class:`~splitserve.discovery.record.WorkerRecord` as JSON.
+``--discovery etcd://HOST:PORT/PREFIX`` (``etcds://`` for TLS): one key per worker id,
+``PREFIX/workers/ID``, its value the worker's :class:`~splitserve.discovery.record.WorkerRecord`.
 
-- **A worker** (:class:`Registration`) puts its record under a lease of ``--discovery-ttl-s``
-  (default 10 s) and keeps the lease alive from a thread of its own, refreshing every third of the
-  TTL: a plain thread that sleeps and does blocking HTTP, so neither the engine loop nor the HTTP
-  event loop can starve it (on a busy 2-core machine a thread can still go unscheduled for seconds,
-  which is why the TTL is 10 s and not 2). A lease that expired anyway (etcd unreachable longer
-  than the TTL) is granted anew and the record put again. At every refresh the worker also reads
-  its key back: one that no longer holds its own value under its lease (deleted, or overwritten
-  with an old record of it from etcd's history) gets it put again, so neither drains a live worker
-  for longer than a keepalive. (Two live processes given one ``--worker-id`` would take the key
-  from each other at every keepalive: an id names one worker.) On SIGTERM :meth:`Registration.revoke`
-  revokes the lease first, so routers stop sending new legs before the worker drains.
+- **A worker** (:class:`Registration`) puts its record under a lease of ``--discovery-ttl-s`` and
+  keeps the lease alive from a plain thread of its own (no event loop can starve it), refreshing
+  every third of the TTL; an expired lease is granted anew and the record put again, and at every
+  refresh the key is read back and put again unless it holds this worker's value under its lease.
+  On SIGTERM :meth:`Registration.revoke` revokes the lease first, so routers stop sending new legs.
 - **A router** (:class:`Watcher`) lists the prefix, then watches it, and lists again at every change
-  it is told of and at least every :data:`RELIST_S`: the list is the truth, the watch only makes it
-  prompt. Every value is validated (``record.parse_record``); one that is not a record is logged
-  and counted, never used. A list that fails (etcd down, partitioned, refusing our credentials)
-  changes nothing: the router keeps the workers it knows and keeps health-checking them, and
-  tries again with backoff (:data:`BACKOFF_S`, doubled to :data:`BACKOFF_MAX_S`), logging when
-  the outage starts and ends; ``splitserve_router_discovery_up`` shows it.
+  and at least every :data:`RELIST_S`: the list is the truth, the watch only makes it prompt. A list
+  that fails changes nothing (the known workers stay, health-checked) and is tried again with
+  backoff (:data:`BACKOFF_S` doubled to :data:`BACKOFF_MAX_S`); ``splitserve_router_discovery_outage``.
 
-Why ``etcd3gw`` (tried here against etcd 3.4.23, beside ``aetcd`` 1.0.0, which also works): it is
-pure Python over HTTP (``requests``), so the servers gain no gRPC or protobuf binaries, and its
-calls block, which is what a keepalive thread that no event loop may starve wants. It has no
-user/password call, so :func:`client` authenticates through the gateway's ``/v3/auth/authenticate``
-itself and sends the token on every request (again after a refusal: tokens expire).
-TLS: ``--discovery-ca-certs`` (the CA etcd's certificate must be signed by),
-``--discovery-certfile``/``--discovery-keyfile`` (a client certificate, for etcd's
-``--client-cert-auth``); auth: ``--discovery-user`` and ``--discovery-password-file``. A user's
-password over plain ``etcd://`` travels in the clear (:func:`plaintext_password` says so at start).
-
-What a record says is read and written through a seal (``signing.py``), outside this module
-(``backends.py``): :class:`Registration` puts the value it is given, and :class:`Watcher` takes
-only what ``read`` makes a record of, so the etcd code never decides what a valid record is.
-:class:`EtcdBackend` is what ``backends.BACKENDS`` names for both schemes.
+:func:`client` authenticates through the gateway's ``/v3/auth/authenticate`` itself (``etcd3gw``
+has no user/password call) and sends the token on every request; :func:`plaintext_password` warns
+of a password over plain ``etcd://``. Records are sealed and validated outside this module
+(``backends.py``, ``signing.py``); :class:`EtcdBackend` is what ``backends.BACKENDS`` names.
 """
 
 from __future__ import annotations

@@ -3,41 +3,20 @@
 The HTTP front end runs on an asyncio loop in another thread. It never touches request state: it
 posts events (add, abort, stop) to the inbox, and the engine loop posts each step's outputs back
 with ``call_soon_threadsafe`` to one asyncio queue per request (``docs/lifecycle.md``, rule 1).
+What the loop does with a request is its **role**'s business (``role.py``: ``colocated.py``, or
+``disagg/prefill_role.py``, ``disagg/decode_role.py``). Each iteration, in order: note that it
+begins (``last_progress``, which a forward pass also moves after each decoder layer: its age is
+how ``/health`` and the metrics see a wedged loop); take the inbox's events, waiting up to
+``role.wait_s()`` when idle, and hand each to the role (``admit``, ``abort``, ``on_event``);
+``role.tick(now)``; one ``engine.step()`` and ``role.after_step(report)`` if there is work (a
+step that scheduled nothing makes the next iteration wait as an idle one); post the outputs.
+The simulator runs it without its thread (``start_loop(loop, thread=False)``, ``iterate_once``).
 
-What the loop does with a request is its **role**'s business (``role.py``): ``colocated``
-(``colocated.py``: the engine alone), or one side of a disaggregated pair (``disagg/prefill_role.py``,
-``disagg/decode_role.py``). The loop calls the role at fixed points of each iteration, in order:
-
-1. note that an iteration begins (``last_progress``: ``/health``, the metrics and the control
-   threads judge a wedged loop by its age, from outside; a forward pass moves it too, after each
-   decoder layer, so a slow step is not taken for a stuck loop);
-2. take the inbox's events — waiting up to ``role.wait_s()`` when there is no work — and hand each
-   to the role: ``admit`` (a new request), ``abort``, or ``on_event`` (what the role's own threads
-   posted);
-3. ``role.tick(now)``: what is due by the clock (deadlines, queues that wait for memory);
-4. if the engine has work, one ``engine.step()`` and ``role.after_step(report)``; a step that
-   could schedule nothing (no pages for any of its work: only an event or a due deadline can
-   change that) makes the next iteration wait as an idle one does, instead of spinning;
-5. post the outputs to their streams.
-
-A simulator (``splitserve/sim/``) runs the same loop without its thread: it swaps ``clock``,
-passes an inbox whose put wakes it, builds the engine with a fake forward pass, starts with
-``start_loop(loop, thread=False)`` and calls ``iterate_once(wait=False)`` itself.
-
-No exception ends the loop. One request's own data fails that request alone: an exception while
-a request is admitted (``role.admit``: its prompt, sampling parameters, stop strings and salt are
-taken in there) fails it through the role (``role.fail_request``), and the engine fails the one
-sequence whose token could not be sampled or checked (``StepReport.failed``). Any other exception
-that escapes a role is a bug in what the requests share: logged and counted, and the role fails
-whatever it holds through its own bookkeeping (``role.fail_all``), so nothing is left pinned.
-
-Refusal is decided on the asyncio side, at once: a full server (its own count of requests in
-flight) with 429 instead of queueing without bound, and a request whose whole need (every
-choice, ``role.check`` → ``LLMEngine.check_fits``) could never fit the pool with 400. Which
-admitted request runs when is the scheduler's one policy (``scheduler.py``, ``docs/design.md``,
-*Admission and order*). A request id stays taken until
-the engine has ended that request — also when its client left early — so a new request with the
-same id never receives the old one's tokens or its end.
+No exception ends the loop: one request's own data fails that request alone (``role.fail_request``,
+``StepReport.failed``); anything else escaping a role is logged and counted, and the role fails
+whatever it holds (``role.fail_all``). Refusal is decided on the asyncio side, at once: 429 for a
+full server, 400 for a request that could never fit the pool (``LLMEngine.check_fits``). A request
+id stays taken until the engine has ended that request, so a reused id never gets the old one's end.
 """
 
 from __future__ import annotations

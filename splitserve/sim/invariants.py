@@ -1,42 +1,22 @@
-"""What must hold in every simulated run, checked while it runs (not only at its end).
+"""What must hold in every simulated run, checked while it runs (not only at its end); the full list
+with what each means is ``docs/lifecycle.md``, *Invariants*.
 
-After every engine-loop iteration of every worker:
+After every engine-loop iteration of every worker: **pages conserved** (the allocator's account,
+owned pages equal to what the rooms hold; every 16th iteration also no page held twice or both
+held and free; decode's quarantine counter), **records agree with the table** (the glue of
+``disagg/role.py``), and **no live room past its end-to-end deadline**.
 
-- **pages conserved**: the allocator's account is ``free + cached + owned = total``; its owned
-  pages are what the rooms hold (each room's record and sequence; a shared page of the prefix cache
-  once per holder); every 16th iteration also that no page is held twice (but a shared one, its
-  reference count its holders) or both held and free or evictable; on decode the quarantine counter equals the quarantined records' pages;
-- **records agree with the table** (the glue of ``disagg/role.py``): a room waiting in the page
-  queue is live in ``PREALLOC``; a record that holds pages belongs to a room the table still
-  knows (live or held), so something will free them; a room the table ended has been answered;
-  a quarantined record's room is held;
-- **no live room is past its end-to-end deadline** (``request_timeout_s``).
+On every event where it can go wrong: **no write lands in a page its room does not own** (a
+landing page's slots hold the KV of that room's prompt: ``model.chain``), **no page is handed to a
+new room while a write for an old room may land in it**, and **decode starts from its own
+prompt's KV**.
 
-On every event where it can go wrong:
-
-- **no write lands in a page its room does not own**: every page a landing write touches is held
-  by a room on decode and holds, slot by slot, the KV of that room's prompt (``model.chain``: a
-  slot's key says which tokens it is the KV of);
-- **no page is handed to a new room while a write for an old room may land in it**: decode's
-  allocator never gives out a page that a write on the wire (target link not closed) targets;
-- **decode starts from its own prompt's KV**: every slot of the prompt holds the room's tag and
-  its position.
-
-For clients (``workload.py``): **exactly one ending** each (one status, nothing after the end);
-no client waits past the router's ``request_timeout_s`` plus ``CLIENT_SLACK_S``; a finished
-greedy answer is the reference text (what the fake model produces from the prompt alone, as a
-colocated worker would); **liveness**: a request that failed without an excuse — a fault
-touching its prefill, its decode or the link between them around its life, its client leaving,
-overload — is a violation. Around a **wedged** engine loop: the requests it holds are answered
-within ``loop_stall_s`` + 0.5 s, and the router takes it out of rotation within ``loop_stall_s``
-+ ``health_interval_s`` × (``health_failures`` + 1) (the bounds of ``docs/lifecycle.md``).
-
-At the end, once idle (every client done, then ``tombstone_s`` and the peer-silence bound of
-quiet): every table idle, every record gone, the prefix cache flushed and then **free pages back to
-total**, **per-peer tables
-bounded** (only sessions with live peers, no ended or unregistered senders remembered, no
-transfer connections to dead sessions, no lost peers), and **the router's outcome counters equal
-the endings the clients saw**.
+For clients (``workload.py``): **exactly one ending** each; no client waits past the router's
+``request_timeout_s`` plus ``CLIENT_SLACK_S``; a finished greedy answer is the reference text;
+**liveness** (a request failed without an excuse is a violation); the bounds around a **wedged**
+engine loop. At the end, once idle: every table idle and record gone, **free pages back to
+total**, **per-peer tables bounded**, and **the router's outcome counters equal the endings the
+clients saw**.
 """
 
 from __future__ import annotations
