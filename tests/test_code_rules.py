@@ -116,7 +116,6 @@ LONG_DOCSTRINGS_LEFT = {
     "splitserve/router/discovery.py",
     "splitserve/router/membership.py",
     "splitserve/router/workers.py",
-    "splitserve/server/role_switch.py",
     "splitserve/sim/cluster.py",
     "splitserve/testing/tiny.py",
 }

@@ -2,43 +2,20 @@
 
 Behind the admin key (``auth.WORKER_ROUTES``). The body is ``{"role": "prefill"|"decode", "epoch":
 N}``. A worker keeps an **epoch**: 0 at start, one more at every switch it begins, reported on
-``/health`` and ``/get_server_info`` beside its id, incarnation and role. A request names the epoch
-it expects (vLLM's ``/v1/pd_role`` is the precedent): whoever asks for a switch has seen the worker
-as it is, and two operators (or one that retries) cannot switch it twice by mistake.
+``/health`` and ``/get_server_info`` beside its id, incarnation and role; a request names the epoch
+it expects. The answers (200 switched or already so, 400, 409 for a stale epoch, a switch under
+way or a role the worker cannot take, 503, 500 when the new role could not start and the old one
+serves again) are listed in ``docs/lifecycle.md``, *A role switch*, with what the switch does to
+each state of each role.
 
-Answers (every refusal an OpenAI-style error body):
-
-- 200 ``{"role", "epoch", "incarnation", "switched": true, "previous": {...}, "pages_released"}``
-  once the worker serves in its new role (the answer waits for the whole switch);
-- 200 with ``"switched": false`` when it has that role already, at that epoch (a no-op: nothing
-  drains, the epoch stays, so that a caller can tell "already so" from "done now");
-- 400 for a body that is not that object (``invalid_role_request``);
-- 409 for an epoch that is not the worker's (``stale_epoch``: the message says the worker's epoch
-  and role), a switch already under way (``role_switch_in_progress``), and a worker that cannot
-  take the role (``role_unavailable``: a colocated worker; a decode needs ``--allowed-prefill`` or
-  the router's key, as at start);
-- 503 while the model loads, and once the worker is shutting down (SIGTERM);
-- 500 ``role_switch_failed`` when the new role could not start (its bootstrap port taken...): the
-  worker is back in its old role, under a new incarnation, serving; the message says why.
-
-The switch (:func:`switch`), in order — what it does to each state of each role is
-``docs/lifecycle.md``, *A role switch*:
-
-1. leave discovery: the etcd lease is revoked (``--discovery``), and for ``--discovery-grace-s`` the
-   worker still serves what routers already sent it, as after a SIGTERM;
-2. drain: new requests get 503 (``/health`` says ``draining``, routers retry elsewhere), what is in
-   flight finishes or ends by its own bounds, and every room leaves (prefill: its writes settled;
-   decode: its quarantined pages released), for at most ``--drain-timeout-s``;
-3. on the engine loop (``AsyncEngine.replace_role``): what is left fails; the old role's control plane
-   tells every peer goodbye (they end its sessions at once) and closes, its transfer agent (NIXL or
-   tcp) closes, every page it held goes back; the new role is built on the same engine and KV pool,
-   under a **new incarnation**, and starts (a prefill binds its ``--bootstrap-port``);
-4. write the new role to ``--role-file`` (``server/role_file.py``: whoever restarts the worker
-   reads it), serve again, and register the new record (new role, incarnation and bootstrap port)
-   in etcd.
-
-A router sees the new incarnation and role at its next health check (``router/workers.py``).
-The switch runs in a task of its own: a client that disconnects does not stop it half way.
+The switch (:func:`switch`), in order: leave discovery (the lease revoked; for
+``--discovery-grace-s`` the worker still serves what routers already sent); drain (new requests get
+503, every room leaves by its own bounds, for at most ``--drain-timeout-s``); on the engine loop
+(``AsyncEngine.replace_role``) fail what is left, close the old role's control plane (goodbye to
+every peer) and transfer agent, give back every page, and build and start the new role on the same
+engine and KV pool under a **new incarnation**; write the new role to ``--role-file``
+(``server/role_file.py``); serve again and register the new record. It runs in a task of its own:
+a client that disconnects does not stop it half way.
 """
 
 from __future__ import annotations
