@@ -111,7 +111,6 @@ LONG_DOCSTRINGS_LEFT = {
     "splitserve/disagg/transfer/base.py",
     "splitserve/disagg/transfer/tcp.py",
     "splitserve/engine/engine.py",
-    "splitserve/engine/scheduler.py",
     "splitserve/router/app.py",
     "splitserve/router/discovery.py",
     "splitserve/router/membership.py",

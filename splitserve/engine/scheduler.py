@@ -1,44 +1,22 @@
 """Continuous batching with chunked prefill and preemption, under one admission and ordering policy.
 
-Every step the scheduler picks, under a token budget, how many new tokens each sequence computes:
-one for a decoding sequence, a chunk of its prompt for one still in prefill (the whole rest of the
-prompt when chunking is off). Running sequences go first; then waiting ones are admitted, so
-requests join the batch at any step.
+Every step the scheduler picks, under a token budget, how many new tokens each sequence computes
+(one when decoding, a chunk of its prompt in prefill); running sequences first, then waiting ones.
 
-**Admission and order** (``docs/design.md``, *Admission*): a request is the unit. Its **need** is
-the most pages its sequences can hold at once (:func:`request_pages`: each of its ``n`` choices
-its prompt plus ``max_tokens``, the prompt's full pages once when the prefix cache shares them
-between choices). A need larger than the whole pool is refused at submission (``check_fits``).
-In the queue:
+**Admission and order** (``docs/design.md``, *Admission and order*, has the rules and their
+price): a request is the unit, its **need** (:func:`request_pages`) the measure; a need larger than
+the pool is refused at submission (``check_fits``). Requests wait in arrival order
+(``Sequence.order``: its choices and preempted sequences keep the ticket); a waiting request is
+*promised* its need when that fits in the pages no admitted request may still grow into
+(:meth:`Scheduler.unpromised_pages`), and keeps the promise until it ends; a request that does not
+fit lets at most ``max_passes`` later ones pass it. Preemption is only for pages that leave the
+scheduler's account (a decode room's): the latest request's sequence waits again, still promised.
 
-1. **Order**: requests wait in arrival order (``Sequence.order``, a ticket drawn when the request
-   first reaches the scheduler); its choices and its preempted sequences keep its ticket, so they
-   come back in its place, never behind later requests nor, wholesale, in front of earlier ones.
-2. **Promise**: a waiting request is *promised* its need when that fits in the pages no admitted
-   request may still grow into (:meth:`Scheduler.unpromised_pages`: available pages minus what
-   every promised sequence may still take). A promise holds until the sequence ends: its choices
-   and its preempted sequences run again under it, and nothing admitted later can take its pages,
-   so admitted requests do not preempt one another. Promised sequences enter the batch in order
-   while the running cap, the budget and free pages allow.
-3. **Patience**: a request whose need does not fit lets later requests that fit pass it, at most
-   ``max_passes`` of them; then nothing more is promised before it. Every promised request ends
-   within its own ``max_tokens``, so promised pages come back and every request is admitted within
-   a bound: no request holds the queue's head for ever, and none is passed for ever.
-
-Preemption remains for pages that leave the scheduler's account (a decode room's pages, taken by
-its role): when a running sequence needs a page and none is free, the sequence of the latest
-request is preempted: its pages are freed and it waits again in its request's place (still
-promised), to recompute later. A request is never dropped for lack of pages.
-
-Disaggregated requests: a prefill-only sequence gets the pages of its whole prompt when admitted
-(its room hands them to the transfer) and is never preempted; a sequence whose pages belong to a
-room is never freed here on finish — ``detach`` takes it out and its room frees the pages.
-
-Prefix cache (``page_allocator.py``): a sequence admitted with no pages (and not computing its
-prompt's logprobs, which needs every prompt position computed) first takes the cached pages of its
-longest known prefix (never its last token, which is always computed, so that no
-cached page is ever written) and computes only the rest; every page that becomes full of computed
-KV is offered to the cache (``index_computed``). Preempted or finished, its full pages stay cached.
+A prefill-only sequence gets its whole prompt's pages when admitted and is never preempted; a
+sequence whose pages belong to a room is taken out by ``detach``, its room frees the pages. A
+sequence admitted with no pages (and not computing its prompt's logprobs) first takes the cached
+pages of its longest known prefix, never its last token (``page_allocator.py``); every page that
+becomes full of computed KV is offered to the cache (``index_computed``).
 """
 
 from __future__ import annotations
