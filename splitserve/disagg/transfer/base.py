@@ -4,43 +4,19 @@ A worker's KV pool is ONE page-major tensor (``engine/kv_pool.py``), so a page o
 contiguous span and consecutive page ids are one span too. A backend registers that tensor once at
 construction; a transfer is a list of :class:`Span` (local offset, remote offset, length), built by
 :func:`page_spans`, which merges runs of pages that are consecutive on *both* sides so that a
-request's KV crosses in few descriptors (descriptor count, not bytes, sets the speed: docs/design.md §3).
+request's KV crosses in few descriptors.
 
 Roles. The prefill worker is the writer: it learns the decode worker's :meth:`~TransferBackend.metadata`
 through the handshake, calls :meth:`~TransferBackend.add_peer`, then :meth:`~TransferBackend.write`
 spans into the decode worker's pool and :meth:`~TransferBackend.poll` s the returned handle. The
 decode worker only receives: it reads :meth:`~TransferBackend.notifications` to learn that bytes
-have landed. Peers are named by their agent name, which carries the process incarnation, so a peer
-restarted on the same address is a different peer (docs/design.md §3); notifications name the *writer's*
-agent name.
+have landed. Peers are named by their agent name, which carries the process incarnation;
+notifications name the *writer's* agent name.
 
-Ordering contract (what every backend guarantees, and no more):
-
-* a write's notification is delivered after that write's bytes have landed (an empty ``notif``
-  sends none);
-* nothing is promised about the order of *different* writes (NIXL may complete them in any order).
-  A room whose KV goes in several writes (one per prefill chunk) therefore either sends a
-  notification with every write and lets the receiver count them (the last one says how many), or
-  sends its final notification with a write issued after every earlier write polled DONE (an empty
-  span list sends a notification alone).
-
-Failure contract. :meth:`~TransferBackend.write` never raises for a bad request (unknown peer, a
-span out of either buffer, a backend error): it returns a handle that polls FAILED with the reason,
-so the caller has one failure path. A FAILED state says whether the write's bytes may still land
-(``may_land``): only a write refused before it reached the network, or one the receiver finished
-and answered, is certainly over; any other failure is settled only by the receiver's fence. :meth:`~TransferBackend.poll` never raises for transfer errors
-either. A write that never completes stays PENDING: the caller's deadline (``transfer_timeout``)
-ends it, and :meth:`~TransferBackend.release` drops it. Releasing a pending write stops what has
-not been sent where the backend can, but bytes already on the wire may still land (NIXL's cancel
-does not recall them): the receiver keeps the pages of a failed room quarantined (docs/design.md, rule 6)
-until the writer says its writes settled or the receiver fences it by closing the writer's
-receiving link (``links.py``: closing a backend is what fences).
-
-Threading. A backend is driven by ONE transfer thread per worker: its methods are not thread-safe
-among themselves and must all be called from that thread. Backends may run their own internal
-threads (the tcp receiver, NIXL's progress thread); those never call back into the caller. The
-receiving side calls :meth:`~TransferBackend.notifications` every few milliseconds even when it
-expects nothing: for NIXL without a progress thread that call is what moves incoming bytes.
+The contract every backend keeps — a write's notification after its bytes, no order between
+writes, ``write`` and ``poll`` never raising for transfer errors (FAILED with a reason and
+``may_land``), bytes on the wire that a release does not recall, one driving thread — is written
+out in ``docs/protocol.md``, *Transfer backends*.
 """
 
 from __future__ import annotations

@@ -2,46 +2,21 @@
 
 Each backend binds one ROUTER socket (``host:port``, IPv4 or IPv6; port 0 picks a free port)
 served by a receiver thread, and advertises its address in :meth:`TcpBackend.metadata`. A writer
-keeps one DEALER socket per peer, dialled only at a ``tcp://HOST:PORT`` (:func:`peer_endpoint`). A write is cut into frames of at most ``max_frame_bytes`` (the smaller of
-ours and the peer's)::
-
-    [header, payload]   header = msgpack {v, to, frm, wid, off, n, last[, notif]}
-
-``payload`` is a copy of our buffer's bytes, read when the frame is sent; ``off`` is where it goes
-in the peer's buffer; ``n`` is how many frames the write has, and ``last`` marks its final frame,
-which carries the notification. The receiver counts the frames of each write (by writer and write
-id, not by connection): only a last frame that completes the count means every byte is in place —
-ZMQ keeps frames of one connection in order, but a connection that breaks and reconnects loses
-what was in flight, and the later frames arrive on the new one. It then queues ``(frm, notif)``
-for :meth:`~TcpBackend.notifications` and answers ``{wid, ok[, reason]}``; that answer makes the
-writer's handle DONE (or FAILED). A write that lost a frame fails (``frames_missing``) and its
-notification is never delivered.
+keeps one DEALER socket per peer, dialled only at a ``tcp://HOST:PORT`` (:func:`peer_endpoint`),
+and cuts a write into frames ``[header, payload]`` (``payload`` a copy of our buffer's bytes, read
+when the frame is sent); the receiver counts each write's frames, queues ``(frm, notif)`` for
+:meth:`~TcpBackend.notifications` once the last one completes it, and answers ``{wid, ok[,
+reason]}``, which makes the writer's handle DONE or FAILED. The frame format, what a lost frame or
+answer does, and what the receiver refuses: ``docs/protocol.md``, *Transfer backends*.
 
 Never blocking: frames are sent with ``NOBLOCK``; what the socket's high-water mark refuses stays
 in the peer's FIFO and is sent by later ``write``/``poll`` calls. Memory is bounded by
-``send_hwm`` frames per peer on each side.
-
-With a cluster secret (``secret``, ``disagg/control/curve.py``) the receiver's socket and every
-writer's are CURVE: only holders connect, and the KV bytes are encrypted on the wire.
-
-The receiver trusts nothing: messages over the size limit are dropped by ZMQ (``MAXMSGSIZE``,
-which counts the bytes CURVE adds to each frame on the wire: the limit allows for them, or every
-frame of the full size would be dropped with its connection);
-a frame that is malformed, addressed to another agent name (a previous incarnation), or whose
-offset falls outside the buffer is refused, counted in ``stats()["bad_frames"]``, logged, and
-fails its whole write (the answer to its last frame says why). A receiving link (a decode
-worker's, built with ``writable_page_nbytes``) also refuses every byte that falls outside the
-pages it was told its writer may fill (:meth:`TcpBackend.allow_pages`: the target pages of the
-rooms registered with that writer, until they leave the room): whoever learns a link's address
-and agent name can write into no other page of the pool. Bytes are copied under the lock that
-:meth:`TcpBackend.revoke_pages` takes, so once it returns nothing lands in those pages any more. An unexpected error in the loop
-is logged and the loop goes on; the thread ends only at :meth:`~TcpBackend.close`.
-
-A connection that breaks takes what was in flight with it. A write that lost a middle frame fails
-when its last frame arrives (the count); one whose last frame or answer was lost fails when the
-answer to a later write comes (``_answer_lost``: answers come in the order the last frames went
-out), as ``may_land``. A peer that dies, or a lost last write with none after it, leaves its
-writes PENDING: the caller's transfer deadline ends them.
+``send_hwm`` frames per peer on each side. With a cluster secret (``secret``,
+``disagg/control/curve.py``) every socket is CURVE: only holders connect, and the KV bytes are
+encrypted on the wire. A receiving link (``writable_page_nbytes``) takes bytes only into the pages
+:meth:`TcpBackend.allow_pages` opened to its writer; once :meth:`TcpBackend.revoke_pages` returns
+nothing lands in them. An unexpected error in the receiver loop is logged and the loop goes on;
+the thread ends only at :meth:`~TcpBackend.close`.
 """
 
 from __future__ import annotations
