@@ -677,7 +677,7 @@ class LLMEngine:
                 self._forks.pop(seq.out_rid, None)
         first = seq.num_output_tokens <= 1 and seq.sampling.prompt_logprobs is not None
         return RequestOutput(rid=seq.out_rid, index=seq.choice, token_ids=(token,) if token is not None else (),
-                             text=seq.detok.release(final=finished),
+                             text=seq.detok.release(final=seq.finish_reason is not None),  # its own end
                              finished=finished, finish_reason=seq.finish_reason,
                              prompt_tokens=seq.num_prompt_tokens, completion_tokens=seq.num_output_tokens,
                              logprobs=(logprob,) if logprob is not None else (),
