@@ -1,88 +1,22 @@
-"""A built-in tiny model: random weights, real architectures, properties checked at build time.
+"""A built-in tiny model: random weights, real architectures, properties checked at build time
+(``docs/tiny_model.md``: why the weights are drawn as they are, and what the check requires).
 
-`--model tiny` has to give tests a model that loads through the real code paths
-(`transformers`' own `LlamaForCausalLM`, `Qwen2ForCausalLM`, `Qwen3ForCausalLM`, safetensors, a
-fast tokenizer with a chat template), small enough to prefill 3,000 tokens on two CPU cores in a
-fraction of a second, yet behaving well enough that *exact-match* tests (engine vs.
-transformers, disaggregated vs. colocated, batched vs. alone) mean something and are not flaky.
-
-Shapes (float32 weights, vocab 2048, context 8192, 4 layers, hidden 256, MLP 768):
+Shapes (float32 weights, vocab 2048, context 8192, 4 layers, hidden 256, MLP 768)::
 
     arch    heads kv-heads head_dim  tied  extras
     llama   8     2        32        no    rope_theta 1e4, rms_norm_eps 1e-5
     qwen2   8     2        32        yes   q/k/v bias, rope_theta 1e6
     qwen3   8     4        64        no    q/k RMSNorm, heads*head_dim (512) != hidden (256)
 
-Tokenizer: a byte-level BPE (`tokenizers`) trained at build time on a corpus generated here from a
-fixed seed, so any UTF-8 string round-trips exactly (`decode(encode(s)) == s`: no normaliser, no
-prefix space, nothing added implicitly, no space clean-up). The five special tokens come first
-(`<|pad|>` 0, `<|startoftext|>` 1 = bos, `<|endoftext|>` 2 = eos, `<|im_start|>` 3,
-`<|im_end|>` 4), `<tool_call>` and `</tool_call>` are added (non-special) tokens at the last two
-ids, one token each as in real chat models' tokenizers, and a ChatML-like chat template (bos, then `<|im_start|>role\n...<|im_end|>\n`
-per message, `<|im_start|>assistant\n` for the generation prompt) sits in tokenizer_config.json.
-generation_config.json stops on `<|endoftext|>` and `<|im_end|>` (greedy never emits either).
+Tokenizer: a byte-level BPE trained at build time on a corpus from a fixed seed (any UTF-8 string
+round-trips exactly), with ``<|pad|>`` 0, ``<|startoftext|>`` 1 (bos), ``<|endoftext|>`` 2 (eos,
+which greedy decoding never emits), ``<|im_start|>`` 3, ``<|im_end|>`` 4, ``<tool_call>`` and
+``</tool_call>`` (one added token each, the last two ids) and a ChatML-like chat template.
 
-Why the weights are not a plain `initializer_range=0.02` init:
-
-* **Scale.** With std 0.02 each layer barely moves the residual stream, attention is uniform and
-  the output is a function of the last token. We draw every matrix as N(0, (s/sqrt(fan_in))^2),
-  so a projection of an O(1) input is O(s) whatever its width, with per-family `s` (`_Scales`):
-  q/k at 1.3 (attention scores with std ~1.7: sharp enough that one token 100 positions back
-  changes the continuation within a few tokens), embeddings at 0.5 so that the layers' outputs
-  weigh as much as the current token, MLP at 1 (a smaller MLP makes greedy decoding fall into
-  short loops), and the unembedding so that logits have a standard deviation of about 4.
-  Scaling cannot buy margin by itself: float32 error is relative, so multiplying the logits by
-  `c` multiplies the gaps and the error alike. Measured, the final hidden state differs by
-  ~1e-6 (relative) between batch shapes, logits by up to ~7e-6 of their spread, and what
-  context-sensitivity gains (sharper attention, a larger share for attention in the residual
-  stream) it pays back in error nearly one for one. So the margin is *checked* (below).
-* **EOS never wins.** Every special token gets a zero row in an untied `lm_head` (logit exactly
-  0) or, when tied (qwen2), an embedding row 10x smaller than the others (logit ~0, and the
-  row is still non-zero so that RMSNorm of a special-token input is defined). The 2043 ordinary
-  tokens' logits are ~N(0, 4^2): their maximum is ~11 above any special token at every checked
-  step. Greedy decoding therefore never stops by itself: exact-match tests run to `max_tokens`,
-  and a stream that ends early is a bug, not the model's choice.
-* **Tied embeddings and self-loops.** With `lm_head = embed_tokens`, the current token's own
-  embedding in the residual stream makes it its own favourite successor ("a a a a"); qwen2 keeps
-  its embedding (0.04) far below the layers' outputs, and the final-norm weight restores the
-  logit scale.
-
-The build-time check (`_check_model`; its numbers go to `tiny_model_report.json`). Probes: random
-token prompts of 1, 20, 128 and 300 tokens, a copy of the 300-token one with the token 100
-positions from its end replaced, and a ChatML conversation, decoded 32 greedy steps in one
-left-padded batch with a KV cache; the 300-token prompt decoded 64 steps alone with a cache;
-a 3,000-token prompt prefilled alone and decoded 8 steps. Every decoded position is recomputed
-as one full forward of that sequence alone (no cache), and the batch's also as one right-padded
-batch. Then, over all ~230 decoded steps:
-
-  (a) `min_gap`: the smallest top-1 minus top-2 logit, in every run;
-  (b) `max_error`: the largest absolute logit difference, over the whole vocabulary, between
-      runs of the same step in different batch shapes / prefix splits;
-  (c) required: `min_gap > GAP_FACTOR * max_error` with GAP_FACTOR = 100; the same greedy token
-      in every run; every special token more than GAP_FACTOR * max_error below the top; the
-      altered 300-token prompt's continuation differing from the original's within 32 tokens;
-      at least 16 distinct tokens in the 64-token continuation (no repetition loop).
-
-Top-1/top-2 gaps of near-Gaussian logits are roughly exponentially distributed (mean ~1.1 here,
-max_error ~3e-5), so a step falls within 100x the error about once in 250-400 steps and a seed
-fails (a) about half of the time. The builder then tries the next candidate seed
-(`_candidate_seed`: the requested seed first, then a fixed hash-derived sequence), up to
-MAX_SEED_TRIES, and raises `TinyModelCheckError` if none passes; the report names the seed used
-and every attempt. A failed attempt costs ~0.5 s (the long prompt runs only once the short probes
-pass); a build ~1-3 s. Passing selects seeds without near-ties *on the probes*; what carries over
-to other prompts is the regime: at an unseen step the chance that the top two logits are within
-one max_error of each other is ~3e-5 (one step in ~30,000), so a test comparing a few hundred
-tokens meets such a step with probability ~1%, and even then it only flips if the batch shape
-differs between the runs compared. With bfloat16 the error is thousands of times larger and none of
-this holds: compare in float32.
-
-`tiny_model_path()` is what `--model tiny` resolves to: built once per (arch, seed,
-FORMAT_VERSION) into `$SPLITSERVE_CACHE` or `~/.cache/splitserve` (read at call time), under an
-fcntl lock, into a temporary directory beside the final one that is renamed into place: callers
-racing for the same model wait and reuse it, a half-written folder is never visible, and a
-folder that is incomplete or whose report is not `ok` is rebuilt rather than trusted
-(`splitserve.models.cache.build_once`). Bump FORMAT_VERSION whenever what the builder writes
-changes.
+``tiny_model_path()`` is what ``--model tiny`` resolves to: built once per (arch, seed,
+FORMAT_VERSION) into the model cache by ``splitserve.models.cache.build_once`` (locked, renamed
+into place, rebuilt when incomplete or its report is not ``ok``); the builder tries candidate seeds
+until one passes ``_check_model``. Bump FORMAT_VERSION whenever what the builder writes changes.
 """
 
 from __future__ import annotations
