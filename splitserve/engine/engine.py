@@ -6,21 +6,17 @@ rule 1). Offline users (benchmarks, tests) call it directly: ``add_request`` the
 idle.
 
 Each ``step`` schedules a batch, runs it, samples one token for each sequence whose known tokens
-are all computed, and returns a :class:`StepReport`: what it admitted, which prompt chunks ran,
-the first tokens of prefill-only sequences, every sampled token with its client delta, what
-finished, was preempted or failed. Whoever drives the engine (the colocated loop, a prefill or a
-decode role) reads only that report, never the scheduler's internals. A finished or aborted
-sequence's pages are freed exactly once, in ``Scheduler.finish``; a sequence whose pages belong to
-a room is only detached, and its room frees them.
+are all computed, and returns a :class:`StepReport` (admitted, prompt chunks run, prefill-only
+first tokens, sampled tokens with their client deltas, finished, preempted, failed): whoever drives
+the engine reads only that report. A finished or aborted sequence's pages are freed exactly once,
+in ``Scheduler.finish``; a sequence whose pages belong to a room is only detached.
 
-A request with ``n`` > 1 choices is one sequence until its prompt has run; then the other
-choices fork from it (``_fork``): sequences of their own, keyed ``rid + CHOICE_KEY + i``, of the
-prompt alone, that take its full pages from the prefix cache (shared), compute its partial last
-page and sample their own first token there with ``choice_seed``. So the fork is the same
-wherever the prompt ran: here (colocated, decode alone, decode's recompute fallback) or on a
-prefill worker, whose room samples choice 0's first token only (``start_decoding`` forks the
-rest once the KV is in). Its deltas carry the choice's ``index``; it ends (``finished``) with its
-last choice, and an abort (or a room's ``cancel``) ends them all.
+A request with ``n`` > 1 choices is one sequence until its prompt has run; then the other choices
+fork from it (``_fork``: sequences keyed ``rid + CHOICE_KEY + i`` that take the prompt's full
+pages from the prefix cache, compute its partial last page and sample their own first token with
+``choice_seed``), the same wherever the prompt ran (a prefill worker's room samples choice 0's
+first token only; ``start_decoding`` forks the rest). The request ends with its last choice, and an
+abort (or a room's ``cancel``) ends them all.
 """
 
 from __future__ import annotations

@@ -2,27 +2,14 @@
 
 Shaped after SGLang's model gateway (``POST /workers`` with ``url``, ``worker_type`` and
 ``bootstrap_port``, answered 202 with the ``worker_id``; ``DELETE /workers/{worker_id}``), with
-splitserve's identity rules (``workers.py``, ``docs/router.md``):
-
-- ``POST /workers`` ``{"url": ..., "worker_type": "prefill"|"decode", "bootstrap_port": N, "id":
-  ..., "incarnation": ...}`` (``role`` is taken for ``worker_type``; ``bootstrap_port`` defaults
-  to 8998 for a prefill; ``id`` and ``incarnation`` are optional). The router asks the worker's
-  ``/health`` at once (bounded): the worker must answer with an identity (any status: a worker
-  still loading may be added), which must be the ``id`` (and ``incarnation``) given, if given;
-  the worker is then pinned to that id. A router with keys asks it to prove itself too (its answer
-  to a nonce: ``worker_trust.py``). 202 ``{"status": "accepted", "worker_id", "worker"}``; it
-  takes part in routing from its first healthy check, run at once. 400 for a malformed body, 409
-  for a worker already in the set (by id or URL) or one that answers as another, 502 when the
-  worker cannot be reached. Naming an id removed before (by the body's ``id`` or by the worker's
-  answer) takes back its removal.
-- ``DELETE /workers/{id}``: every incarnation with that id drains (no new legs; its exchanges end
-  by their own bounds) and leaves once no leg is open, and the id is remembered as removed
-  (``WorkerSet.removed``, bounded): discovery adds no worker with that id again, a new incarnation
-  of it neither, until ``POST /workers`` names it. 202 ``{"status": "draining", "worker_id",
-  "in_flight"}``, or 404.
-
-Every field is validated like the network input it is (``discovery/record.py``): the URL and
-bootstrap port are what decode workers will dial.
+splitserve's identity rules (``workers.py``); the fields and every answer are ``docs/router.md``'s
+table. ``POST /workers`` asks the worker's ``/health`` at once (bounded): it must answer with an
+identity, the ``id`` (and ``incarnation``) given if given, and prove itself to a router with keys
+(``worker_trust.py``); it is then pinned to that id and takes part in routing from its first
+healthy check. ``DELETE /workers/{id}`` drains every incarnation with that id and remembers the id
+as removed (``WorkerSet.removed``, bounded), so discovery adds it again only once ``POST /workers``
+names it. Every field is validated like the network input it is (``discovery/record.py``): the URL
+and bootstrap port are what decode workers will dial.
 """
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
 """A whole cluster in one process: prefill and decode workers and a router, each running the
 project's real code on the simulated loop (``clock.py``), joined by the simulated network
-(``network.py``, ``transfer.py``, ``http.py``).
+(``network.py``, ``transfer.py``, ``http.py``; ``docs/lifecycle.md``, *The simulator*).
 
 A :class:`SimWorker` is one worker *process*: the real :class:`~splitserve.engine.async_engine.AsyncEngine`
-with the real role (``disagg/prefill_role.py`` or ``disagg/decode_role.py``) and the real HTTP state and
-handlers (``server/``), built through the seams (``Seams``, ``ModelParts``, the clocks) so that
-only sockets, the transfer backend, the forward pass and time are simulated. Its three threads
-are callbacks on the loop:
+with the real role and the real HTTP state and handlers, built through the seams (``Seams``,
+``ModelParts``, the clocks). Its three threads are callbacks on the loop: the **engine loop** runs
+``iterate_once(wait=False)`` when its inbox gets an event (after a wake-up latency from the seed),
+when the engine has work (after the last step's simulated cost), else after ``role.wait_s(now)``;
+the **control** and **transfer** threads run their ``step()`` when something is handed to them and
+every ``tick_s``, an exception escaping a step going to the thread's ``crashed`` and the step
+resuming after ``RESTART_PAUSE_S``, as ``SupervisedThread.run`` does.
 
-- the **engine loop** runs ``iterate_once(wait=False)`` — when its inbox gets an event (after
-  a wake-up latency drawn from the seed), when the engine has work (after the last step's
-  simulated cost), and otherwise after ``role.wait_s(now)``, the real loop's idle wait;
-- the **control thread** and the **transfer thread** run their ``step()`` when something is
-  handed to them (a frame, a command, a settled write, a notification) and every ``tick_s``; an
-  exception escaping a step is handed to the thread's ``crashed`` (its ``on_crash``) and the
-  step resumes after ``RESTART_PAUSE_S``, as ``SupervisedThread.run`` does.
-
-Faults act on these: a **wedged** engine loop does not iterate (its threads go on), a **hung**
-thread does not step (it stops beating), a **stopped** process (SIGSTOP) runs none of its threads
-and nothing it sends over HTTP arrives until it goes on (``http.Connection``), a **kill** drops the
-process on the floor — its sockets vanish, its links close, its HTTP connections break, its objects
-are never called again — and a **restart** builds a new process at the same address, with a new
+Faults act on these: a **wedged** engine loop does not iterate, a **hung** thread does not step, a
+**stopped** process (SIGSTOP) runs none of its threads and nothing it sends over HTTP arrives until
+it goes on, a **kill** drops the process on the floor (its sockets vanish, its links close, its
+HTTP connections break), and a **restart** builds a new process at the same address, with a new
 incarnation.
 """
 
