@@ -1,41 +1,22 @@
 """The router's HTTP front end (aiohttp) and its process: ``splitserve router``.
 
-Routes::
-
-    POST /v1/completions, /v1/chat/completions, /generate   to one prefill + one decode worker
-    GET  /v1/models                                         a healthy decode worker's answer (503 until a
-                                                            prefill and a decode worker are up)
-    GET  /health                                            200 if a prefill and a decode worker are up
-                                                            (their details only with a key: docs/security.md)
-    GET  /metrics                                           Prometheus (``splitserve_router_*``)
-    GET  /workers                                           every worker: identity, role, state, legs in flight
-    POST /workers, DELETE /workers/{id}                     add a worker; drain one, then remove it
-                                                            (``membership.py``)
-    GET  /debug/requests/{rid}                              one request on the router and both its workers
-    POST /flush_cache                                       every worker's ``/flush_cache``, at once
-    POST /tokenize, /detokenize                             to one healthy worker (the least busy), its answer
+Routes: the generation endpoints (``/v1/completions``, ``/v1/chat/completions``, ``/generate``, to a
+prefill and a decode worker or a decode alone), ``/v1/models``, ``/health``, ``/metrics``,
+``/workers`` (``membership.py``), ``/debug/requests/{rid}``, ``/flush_cache``, ``/tokenize`` and
+``/detokenize`` (to the least busy healthy worker): the README's API table; keys: ``docs/security.md``.
 
 :func:`create_app` builds the application from a :class:`~splitserve.config.RouterConfig`; all of
-its state is one :class:`~splitserve.router.state.RouterState` on the app (no module-level globals), including the one
-``aiohttp.ClientSession`` every leg and health check uses (no connection limit: the workers'
-own queues decide what they accept; the worker key only on calls to a worker that proved itself,
-``worker_trust.py``). The session and the health checker live as long as the app
-(``cleanup_ctx``); startup runs one round of health checks before the app serves, so a router that
-says it is ready already knows which workers are up.
+its state is one :class:`~splitserve.router.state.RouterState` on the app, including the one
+``aiohttp.ClientSession`` every leg and health check uses (no connection limit: the workers' own
+queues decide). The session and the health checker live as long as the app; startup runs one
+round of health checks before the app serves. :func:`run_router` is what the CLI runs: listen,
+say ready (with a curl example) once a usable pair is up, serve until SIGTERM/SIGINT, then give
+requests in flight :data:`SHUTDOWN_GRACE_S` before their handlers are cancelled (which closes their
+legs); a handler whose client disconnects is cancelled (``handler_cancellation=True``).
 
-:func:`run_router` is what the CLI runs: listen (a busy port fails at once, exit 1), print a ready
-line with a curl example once a usable pair is up (a healthy prefill and a healthy decode worker;
-until then a line that says it listens and is not ready; again each time a pair is back after
-none was), serve until SIGTERM/SIGINT, then stop: requests in flight get
-:data:`SHUTDOWN_GRACE_S` to finish, after which their handlers are cancelled, which closes their
-legs, so the workers abort them. The runner cancels a handler whose client disconnects
-(``handler_cancellation=True``): that is how a waiting non-streaming request notices.
-
-Nothing the router does waits without a bound (``docs/router.md``): its keep-alive timer closes a
-connection that sends no whole request head within ``client_header_timeout_s``; every answer is
-written with each write bounded by ``client_write_timeout_s`` (``_bounded_send``, or the
-exchange itself for generation); a request's legs, its body and its deadline are bounded in
-``proxy.py``; health checks and ``/v1/models`` have timeouts of their own.
+Nothing the router does waits without a bound (``docs/router.md``, *Bounds*): the request head by
+``client_header_timeout_s``, every write by ``client_write_timeout_s`` (``_bounded_send``), a
+request's legs, body and deadline in ``proxy.py``, health checks by their own timeouts.
 """
 
 from __future__ import annotations

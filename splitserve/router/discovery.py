@@ -1,46 +1,20 @@
 """The router's side of discovery (``--discovery``): the workers registered in the store join the
-worker set, and leave it (drained) when their record goes.
+worker set, and leave it (drained) when their record goes (``docs/router.md``, *Membership*, and
+``docs/security.md`` have the rules and why).
 
-:class:`Discovery` owns the watcher of the store the URL's scheme names (``discovery/backends.py``;
-etcd's watches a prefix: ``discovery/etcd.py``), which runs in threads of its own, and applies every
-list it makes on the router's event loop (:meth:`Discovery.apply`). Every value is opened
-with the router's seal first (``discovery/signing.py``): with ``--cluster-secret-file`` a value not
-sealed with the cluster secret is dropped and counted like any other invalid value. Then:
+:class:`Discovery` owns the watcher of the store the URL's scheme names (``discovery/backends.py``),
+which runs in threads of its own, and applies every list it makes on the router's event loop
+(:meth:`Discovery.apply`). Every value is opened with the router's seal first
+(``discovery/signing.py``). A new id joins as a worker pinned to the record's id and incarnation; a
+new incarnation for a known id joins once the old one left; a record naming an incarnation seen
+ended (:meth:`Discovery.ended`) never joins; a worker whose record is gone is checked at once and
+drains if it is not routable or says ``leaving``, else only after :data:`ABSENT_GRACE_S`, at most
+one a list; ids an operator removed, and workers given on the command line or by ``POST
+/workers``, are left alone; a failed list changes nothing.
 
-- a record whose id the set does not hold: a new worker, pinned to the record's id *and*
-  incarnation (``workers.py``), its pairing fields taken from the record, checked at once (it is
-  routable only once it answered the router's nonce: ``worker_trust.py``);
-- a record with a new incarnation for a known id: the old incarnation's record is absent (below),
-  and the new one joins once the old one left (a restart in place shows at the old one's next
-  check: another incarnation answers there; a member's old record put back drains nothing);
-- a record naming an incarnation seen ended (a check of it was answered, proven, by its id as
-  another incarnation, or it was drained and its id then served, proven, as another:
-  :meth:`Discovery.ended`, at most :data:`MEMORY` remembered) never joins, and
-  counts as the record of a routable worker with its id: an old sealed record put back, read from
-  etcd's history, replaces no live worker, however long it stays (the worker also puts its own
-  record back at its next keepalive: ``discovery/etcd.py``);
-- a discovered worker without a record any more: the record's absence is evidence, not proof (an
-  etcd restored without its data, or wiped, lists nothing while every worker serves on, and each
-  puts its record again at its next keepalive). It is checked at once, and drains when it is also
-  not routable: unhealthy, or saying it left discovery (a worker revokes its lease at SIGTERM or for
-  a role switch, and says ``leaving`` on ``/health``). One still healthy drains only once its record
-  was absent for :data:`ABSENT_GRACE_S`, and one list drains at most one such worker, so no list
-  empties the set at once;
-- a record whose id an operator removed (``DELETE /workers/{id}``) is left alone until
-  ``POST /workers`` names that id again (``WorkerSet.removed``, bounded);
-- a record naming the id or the URL of a worker given on the command line or by ``POST /workers`` is
-  left alone (that worker is already served; said once);
-- a failed list changes nothing: the known workers stay and are health-checked as ever.
-
-Everything kept per record is bounded: the values refused are remembered for the last list only
-(at most :data:`MEMORY` keys), the things said once in a set of at most :data:`MEMORY` (the oldest
-forgotten), and the discovered workers number at most :data:`MAX_DISCOVERED`.
-
-Metrics (``docs/metrics.md``): ``splitserve_router_discovery_outage`` (1 while etcd cannot be
-listed), ``splitserve_router_discovery_errors_total`` (failed lists),
-``splitserve_router_discovery_records_invalid_total`` (values under the prefix that are no valid
-record, unsigned or badly signed ones included, each counted once, when it first appears under its
-key), ``splitserve_router_discovery_invalid_records`` (how many the last list held).
+Everything kept per record is bounded (:data:`MEMORY`, :data:`MAX_DISCOVERED`). Metrics
+(``docs/metrics.md``): ``splitserve_router_discovery_outage``, ``_errors_total``,
+``_records_invalid_total`` and ``_invalid_records``.
 """
 
 from __future__ import annotations

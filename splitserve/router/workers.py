@@ -1,51 +1,22 @@
-"""The router's view of its workers: identity, addresses, health, membership and requests in flight.
+"""The router's view of its workers: identity, health, membership, legs (``docs/router.md``, *Membership*).
 
 A :class:`Worker` is one prefill or decode worker as the router sees it. Its fields are changed
 only on the router's event loop (the health checker, the membership API and discovery, and the
-request handlers), so no locks.
+request handlers), so no locks. Workers are tracked by the id and incarnation they report on
+``/health``, not by address: a worker told about with its identity is *pinned* to it (another
+identity on its URL takes it out of rotation at once), a static one to the id it first answers
+with (the same id with a new incarnation is that worker restarted: :attr:`Worker.restarts`).
 
-**Identity.** Every worker reports an id and an incarnation on ``/health``
-(``discovery/record.py``); the router tracks workers by them, not by address. A worker the router
-was told about with its identity (a discovery record, ``POST /workers`` after its first probe) is
-*pinned*: an answer on its URL from any other identity is another process on that port, and the
-worker is out of rotation at once (never after a count of failures: it must get no leg). A static
-worker (``--prefill``/``--decode``) is pinned to the id it first answers with; the same id with a new
-incarnation is that worker restarted (accepted: its old incarnation has ended, :attr:`Worker.restarts`
-counts it), another id is a foreign process. A static worker given with its id (``--prefill URL
-PORT id=ID``, as ``splitserve launch`` starts its router) is pinned to that id from the start, so a
-process that answers on its port before it does is never taken for it. A discovered worker's
-incarnation is fixed by its record (its next incarnation registers a record of its own). An answer
-that carries no well-formed identity is no splitserve worker, and is never taken for one.
+:class:`HealthChecker` GETs ``/health`` on every worker every ``health_interval_s`` (all at once,
+each bounded), with a fresh nonce when the router holds a key; only a worker whose last answer
+proved itself is routable (``worker_trust.py``). ``health_failures`` consecutive failures take a
+worker out of rotation, one success brings it back; a worker coming up is asked its served model
+(``/v1/models``) and pairing fields (``/get_server_info``, :meth:`Worker.pairs_with`).
 
-**Health.** :class:`HealthChecker` GETs ``/health`` on every worker every ``health_interval_s``
-(all workers at once, each check bounded by a timeout), each with a fresh nonce when the router
-holds a key: an answer without a proof under one of its keys (``discovery/proof.py``), and a probe
-that fails or times out, takes the worker out of rotation at once, and only a worker whose last answer proved itself is routable
-and gets calls carrying the worker key (``worker_trust.py``). A worker that says it is
-``leaving`` (it left discovery at SIGTERM or for a role switch) is noted: discovery drains it at
-once when its record is gone too. ``health_failures`` consecutive failures
-take a worker out of rotation; one success brings it back. A worker starts out of rotation until
-its first successful check, so the router never sends a request to a worker it has not seen up.
-When a worker comes (back) up, the checker also asks its ``/v1/models`` for the served model's
-name (which is how the router learns what clients may put in ``model``) and its
-``/get_server_info`` for what pairs are formed by (:meth:`Worker.pairs_with`).
-
-**Membership.** A worker is in the set from :meth:`WorkerSet.add` until :meth:`WorkerSet.remove`;
-:meth:`WorkerSet.drain` marks it *draining* (it gets no new legs, its exchanges end by their own
-bounds) and removes it once no leg to it is open, or at a bound. A worker's states, as the router
-sees them: ``unchecked`` (added, no answer yet) -> ``healthy`` <-> ``unhealthy``; any of them ->
-``draining`` -> removed.
-
-**Roles that change.** A worker may switch between prefill and decode (``POST /role`` on it): it
-comes back under a new incarnation and reports its new role on ``/health``. A static or API worker
-then moves to its new role's list (:meth:`WorkerSet.move`), out of rotation until its next
-successful check, which asks a prefill's bootstrap port from ``/get_server_info``; a discovered
-one is out of rotation at once (its new record, registered after the switch, brings it back).
-
-**Pairs.** :meth:`WorkerSet.pick_pair` forms a (prefill, decode) pair only of workers that agree on
-the model fingerprint, the protocol version and the transfer backend (a worker that has not said
-pairs with anyone: the control handshake still refuses a mismatch); a healthy decode worker left out
-for the chosen prefill because it differs is a pairing refused, counted by the router's metrics.
+:class:`WorkerSet` holds the set: ``add``, ``remove``, ``drain`` (no new legs; removed once no leg
+is open), ``move`` (a worker that switched its role) and ``pick_pair`` (a prefill and a decode that
+agree on model fingerprint, protocol version and transfer backend). States: ``unchecked`` ->
+``healthy`` <-> ``unhealthy``; any -> ``draining`` -> removed.
 """
 
 from __future__ import annotations
