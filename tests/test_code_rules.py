@@ -107,19 +107,12 @@ def long_module_docstrings() -> dict[str, int]:
     return out
 
 
-LONG_DOCSTRINGS_LEFT = {
-}
-"""Modules whose docstring is still over the limit: cut each (what is, briefly; design reasoning
-to its ``docs/*.md`` section) and strike it here."""
-
-
 def test_no_module_docstring_is_longer_than_20_lines():
-    """A module docstring says what the module is for, briefly: at most 20 lines."""
+    """A module docstring says what the module is for, briefly: at most 20 lines (design reasoning
+    belongs in ``docs/``)."""
     long = long_module_docstrings()
-    new = {m: n for m, n in long.items() if m not in LONG_DOCSTRINGS_LEFT}
-    assert not new, "module docstrings over 20 lines: " + ", ".join(f"{m} ({n} lines)" for m, n in sorted(new.items()))
-    cut = sorted(LONG_DOCSTRINGS_LEFT - set(long))
-    assert not cut, f"cut to 20 lines or fewer, strike them from LONG_DOCSTRINGS_LEFT: {cut}"
+    named = ", ".join(f"{m} ({n} lines)" for m, n in sorted(long.items()))
+    assert not long, f"module docstrings over 20 lines: {named}"
 
 
 def test_no_import_cycle_between_modules():
