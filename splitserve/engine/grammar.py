@@ -416,11 +416,18 @@ def tag_tokens(lark: str, lltok) -> str:
 def tool_call_spec(tools: list, many: bool) -> GrammarSpec:
     """The grammar (Lark, llguidance's dialect) of an answer that is one tool call of one of
     ``tools`` (``many``: one to :data:`MAX_PARALLEL_TOOL_CALLS`, one per line): ``<tool_call>\\n{"name":
-    <one of the names>, "arguments": <that function's parameters>}\\n</tool_call>``, its JSON compact."""
+    <one of the names>, "arguments": <that function's parameters>}\\n</tool_call>``, its JSON compact.
+    Raises InvalidRequest when the combined schema joins too many regexes on one value."""
     schema = {"x-guidance": dict(JSON_OPTIONS), "anyOf": [
         {"type": "object", "properties": {"name": {"const": t["function"]["name"]},
                                           "arguments": t["function"]["parameters"]},
          "required": ["name", "arguments"], "additionalProperties": False} for t in tools]}
+    # one tool's $ref resolves against this combined schema, so it may join other tools' patterns
+    joined = _joined_patterns({"anyOf": schema["anyOf"]})  # x-guidance is an option, not a constraint
+    if joined > MAX_INTERSECTED_PATTERNS:
+        raise InvalidRequest(f"tools join {joined} regexes (pattern, patternProperties) on one value across "
+                             f"the functions' parameters (a $ref into another function's); at most "
+                             f"{MAX_INTERSECTED_PATTERNS} are accepted", "tools")
     call = json.dumps(TOOL_CALL_OPEN) + ' "\\n" %json ' + json.dumps(schema, separators=(",", ":"),
                                                                       ensure_ascii=False) + \
         ' "\\n" ' + json.dumps(TOOL_CALL_CLOSE)
