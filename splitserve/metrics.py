@@ -10,7 +10,7 @@ histogram fed a whole request's observations at once (the gaps between its strea
 What another structure owns (the engine's pages and queues, the lifecycle table, the peers, the
 threads' counters) is **derived** (``docs/metrics.md``): a collector reads it at scrape time::
 
-    reg.derived_gauge("splitserve_kv_pages_free", "Free KV pages.", read=lambda: engine.stats()["pages_free"])
+    reg.derived_gauge("splitserve_kv_pages_free", "Free KV pages.", read=lambda: engine.stats().pages_free)
 
 ``read`` returns a number, or ``{label values: value}`` (a tuple in ``labelnames`` order, or a
 plain string for one label), or ``None`` (no samples now). A ``read`` that raises makes that one

@@ -80,7 +80,7 @@ def run(engine: AsyncEngine, loop, reqs: list[GenerateRequest], timeout: float =
 def pages_all_free(engine: AsyncEngine) -> bool:
     engine.flush_cache()
     stats = engine.stats()
-    return stats["pages_free"] == stats["pages_total"]
+    return stats.pages_free == stats.pages_total
 
 
 POISONS = {  # where the loop takes each in, and what it is
@@ -96,7 +96,7 @@ POISONS = {  # where the loop takes each in, and what it is
 def test_a_request_whose_own_data_raises_on_the_loop_fails_alone(colocated, loop, poison):
     alone = run(colocated, loop, [GenerateRequest(f"alone-{poison}", PROMPT, GOOD)])[f"alone-{poison}"]
     assert alone.finish_reason == "length" and len(alone.token_ids) == GOOD.max_tokens
-    errors = colocated.stats()["loop_errors"]
+    errors = colocated.stats().loop_errors
 
     reqs = [GenerateRequest(f"a-{poison}", PROMPT, GOOD),
             GenerateRequest(f"bad-{poison}", (5, 6, 7), **{"sampling": GOOD, **POISONS[poison]}),
@@ -106,7 +106,7 @@ def test_a_request_whose_own_data_raises_on_the_loop_fails_alone(colocated, loop
     assert bad.finished and bad.reason is Reason.INTERNAL_ERROR and bad.error, bad
     assert got[f"a-{poison}"].token_ids == alone.token_ids and got[f"a-{poison}"].finish_reason == "length"
     assert got[f"b-{poison}"].finish_reason == "length" and got[f"b-{poison}"].error is None
-    assert colocated.stats()["loop_errors"] == errors  # nothing escaped to fail the others
+    assert colocated.stats().loop_errors == errors  # nothing escaped to fail the others
     assert pages_all_free(colocated)
     tl = colocated.timeline(rid=f"bad-{poison}")
     assert tl is not None and not tl["live"] and tl["ending"].startswith("FAILED(internal_error)"), tl
@@ -175,7 +175,7 @@ def test_a_room_whose_admission_raises_fails_alone_and_leaves_nothing(decode, lo
     live, out = asyncio.run_coroutine_threadsafe(go(), loop).result(60)
     assert out.finished and out.reason is Reason.INTERNAL_ERROR and "planted" in out.error, out
     role = decode.role
-    assert decode.stats()["loop_errors"] == 0 and decode.stats()["request_errors"] == 1
+    assert decode.stats().loop_errors == 0 and decode.stats().request_errors == 1
     assert [row["rid"] for row in decode.debug_requests()] == ["live"]  # the other room is untouched
     assert 2 not in role.rooms and "bad" not in role.room_of  # nothing of it is left
     tl = decode.timeline(rid="bad")
@@ -193,7 +193,7 @@ def test_fail_all_ends_and_forgets_a_room_the_table_never_took(decode, loop, mon
     monkeypatch.setattr(DecodeRole, "fail_request", lambda self, rid, ending: 1 / 0)
     out = asyncio.run_coroutine_threadsafe(first_output(decode, room_request("bad", 3)), loop).result(60)
     assert out.finished and out.reason is Reason.INTERNAL_ERROR, out
-    assert decode.stats()["loop_errors"] == 1
+    assert decode.stats().loop_errors == 1
     assert 3 not in decode.role.rooms and not decode.role.room_of
     tl = decode.timeline(rid="bad")
     assert tl is not None and not tl["live"] and tl["ending"] == "FAILED(internal_error)", tl

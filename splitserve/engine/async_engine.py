@@ -37,6 +37,7 @@ from splitserve.engine.io import (FLUSH_WAIT_S, GenerateRequest, InvalidRequest,
                                   RequestOutput)
 from splitserve.engine.prompt_rate import PromptRate, refuse_if_late
 from splitserve.engine.role import Role
+from splitserve.engine.worker_stats import WorkerStats
 from splitserve.outcomes import Ending, Reason
 
 log = logging.getLogger(__name__)
@@ -277,20 +278,12 @@ class AsyncEngine:
                 answered += 1
         return answered
 
-    def stats(self) -> dict:
+    def stats(self) -> WorkerStats:
         """Gauges, read from any thread: the engine's counts and the role's own, as they are now
         (never a copy the loop publishes, which would freeze with a wedged loop)."""
         if self.engine is None:  # not started yet
-            return {"pages_free": 0, "pages_total": 0, "queues": {"waiting": 0, "running": 0}, "preemptions": 0}
-        s = self.engine.stats()
-        stats = {"pages_free": s.pages_free, "pages_total": s.pages_total, "pages_cached": s.pages_cached,
-                 "pages_owned": s.pages_owned, "queues": {"waiting": s.waiting, "running": s.running},
-                 "preemptions": s.preemptions, "cache_hit_tokens": s.cache_hit_tokens,
-                 "prompt_tokens_computed": s.prompt_tokens_computed, "cache_evictions": s.cache_evictions,
-                 "unschedulable_steps": s.unschedulable_steps,
-                 "loop_errors": self.loop_errors, "request_errors": self.request_errors}
-        stats.update(self.role.stats())
-        return stats
+            return WorkerStats(None)
+        return WorkerStats(self.engine.stats(), self.loop_errors, self.request_errors, self.role.stats())
 
     def debug_requests(self) -> list[dict]:
         """Thread-safe, never waits on the engine loop: every live request, as ``/debug/requests``

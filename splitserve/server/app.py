@@ -295,15 +295,15 @@ async def _server_info(request: web.Request) -> web.Response:
         "host": state.config.host, "port": state.config.port, "context_length": spec.max_context,
         "dtype": str(spec.dtype).replace("torch.", ""), "device": cfg.device, "page_size": cfg.page_size,
         "kv_cache_dtype": cfg.kv_cache_dtype,
-        "max_total_num_tokens": stats["pages_total"] * cfg.page_size,
+        "max_total_num_tokens": stats.pages_total * cfg.page_size,
         "max_running_requests": cfg.max_running_requests, "max_queued_requests": cfg.max_waiting_requests,
         "chunked_prefill_size": cfg.max_batch_tokens if cfg.chunked_prefill else -1,
         "max_prefill_tokens": cfg.max_batch_tokens, "random_seed": cfg.seed,
         "disaggregation_mode": "null" if state.config.role == "colocated" else state.config.role,
         "skip_tokenizer_init": False, "version": _version(),
         "cpus": format_cpu_list(placement.cpus), "threads": placement.threads,
-        "internal_states": [{"pages_free": stats["pages_free"], "pages_total": stats["pages_total"],
-                             "queues": stats["queues"], "draining": state.draining}],
+        "internal_states": [{"pages_free": stats.pages_free, "pages_total": stats.pages_total,
+                             "queues": stats.queues, "draining": state.draining}],
     })
 
 

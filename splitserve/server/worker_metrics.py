@@ -1,8 +1,8 @@
 """The worker's metrics, on the app's own :class:`~splitserve.metrics.Registry` (``docs/metrics.md``
 lists every one).
 
-Derived metrics read ``engine.stats()`` (the engine's pools and queues and the role's live
-counters, never a copy the engine loop publishes) and ``engine.debug_requests()`` (the rooms as
+Derived metrics read ``engine.stats()`` (a ``WorkerStats``: the engine's pools and queues and the
+role's live counters, never a copy the engine loop publishes) and ``engine.debug_requests()`` (the rooms as
 they are now) when ``/metrics`` is scraped. So a wedged engine loop shows: its age grows
 (``splitserve_engine_loop_age_seconds``) and so does the count of requests past half their
 deadline (``splitserve_requests_late``, computed from the clock at scrape time), while the queue
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from splitserve.disagg.lifecycle.transitions import BY_ROLE, Waits
+from splitserve.engine.worker_stats import WorkerStats
 from splitserve.metrics import Registry
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -124,26 +125,26 @@ class WorkerMetrics:
     # -- derived -------------------------------------------------------------------------------
 
     def _usage(self):
-        total = self._stat("pages_total")
-        if not total:
+        stats = self._stats()
+        e = stats.engine if stats is not None else None
+        if e is None or not e.pages_total:
             return None
-        stats = self._engine.stats()
-        owned = total - stats["pages_free"] - stats.get("pages_cached", 0)
-        return {(self.role,): round(owned / total, 6)}
+        owned = e.pages_total - e.pages_free - e.pages_cached
+        return {(self.role,): round(owned / e.pages_total, 6)}
 
     def _owned(self):
-        owned = self._stat("pages_owned")
+        owned = self._counted("pages_owned")
         return owned - (self._stat("pages_quarantined") or 0) if owned is not None else None
 
     def _split_queues(self, waiting: bool):
-        queues = self._stat("queues")
+        queues = self._queues()
         if queues is None:
             return None
         live = {q: n for q, n in queues.items() if q.isupper() or self.role == "colocated"}
         return {(self.role,): sum(n for q, n in live.items() if (q in WAITING_STATES) == waiting)}
 
     def _late(self):
-        queues = self._stat("queues")
+        queues = self._queues()
         if queues is None:
             return None
         states = COLOCATED_STATES if self.role == "colocated" else [q for q in queues if q.isupper()]
@@ -154,7 +155,7 @@ class WorkerMetrics:
         return {(self.role, state): n for state, n in late.items()}
 
     def _oldest_quarantine(self):
-        if self._stat("queues") is None:
+        if self._stats() is None:
             return None
         ages = [row["state_age_s"] for row in self._engine.debug_requests() if row.get("holding") == "quarantined"]
         return {(self.role,): round(max(ages), 3) if ages else 0}
@@ -168,19 +169,43 @@ class WorkerMetrics:
         return round(engine.loop_age(), 3) if getattr(engine, "ready", False) and hasattr(engine, "loop_age") else None
 
     def _of_role(self, key: str, part: str | None = None):
-        """``{(role,): value}`` of one stat (or one part of it), nothing while there is none."""
+        """``{(role,): value}`` of one of the role's stats (or one part of it), nothing while there is none."""
         value = self._stat(key)
         if part is not None:
             value = (value or {}).get(part)
         return {(self.role,): value} if value is not None else None
 
-    def _stat(self, key: str):
-        """One field of ``engine.stats()``; None (no sample) until the engine has started."""
+    def _counted_of_role(self, name: str):
+        """``{(role,): value}`` of one of the engine's counts, nothing while there is none."""
+        value = self._counted(name)
+        return {(self.role,): value} if value is not None else None
+
+    def _stats(self) -> WorkerStats | None:
+        """``engine.stats()``; None (no sample) until the engine has started."""
         if not self._started:
             if not self._engine.ready:
                 return None
             self._started = True
-        return self._engine.stats().get(key)
+        return self._engine.stats()
+
+    def _stat(self, key: str):
+        """One of the role's own stats (``WorkerStats.role``), by name; None while there is none."""
+        stats = self._stats()
+        return stats.role.get(key) if stats is not None else None
+
+    def _counted(self, name: str):
+        """One field of the engine's counts (``EngineStats``); None until the engine has started."""
+        stats = self._stats()
+        return getattr(stats.engine, name) if stats is not None and stats.engine is not None else None
+
+    def _errors(self, name: str):
+        """The engine loop's ``loop_errors`` or ``request_errors``; None until it has started."""
+        stats = self._stats()
+        return getattr(stats, name) if stats is not None else None
+
+    def _queues(self) -> dict | None:
+        stats = self._stats()
+        return stats.queues if stats is not None else None
 
     def record(self, endpoint: str, outcome: str, reason: str, seconds: float, prompt_tokens: int = 0,
                completion_tokens: int = 0, ttft: float | None = None, submitted: bool = False,
@@ -211,28 +236,28 @@ DERIVED = (
     Derived("counter", "splitserve_engine_loop_errors_total",
             "Exceptions that escaped the role into the engine loop (each failed every live request "
             "through the role).",
-            (), lambda m: m._stat("loop_errors")),
+            (), lambda m: m._errors("loop_errors")),
     Derived("counter", "splitserve_engine_unschedulable_steps_total",
             "Engine steps that had work and could schedule none of it (no KV pages for any: overload;"
             " the loop then waits for an event instead of spinning).",
-            (), lambda m: m._stat("unschedulable_steps")),
+            (), lambda m: m._counted("unschedulable_steps")),
     Derived("counter", "splitserve_engine_request_errors_total",
             "Exceptions while admitting one request on the engine loop (each failed that request "
             "alone).",
-            (), lambda m: m._stat("request_errors")),
+            (), lambda m: m._errors("request_errors")),
     Derived("gauge", "splitserve_kv_pages_free",
             "Free KV cache pages.",
-            (), lambda m: m._stat("pages_free")),
+            (), lambda m: m._counted("pages_free")),
     Derived("gauge", "splitserve_kv_pages_total",
             "KV cache pages in the pool.",
-            (), lambda m: m._stat("pages_total")),
+            (), lambda m: m._counted("pages_total")),
     Derived("gauge", "splitserve_kv_usage_ratio",
             "KV pages owned by requests over all pages (cached pages are reclaimable and do not "
             "count; quarantined ones do).",
             ("role",), lambda m: m._usage()),
     Derived("gauge", "splitserve_queue_requests",
             "Requests in each engine queue (colocated) or lifecycle state (prefill, decode).",
-            ("role", "queue"), lambda m: m._keyed("queues")),
+            ("role", "queue"), lambda m: {(m.role, k): v for k, v in (m._queues() or {}).items()}),
     Derived("gauge", "splitserve_requests_running",
             f"Requests in the forward batch ({states_in(colocated='running')}).",
             ("role",), lambda m: m._split_queues(False)),
@@ -250,23 +275,23 @@ DERIVED = (
     Derived("gauge", "splitserve_preemptions",
             "Sequences preempted for lack of KV pages since start (each recomputes its KV when it "
             "runs again).",
-            (), lambda m: m._stat("preemptions")),
+            (), lambda m: m._counted("preemptions")),
     Derived("gauge", "splitserve_kv_pages_quarantined",
             "Decode: KV pages kept out of use because a remote write may still land in them.",
             (), lambda m: m._stat("pages_quarantined")),
     Derived("gauge", "splitserve_kv_pages_cached",
             "KV pages in the prefix cache that no request owns (evictable: they count as available).",
-            (), lambda m: m._stat("pages_cached")),
+            (), lambda m: m._counted("pages_cached")),
     Derived("gauge", "splitserve_kv_pages_owned",
             "KV pages owned by requests (a cached page shared by several once), quarantined ones not "
             "included.",
             (), lambda m: m._owned()),
     Derived("counter", "splitserve_prefix_cache_hit_tokens_total",
             "Prompt tokens served from the prefix cache since start.",
-            ("role",), lambda m: m._of_role("cache_hit_tokens")),
+            ("role",), lambda m: m._counted_of_role("cache_hit_tokens")),
     Derived("counter", "splitserve_prompt_tokens_computed_total",
             "Prompt tokens whose KV this worker computed since start.",
-            ("role",), lambda m: m._of_role("prompt_tokens_computed")),
+            ("role",), lambda m: m._counted_of_role("prompt_tokens_computed")),
     Derived("counter", "splitserve_kv_transfer_bytes_total",
             "KV bytes written to decode workers (prefill) or received from prefill workers (decode) "
             "since start.",

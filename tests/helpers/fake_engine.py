@@ -7,7 +7,9 @@ import asyncio
 import types
 
 from splitserve.config import EngineConfig
+from splitserve.engine.engine import EngineStats
 from splitserve.engine.io import NotReady, Overloaded, RequestOutput
+from splitserve.engine.worker_stats import WorkerStats
 from splitserve.outcomes import Ending, Reason
 
 
@@ -65,8 +67,10 @@ class FakeEngine:
         if rid in self.live:
             self.live[rid] = True
 
-    def stats(self):
-        return {"pages_free": 8, "pages_total": 8, "queues": {"waiting": 0, "running": len(self.live)}}
+    def stats(self) -> WorkerStats:
+        return WorkerStats(EngineStats(pages_free=8, pages_total=8, pages_cached=0, pages_owned=0, waiting=0,
+                                       running=len(self.live), preemptions=0, cache_hit_tokens=0,
+                                       prompt_tokens_computed=0, cache_evictions=0, unschedulable_steps=0))
 
     def begin_drain(self):
         self.draining = True
