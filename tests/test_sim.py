@@ -271,8 +271,11 @@ FOUND = {"a write call that raises": (4, 100), "a StartWrite hand-over that rais
          "a record forgotten while its sequence waits preempted": (16, 100)}
 # "a session's transfer reset lost with its hand-over" and "an answer to a caller that stopped
 # waiting" (tests/sim_plants.py, RARE) have a scenario (sim_plants.DIRECTED) instead of a seed:
-# seeds 1205 and 6187 stopped reaching them, and drawn seeds rarely do
-DIRECTED_SEED, DIRECTED_REQUESTS = 1, 60
+# seeds 1205 and 6187 stopped reaching them, and drawn seeds rarely do. Each scenario's seed
+# (the arrivals it faults) is re-picked like a regression seed when a change leads it elsewhere.
+DIRECTED_SEEDS = {"found: a session's transfer reset lost with its hand-over": 2,
+                  "found: an answer to a caller that stopped waiting": 1}
+DIRECTED_REQUESTS = 60
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +320,7 @@ def test_many_seeds(capsys):
 
 @pytest.fixture(scope="module")
 def directed_runs(pool, tally) -> dict:
-    args = [(bug, DIRECTED_SEED, DIRECTED_REQUESTS, planted) for bug in DIRECTED for planted in (False, True)]
+    args = [(bug, DIRECTED_SEEDS[bug], DIRECTED_REQUESTS, planted) for bug in DIRECTED for planted in (False, True)]
     results = dict(zip([(bug, planted) for bug, _, _, planted in args], pool.starmap(run_directed, args)))
     tally.add(len(results), sum(requests for _, requests in results.values()))
     return results
