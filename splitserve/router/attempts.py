@@ -184,7 +184,7 @@ class Attempts:
         self.failed[DECODE].add(exchange.decode_worker)
         under_way = exchange.stream and exchange.response is not None  # else nothing reached the client
         # headers only, no event passed: the client has no token, so the request goes again whole
-        whole = not under_way or (exchange.track.id is None and not exchange.track.bad)
+        whole = not under_way or not exchange.track.passed
         continuation = None if whole else exchange.track.continuation()
         denied = "the request's own error" if lost.own_error else \
             "--max-migrations used up" if self.migrations >= state.config.max_migrations else \

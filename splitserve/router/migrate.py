@@ -62,6 +62,7 @@ class StreamTrack:
         self.created: Optional[int] = None
         self.finished: set[int] = set()
         self.bad = False  # decode said something the router cannot continue from
+        self.passed = False  # a line of an event reached the client (on any leg)
         self._in_block = False  # a line the client got was passed since the last blank line
         self.new_stream()
 
@@ -103,7 +104,7 @@ class StreamTrack:
             self.bad, self._passing = True, "drop" if self._tail.startswith(b":") else "pass"
             if self._passing == "pass":
                 out.append(self._tail)
-                self._in_block = True
+                self._in_block = self.passed = True
             self._tail = b""
         return b"".join(out)
 
@@ -140,7 +141,7 @@ class StreamTrack:
             self._pending.clear()
             self._waiting.clear()
             out.append(line + b"\n")
-            self._in_block = True
+            self._in_block = self.passed = True
 
     def _ids(self, text: bytes) -> None:
         if self.bad:  # nothing is continued from here on: keep none of it
