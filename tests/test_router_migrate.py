@@ -334,6 +334,30 @@ def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
     assert len(legs) == 2 and "continuation" not in legs[1][1] and legs[1][1]["stream_ids"] is True
     assert migrations(router) == {"broken": 1, "unhealthy": 1, "stalled": 1}
 
+    # a stream whose decode sends no headers (stopped before it took the request) and leaves
+    # rotation: nothing reached the client, so it goes whole to the other decode, well before
+    # the header timeout (--worker-header-timeout-s, 30 s by default, not reached here)
+    state["n"] = 0
+
+    async def first_stopped(fake, request, body):
+        state["n"] += 1
+        if state["n"] == 1:
+            fake.health_status = 503
+            await fake.release.wait()
+        return await rest(fake, request, body)
+
+    for w in (a, b):
+        w.health_status = 200
+        w.reset(first_stopped)
+    for w in (a, b):
+        wait_for("both decode workers up",
+                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
+    raw, events = stream(router, "stopped-before-headers")
+    assert texts(events) == [f" t{i}" for i in range(TOTAL)] and events[-1] == "[DONE]", raw
+    legs = a.requests + b.requests
+    assert len(legs) == 2 and "continuation" not in legs[1][1]
+    assert migrations(router) == {"broken": 1, "unhealthy": 2, "stalled": 1}
+
 
 # -- real workers -----------------------------------------------------------------------------------
 

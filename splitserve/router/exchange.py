@@ -214,9 +214,9 @@ class Exchange:
     async def _wait_or_lose(self, tasks: set) -> Optional[web.Response]:
         """:meth:`_wait` before the commit; decode is watched meanwhile (when migrating): a stream
         that asked for ids (so decode keeps it alive with comments) is lost once it is silent for
-        ``--stream-stall-s``, a whole answer once its worker has left rotation (its health checks
-        failed)."""
-        if self.stream:
+        ``--stream-stall-s``, a whole answer, or a stream still waiting for decode's headers, once
+        its worker has left rotation (its health checks failed)."""
+        if self.stream and (self.decode.ok or self.track is None):
             bound = self.config.stream_stall_s if self.track is not None and self.decode.ok else None
             try:
                 await self._wait(tasks, bound)
@@ -228,14 +228,17 @@ class Exchange:
         if not self.migrating:
             await self._wait(tasks)
             return None
+        waited_for = "its headers" if self.stream else "its answer"
         while True:
             try:
                 await self._wait(tasks, self.config.health_interval_s)
                 return None
             except StreamStalled:
                 if not self.decode_worker.healthy:
-                    return self._whole_lost("unhealthy", "left rotation (its health checks failed) while the "
-                                            "router waited for its answer")
+                    detail = f"left rotation (its health checks failed) while the router waited for {waited_for}"
+                    if self.response is not None:  # a continuation: the client's stream is under way
+                        return await self._decode_broke_off("unhealthy", detail)
+                    return self._whole_lost("unhealthy", detail)
 
     def _whole_lost(self, reason: str, detail: str) -> web.Response:
         """Decode's leg failed after it was sent, before anything reached the client (a whole
