@@ -197,7 +197,7 @@ class FakeRole:
         return 0.05
 
     def stats(self):
-        return {}
+        return None
 
     def holds_nothing(self) -> bool:
         return True

@@ -41,6 +41,7 @@ from splitserve.disagg.transfer.thread import KVNotification, TransferWorker
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, RequestOutput
 from splitserve.engine.page_allocator import page_keys
+from splitserve.engine.worker_stats import DecodeStats
 from splitserve.log_sparsely import worth_logging
 
 log = logging.getLogger(__name__)
@@ -75,15 +76,10 @@ class DecodeRole(DisaggRole):
                                      dial=self.seams.dial or functools.partial(ZmqDealer, secret=self.secret),
                                      io_probe=self._io_probe(), wake=self.seams.control_wake)
 
-    def stats(self) -> dict:
-        stats = super().stats()
-        stats["pages_quarantined"] = self.pages_quarantined
-        stats["kv_transfer_bytes"] = self.kv_bytes_received
-        stats["links_open"] = len(self.links.writers())
-        stats["links_fenced"] = self.links.fenced
-        stats["kv_fallbacks"] = dict(self.fallbacks)
-        stats["prompts_computed"] = self.prompts_computed
-        return stats
+    def _own_stats(self) -> DecodeStats:
+        return DecodeStats(kv_transfer_bytes=self.kv_bytes_received, pages_quarantined=self.pages_quarantined,
+                           links_open=len(self.links.writers()), links_fenced=self.links.fenced,
+                           kv_fallbacks=dict(self.fallbacks), prompts_computed=self.prompts_computed)
 
     def check(self, req: GenerateRequest) -> None:
         self.engine.check_fits(req, split=req.bootstrap is not None)  # without bootstrap fields: served alone

@@ -24,6 +24,7 @@ from splitserve.disagg.transfer.thread import Cancel as CancelTransfer
 from splitserve.disagg.transfer.thread import Notify, ResetPeer, TransferWorker, Write
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import InvalidRequest, RequestOutput
+from splitserve.engine.worker_stats import PrefillStats
 
 
 class PrefillRole(DisaggRole):
@@ -67,11 +68,8 @@ class PrefillRole(DisaggRole):
 
     kv_bytes_written = 0  # a counter: KV bytes handed to the transfer for decode workers
 
-    def stats(self) -> dict:
-        stats = super().stats()
-        stats["kv_transfer_bytes"] = self.kv_bytes_written
-        stats["sessions_refused"] = self.control.sessions_refused()
-        return stats
+    def _own_stats(self) -> PrefillStats:
+        return PrefillStats(kv_transfer_bytes=self.kv_bytes_written, sessions_refused=self.control.sessions_refused())
 
     def _do_role(self, a, out: list[RequestOutput]) -> None:
         match a:

@@ -40,6 +40,7 @@ from splitserve.disagg.seams import Seams
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import GenerateRequest, InvalidRequest, RequestOutput
 from splitserve.engine.sequence import Sequence
+from splitserve.engine.worker_stats import DecodeStats, PrefillStats, RoleStats
 from splitserve.log_sparsely import worth_logging
 from splitserve.outcomes import Ending, Reason
 
@@ -290,24 +291,31 @@ class DisaggRole:
         due = self.table.next_due()
         return max(0.001, min(0.05, due - now)) if due is not None else 0.05
 
-    def stats(self) -> dict:
+    def stats(self) -> RoleStats:
         counts = self.table.counts_by_state()
         live = {state.value for state in self.table.transitions.live_states()}
         now = self.clock()
-        return {
-            "queues": {name: n for name, n in counts.items() if name in live},
-            "lifecycle": {name: n for name, n in counts.items() if name not in live},
-            "outcomes": dict(self.outcomes), "notices": dict(self.notices),
-            "peers": self.table.peers.counts(),
-            "peer_silence": {row["peer"]: round(row["silent_s"], 3) for row in self.table.peers.snapshot(now)},
-            "action_failures": self.action_failures,
-            "control": self.control.sizes(),
-            "bad_frames": self.control.dropped(),
-            "transfer_peers": self.transfer.peer_count(),
-            "thread_restarts": {t.name: t.restarts for t in (self.control, self.transfer)},
-            "thread_age": {t.name: round(t.age(), 3) for t in (self.control, self.transfer)},
-            "zmq_io_age": None if (io_age := self.control.io_age()) is None else round(io_age, 3),
-        }
+        sizes = self.control.sizes()
+        threads = (self.control, self.transfer)
+        return RoleStats(
+            queues={name: n for name, n in counts.items() if name in live},
+            lifecycle={name: n for name, n in counts.items() if name not in live},
+            outcomes=dict(self.outcomes), notices=dict(self.notices),
+            peers=self.table.peers.counts(),
+            peer_silence={row["peer"]: round(row["silent_s"], 3) for row in self.table.peers.snapshot(now)},
+            action_failures=self.action_failures,
+            control_sessions=sizes["sessions"], control_ended=sizes.get("ended"),
+            bad_frames=self.control.dropped(),
+            transfer_peers=self.transfer.peer_count(),
+            thread_restarts={t.name: t.restarts for t in threads},
+            thread_age={t.name: round(t.age(), 3) for t in threads},
+            zmq_io_age=None if (io_age := self.control.io_age()) is None else round(io_age, 3),
+            own=self._own_stats(),
+        )
+
+    def _own_stats(self) -> PrefillStats | DecodeStats | None:
+        """What only this kind of role counts (a prefill's or a decode's)."""
+        return None
 
     def debug_rows(self, now: float) -> list[dict]:
         return self.table.snapshot(now)

@@ -87,8 +87,8 @@ class ColocatedRole:
     def wait_s(self, now: float) -> float:
         return IDLE_WAIT_S
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> None:
+        return None  # the engine's counts are all a colocated worker has
 
     def debug_rows(self, now: float) -> list[dict]:
         return [{"rid": seq.rid, "room": None, "role": "colocated", "state": seq.status.value.upper(),

@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 from splitserve.disagg.lifecycle.transitions import BY_ROLE, Waits
-from splitserve.engine.worker_stats import WorkerStats
+from splitserve.engine.worker_stats import DecodeStats, RoleStats, WorkerStats
 from splitserve.metrics import Registry
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -134,7 +134,7 @@ class WorkerMetrics:
 
     def _owned(self):
         owned = self._counted("pages_owned")
-        return owned - (self._stat("pages_quarantined") or 0) if owned is not None else None
+        return owned - (self._decode(lambda d: d.pages_quarantined) or 0) if owned is not None else None
 
     def _split_queues(self, waiting: bool):
         queues = self._queues()
@@ -160,19 +160,19 @@ class WorkerMetrics:
         ages = [row["state_age_s"] for row in self._engine.debug_requests() if row.get("holding") == "quarantined"]
         return {(self.role,): round(max(ages), 3) if ages else 0}
 
-    def _keyed(self, key: str):
-        """``{(role, k): v}`` of a stat that is a dict (empty while there is none)."""
-        return {(self.role, k): v for k, v in (self._stat(key) or {}).items()}
+    def _keyed(self, read: Callable[[RoleStats], Mapping | None]):
+        """``{(role, k): v}`` of one of the role's stats that is a mapping (empty while there is none)."""
+        stats = self._role_stats()
+        return {(self.role, k): v for k, v in ((read(stats) if stats is not None else None) or {}).items()}
 
     def _loop_age(self):
         engine = self._engine
         return round(engine.loop_age(), 3) if getattr(engine, "ready", False) and hasattr(engine, "loop_age") else None
 
-    def _of_role(self, key: str, part: str | None = None):
-        """``{(role,): value}`` of one of the role's stats (or one part of it), nothing while there is none."""
-        value = self._stat(key)
-        if part is not None:
-            value = (value or {}).get(part)
+    def _of_role(self, read: Callable[[RoleStats], object]):
+        """``{(role,): value}`` of one of the role's stats, nothing while there is none."""
+        stats = self._role_stats()
+        value = read(stats) if stats is not None else None
         return {(self.role,): value} if value is not None else None
 
     def _counted_of_role(self, name: str):
@@ -188,10 +188,15 @@ class WorkerMetrics:
             self._started = True
         return self._engine.stats()
 
-    def _stat(self, key: str):
-        """One of the role's own stats (``WorkerStats.role``), by name; None while there is none."""
+    def _role_stats(self) -> RoleStats | None:
+        """A prefill or decode role's stats (``WorkerStats.role``); None while there are none."""
         stats = self._stats()
-        return stats.role.get(key) if stats is not None else None
+        return stats.role if stats is not None else None
+
+    def _decode(self, read: Callable[[DecodeStats], object]):
+        """One of a decode role's own stats; None while there is none (another role's worker)."""
+        stats = self._role_stats()
+        return read(stats.decode) if stats is not None and stats.decode is not None else None
 
     def _counted(self, name: str):
         """One field of the engine's counts (``EngineStats``); None until the engine has started."""
@@ -271,14 +276,14 @@ DERIVED = (
     Derived("gauge", "splitserve_lifecycle_entries",
             "Prefill/decode bookkeeping that is not a live request: tombstones, pending "
             "registrations, rooms holding memory after their end (held_writes, quarantined).",
-            ("role", "kind"), lambda m: m._keyed("lifecycle")),
+            ("role", "kind"), lambda m: m._keyed(lambda r: r.lifecycle)),
     Derived("gauge", "splitserve_preemptions",
             "Sequences preempted for lack of KV pages since start (each recomputes its KV when it "
             "runs again).",
             (), lambda m: m._counted("preemptions")),
     Derived("gauge", "splitserve_kv_pages_quarantined",
             "Decode: KV pages kept out of use because a remote write may still land in them.",
-            (), lambda m: m._stat("pages_quarantined")),
+            (), lambda m: m._decode(lambda d: d.pages_quarantined)),
     Derived("gauge", "splitserve_kv_pages_cached",
             "KV pages in the prefix cache that no request owns (evictable: they count as available).",
             (), lambda m: m._counted("pages_cached")),
@@ -295,73 +300,73 @@ DERIVED = (
     Derived("counter", "splitserve_kv_transfer_bytes_total",
             "KV bytes written to decode workers (prefill) or received from prefill workers (decode) "
             "since start.",
-            ("role",), lambda m: m._of_role("kv_transfer_bytes")),
+            ("role",), lambda m: m._of_role(lambda r: r.own.kv_transfer_bytes if r.own is not None else None)),
     Derived("gauge", "splitserve_peers",
             "Prefill/decode: peers that live rooms depend on (live), and peers declared lost and "
             "still remembered (lost).",
-            ("role", "state"), lambda m: m._keyed("peers"), split=True),
+            ("role", "state"), lambda m: m._keyed(lambda r: r.peers), split=True),
     Derived("gauge", "splitserve_peer_silence_seconds",
             "Prefill/decode: seconds since each live peer was last heard from (declared lost after "
             "heartbeat_interval_s x heartbeat_misses).",
-            ("role", "peer"), lambda m: m._keyed("peer_silence"), split=True),
+            ("role", "peer"), lambda m: m._keyed(lambda r: r.peer_silence), split=True),
     Derived("gauge", "splitserve_control_sessions",
             "Prefill/decode: control sessions with peers known now (each silent one is ended after "
             "the peer-silence bound).",
-            ("role",), lambda m: m._of_role("control", "sessions"), split=True),
+            ("role",), lambda m: m._of_role(lambda r: r.control_sessions), split=True),
     Derived("gauge", "splitserve_control_ended_sessions",
             "Prefill: decode sessions that ended and are remembered (never answered again; forgotten "
             "after --tombstone-s).",
-            ("role",), lambda m: m._of_role("control", "ended"), split=True),
+            ("role",), lambda m: m._of_role(lambda r: r.control_ended), split=True),
     Derived("counter", "splitserve_control_sessions_refused_total",
             "Prefill: new decode sessions refused by the session limits since start, by why (limit: "
             "--max-control-sessions; per_address: --max-control-sessions-per-address; rate: "
             "--control-session-rate).",
-            ("role", "why"), lambda m: m._keyed("sessions_refused"), split=True),
+            ("role", "why"), lambda m: m._keyed(lambda r: r.prefill and r.prefill.sessions_refused), split=True),
     Derived("gauge", "splitserve_transfer_peers",
             "Prefill: peers with a transfer connection (a NIXL remote agent each).",
-            ("role",), lambda m: m._of_role("transfer_peers"), split=True),
+            ("role",), lambda m: m._of_role(lambda r: r.transfer_peers), split=True),
     Derived("counter", "splitserve_control_bad_frames_total",
             "Prefill/decode: control frames dropped since start, by why (identity, frames, decode, "
             "incarnation, unregistered, ...).",
-            ("role", "why"), lambda m: m._keyed("bad_frames"), split=True),
+            ("role", "why"), lambda m: m._keyed(lambda r: r.bad_frames), split=True),
     Derived("gauge", "splitserve_thread_age_seconds",
             "Prefill/decode: seconds since each supervised thread began its last iteration (past "
             "--loop-stall-s it hangs: /health fails).",
-            ("role", "thread"), lambda m: m._keyed("thread_age"), split=True),
+            ("role", "thread"), lambda m: m._keyed(lambda r: r.thread_age), split=True),
     Derived("gauge", "splitserve_zmq_io_age_seconds",
             "Prefill/decode: seconds since the ZMQ I/O thread (it moves every control socket's bytes)"
             " last moved a loopback probe, sent every 0.5 s (past --loop-stall-s it is blocked: "
             "/health fails).",
-            ("role",), lambda m: m._of_role("zmq_io_age"), split=True),
+            ("role",), lambda m: m._of_role(lambda r: r.zmq_io_age), split=True),
     Derived("counter", "splitserve_thread_restarts_total",
             "Prefill/decode: restarts of each supervised thread since start (a crash that was "
             "caught).",
-            ("role", "thread"), lambda m: m._keyed("thread_restarts"), split=True),
+            ("role", "thread"), lambda m: m._keyed(lambda r: r.thread_restarts), split=True),
     Derived("counter", "splitserve_lifecycle_notices_total",
             "Prefill/decode: lifecycle notices by kind (a rejected message, a tombstone, a transfer "
             "reset, a peer declared lost...).",
-            ("role", "kind"), lambda m: m._keyed("notices"), split=True),
+            ("role", "kind"), lambda m: m._keyed(lambda r: r.notices), split=True),
     Derived("counter", "splitserve_action_failures_total",
             "Prefill/decode: table actions that raised (each failed its room through the table).",
-            ("role",), lambda m: m._of_role("action_failures"), split=True),
+            ("role",), lambda m: m._of_role(lambda r: r.action_failures), split=True),
     Derived("gauge", "splitserve_kv_quarantine_oldest_seconds",
             "Decode: seconds since the oldest room holding quarantined pages ended (0 when none "
             "does).",
             ("role",), lambda m: m._oldest_quarantine(), split=True),
     Derived("gauge", "splitserve_receive_links_open",
             "Decode: receiving links open, one per prefill session.",
-            (), lambda m: m._stat("links_open"), split=True),
+            (), lambda m: m._decode(lambda d: d.links_open), split=True),
     Derived("gauge", "splitserve_receive_links_fenced",
             "Decode: receiving links closed since start to fence a lost prefill session.",
-            (), lambda m: m._stat("links_fenced"), split=True),
+            (), lambda m: m._decode(lambda d: d.links_fenced), split=True),
     Derived("counter", "splitserve_kv_fallback_total",
             "Decode: rooms that learned, before their first token, that their KV would not come, and "
             "recomputed their prompt here instead of failing (--kv-failure-policy recompute), by why "
             "(peer_lost, peer_failed, transfer_timeout, ...).",
-            ("reason",), lambda m: {(k,): n for k, n in (m._stat("kv_fallbacks") or {}).items()}, split=True),
+            ("reason",), lambda m: {(k,): n for k, n in (m._decode(lambda d: d.kv_fallbacks) or {}).items()}, split=True),
     Derived("counter", "splitserve_decode_prompts_computed_total",
             "Decode: prompts computed on this worker (requests that came alone, and KV fallbacks).",
-            (), lambda m: m._stat("prompts_computed"), split=True),
+            (), lambda m: m._decode(lambda d: d.prompts_computed), split=True),
 )
 """The metrics read at scrape time: ``read(m)`` of the :class:`WorkerMetrics` ``m``."""
 
