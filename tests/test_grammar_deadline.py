@@ -63,7 +63,7 @@ def test_the_wait_for_a_matcher_thread_counts_toward_the_limit(tokenizer):
     refused for now (429) at the limit instead of waiting; its build never ran; once the threads
     are free the same grammar is served without compiling again (nothing remembered)."""
     plain, matcher, hold, gate, started = _held_matchers(("cow", "pig"))
-    compiler = GrammarCompiler(timeout_s=LIMIT_S, matcher=matcher)
+    compiler = GrammarCompiler(timeout_s=LIMIT_S, matcher=matcher, cheap_s=0)  # the shared threads alone
     specs = [GrammarSpec("regex", w) for w in ("cow", "pig", "cat")]
     try:
         for spec in specs:
@@ -92,7 +92,7 @@ def test_a_matcher_ready_after_the_limit_is_refused_never_served(tokenizer):
     """A request whose own matcher build runs past the limit (held by the seam): 429, not the
     grammar once the build ends; the next request with that grammar is served."""
     plain, matcher, hold, gate, started = _held_matchers(("cow",))
-    compiler = GrammarCompiler(timeout_s=LIMIT_S, matcher=matcher)
+    compiler = GrammarCompiler(timeout_s=LIMIT_S, matcher=matcher, cheap_s=0)  # the shared threads alone
     spec = GrammarSpec("regex", "cow")
     try:
         compiler.compile(spec, tokenizer, V)

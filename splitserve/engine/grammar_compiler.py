@@ -12,7 +12,8 @@ refused at once next time.
 Each request gets a :class:`Grammar` of its own: a fresh llguidance matcher built from the cached
 text (its lexer grows with that request's tokens alone, up to :data:`LEXER_STATES`; why not a
 shared one: ``docs/structured_outputs.md``), on threads shared fairly between grammars
-(``engine/grammar_queue.py``), its cost bounded at compilation (:data:`MATCHER_CPU_S`). A
+(``engine/grammar_queue.py``; a grammar cheap to build, by its cost measured at compilation, on
+a lane of its own, :data:`CHEAP_MATCHER_S`), its cost bounded at compilation (:data:`MATCHER_CPU_S`). A
 request's choices (``n``) copy the request's own matcher; a request that reaches a limit fails
 alone (a 400 naming the limit).
 """
@@ -24,7 +25,7 @@ import hashlib
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
+from concurrent.futures import Future, wait as futures_wait
 from typing import Optional
 
 from splitserve.engine.grammar import JSON_OPTIONS, GrammarError, GrammarSpec, GrammarState, limit_message, tag_tokens
@@ -57,6 +58,11 @@ grammar shares. A bounded schema's takes under a millisecond, a forced call of 1
 0.06 s (SmolLM2's tokenizer); CPU time, not wall time, so that a loaded machine refuses nothing."""
 MATCHER_THREADS = 2
 """Threads building requests' matchers, shared round robin between grammars, one at a time per grammar."""
+CHEAP_MATCHER_S = 0.02
+"""A grammar whose matcher's build cost (measured at compilation) is under this much CPU has its
+requests' matchers built on a thread of their own (:data:`CHEAP_MATCHER_THREADS`), never queued
+behind the builds of costly grammars, however many distinct costly grammars one client cycles."""
+CHEAP_MATCHER_THREADS = 1
 MAX_CONCURRENT_COMPILES = 2
 """Compilations running at once on a worker; one past its time limit keeps its thread until it
 ends (a call into the grammar engine cannot be stopped), so runaway schemas cannot pile up threads."""
@@ -102,7 +108,7 @@ class GrammarCompiler:
                  cache_entries: int = CACHE_ENTRIES, cache_bytes: int = CACHE_BYTES, refusals: int = REFUSALS,
                  slow_s: float = SLOW_COMPILE_S, limits: Optional[dict] = None, build=None, matcher=None,
                  matcher_s: float = MATCHER_CPU_S, cpu_clock=time.thread_time,
-                 max_queued: int = MAX_QUEUED_COMPILES):
+                 max_queued: int = MAX_QUEUED_COMPILES, cheap_s: float = CHEAP_MATCHER_S):
         self.vocab_size: Optional[int] = None  # the logits' width, known at the first compilation
         self.limits = dict(LIMITS, **(limits or {}))
         self._build_fn = build or self._build
@@ -110,9 +116,13 @@ class GrammarCompiler:
         self.timeout_s, self.slow_s, self.matcher_s, self.max_queued = timeout_s, slow_s, matcher_s, max_queued
         self._cpu = cpu_clock  # the calling thread's CPU time: what a grammar costs, whatever the load
         self.cache_entries, self.cache_bytes, self.refusals = cache_entries, cache_bytes, refusals
-        self._compiles = ThreadPoolExecutor(max_concurrent, thread_name_prefix="grammar-compile")
+        # daemon threads: a compilation past its limit cannot be stopped, and must not hold up exit
+        self._compiles = FairPool(max_concurrent, name="grammar-compile")
         # a request's own matcher, never behind a compilation, nor behind another grammar's flood
         self._matchers = FairPool(MATCHER_THREADS, per_key=1, name="grammar-matcher")
+        self._cheap_matchers = FairPool(CHEAP_MATCHER_THREADS, per_key=1, name="grammar-matcher-cheap")
+        self.cheap_s = cheap_s
+        self._costs: OrderedDict[bytes, float] = OrderedDict()  # spec_key -> its matcher's build CPU
         self._lock = threading.Lock()
         self._cache: OrderedDict[bytes, str] = OrderedDict()  # spec_key -> grammar text
         self._cached_bytes = 0
@@ -153,7 +163,7 @@ class GrammarCompiler:
             future = self._start(spec)
             _wait(future, self._left(started))
             text = self._settle(spec, future, param)
-        build = self._matchers.submit(spec_key(spec), self._own, spec, text, param)
+        build = self._lane(spec).submit(spec_key(spec), self._own, spec, text, param)
         _wait(build, self._left(started))
         return self._built(build)
 
@@ -170,9 +180,16 @@ class GrammarCompiler:
             future = self._start(spec)
             await _wait_async(future, self._left(started), shield=True)  # others may wait on it too
             text = self._settle(spec, future, param)
-        build = self._matchers.submit(spec_key(spec), self._own, spec, text, param)
+        build = self._lane(spec).submit(spec_key(spec), self._own, spec, text, param)
         await _wait_async(build, self._left(started))  # not shielded: a request gone drops its build
         return self._built(build)
+
+    def _lane(self, spec: GrammarSpec) -> FairPool:
+        """The pool a request's matcher of ``spec`` is built on: the cheap lane when the build cost
+        measured at its compilation was under :attr:`cheap_s`, else the shared matcher threads."""
+        with self._lock:
+            cost = self._costs.get(spec_key(spec))
+        return self._cheap_matchers if cost is not None and cost < self.cheap_s else self._matchers
 
     def _built(self, build: Future) -> Grammar:
         """The request's grammar its ``build`` made, or Overloaded when the build did not end
@@ -224,7 +241,7 @@ class GrammarCompiler:
                 waiting = self._queued()
                 if waiting >= self.max_queued:
                     raise Overloaded(f"{waiting} grammars wait to compile already: try again")
-                future = self._running[key] = self._compiles.submit(self._timed_build, spec)
+                future = self._running[key] = self._compiles.submit(key, self._timed_build, spec)
                 new = True
         if new:  # outside the lock: a future done already runs its callback here, at once
             future.add_done_callback(lambda f: self._ran(key, f))
@@ -262,6 +279,10 @@ class GrammarCompiler:
                 cost = min(cost, self._matcher_cost(text))
         except GrammarError as exc:
             return None, f"the {_what(spec)} cannot be compiled: {exc}"
+        with self._lock:  # bounded like the cache it goes with
+            self._costs[spec_key(spec)] = cost
+            while len(self._costs) > self.cache_entries:
+                self._costs.popitem(last=False)
         if cost > self.matcher_s:
             return None, (f"the grammar's matcher took {cost * 1000:.0f} ms of CPU to build, more than the "
                           f"{self.matcher_s * 1000:g} ms accepted (every request builds its own)")
@@ -362,8 +383,11 @@ class GrammarCompiler:
         return text, None
 
     def shutdown(self) -> None:
-        self._compiles.shutdown(wait=False, cancel_futures=True)
+        """Stop both pools without waiting: a compilation or a build under way ends unseen (their
+        threads are daemons, so a process exiting never waits on one stuck in the grammar engine)."""
+        self._compiles.shutdown()
         self._matchers.shutdown()
+        self._cheap_matchers.shutdown()
 
 
 def _wait(future: Future, seconds: float) -> None:
