@@ -4,8 +4,8 @@
   health (and why not), legs in flight, bootstrap port, model and what it pairs by: what
   ``splitserve top`` starts from.
 - ``/debug/requests/{rid}``: one request as the router and both its workers saw it. The router
-  keeps a record of each request (:class:`RecentRequests`: live ones, and the last
-  :data:`RECENT_REQUESTS` ended ones) with the pair of workers it chose; it asks both for their
+  keeps a record of each request (``recent.RecentRequests``: live ones, and the last
+  ``recent.RECENT_REQUESTS`` ended ones) with the pair of workers it chose; it asks both for their
   timeline of ``rid`` (``/debug/requests/{rid}`` on a worker) at once, each within
   :data:`ASK_TIMEOUT_S`, and joins them: the router's record, each worker's answer, and every
   step of both in the order of their wall-clock times. A request tried again (``retry.py``) has
@@ -17,9 +17,7 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from collections import OrderedDict
-from typing import Optional
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import aiohttp
@@ -31,50 +29,10 @@ from splitserve.router.workers import Worker
 from splitserve.errors import error_body
 from splitserve.discovery.record import loads_shallow
 
-RECENT_REQUESTS = 4096
+if TYPE_CHECKING:
+    from splitserve.router.state import RouterState
+
 ASK_TIMEOUT_S = 5.0
-
-
-class RecentRequests:
-    """rid -> what the router knows of that request (the newest one of that rid), live and recently
-    ended; bounded by count. Written and read on the router's event loop only."""
-
-    def __init__(self, capacity: int = RECENT_REQUESTS):
-        self.capacity = capacity
-        self._entries: "OrderedDict[str, dict]" = OrderedDict()
-
-    def start(self, rid: str, room: int, endpoint: str, prefill: str, decode: str, started: float) -> None:
-        self._entries.pop(rid, None)
-        self._entries[rid] = {"rid": rid, "room": room, "endpoint": endpoint, "prefill": prefill, "decode": decode,
-                              "arrived": round(time.time() - (time.monotonic() - started), 6), "live": True,
-                              "outcome": None, "status": None, "seconds": None, "ttft_s": None,
-                              "attempts": [{"room": room, "rid": rid, "prefill": prefill, "decode": decode,
-                                            "failed": None}]}
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
-
-    def retried(self, rid: str, role: str, cause: str) -> None:
-        """The last attempt's ``role`` leg failed for ``cause`` and the request is tried again."""
-        entry = self._entries.get(rid)
-        if entry is not None:
-            entry["attempts"][-1]["failed"] = f"{role}: {cause}"
-
-    def attempt(self, rid: str, room: int, worker_rid: str, prefill: str, decode: str) -> None:
-        """A new attempt (a retry) of request ``rid``: its room, the id its workers know it by, its pair."""
-        entry = self._entries.get(rid)
-        if entry is not None:
-            entry.update(room=room, prefill=prefill, decode=decode)
-            entry["attempts"].append({"room": room, "rid": worker_rid, "prefill": prefill, "decode": decode,
-                                      "failed": None})
-
-    def end(self, rid: str, outcome: str, status: int, seconds: float, ttft: Optional[float]) -> None:
-        entry = self._entries.get(rid)
-        if entry is not None and entry["live"]:
-            entry.update(live=False, outcome=outcome, status=status, seconds=round(seconds, 6),
-                         ttft_s=round(ttft, 6) if ttft is not None else None)
-
-    def get(self, rid: str) -> Optional[dict]:
-        return self._entries.get(rid)
 
 
 def worker_view(w: Worker) -> dict:
@@ -85,12 +43,12 @@ def worker_view(w: Worker) -> dict:
             "protocol_version": w.protocol_version, "transfer_backend": w.backend}
 
 
-async def workers(state) -> web.Response:
+async def workers(state: RouterState) -> web.Response:
     return web.json_response({"model": state.workers.model_name(), "ready": state.workers.ready(),
                               "workers": [worker_view(w) for w in state.workers.all()]})
 
 
-async def request_timelines(state, rid: str) -> web.Response:
+async def request_timelines(state: RouterState, rid: str) -> web.Response:
     entry = state.recent.get(rid)
     if entry is not None:  # each attempt's pair, asked for the id that attempt had there
         by_url = {w.url: w for w in state.workers.all()}

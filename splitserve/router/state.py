@@ -17,11 +17,12 @@ import aiohttp
 from splitserve.config import RouterConfig
 from splitserve.http_util import ConnectionCap
 from splitserve.metrics import Registry
-from splitserve.router import debug, split
+from splitserve.router import split
 from splitserve.router.discovery import Discovery
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.outcomes import Refusal
 from splitserve.router.policy import CacheKnobs, Policy, make_policy
+from splitserve.router.recent import RecentRequests
 from splitserve.router.retry import RetryBudget
 from splitserve.router.worker_trust import RouterKeys
 from splitserve.router.workers import DECODE, PREFILL, HealthChecker, Worker, WorkerSet
@@ -50,7 +51,7 @@ class RouterState:
         self.workers.on_remove.extend(policy.forget for policy in self.policies.values())
         self.registry = registry
         self.metrics = RouterMetrics(registry, self.workers)
-        self.recent = debug.RecentRequests()
+        self.recent = RecentRequests()
         self.retry_budget = RetryBudget(config.retry_budget_ratio, config.retry_budget_min,
                                         config.retry_budget_window_s)
         self.session: Optional[aiohttp.ClientSession] = None  # set at startup (needs the running loop)
