@@ -46,11 +46,15 @@ def measured(pace: float) -> PromptRate:
 
 
 def test_a_fresh_worker_admits_whatever_the_deadline():
-    refuse_if_late(PromptRate(), backlog=10**9, prompt_tokens=10**6, deadline_s=0.001, now=NOW)
+    fresh = PromptRate()
+    assert fresh.seconds_for(10**9 + 10**6, NOW) is None  # no pace measured: nothing to judge by
+    assert refuse_if_late(fresh, backlog=10**9, prompt_tokens=10**6, deadline_s=0.001, now=NOW) is None
 
 
 def test_without_a_deadline_nothing_is_refused():
-    refuse_if_late(measured(100.0), backlog=10**6, prompt_tokens=1000, deadline_s=None, now=NOW)
+    rate = measured(100.0)
+    assert rate.seconds_for(10**6 + 1000, NOW) > 1000  # far more than any deadline would give
+    assert refuse_if_late(rate, backlog=10**6, prompt_tokens=1000, deadline_s=None, now=NOW) is None
 
 
 def test_work_that_fits_the_deadline_at_the_measured_pace_is_admitted_and_more_is_refused_503():

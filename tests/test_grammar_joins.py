@@ -69,6 +69,7 @@ def test_patterns_on_different_values_are_not_joined():
                           "default": None, "title": f"O{i}"} for i in range(N)}
     defs = {f"D{i}": {"type": "string", "pattern": pattern(i)} for i in range(N)}
     refs = {f"r{i}": {"$ref": f"#/$defs/D{i}", "description": "a field"} for i in range(N)}
-    schema_spec({"type": "object", "$defs": defs, "properties": {
+    spec = schema_spec({"type": "object", "$defs": defs, "properties": {
         **fields, **optional, **refs, "choice": {"anyOf": [{"pattern": pattern(i)} for i in range(N)]},
         "joined": all_of(MAX_INTERSECTED_PATTERNS)}}, "s")
+    assert spec.kind == "json_schema" and f'"r{N - 1}"' in spec.schema  # accepted whole
