@@ -23,7 +23,8 @@ from dataclasses import asdict, replace
 import pytest
 import requests
 
-from conftest import CACHE_DIR, CLUSTER_SECRET, REPO, free_port, log_dir
+from conftest import CLUSTER_SECRET, REPO, free_port
+from helpers.supervisor_runs import SupervisorRun, running, started_runs, wait_all_gone
 from splitserve.cpus import format_cpu_list, parse_cpu_list
 from splitserve.launch import ChildSpec, LaunchConfig, build_specs
 
@@ -42,77 +43,19 @@ def py(code: str) -> tuple[str, ...]:
 SLEEPER = py("import time; time.sleep(120)")
 
 
-class Launch:
+class Launch(SupervisorRun):
     def __init__(self, specs: list[ChildSpec], ready_timeout_s: float = 30.0, stop_timeout_s: float = 5.0):
-        self.logdir = log_dir("launch-")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_CACHE=str(CACHE_DIR))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        with open(self.logdir / "out.log", "wb") as out, open(self.logdir / "err.log", "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", LAUNCH_SCRIPT, json.dumps([asdict(s) for s in specs]), str(ready_timeout_s),
-                 str(stop_timeout_s)], cwd=REPO, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-
-    def out(self) -> str:
-        return (self.logdir / "out.log").read_text(errors="replace")
-
-    def err(self) -> str:
-        return (self.logdir / "err.log").read_text(errors="replace")
-
-    def wait_for_output(self, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if text in self.out() or text in self.err():
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"launch never said {text!r}\n--- stdout ---\n{self.out()}\n--- stderr ---\n"
-                             f"{self.err()[-4000:]}")
+        super().__init__(LAUNCH_SCRIPT, [json.dumps([asdict(s) for s in specs]), str(ready_timeout_s),
+                                         str(stop_timeout_s)], "launch-")
 
     def pids(self) -> dict[str, int]:
         """Child name -> pid, from the summary."""
         return {m[1]: int(m[2]) for m in re.finditer(r"^  (\S+)\s+pid (\d+)", self.out(), re.M)}
 
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"launch did not exit in {timeout}s\n{self.out()}\n{self.err()[-4000:]}")
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-
 
 @pytest.fixture
 def launch():
-    started: list[Launch] = []
-
-    def start(*args, **kwargs) -> Launch:
-        started.append(Launch(*args, **kwargs))
-        return started[-1]
-
-    yield start
-    for item in started:
-        item.kill()
-
-
-def running(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_all_gone(pids, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [p for p in pids if running(p)], f"still running: {pids}"
+    yield from started_runs(Launch)
 
 
 @pytest.mark.parametrize("how", ["exit", "signal"])

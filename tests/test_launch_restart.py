@@ -25,7 +25,8 @@ from dataclasses import asdict, replace
 import pytest
 import requests
 
-from conftest import CACHE_DIR, CLUSTER_SECRET, REPO, free_port, log_dir
+from conftest import CLUSTER_SECRET, REPO, free_port
+from helpers.supervisor_runs import SupervisorRun, started_runs, wait_all_gone
 from splitserve.launch import ChildSpec, LaunchConfig, RestartPolicy, build_specs
 from splitserve.launch.restart import Restarts, role_to_restart
 from splitserve.server.role_file import MAX_BYTES, read_role, write_role
@@ -215,34 +216,12 @@ def lives(tmp_path, name: str) -> list[str]:
     return path.read_text().split() if path.exists() else []
 
 
-class Run:
+class Run(SupervisorRun):
     """``SCRIPT`` in its own process (it installs signal handlers, and the test signals it)."""
 
     def __init__(self, specs: list[ChildSpec], policy: RestartPolicy, ready_timeout_s: float = 30.0):
-        self.logdir = log_dir("launch-restart-")
-        env = dict(os.environ, PYTHONUNBUFFERED="1", SPLITSERVE_CACHE=str(CACHE_DIR))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-        with open(self.logdir / "out.log", "wb") as out, open(self.logdir / "err.log", "wb") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", SCRIPT, json.dumps([asdict(s) for s in specs]), json.dumps(asdict(policy)),
-                 str(ready_timeout_s)], cwd=REPO, env=env, stdout=out, stderr=err, stdin=subprocess.DEVNULL)
-
-    def out(self) -> str:
-        return (self.logdir / "out.log").read_text(errors="replace")
-
-    def err(self) -> str:
-        return (self.logdir / "err.log").read_text(errors="replace")
-
-    def wait_for(self, pattern: str, timeout: float, count: int = 1) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if len(re.findall(pattern, self.out())) >= count:
-                return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.05)
-        raise AssertionError(f"launch never said {pattern!r} {count} times\n--- stdout ---\n{self.out()}\n"
-                             f"--- stderr ---\n{self.err()[-4000:]}")
+        super().__init__(SCRIPT, [json.dumps([asdict(s) for s in specs]), json.dumps(asdict(policy)),
+                                  str(ready_timeout_s)], "launch-restart-")
 
     def pids(self) -> set[int]:
         """Every child pid it named: in its summary and at each restart."""
@@ -250,46 +229,10 @@ class Run:
         return {int(p) for p in re.findall(r"^  \S+\s+pid (\d+)", text, re.M) + re.findall(r"started again: pid (\d+)",
                                                                                             text)}
 
-    def wait(self, timeout: float) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise AssertionError(f"launch did not exit in {timeout}s\n{self.out()}\n{self.err()[-4000:]}") from None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(5)
-
 
 @pytest.fixture
 def run():
-    started: list[Run] = []
-
-    def start(*args, **kwargs) -> Run:
-        started.append(Run(*args, **kwargs))
-        return started[-1]
-
-    yield start
-    for item in started:
-        item.kill()
-
-
-def running(pid: int) -> bool:
-    """True while the process exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def assert_all_gone(pids, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while any(running(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert pids and not [p for p in pids if running(p)], f"still running: {pids}"
+    yield from started_runs(Run)
 
 
 SLEEPER = ChildSpec("router", (sys.executable, "-c", "import time; time.sleep(300)"))
@@ -311,7 +254,7 @@ def test_a_worker_killed_or_exiting_comes_back_in_the_role_it_last_wrote(run, tm
     r.proc.send_signal(signal.SIGTERM)
     assert r.wait(60) == 0, r.out()
     assert lives(tmp_path, "decode-0") == ["decode", "prefill", "decode"]  # nothing started during the stop
-    assert_all_gone(r.pids())
+    wait_all_gone(r.pids(), 10.0)
 
 
 @pytest.mark.parametrize("budget", [2, 0])
@@ -328,17 +271,17 @@ def test_a_worker_that_used_up_its_budget_stops_everything_naming_it(run, tmp_pa
     else:
         assert "restarting" not in out and re.search(r"decode-0 \(pid \d+\) exited with code 3; its last lines", out)
     assert "stopping the other processes" in out
-    assert_all_gone(r.pids())
+    wait_all_gone(r.pids(), 10.0)
 
 
 def test_sigterm_while_a_restart_waits_stops_everything_and_starts_nothing(run, tmp_path):
     r = run([SLEEPER, stand_in("decode-0", tmp_path, "exit")], replace(FAST, first_delay_s=600.0, max_delay_s=600.0))
-    r.wait_for(r"decode-0 \(pid \d+\) exited with code 3: restarting it as a decode worker in 600 s", 60)
+    r.wait_for_line(r"decode-0 \(pid \d+\) exited with code 3: restarting it as a decode worker in 600 s", 60)
     r.proc.send_signal(signal.SIGTERM)
     assert r.wait(60) == 0, r.out()
     assert "received SIGTERM: stopping every process (a restart of decode-0 is not done)" in r.out(), r.out()
     assert lives(tmp_path, "decode-0") == ["decode"]
-    assert_all_gone(r.pids())
+    wait_all_gone(r.pids(), 10.0)
 
 
 def test_a_child_not_marked_for_restart_still_stops_everything(run, tmp_path):
@@ -347,7 +290,7 @@ def test_a_child_not_marked_for_restart_still_stops_everything(run, tmp_path):
     r = run([dies, stand_in("decode-0", tmp_path, "live")], FAST)
     assert r.wait(60) == 1, r.out()
     assert re.search(r"router \(pid \d+\) exited with code 4; its last lines", r.out()), r.out()
-    assert_all_gone(r.pids())
+    wait_all_gone(r.pids(), 10.0)
 
 
 # -- real workers --------------------------------------------------------------------------------------------
@@ -381,13 +324,13 @@ def test_real_workers_come_back_on_their_ports_and_in_their_last_role(run, tmp_p
                         secret_file=CLUSTER_SECRET, role_dir=str(tmp_path))
     prefill, decode, router = specs
     r = run(specs, replace(FAST, first_delay_s=0.1), ready_timeout_s=240)
-    r.wait_for("processes are up", 300)
+    r.wait_for_line("processes are up", 300)
     ask = {"prompt": "Hello", "max_tokens": 4}
     assert requests.post(router.url + "/v1/completions", json=ask, timeout=120).status_code == 200
     before = worker_health(decode)["incarnation"]
     os.kill(int(re.search(r"^  decode-0\s+pid (\d+)", r.out(), re.M)[1]), signal.SIGKILL)
-    r.wait_for(r"decode-0 \(pid \d+\) was killed by signal SIGKILL: restarting it as a decode worker", 60)
-    r.wait_for(r"decode-0 started again: pid \d+", 60)
+    r.wait_for_line(r"decode-0 \(pid \d+\) was killed by signal SIGKILL: restarting it as a decode worker", 60)
+    r.wait_for_line(r"decode-0 started again: pid \d+", 60)
     after = wait_until("decode-0 answers again", lambda: worker_health(decode).get("incarnation"))
     assert after != before
 
@@ -404,9 +347,9 @@ def test_real_workers_come_back_on_their_ports_and_in_their_last_role(run, tmp_p
                              headers=operator, timeout=120)
     assert switched.status_code == 200 and switched.json()["switched"], switched.text
     os.kill(int(re.search(r"^  prefill-0\s+pid (\d+)", r.out(), re.M)[1]), signal.SIGKILL)
-    r.wait_for(r"prefill-0 \(pid \d+\) was killed by signal SIGKILL: restarting it as a decode worker", 60)
+    r.wait_for_line(r"prefill-0 \(pid \d+\) was killed by signal SIGKILL: restarting it as a decode worker", 60)
     back = wait_until("prefill-0 answers again", lambda: worker_health(prefill).get("role"))
     assert back == "decode", worker_health(prefill)
     r.proc.send_signal(signal.SIGTERM)
     assert r.wait(120) == 0, r.out()
-    assert_all_gone(r.pids())
+    wait_all_gone(r.pids(), 10.0)
