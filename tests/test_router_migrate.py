@@ -101,6 +101,13 @@ def retried(router: RouterProcess) -> dict:
             if name == "splitserve_router_retries_total" and v}
 
 
+def decodes_up(router: RouterProcess, *decodes) -> None:
+    """Until the router counts every one of ``decodes`` healthy."""
+    for w in decodes:
+        wait_for("both decode workers up",
+                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
+
+
 def stream(router: RouterProcess, rid: str) -> tuple[bytes, list]:
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": TOTAL, "stream": True}
     with requests.post(router.url + "/v1/completions", json=body, headers={"X-Request-Id": rid}, timeout=60,
@@ -190,9 +197,7 @@ def test_a_stream_whose_decode_is_lost_is_continued_on_another(how, reason, fake
     first, second = fakes(decoder), fakes(decoder)
     router = start_router([(fakes(sse([])).url, 1)], [first.url, second.url], "--max-migrations", "2",
                           "--stream-stall-s", "1", "--pd-threshold-tokens", "0")
-    for w in (first, second):
-        wait_for("both decode workers up",
-                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
+    decodes_up(router, first, second)
     raw, events = stream(router, f"lost-{reason}")
     assert texts(events) == [f" t{i}" for i in range(TOTAL)], raw
     assert {(e["id"], e["created"]) for e in events[:-1]} == {("cmpl-wire", CREATED)}
@@ -226,9 +231,7 @@ def test_what_is_not_continued_ends_as_before(fakes, start_router):
         ([(fakes(sse([])).url, 1)], [a.url, b.url], "--max-migrations", "2", "--pd-threshold-tokens", "100000"),
         ([(fakes(sse([])).url, 1)], [a.url], "--pd-threshold-tokens", "100000", "--stream-stall-s", "1",
          "--max-migrations", "0"))
-    for w in (a, b):
-        wait_for("both decode workers up",
-                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
+    decodes_up(router, a, b)
     raw, events = stream(router, "own")
     assert texts(events) == [" t0", " t1"] and events[2]["error"]["code"] == "grammar_exhausted", raw
     assert events[-1] == "[DONE]" and len(a.requests) + len(b.requests) == 1
@@ -291,9 +294,7 @@ def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
     a, b = fakes(breaks_first), fakes(breaks_first)
     router = start_router([(fakes(sse([])).url, 1)], [a.url, b.url], "--max-migrations", "2",
                           "--pd-threshold-tokens", "100000", "--health-interval-s", "0.3", "--stream-stall-s", "1")
-    for w in (a, b):
-        wait_for("both decode workers up",
-                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
+    decodes_up(router, a, b)
     body = {"model": MODEL, "prompt": "Hello", "max_tokens": TOTAL}
     resp = requests.post(router.url + "/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200 and resp.json() == {"who": "whole"}, resp.text
@@ -349,9 +350,7 @@ def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
     for w in (a, b):
         w.health_status = 200
         w.reset(first_stopped)
-    for w in (a, b):
-        wait_for("both decode workers up",
-                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
+    decodes_up(router, a, b)
     raw, events = stream(router, "stopped-before-headers")
     assert texts(events) == [f" t{i}" for i in range(TOTAL)] and events[-1] == "[DONE]", raw
     legs = a.requests + b.requests
@@ -420,9 +419,7 @@ def test_a_stream_lost_before_its_first_event_is_sent_whole_to_another(how, fake
     first, second = fakes(decoder), fakes(decoder)
     router = start_router([(fakes(sse([])).url, 1)], [first.url, second.url], "--max-migrations", "2",
                           "--stream-stall-s", "1", "--pd-threshold-tokens", "0")
-    for w in (first, second):
-        wait_for("both decode workers up",
-                 lambda: router.metric("splitserve_router_worker_healthy", role="decode", url=w.url) == 1, 30)
+    decodes_up(router, first, second)
     raw, events = stream(router, "lost-at-once")
     assert texts(events) == [f" t{i}" for i in range(TOTAL)], raw
     assert events[-1] == "[DONE]" and raw.count(b"[DONE]") == 1 and b'"error"' not in raw, raw
