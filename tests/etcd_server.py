@@ -8,12 +8,14 @@ loopback and a temporary data dir, so it never meets a daemon the package may ha
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import tempfile
 import time
 from typing import Optional
 
+import pytest
 import requests
 
 from conftest import free_port, log_dir
@@ -21,6 +23,16 @@ from conftest import free_port, log_dir
 
 def have_etcd() -> bool:
     return shutil.which("etcd") is not None
+
+
+def own_etcd():
+    """A module fixture's body: an etcd of the module's own, or a skip where none is installed (a
+    failure under CI, which installs it)."""
+    if not have_etcd():
+        message = "etcd is not installed (apt-get install etcd-server; .ci/run does)"
+        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
+    with EtcdServer() as server:
+        yield server
 
 
 class EtcdServer:

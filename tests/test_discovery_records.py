@@ -5,12 +5,11 @@ etcd. Cheap: one etcd of its own, no worker."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 import requests
 
-from etcd_server import EtcdServer, have_etcd
+from etcd_server import own_etcd
 from splitserve.discovery.etcd import Credentials, Target, client, parse_target
 from splitserve.discovery.record import MAX_RECORD_BYTES, parse_record
 
@@ -75,11 +74,7 @@ def test_a_worker_that_cannot_register_does_not_start(tmp_path):
 
 @pytest.fixture(scope="module")
 def etcd():
-    if not have_etcd():
-        message = "etcd is not installed (apt-get install etcd-server; .ci/run does)"
-        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
-    with EtcdServer() as server:
-        yield server
+    yield from own_etcd()
 
 
 def test_a_user_and_password_open_an_etcd_with_auth_and_nothing_else_does(etcd, tmp_path):

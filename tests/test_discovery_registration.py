@@ -5,12 +5,11 @@ every second), no worker process."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
-from etcd_server import EtcdServer, have_etcd
+from etcd_server import own_etcd
 from helpers.waiting import wait_for
 from splitserve.discovery.etcd import Registration, client, parse_target
 from splitserve.discovery.record import WorkerRecord
@@ -18,11 +17,7 @@ from splitserve.discovery.record import WorkerRecord
 
 @pytest.fixture(scope="module")
 def etcd():
-    if not have_etcd():
-        message = "etcd is not installed (apt-get install etcd-server; .ci/run does)"
-        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
-    with EtcdServer() as server:
-        yield server
+    yield from own_etcd()
 
 
 def test_a_deleted_or_overwritten_record_is_put_back_at_the_next_keepalive(etcd):

@@ -8,12 +8,11 @@ are checked on :meth:`Discovery.apply` with a clock of the test's. Lists are cou
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
 
 import pytest
 
-from etcd_server import EtcdServer, have_etcd
+from etcd_server import own_etcd
 from splitserve.config import RouterConfig
 from splitserve.discovery.proof import SECRET
 from splitserve.discovery.signing import RecordSeal
@@ -24,11 +23,7 @@ WORKER_KEY = "wk-" + "5" * 40
 
 @pytest.fixture(scope="module")
 def etcd():
-    if not have_etcd():
-        message = "etcd is not installed (apt-get install etcd-server; .ci/run does)"
-        pytest.fail(message) if os.environ.get("CI") == "true" else pytest.skip(message)
-    with EtcdServer() as server:
-        yield server
+    yield from own_etcd()
 
 
 def discovering(etcd, secret, prefix: str) -> RouterConfig:
