@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import kernel_builds, kernels_built_for
 from helpers.attention_reference import naive_attention
+from helpers.compiled_ops import compiled  # noqa: F401 (a fixture)
 from splitserve.layers import kernels
 from splitserve.layers.attention import build_metadata, paged_attention
 from splitserve.layers.linear import Linear, packing_available
@@ -101,15 +101,6 @@ def test_mixed_prefill_and_decode_rows_in_any_order():
 
 
 # -- the compiled ops -------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module", params=kernel_builds())
-def compiled(request):
-    """The compiled ops, built for this CPU and, on an AVX-512 CPU, for AVX2 too (``conftest.kernel_builds``)."""
-    with kernels_built_for(request.param) as module:
-        if module is None:
-            pytest.skip("the compiled kernels cannot be built here (see the warning logged by layers/kernels.py)")
-        yield CompiledOps(module)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -25,14 +25,14 @@ import pytest
 import requests
 import torch
 
-from conftest import kernel_builds, kernels_built_for
 from helpers.attention_reference import naive_attention
+from helpers.compiled_ops import compiled  # noqa: F401 (a fixture)
 from splitserve.disagg.bootstrap import first_mismatch, local_info, model_identity
 from splitserve.discovery.record import WorkerRecord, parse_record
 from splitserve.engine.kv_pool import KVLayout, KVPool
 from splitserve.layers import kv_int8
 from splitserve.layers.attention import build_metadata, paged_attention
-from splitserve.layers.ops import CompiledOps, TorchOps
+from splitserve.layers.ops import TorchOps
 
 PAGE = 4
 NUM_PAGES = 48
@@ -119,15 +119,6 @@ MIXED = [(0, 7), (5, 1), (4, 9), (0, 1), (PAGE, 2 * PAGE + 1), (3 * PAGE - 1, 1)
 def test_the_pytorch_attention_reads_int8_pages_as_their_values():
     out, ref = run_int8_batch(Int8Pool(3, 32), MIXED, 6, TorchOps())
     assert (out.double() - ref).abs().max() < 1e-5
-
-
-@pytest.fixture(scope="module", params=kernel_builds())
-def compiled(request):
-    """The compiled ops (``test_kernels.compiled``)."""
-    with kernels_built_for(request.param) as module:
-        if module is None:
-            pytest.skip("the compiled kernels cannot be built here (see the warning logged by layers/kernels.py)")
-        yield CompiledOps(module)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
