@@ -254,3 +254,16 @@ def test_a_decode_worker_of_another_kv_cache_dtype_refuses_the_int8_prefill(work
     assert error["code"] == "incompatible_peer" and "kv_cache_dtype (ours auto, peer's int8)" in error["message"]
     assert "--kv-cache-dtype" in error["message"]
     pages_back_to_total(cluster.decode[1])
+
+
+@pytest.mark.parametrize("value", ["INT8", "fp8", ""])
+def test_a_cache_dtype_it_does_not_know_exits_2_before_the_model_loads(value):
+    """One line naming the flag and the choices, exit 2, no traceback: checked with the other
+    flags, not when the pool is built after the model loaded."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "splitserve.cli", "serve", "--model", "tiny", "--port", "1",
+                           "--kv-cache-dtype", value], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "--kv-cache-dtype must be one of auto, int8" in done.stderr and "Traceback" not in done.stderr

@@ -31,6 +31,7 @@ from aiohttp import web
 from splitserve.auth import check_bootstrap_trust, check_control_plane
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import place_process
+from splitserve.discovery.record import KV_CACHE_DTYPES
 from splitserve.http_util import bound_url, check_client_bounds
 from splitserve.server.app import create_app
 from splitserve.hosts import check_bind_host
@@ -53,6 +54,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
         signal.signal(sig, lambda signum, _frame: _exit_now(f"received {signal.Signals(signum).name} while starting"))
     try:
         check_client_bounds(server_config)
+        if engine_config.kv_cache_dtype not in KV_CACHE_DTYPES:  # here, not after the model loaded
+            raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"not {engine_config.kv_cache_dtype!r}")
         check_bind_host(server_config.host, "--host")  # [::1] or a zone id: exit 2 saying which form
         check_bootstrap_trust(server_config)
         check_control_plane(server_config)
