@@ -41,6 +41,11 @@ class EngineConfig:
     """Waiting-queue length beyond which new requests get HTTP 429."""
     max_batch_tokens: int = 2048
     """Token budget of one engine step (prefill chunks plus decode tokens)."""
+    prompt_chunk_cost: float = 1.0
+    """While sequences decode, a step's prompt chunks may cost about this many decode-only steps
+    (measured as the worker runs), so a step with a prompt chunk takes about 1 + this times a
+    decode step and every stream keeps its pace while prompts arrive; smaller: steadier tokens,
+    slower prompts. 0: no such limit (prompt chunks up to --max-batch-tokens)."""
     chunked_prefill: bool = True
     """Split long prompts into chunks under the step budget; off: a prompt runs in one step."""
     prefix_cache: bool = True

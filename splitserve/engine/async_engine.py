@@ -36,6 +36,7 @@ from splitserve.engine.engine import LLMEngine, ModelParts
 from splitserve.engine.io import (FLUSH_WAIT_S, GenerateRequest, InvalidRequest, NotReady, Overloaded,
                                   RequestOutput)
 from splitserve.engine.prompt_rate import PromptRate, refuse_if_late
+from splitserve.engine.step_pace import StepPace
 from splitserve.engine.role import Role
 from splitserve.engine.worker_stats import WorkerStats
 from splitserve.outcomes import Ending, Reason
@@ -117,6 +118,7 @@ class AsyncEngine:
         self._role_serial = 0  # which role the loop runs (``replace_role`` counts them); stamps what is posted
         self.stale_events = 0  # events of a replaced role's threads, dropped
         self.prompt_rate = PromptRate()  # the engine's recent pace at prompts: who is refused as too late
+        self.step_pace = StepPace(config.prompt_chunk_cost)  # prompt tokens beside decode (step_pace.py)
         self.last_progress = self.clock()
         """When the engine loop last moved (monotonic): began an iteration, or finished a decoder
         layer of a forward pass (``note_progress``); a wedged loop stops moving it."""
@@ -363,9 +365,11 @@ class AsyncEngine:
 
     def _step(self, _) -> list[RequestOutput]:
         began, computed = self.clock(), self.engine.prompt_tokens_computed
-        report = self.engine.step()
+        report = self.engine.step(self.step_pace.prompt_budget())
         now = self.clock()
-        self.prompt_rate.note(self.engine.prompt_tokens_computed - computed, now - began, now)
+        prompt_tokens = self.engine.prompt_tokens_computed - computed
+        self.prompt_rate.note(prompt_tokens, now - began, now)
+        self.step_pace.note(report.decoding, prompt_tokens, now - began)
         self._unschedulable = not report.scheduled
         return self.role.after_step(report)
 

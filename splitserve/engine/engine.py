@@ -73,6 +73,8 @@ class StepReport:
     scheduled: int = 0
     """Sequences in the step's batch; 0: the engine had work and could schedule none of it (no
     pages for any: nothing changes until an event frees some)."""
+    decoding: int = 0
+    """Sequences in the batch computing one token (decoding, mostly: ``step_pace.py`` times them)."""
 
     @property
     def outputs(self) -> list[RequestOutput]:
@@ -444,10 +446,11 @@ class LLMEngine:
 
     # -- stepping -----------------------------------------------------------------------------
 
-    def step(self) -> StepReport:
-        batch = self.scheduler.schedule()
+    def step(self, prompt_budget: Optional[int] = None) -> StepReport:
+        """One forward pass over the scheduler's batch (``prompt_budget``: ``Scheduler.schedule``'s)."""
+        batch = self.scheduler.schedule(prompt_budget)
         report = StepReport(admitted=list(self.scheduler.admitted), preempted=list(self.scheduler.preempted),
-                            scheduled=len(batch))
+                            scheduled=len(batch), decoding=sum(1 for item in batch if item.num_tokens == 1))
         if not batch:
             self.unschedulable_steps += 1
             return report

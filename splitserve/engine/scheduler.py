@@ -1,7 +1,8 @@
 """Continuous batching with chunked prefill and preemption, under one admission and ordering policy.
 
 Every step the scheduler picks, under a token budget, how many new tokens each sequence computes
-(one when decoding, a chunk of its prompt in prefill); running sequences first, then waiting ones.
+(one when decoding, a prompt chunk otherwise): running ones first, short prompts between a long
+one's chunks, chunks beside decoding held to a measured budget (design.md, *A step's tokens*).
 
 **Admission and order** (``docs/design.md``, *Admission and order*, has the rules and their
 price): a request is the unit, its **need** (:func:`request_pages`) the measure; a need larger than
@@ -13,10 +14,9 @@ fit lets at most ``max_passes`` later ones pass it. Preemption is only for pages
 scheduler's account (a decode room's): the latest request's sequence waits again, still promised.
 
 A prefill-only sequence gets its whole prompt's pages when admitted and is never preempted; a
-sequence whose pages belong to a room is taken out by ``detach``, its room frees the pages. A
-sequence admitted with no pages (and not computing its prompt's logprobs) first takes the cached
-pages of its longest known prefix, never its last token (``page_allocator.py``); every page that
-becomes full of computed KV is offered to the cache (``index_computed``).
+room's sequence is taken out by ``detach`` (its room frees the pages). A sequence admitted with no
+pages first takes the cached pages of its longest known prefix, never its last token
+(``page_allocator.py``); every page full of computed KV is offered to the cache.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ class Scheduler:
         self.admitted: list[Sequence] = []  # admitted by the last schedule()
         self.preempted: list[Sequence] = []  # preempted by the last schedule()
         self._tickets = 0  # orders drawn
+        self._chunk_cap: Optional[int] = None  # prompt tokens this step's chunks may still take (schedule)
         self.prompt_backlog = 0
         """Prompt tokens of the queued and running sequences not computed yet, as of the last
         ``add`` or ``schedule``: what a new request's prompt waits behind (``prompt_rate.py``;
@@ -109,23 +110,56 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> list[ScheduledSeq]:
+    def schedule(self, prompt_budget: Optional[int] = None) -> list[ScheduledSeq]:
+        """This step's batch. ``prompt_budget``: when a running sequence decodes this step, the
+        most tokens the step's prompt chunks (every sequence computing more than one token) may
+        take together (``step_pace.py``: so decode keeps its pace); None: only ``max_batch_tokens``."""
         budget = self.max_batch_tokens
         batch: list[ScheduledSeq] = []
         self.admitted, self.preempted = [], []
-        for seq in list(self.running):
+        decoding = any(s.num_uncomputed == 1 and not s.prefill_only for s in self.running)
+        self._chunk_cap = prompt_budget if decoding and prompt_budget is not None and self.chunked_prefill else None
+        room, half = self._room_for_short(), self.max_batch_tokens // 2
+        for seq in sorted(self.running, key=lambda s: s.num_uncomputed > half):  # long prompts' chunks last
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(seq, budget, batch_empty=not batch)
+            n = self._chunk(seq, budget - room if seq.num_uncomputed > 1 else budget, batch_empty=not batch)
             if n == 0:
                 continue
             if not self._reserve(seq, n, batch):
                 continue  # seq itself was preempted
             batch.append(ScheduledSeq(seq, n))
             budget -= n
+            self._charge(n)
         self._admit(budget, batch)
         self._count_backlog(batch)
         return batch
+
+    def _room_for_short(self) -> int:
+        """Tokens of this step's budget that running prompt chunks leave to short prompts waiting
+        at the head of the queue (each with at most half the budget to compute, in order, that
+        are or can be promised their need), at most half the budget: a short prompt runs between
+        a long prompt's chunks instead of after its last (module docstring)."""
+        half = self.max_batch_tokens // 2
+        if not self.chunked_prefill or not any(s.num_uncomputed > half for s in self.running):
+            return 0
+        want, slack = 0, None
+        for seq in self.waiting:
+            if seq.num_uncomputed > half or want >= half:
+                break
+            if not seq.promised:
+                slack = self.unpromised_pages() if slack is None else slack
+                need = self.request_need(seq)
+                if need > slack:
+                    break
+                slack -= need
+            want += seq.num_uncomputed
+        return min(want, half)
+
+    def _charge(self, n: int) -> None:
+        """A chunk of ``n`` tokens joined the batch: more than one is a prompt chunk, on the cap."""
+        if self._chunk_cap is not None and n > 1:
+            self._chunk_cap = max(0, self._chunk_cap - n)
 
     def _count_backlog(self, batch: list[ScheduledSeq] = ()) -> None:
         """``prompt_backlog`` anew: what stays uncomputed once ``batch`` (this step's) has run."""
@@ -195,6 +229,7 @@ class Scheduler:
                 if not n:
                     return  # in order: no later sequence starts before it
                 budget -= n
+                self._charge(n)
 
     def _start(self, seq: Sequence, budget: int, batch: list[ScheduledSeq]) -> int:
         """Move a promised waiting sequence into the batch if its first chunk's pages are free;
@@ -245,6 +280,8 @@ class Scheduler:
         if seq.wants_prompt_logprobs:  # every row's logits are kept this step: bound them
             need = min(need, PROMPT_LOGPROBS_CHUNK)
         if self.chunked_prefill:
+            if need > 1 and self._chunk_cap is not None:  # beside decoding sequences (schedule)
+                need = min(need, self._chunk_cap)
             return min(need, budget)
         # unchunked: all of it, over budget only when alone in the batch
         return need if (need <= budget or batch_empty) else 0

@@ -32,6 +32,7 @@ from splitserve.auth import check_bootstrap_trust, check_control_plane
 from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import place_process
 from splitserve.discovery.record import KV_CACHE_DTYPES
+from splitserve.engine.step_pace import StepPace
 from splitserve.http_util import bound_url, check_client_bounds
 from splitserve.server.app import create_app
 from splitserve.hosts import check_bind_host
@@ -57,6 +58,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
         if engine_config.kv_cache_dtype not in KV_CACHE_DTYPES:  # here, not after the model loaded
             raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"not {engine_config.kv_cache_dtype!r}")
+        StepPace(engine_config.prompt_chunk_cost)  # a ratio it refuses: exit 2 naming it, before the model loads
         check_bind_host(server_config.host, "--host")  # [::1] or a zone id: exit 2 saying which form
         check_bootstrap_trust(server_config)
         check_control_plane(server_config)
