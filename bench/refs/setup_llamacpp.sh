@@ -7,9 +7,13 @@
 #
 # Known problem: built this way (GGML_NATIVE) on a Xeon with AMX-BF16/AMX-INT8 and AVX512-VNNI,
 # llama-cpp-python 0.3.36 segfaults in llama_decode on the demo model's first eval (one thread or
-# two, logits_all or not); on AVX2-only CPUs it runs. LLAMACPP_CMAKE_ARGS replaces the CMake flags,
-# e.g. "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" (no
-# AVX-512/AMX paths).
+# two, logits_all or not); on AVX2-only CPUs it runs. LLAMACPP_CMAKE_ARGS replaces the CMake flags.
+# On that Xeon this keeps every AVX-512 path and leaves AMX out, and runs:
+#   "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON
+#    -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF
+#    -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+# and "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF" stands in
+# for an AVX2-only CPU.
 #
 #   [LLAMACPP_CMAKE_ARGS=...] bash bench/refs/setup_llamacpp.sh [VENV]   (VENV defaults to /work/refs/llamacpp)
 set -euo pipefail
