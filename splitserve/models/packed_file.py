@@ -5,8 +5,9 @@ on the host maps read-only instead of holding its own copy (README, one copy of 
 ``shared_tensors``) once to ``$SPLITSERVE_CACHE/packed/NAME-KEY.weights`` and points each tensor at
 a private (copy-on-write) mapping of it, so the pages are the page cache's, counted once per host;
 no weight is written while serving. The key hashes all that changes the bytes: the checkpoint's
-identity (``weights_identity``), the quantization plan, the dtype, the kernels' build, the table of
-tensors and ``FORMAT_VERSION``. Layout::
+identity (``weights_identity``), the quantization plan, the dtype, the kernels' build, the source of
+the Python that converts and packs weights (every ``.py`` under ``models/`` and ``layers/``), the
+``gguf`` library's version, torch's and ``FORMAT_VERSION`` (the table of tensors is compared). Layout::
 
     MAGIC (8 bytes) | header length (8, little-endian) | header JSON | tensors, each at a 4 KiB offset
 
@@ -22,7 +23,9 @@ changed in place. Tensors that cannot be mapped stay private (``Shared`` counts 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -104,19 +107,44 @@ def table(tensors: dict[str, torch.Tensor]) -> list[dict]:
     return rows
 
 
-def file_key(identity: dict, build: str) -> str:
-    """The hash naming the file: the checkpoint's identity, the kernels' build, torch, the format (the
-    table is the header's, compared: a loader knows the key before it has the tensors)."""
-    text = json.dumps({"version": FORMAT_VERSION, "identity": identity, "build": build, "torch": torch.__version__},
-                      sort_keys=True)
+def file_key(identity: dict, build: str, code: str, gguf_version: str) -> str:
+    """The hash naming the file: the checkpoint's identity, the kernels' build, the converting code's
+    digest (``code_digest``), the ``gguf`` library's version, torch, the format (the table is the
+    header's, compared: a loader knows the key before it has the tensors)."""
+    text = json.dumps({"version": FORMAT_VERSION, "identity": identity, "build": build, "code": code,
+                       "gguf": gguf_version, "torch": torch.__version__}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
 
 
 def file_path(identity: dict, folder: Optional[Path] = None) -> tuple[Path, str]:
     """Where the file of a checkpoint ``identity`` lives, and its key."""
-    key = file_key(identity, kernels_build())
+    key = file_key(identity, kernels_build(), _own_code(), gguf_version())
     folder = Path(folder) if folder is not None else cache_root() / "packed"
     return folder / f"{_safe(identity.get('name', 'model'))}-{key[:20]}.weights", key
+
+
+def code_digest(folders: list[Path]) -> str:
+    """A hash of every ``.py`` file under ``folders``, by sorted path: the code whose changes may
+    change the converted and packed bytes."""
+    digest = hashlib.sha256()
+    for folder in folders:
+        for source in sorted(Path(folder).rglob("*.py")):
+            digest.update(str(source.relative_to(folder)).encode() + b"\0" + source.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def _own_code() -> str:
+    package = Path(__file__).resolve().parent.parent
+    return code_digest([package / "models", package / "layers"])
+
+
+def gguf_version() -> str:
+    """The installed ``gguf`` library's version (it dequantizes GGUF checkpoints), "none" without it."""
+    try:
+        return importlib.metadata.version("gguf")
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
 
 
 def kernels_build() -> str:
