@@ -5,6 +5,8 @@ abuse. Unit-level, on a one-layer module's weights in a temporary folder."""
 
 from __future__ import annotations
 
+import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -45,3 +47,59 @@ def test_the_key_covers_the_converting_code_and_the_gguf_version(tmp_path):
     before = packed_file.code_digest([tmp_path])
     (tmp_path / "sub" / "quant.py").write_text("SCALE = 2\n")
     assert packed_file.code_digest([tmp_path]) != before
+
+
+def _rewrite_header(path: Path, change) -> None:
+    """The file's header JSON replaced by ``change(header)`` (a dict, or raw bytes), its tensors kept."""
+    data = path.read_bytes()
+    length = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16:16 + length])
+    body = change(header)
+    body = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+    head = packed_file.MAGIC + len(body).to_bytes(8, "little") + body
+    path.write_bytes(head + data[len(head):] if len(head) < 4096 else head)
+
+
+def _floats(header):
+    for row in header["table"]:
+        row["offset"] = float(row["offset"])
+    return header
+
+
+def _float_shape(header):
+    header["table"][0]["shape"] = [float(n) for n in header["table"][0]["shape"]]
+    return header
+
+
+def _float_size(header):
+    return {**header, "size": float(header["size"])}
+
+
+def _bool_version(header):
+    return {**header, "version": True}
+
+
+def _deep(header):
+    return b"[" * 200_000 + b"]" * 200_000
+
+
+def _table_object(header):
+    return {**header, "table": {"a": 1}}
+
+
+@pytest.mark.parametrize("change", [_floats, _float_shape, _float_size, _bool_version, _deep, _table_object])
+def test_a_header_of_the_wrong_types_is_rebuilt_never_a_crash(tmp_path, change, caplog):
+    """Float offsets, shapes or size, a boolean version, JSON nested too deep for the parser, a table
+    that is no list: the loader does not map the file, sharing rebuilds it, nothing raises, and the
+    log names the file and why it was not used."""
+    model = Tiny()
+    path = _share(model, tmp_path).path
+    _rewrite_header(path, change)
+    fresh = Tiny(seed=1).requires_grad_(False)
+    with caplog.at_level(logging.WARNING, logger=packed_file.__name__):
+        assert packed_file.attach_file(fresh, IDENTITY, None, cache_dir=tmp_path) is None
+        assert not torch.equal(fresh.lin.weight, model.lin.weight)
+        shared = _share(fresh, tmp_path)
+    assert shared.path == path and shared.rebuilt
+    assert any(str(path) in r.getMessage() and "not used" in r.getMessage() for r in caplog.records)
+    assert packed_file.attach_file(Tiny(seed=2), IDENTITY, None, cache_dir=tmp_path) is not None

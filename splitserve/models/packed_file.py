@@ -39,6 +39,7 @@ import torch
 from splitserve.models.cache import cache_root, write_file_once
 
 log = logging.getLogger(__name__)
+_told: set[str] = set()  # the reasons already logged: each once per process
 
 FORMAT_VERSION = 1
 MAGIC = b"SPSWGT1\0"
@@ -177,10 +178,10 @@ def share_weights(model: torch.nn.Module, identity: Optional[dict] = None, min_b
     except OSError as exc:  # a full disk, a read-only cache: serve from our own copy
         log.warning("cannot write the shared weights file %s (%s); this worker keeps its own copy", path, exc)
         return Shared(None, 0, total + private)
-    whole = mapped_if_valid(path, key, rows, tensors)
+    whole, why = checked_mapping(path, key, rows, tensors)
     if whole is None:  # replaced by a broken one since: keep our own copy
-        log.warning("the shared weights file %s failed its check just after it was written; weights stay private",
-                    path)
+        log.warning("the shared weights file %s failed its check just after it was written (%s); weights stay "
+                    "private", path, why)
         return Shared(None, 0, total + private)
     _point_at(tensors, rows, whole, _data_start(header))
     _release_freed_memory()
@@ -198,28 +199,18 @@ def attach_file(model: torch.nn.Module, identity: dict, ops, cache_dir: Optional
     if not enabled():
         return None
     path, key = file_path(identity, cache_dir)
-    header = read_header(path)
-    if header is None or header.get("version") != FORMAT_VERSION or header.get("key") != key:
-        return None
-    rows = header.get("table")
     needed = {}
     for prefix, module in model.named_modules():
         own = module.shared_shapes() if hasattr(module, "shared_shapes") else \
             {n: (str(p.dtype).removeprefix("torch."), tuple(p.shape))
              for n, p in module.named_parameters(recurse=False) if p.numel()}
         needed.update({f"{prefix}.{n}" if prefix else n: (d, list(shape)) for n, (d, shape) in own.items()})
-    if not _fits(header, needed):
-        return None
     try:
-        if os.stat(path).st_size != header.get("size"):
-            return None
-        whole = torch.from_file(str(path), shared=False, size=header["size"], dtype=torch.uint8)
-    except (OSError, RuntimeError, TypeError):
-        return None
-    start = _data_start({k: v for k, v in header.items() if k != "size"})
-    views = [whole[start + row["offset"]:start + row["offset"] + row["nbytes"]] for row in rows]
-    if header.get("samples") != [sample_digest(v) for v in views]:
-        log.warning("%s: its contents do not match its header; loading the checkpoint (it is rebuilt)", path)
+        rows, views, why = _views_if_fit(path, key, needed)
+    except Exception as exc:  # noqa: BLE001 -- a header that passed its checks yet breaks one: not ours
+        rows, views, why = None, None, f"its header does not describe it ({type(exc).__name__})"
+    if rows is None:
+        _reject(path, why, "loading the checkpoint (it is rebuilt)")
         return None
     for row, view in zip(rows, views):
         prefix, _, attr = row["name"].rpartition(".")
@@ -234,6 +225,28 @@ def attach_file(model: torch.nn.Module, identity: dict, ops, cache_dir: Optional
     model.weights_file = path
     log.info("weights: %.1f MiB mapped from %s, not loaded", total / 2**20, path)
     return Shared(path, total, 0)
+
+
+def _views_if_fit(path: Path, key: str, needed: dict) -> tuple[Optional[list], Optional[list], str]:
+    """The file's table and each tensor's bytes (views of its mapping), if it is of ``key``, holds
+    exactly ``needed`` and its tensors' first and last 4 KiB match its header's hashes; else None,
+    None and why not."""
+    header, why = header_of(path)
+    if header is None:
+        return None, None, why
+    if header["key"] != key:
+        return None, None, "its key is not this model's"
+    if not _fits(header, needed):
+        return None, None, "its table is not this model's tensors"
+    if os.stat(path).st_size != header["size"]:
+        return None, None, "its size is not its header's"
+    rows = header["table"]
+    whole = torch.from_file(str(path), shared=False, size=header["size"], dtype=torch.uint8)
+    start = _data_start({k: v for k, v in header.items() if k != "size"})
+    views = [whole[start + row["offset"]:start + row["offset"] + row["nbytes"]] for row in rows]
+    if header["samples"] != [sample_digest(v) for v in views]:
+        return None, None, "its contents do not match its header"
+    return rows, views, ""
 
 
 def _mapped_from(path: Path, key: str, rows: list[dict]) -> bool:
@@ -311,46 +324,100 @@ def write_tensors(f, header: dict, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def read_header(path: Path) -> Optional[dict]:
-    """The file's header, or None where the file is not one (short, wrong magic, bad JSON)."""
+    """The file's header, or None where the file is not one of ours (``header_of`` says why)."""
+    return header_of(path)[0]
+
+
+def header_of(path: Path) -> tuple[Optional[dict], str]:
+    """The file's header and "", or None and why it is not one: missing, short, wrong magic, bad
+    JSON, or fields of the wrong type (``header_problem``). Never raises: any error reading or
+    parsing it (deep nesting's RecursionError included) means "not ours"."""
     try:
         with open(path, "rb") as f:
             head = f.read(len(MAGIC) + 8)
             if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
-                return None
+                return None, "not a weights file (short or wrong magic)"
             (length,) = struct.unpack("<Q", head[len(MAGIC):])
             if length > 64 * 2**20:
-                return None
+                return None, f"a header of {length} bytes"
             header = json.loads(f.read(length))
-        return header if isinstance(header, dict) else None
-    except (OSError, ValueError):
-        return None
+    except FileNotFoundError:
+        return None, "missing"
+    except Exception as exc:  # noqa: BLE001 -- RecursionError, ValueError, OSError: all mean not ours
+        return None, f"unreadable header ({type(exc).__name__})"
+    problem = header_problem(header)
+    return (None, problem) if problem else (header, "")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def header_problem(header) -> str:
+    """Why ``header`` is not a well-typed header of this format ("" if it is): the version, size,
+    offsets, byte counts and shape entries must be integers (not floats, not booleans)."""
+    if not isinstance(header, dict):
+        return "its header is not an object"
+    if not _is_int(header.get("version")) or header["version"] != FORMAT_VERSION:
+        return f"format version {header.get('version')!r}, not {FORMAT_VERSION}"
+    if not isinstance(header.get("key"), str) or not _is_int(header.get("size")):
+        return "its key or size is not of the right type"
+    rows, samples = header.get("table"), header.get("samples")
+    if not isinstance(rows, list) or not isinstance(samples, list) or len(samples) != len(rows) \
+            or not all(isinstance(s, str) for s in samples):
+        return "its table or samples are not lists of the right length"
+    for row in rows:
+        if not isinstance(row, dict) or not isinstance(row.get("name"), str) or row.get("dtype") not in _DTYPES \
+                or not _is_int(row.get("offset")) or not _is_int(row.get("nbytes")) \
+                or not isinstance(row.get("shape"), list) or not all(_is_int(n) for n in row["shape"]):
+            return "a table row is not of the right types"
+    return ""
+
+
+def _reject(path: Path, why: str, then: str) -> None:
+    """Log, once per process, why the file at ``path`` is not used and what happens instead."""
+    if why == "missing":
+        return
+    message = f"the shared weights file {path} is not used: {why}; {then}"
+    if message not in _told:
+        _told.add(message)
+        log.warning(message)
 
 
 def mapped_if_valid(path: Path, key: str, rows: list[dict], tensors: dict[str, torch.Tensor]
                     ) -> Optional[torch.Tensor]:
     """The whole file mapped copy-on-write as uint8, if it is the file this process wants: its size,
     magic, version, key and table as expected, and every tensor's first and last ``SAMPLE`` bytes
-    equal to ``tensors``'. None otherwise (or when it does not exist)."""
-    header = read_header(path)
-    if header is None or header.get("version") != FORMAT_VERSION or header.get("key") != key \
-            or header.get("table") != rows:
-        return None
-    size = header.get("size")
+    equal to ``tensors'``. None otherwise (or when it does not exist), the reason logged once."""
+    whole, why = checked_mapping(path, key, rows, tensors)
+    if whole is None:
+        _reject(path, why, "rebuilding it")
+    return whole
+
+
+def checked_mapping(path: Path, key: str, rows: list[dict], tensors: dict[str, torch.Tensor]
+                    ) -> tuple[Optional[torch.Tensor], str]:
+    """``mapped_if_valid``'s mapping and "", or None and why the file is not the one wanted."""
+    header, why = header_of(path)
+    if header is None:
+        return None, why
+    if header["key"] != key or header["table"] != rows:
+        return None, "its key or table is not this model's"
+    size = header["size"]
     try:
         if size != _end(header, rows) or os.stat(path).st_size != size or size == 0:
-            return None
+            return None, "its size is not where its last tensor ends"
         whole = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
-    except (OSError, RuntimeError):
-        return None
+    except (OSError, RuntimeError) as exc:
+        return None, f"cannot map it ({exc})"
     start = _data_start({k: v for k, v in header.items() if k != "size"})
     for row, t in zip(rows, tensors.values()):
         own = t.detach().reshape(-1).view(torch.uint8)
         mine = whole[start + row["offset"]:start + row["offset"] + row["nbytes"]]
         n = min(SAMPLE, row["nbytes"])
         if not (torch.equal(own[:n], mine[:n]) and torch.equal(own[-n:], mine[-n:])):
-            log.warning("%s: %s differs from this process's own bytes; rebuilding it", path, row["name"])
-            return None
-    return whole
+            return None, f"{row['name']} differs from this process's own bytes"
+    return whole, ""
 
 
 def _point_at(tensors: dict[str, torch.Tensor], rows: list[dict], whole: torch.Tensor, start: int) -> None:
