@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -103,3 +105,30 @@ def test_a_header_of_the_wrong_types_is_rebuilt_never_a_crash(tmp_path, change, 
     assert shared.path == path and shared.rebuilt
     assert any(str(path) in r.getMessage() and "not used" in r.getMessage() for r in caplog.records)
     assert packed_file.attach_file(Tiny(seed=2), IDENTITY, None, cache_dir=tmp_path) is not None
+
+
+def _within(seconds: float, call):
+    """``call()``'s result, run on a thread given ``seconds`` (a hang fails the test, not the suite)."""
+    out = []
+    worker = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert out, "hung"
+    return out[0]
+
+
+def test_a_fifo_at_the_file_or_the_lock_does_not_hang(tmp_path, caplog):
+    """A FIFO at the file's path is not a weights file: the loader reads the checkpoint and sharing
+    writes a real file over it. A FIFO at the lock's path leaves the worker its own copy, logged."""
+    path = packed_file.file_path(IDENTITY, tmp_path)[0]
+    os.mkfifo(path)
+    assert _within(20, lambda: packed_file.attach_file(Tiny(), IDENTITY, None, cache_dir=tmp_path)) is None
+    shared = _within(20, lambda: _share(Tiny(), tmp_path))
+    assert shared.path == path and shared.rebuilt and path.is_file()
+    other = packed_file.file_path({**IDENTITY, "name": "other"}, tmp_path)[0]
+    os.mkfifo(tmp_path / f".{other.name}.lock")
+    with caplog.at_level(logging.WARNING, logger=packed_file.__name__):
+        shared = _within(20, lambda: packed_file.share_weights(Tiny(), identity={**IDENTITY, "name": "other"},
+                                                                 min_bytes=0, cache_dir=tmp_path))
+    assert shared.path is None and shared.mapped_bytes == 0 and not other.exists()
+    assert any("lock" in r.getMessage() for r in caplog.records)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,17 @@ def cache_root() -> Path:
     return Path(root).expanduser() if root else Path.home() / ".cache" / "splitserve"
 
 
+def open_lock(path: Path):
+    """The lock file ``path`` open for writing (a file object to ``flock``), created if missing.
+    Opened without blocking (a FIFO planted there would block the open forever); OSError where it
+    is not a regular file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"the lock {path} is not a regular file: remove it")
+    return os.fdopen(fd, "wb")
+
+
 def build_once(final: Path, build: Callable[[Path], object], is_complete: Callable[[Path], bool]) -> Path:
     """``final`` once ``is_complete(final)``; else build it: ``build(tmp)`` fills an empty temporary
     folder beside it, which is then renamed to ``final``. Safe to call from many processes at once:
@@ -34,7 +46,7 @@ def build_once(final: Path, build: Callable[[Path], object], is_complete: Callab
         return final
     parent, name = final.parent, final.name
     parent.mkdir(parents=True, exist_ok=True)
-    with open(parent / f".{name}.lock", "w") as lock:
+    with open_lock(parent / f".{name}.lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we die
         try:
             if is_complete(final):  # someone else built it while we waited
@@ -68,7 +80,7 @@ def write_file_once(final: Path, write: Callable[[object], object], is_valid: Ca
         return False
     parent, name = final.parent, final.name
     parent.mkdir(parents=True, exist_ok=True)
-    with open(parent / f".{name}.lock", "w") as lock:
+    with open_lock(parent / f".{name}.lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we die
         try:
             if is_valid(final):  # someone else wrote it while we waited

@@ -29,6 +29,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -331,9 +332,14 @@ def read_header(path: Path) -> Optional[dict]:
 def header_of(path: Path) -> tuple[Optional[dict], str]:
     """The file's header and "", or None and why it is not one: missing, short, wrong magic, bad
     JSON, or fields of the wrong type (``header_problem``). Never raises: any error reading or
-    parsing it (deep nesting's RecursionError included) means "not ours"."""
+    parsing it (deep nesting's RecursionError included) means "not ours", and so does anything but
+    a regular file (a FIFO, a folder), opened without blocking."""
     try:
-        with open(path, "rb") as f:
+        # non-blocking: a FIFO planted at the path must not hang the start; then only regular files
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with open(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None, "not a regular file"
             head = f.read(len(MAGIC) + 8)
             if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
                 return None, "not a weights file (short or wrong magic)"
