@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from splitserve.models import packed_file
+from splitserve.models import cache, packed_file
 
 IDENTITY = {"name": "tiny", "checkpoint": "test"}
 
@@ -132,3 +132,21 @@ def test_a_fifo_at_the_file_or_the_lock_does_not_hang(tmp_path, caplog):
                                                                  min_bytes=0, cache_dir=tmp_path))
     assert shared.path is None and shared.mapped_bytes == 0 and not other.exists()
     assert any("lock" in r.getMessage() for r in caplog.records)
+
+
+def test_a_symlink_at_a_lock_is_not_followed(tmp_path):
+    """A lock path that is a symlink to another file (write_file_once's and build_once's) is refused
+    with OSError, and the symlink's target keeps its bytes; an existing lock file is not emptied."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    final = tmp_path / "out.weights"
+    (tmp_path / ".out.weights.lock").symlink_to(victim)
+    with pytest.raises(OSError):
+        cache.write_file_once(final, lambda f: f.write(b"x"), lambda p: False)
+    (tmp_path / ".built.lock").symlink_to(victim)
+    with pytest.raises(OSError):
+        cache.build_once(tmp_path / "built", lambda d: None, lambda p: False)
+    assert victim.read_text() == "precious" and not final.exists()
+    (tmp_path / ".kept.lock").write_text("note")
+    assert cache.write_file_once(tmp_path / "kept", lambda f: f.write(b"x"), lambda p: p.exists())
+    assert (tmp_path / ".kept.lock").read_text() == "note" and (tmp_path / "kept").read_bytes() == b"x"

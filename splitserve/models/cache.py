@@ -27,10 +27,11 @@ def cache_root() -> Path:
 
 
 def open_lock(path: Path):
-    """The lock file ``path`` open for writing (a file object to ``flock``), created if missing.
+    """The lock file ``path`` open for writing (a file object to ``flock``), created if missing,
+    never truncated and never through a symlink (one planted there would have its target emptied).
     Opened without blocking (a FIFO planted there would block the open forever); OSError where it
-    is not a regular file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    is a symlink or not a regular file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise OSError(f"the lock {path} is not a regular file: remove it")
