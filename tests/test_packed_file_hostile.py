@@ -150,3 +150,24 @@ def test_a_symlink_at_a_lock_is_not_followed(tmp_path):
     (tmp_path / ".kept.lock").write_text("note")
     assert cache.write_file_once(tmp_path / "kept", lambda f: f.write(b"x"), lambda p: p.exists())
     assert (tmp_path / ".kept.lock").read_text() == "note" and (tmp_path / "kept").read_bytes() == b"x"
+
+
+@pytest.mark.parametrize("what", ["folder", "file"])
+def test_a_file_or_folder_others_may_write_is_never_used(tmp_path, what, caplog):
+    """A file, or its folder, writable by group or others is neither mapped nor written: the worker
+    keeps its own copy, logging why; one owned by another user is refused the same way."""
+    folder = tmp_path / "packed"
+    path = _share(Tiny(), folder).path
+    before = path.read_bytes()
+    os.chmod(folder if what == "folder" else path, 0o777 if what == "folder" else 0o666)
+    fresh = Tiny(seed=1).requires_grad_(False)
+    with caplog.at_level(logging.WARNING, logger=packed_file.__name__):
+        assert packed_file.attach_file(fresh, IDENTITY, None, cache_dir=folder) is None
+        shared = _share(fresh, folder)
+    assert shared.path is None and shared.mapped_bytes == 0 and path.read_bytes() == before
+    assert fresh.lin.weight.untyped_storage().nbytes() == 64 * 64 * 4  # its own copy, not the file
+    assert any("writable by group or others" in r.getMessage() for r in caplog.records)
+    os.chmod(folder, 0o755)
+    os.chmod(path, 0o644)
+    assert packed_file.unsafe_place(path) == ""
+    assert "owned by user" in packed_file.unsafe_place(path, uid=os.geteuid() + 1)

@@ -80,7 +80,7 @@ def write_file_once(final: Path, write: Callable[[object], object], is_valid: Ca
     if is_valid(final):
         return False
     parent, name = final.parent, final.name
-    parent.mkdir(parents=True, exist_ok=True)
+    parent.mkdir(mode=0o755, parents=True, exist_ok=True)  # only its owner writes it, whatever the umask
     with open_lock(parent / f".{name}.lock") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we die
         try:

@@ -15,7 +15,9 @@ The header holds the version, the key, the total size, the table (name, dtype, s
 bytes) and a hash of each tensor's first and last 4 KiB. A file is trusted only when its size,
 magic, version, key and table are this process's and every tensor's first and last 4 KiB check
 out (against its own bytes, or the header's hashes when it maps without loading: ``attach_file``):
-a sample, since a whole hash would cost seconds at every start; one that fails is rebuilt. It is
+a sample, since a whole hash would cost seconds at every start; one that fails is rebuilt. As the
+hashes are in the file, whoever can write it can make any change pass: a file or folder owned by
+another user or writable by group or others is never used (``unsafe_place``). It is
 written under a lock into a temporary file renamed into place (``cache.write_file_once``), never
 changed in place. Tensors that cannot be mapped stay private (``Shared`` counts them).
 """
@@ -169,6 +171,10 @@ def share_weights(model: torch.nn.Module, identity: Optional[dict] = None, min_b
     if identity is None or not enabled() or total < max(min_bytes, 1):
         return Shared(None, 0, total + private)
     path, key = file_path(identity, cache_dir)
+    refused = unsafe_place(path)
+    if refused:
+        _reject(path, refused, "this worker keeps its own copy and writes none")
+        return Shared(None, 0, total + private)
     if getattr(model, "weights_file", None) == path and _mapped_from(path, key, rows):
         return Shared(path, total, private)  # the loader mapped it: nothing to write or point
     header = {"version": FORMAT_VERSION, "key": key, "table": rows,
@@ -200,6 +206,10 @@ def attach_file(model: torch.nn.Module, identity: dict, ops, cache_dir: Optional
     if not enabled():
         return None
     path, key = file_path(identity, cache_dir)
+    refused = unsafe_place(path)
+    if refused:
+        _reject(path, refused, "this worker keeps its own copy and writes none")
+        return None
     needed = {}
     for prefix, module in model.named_modules():
         own = module.shared_shapes() if hasattr(module, "shared_shapes") else \
@@ -338,8 +348,11 @@ def header_of(path: Path) -> tuple[Optional[dict], str]:
         # non-blocking: a FIFO planted at the path must not hang the start; then only regular files
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         with open(fd, "rb") as f:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 return None, "not a regular file"
+            if owner_problem(st):
+                return None, f"the file {owner_problem(st)}"
             head = f.read(len(MAGIC) + 8)
             if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
                 return None, "not a weights file (short or wrong magic)"
@@ -353,6 +366,33 @@ def header_of(path: Path) -> tuple[Optional[dict], str]:
         return None, f"unreadable header ({type(exc).__name__})"
     problem = header_problem(header)
     return (None, problem) if problem else (header, "")
+
+
+def unsafe_place(path: Path, uid: Optional[int] = None) -> str:
+    """Why the file at ``path`` or its folder must not be used ("" if they may): one that another
+    user owns or that group or others may write (whoever can write it can make any change pass
+    the checks, the hashes being in its header). ``uid``: whose they must be (default: ours)."""
+    for place, kind in ((path.parent, "folder"), (path, "file")):
+        try:
+            st = os.stat(place)  # follows a symlink: judges what would be opened
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"cannot stat its {kind} ({exc})"
+        problem = owner_problem(st, uid)
+        if problem:
+            return f"its {kind} {place} {problem}"
+    return ""
+
+
+def owner_problem(st: os.stat_result, uid: Optional[int] = None) -> str:
+    """Why a file or folder of these ``stat`` results is not trusted ("" if it is)."""
+    uid = os.geteuid() if uid is None else uid
+    if st.st_uid != uid:
+        return f"is owned by user {st.st_uid}, not by this process's {uid}"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
 
 
 def _is_int(value) -> bool:
