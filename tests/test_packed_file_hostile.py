@@ -171,3 +171,13 @@ def test_a_file_or_folder_others_may_write_is_never_used(tmp_path, what, caplog)
     os.chmod(path, 0o644)
     assert packed_file.unsafe_place(path) == ""
     assert "owned by user" in packed_file.unsafe_place(path, uid=os.geteuid() + 1)
+
+
+def test_a_header_longer_than_the_cap_is_not_parsed(tmp_path, caplog):
+    """A well-formed header padded past ``MAX_HEADER`` (4 MiB) is rejected by its length, and rebuilt."""
+    path = _share(Tiny(), tmp_path).path
+    _rewrite_header(path, lambda header: {**header, "pad": "x" * packed_file.MAX_HEADER})
+    with caplog.at_level(logging.WARNING, logger=packed_file.__name__):
+        assert packed_file.read_header(path) is None
+        assert _share(Tiny(), tmp_path).rebuilt
+    assert any("a header of" in r.getMessage() for r in caplog.records)

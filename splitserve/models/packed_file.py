@@ -48,6 +48,7 @@ FORMAT_VERSION = 1
 MAGIC = b"SPSWGT1\0"
 ALIGN = 4096  # each tensor on its own pages: mapped views are aligned for any kernel load
 SAMPLE = 4096  # bytes compared at each end of every tensor
+MAX_HEADER = 4 * 2**20  # a real header is tens of KB: a longer one is not parsed
 MIN_BYTES = 64 * 2**20  # below this a model's weights are not worth a file (the tiny test models)
 ENV_SWITCH = "SPLITSERVE_SHARED_WEIGHTS"
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8,
@@ -357,7 +358,7 @@ def header_of(path: Path) -> tuple[Optional[dict], str]:
             if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
                 return None, "not a weights file (short or wrong magic)"
             (length,) = struct.unpack("<Q", head[len(MAGIC):])
-            if length > 64 * 2**20:
+            if length > MAX_HEADER:
                 return None, f"a header of {length} bytes"
             header = json.loads(f.read(length))
     except FileNotFoundError:
