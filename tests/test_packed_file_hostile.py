@@ -181,3 +181,20 @@ def test_a_header_longer_than_the_cap_is_not_parsed(tmp_path, caplog):
         assert packed_file.read_header(path) is None
         assert _share(Tiny(), tmp_path).rebuilt
     assert any("a header of" in r.getMessage() for r in caplog.records)
+
+
+def test_folders_at_the_file_or_temporary_paths_do_not_turn_sharing_off(tmp_path, caplog):
+    """A folder left where a temporary file goes is skipped (the file is still written); a folder at
+    the file's own path is logged, kept, and the worker keeps its own copy."""
+    path = packed_file.file_path(IDENTITY, tmp_path)[0]
+    tmp_path.mkdir(exist_ok=True)
+    leftover = tmp_path / f".{path.name}.tmp-old"
+    (leftover / "inside").mkdir(parents=True)
+    assert _share(Tiny(), tmp_path).rebuilt and path.is_file() and (leftover / "inside").is_dir()
+    other = packed_file.file_path({**IDENTITY, "name": "other"}, tmp_path)[0]
+    (other / "inside").mkdir(parents=True)
+    with caplog.at_level(logging.WARNING, logger=packed_file.__name__):
+        shared = packed_file.share_weights(Tiny(), identity={**IDENTITY, "name": "other"}, min_bytes=0,
+                                           cache_dir=tmp_path)
+    assert shared.path is None and (other / "inside").is_dir()
+    assert any(f"{other} is a folder" in r.getMessage() for r in caplog.records)

@@ -86,8 +86,9 @@ def write_file_once(final: Path, write: Callable[[object], object], is_valid: Ca
         try:
             if is_valid(final):  # someone else wrote it while we waited
                 return False
-            for stale in parent.glob(f".{name}.tmp-*"):  # a crashed writer's
-                stale.unlink(missing_ok=True)
+            for stale in parent.glob(f".{name}.tmp-*"):  # a crashed writer's files; a folder is not ours
+                if stale.is_symlink() or stale.is_file():
+                    stale.unlink(missing_ok=True)
             fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{name}.tmp-")
             try:
                 with os.fdopen(fd, "wb") as f:

@@ -372,7 +372,8 @@ def header_of(path: Path) -> tuple[Optional[dict], str]:
 def unsafe_place(path: Path, uid: Optional[int] = None) -> str:
     """Why the file at ``path`` or its folder must not be used ("" if they may): one that another
     user owns or that group or others may write (whoever can write it can make any change pass
-    the checks, the hashes being in its header). ``uid``: whose they must be (default: ours)."""
+    the checks, the hashes being in its header), or a folder where the file belongs (not removed:
+    it is not ours to delete). ``uid``: whose they must be (default: ours)."""
     for place, kind in ((path.parent, "folder"), (path, "file")):
         try:
             st = os.stat(place)  # follows a symlink: judges what would be opened
@@ -380,6 +381,8 @@ def unsafe_place(path: Path, uid: Optional[int] = None) -> str:
             continue
         except OSError as exc:
             return f"cannot stat its {kind} ({exc})"
+        if kind == "file" and stat.S_ISDIR(st.st_mode):
+            return f"{place} is a folder, not a weights file (remove it to share the weights)"
         problem = owner_problem(st, uid)
         if problem:
             return f"its {kind} {place} {problem}"
