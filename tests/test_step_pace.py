@@ -87,15 +87,15 @@ def test_scheduler_caps_prompt_chunks_only_beside_a_decoding_sequence():
     first = s.schedule(prompt_budget=4)
     assert shape(first) == [("a", 8)]  # nothing decodes: the budget is not applied
     advance(first)
-    b, c = seq("b", 100), seq("c", 100)
+    b = seq("b", 100)
     s.add(b)
-    s.add(c)
     batch = s.schedule(prompt_budget=24)
-    assert shape(batch) == [("a", 1), ("b", 24)]  # a decodes: b's chunk is the budget, c waits for the next
+    assert shape(batch) == [("a", 1), ("b", 24)]  # a decodes: b's chunk is the budget
     advance(batch)
     batch = s.schedule(prompt_budget=30)
     assert shape(batch) == [("a", 1), ("b", 30)]
     advance(batch)
+    s.add(seq("c", 100))
     batch = s.schedule(prompt_budget=None)
     assert shape(batch) == [("a", 1), ("b", 46), ("c", 100)]  # no budget: max_batch_tokens alone
 
@@ -129,11 +129,11 @@ def _run(engine: LLMEngine, reqs: list[GenerateRequest], budget):
 
 def test_engine_gives_the_same_tokens_under_a_prompt_budget(tiny_llama_engine_parts):
     """Row invariance: a chunk's size never changes a token; while a sequence decodes, the long
-    prompts that arrive move at most 16 tokens a step."""
+    prompt that arrives moves at most 16 tokens a step."""
     from helpers.prompts import prompt
 
     params = SamplingParams(temperature=0.0, max_tokens=24)
-    reqs = [GenerateRequest(f"r{i}", tuple(prompt(n, seed=i)), params) for i, n in enumerate((20, 150, 90))]
+    reqs = [GenerateRequest(f"r{i}", tuple(prompt(n, seed=i)), params) for i, n in enumerate((20, 150))]
     free, _ = _run(tiny_llama_engine_parts(), reqs, None)
     held, beside = _run(tiny_llama_engine_parts(), reqs, 16)
     assert held == free and all(len(ids) == 24 for ids in held.values())
@@ -170,3 +170,18 @@ def test_no_room_is_kept_for_long_or_unfitting_prompts():
     advance(tight.schedule())
     tight.add(seq("s", 30))  # 10 pages: more than are left, so no room is kept for it
     assert shape(tight.schedule()) == [("long", 64)]
+
+
+def test_the_budget_grows_with_the_prompts_waiting_per_decoding_sequence():
+    """One decoding stream and four prompts waiting: four budgets a step (each prompt's wait
+    weighs as much as the stream's stall); as more decode, the cap falls back to one budget."""
+    s = Scheduler(PageAllocator(512), 4, 8, 512, True)
+    a = seq("a", 8)
+    s.add(a)
+    advance(s.schedule())
+    for i in range(4):
+        s.add(seq(f"p{i}", 100))
+    batch = s.schedule(prompt_budget=16)
+    assert shape(batch) == [("a", 1), ("p0", 64)]  # 16 x 4 prompts per decoding sequence
+    advance(batch)
+    assert sum(n for rid, n in shape(s.schedule(prompt_budget=16)) if rid != "a") == 64

@@ -117,8 +117,7 @@ class Scheduler:
         budget = self.max_batch_tokens
         batch: list[ScheduledSeq] = []
         self.admitted, self.preempted = [], []
-        decoding = any(s.num_uncomputed == 1 and not s.prefill_only for s in self.running)
-        self._chunk_cap = prompt_budget if decoding and prompt_budget is not None and self.chunked_prefill else None
+        self._chunk_cap = self._prompt_cap(prompt_budget)
         room, half = self._room_for_short(), self.max_batch_tokens // 2
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > half):  # long prompts' chunks last
             if seq.status is not SeqStatus.RUNNING:
@@ -155,6 +154,19 @@ class Scheduler:
                 slack -= need
             want += seq.num_uncomputed
         return min(want, half)
+
+    def _prompt_cap(self, prompt_budget: Optional[int]) -> Optional[int]:
+        """This step's prompt tokens beside decoding sequences: ``prompt_budget`` times the
+        prompts waiting for their first token per decoding sequence (at least once), so that one
+        stream decoding does not hold fifteen prompts to a trickle: the stall each decoding
+        stream takes is set against the wait of every prompt it would hold up. None: no cap."""
+        if prompt_budget is None or not self.chunked_prefill:
+            return None
+        decoding = sum(1 for s in self.running if s.num_uncomputed == 1 and not s.prefill_only)
+        if not decoding:
+            return None
+        prompts = len(self.waiting) + sum(1 for s in self.running if s.num_uncomputed > 1)
+        return prompt_budget * max(1, prompts // decoding)
 
     def _charge(self, n: int) -> None:
         """A chunk of ``n`` tokens joined the batch: more than one is a prompt chunk, on the cap."""
