@@ -198,3 +198,16 @@ def test_folders_at_the_file_or_temporary_paths_do_not_turn_sharing_off(tmp_path
                                            cache_dir=tmp_path)
     assert shared.path is None and (other / "inside").is_dir()
     assert any(f"{other} is a folder" in r.getMessage() for r in caplog.records)
+
+
+def test_a_rebuild_says_why_once(tmp_path, caplog):
+    """A file whose tensor bytes differ from the worker's own is rebuilt with one warning naming the
+    file and the tensor, though it is checked before and again under the lock."""
+    path = _share(Tiny(), tmp_path).path
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF  # the last tensor's last byte
+    path.write_bytes(bytes(data))
+    with caplog.at_level(logging.WARNING, logger=packed_file.__name__):
+        assert _share(Tiny(), tmp_path).rebuilt
+    told = [r.getMessage() for r in caplog.records if "differs" in r.getMessage()]
+    assert len(told) == 1 and str(path) in told[0] and "lin.bias" in told[0] and "rebuilding" in told[0]
