@@ -5,6 +5,7 @@ abuse. Unit-level, on a one-layer module's weights in a temporary folder."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -211,3 +212,19 @@ def test_a_rebuild_says_why_once(tmp_path, caplog):
         assert _share(Tiny(), tmp_path).rebuilt
     told = [r.getMessage() for r in caplog.records if "differs" in r.getMessage()]
     assert len(told) == 1 and str(path) in told[0] and "lin.bias" in told[0] and "rebuilding" in told[0]
+
+
+def test_a_killed_kernels_builds_lock_is_removed_under_our_lock(tmp_path, caplog):
+    """torch's ``lock`` file left in a kernels build folder (its builder killed) is removed, with a
+    warning naming it, once our own lock on the folder is held; while held, that lock is taken."""
+    from splitserve.layers import kernels
+
+    (tmp_path / "lock").write_text("")
+    with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        with kernels.build_lock(tmp_path):
+            assert not (tmp_path / "lock").exists()
+            with open(tmp_path / "splitserve.lock", "rb") as other, pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert any(str(tmp_path / "lock") in r.getMessage() for r in caplog.records)
+    with kernels.build_lock(tmp_path):  # nothing planted: nothing to say
+        pass

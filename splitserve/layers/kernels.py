@@ -17,6 +17,8 @@ an AVX2-only machine runs, so that its paths are tested and measured here too.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -109,14 +111,32 @@ def _build(name: str):
                 tmp.write_text(text)
                 os.replace(tmp, source)
             sources.append(str(source))
-        cpp_extension.load(name=name, sources=sources, extra_cflags=[*cflags(), f"-DSPLITSERVE_OPS={name}"],
-                           extra_ldflags=list(LDFLAGS), build_directory=str(build_dir), is_python_module=False,
-                           verbose=False)
+        with build_lock(build_dir):
+            cpp_extension.load(name=name, sources=sources, extra_cflags=[*cflags(), f"-DSPLITSERVE_OPS={name}"],
+                               extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
+                               is_python_module=False, verbose=False)
         log.info("compiled CPU kernels (-march=%s) loaded from %s", march(), build_dir)
         return getattr(torch.ops, name)
     except Exception as exc:  # compiler or ninja missing, compile error: run the PyTorch ops instead
         log.warning("compiled CPU kernels unavailable, using the PyTorch ops instead: %s", _reason(exc))
         return None
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """Hold our flock on ``build_dir/splitserve.lock`` (released also if we die) around a build. While
+    we hold it no build of ours runs there, so torch's ``lock`` file there is a killed build's, on
+    which every later build would wait forever: it is removed, with a warning naming it."""
+    fd = os.open(build_dir / "splitserve.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists() or stale.is_symlink():
+            log.warning("removing %s, the build lock of a kernels build that was killed", stale)
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _reason(exc: Exception) -> str:
