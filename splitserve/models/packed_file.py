@@ -3,11 +3,10 @@ on the host maps read-only instead of holding its own copy (README, one copy of 
 
 :func:`share_weights` writes a worker's loaded, packed weights (``layers/linear.py``'s
 ``shared_tensors``) once to ``$SPLITSERVE_CACHE/packed/NAME-KEY.weights`` and points each tensor at
-a private (copy-on-write) mapping of it, so the pages are the page cache's, counted once per host;
-no weight is written while serving. The key hashes all that changes the bytes: the checkpoint's
-identity (``weights_identity``), the quantization plan, the dtype, the kernels' build, the source of
-the Python that converts and packs weights (every ``.py`` under ``models/`` and ``layers/``), the
-``gguf`` library's version, torch's and ``FORMAT_VERSION`` (the table of tensors is compared). Layout::
+a private (copy-on-write) mapping of it, so the pages are the page cache's, counted once per host.
+The key hashes all that changes the bytes: the checkpoint's identity (``weights_identity``: its
+quantization plan, dtype), the kernels' build, every ``.py`` under ``models/`` and ``layers/``, the
+``gguf`` and torch versions and ``FORMAT_VERSION``. Layout::
 
     MAGIC (8 bytes) | header length (8, little-endian) | header JSON | tensors, each at a 4 KiB offset
 
@@ -15,11 +14,8 @@ The header holds the version, the key, the total size, the table (name, dtype, s
 bytes) and a hash of each tensor's first and last 4 KiB. A file is trusted only when its size,
 magic, version, key and table are this process's and every tensor's first and last 4 KiB check
 out (against its own bytes, or the header's hashes when it maps without loading: ``attach_file``):
-a sample, since a whole hash would cost seconds at every start; one that fails is rebuilt. As the
-hashes are in the file, whoever can write it can make any change pass: a file or folder owned by
-another user or writable by group or others is never used (``unsafe_place``). It is
-written under a lock into a temporary file renamed into place (``cache.write_file_once``), never
-changed in place. Tensors that cannot be mapped stay private (``Shared`` counts them).
+a sample (a whole hash would cost seconds per start); one that fails is rebuilt, by rename under a
+lock (``cache.write_file_once``). One (or a folder) others can write is never used (``unsafe_place``).
 """
 
 from __future__ import annotations
