@@ -36,6 +36,17 @@
 //
 // AVX2 (+FMA, F16C) kernels; elsewhere plain loops with the same arithmetic per element (std::fma),
 // which keep the batch invariance (not necessarily an AVX2 machine's bits).
+//
+// AMX-INT8 (a build with AMX-TILE, AMX-INT8 and AVX-512, on Linux once the process is granted the
+// tile state): Q4_0 and Q8_0 calls of at least AMX_MIN_ROWS rows. A thread unpacks 16 output rows'
+// blocks once into int8 A tiles (16 outputs x 32 k; Q4_0 as nibble - 8, so the tile's dot is the
+// vector path's dot - 8 * S), the activations are laid out once as B tiles (8 x 64 bytes: 16 rows x
+// 32 k), and per block one TDPBSSD gives the 16 x 16 int32 dot products of that block. Integer dot
+// products are exact whatever computes them, and the float epilogue is the vector path's, per output
+// and block in order: acc = fma(float(dot), dw * dx, acc) from 0, then + bias and the store's
+// rounding; so every output has the same bits on either path, and a row's bits stay the same
+// whatever M is. The tiles' padding rows (past M, past N) are computed and never stored.
+// SPLITSERVE_KERNELS_AMX=0 (read at each call) keeps every call on the vector path.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -52,10 +63,21 @@
 #endif
 #endif
 
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__AVX512BW__) && \
+    defined(__linux__) && \
+    defined(QK_AVX2)
+#define QK_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 namespace {
@@ -482,6 +504,215 @@ void tile_rows(int64_t mr, int64_t kind, const uint8_t* grp, const Acts& a, int6
 inline void store_out(float v, float* o) { *o = v; }
 inline void store_out(float v, at::BFloat16* o) { *o = at::BFloat16(v); }
 
+// -- AMX-INT8: Q4_0 and Q8_0 on prompt-sized calls (the header says why the bits are the same) ---
+
+bool amx_switched_off() {
+  const char* env = std::getenv("SPLITSERVE_KERNELS_AMX");
+  if (env == nullptr) return false;
+  std::string v(env);
+  for (auto& ch : v) ch = char(std::tolower(static_cast<unsigned char>(ch)));
+  return v == "0" || v == "false" || v == "off" || v == "no";
+}
+
+#if defined(QK_AMX)
+constexpr int64_t AMX_MIN_ROWS = 16;  // below a tile of rows the vector path is as fast
+constexpr int64_t AMX_CHUNK = 4;      // output tiles of 16 unpacked at once, reused by every row tile
+
+// Linux hands a process the tile registers' state only when asked (once: the grant is per process)
+bool amx_permitted() {
+  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return ok;
+}
+
+// tiles 0-3: C [16 outputs x 16 rows] int32; 4, 5: A [16 outputs x 32 k] int8; 6, 7: B [8 x 64] int8
+void amx_config() {
+  alignas(64) uint8_t cfg[64] = {};
+  cfg[0] = 1;  // palette 1
+  const uint16_t colsb[8] = {64, 64, 64, 64, 32, 32, 64, 64};
+  const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 8, 8};
+  std::memcpy(cfg + 16, colsb, sizeof(colsb));
+  std::memcpy(cfg + 48, rows, sizeof(rows));
+  _tile_loadconfig(cfg);
+}
+
+// activations as B tiles: q [tiles][nbp][8][64], B[kk][4c + i] = row 16t + c's q[32b + 4kk + i];
+// d [tiles][nb][16]; rows past M and blocks past nb (up to nbp, a multiple of 4) are zeros
+struct AmxActs {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  int64_t tiles = 0, nbp = 0;
+};
+
+void amx_acts(const Acts& a, int64_t M, AmxActs& t) {
+  const int64_t nb = a.nb;
+  t.tiles = (M + 15) / 16;
+  t.nbp = (nb + 3) / 4 * 4;
+  t.q.assign(t.tiles * t.nbp * 512, 0);
+  t.d.assign(t.tiles * nb * 16, 0.f);
+  at::parallel_for(0, t.tiles, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t tt = t0; tt < t1; ++tt)
+      for (int64_t c = 0; c < 16 && 16 * tt + c < M; ++c) {
+        const int64_t m = 16 * tt + c;
+        for (int64_t b = 0; b < nb; ++b) {
+          int8_t* dst = t.q.data() + (tt * t.nbp + b) * 512 + 4 * c;
+          const int8_t* src = a.q.data() + m * a.K + 32 * b;
+          for (int kk = 0; kk < 8; ++kk) std::memcpy(dst + 64 * kk, src + 4 * kk, 4);
+          t.d[(tt * nb + b) * 16 + c] = a.d[m * nb + b];
+        }
+      }
+  });
+}
+
+// a group block's 8 rows as A-tile rows of 32 int8 (Q4_0: nibble - 8, low nibbles k 0-15, high
+// 16-31; Q8_0: as they are): a transpose of the group's 4-byte lanes (dword 8i + r: row r's i-th)
+inline void amx_unpack(int64_t kind, const uint8_t* qs, int8_t* rows) {
+  const __m512i pick0 = _mm512_setr_epi32(0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27);
+  const __m512i halves = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), halves2 = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  const __m512i mask = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
+  for (int h = 0; h < 2; ++h) {  // rows 4h .. 4h + 3, one per 128-bit lane: a their k 0-15, b 16-31
+    const __m512i pick = _mm512_add_epi32(pick0, _mm512_set1_epi32(4 * h));
+    __m512i a, b;
+    if (kind == kQ8_0) {
+      a = _mm512_permutex2var_epi32(_mm512_loadu_si512(qs), pick, _mm512_loadu_si512(qs + 64));
+      b = _mm512_permutex2var_epi32(_mm512_loadu_si512(qs + 128), pick, _mm512_loadu_si512(qs + 192));
+    } else {
+      const __m512i q = _mm512_permutex2var_epi32(_mm512_loadu_si512(qs), pick, _mm512_loadu_si512(qs + 64));
+      a = _mm512_sub_epi8(_mm512_and_si512(q, mask), eight);
+      b = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(q, 4), mask), eight);
+    }
+    _mm512_storeu_si512(rows + 128 * h, _mm512_permutex2var_epi64(a, halves, b));
+    _mm512_storeu_si512(rows + 128 * h + 64, _mm512_permutex2var_epi64(a, halves2, b));
+  }
+}
+
+// output tile o (groups 2o, 2o + 1) as A tiles w [nb][16][32] int8 and dw [nb][16]
+void amx_weights(int64_t kind, const uint8_t* pp, int64_t grp_row, int64_t G, int64_t o, int64_t nb, int8_t* w,
+                 float* dw) {
+  const int64_t gbytes = kind == kQ4_0 ? 144 : 272;
+  for (int64_t b = 0; b < nb; ++b)
+    for (int64_t half = 0; half < 2; ++half) {
+      const int64_t g = 2 * o + half;
+      if (g >= G) {  // an odd number of groups: the tile's second half is padding
+        std::memset(w + b * 512 + 256 * half, 0, 256);
+        std::fill(dw + b * 16 + 8 * half, dw + b * 16 + 8 * half + 8, 0.f);
+        continue;
+      }
+      const uint8_t* gb = pp + g * grp_row + b * gbytes;
+      _mm256_storeu_ps(dw + b * 16 + 8 * half, load_half8(gb));
+      amx_unpack(kind, gb + 16, w + b * 512 + 256 * half);
+    }
+}
+
+// acc[j] lane c (output j, row c) = fma(float(dot), dw * dx, acc[j]): the vector tiles' arithmetic
+inline void amx_epilogue(const int32_t* dots, const float* dw, const float* dx, __m512* acc) {
+  const __m512 vdx = _mm512_loadu_ps(dx);
+  for (int j = 0; j < 16; ++j) {
+    const __m512 dot = _mm512_cvtepi32_ps(_mm512_loadu_si512(dots + 16 * j));
+    acc[j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(_mm512_set1_ps(dw[j]), vdx), acc[j]);
+  }
+}
+
+// block b's 16 x 16 dot products into tile C (A, B: its operand tiles); a macro: gcc's tile
+// intrinsics name their registers by the literal number
+#define AMX_BLOCK(C, A, B, w, xq, b)          \
+  do {                                        \
+    _tile_zero(C);                            \
+    _tile_loadd(A, (w) + (b) * 512, 32);      \
+    _tile_loadd(B, (xq) + (b) * 512, 64);     \
+    _tile_dpbssd(C, A, B);                    \
+  } while (0)
+
+// blocks b, b + 1 (those before nb) into acc
+inline void amx_epilogue2(const int32_t (*dots)[256], const float* dw, const float* dx, int64_t b, int64_t nb,
+                          __m512* acc) {
+  if (b < nb) amx_epilogue(dots[0], dw + b * 16, dx + b * 16, acc);
+  if (b + 1 < nb) amx_epilogue(dots[1], dw + (b + 1) * 16, dx + (b + 1) * 16, acc);
+}
+
+// 16 outputs x 16 rows over nb blocks (w, xq padded with zero blocks to nbp, a multiple of 4) into
+// res[16 outputs][16 rows]; the epilogue of blocks b, b + 1 runs while the tiles compute b + 2 to
+// b + 5, on dot products stored an issue earlier (a tile store does not forward to vector loads)
+void amx_tile(const int8_t* w, const float* dw, const int8_t* xq, const float* dx, int64_t nb, int64_t nbp,
+              float* res) {
+  alignas(64) int32_t dots[2][2][256];
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  AMX_BLOCK(0, 4, 6, w, xq, 0);
+  AMX_BLOCK(1, 5, 7, w, xq, 1);
+  for (int64_t b = 0; b < nbp; b += 4) {
+    AMX_BLOCK(2, 4, 6, w, xq, b + 2);
+    AMX_BLOCK(3, 5, 7, w, xq, b + 3);
+    _tile_stored(0, dots[0][0], 64);
+    _tile_stored(1, dots[0][1], 64);
+    if (b > 0) amx_epilogue2(dots[1], dw, dx, b - 2, nb, acc);
+    if (b + 4 < nbp) {
+      AMX_BLOCK(0, 4, 6, w, xq, b + 4);
+      AMX_BLOCK(1, 5, 7, w, xq, b + 5);
+    }
+    _tile_stored(2, dots[1][0], 64);
+    _tile_stored(3, dots[1][1], 64);
+    amx_epilogue2(dots[0], dw, dx, b, nb, acc);
+  }
+  amx_epilogue2(dots[1], dw, dx, nbp - 2, nb, acc);
+  for (int j = 0; j < 16; ++j) _mm512_storeu_ps(res + 16 * j, acc[j]);
+}
+
+template <typename T>
+void amx_store(const float* res, const float* bp, T* op, int64_t os, int64_t M, int64_t N, int64_t m0, int64_t n0) {
+  const int64_t mr = std::min<int64_t>(16, M - m0), nr = std::min<int64_t>(16, N - n0);
+  for (int64_t m = 0; m < mr; ++m) {
+    T* o = op + (m0 + m) * os + n0;
+    for (int64_t n = 0; n < nr; ++n) store_out(bp ? res[16 * n + m] + bp[n0 + n] : res[16 * n + m], o + n);
+  }
+}
+
+template <typename T>
+void quant_linear_amx(const Acts& a, int64_t kind, const uint8_t* pp, int64_t G, int64_t grp_row, int64_t N,
+                      int64_t M, const float* bp, T* op, int64_t os) {
+  AmxActs t;
+  amx_acts(a, M, t);
+  const int64_t O = (G + 1) / 2, nb = a.nb, nbp = t.nbp;
+  at::parallel_for(0, O, 1, [&](int64_t o0, int64_t o1) {
+    amx_config();
+    std::vector<int8_t> w(AMX_CHUNK * nbp * 512);  // the blocks past nb stay zero
+    std::vector<float> dw(AMX_CHUNK * nb * 16);
+    alignas(64) float res[256];
+    for (int64_t c0 = o0; c0 < o1; c0 += AMX_CHUNK) {
+      const int64_t c1 = std::min(o1, c0 + AMX_CHUNK);
+      for (int64_t o = c0; o < c1; ++o)
+        amx_weights(kind, pp, grp_row, G, o, nb, w.data() + (o - c0) * nbp * 512, dw.data() + (o - c0) * nb * 16);
+      for (int64_t tt = 0; tt < t.tiles; ++tt)
+        for (int64_t o = c0; o < c1; ++o) {
+          amx_tile(w.data() + (o - c0) * nbp * 512, dw.data() + (o - c0) * nb * 16, t.q.data() + tt * nbp * 512,
+                   t.d.data() + tt * nb * 16, nb, nbp, res);
+          amx_store(res, bp, op, os, M, N, 16 * tt, 16 * o);
+        }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// whether this call takes the AMX path
+bool amx_used(int64_t kind, int64_t M) {
+#if defined(QK_AMX)
+  return (kind == kQ4_0 || kind == kQ8_0) && M >= AMX_MIN_ROWS && !amx_switched_off() && amx_permitted();
+#else
+  (void)kind;
+  (void)M;
+  return false;
+#endif
+}
+
+// whether this build and process can take the AMX path (tests: the two paths are then compared)
+bool quant_amx_available() {
+#if defined(QK_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 template <typename T>
 void quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t kind, int64_t N,
                        const std::optional<at::Tensor>& bias, at::Tensor& out) {
@@ -492,6 +723,9 @@ void quant_linear_impl(const at::Tensor& x, const at::Tensor& packed, int64_t ki
   const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
   T* op = out.data_ptr<T>();
   const int64_t os = out.stride(0);
+#if defined(QK_AMX)
+  if (amx_used(kind, M)) return quant_linear_amx<T>(a, kind, pp, G, grp_row, N, M, bp, op, os);
+#endif
   // one thread below ~256 KiB of weights at batch 1 (waking the pool costs about what it saves)
   const int64_t work = G * grp_row * std::max<int64_t>(M, 4) / 4;
   at::parallel_for(0, G, work < (int64_t(1) << 18) ? G : 1, [&](int64_t g0, int64_t g1) {
@@ -799,6 +1033,7 @@ TORCH_LIBRARY_FRAGMENT(SPLITSERVE_OPS, m) {
   m.def("quant_pack(Tensor raw, int kind, int K) -> Tensor");
   m.def("quant_rows(Tensor packed, int kind, int N, int K, Tensor rows) -> Tensor");
   m.def("quant_linear(Tensor x, Tensor packed, int kind, int N, Tensor? bias) -> Tensor");
+  m.def("quant_amx_available() -> bool", &quant_amx_available);  // no tensor: no dispatch key
   m.def("linear_f32(Tensor x, Tensor w, Tensor? bias) -> Tensor");
   m.def("f32_pack(Tensor w) -> Tensor");
   m.def("linear_f32_packed(Tensor x, Tensor packed, int N, Tensor? bias) -> Tensor");
