@@ -3,7 +3,7 @@ vector path, bit for bit: Q4_0 and Q8_0 weights of several shapes (K of 896 and 
 a multiple of 16, an odd number of 8-row groups), row counts around the AMX threshold and a
 prompt-sized chunk, float32 and bfloat16 activations, with and without bias; and a row's bits
 alone against the same row inside a 513-row call. ``SPLITSERVE_KERNELS_AMX=0`` puts a call on the
-vector path. Skipped where the CPU has no AMX-INT8."""
+vector path. Also blocks of arbitrary bytes. Skipped where the CPU has no AMX-INT8."""
 
 from __future__ import annotations
 
@@ -82,7 +82,15 @@ def test_a_row_alone_equals_the_same_row_in_a_513_row_call(ops, kind):
         assert torch.equal(alone[0], chunk[row]), f"{kind} row {row}"
 
 
-def test_the_amx_path_is_switched_off_by_its_variable(ops, monkeypatch):
-    """With ``SPLITSERVE_KERNELS_AMX=0`` still reported available (the switch is per call, not per build)."""
-    monkeypatch.setenv("SPLITSERVE_KERNELS_AMX", "0")
-    assert ops.quant_amx_available()
+@pytest.mark.parametrize("kind", list(TYPE_IDS))
+def test_any_block_bytes_give_the_same_bits(ops, monkeypatch, kind):
+    """Blocks of random bytes (Q8_0 values of -128, which no quantizer writes; every nibble) on both paths."""
+    N, K, bytes_per_block = 24, 256, {"Q4_0": 18, "Q8_0": 34}[kind]
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, (N * K // 32, bytes_per_block), dtype=np.uint8)
+    raw[:, 0:2] = rng.uniform(0.001, 0.05, (len(raw), 1)).astype(np.float16).view(np.uint8)
+    raw[:, 2:] = np.where(rng.random(raw[:, 2:].shape) < 0.2, 0x80, raw[:, 2:]).astype(np.uint8)
+    packed = ops.quant_pack(torch.from_numpy(raw.reshape(N, -1)), TYPE_IDS[kind], K)
+    x = torch.randn(40, K, generator=torch.Generator().manual_seed(1)) * 10
+    amx, vector = both_paths(ops, monkeypatch, x, packed, kind, N, None)
+    assert torch.equal(amx, vector)

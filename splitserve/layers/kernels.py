@@ -14,10 +14,8 @@ second; processes building at once wait on the build folder's lock. Environment 
 value), one this CPU can run: ``x86-64-v3`` (AVX2, FMA, F16C) gives on an AVX-512 machine the code
 an AVX2-only machine runs, so that its paths are tested and measured here too.
 
-On a CPU with AMX-INT8 (a native build there), ``quant_linear`` runs Q4_0 and Q8_0 calls of 16 rows
-or more on the tile unit, with the vector path's bits; ``SPLITSERVE_KERNELS_AMX=0`` (read at each
-call) keeps them on the vector path, and the op ``quant_amx_available()`` says whether the build
-and process can use the tiles.
+On an AMX-INT8 CPU, ``quant_linear`` runs Q4_0/Q8_0 calls of 16+ rows on the tiles with the vector
+path's bits; ``SPLITSERVE_KERNELS_AMX=0`` (read at each call) keeps them off (``quant_amx_available()``).
 """
 
 from __future__ import annotations
