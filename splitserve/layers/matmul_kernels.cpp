@@ -672,7 +672,8 @@ void quant_linear_amx(const Acts& a, int64_t kind, const uint8_t* pp, int64_t G,
   AmxActs t;
   amx_acts(a, M, t);
   const int64_t O = (G + 1) / 2, nb = a.nb, nbp = t.nbp;
-  at::parallel_for(0, O, 1, [&](int64_t o0, int64_t o1) {
+  const int64_t work = G * grp_row * M / 4;  // one thread for a small weight, as the vector path
+  at::parallel_for(0, O, work < (int64_t(1) << 18) ? O : 1, [&](int64_t o0, int64_t o1) {
     amx_config();
     std::vector<int8_t> w(AMX_CHUNK * nbp * 512);  // the blocks past nb stay zero
     std::vector<float> dw(AMX_CHUNK * nb * 16);
