@@ -23,7 +23,7 @@ LAYERS = [
     {"splitserve.hosts", "splitserve.transfer_backends"},
     {"splitserve", "splitserve.outcomes", "splitserve.config", "splitserve.log_sparsely", "splitserve.timeline",
      "splitserve.metrics", "splitserve.cpus", "splitserve.tls", "splitserve.discovery", "splitserve.secret_file",
-     "splitserve.validation_fields"},
+     "splitserve.validation_fields", "splitserve.file_trust"},
     {"splitserve.errors"},
     {"splitserve.layers"},
     {"splitserve.models"},

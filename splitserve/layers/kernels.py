@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from splitserve.file_trust import untrusted
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_kernels.cpp", "matmul_kernels.cpp"))
@@ -100,6 +102,10 @@ def _build(name: str):
 
         build_dir = cache_dir() / name
         build_dir.mkdir(parents=True, exist_ok=True)
+        refused = untrusted([build_dir.parent.parent, build_dir.parent, build_dir, build_dir / f"{name}.so"])
+        if refused:  # a library others can write is their code in this worker
+            log.warning("compiled CPU kernels not loaded, using the PyTorch ops instead: %s", refused)
+            return None
         if not (build_dir / f"{name}.so").is_file():
             log.info("building the compiled CPU kernels (-march=%s) into %s (once per machine and version: "
                      "seconds to a minute)", march(), build_dir)
@@ -111,7 +117,9 @@ def _build(name: str):
             text = original.read_text()
             if not source.is_file() or source.read_text() != text:
                 tmp = source.with_suffix(f".{os.getpid()}.tmp")
-                tmp.write_text(text)
+                tmp.unlink(missing_ok=True)  # never written through: a link planted there is not followed
+                with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
+                    f.write(text)
                 os.replace(tmp, source)
             sources.append(str(source))
         with build_lock(build_dir):

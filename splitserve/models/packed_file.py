@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from splitserve.file_trust import owner_problem
 from splitserve.models.cache import cache_root, write_file_once
 
 log = logging.getLogger(__name__)
@@ -382,16 +383,6 @@ def unsafe_place(path: Path, uid: Optional[int] = None) -> str:
         problem = owner_problem(st, uid)
         if problem:
             return f"its {kind} {place} {problem}"
-    return ""
-
-
-def owner_problem(st: os.stat_result, uid: Optional[int] = None) -> str:
-    """Why a file or folder of these ``stat`` results is not trusted ("" if it is)."""
-    uid = os.geteuid() if uid is None else uid
-    if st.st_uid != uid:
-        return f"is owned by user {st.st_uid}, not by this process's {uid}"
-    if st.st_mode & 0o022:
-        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
     return ""
 
 

@@ -1,0 +1,37 @@
+"""Whether a file or folder in the cache may be trusted: what a worker maps as its weights
+(``models/packed_file.py``) or loads as code (``layers/kernels.py``) must be this process's user's
+and writable by no one else, since whoever can write it can make any check of its contents pass
+(or, for a shared library, run their code in the worker)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+from typing import Iterable, Optional
+
+
+def owner_problem(st: os.stat_result, uid: Optional[int] = None) -> str:
+    """Why a file or folder of these ``stat`` results is not trusted ("" if it is). ``uid``: whose
+    it must be (default: this process's effective user)."""
+    uid = os.geteuid() if uid is None else uid
+    if st.st_uid != uid:
+        return f"is owned by user {st.st_uid}, not by this process's {uid}"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return ""
+
+
+def untrusted(paths: Iterable[Path], uid: Optional[int] = None) -> str:
+    """The first of ``paths`` that exists and is not trusted, and why ("" if none)."""
+    for path in paths:
+        try:
+            st = os.stat(path)  # follows a symlink: judges what would be opened
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"{path}: cannot stat it ({exc})"
+        problem = owner_problem(st, uid)
+        if problem:
+            return f"{path} {problem}"
+    return ""
