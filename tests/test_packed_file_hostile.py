@@ -228,3 +228,21 @@ def test_a_killed_kernels_builds_lock_is_removed_under_our_lock(tmp_path, caplog
     assert any(str(tmp_path / "lock") in r.getMessage() for r in caplog.records)
     with kernels.build_lock(tmp_path):  # nothing planted: nothing to say
         pass
+
+
+def test_a_new_file_removes_its_models_older_files_only(tmp_path):
+    """One file per model, not one per build ever run: the older keys of the same model go; another
+    model's files (even one whose name starts with this one's), other files and links stay."""
+    from splitserve.models.packed_file import remove_older
+
+    key = lambda c: c * 20  # noqa: E731 (20 hex digits)
+    new = tmp_path / f"llama-3.2-1b-{key('a')}.weights"
+    older = tmp_path / f"llama-3.2-1b-{key('b')}.weights"
+    other_model = tmp_path / f"llama-3.2-1b-q4_0-{key('c')}.weights"
+    unrelated = tmp_path / "llama-3.2-1b-notes.txt"
+    for f in (new, older, other_model, unrelated):
+        f.write_bytes(b"x")
+    link = tmp_path / f"llama-3.2-1b-{key('d')}.weights"
+    link.symlink_to(unrelated)
+    assert remove_older(new) == [older]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(p.name for p in (new, other_model, unrelated, link))

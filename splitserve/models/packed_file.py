@@ -27,6 +27,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import stat
 import struct
 from dataclasses import dataclass
@@ -190,9 +191,35 @@ def share_weights(model: torch.nn.Module, identity: Optional[dict] = None, min_b
         return Shared(None, 0, total + private)
     _point_at(tensors, rows, whole, _data_start(header))
     _release_freed_memory()
+    if wrote:
+        remove_older(path)
     log.info("weights: %.1f MiB mapped from %s (%s); %.1f MiB private", total / 2**20, path,
              "written" if wrote else "reused", private / 2**20)
     return Shared(path, total, private, wrote)
+
+
+def remove_older(path: Path) -> list[Path]:
+    """Remove the other files of ``path``'s model (other keys: earlier builds or settings), ours
+    only, so the cache holds one file per model instead of one per build ever run: a worker still
+    mapping one keeps its pages (an unlinked file lives while mapped); a later start of that
+    build writes its own again. The files removed."""
+    stem = path.name[:-len("-0123456789abcdef0123.weights")]  # file_path's name less its key
+    pattern = re.compile(re.escape(stem) + r"-[0-9a-f]{20}\.weights")
+    removed = []
+    for other in path.parent.iterdir():
+        if other == path or not pattern.fullmatch(other.name) or other.is_symlink() or not other.is_file():
+            continue
+        try:
+            if owner_problem(other.stat()):
+                continue
+            other.unlink()
+            removed.append(other)
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d older shared weights file(s) of this model: %s", len(removed),
+                 ", ".join(p.name for p in removed))
+    return removed
 
 
 def attach_file(model: torch.nn.Module, identity: dict, ops, cache_dir: Optional[Path] = None) -> Optional[Shared]:
