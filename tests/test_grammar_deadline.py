@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 
@@ -26,6 +27,15 @@ def tokenizer():
     from splitserve.testing.tiny import tiny_model_path
 
     return load_tokenizer(tiny_model_path())
+
+
+def _until(done, what: str) -> None:
+    """Wait for ``done()`` (a hang guard of GUARD_S, never a bound): fail naming ``what`` instead
+    of spinning for ever."""
+    deadline = time.monotonic() + GUARD_S
+    while not done():
+        assert time.monotonic() < deadline, f"not reached within {GUARD_S}s: {what}"
+        time.sleep(0.01)
 
 
 def _outcome(fn, *args) -> list:
@@ -125,10 +135,13 @@ def test_a_full_compilation_queue_refuses_a_new_schema_at_once(tokenizer):
     specs = [GrammarSpec("regex", w) for w in ("a+", "b+", "c+", "d+")]
     waiters = [threading.Thread(target=_outcome, args=(compiler.compile, s)) for s in specs[:3]]
     try:
-        for t in waiters:
+        # the first one compiling before the others queue: started together, which the compile
+        # thread takes first is a race, and a third queued before it takes one is refused
+        waiters[0].start()
+        _until(lambda: built == ["a+"], "the first schema to reach the compile thread")
+        for t in waiters[1:]:
             t.start()
-        while len(built) < 1 or compiler.compiles_waiting() < 2:
-            release.wait(0.01)
+        _until(lambda: compiler.compiles_waiting() == 2, "two schemas queued")
         with pytest.raises(Overloaded, match="2 grammars wait"):
             compiler.compile(specs[3])
         assert built == ["a+"] and compiler.compiles_waiting() == 2
