@@ -185,3 +185,19 @@ def test_the_budget_grows_with_the_prompts_waiting_per_decoding_sequence():
     assert shape(batch) == [("a", 1), ("p0", 64)]  # 16 x 4 prompts per decoding sequence
     advance(batch)
     assert sum(n for rid, n in shape(s.schedule(prompt_budget=16)) if rid != "a") == 64
+
+
+def test_room_for_short_prompts_never_makes_a_chunk_negative():
+    """Decoding sequences may take more of a small step than the room kept for short prompts
+    leaves: the long chunk then waits a step (0 tokens), never a negative count."""
+    s = Scheduler(PageAllocator(1024), 4, 64, 16, True)
+    for i in range(12):
+        s.add(seq(f"d{i}", 1))
+    s.add(seq("long", 100))
+    first = s.schedule()
+    assert shape(first)[-1] == ("long", 4)  # the twelve 1-token prompts, then 4 of the long one's
+    advance(first)
+    s.add(seq("s", 6))
+    batch = s.schedule()  # twelve decode: 4 tokens left, 6 kept for s
+    assert all(item.num_tokens > 0 for item in batch)
+    assert sum(item.num_tokens for item in batch) <= 16

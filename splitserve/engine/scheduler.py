@@ -122,7 +122,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.num_uncomputed > half):  # long prompts' chunks last
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(seq, budget - room if seq.num_uncomputed > 1 else budget, batch_empty=not batch)
+            n = self._chunk(seq, max(0, budget - room) if seq.num_uncomputed > 1 else budget, batch_empty=not batch)
             if n == 0:
                 continue
             if not self._reserve(seq, n, batch):
