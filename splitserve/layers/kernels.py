@@ -101,7 +101,9 @@ def _build(name: str):
         from torch.utils import cpp_extension
 
         build_dir = cache_dir() / name
-        build_dir.mkdir(parents=True, exist_ok=True)
+        build_dir.parent.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        for folder in (build_dir.parent, build_dir):  # ours: 755 whatever the umask (their check below)
+            folder.mkdir(mode=0o755, exist_ok=True)
         refused = untrusted([build_dir.parent.parent, build_dir.parent, build_dir, build_dir / f"{name}.so"])
         if refused:  # a library others can write is their code in this worker
             log.warning("compiled CPU kernels not loaded, using the PyTorch ops instead: %s", refused)
@@ -126,6 +128,9 @@ def _build(name: str):
             cpp_extension.load(name=name, sources=sources, extra_cflags=[*cflags(), f"-DSPLITSERVE_OPS={name}"],
                                extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
                                is_python_module=False, verbose=False)
+        library = build_dir / f"{name}.so"
+        if library.stat().st_mode & 0o022:  # the linker's mode follows the umask: keep the next start's check
+            os.chmod(library, library.stat().st_mode & ~0o022)
         log.info("compiled CPU kernels (-march=%s) loaded from %s", march(), build_dir)
         return getattr(torch.ops, name)
     except Exception as exc:  # compiler or ninja missing, compile error: run the PyTorch ops instead
