@@ -3,24 +3,10 @@ and the admission policy: a request is promised its whole need (every choice, th
 pages shared) when it fits in what is not promised, in arrival order, passed by later requests
 at most ``max_passes`` times; a preempted sequence waits in its request's place, still promised."""
 
-from splitserve.engine.io import SamplingParams
+from helpers.scheduler_steps import advance, seq
 from splitserve.engine.page_allocator import PageAllocator
 from splitserve.engine.scheduler import Scheduler, request_pages
-from splitserve.engine.sequence import Sequence, SeqStatus
-
-
-def seq(rid, n, max_tokens=4):
-    return Sequence(rid=rid, token_ids=list(range(n)), num_prompt_tokens=n,
-                    sampling=SamplingParams(max_tokens=max_tokens), seed=0)
-
-
-def advance(batch):
-    """What the engine does after a forward: mark tokens computed, append a token where sampled."""
-    for item in batch:
-        sampled = item.samples
-        item.seq.num_computed += item.num_tokens
-        if sampled:
-            item.seq.token_ids.append(0)
+from splitserve.engine.sequence import SeqStatus
 
 
 def make(pages=64, page=4, running=8, budget=16, chunked=True):

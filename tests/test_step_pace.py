@@ -5,26 +5,13 @@ sequence decodes, and a real engine on the tiny model giving the same tokens wit
 
 import pytest
 
+from helpers.scheduler_steps import advance, seq
 from splitserve.config import EngineConfig
 from splitserve.engine.engine import LLMEngine
 from splitserve.engine.io import GenerateRequest, SamplingParams
 from splitserve.engine.page_allocator import PageAllocator
 from splitserve.engine.scheduler import Scheduler
-from splitserve.engine.sequence import Sequence
 from splitserve.engine.step_pace import MIN_PROMPT_TOKENS, StepPace
-
-
-def seq(rid, n, max_tokens=8):
-    return Sequence(rid=rid, token_ids=list(range(n)), num_prompt_tokens=n,
-                    sampling=SamplingParams(max_tokens=max_tokens), seed=0)
-
-
-def advance(batch):
-    for item in batch:
-        sampled = item.samples
-        item.seq.num_computed += item.num_tokens
-        if sampled:
-            item.seq.token_ids.append(0)
 
 
 def shape(batch):
@@ -166,9 +153,9 @@ def test_no_room_is_kept_for_long_or_unfitting_prompts():
     s.add(seq("s", 10))  # behind it
     assert shape(s.schedule()) == [("long", 64)]
     tight = Scheduler(PageAllocator(110), 4, 8, 64, True)
-    tight.add(seq("long", 400))  # 101 pages promised
+    tight.add(seq("long", 400, max_tokens=8))  # 102 pages promised: 8 left
     advance(tight.schedule())
-    tight.add(seq("s", 30))  # 10 pages: more than are left, so no room is kept for it
+    tight.add(seq("s", 30, max_tokens=8))  # 10 pages: more than are left, so no room is kept for it
     assert shape(tight.schedule()) == [("long", 64)]
 
 
