@@ -36,7 +36,7 @@ from typing import Optional
 
 import torch
 
-from splitserve.file_trust import owner_problem
+from splitserve.file_trust import owner_problem, untrusted
 from splitserve.models.cache import cache_root, write_file_once
 
 log = logging.getLogger(__name__)
@@ -398,19 +398,9 @@ def unsafe_place(path: Path, uid: Optional[int] = None) -> str:
     user owns or that group or others may write (whoever can write it can make any change pass
     the checks, the hashes being in its header), or a folder where the file belongs (not removed:
     it is not ours to delete). ``uid``: whose they must be (default: ours)."""
-    for place, kind in ((path.parent, "folder"), (path, "file")):
-        try:
-            st = os.stat(place)  # follows a symlink: judges what would be opened
-        except FileNotFoundError:
-            continue
-        except OSError as exc:
-            return f"cannot stat its {kind} ({exc})"
-        if kind == "file" and stat.S_ISDIR(st.st_mode):
-            return f"{place} is a folder, not a weights file (remove it to share the weights)"
-        problem = owner_problem(st, uid)
-        if problem:
-            return f"its {kind} {place} {problem}"
-    return ""
+    if path.is_dir():  # follows a symlink, as opening it would
+        return f"{path} is a folder, not a weights file (remove it to share the weights)"
+    return untrusted([path.parent, path], uid)
 
 
 def _is_int(value) -> bool:
