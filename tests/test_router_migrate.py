@@ -302,16 +302,20 @@ def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
     assert len(legs) == 2 and not {"continuation", "stream_ids"} & set(legs[1][1])
     assert migrations(router) == {"broken": 1} and retried(router) == {}
 
-    async def first_hangs_and_sickens(fake, request, body):
-        state["n"] += 1
-        if state["n"] == 1:
-            fake.health_status = 503
-            await fake.release.wait()
-        return await ok(fake, request, body)
+    def first_sickens_then(then):
+        """The first request: its worker leaves rotation (health 503) and holds it until released;
+        every later one is answered by ``then``."""
+        async def handler(fake, request, body):
+            state["n"] += 1
+            if state["n"] == 1:
+                fake.health_status = 503
+                await fake.release.wait()
+            return await then(fake, request, body)
+        return handler
 
     state["n"] = 0
-    a.reset(first_hangs_and_sickens)
-    b.reset(first_hangs_and_sickens)
+    a.reset(first_sickens_then(ok))
+    b.reset(first_sickens_then(ok))
     resp = requests.post(router.url + "/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200 and resp.json() == {"who": "whole"}, resp.text
     assert len(a.requests) == 1 and len(b.requests) == 1
@@ -339,17 +343,9 @@ def test_a_whole_answer_whose_decode_is_lost_is_sent_again(fakes, start_router):
     # rotation: nothing reached the client, so it goes whole to the other decode, well before
     # the header timeout (--worker-header-timeout-s, 30 s by default, not reached here)
     state["n"] = 0
-
-    async def first_stopped(fake, request, body):
-        state["n"] += 1
-        if state["n"] == 1:
-            fake.health_status = 503
-            await fake.release.wait()
-        return await rest(fake, request, body)
-
     for w in (a, b):
         w.health_status = 200
-        w.reset(first_stopped)
+        w.reset(first_sickens_then(rest))
     decodes_up(router, a, b)
     raw, events = stream(router, "stopped-before-headers")
     assert texts(events) == [f" t{i}" for i in range(TOTAL)] and events[-1] == "[DONE]", raw
