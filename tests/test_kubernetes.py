@@ -439,7 +439,7 @@ def test_the_router_starts_as_the_images_user_on_the_files_the_kubelet_writes(ob
     for volume in old["spec"]["volumes"]:
         volume["secret"]["defaultMode"] = 0o400
     router = pods["splitserve-router"]
-    _run_pods([("router", router, router), ("router-as-before", old, router)], {"router-as-before"})
+    assert_pods_start([("router", router, router), ("router-as-before", old, router)], {"router-as-before"})
 
 
 @AS_ROOT
@@ -448,10 +448,11 @@ def test_the_workers_start_as_the_images_user_on_the_files_the_kubelet_writes(ob
     """The same for a prefill and a decode pod, up to the point where every file a worker reads
     at start was read (its CPU placement; the model loads next, and is not waited for)."""
     pods = splitserve_pods(objects)
-    _run_pods([(name, pods[f"splitserve-{name}"], pods[f"splitserve-{name}"]) for name in ("prefill", "decode")], set())
+    workers = [(name, pods[f"splitserve-{name}"], pods[f"splitserve-{name}"]) for name in ("prefill", "decode")]
+    assert_pods_start(workers, set())
 
 
-def _run_pods(cases: list[tuple[str, dict, dict]], refused: set[str]) -> None:
+def assert_pods_start(cases: list[tuple[str, dict, dict]], refused: set[str]) -> None:
     """Each case (name, the pod spec its volume is written for, the real pod whose container and
     user run) started; those in ``refused`` must stop with exit 2 and Permission denied, the
     others read every file and go on."""
