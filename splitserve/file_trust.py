@@ -1,7 +1,8 @@
-"""Whether a file or folder in the cache may be trusted: what a worker maps as its weights
-(``models/packed_file.py``) or loads as code (``layers/kernels.py``) must be this process's user's
-and writable by no one else, since whoever can write it can make any check of its contents pass
-(or, for a shared library, run their code in the worker)."""
+"""Whether a file or folder in the cache may be trusted, and how its lock files are opened: what
+a worker maps as its weights (``models/packed_file.py``) or loads as code (``layers/kernels.py``)
+must be this process's user's and writable by no one else, since whoever can write it can make
+any check of its contents pass (or, for a shared library, run their code in the worker); a lock
+file is opened without following a link or blocking on a FIFO planted at its path."""
 
 from __future__ import annotations
 
@@ -35,3 +36,15 @@ def untrusted(paths: Iterable[Path], uid: Optional[int] = None) -> str:
         if problem:
             return f"{path} {problem}"
     return ""
+
+
+def open_lock(path: Path):
+    """The lock file ``path`` open for writing (a file object to ``flock``), created if missing,
+    never truncated and never through a symlink (one planted there would have its target emptied).
+    Opened without blocking (a FIFO planted there would block the open forever); OSError where it
+    is a symlink or not a regular file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"the lock {path} is not a regular file: remove it")
+    return os.fdopen(fd, "wb")

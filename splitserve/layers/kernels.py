@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from splitserve.file_trust import untrusted
+from splitserve.file_trust import open_lock, untrusted
 
 log = logging.getLogger(__name__)
 
@@ -143,16 +143,13 @@ def build_lock(build_dir: Path):
     """Hold our flock on ``build_dir/splitserve.lock`` (released also if we die) around a build. While
     we hold it no build of ours runs there, so torch's ``lock`` file there is a killed build's, on
     which every later build would wait forever: it is removed, with a warning naming it."""
-    fd = os.open(build_dir / "splitserve.lock", os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with open_lock(build_dir / "splitserve.lock") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if we die
         stale = build_dir / "lock"
         if stale.exists() or stale.is_symlink():
             log.warning("removing %s, the build lock of a kernels build that was killed", stale)
             stale.unlink(missing_ok=True)
         yield
-    finally:
-        os.close(fd)
 
 
 def _reason(exc: Exception) -> str:

@@ -14,28 +14,17 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 from typing import Callable
+
+from splitserve.file_trust import open_lock
 
 
 def cache_root() -> Path:
     """$SPLITSERVE_CACHE, else ~/.cache/splitserve."""
     root = os.environ.get("SPLITSERVE_CACHE")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "splitserve"
-
-
-def open_lock(path: Path):
-    """The lock file ``path`` open for writing (a file object to ``flock``), created if missing,
-    never truncated and never through a symlink (one planted there would have its target emptied).
-    Opened without blocking (a FIFO planted there would block the open forever); OSError where it
-    is a symlink or not a regular file."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(f"the lock {path} is not a regular file: remove it")
-    return os.fdopen(fd, "wb")
 
 
 def build_once(final: Path, build: Callable[[Path], object], is_complete: Callable[[Path], bool]) -> Path:
