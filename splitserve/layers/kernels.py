@@ -129,8 +129,9 @@ def _build(name: str):
                                extra_ldflags=list(LDFLAGS), build_directory=str(build_dir),
                                is_python_module=False, verbose=False)
         library = build_dir / f"{name}.so"
-        if library.stat().st_mode & 0o022:  # the linker's mode follows the umask: keep the next start's check
-            os.chmod(library, library.stat().st_mode & ~0o022)
+        mode = library.stat().st_mode
+        if mode & 0o022:  # the linker's mode follows the umask: keep the next start's check
+            os.chmod(library, mode & ~0o022)
         log.info("compiled CPU kernels (-march=%s) loaded from %s", march(), build_dir)
         return getattr(torch.ops, name)
     except Exception as exc:  # compiler or ninja missing, compile error: run the PyTorch ops instead

@@ -376,8 +376,9 @@ def header_of(path: Path) -> tuple[Optional[dict], str]:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 return None, "not a regular file"
-            if owner_problem(st):
-                return None, f"the file {owner_problem(st)}"
+            problem = owner_problem(st)
+            if problem:
+                return None, f"the file {problem}"
             head = f.read(len(MAGIC) + 8)
             if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
                 return None, "not a weights file (short or wrong magic)"
