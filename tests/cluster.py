@@ -36,6 +36,7 @@ import requests
 
 from conftest import REPO, STARTUP_TIMEOUT_S, ServerProcess, free_port, log_dir
 from helpers.sse import sse_events
+from helpers.waiting import wait_for
 from splitserve.auth import bearer
 from splitserve.metrics import parse_exposition
 
@@ -240,6 +241,15 @@ class Cluster:
                     raise RuntimeError(f"{role} worker {index} did not start: {exc}") from None
                 proc = self._spawn(role, index)
         raise AssertionError("unreachable")
+
+    def wait_in_rotation(self, timeout: float = 120.0) -> None:
+        """Wait until the router holds every worker healthy. Its ``/health`` is 200 once one pair
+        is, and a first health check that a busy machine answered late leaves a worker out until
+        the next round: a test that counts on round robin's order waits for this first."""
+        want = {w.url for w in self.workers}
+        wait_for("every worker in the router's rotation", lambda: want <= {
+            w["url"] for w in requests.get(self.url + "/workers", timeout=10).json()["workers"] if w["healthy"]},
+            timeout, interval=0.1, on_fail=self.output)
 
     def stop(self) -> None:
         """Stop the router, then every worker (SIGTERM, then SIGKILL). Safe to call again."""

@@ -370,6 +370,7 @@ def test_a_killed_decode_s_stream_ends_as_an_undisturbed_run_s(monkeypatch):
     body = {"prompt": "one two three four five six seven", "max_tokens": 160, "temperature": 0.8, "seed": 7,
             "n": 2, "logprobs": 2, "stream": True, "stream_options": {"include_usage": True}}
     with Cluster(prefill=1, decode=2, router_args=["--max-migrations", "2", "--pd-threshold-tokens", "0"]) as c:
+        c.wait_in_rotation()  # the cut request's second decode is there to continue it
         ref, _ = real_stream(c.url, body, "undisturbed")
         got, raw = real_stream(c.url, body, "cut", kill_after=2, decode=c.decode)
         assert not any(line.startswith(b":") for line in raw.split(b"\n"))
