@@ -135,9 +135,10 @@ async def _http_middleware(request: web.Request, handler):
     except asyncio.CancelledError:
         status = 499  # the client went away
         raise
-    except Exception as exc:  # one request's bug is that request's 500, never the worker's end
-        log.exception("error serving %s %s", request.method, request.path)
-        return json_error(f"internal error: {type(exc).__name__}: {exc}", 500)
+    except Exception:  # one request's bug is that request's 500, never the worker's end; its text to the log only
+        log.exception("error serving %s %s rid=%s", request.method, request.path, request.get(RID))
+        rid = request.get(RID)
+        return json_error("internal error in the worker" + (f" (request id {rid})" if rid else ""), 500)
     finally:
         state.metrics.http_requests.labels(path=path, status=str(status)).inc()
 
