@@ -1,15 +1,20 @@
-"""Small helpers shared by the worker's and the router's HTTP servers: the URL they serve, and
-the cap on the connections they hold (``docs/security.md``)."""
+"""Small helpers shared by the worker's and the router's HTTP servers: the URL they serve, the cap
+on the connections they hold (``docs/security.md``), and OpenAI error bodies for the requests
+aiohttp refuses before any app sees them (:func:`json_http_errors`)."""
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
-from typing import Callable
+import logging
+from typing import Callable, Optional
 
-from aiohttp import web
+from aiohttp import http_exceptions, web
 
 from splitserve.errors import error_body
+
+log = logging.getLogger(__name__)
 
 
 def bound_url(runner: web.AppRunner, host: str, port: int, tls: bool = False) -> str:
@@ -99,3 +104,71 @@ def check_client_bounds(config) -> None:
         value = getattr(config, name, 1)
         if not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, not {value}")
+
+
+# What a client reads of a request aiohttp's parser refused (first match by class): words and a
+# code, never the parser's own text (it echoes the client's bytes, and names the library).
+_REFUSALS = (
+    (http_exceptions.LineTooLong, "the request line or a header line is longer than this server accepts "
+                                  "({limit} bytes)", "header_too_large"),
+    (http_exceptions.BadStatusLine, "the request line is malformed (method, target, HTTP version)",
+     "malformed_request_line"),
+    (http_exceptions.InvalidURLError, "the request's target (its URL) is malformed", "malformed_request_line"),
+    (http_exceptions.InvalidHeader, "a header of the request is malformed", "malformed_header"),
+    (http_exceptions.PayloadEncodingError, "the request's body is malformed (its chunked encoding, Content-Length "
+                                           "or Content-Encoding)", "malformed_body"),
+    (http_exceptions.BadHttpMessage, "the request is not well-formed HTTP (a malformed header, too many headers, "
+                                     "or a malformed Content-Length or chunked body)", "malformed_request"),
+)
+_BY_STATUS = {500: "internal error in this server", 504: "the server took too long to answer"}
+
+
+class JsonErrors(web.RequestHandler):
+    """aiohttp's connection handler whose own error answers (a request its parser refused, a
+    handler that failed outside every middleware) are OpenAI error bodies, same status, instead of
+    aiohttp's plain text. aiohttp has no supported hook for these answers: ``handle_error`` is the
+    public method it calls for them, kept whole (its log line, its refusal when an answer has
+    begun, the connection closed after) with only the body replaced. :func:`json_http_errors`
+    makes a server's connections of this class."""
+
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: Optional[BaseException] = None,
+                     message: Optional[str] = None) -> web.StreamResponse:
+        super().handle_error(request, status, exc, message)  # logged; raises if an answer was begun
+        words, code = _BY_STATUS.get(status, "the request could not be read"), None
+        for kind, said, named in _REFUSALS:
+            if isinstance(exc, kind):
+                words, code = said.format(limit=max(self.max_line_size, self.max_field_size)), named
+                break
+        answer = web.json_response(error_body(words, status, code=code), status=status)
+        answer.force_close()
+        return answer
+
+
+HANDLE_ERROR_PARAMETERS = ("self", "request", "status", "exc", "message")
+"""``RequestHandler.handle_error``'s parameters in the pinned aiohttp, which :class:`JsonErrors`
+overrides: another aiohttp that changes them is refused at start (``tests/test_http_edge_errors.py``)."""
+
+
+def json_http_errors(runner: web.AppRunner) -> None:
+    """After ``runner.setup()``: every connection of ``runner``'s server is a :class:`JsonErrors`.
+    aiohttp's server builds a plain ``RequestHandler`` for each connection and offers no class to
+    choose; the one place a connection is seen before its first byte is read is
+    ``Server.connection_made`` (as :class:`ConnectionCap` uses it), where its class becomes
+    :class:`JsonErrors` (the same slots, a method more). An aiohttp whose handler or
+    ``handle_error`` differs from the pinned one keeps its plain-text answers, logged once."""
+    names = tuple(inspect.signature(web.RequestHandler.handle_error).parameters)
+    if names != HANDLE_ERROR_PARAMETERS:
+        log.warning("aiohttp's RequestHandler.handle_error takes %s, not %s: its own error answers stay plain "
+                    "text", names, HANDLE_ERROR_PARAMETERS)
+        return
+    server = runner.server
+    made = server.connection_made
+
+    def connection_made(handler, transport) -> None:
+        if type(handler) is web.RequestHandler:
+            handler.__class__ = JsonErrors
+        made(handler, transport)
+
+    server.connection_made = connection_made

@@ -33,7 +33,7 @@ from splitserve.config import EngineConfig, ServerConfig
 from splitserve.cpus import place_process
 from splitserve.discovery.record import KV_CACHE_DTYPES
 from splitserve.engine.step_pace import StepPace
-from splitserve.http_util import bound_url, check_client_bounds
+from splitserve.http_util import bound_url, check_client_bounds, json_http_errors
 from splitserve.server.app import create_app
 from splitserve.hosts import check_bind_host
 from splitserve.server.registration import check_discovery, register
@@ -120,6 +120,7 @@ async def _serve(engine, server_config: ServerConfig, ssl_context=None, incarnat
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=END_GRACE_S,
                            keepalive_timeout=server_config.client_header_timeout_s)
     await runner.setup()
+    json_http_errors(runner)  # a request aiohttp refuses before the app sees it: an OpenAI error body too
     state.connections.install(runner)
     try:
         await web.TCPSite(runner, server_config.host, server_config.port, ssl_context=ssl_context).start()
