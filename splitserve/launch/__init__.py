@@ -15,7 +15,8 @@ always take a worker key drawn for this run, so only the router may send the fie
 prefill to dial or continue a stream, and an admin key, drawn unless given, written to a file of
 this run (mode 0600) that the summary names. Restarts: a worker that exits once everything is up is
 started again in the role it last wrote to its role file, on the same ports, under the same id and
-keys, as :class:`RestartPolicy` allows (``--restart-budget``).
+keys, as :class:`RestartPolicy` allows (``--restart-budget``); so is one that runs but is not
+healthy (:class:`HealthPolicy`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,13 @@ from splitserve.auth import ADMIN_API_KEY_ENV, API_KEY_ENV, METRICS_API_KEY_ENV,
 from splitserve.cpus import allowed_cpus, check_cpus, cpu_cores, format_cpu_list, split_between_workers
 from splitserve.hosts import host_port
 from splitserve.launch.child import ChildSpec
+from splitserve.launch.health_watch import HealthPolicy
 from splitserve.launch.restart import RestartPolicy
 from splitserve.launch.supervisor import Supervisor
 from splitserve.transfer_backends import check_served
 
-__all__ = ["ChildSpec", "LaunchConfig", "LaunchPorts", "RestartPolicy", "Supervisor", "build_specs", "launch_ports",
-           "run_launch"]
+__all__ = ["ChildSpec", "HealthPolicy", "LaunchConfig", "LaunchPorts", "RestartPolicy", "Supervisor", "build_specs",
+           "launch_ports", "run_launch"]
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,11 @@ class LaunchConfig:
     """More options for the router, as one string after "=" (e.g. --router-args="--cache-threshold
     0.5"); `splitserve router --help` lists them."""
     ready_timeout_s: float = 300.0
-    """How long every process may take to become healthy before launch gives up."""
+    """How long every process may take to become healthy before launch gives up; a worker started
+    again has as long, else it is stopped and counted as an exit (--restart-budget)."""
     stop_timeout_s: float = 40.0
-    """On Ctrl-C or SIGTERM, how long children may take to exit after SIGTERM before SIGKILL."""
+    """On Ctrl-C or SIGTERM, how long children may take to exit after SIGTERM before SIGKILL; also
+    how long a worker stopped for not being healthy may take."""
     split_cpus: bool = True
     """Give each worker its own physical cores out of the CPUs launch may run on (an equal share
     each, one torch thread per core), so workers do not oversubscribe cores; --no-split-cpus: every
@@ -107,21 +111,36 @@ class LaunchConfig:
     Debian's etcd-server) and uses it. Launch's decode workers still dial only the bootstrap ports of
     launch's workers (--allowed-prefill; --worker-args may add more)."""
     restart_budget: int = 5
-    """A worker that exits or is killed once every process is up is started again (same ports, id
-    and keys; the role it last served in), at most this many times in --restart-window-s; one more
-    exit and launch gives up, stops everything and exits 1 naming it. 0: never restart (a worker's
-    exit stops everything)."""
+    """A worker that exits or is killed once every process is up (or that launch stops for not being
+    healthy: --ready-timeout-s, --worker-unhealthy-checks) is started again (same ports, id and keys;
+    the role it last served in), at most this many times in --restart-window-s; one more exit and
+    launch gives up, stops everything and exits 1 naming it. 0: never restart (a worker's exit
+    stops everything)."""
     restart_window_s: float = 600.0
     """The window --restart-budget counts a worker's restarts in."""
     restart_delay_s: float = 0.5
     """The delay before a worker's first restart in the window; it doubles with each one more."""
     restart_max_delay_s: float = 30.0
     """The longest delay before a restart."""
+    worker_health_interval_s: float = 10.0
+    """Once every process is up, launch looks at each worker's /health this often (each look may
+    take as long, at least 1 s): a worker started again must become healthy within
+    --ready-timeout-s, one that was healthy must not fail --worker-unhealthy-checks looks in a row."""
+    worker_unhealthy_checks: int = 6
+    """A worker that was healthy and then fails this many looks at its /health in a row (503, no
+    answer; a worker that says it drains is not counted) is wedged: launch stops it (SIGTERM, then
+    SIGKILL after --stop-timeout-s) and counts it as an exit (--restart-budget). 0: never."""
 
     def restart_policy(self) -> RestartPolicy:
         """The restart options as a :class:`RestartPolicy`; ValueError naming one out of range."""
         policy = RestartPolicy(self.restart_budget, self.restart_window_s, self.restart_delay_s,
                                self.restart_max_delay_s)
+        policy.check()
+        return policy
+
+    def health_policy(self) -> HealthPolicy:
+        """The health watch's options as a :class:`HealthPolicy`; ValueError naming one out of range."""
+        policy = HealthPolicy(self.worker_health_interval_s, self.worker_unhealthy_checks)
         policy.check()
         return policy
 
@@ -362,7 +381,7 @@ def run_launch(config: LaunchConfig) -> int:
             secret_file = write_secret_file(os.path.join(folder, "cluster-secret"))
         notes = []
         try:
-            restart = config.restart_policy()
+            restart, health = config.restart_policy(), config.health_policy()
             specs = build_specs(config, secret_file=secret_file, etcd_data=os.path.join(folder, "etcd"),
                                 role_dir=folder)
             if load_key(config.admin_api_key, config.admin_api_key_file, ADMIN_API_KEY_ENV, "--admin-api-key") is None:
@@ -373,10 +392,20 @@ def run_launch(config: LaunchConfig) -> int:
         except ValueError as exc:
             print(f"splitserve launch: {exc}", file=sys.stderr, flush=True)
             return 2
-        if restart.budget:
-            notes.append(f"a worker that exits is started again, at most {restart.budget} times in "
-                         f"{restart.window_s:g} s (--restart-budget, --restart-window-s)")
-        return Supervisor(specs, config.ready_timeout_s, config.stop_timeout_s, notes=notes, restart=restart).run()
+        notes += _restart_notes(config, restart, health)
+        return Supervisor(specs, config.ready_timeout_s, config.stop_timeout_s, notes=notes, restart=restart,
+                          health=health).run()
+
+
+def _restart_notes(config: LaunchConfig, restart: RestartPolicy, health: HealthPolicy) -> list[str]:
+    """The summary's lines on what launch does with a worker that exits or is not healthy."""
+    wedged = (f"fails {health.unhealthy_checks} looks at its /health in a row (one every {health.interval_s:g} s; "
+              "--worker-unhealthy-checks)") if health.unhealthy_checks else ""
+    if not restart.budget:
+        return [f"a worker that {wedged} is stopped, and stops everything"] if wedged else []
+    return [f"a worker that exits, is not healthy {config.ready_timeout_s:g} s after a restart (--ready-timeout-s)"
+            f"{', or ' + wedged if wedged else ''} is started again, at most {restart.budget} times in "
+            f"{restart.window_s:g} s (--restart-budget, --restart-window-s)"]
 
 
 def _private_file(folder: str, name: str, text: str) -> str:

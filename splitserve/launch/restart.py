@@ -1,9 +1,10 @@
 """When ``splitserve launch`` starts a worker again, and in which role: the restart policy.
 
-A worker that exits or is killed once every process was up is started again (the router takes it
-back through its health checks, or discovery), after a delay that doubles with each restart of
-that worker in the window (``first_delay_s``, ``2 * first_delay_s``, ... at most ``max_delay_s``),
-so a worker that crashes at once does not spin. At most ``budget`` restarts of one worker in any
+A worker that exits or is killed once every process was up, or that launch stopped for not being
+healthy (``health_watch.py``), is started again (the router takes it back through its health
+checks, or discovery), after a delay that doubles with each restart of that worker in the window
+(``first_delay_s``, ``2 * first_delay_s``, ... at most ``max_delay_s``), so a worker that crashes
+at once does not spin. At most ``budget`` restarts of one worker in any
 ``window_s``: the next exit gives up, and launch stops everything and exits 1 naming the worker.
 A budget of 0 restarts nothing (a worker's exit stops everything).
 
