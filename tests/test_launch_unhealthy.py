@@ -156,8 +156,9 @@ class Scene:
         return plan[n] if n < len(plan) else self.after
 
     def done(self) -> bool:
-        return all(len(self.pids.get(name, ())) >= len(plans) and all(
-            self.looks_of(name, life) >= len(plan) for life, plan in enumerate(plans)) for name, plans in self.plans.items())
+        return all(len(self.pids.get(name, ())) >= len(plans)
+                   and all(self.looks_of(name, life) >= len(plan) for life, plan in enumerate(plans))
+                   for name, plans in self.plans.items())
 
     def run(self, policy: RestartPolicy, health: HealthPolicy, ready_timeout_s: float = 60.0) -> tuple[int, str]:
         specs = [ChildSpec("router", SLEEPER)] + [
@@ -192,12 +193,14 @@ def test_a_wedged_worker_is_restarted_and_one_never_healthy_after_that_uses_up_t
                      rf"\(\"stalled\"\): stopping it \(SIGTERM, then SIGKILL after 1e\+06 s\)", out), out
     assert re.search(rf"decode-0 \(pid {first}\) was killed by signal SIGTERM after launch stopped it as unhealthy: "
                      r"restarting it in 0 s \(restart 1, at most 1 in 600 s\)", out), out
-    waited = re.search(rf"decode-0 \(pid {second}\) is not healthy ([\d.]+) s after it was started again \(--ready-timeout-s "
-                       rf"60\); http://fake/decode-0 last said: no answer \(connection refused\): stopping it", out)
+    waited = re.search(rf"decode-0 \(pid {second}\) is not healthy ([\d.]+) s after it was started again "
+                       r"\(--ready-timeout-s 60\); http://fake/decode-0 last said: no answer \(connection refused\): "
+                       r"stopping it", out)
     assert waited and float(waited[1]) >= 60, out
     assert 2 <= scene.looks_of("decode-0", 1) <= 13  # one every 5 s at most, until one begun 60 s after its start
-    assert re.search(rf"decode-0 \(pid {second}\) was killed by signal SIGTERM after launch stopped it as unhealthy; it "
-                     r"was restarted 1 times in the last 600 s, the most --restart-budget allows: giving up", out), out
+    assert re.search(rf"decode-0 \(pid {second}\) was killed by signal SIGTERM after launch stopped it as unhealthy; "
+                     r"it was restarted 1 times in the last 600 s, the most --restart-budget allows: giving up",
+                     out), out
     assert "router" not in {n for n, _, _ in scene.looks}  # only the workers are watched
     wait_all_gone([first, second], 10.0)
 
@@ -323,7 +326,8 @@ def test_real_processes_wedged_deaf_and_stubborn_are_stopped_restarted_and_give_
     assert len(said) == 3, out
     assert said[0][0].startswith("failed 3 health checks in a row") and said[0][1] == 'answered 503 ("stalled")', said
     for verdict, _ in said[1:]:
-        assert re.fullmatch(r"is not healthy [\d.]+ s after it was started again \(--ready-timeout-s 1\)", verdict), said
+        assert re.fullmatch(r"is not healthy [\d.]+ s after it was started again \(--ready-timeout-s 1\)", verdict), \
+            said
     assert said[1][1].startswith("no answer (") and said[2][1] == 'answered 503 ("loading")', said
     assert len(re.findall(r"after launch stopped it as unhealthy: restarting it as a decode worker", out)) == 2, out
     assert re.search(r"decode-0 \(pid \d+\) still running 0.5 s after SIGTERM: SIGKILL", out), out

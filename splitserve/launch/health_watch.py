@@ -86,7 +86,8 @@ class HealthWatch:
             waited = asked_at - track.started_at
             if waited < self.start_timeout_s:
                 return None
-            return f"is not healthy {_seconds(waited)} s after it was started again (--ready-timeout-s {self.start_timeout_s:g})"
+            return (f"is not healthy {_seconds(waited)} s after it was started again "
+                    f"(--ready-timeout-s {self.start_timeout_s:g})")
         if answer.draining or not self.policy.unhealthy_checks:
             return None
         if not track.failed:
@@ -94,9 +95,9 @@ class HealthWatch:
         track.failed += 1
         if track.failed < self.policy.unhealthy_checks:
             return None
-        return (f"failed {track.failed} health checks in a row, {_seconds(asked_at - track.failing_since)} s from the first "
-                f"to the last (--worker-unhealthy-checks {self.policy.unhealthy_checks}, every "
-                f"{self.policy.interval_s:g} s)")
+        span = _seconds(asked_at - track.failing_since)
+        return (f"failed {track.failed} health checks in a row, {span} s from the first to the last "
+                f"(--worker-unhealthy-checks {self.policy.unhealthy_checks}, every {self.policy.interval_s:g} s)")
 
 
 def _seconds(value: float) -> str:
