@@ -1,8 +1,9 @@
 """Whether a file or folder in the cache may be trusted, and how its lock files are opened: what
-a worker maps as its weights (``models/packed_file.py``) or loads as code (``layers/kernels.py``)
-must be this process's user's and writable by no one else, since whoever can write it can make
-any check of its contents pass (or, for a shared library, run their code in the worker); a lock
-file is opened without following a link or blocking on a FIFO planted at its path."""
+a worker maps as its weights (``models/packed_file.py``), loads as a checkpoint (the folders
+``models/cache.build_once`` makes) or loads as code (``layers/kernels.py``) must be this process's
+user's and writable by no one else, since whoever can write it can make any check of its contents
+pass (or, for a shared library, run their code in the worker); a lock file is opened without
+following a link or blocking on a FIFO planted at its path."""
 
 from __future__ import annotations
 
@@ -36,6 +37,18 @@ def untrusted(paths: Iterable[Path], uid: Optional[int] = None) -> str:
         if problem:
             return f"{path} {problem}"
     return ""
+
+
+def untrusted_folder(folder: Path, uid: Optional[int] = None) -> str:
+    """Why the folder ``folder`` and what it holds must not be used ("" if they may, or if there is
+    nothing there): a symbolic link (what it points to is not the cache's to vouch for), or the
+    folder or anything under it failing ``owner_problem``."""
+    if folder.is_symlink():
+        return f"{folder} is a symbolic link, not a folder of the cache"
+    if not folder.exists():
+        return ""
+    inside = [Path(top) / name for top, dirs, files in os.walk(folder) for name in [*dirs, *files]]
+    return untrusted([folder, *inside], uid)
 
 
 def open_lock(path: Path):

@@ -145,7 +145,7 @@ def _flip_last_tensor_byte(path: Path) -> None:
 
 
 def _other_version(path: Path) -> None:
-    data = path.read_bytes().replace(b'"version":1', b'"version":7', 1)
+    data = path.read_bytes().replace(f'"version":{packed_file.FORMAT_VERSION}'.encode(), b'"version":7', 1)
     path.write_bytes(data)
 
 
