@@ -92,8 +92,8 @@ def tiny_llama_engine_parts():
     from conftest import tiny_model
 
     path = str(tiny_model("llama"))
-    return lambda: LLMEngine(EngineConfig(model=path, dtype="float32", max_total_tokens=2048, page_size=4,
-                                          prefix_cache=False))
+    return lambda **kw: LLMEngine(EngineConfig(model=path, dtype="float32", max_total_tokens=2048, page_size=4,
+                                               prefix_cache=False, **kw))
 
 
 def _run(engine: LLMEngine, reqs: list[GenerateRequest], budget):
@@ -103,7 +103,7 @@ def _run(engine: LLMEngine, reqs: list[GenerateRequest], budget):
     engine.add_request(reqs[0])
     pending = list(reqs[1:])
     while pending or engine.has_work():
-        decoding = any(s.num_uncomputed == 1 for s in engine.scheduler.running)
+        decoding = any(s.decoding for s in engine.scheduler.running)
         if decoding and pending:
             engine.add_request(pending.pop(0))
         before = engine.prompt_tokens_computed
@@ -188,3 +188,14 @@ def test_room_for_short_prompts_never_makes_a_chunk_negative():
     batch = s.schedule()  # twelve decode: 4 tokens left, 6 kept for s
     assert all(item.num_tokens > 0 for item in batch)
     assert sum(item.num_tokens for item in batch) <= 16
+
+
+def test_a_prompts_one_token_chunk_is_not_decoding(tiny_llama_engine_parts):
+    """The step report and the scheduler count decoding sequences by one rule
+    (``Sequence.decoding``): a prompt whose last chunk is one token is a prompt, not a decoding
+    sequence, so its step is not timed as a decode step; the next step, which computes its
+    sampled token, is."""
+    engine = tiny_llama_engine_parts(max_batch_tokens=16)
+    engine.add_request(GenerateRequest("p", tuple(range(5, 22)), SamplingParams(temperature=0.0, max_tokens=3)))
+    first, last, sampled = engine.step(), engine.step(), engine.step()  # 16 prompt tokens, 1, then 1 sampled
+    assert (first.decoding, last.decoding, sampled.decoding) == (0, 0, 1)

@@ -74,7 +74,7 @@ class StepReport:
     """Sequences in the step's batch; 0: the engine had work and could schedule none of it (no
     pages for any: nothing changes until an event frees some)."""
     decoding: int = 0
-    """Sequences in the batch computing one token (decoding, mostly: ``step_pace.py`` times them)."""
+    """Sequences in the batch computing one sampled token (``Sequence.decoding``: ``step_pace.py`` times them)."""
 
     @property
     def outputs(self) -> list[RequestOutput]:
@@ -450,7 +450,7 @@ class LLMEngine:
         """One forward pass over the scheduler's batch (``prompt_budget``: ``Scheduler.schedule``'s)."""
         batch = self.scheduler.schedule(prompt_budget)
         report = StepReport(admitted=list(self.scheduler.admitted), preempted=list(self.scheduler.preempted),
-                            scheduled=len(batch), decoding=sum(1 for item in batch if item.num_tokens == 1))
+                            scheduled=len(batch), decoding=sum(1 for item in batch if item.seq.decoding))
         if not batch:
             self.unschedulable_steps += 1
             return report

@@ -162,10 +162,10 @@ class Scheduler:
         stream takes is set against the wait of every prompt it would hold up. None: no cap."""
         if prompt_budget is None or not self.chunked_prefill:
             return None
-        decoding = sum(1 for s in self.running if s.num_uncomputed == 1 and not s.prefill_only)
+        decoding = sum(1 for s in self.running if s.decoding)
         if not decoding:
             return None
-        prompts = len(self.waiting) + sum(1 for s in self.running if s.num_uncomputed > 1)
+        prompts = len(self.waiting) + sum(1 for s in self.running if s.num_uncomputed and not s.decoding)
         return prompt_budget * max(1, prompts // decoding)
 
     def _charge(self, n: int) -> None:

@@ -80,3 +80,9 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def decoding(self) -> bool:
+        """Its next step computes one sampled token (a prompt's one-token last chunk does not
+        count): the sequences ``step_pace.py`` times and budgets prompt chunks beside."""
+        return self.num_uncomputed == 1 and self.num_output_tokens > 0
