@@ -1,9 +1,10 @@
 """Requests that aiohttp's HTTP parser refuses before any app sees them — a header or request line
 over its 8190-byte limit, a malformed request line, too many headers, a malformed Content-Length or
 chunk size — and a body over ``--max-body-bytes``: a real router and a real worker (the session's
-tiny-model server, with the router in front of it) each answer them with an OpenAI error body (``invalid_request_error``, a code naming what was
-wrong) and the same status aiohttp gives, never its plain text (which echoes the client's bytes and
-names the library). Raw sockets: a client library would refuse to send most of these.
+tiny-model server, with the router in front of it) each answer them with an OpenAI error body
+(``invalid_request_error``, a code naming what was wrong) and the same status aiohttp gives, never
+its plain text (which echoes the client's bytes and names the library). Raw sockets: a client
+library would refuse to send most of these.
 """
 
 from __future__ import annotations

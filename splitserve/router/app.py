@@ -35,11 +35,12 @@ from splitserve.client_writer import send
 from splitserve.config import RouterConfig
 from splitserve.discovery.record import loads_shallow
 from splitserve.errors import FLUSH_WAIT_S, error_body
-from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, read_body
+from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, json_http_errors, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.router import debug, membership
 from splitserve.router.answers import LARGE_ANSWER_BYTES, SMALL_ANSWER_BYTES, read_answer
 from splitserve.router.legs import describe_error
+from splitserve.router.outcomes import for_client
 from splitserve.router.policy import make_policy
 from splitserve.router.proxy import ENDPOINTS, forward
 from splitserve.router.state import RouterState
@@ -175,10 +176,10 @@ async def _error_middleware(request: web.Request, handler):
         return web.json_response(error_body(message, exc.status), status=exc.status, headers=headers or None)
     except asyncio.CancelledError:
         raise
-    except Exception as exc:
-        log.exception("error serving %s %s", request.method, request.path)
-        return web.json_response(error_body(f"internal error in the router: {type(exc).__name__}: {exc}", 500),
-                                 status=500)
+    except Exception:  # the exception to the log; the client reads words and its request id
+        log.exception("error serving %s %s rid=%s", request.method, request.path, request.get(REQUEST_ID))
+        return web.json_response(error_body(for_client("internal error in the router", request.get(REQUEST_ID)),
+                                            500), status=500)
 
 
 async def _generation(request: web.Request) -> web.StreamResponse:
@@ -223,7 +224,8 @@ async def _models(request: web.Request) -> web.Response:
     healthy = state.workers.healthy(DECODE)
     missing = state.workers.missing()
     if missing is not None:  # no usable pair: a generation would be refused, so the model is not served
-        return web.json_response(error_body(missing, 503, code="no_healthy_workers"), status=503)
+        return web.json_response(error_body(state.workers.missing(detail=False), 503, code="no_healthy_workers"),
+                                 status=503, headers={"Retry-After": "1"})
     asks = [asyncio.ensure_future(_models_of(state.session, w)) for w in healthy]
     answer = None
     try:
@@ -261,11 +263,13 @@ async def _tokenization(request: web.Request) -> web.Response:
             return web.Response(status=resp.status, body=body,
                                 headers={"Content-Type": resp.headers.get("Content-Type", "application/json")})
     except asyncio.TimeoutError:
-        message = f"the worker {worker.url} did not answer {request.path} within {TOKENIZE_TIMEOUT_S:g} s"
+        log.warning("%s: %s: no answer within %g s", worker.describe(), request.path, TOKENIZE_TIMEOUT_S)
+        message = f"the worker did not answer {request.path} within {TOKENIZE_TIMEOUT_S:g} s"
         return web.json_response(error_body(message, 504, code="worker_timeout"), status=504)
     except aiohttp.ClientError as exc:
-        message = f"the worker {worker.url} failed: {describe_error(exc)}"
-        return web.json_response(error_body(message, 502, code="worker_unreachable"), status=502)
+        log.warning("%s: %s failed: %s", worker.describe(), request.path, describe_error(exc))
+        return web.json_response(error_body(f"the worker failed to answer {request.path}", 502,
+                                            code="worker_unreachable"), status=502)
 
 
 async def _models_of(session: aiohttp.ClientSession, worker: Worker) -> web.Response:
@@ -276,8 +280,9 @@ async def _models_of(session: aiohttp.ClientSession, worker: Worker) -> web.Resp
             headers = {"Content-Type": resp.headers.get("Content-Type", "application/json")}
             return web.Response(status=resp.status, body=body, headers=headers)
     except aiohttp.ClientError as exc:
-        message = f"the decode worker {worker.url} failed: {describe_error(exc)}"
-        return web.json_response(error_body(message, 502, code="worker_unreachable"), status=502)
+        log.warning("%s: /v1/models failed: %s", worker.describe(), describe_error(exc))
+        return web.json_response(error_body("the decode worker failed to answer /v1/models", 502,
+                                            code="worker_unreachable"), status=502)
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -325,6 +330,7 @@ async def _serve(app: web.Application, config: RouterConfig, ssl_context=None) -
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S,
                            keepalive_timeout=config.client_header_timeout_s)
     await runner.setup()
+    json_http_errors(runner)  # a request aiohttp refuses before the app sees it: an OpenAI error body too
     app[ROUTER].connections.install(runner)
     try:
         await web.TCPSite(runner, config.host, config.port, ssl_context=ssl_context).start()

@@ -6,6 +6,10 @@ to decode's answer when it may, ends decode's leg with the cause when prefill fa
 accepted the room, and closes every leg still open whatever ends it. What follows a failed
 exchange (another attempt, decode alone) is the caller's (``attempts.py``). The contract — when
 the router commits, who owns a failure, what it waits on, its bounds — is ``docs/router.md``.
+
+A failure the router answers itself is told to the client in words with the request id (what
+failed: which role, how), its detail (the worker's address, the exception) to the log and the
+request's record (:attr:`Exchange.detail`, ``outcomes.Refusal``).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from splitserve.router.answers import LARGE_ANSWER_BYTES, SMALL_ANSWER_BYTES, re
 from splitserve.router.legs import Leg, NoHeaders, describe_error
 from splitserve.router.metrics import TokenTimes
 from splitserve.router.migrate import WORKER_FAILED_CODES, Lost, StreamTrack
-from splitserve.router.outcomes import Refusal, RouterOutcome, client_left
+from splitserve.router.outcomes import Refusal, RouterOutcome, client_left, for_client
 from splitserve.router.state import RouterState
 from splitserve.router.stream import DecodeStream, StreamStalled
 from splitserve.router.workers import DECODE, PREFILL, Worker
@@ -124,11 +128,15 @@ class Exchange:
         """Decode was lost after the client's answer began (or, a whole answer, after the leg was
         sent): whether the request goes on elsewhere is the caller's (``attempts.py``); if not,
         :meth:`end_lost` ends the client's answer."""
+        self.client_rid: Optional[str] = request.get(REQUEST_ID)  # the id the client knows (proxy.py)
+        self.detail: Optional[str] = None
+        """The operator's account of the failure the router answered (the client reads words)."""
 
     def _refuse(self, refusal: Refusal) -> web.Response:
         """Answer with the router's own ``refusal``, counted as its outcome."""
         self.outcome, self.status = refusal.outcome, refusal.http_status
-        return refusal.response()
+        self.detail = refusal.logged
+        return refusal.response(self.client_rid)
 
     @staticmethod
     def clock() -> float:
@@ -247,7 +255,7 @@ class Exchange:
         self._abort_prefill()
         message = f"the decode worker {self.decode_worker.url} {detail}"
         self.lost = Lost(reason, message, b"")
-        return self._refuse(Refusal(RouterOutcome.DECODE_FAILED, message))
+        return self._refuse(Refusal(RouterOutcome.DECODE_FAILED, self.lost.message, detail=message))
 
     def _decode_stream(self) -> DecodeStream:
         if self.decode_stream is None:
@@ -344,8 +352,10 @@ class Exchange:
             return self.response
         status, code = leg.response.status, await self._error_code(leg)
         leg.abort()
-        await self._end_stream_with_error(f"the decode worker {leg.worker.url} refused the continuation "
-                                          f"({status}, {code})", status)
+        self.detail = f"the decode worker {leg.worker.url} refused the continuation ({status}, {code})"
+        log.warning("%s: %s", self.name, self.detail)
+        await self._end_stream_with_error(f"the decode worker that was to continue the answer refused it "
+                                          f"({status}, {str(code)[:64]})", status)
         return self.response
 
     def _abort_prefill(self) -> None:
@@ -365,18 +375,20 @@ class Exchange:
         exc = leg.error
         if exc is not None:
             timed_out = isinstance(exc, (asyncio.TimeoutError, NoHeaders))
-            message = f"the {role} worker {leg.worker.url} failed: {describe_error(exc)}"
-            log.warning("%s: %s", self.name, message)
-            return self._refuse(Refusal(self.outcome, message, status=504 if timed_out else None,
-                                        code="worker_timeout" if isinstance(exc, NoHeaders) else None))
+            detail = f"the {role} worker {leg.worker.url} failed: {describe_error(exc)}"
+            log.warning("%s: %s", self.name, detail)
+            return self._refuse(Refusal(self.outcome, leg_words(role, exc), status=504 if timed_out else None,
+                                        code="worker_timeout" if isinstance(exc, NoHeaders) else None, detail=detail))
         resp = leg.response
         self.status = resp.status
         try:
             async with asyncio.timeout(min(self.remaining(), ERROR_BODY_S)):
                 payload = await leg.body(SMALL_ANSWER_BYTES)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            message = f"the {role} worker {leg.worker.url} answered {resp.status} and then failed: {describe_error(e)}"
-            return self._refuse(Refusal(self.outcome, message, status=resp.status, code=""))
+            detail = f"the {role} worker {leg.worker.url} answered {resp.status} and then failed: {describe_error(e)}"
+            log.warning("%s: %s", self.name, detail)
+            return self._refuse(Refusal(self.outcome, f"the {role} worker answered {resp.status} and then broke off "
+                                        "its answer", status=resp.status, code="", detail=detail))
         finally:
             leg.abort()  # the body is read (or unreadable): close this connection too
         return web.Response(status=resp.status, body=payload, headers=_pass_headers(resp))
@@ -387,7 +399,7 @@ class Exchange:
         self._close_legs()
         if self.response is None:
             return self._refuse(refusal)
-        self.outcome, self.status = refusal.outcome, refusal.http_status
+        self.outcome, self.status, self.detail = refusal.outcome, refusal.http_status, refusal.logged
         await self._end_stream_with_error(refusal.message, refusal.http_status)
         return self.response
 
@@ -412,8 +424,9 @@ class Exchange:
                 return self._whole_lost("broken", f"broke off its answer: {describe_error(exc)}")
             self._abort_prefill()
             self._may_retry(self.decode, DECODE, exc)
-            return self._refuse(Refusal(RouterOutcome.DECODE_FAILED, f"the decode worker {self.decode.worker.url} "
-                                        f"broke off its answer: {describe_error(exc)}"))
+            return self._refuse(Refusal(RouterOutcome.DECODE_FAILED, "the decode worker broke off the answer",
+                                        detail=f"the decode worker {self.decode.worker.url} broke off its answer: "
+                                               f"{describe_error(exc)}"))
         self.decode.release()
         self.outcome, self.status = RouterOutcome.FINISHED, resp.status
         return web.Response(status=resp.status, body=payload, headers=_pass_headers(resp))
@@ -425,9 +438,9 @@ class Exchange:
             self._may_retry(self.decode, DECODE, decode_in.broke)
             if self.retry is not None:
                 self._abort_prefill()
-                return self._refuse(Refusal(RouterOutcome.DECODE_FAILED, f"the decode worker "
-                                            f"{self.decode.worker.url} broke off its stream: "
-                                            f"{describe_error(decode_in.broke)}"))
+                return self._refuse(Refusal(RouterOutcome.DECODE_FAILED, "the decode worker broke off the answer",
+                                            detail=f"the decode worker {self.decode.worker.url} broke off its "
+                                                   f"stream: {describe_error(decode_in.broke)}"))
         if decode_in.failed:
             self._abort_prefill()  # decode decided first, and failed: nobody will come for prefill's KV
         elif self.prefill is not None and not self.prefill_handed_off:
@@ -478,6 +491,7 @@ class Exchange:
         ``[DONE]`` if it sent them, else the router's error event."""
         lost = self.lost
         log.warning("%s: %s", self.name, lost.detail)
+        self.detail = lost.detail
         if not self.stream or self.response is None:
             return  # a whole answer: the failure returned is the answer
         try:
@@ -489,10 +503,13 @@ class Exchange:
         except ClientLost as exc:
             self.outcome = client_left(exc)
             return
-        await self._end_stream_with_error(lost.detail, 502)
+        await self._end_stream_with_error(lost.message, 502, RouterOutcome.DECODE_FAILED.error_code)
 
-    async def _end_stream_with_error(self, message: str, status: int) -> None:
-        event = "data: " + json.dumps(error_body(message, status), separators=(",", ":")) + "\n\n"
+    async def _end_stream_with_error(self, message: str, status: int, code: Optional[str] = None) -> None:
+        """End the client's stream with the router's error event (``message``: words, to which the
+        request id is added) and ``[DONE]``."""
+        body = error_body(for_client(message, self.client_rid), status, code=code)
+        event = "data: " + json.dumps(body, separators=(",", ":")) + "\n\n"
         if self.track is not None:
             event = self.track.end_block().decode() + event
         try:
@@ -546,6 +563,16 @@ async def abort_with_cause(session: aiohttp.ClientSession, leg: Leg, room: int, 
         log.info("%s: /abort_request for room %d failed: %s", leg.worker.describe(), room, describe_error(exc))
     finally:
         leg.abort()
+
+
+def leg_words(role: str, error: BaseException) -> str:
+    """What a client reads of a leg that failed before its headers with ``error``: words."""
+    why = retry.cause(error)
+    if why == "unreachable":
+        return f"the {role} worker could not be reached"
+    if isinstance(error, (NoHeaders, asyncio.TimeoutError)):
+        return f"the {role} worker did not answer in time"
+    return f"the {role} worker broke off the connection" if why == "gone" else f"the {role} worker failed"
 
 
 def _pass_headers(resp: aiohttp.ClientResponse) -> dict:

@@ -24,6 +24,12 @@ REASONS = ("broken", "stalled", "worker_error", "unhealthy")
 stream ended without ``[DONE]``; it said nothing for ``--stream-stall-s``; it ended the stream
 with an error whose code says the worker failed, not the request; (a whole answer) the worker
 left rotation while the router waited for it."""
+LOST_WORDS = {"broken": "the decode worker broke off the answer",
+              "stalled": "the decode worker went silent mid-answer (longer than the router's stream_stall_s)",
+              "worker_error": "the decode worker failed mid-answer",
+              "unhealthy": "the decode worker became unavailable before the answer was complete"}
+"""What a client reads when a lost decode is not continued, by reason: words, never the worker's
+address or an exception's text (those are :attr:`Lost.detail`, for the log)."""
 WORKER_FAILED_CODES = frozenset({"not_ready", "draining", "loop_stalled", "peer_lost", "peer_failed",
                                  "internal_error"})
 """Error codes in decode's stream that say the worker (or its pair) failed, not the request:
@@ -40,8 +46,9 @@ _FINISHED = re.compile(rb'"finish_reason":\s*(?!null)')
 @dataclass
 class Lost:
     """A decode leg given up after the client's answer began: why (:data:`REASONS`), the log line's
-    detail, and the bytes decode ended with (an error event and ``[DONE]``, maybe cut short; may
-    be empty) that the client gets if the stream is not continued."""
+    detail (the worker's address, the exception: never for the client), and the bytes decode ended
+    with (an error event and ``[DONE]``, maybe cut short; may be empty) that the client gets if the
+    stream is not continued."""
 
     reason: str
     detail: str
@@ -49,6 +56,11 @@ class Lost:
     own_error: bool = False
     """Decode had sent an error event of the request's own (a code not in
     :data:`WORKER_FAILED_CODES`): never continued."""
+
+    @property
+    def message(self) -> str:
+        """What the client reads (:data:`LOST_WORDS`)."""
+        return LOST_WORDS.get(self.reason, "the decode worker was lost mid-answer")
 
 
 class StreamTrack:

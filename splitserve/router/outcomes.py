@@ -4,7 +4,12 @@ outcome, when it ends (``splitserve_router_requests_total{outcome}``: the label 
 
 As a ``Reason`` does, an outcome names the HTTP status and error code of an answer the router
 makes itself (:attr:`RouterOutcome.http_status`, :attr:`RouterOutcome.error_code`); such an answer
-is a :class:`Refusal`. A worker's own answer passes through with the worker's status."""
+is a :class:`Refusal`. A worker's own answer passes through with the worker's status.
+
+What a client reads of a failure the router saw is said in words (what happened, which role, the
+request id), never the worker's address nor a library's exception text: those are the
+:attr:`Refusal.detail`, for the router's log and the request's record (``/debug/requests/{rid}``,
+admin only)."""
 
 from __future__ import annotations
 
@@ -69,29 +74,44 @@ _ANSWERS = {
 
 @dataclass(frozen=True)
 class Refusal:
-    """An answer the router makes itself, not a worker's: how it counts, and what the client
-    reads. ``status`` and ``code`` default to the outcome's."""
+    """An answer the router makes itself, not a worker's: how it counts, what the client reads
+    (``message``: words, nothing internal) and what the operator reads (``detail``: the worker's
+    address, the exception; the message when None). ``status`` and ``code`` default to the
+    outcome's."""
 
     outcome: RouterOutcome
     message: str
     status: Optional[int] = None
     code: Optional[str] = None
     headers: Optional[dict] = None
+    detail: Optional[str] = None
 
     @property
     def http_status(self) -> int:
         return self.status if self.status is not None else self.outcome.http_status
 
-    def response(self) -> web.Response:
-        """The answer: an OpenAI-style error body."""
+    @property
+    def logged(self) -> str:
+        """What the operator reads of it."""
+        return self.detail if self.detail is not None else self.message
+
+    def response(self, rid: Optional[str] = None) -> web.Response:
+        """The answer: an OpenAI-style error body (its message names ``rid``, if given)."""
         status = self.http_status
         code = self.code if self.code is not None else self.outcome.error_code
-        return web.json_response(error_body(self.message, status, code=code), status=status, headers=self.headers)
+        return web.json_response(error_body(for_client(self.message, rid), status, code=code), status=status,
+                                 headers=self.headers)
 
 
-def no_workers(why: str) -> Refusal:
-    """The refusal of a request with no worker to go to: a 503 the client may try again soon."""
-    return Refusal(RouterOutcome.NO_WORKERS, why, headers={"Retry-After": "1"})
+def for_client(message: str, rid: Optional[str]) -> str:
+    """A message the client reads, with the request id it can quote to an operator."""
+    return f"{message} (request id {rid})" if rid else message
+
+
+def no_workers(message: str, detail: Optional[str] = None) -> Refusal:
+    """The refusal of a request with no worker to go to: a 503 the client may try again soon;
+    ``message`` in words, ``detail`` naming the workers and why each is out."""
+    return Refusal(RouterOutcome.NO_WORKERS, message, headers={"Retry-After": "1"}, detail=detail)
 
 
 def client_left(lost: Optional[ClientLost]) -> Optional[RouterOutcome]:

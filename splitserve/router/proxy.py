@@ -19,6 +19,7 @@ from aiohttp import web
 
 from splitserve.client_writer import ClientLost, send
 from splitserve.errors import InvalidRequest, engine_error_body
+from splitserve.log_sparsely import worth_logging
 from splitserve.router import split
 from splitserve.router.attempts import Attempts, Route
 from splitserve.router.outcomes import Refusal, RouterOutcome, client_left
@@ -98,15 +99,18 @@ async def _admit(state: RouterState, request: web.Request, endpoint: str, starte
     except InvalidRequest as exc:
         raise _Answered(web.json_response(engine_error_body(exc), status=exc.status), RouterOutcome.BAD_REQUEST,
                         exc.status) from None
+    request[REQUEST_ID] = rid  # echoed to the client (app.py)
     key = routing_key(validated)
     route = Route(key, split.estimate_tokens(key, validated.prompt_ids, config.pd_chars_per_token),
                   split.one_worker(validated.sampling))  # e.g. lm-eval's prompt logprobs: decode alone
     planned = state.plan(route.key, route.tokens, one_worker=route.one_worker)
     if isinstance(planned, Refusal):
-        raise _Answered(planned.response(), planned.outcome, planned.http_status)
+        state.refusals += 1
+        if worth_logging(state.refusals):  # the client reads words; the workers and their states are here
+            log.warning("rid=%s refused %d: %s", rid, planned.http_status, planned.logged)
+        raise _Answered(planned.response(rid), planned.outcome, planned.http_status)
     prefill, decode, decision = planned
     state.metrics.pd_decisions.labels(decision=decision).inc()
-    request[REQUEST_ID] = rid  # echoed to the client (app.py)
     state.retry_budget.request(asyncio.get_running_loop().time())
     attempts = Attempts(state, request, body, validated.stream, rid, route, started + config.request_timeout_s,
                         started, endpoint)
@@ -122,7 +126,9 @@ def _record(state: RouterState, attempts: Optional[Attempts], outcome: RouterOut
     if attempts is None or not attempts.recorded:
         return
     a = attempts.attempt
-    state.recent.end(attempts.rid, outcome.value, status, seconds, times.ttft if times is not None else None)
+    detail = exchange.detail if exchange is not None else None  # what the client read only in words
+    state.recent.end(attempts.rid, outcome.value, status, seconds, times.ttft if times is not None else None,
+                     detail)
     log.log(logging.ERROR if outcome is RouterOutcome.INTERNAL else logging.INFO,
-            "room %s %s rid=%s: %s (%s)%s %.3fs", a.room if a.room is not None else "- (decode alone)", endpoint,
-            attempts.rid, outcome.value, status, a.legs(), seconds)
+            "room %s %s rid=%s: %s (%s)%s %.3fs%s", a.room if a.room is not None else "- (decode alone)", endpoint,
+            attempts.rid, outcome.value, status, a.legs(), seconds, f": {detail}" if detail else "")

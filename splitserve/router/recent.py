@@ -23,7 +23,7 @@ class RecentRequests:
         self._entries.pop(rid, None)
         self._entries[rid] = {"rid": rid, "room": room, "endpoint": endpoint, "prefill": prefill, "decode": decode,
                               "arrived": round(time.time() - (time.monotonic() - started), 6), "live": True,
-                              "outcome": None, "status": None, "seconds": None, "ttft_s": None,
+                              "outcome": None, "status": None, "seconds": None, "ttft_s": None, "error": None,
                               "attempts": [{"room": room, "rid": rid, "prefill": prefill, "decode": decode,
                                             "failed": None}]}
         while len(self._entries) > self.capacity:
@@ -43,11 +43,14 @@ class RecentRequests:
             entry["attempts"].append({"room": room, "rid": worker_rid, "prefill": prefill, "decode": decode,
                                       "failed": None})
 
-    def end(self, rid: str, outcome: str, status: int, seconds: float, ttft: Optional[float]) -> None:
+    def end(self, rid: str, outcome: str, status: int, seconds: float, ttft: Optional[float],
+            error: Optional[str] = None) -> None:
+        """The request ended; ``error``: the operator's account of a failure the router answered
+        (the worker's address, the exception), which its client read only in words."""
         entry = self._entries.get(rid)
         if entry is not None and entry["live"]:
             entry.update(live=False, outcome=outcome, status=status, seconds=round(seconds, 6),
-                         ttft_s=round(ttft, 6) if ttft is not None else None)
+                         ttft_s=round(ttft, 6) if ttft is not None else None, error=error)
 
     def get(self, rid: str) -> Optional[dict]:
         return self._entries.get(rid)

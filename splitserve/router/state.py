@@ -58,6 +58,7 @@ class RouterState:
         self.checker: Optional[HealthChecker] = None  # likewise
         self.discovery = Discovery(self, registry)  # started at startup when --discovery is given
         self.background: set[asyncio.Task] = set()
+        self.refusals = 0  # requests refused for want of a worker (their log lines are sparse)
         self.connections: Optional[ConnectionCap] = None  # set by create_app
         self.worker_ssl = None  # the ssl.SSLContext for https:// workers, if configured
         self.new_room = functools.partial(secrets.randbits, ROOM_BITS)

@@ -199,13 +199,15 @@ class WorkerSet:
         """A usable pair is up: a healthy prefill and a healthy decode worker that pair."""
         return any(p.pairs_with(d) for p in self.healthy(PREFILL) for d in self.healthy(DECODE))
 
-    def missing(self) -> Optional[str]:
-        """Why there is no usable pair (None when there is), naming each role without a healthy worker."""
-        gone = [f"no healthy {role} worker: {describe_all(ws)}" for role, ws in
-                ((PREFILL, self.prefill), (DECODE, self.decode)) if not self.healthy(role)]
+    def missing(self, detail: bool = True) -> Optional[str]:
+        """Why there is no usable pair (None when there is), naming each role without a healthy
+        worker; with ``detail``, each worker's address and state (for the log, not a client)."""
+        gone = [f"no healthy {role} worker" + (f": {describe_all(ws)}" if detail else " is available")
+                for role, ws in ((PREFILL, self.prefill), (DECODE, self.decode)) if not self.healthy(role)]
         if not gone and not self.ready():
             gone = ["no healthy prefill and decode worker agree on the model fingerprint, protocol version and "
-                    f"transfer backend: {describe_pairing(self.healthy(PREFILL) + self.healthy(DECODE))}"]
+                    "transfer backend" +
+                    (f": {describe_pairing(self.healthy(PREFILL) + self.healthy(DECODE))}" if detail else "")]
         return "; ".join(gone) or None
 
     def candidates(self, role: str, exclude: Optional[dict] = None) -> list[Worker]:
@@ -228,10 +230,12 @@ class WorkerSet:
         prefills, decodes = self.candidates(PREFILL, exclude), self.candidates(DECODE, exclude)
         for role, workers in ((PREFILL, prefills), (DECODE, decodes)):
             if not workers:
-                return no_workers(f"no healthy {role} worker: {describe_all(self.of_role(role))}")
+                return no_workers(f"no healthy {role} worker is available",
+                                  f"no healthy {role} worker: {describe_all(self.of_role(role))}")
         candidates = [p for p in prefills if any(p.pairs_with(d) for d in decodes)]
         if not candidates:
-            return no_workers(self.missing() or "no pair")
+            return no_workers(self.missing(detail=False) or "no prefill and decode worker pair",
+                              self.missing() or "no pair")
         prefill = policies[PREFILL].pick(candidates, key)
         matching = [d for d in decodes if prefill.pairs_with(d)]
         self.refused_pairings += len(decodes) - len(matching)
