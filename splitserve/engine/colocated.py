@@ -1,10 +1,17 @@
-"""The colocated role: one worker does prefill and decode, the engine alone."""
+"""The colocated role: one worker does prefill and decode, the engine alone.
+
+A request that came with a deadline (``GenerateRequest.deadline_s``: its sender's
+``X-Splitserve-Deadline-S``) ends at it as a disaggregated room does: its key in a
+:class:`~splitserve.engine.deadline_heap.DeadlineHeap`, checked at every ``tick``, the loop woken
+for it (``wait_s``), and ended 504 ``request_timeout`` (``deadline_heap.request_timeout``) through
+the engine's abort, which frees its pages."""
 
 from __future__ import annotations
 
 import time
 from typing import Optional
 
+from splitserve.engine.deadline_heap import DeadlineHeap, request_timeout
 from splitserve.engine.engine import StepReport
 from splitserve.engine.io import EngineError, GenerateRequest, RequestOutput
 from splitserve.engine.role import IDLE_WAIT_S, EngineLoop
@@ -21,19 +28,27 @@ class ColocatedRole:
 
     def __init__(self):
         self.timelines = TimelineBook(self.name)
+        self.deadlines: DeadlineHeap[str] = DeadlineHeap()  # rid -> when its sender's deadline passes
+        self._limit_s: dict[str, float] = {}  # rid -> the deadline it came with (for its ending)
+        self.clock = time.monotonic  # the loop's, from ``start``: the one its ``tick`` passes
 
     def start(self, loop: EngineLoop) -> None:
         self.engine = loop.engine
+        self.clock = loop.clock
 
     def check(self, req: GenerateRequest) -> None:
         self.engine.check_fits(req)  # reads only immutable sizes
 
     def admit(self, req: GenerateRequest) -> list[RequestOutput]:
-        self.timelines.start(req.rid, None, "WAITING", time.monotonic())
+        now = self.clock()
+        self.timelines.start(req.rid, None, "WAITING", now)
         try:
             self.engine.add_request(req)
         except EngineError as exc:
             return self._ended([RequestOutput.ended(req.rid, Ending(exc.reason, str(exc)))], "refused")
+        if req.deadline_s is not None:
+            self.deadlines.set(req.rid, now + req.deadline_s)
+            self._limit_s[req.rid] = req.deadline_s
         return []
 
     def abort(self, rid: str, ending: Ending) -> list[RequestOutput]:
@@ -51,7 +66,12 @@ class ColocatedRole:
         raise TypeError(f"unknown engine event {event!r}")
 
     def tick(self, now: float) -> list[RequestOutput]:
-        return []
+        """Every request whose deadline passed ends ``request_timeout``, its pages freed."""
+        out: list[RequestOutput] = []
+        for rid in self.deadlines.pop_due(now):
+            ended = self.engine.abort(rid, request_timeout(self._limit_s.pop(rid)))
+            out += [ended] if ended is not None else []
+        return self._ended(out, "deadline")
 
     def after_step(self, report: StepReport) -> list[RequestOutput]:
         now, book = time.monotonic(), self.timelines
@@ -77,6 +97,9 @@ class ColocatedRole:
     def _ended(self, outputs: list[RequestOutput], cause: str) -> list[RequestOutput]:
         now = time.monotonic()
         for out in outputs:
+            if out.finished:  # ended by any path: its deadline goes with it
+                self.deadlines.cancel(out.rid)
+                self._limit_s.pop(out.rid, None)
             if out.finished and (tl := self.timelines.get(out.rid)) is not None and tl.live:
                 reason = out.reason
                 tl.end(f"FINISHED({out.finish_reason})" if reason is None else
@@ -85,15 +108,21 @@ class ColocatedRole:
         return outputs
 
     def wait_s(self, now: float) -> float:
-        return IDLE_WAIT_S
+        due = self.deadlines.next_due()
+        return max(0.001, min(IDLE_WAIT_S, due - now)) if due is not None else IDLE_WAIT_S
 
     def stats(self) -> None:
         return None  # the engine's counts are all a colocated worker has
 
     def debug_rows(self, now: float) -> list[dict]:
         return [{"rid": seq.rid, "room": None, "role": "colocated", "state": seq.status.value.upper(),
-                 "age_s": round(now - seq.arrival, 3), "state_age_s": None, "deadline_s": None,
+                 "age_s": round(now - seq.arrival, 3), "state_age_s": None, "deadline_s": self._left_s(seq, now),
                  "late": False, "peer": None} for seq in self.engine.live_sequences()]
+
+    def _left_s(self, seq, now: float) -> Optional[float]:
+        """Seconds left before ``seq``'s request reaches its deadline, None without one."""
+        when = self.deadlines.when(seq.out_rid)
+        return round(when - now, 3) if when is not None else None
 
     def close(self, goodbye: Optional[str] = None) -> None:
         pass

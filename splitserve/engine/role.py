@@ -19,6 +19,8 @@ class EngineLoop(Protocol):
 
     engine: LLMEngine
     loop_stall_s: float
+    clock: Callable[[], float]
+    """The only clock the loop reads (monotonic seconds); ``tick`` is given its ``now``."""
 
     def poster(self) -> Callable[[object], None]:
         """What the role's threads post events to the loop with (thread-safe)."""

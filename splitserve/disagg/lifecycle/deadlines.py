@@ -3,19 +3,16 @@
 Every live room has exactly one pending deadline (docs/design.md, rule 3); so do the things that are
 not rooms but must not live forever: a registration that came before its request, a tombstone, a
 terminal room still holding memory, a peer's heartbeat. They all sit in a :class:`DeadlineHeap`
-keyed by what they guard. Changing a key's deadline pushes a new entry and leaves the old one in
-place (lazy deletion: an entry counts only while it is the key's current one), so set, cancel and
-pop are O(log n) amortised; the heap is rebuilt when stale entries outnumber live ones.
+keyed by what they guard (``engine/deadline_heap.py``: the colocated role's requests sit in one too).
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from dataclasses import dataclass, fields
-from typing import Generic, Hashable, Optional, TypeVar
+from typing import Optional
 
-K = TypeVar("K", bound=Hashable)
+from splitserve.engine.deadline_heap import DeadlineHeap  # noqa: F401 (the lifecycle's timers)
 
 
 @dataclass(frozen=True)
@@ -115,74 +112,3 @@ class Deadlines:
                 f"tombstone_s ({self.tombstone_s}) must exceed every other deadline; "
                 f"{longest} is {others[longest]}")
         return self
-
-
-class DeadlineHeap(Generic[K]):
-    """At most one pending deadline per key, ordered by time.
-
-    ``set(key, when)`` replaces the key's deadline, ``cancel(key)`` drops it, ``pop_next(now)``
-    returns (and forgets) the earliest key whose deadline is ``<= now``. Popping one key at a time
-    lets the caller act on each with the table as the previous one left it.
-    """
-
-    def __init__(self) -> None:
-        self._heap: list[tuple[float, int, K]] = []
-        self._due: dict[K, tuple[float, int]] = {}
-        self._seq = 0
-
-    def __len__(self) -> int:
-        return len(self._due)
-
-    def __contains__(self, key: K) -> bool:
-        return key in self._due
-
-    def when(self, key: K) -> Optional[float]:
-        entry = self._due.get(key)
-        return entry[0] if entry else None
-
-    def set(self, key: K, when: float) -> None:
-        self._seq += 1
-        self._due[key] = (when, self._seq)
-        heapq.heappush(self._heap, (when, self._seq, key))
-        self._compact_if_sparse()
-
-    def cancel(self, key: K) -> None:
-        self._due.pop(key, None)
-        self._compact_if_sparse()
-
-    def next_due(self) -> Optional[float]:
-        """The earliest pending deadline, or None."""
-        self._drop_stale_top()
-        return self._heap[0][0] if self._heap else None
-
-    def pop_next(self, now: float) -> Optional[K]:
-        """The earliest key whose deadline is ``<= now`` (forgotten as it is returned), or None."""
-        self._drop_stale_top()
-        if not self._heap or self._heap[0][0] > now:
-            return None
-        _, _, key = heapq.heappop(self._heap)
-        del self._due[key]
-        return key
-
-    def pop_due(self, now: float) -> list[K]:
-        keys = []
-        while (key := self.pop_next(now)) is not None:
-            keys.append(key)
-        return keys
-
-    def items(self) -> list[tuple[K, float]]:
-        """Pending (key, when) pairs, in no particular order."""
-        return [(k, w) for k, (w, _) in self._due.items()]
-
-    def _is_current(self, entry: tuple[float, int, K]) -> bool:
-        when, seq, key = entry
-        return self._due.get(key) == (when, seq)
-
-    def _drop_stale_top(self) -> None:
-        while self._heap and not self._is_current(self._heap[0]):
-            heapq.heappop(self._heap)
-
-    def _compact_if_sparse(self) -> None:
-        if len(self._heap) > 2 * len(self._due) + 64:
-            self._heap = [(w, s, k) for k, (w, s) in self._due.items()]
-            heapq.heapify(self._heap)

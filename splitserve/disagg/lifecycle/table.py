@@ -50,6 +50,7 @@ from splitserve.disagg.lifecycle.quota import PeerQuota
 from splitserve.disagg.lifecycle.room import Room, Tombstone
 from splitserve.disagg.lifecycle.states import Ending, LifecycleError, Outcome, Reason, Role, State, is_terminal
 from splitserve.disagg.lifecycle.transitions import Transitions
+from splitserve.engine.deadline_heap import request_timeout
 
 
 class RoomTable:
@@ -297,7 +298,7 @@ class RoomTable:
         """A live room's deadline ran out: the request's own timeout, else what its state's
         declaration (``transitions.py``) says the timeout becomes."""
         if r.expires is not None and now >= r.expires:
-            self._end(r, Ending(Reason.REQUEST_TIMEOUT, f"older than {r.expires - r.born:g}s"), now, out)
+            self._end(r, request_timeout(r.expires - r.born), now, out)
             return
         live = self.transitions.states[r.state]
         ending = live.timeout(r, f"{now - r.entered:g}s")
