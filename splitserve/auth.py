@@ -352,7 +352,8 @@ def access_middleware(access: Access, routes: Mapping[str, str], on_refused: Cal
 
     @web.middleware
     async def require_api_key(request: web.Request, handler):
-        header = request.headers.get("Authorization")
+        sent = request.headers.getall("Authorization", [])
+        header = sent[0] if len(sent) == 1 else None  # two credentials are none: neither is taken
         who = access.who(header) if access.keys else None
         request[ACCESS] = (access, who)
         resource = request.match_info.route.resource
@@ -370,9 +371,10 @@ def access_middleware(access: Access, routes: Mapping[str, str], on_refused: Cal
                        f"{request.method} {request.path} is closed on this server: it opens with --admin-api-key, "
                        "and this server was given none")
             return web.json_response(error_body(message, 403, code="permission_denied"), status=403)
-        why = "missing" if not header or not header.strip().partition(" ")[2].strip() else "wrong"
+        why = "missing" if len(sent) < 2 and not (header or "").strip().partition(" ")[2].strip() else "wrong"
         on_refused(why)
         message = ("this server requires an API key: send the header 'Authorization: Bearer <key>'" if why == "missing"
+                   else f"send one Authorization header, not {len(sent)}" if len(sent) > 1
                    else "the API key sent in the Authorization header is not valid for this server")
         return web.json_response(error_body(message, 401, code="invalid_api_key"), status=401,
                                  headers={"WWW-Authenticate": 'Bearer realm="splitserve"'})

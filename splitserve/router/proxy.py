@@ -26,7 +26,9 @@ from splitserve.router.outcomes import Refusal, RouterOutcome, client_left
 from splitserve.router.policy import routing_key
 from splitserve.router.client import read_body
 from splitserve.router.state import RouterState
-from splitserve.validation import REQUEST_ID, RequestContext, check_request_id, parse_json_body, validate_request
+from splitserve.validation import (
+    REQUEST_ID, RequestContext, check_request_id, one_header, parse_json_body, validate_request,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ async def _admit(state: RouterState, request: web.Request, endpoint: str, starte
     try:
         body = parse_json_body(raw)
         validated = validate_request(body, endpoint, RequestContext(served_model_name=state.workers.model_name()))
-        rid = validated.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
+        rid = validated.rid or check_request_id(one_header(request.headers, REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
     except InvalidRequest as exc:
         raise _Answered(web.json_response(engine_error_body(exc), status=exc.status), RouterOutcome.BAD_REQUEST,
                         exc.status) from None

@@ -41,7 +41,8 @@ from splitserve.server import openai_protocol as proto
 from splitserve.server import tool_calls
 from splitserve.server.sse import ClientGone, SSEWriter
 from splitserve.validation import (
-    DEADLINE, REQUEST_ID, RequestContext, ValidatedRequest, check_deadline, check_request_id, validate_request,
+    DEADLINE, REQUEST_ID, RequestContext, ValidatedRequest, check_deadline, check_request_id, one_header,
+    validate_request,
 )
 
 RID = web.RequestKey("rid", str)
@@ -119,10 +120,10 @@ async def serve_generation(state, request: web.Request, endpoint: str) -> web.St
                 result.ended(Reason.BAD_REQUEST)
                 return json_error(refusal, 403, param="continuation" if req.continuation else "stream_ids",
                                   code="router_field_not_allowed")
-            rid = req.rid or check_request_id(request.headers.get(REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
+            rid = req.rid or check_request_id(one_header(request.headers, REQUEST_ID), REQUEST_ID) or uuid.uuid4().hex
             rid = req.continuation.rid if req.continuation is not None else rid  # the answer's id goes on
             request[RID] = rid  # echoed in the answer's X-Request-Id header (app.py)
-            deadline_s = check_deadline(request.headers.get(DEADLINE))  # the router's: it only shortens ours
+            deadline_s = check_deadline(one_header(request.headers, DEADLINE))  # the router's: it only shortens ours
             stream = engine.submit(dataclasses.replace(req.generate_request(rid), deadline_s=deadline_s))
             submitted = True
         except EngineError as exc:

@@ -13,7 +13,9 @@ structured output, the bootstrap and router fields, and the readers of one value
 from splitserve.validation.bootstrap import MAX_ROOM
 from splitserve.validation.body import check_text, parse_json_body
 from splitserve.validation.chars_per_token import MAX_COMPOSED, max_chars_per_token
-from splitserve.validation.headers import DEADLINE, MAX_DEADLINE_S, REQUEST_ID, check_deadline, check_request_id
+from splitserve.validation.headers import (
+    DEADLINE, MAX_DEADLINE_S, REQUEST_ID, check_deadline, check_request_id, one_header,
+)
 from splitserve.validation.messages import CHAT_ROLES
 from splitserve.validation.request import ENDPOINTS, ROUTER, RequestContext, ValidatedRequest, validate_request
 from splitserve.validation.sampling import (
@@ -25,5 +27,5 @@ __all__ = [
     "CHAT_ROLES", "DEADLINE", "ENDPOINTS", "MAX_COMPOSED", "MAX_DEADLINE_S", "MAX_N", "MAX_OPENAI_STOP", "MAX_ROOM",
     "MAX_SEED", "MAX_STOP", "MAX_STOP_CHARS", "MAX_STOP_TOKEN_IDS", "REQUEST_ID", "ROUTER", "RequestContext",
     "ValidatedRequest", "check_deadline", "check_request_id", "check_text", "max_chars_per_token",
-    "parse_json_body", "renders_tools", "validate_request",
+    "one_header", "parse_json_body", "renders_tools", "validate_request",
 ]

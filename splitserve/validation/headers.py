@@ -1,15 +1,33 @@
-"""The request headers both apps check: the request id and the router's deadline for a leg."""
+"""The request headers both apps check: the request id and the router's deadline for a leg.
+
+Each is single-valued: sent twice it is refused (:func:`one_header`), never read as its first or
+its last, since a limit or an id given twice is ambiguous and whichever copy were taken, the other
+would be what some reader of the request meant."""
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Protocol
 
 from splitserve.engine.io import InvalidRequest
 
 REQUEST_ID = "X-Request-Id"  # the header that carries a request id (the router's, on the OpenAI routes)
 DEADLINE = "X-Splitserve-Deadline-S"  # the seconds a router gives a leg (docs/router.md, *Deadlines*)
 MAX_DEADLINE_S = 1e6
+
+
+class Headers(Protocol):
+    """A request's headers as aiohttp gives them (a multidict: a name may come more than once)."""
+
+    def getall(self, key: str, default: object = ...) -> list: ...
+
+
+def one_header(headers: Headers, name: str) -> Optional[str]:
+    """The value of header ``name``, None when absent; a 400 naming it when sent more than once."""
+    values = headers.getall(name, [])
+    if len(values) > 1:
+        raise InvalidRequest(f"{name} may be sent once; this request sends it {len(values)} times", name)
+    return values[0] if values else None
 
 
 def check_deadline(text: Optional[str]) -> Optional[float]:
