@@ -39,8 +39,11 @@ async def _statuses(cases: list[list[tuple[str, str]]]) -> list[int]:
     """The status of ``GET /client`` on a keyed app for each list of headers."""
     app = web.Application(middlewares=[access_middleware(Access({CLIENT: KEY.encode()}, on_worker=False),
                                                          {"/client": CLIENT, "/open": OPEN}, lambda why: None)])
-    app.router.add_get("/client", lambda request: web.json_response({"ok": True}))
-    app.router.add_get("/open", lambda request: web.json_response({"ok": True}))
+    async def ok(request):
+        return web.json_response({"ok": True})
+
+    app.router.add_get("/client", ok)
+    app.router.add_get("/open", ok)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
