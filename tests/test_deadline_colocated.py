@@ -1,5 +1,5 @@
 """A colocated worker ends a request at the deadline its sender gave it (``X-Splitserve-Deadline-S``)
-as a split leg does: 504 ``request_timeout`` for a whole answer, the error event for a stream,
+as a decode worker does (a split leg, or a request it serves alone): 504 ``request_timeout`` for a whole answer, the error event for a stream,
 counted in ``splitserve_requests_total``, every page back, and the worker goes on serving. The
 header sent twice, or ``X-Request-Id`` sent twice, is a 400 naming it, before anything runs.
 """
@@ -38,7 +38,8 @@ def still_serves(worker) -> None:
     assert len(generate(worker.url, [7] * 8, 4, ignore_eos=True)) == 4
 
 
-def test_a_whole_answer_ends_504_request_timeout_at_the_deadline(worker):
+def ends_whole_at_the_deadline(worker) -> None:
+    """A whole answer: 504 ``request_timeout``, counted once, every page back, the worker serving."""
     before = timeouts(worker)
     r = requests.post(worker.url + "/generate", json=BODY, headers={DEADLINE: DEADLINE_S}, timeout=120)
     assert r.status_code == 504, r.text[:500]
@@ -47,7 +48,8 @@ def test_a_whole_answer_ends_504_request_timeout_at_the_deadline(worker):
     still_serves(worker)
 
 
-def test_a_stream_ends_with_the_request_timeout_error_event_at_the_deadline(worker):
+def ends_stream_at_the_deadline(worker) -> None:
+    """A stream: the same error as its last event before ``[DONE]``, fewer tokens than asked."""
     before = timeouts(worker)
     r = requests.post(worker.url + "/generate", json={**BODY, "stream": True}, headers={DEADLINE: DEADLINE_S},
                       timeout=120)
@@ -58,6 +60,22 @@ def test_a_stream_ends_with_the_request_timeout_error_event_at_the_deadline(work
     assert answers and len(answers[-1]["output_ids"]) < LONG  # ended before its tokens were all made
     assert timeouts(worker) == before + 1
     still_serves(worker)
+
+
+def test_a_whole_answer_ends_504_request_timeout_at_the_deadline(worker):
+    ends_whole_at_the_deadline(worker)
+
+
+def test_a_stream_ends_with_the_request_timeout_error_event_at_the_deadline(worker):
+    ends_stream_at_the_deadline(worker)
+
+
+@pytest.mark.long
+def test_a_decode_worker_serving_a_request_alone_ends_it_the_same_way():
+    """The reference: a decode worker given no bootstrap fields (its lifecycle table's deadline)."""
+    with ServerProcess("--role", "decode") as decode:
+        ends_whole_at_the_deadline(decode)
+        ends_stream_at_the_deadline(decode)
 
 
 @pytest.mark.parametrize("name, values", [(DEADLINE, ("30", "20")), (DEADLINE, ("30", "30")),
