@@ -161,11 +161,13 @@ def test_a_short_request_is_not_held_behind_long_tokenizations(byte_tokenizer):
     run_app(FakeEngine(tok), test)
 
 
-def test_fake_engine_bug_in_submit_is_a_500_and_the_worker_keeps_serving(byte_tokenizer):
+def test_fake_engine_bug_in_submit_is_a_500_and_the_worker_keeps_serving(byte_tokenizer, caplog):
+    """The client reads the request id, the log the exception; the next request is served."""
     async def test(client, app):
         r = await client.post("/v1/completions", json={"prompt": "RAISE", "max_tokens": 3})
-        assert r.status == 500
-        assert "a bug in submit" in (await r.json())["error"]["message"]
+        message = (await r.json())["error"]["message"]
+        assert r.status == 500 and message.startswith("internal error in the worker (request id ")
+        assert "a bug in submit" not in message and "a bug in submit" in caplog.text
         r = await client.post("/v1/completions", json={"prompt": "fine", "max_tokens": 3})
         assert r.status == 200 and (await r.json())["choices"][0]["text"] == "fin"
     run_app(FakeEngine(byte_tokenizer), test)

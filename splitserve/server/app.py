@@ -38,6 +38,7 @@ from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.server import abort_request, role_switch, tokenization
 from splitserve.server.generation import RID, engine_error_response, json_error, serve_generation
 from splitserve.server.identity_proof import answer as answer_nonce
+from splitserve.server.openai_protocol import internal_error_text
 from splitserve.server.state import STATE, WorkerState
 from splitserve.server.watchdog import loop_watchdog
 from splitserve.validation import MAX_ROOM, REQUEST_ID
@@ -138,7 +139,7 @@ async def _http_middleware(request: web.Request, handler):
     except Exception:  # one request's bug is that request's 500, never the worker's end; its text to the log only
         log.exception("error serving %s %s rid=%s", request.method, request.path, request.get(RID))
         rid = request.get(RID)
-        return json_error("internal error in the worker" + (f" (request id {rid})" if rid else ""), 500)
+        return json_error(internal_error_text(rid), 500)
     finally:
         state.metrics.http_requests.labels(path=path, status=str(status)).inc()
 

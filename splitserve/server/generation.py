@@ -455,11 +455,11 @@ async def _stream(state, request: web.Request, endpoint: str, req: ValidatedRequ
             log.info("request %s: %s; aborted", rid, exc)
     except asyncio.CancelledError:
         raise
-    except Exception as exc:  # a bug while streaming fails this request only
+    except Exception:  # a bug while streaming fails this request only
         log.exception("request %s: error while streaming", rid)
         result.ended(Reason.INTERNAL_ERROR)
         try:
-            await sse.send(proto.error_body(f"internal error: {exc}", 500))
+            await sse.send(proto.error_body(proto.internal_error_text(rid), 500, code=Reason.INTERNAL_ERROR.value))
             await sse.done()
         except ClientGone:
             pass

@@ -24,13 +24,22 @@ from typing import Optional
 
 from splitserve.engine.io import RequestOutput, TokenLogprob
 from splitserve.errors import engine_error_body, error_body  # noqa: F401 (the error body is the API's too)
+from splitserve.outcomes import Reason
 from splitserve.server import tool_calls
+
+
+def internal_error_text(rid: Optional[str]) -> str:
+    """What a client reads of a bug that failed its request: no exception text, which can name
+    files, addresses or another request's data; the log and ``/debug/requests`` have the detail."""
+    return "internal error in the worker" + (f" (request id {rid})" if rid else "")
 
 
 def ended_error_body(out: RequestOutput) -> dict:
     """The error body of a request that failed or was aborted: its reason is the code."""
-    return error_body(out.error or "the engine ended the request without an answer", out.status,
-                      code=out.reason.value if out.reason is not None else None)
+    code = out.reason.value if out.reason is not None else None
+    if out.reason is Reason.INTERNAL_ERROR:
+        return error_body(internal_error_text(out.rid), out.status, code=code)
+    return error_body(out.error or "the engine ended the request without an answer", out.status, code=code)
 
 
 @dataclass
