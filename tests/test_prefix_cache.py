@@ -113,7 +113,8 @@ def run(eng: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: s
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=20),
-                                    SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20)],
+                                    pytest.param(SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20),
+                                                 marks=pytest.mark.long)],  # everyday: greedy
                          ids=["greedy", "seeded"])
 def test_turns_that_share_a_prefix_match_an_engine_without_the_cache(tiny, params):
     with_cache, without = engine(tiny, True), engine(tiny, False)
