@@ -200,10 +200,13 @@ def header_problem(header) -> str:
             or not all(_is_int(s) for s in sums):
         return "its table or checksums are not lists of the right length"
     for row in rows:
-        if not isinstance(row, dict) or not isinstance(row.get("name"), str) or row.get("dtype") not in DTYPES \
+        if not isinstance(row, dict) or not isinstance(row.get("name"), str) \
+                or not isinstance(row.get("dtype"), str) or row["dtype"] not in DTYPES \
                 or not _is_int(row.get("offset")) or not _is_int(row.get("nbytes")) \
                 or not isinstance(row.get("shape"), list) or not all(_is_int(n) for n in row["shape"]):
             return "a table row is not of the right types"
+    if len({row["name"] for row in rows}) != len(rows):  # a name twice: which bytes are its would be ambiguous
+        return "its table names a tensor twice"
     return ""
 
 
