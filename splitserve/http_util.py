@@ -84,14 +84,28 @@ def body_too_large(limit: int) -> web.HTTPRequestEntityTooLarge:
         text=f"the request body is larger than this server's --max-body-bytes ({limit} bytes)")
 
 
+def body_unreadable(request: web.Request) -> web.HTTPBadRequest:
+    """The 400 for a body aiohttp could not decode after its headers were taken (a Content-Encoding
+    that does not decode, a chunk that breaks the encoding): the client's fault, never a 500. The
+    connection is closed after the answer: the rest of that body cannot be read to find the next
+    request (aiohttp would try, and log the same error again at ERROR with its traceback)."""
+    request.content.feed_eof()  # the body is over: aiohttp reads no more of it after the answer
+    request.protocol.close()  # and the connection ends once the answer is sent
+    return web.HTTPBadRequest(text="the request's body could not be read: its Content-Encoding or chunked "
+                                   "encoding is malformed")
+
+
 async def read_body(request: web.Request, timeout: float, limit: int) -> bytes:
     """The whole request body within ``timeout`` seconds (else 408) and within ``limit`` bytes (the
-    app's ``client_max_size``; else 413), each answer naming its option."""
+    app's ``client_max_size``; else 413), each answer naming its option; a body that cannot be
+    decoded is a 400 (``body_unreadable``)."""
     try:  # not wait_for: on Python 3.11 it drops a cancellation that comes as the body completes
         async with asyncio.timeout(timeout):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(limit) from None
+    except web.RequestPayloadError:
+        raise body_unreadable(request) from None
     except TimeoutError:
         raise web.HTTPRequestTimeout(text=f"the request body did not arrive within this server's "
                                           f"--client-body-timeout-s ({timeout:g} s)") from None

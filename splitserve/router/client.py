@@ -22,17 +22,20 @@ import asyncio
 from aiohttp import web
 
 from splitserve.client_writer import ClientLost
-from splitserve.http_util import body_too_large
+from splitserve.http_util import body_too_large, body_unreadable
 
 
 async def read_body(request: web.Request, timeout: float, limit: int) -> bytes:
     """The whole request body within ``timeout`` seconds, else :class:`ClientLost` (the caller
-    answers 408). A body over the app's size limit (``--max-body-bytes``) is a 413 naming it."""
+    answers 408). A body over the app's size limit (``--max-body-bytes``) is a 413 naming it; one
+    that cannot be decoded, a 400 (``http_util.body_unreadable``)."""
     try:  # not wait_for: on Python 3.11 it drops a cancellation (the client gone) that comes as the body completes
         async with asyncio.timeout(timeout):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise body_too_large(limit) from None
+    except web.RequestPayloadError:
+        raise body_unreadable(request) from None
     except TimeoutError:
         raise ClientLost(f"the request body did not arrive within the router's client_body_timeout_s "
                          f"({timeout:g} s)", timed_out=True) from None
