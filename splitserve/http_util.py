@@ -141,15 +141,23 @@ class JsonErrors(web.RequestHandler):
     """aiohttp's connection handler whose own error answers (a request its parser refused, a
     handler that failed outside every middleware) are OpenAI error bodies, same status, instead of
     aiohttp's plain text. aiohttp has no supported hook for these answers: ``handle_error`` is the
-    public method it calls for them, kept whole (its log line, its refusal when an answer has
-    begun, the connection closed after) with only the body replaced. :func:`json_http_errors`
-    makes a server's connections of this class."""
+    public method it calls for them, kept whole for a 5xx (its log line with the traceback, its
+    refusal when an answer has begun, the connection closed after) with only the body replaced. A
+    4xx (a client's malformed request) is logged as one line at debug, not aiohttp's traceback at
+    ERROR: any client could write one per connection into the log, with its bytes in the
+    exception's text. :func:`json_http_errors` makes a server's connections of this class."""
 
     __slots__ = ()
 
     def handle_error(self, request, status: int = 500, exc: Optional[BaseException] = None,
                      message: Optional[str] = None) -> web.StreamResponse:
-        super().handle_error(request, status, exc, message)  # logged; raises if an answer was begun
+        if status >= 500:
+            super().handle_error(request, status, exc, message)  # logged; raises if an answer was begun
+        else:
+            self.logger.debug("refused a malformed request from %s (%s, %d)", request.remote,
+                              type(exc).__name__, status)
+            if request.writer.output_size > 0:  # as aiohttp: an answer has begun, the connection is broken
+                raise ConnectionError("an answer was sent already: no error answer can follow it")
         words, code = _BY_STATUS.get(status, "the request could not be read"), None
         for kind, said, named in _REFUSALS:
             if isinstance(exc, kind):
