@@ -28,6 +28,7 @@ import requests
 
 from cluster import Cluster, metrics, post_generate
 from conftest import REPO, free_port, write_cluster_secret
+from helpers.client_text import assert_in_words, logged_ending
 from splitserve.disagg import protocol as p
 
 SECURED, OPEN = 0, 1  # the two pairs: prefill i with decode i
@@ -233,8 +234,10 @@ def test_a_decode_with_another_secret_or_none_is_refused_naming_authentication(p
              "bootstrap_room": random.getrandbits(63)}
     started = time.monotonic()
     r = post_generate(cluster.decode[decode_index].url, [5, 6, 7], 2, extra=extra, timeout=90)  # decode's leg only
-    assert r.status_code != 200 and words in r.json()["error"]["message"], r.text
+    assert r.status_code != 200, r.text
+    assert_in_words(r.json()["error"], "incompatible_peer", cluster.prefill[SECURED].bootstrap_port)
     assert time.monotonic() - started < 30  # at once, not at the 45 s bootstrap deadline
+    assert words in logged_ending(cluster.decode[decode_index], r.headers["X-Request-Id"], "incompatible_peer")
     assert "authentication failed" in cluster.prefill[SECURED].stderr()
 
 

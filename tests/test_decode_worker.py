@@ -23,6 +23,7 @@ import requests
 from cluster import metric, metrics, pages_back_to_total, post_generate
 from conftest import ServerProcess
 from fake_prefill import FakePrefill, decode_info
+from helpers.client_text import assert_in_words, logged_ending
 from splitserve.disagg import protocol as p
 
 PAGE, PAGES = 16, 16
@@ -58,15 +59,16 @@ def answer_with(first_token: int):
 @pytest.mark.parametrize("first_token", [-1, 2**40])
 def test_a_first_token_outside_the_vocabulary_fails_its_room_and_frees_its_pages(setup, first_token):
     """A KVDone whose first token is not a token of this model is the prefill's fault: that room
-    fails (502, transfer_error, naming the token), its pages are freed, and the worker goes on
-    serving."""
+    fails (502, transfer_error in words: the log names the token and the prefill), its pages are
+    freed, and the worker goes on serving."""
     decode, fake = setup
     fake.on_register = answer_with(first_token)
     started = time.monotonic()
     resp, _ = ask(decode, fake, 40, seed=first_token % 1000)
     assert resp.status_code == 502, (resp.status_code, resp.text, decode.output_tail(3000))
-    error = resp.json()["error"]
-    assert error["code"] == "transfer_error" and str(first_token) in error["message"], error
+    assert_in_words(resp.json()["error"], "transfer_error", fake.port)
+    line = logged_ending(decode, resp.headers["X-Request-Id"], "transfer_error")
+    assert f"the first token {first_token} from " in line, line
     assert time.monotonic() - started < SLACK_S + 5
     pages_back_to_total(decode, 10)
 

@@ -36,6 +36,7 @@ import requests
 
 from cluster import (Cluster, RouterProcess, free_port, generate, metric, metrics, pages_back_to_total,
                      post_generate, start_routers, stop_routers)
+from helpers.client_text import assert_in_words, logged_ending
 from helpers.sse import sse_events
 
 P_PREALLOC_S, P_BOOTSTRAP_S = 2, 3
@@ -186,14 +187,19 @@ def test_prefill_with_unknown_room_fails_with_bootstrap_timeout(split):
 def test_incompatible_peer_named_by_field(split, stream):
     """Through ``RX`` (``P`` has 16-token pages, ``X`` 32): ``X`` checks ``P``'s bootstrap info
     before it sends anything and fails the request with ``incompatible_peer`` naming
-    ``page_size``; both workers end the room."""
+    ``page_size`` in its log; the client reads the reason in words with its request id, never
+    ``P``'s address; both workers end the room."""
     resp, seconds = timed_post(split.RX.url, prompt(40, seed=1), 8, stream, **GREEDY)
     ENDED[("X", "failed", "incompatible_peer")] += 1
     status, message = error_of(resp, stream)
     if not stream:
         assert 500 <= status < 600, resp.text
-    assert "incompatible_peer" in message and "page_size" in message, message
-    assert error_body_of(resp, stream)["code"] == "incompatible_peer"  # machine-readable, not internal_error
+    error = error_body_of(resp, stream)  # machine-readable, not internal_error
+    assert_in_words(error, "incompatible_peer", split.P.port, split.P.bootstrap_port, split.X.port)
+    rid = resp.headers["X-Request-Id"]
+    assert f"(request id {rid})" in message, message
+    line = logged_ending(split.X, rid, "incompatible_peer")
+    assert "page_size (ours 32, peer's 16)" in line and f":{split.P.bootstrap_port}#" in line, line
     assert seconds <= SLACK_S
     pages_back_to_total(split.X)
     pages_back_to_total(split.P)

@@ -26,6 +26,7 @@ import requests
 import torch
 
 from helpers.attention_reference import naive_attention
+from helpers.client_text import assert_in_words, logged_ending
 from helpers.compiled_ops import compiled  # noqa: F401 (a fixture)
 from splitserve.disagg.bootstrap import first_mismatch, local_info, model_identity
 from splitserve.discovery.record import WorkerRecord, parse_record
@@ -250,9 +251,9 @@ def test_a_decode_worker_of_another_kv_cache_dtype_refuses_the_int8_prefill(work
     cluster = workers
     resp, _ = split(cluster.prefill[0], cluster.decode[1], list(range(10, 50)), 4)
     assert isinstance(resp, requests.Response) and 500 <= resp.status_code < 600, resp
-    error = resp.json()["error"]
-    assert error["code"] == "incompatible_peer" and "kv_cache_dtype (ours auto, peer's int8)" in error["message"]
-    assert "--kv-cache-dtype" in error["message"]
+    assert_in_words(resp.json()["error"], "incompatible_peer", cluster.prefill[0].bootstrap_port)
+    line = logged_ending(cluster.decode[1], resp.headers["X-Request-Id"], "incompatible_peer")  # the client reads words
+    assert "kv_cache_dtype (ours auto, peer's int8)" in line and "--kv-cache-dtype" in line, line
     pages_back_to_total(cluster.decode[1])
 
 

@@ -28,17 +28,48 @@ from splitserve.outcomes import Reason
 from splitserve.server import tool_calls
 
 
+CLIENT_WORDS: dict[Reason, str] = {
+    Reason.INTERNAL_ERROR: "internal error in the worker",
+    Reason.PEER_LOST: "the other worker of this split request was lost (it stopped answering, restarted, "
+                      "or its connection broke)",
+    Reason.PEER_FAILED: "the other worker of this split request failed it",
+    Reason.TRANSFER_ERROR: "the KV transfer between the prefill and decode workers failed",
+    Reason.TRANSFER_TIMEOUT: "the KV transfer between the prefill and decode workers did not finish in time",
+    Reason.BOOTSTRAP_TIMEOUT: "the prefill and decode workers of this request did not reach each other in time",
+    Reason.INCOMPATIBLE_PEER: "the prefill and decode workers cannot serve together: a setting that must match "
+                              "differs, or the cluster secret",
+}
+"""What a client reads of an ending whose detail can name other workers (addresses, transfer
+agents, incarnations) or carry exception text: these words and the request id. The detail is in
+the worker's log line of the request's end (``LogTerminal``, or the logged exception). Every
+other reason's detail is the client's to read: a bound it hit (``older than 2s``), its own bad
+input, a full queue, a draining worker."""
+
+
 def internal_error_text(rid: Optional[str]) -> str:
     """What a client reads of a bug that failed its request: no exception text, which can name
     files, addresses or another request's data; the log and ``/debug/requests`` have the detail."""
-    return "internal error in the worker" + (f" (request id {rid})" if rid else "")
+    return CLIENT_WORDS[Reason.INTERNAL_ERROR] + _rid_text(rid)
+
+
+def client_text(reason: Reason, rid: Optional[str]) -> str:
+    """``reason: words (request id X)`` for a reason of :data:`CLIENT_WORDS` (a bug's own form for
+    ``internal_error``)."""
+    if reason is Reason.INTERNAL_ERROR:
+        return internal_error_text(rid)
+    return f"{reason.value}: {CLIENT_WORDS[reason]}" + _rid_text(rid)
+
+
+def _rid_text(rid: Optional[str]) -> str:
+    return f" (request id {rid})" if rid else ""
 
 
 def ended_error_body(out: RequestOutput) -> dict:
-    """The error body of a request that failed or was aborted: its reason is the code."""
+    """The error body of a request that failed or was aborted: its reason is the code; the message
+    is the ending's own (``reason: detail``), or words by reason (:data:`CLIENT_WORDS`)."""
     code = out.reason.value if out.reason is not None else None
-    if out.reason is Reason.INTERNAL_ERROR:
-        return error_body(internal_error_text(out.rid), out.status, code=code)
+    if out.reason in CLIENT_WORDS:
+        return error_body(client_text(out.reason, out.rid), out.status, code=code)
     return error_body(out.error or "the engine ended the request without an answer", out.status, code=code)
 
 
