@@ -6,6 +6,8 @@ every other ending keeps its own words. A real split failure through a router is
 
 from __future__ import annotations
 
+import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +16,7 @@ from helpers.client_text import assert_in_words, internals_in
 from splitserve.disagg.lifecycle.peers import Peer
 from splitserve.disagg.lifecycle.states import DecodeState, ending_from_peer
 from splitserve.disagg.lifecycle.transitions import DECODE
+from splitserve.engine.colocated import ColocatedRole
 from splitserve.engine.io import RequestOutput
 from splitserve.errors import error_body
 from splitserve.outcomes import Ending, Outcome, Reason
@@ -38,6 +41,8 @@ IN_WORDS = {
                                f"authentication failed with the prefill at 127.0.0.1:{PORT}: it closed our "
                                "connection in the handshake"],
     Reason.INTERNAL_ERROR: [f"RunAction failed: OSError: /opt/models/x.bin at 127.0.0.1:{PORT}"],
+    Reason.CLIENT_ABORT: [f"the prefill worker http://127.0.0.1:{PORT} failed before it accepted the request "
+                          "(ClientConnectorError: connection refused); the request failed", ""],
 }
 """Reasons a client reads in words, each with details the code builds for it (``Ending(Reason.``
 across ``splitserve/``)."""
@@ -51,11 +56,10 @@ KEPT = {
     Reason.STALLED: "no decode step in 10s",
     Reason.BAD_REQUEST: "max_tokens must be at least 1",
     Reason.MODEL_NOT_FOUND: "the model 'gpt-x' does not exist",
-    Reason.CLIENT_ABORT: "the router: client left",
     Reason.PEER_ABORT: ending_from_peer("client_abort").detail,
 }
 """Reasons whose detail is the client's to read: a bound it hit, its own input, a full or
-draining worker, an abort's origin."""
+draining worker, the peer's reason for an abort (a reason's name)."""
 
 
 def test_every_reason_a_request_fails_or_aborts_with_is_decided():
@@ -87,3 +91,22 @@ def test_a_detail_of_the_client_s_own_keeps_its_words(reason):
 def test_without_a_request_id_the_words_stand_alone():
     error = ended_error_body(RequestOutput(rid="", finished=True, error="peer_lost: x", reason=Reason.PEER_LOST))
     assert error["error"]["message"] == f"peer_lost: {CLIENT_WORDS[Reason.PEER_LOST]}", error
+
+
+def test_an_abort_s_detail_on_a_colocated_worker_is_logged_and_the_client_reads_words(caplog):
+    """``POST /abort_request`` on a colocated worker (no lifecycle log line there): its detail is
+    logged once as the request ends."""
+    class Engine:
+        def sequence(self, rid):
+            return object()
+
+        def abort(self, rid, ending):
+            return RequestOutput.ended(rid, ending)
+
+    role = ColocatedRole()
+    role.start(SimpleNamespace(engine=Engine(), clock=time.monotonic))
+    detail = IN_WORDS[Reason.CLIENT_ABORT][0]
+    with caplog.at_level(logging.INFO, logger="splitserve.engine.colocated"):
+        found, outs = role.abort_request(RID, None, False, detail)
+    assert found and [r.getMessage() for r in caplog.records] == [f"request {RID} aborted: {detail}"], caplog.text
+    assert_in_words(ended_error_body(outs[0])["error"], "client_abort", PORT)

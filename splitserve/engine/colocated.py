@@ -8,6 +8,7 @@ the engine's abort, which frees its pages."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Optional
 
@@ -17,6 +18,8 @@ from splitserve.engine.io import EngineError, GenerateRequest, RequestOutput
 from splitserve.engine.role import IDLE_WAIT_S, EngineLoop
 from splitserve.outcomes import Ending, Reason
 from splitserve.timeline import TimelineBook
+
+log = logging.getLogger(__name__)
 
 
 class ColocatedRole:
@@ -60,6 +63,7 @@ class ColocatedRole:
         """``POST /abort_request`` (a colocated worker has no rooms, and no KV to lose)."""
         if rid is None or self.engine.sequence(rid) is None:
             return False, []
+        log.info("request %s aborted: %s", rid, detail)  # its client reads only that it was aborted
         return True, self.abort(rid, Ending(Reason.CLIENT_ABORT, detail))
 
     def on_event(self, event: object) -> list[RequestOutput]:

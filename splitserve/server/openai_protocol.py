@@ -38,12 +38,15 @@ CLIENT_WORDS: dict[Reason, str] = {
     Reason.BOOTSTRAP_TIMEOUT: "the prefill and decode workers of this request did not reach each other in time",
     Reason.INCOMPATIBLE_PEER: "the prefill and decode workers cannot serve together: a setting that must match "
                               "differs, or the cluster secret",
+    Reason.CLIENT_ABORT: "the request was aborted (by its client, the router or an operator)",
 }
 """What a client reads of an ending whose detail can name other workers (addresses, transfer
-agents, incarnations) or carry exception text: these words and the request id. The detail is in
-the worker's log line of the request's end (``LogTerminal``, or the logged exception). Every
-other reason's detail is the client's to read: a bound it hit (``older than 2s``), its own bad
-input, a full queue, a draining worker."""
+agents, incarnations) or carry exception text, and of an abort, whose detail another party wrote
+(``POST /abort_request``: the router names the prefill worker that failed): these words and the
+request id. The detail is in the worker's log line of the request's end (``LogTerminal``, or the
+logged exception). Every other reason's detail is the client's to read: a bound it hit
+(``older than 2s``), its own bad input, a full queue, a draining worker, the peer's reason for
+an abort (a reason's name)."""
 
 
 def internal_error_text(rid: Optional[str]) -> str:
