@@ -30,15 +30,15 @@ from splitserve.server import tool_calls
 
 CLIENT_WORDS: dict[Reason, str] = {
     Reason.INTERNAL_ERROR: "internal error in the worker",
-    Reason.PEER_LOST: "the other worker of this split request was lost (it stopped answering, restarted, "
-                      "or its connection broke)",
+    Reason.PEER_LOST: "the other worker of this split request was lost: it stopped answering, restarted, "
+                      "or its connection broke",
     Reason.PEER_FAILED: "the other worker of this split request failed it",
     Reason.TRANSFER_ERROR: "the KV transfer between the prefill and decode workers failed",
     Reason.TRANSFER_TIMEOUT: "the KV transfer between the prefill and decode workers did not finish in time",
     Reason.BOOTSTRAP_TIMEOUT: "the prefill and decode workers of this request did not reach each other in time",
     Reason.INCOMPATIBLE_PEER: "the prefill and decode workers cannot serve together: a setting that must match "
                               "differs, or the cluster secret",
-    Reason.CLIENT_ABORT: "the request was aborted (by its client, the router or an operator)",
+    Reason.CLIENT_ABORT: "the request was aborted by its client, the router or an operator",
 }
 """What a client reads of an ending whose detail can name other workers (addresses, transfer
 agents, incarnations) or carry exception text, and of an abort, whose detail another party wrote
