@@ -152,7 +152,8 @@ class DecodeControl(ControlThread):
                     continue
                 pf = self._connect(name)
                 if pf is None:
-                    self._post(LocalFailure(room, Reason.BAD_REQUEST, f"cannot connect to the prefill at {name}"))
+                    self._post(LocalFailure(room, Reason.BAD_REQUEST, "cannot connect to the prefill its "
+                                                                       "bootstrap_host and bootstrap_port name"))
                     continue
             if pf.ready:
                 self._post(PeerInfo(room, pf.peer, pf.mismatch))
