@@ -10,8 +10,8 @@ A :class:`WorkerRecord` is what a worker registers in discovery (``etcd.py``) an
 ``POST /workers`` takes. It names the addresses a decode worker will dial (the prefill's URL host
 and bootstrap port), so whoever can write it steers KV traffic: :func:`parse_record` accepts only
 a JSON object of bounded size with exactly the known fields, each of its type and shape, and the
-URL a plain ``http(s)://HOST:PORT`` (no user info, path, query or fragment). ValueError names the
-first field that is wrong.
+URL a plain ``http(s)://HOST:PORT`` (no user info, path, query or fragment); constructing one
+checks the same rules (:func:`check_fields`). ValueError names the first field that is wrong.
 
 What the KV pages hold (``--kv-cache-dtype``) is part of the model fingerprint (a ``/kv-int8``
 suffix: :func:`kv_cache_dtype_of`), so a router never pairs workers whose pages differ, and the
@@ -98,7 +98,7 @@ def check_incarnation(value: object, what: str = "incarnation") -> str:
 
 def check_url(value: object, what: str = "url") -> str:
     """``http(s)://HOST:PORT`` (a trailing slash dropped), HOST a DNS name or an IP address, in the
-    one form every check and comparison takes (:func:`_one_form`: ``http://[0::1]:0080`` is
+    one form every check and comparison takes (:func:`one_form`: ``http://[0::1]:0080`` is
     ``http://[::1]:80``); ValueError for anything else, an alias the resolver would read as an IPv4
     address in another spelling (``127.1``, ``0x7f.0.0.1``) and an IPv6 zone id included."""
     if not isinstance(value, str) or len(value) > 300:
@@ -111,14 +111,14 @@ def check_url(value: object, what: str = "url") -> str:
         port = parts.port
     except ValueError:
         raise ValueError(f"{what}: {_show(value)} is not http(s)://HOST:PORT") from None
-    host = _one_form(parts.hostname or "", bracketed="[" in parts.netloc)
+    host = one_form(parts.hostname or "", bracketed="[" in parts.netloc)
     if (parts.scheme not in ("http", "https") or port is None or not 0 < port < 65536 or parts.username is not None
             or parts.password is not None or parts.path or "?" in url or "#" in url or host is None):
         raise ValueError(f"{what}: {_show(value)} is not http(s)://HOST:PORT (no user, path, query or fragment)")
     return f"{parts.scheme}://{host}:{port}"
 
 
-def _one_form(host: str, bracketed: bool) -> Optional[str]:
+def one_form(host: str, bracketed: bool) -> Optional[str]:
     """A URL's host in its one form (an IPv6 address bracketed and compressed, an IPv4 address
     dotted, a name in lower case), or None when it is none of them or an alias of one."""
     if "%" in host:  # an IPv6 zone id: local to one host's interfaces
@@ -168,8 +168,14 @@ class WorkerRecord:
     kv_cache_dtype: Optional[str] = None  # what its pages hold (KV_CACHE_DTYPES); None: the model's says
 
     def __post_init__(self):
-        if self.kv_cache_dtype is None:
-            object.__setattr__(self, "kv_cache_dtype", kv_cache_dtype_of(self.model))
+        """The rules :func:`parse_record` reads a record with (the one set): a worker never
+        registers a record that routers refuse. The URL is kept in its one form."""
+        if self.kv_cache_dtype is None:  # a model that is no string is refused below, as parsed
+            kv = kv_cache_dtype_of(self.model) if isinstance(self.model, str) else "auto"
+            object.__setattr__(self, "kv_cache_dtype", kv)
+        object.__setattr__(self, "url", check_fields(self.id, self.incarnation, self.role, self.url,
+                                                     self.bootstrap_port, self.model, self.protocol_version,
+                                                     self.transfer_backend, self.kv_cache_dtype))
 
     def to_json(self) -> bytes:
         fields = dataclasses.asdict(self)
@@ -200,30 +206,43 @@ def parse_record(data: bytes | str | dict) -> WorkerRecord:
     unknown = sorted(set(data) - set(FIELDS))
     if unknown:
         raise ValueError(f"unknown fields in a worker record: {', '.join(map(_show, unknown[:5]))}")
-    role = data.get("role")
+    fields = {name: data.get(name) for name in FIELDS}
+    fields["kv_cache_dtype"] = data.get("kv_cache_dtype", "auto")  # absent: as before the field existed
+    if fields["kv_cache_dtype"] is None:  # None makes WorkerRecord derive it; null in JSON is no dtype
+        raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, not None")
+    return WorkerRecord(**fields)  # its fields checked there (__post_init__: check_fields)
+
+
+def check_fields(id: object, incarnation: object, role: object, url: object, bootstrap_port: object,
+                 model: object, protocol_version: object, transfer_backend: object, kv_cache_dtype: object) -> str:
+    """ValueError naming the first field of a record that is wrong (in one order, whichever way
+    the record is made); else its URL in its one form."""
     if role not in ROLES:
         raise ValueError(f"role: prefill or decode, not {_show(role)}")
-    port = data.get("bootstrap_port")
     if role == PREFILL:
-        port = check_port(port)
-    elif port is not None:
+        check_port(bootstrap_port)
+    elif bootstrap_port is not None:
         raise ValueError("bootstrap_port: a decode worker has none")
-    model = data.get("model")
-    if not isinstance(model, str) or not MODEL_PATTERN.fullmatch(model):
-        raise ValueError(f"model: a fingerprint is 1-256 printable characters, not {_show(model)}")
-    version = data.get("protocol_version")
-    if not isinstance(version, int) or isinstance(version, bool) or not 0 <= version < 1 << 31:
-        raise ValueError(f"protocol_version: a non-negative integer, not {_show(version)}")
-    backend = data.get("transfer_backend")
-    if backend not in SERVED:
-        raise ValueError(f"transfer_backend: one of {', '.join(SERVED)}, not {_show(backend)}")
-    kv = data.get("kv_cache_dtype", "auto")
-    if kv not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, not {_show(kv)}")
-    if kv != kv_cache_dtype_of(model):
-        raise ValueError(f"kv_cache_dtype: {kv}, but the model fingerprint names {kv_cache_dtype_of(model)}")
-    return WorkerRecord(check_id(data.get("id")), check_incarnation(data.get("incarnation")), role,
-                        check_url(data.get("url")), port, model, version, backend, kv)
+    check_model(model)
+    if not isinstance(protocol_version, int) or isinstance(protocol_version, bool) \
+            or not 0 <= protocol_version < 1 << 31:
+        raise ValueError(f"protocol_version: a non-negative integer, not {_show(protocol_version)}")
+    if transfer_backend not in SERVED:
+        raise ValueError(f"transfer_backend: one of {', '.join(SERVED)}, not {_show(transfer_backend)}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: one of {', '.join(KV_CACHE_DTYPES)}, not {_show(kv_cache_dtype)}")
+    if kv_cache_dtype != kv_cache_dtype_of(model):
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype}, but the model fingerprint names "
+                         f"{kv_cache_dtype_of(model)}")
+    check_id(id)
+    check_incarnation(incarnation)
+    return check_url(url)
+
+
+def check_model(value: object) -> str:
+    if not isinstance(value, str) or not MODEL_PATTERN.fullmatch(value):
+        raise ValueError(f"model: a fingerprint is 1-256 printable characters, not {_show(value)}")
+    return value
 
 
 def identity_of(body: object) -> Optional[tuple[str, str]]:
