@@ -117,6 +117,8 @@ def _without_final_collection(rc: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("serve", "router", "launch"):
+        _check_discovery_flag(args.command, args.discovery)
     if args.command == "tiny-model":
         from splitserve.testing.tiny import build_tiny_model
 
@@ -207,6 +209,20 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
     except ValueError as exc:
         _bad_option("router", exc)
     return dataclasses.replace(config, prefill=tuple(prefill), decode=tuple(decode))
+
+
+def _check_discovery_flag(command: str, value: str | None) -> None:
+    """Exit 2 with one line for a ``--discovery`` given but empty, over-long or malformed
+    (``discovery.backends.check_url``), before anything starts; ``launch --discovery local`` is
+    launch's own etcd."""
+    if value is None or command == "launch" and value == "local":
+        return
+    from splitserve.discovery.backends import check_url
+
+    try:
+        check_url(value)
+    except ValueError as exc:
+        _bad_option(command, exc)
 
 
 def _bad_option(command: str, exc: Exception) -> None:

@@ -174,7 +174,8 @@ class ServerConfig(FrontConfig):
     discovery: Optional[str] = None
     """Prefill and decode roles: register in etcd, etcd://HOST:PORT/PREFIX (etcds:// for TLS), under
     a lease kept alive while the worker runs; routers with the same --discovery find it there. Its
-    record names http://ADVERTISE_HOST:PORT (--advertise-host) and, for a prefill, its bootstrap port."""
+    record names http://ADVERTISE_HOST:PORT (--advertise-host) and, for a prefill, its bootstrap port.
+    At most 1024 characters, its host a DNS name (at most 253) or an IP address; empty is refused."""
     discovery_ttl_s: float = 10.0
     """The lease of the discovery record: a worker that stops refreshing it (crashed, partitioned)
     leaves every router's rotation this long after its last refresh (long enough that a live worker's
@@ -336,7 +337,8 @@ class RouterConfig(FrontConfig):
     """Find workers in etcd, etcd://HOST:PORT/PREFIX (etcds:// for TLS): the prefix is watched,
     workers registered there are added and those whose record goes are drained and removed; while
     etcd is unreachable the workers known are kept (docs/deploy.md). Beside or instead of
-    --prefill/--decode."""
+    --prefill/--decode. At most 1024 characters, its host a DNS name (at most 253) or an IP
+    address; empty is refused."""
     discovery_access: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     """How the store of --discovery is reached: its --discovery-* options (DiscoveryConfig)."""
     cluster_secret_file: Optional[str] = None

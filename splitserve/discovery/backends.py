@@ -17,6 +17,9 @@ from __future__ import annotations
 import importlib
 import threading
 from typing import Callable, Mapping, Protocol, Union
+from urllib.parse import urlsplit
+
+from splitserve.discovery.record import one_form, printable_ascii
 
 BACKENDS: Mapping[str, Union[str, type]] = {
     "etcd": "splitserve.discovery.etcd:EtcdBackend",
@@ -70,18 +73,60 @@ class Backend:
         raise NotImplementedError
 
 
+MAX_URL_CHARS = 1024
+"""The longest ``--discovery`` URL taken (its host at most :data:`MAX_HOST_CHARS`)."""
+MAX_HOST_CHARS = 253  # DNS's longest name
+SHOWN_CHARS = 80  # of a refused URL, echoed in its refusal
+
+
+def shown(url: str) -> str:
+    """``url`` as a refusal echoes it: its first :data:`SHOWN_CHARS` characters, and its length
+    when it is longer."""
+    return repr(url) if len(url) <= SHOWN_CHARS else f"{url[:SHOWN_CHARS]!r}... ({len(url)} characters)"
+
+
+def check_url(url: object, backends: Mapping[str, Union[str, type]] = BACKENDS) -> str:
+    """``url`` when it is a well-formed ``--discovery`` URL of a known store, ``SCHEME://HOST...``:
+    at most :data:`MAX_URL_CHARS` printable ASCII characters, a scheme of ``backends``, its host a
+    DNS name of at most :data:`MAX_HOST_CHARS` or an IP address (a worker URL's rules:
+    ``record.one_form``), its port (if any) a number; else ValueError naming ``--discovery`` and
+    echoing at most :func:`shown` of it. What the rest may hold is the store's to say
+    (``Backend.check``)."""
+    if not isinstance(url, str) or not url:
+        raise ValueError("--discovery: empty; give the store's URL (etcd://HOST:PORT/PREFIX) or leave the flag out")
+    if len(url) > MAX_URL_CHARS:
+        raise ValueError(f"--discovery: {shown(url)} is longer than {MAX_URL_CHARS} characters")
+    if not printable_ascii(url):  # urlsplit drops tab, CR and LF before anything could see them
+        raise ValueError(f"--discovery: {shown(url)} is not printable ASCII without spaces")
+    if scheme_of(url) not in backends:
+        raise ValueError(f"--discovery: {shown(url)} names no known discovery store; its scheme must be one of "
+                         f"{', '.join(s + '://' for s in backends)}")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises for a port that is no number
+    except ValueError:
+        parts = None
+    host = parts.hostname if parts is not None else None
+    if not host:
+        raise ValueError(f"--discovery: {shown(url)} is not SCHEME://HOST[:PORT]/... (etcd://HOST:PORT/PREFIX)")
+    if len(host) > MAX_HOST_CHARS:
+        raise ValueError(f"--discovery: the host of {shown(url)} is {len(host)} characters; a host name is at "
+                         f"most {MAX_HOST_CHARS}")
+    if one_form(host, bracketed="[" in parts.netloc) is None:
+        raise ValueError(f"--discovery: the host of {shown(url)} is no DNS name or IP address (brackets for "
+                         "IPv6, no zone id)")
+    return url
+
+
 def scheme_of(url: str) -> str:
     """``url``'s scheme in lower case (as ``urlsplit`` reads it); empty when it names none."""
     return url.split(":", 1)[0].lower() if ":" in url else ""
 
 
 def backend_for(url: str, backends: Mapping[str, Union[str, type]] = BACKENDS) -> type:
-    """The :class:`Backend` of ``url``'s scheme; ValueError listing the known schemes for any other."""
-    found = backends.get(scheme_of(url))
-    if found is None:
-        shown = repr(url) if len(url) <= 80 else repr(url[:77] + "...")
-        raise ValueError(f"--discovery: {shown} names no known discovery store; its scheme must be one of "
-                         f"{', '.join(s + '://' for s in backends)}")
+    """The :class:`Backend` of ``url``'s scheme; ValueError for a URL :func:`check_url` refuses
+    (an unknown scheme: listing the known ones)."""
+    found = backends[scheme_of(check_url(url, backends))]
     if isinstance(found, str):
         module, name = found.split(":")
         found = getattr(importlib.import_module(module), name)

@@ -27,7 +27,7 @@ import threading
 from typing import Callable, Optional
 from urllib.parse import urlsplit
 
-from splitserve.discovery.backends import Backend, read_values
+from splitserve.discovery.backends import Backend, read_values, shown
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def parse_target(text: str) -> Target:
     from splitserve.discovery.record import printable_ascii
 
     if not printable_ascii(text):  # urlsplit drops tab, CR and LF before anything could see them
-        raise ValueError(f"--discovery: {text!r} is not etcd://HOST:PORT/PREFIX (printable ASCII, no spaces)")
+        raise ValueError(f"--discovery: {shown(text)} is not etcd://HOST:PORT/PREFIX (printable ASCII, no spaces)")
     try:
         parts = urlsplit(text)
         port = parts.port
@@ -69,10 +69,10 @@ def parse_target(text: str) -> Target:
         port, parts = None, None
     if parts is None or parts.scheme not in ("etcd", "etcds") or not parts.hostname or port is None \
             or parts.query or parts.fragment or parts.username:
-        raise ValueError(f"--discovery: {text!r} is not etcd://HOST:PORT/PREFIX")
+        raise ValueError(f"--discovery: {shown(text)} is not etcd://HOST:PORT/PREFIX")
     prefix = "/" + parts.path.strip("/")
     if prefix == "/" or any(not seg or seg in (".", "..") for seg in prefix[1:].split("/")):
-        raise ValueError(f"--discovery: {text!r} needs a prefix (etcd://HOST:PORT/PREFIX), e.g. /splitserve")
+        raise ValueError(f"--discovery: {shown(text)} needs a prefix (etcd://HOST:PORT/PREFIX), e.g. /splitserve")
     return Target(parts.hostname, port, prefix, parts.scheme == "etcds")
 
 
