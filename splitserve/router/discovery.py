@@ -23,12 +23,14 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import Callable, Mapping, Optional
+from typing import Any, Callable, Coroutine, Mapping, Optional, Protocol
 
+from splitserve.config import RouterConfig
 from splitserve.discovery import backends as stores
 from splitserve.log_sparsely import worth_logging
+from splitserve.metrics import Registry
 from splitserve.router.bounded_set import BoundedSet
-from splitserve.router.workers import DISCOVERY, DRAIN_MARGIN_S, Worker
+from splitserve.router.workers import DISCOVERY, DRAIN_MARGIN_S, HealthChecker, Worker, WorkerSet
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +39,20 @@ MEMORY = 1024  # refused values, and things said once, remembered
 MAX_DISCOVERED = 1024  # workers taken from discovery records at once
 
 
+class DiscoveryHost(Protocol):
+    """What :class:`Discovery` uses of the router's state (``router/state.RouterState``; a test's
+    stand-in needs no more): of ``config`` only ``discovery``, ``discovery_access`` and
+    ``request_timeout_s``; ``checker`` None while the router does not health-check."""
+
+    config: RouterConfig
+    workers: WorkerSet
+    checker: Optional[HealthChecker]
+
+    def spawn(self, coro: Coroutine[Any, Any, None]) -> Any: ...
+
+
 class Discovery:
-    def __init__(self, state, registry, absent_grace_s: float = ABSENT_GRACE_S,
+    def __init__(self, state: DiscoveryHost, registry: Registry, absent_grace_s: float = ABSENT_GRACE_S,
                  clock: Callable[[], float] = time.monotonic, backends: Mapping = stores.BACKENDS):
         self.state, self.backends = state, backends  # backends: the stores by URL scheme
         self.outage: Optional[str] = None
