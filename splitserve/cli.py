@@ -11,8 +11,8 @@ import dataclasses
 import sys
 import typing
 
-from splitserve.config import (DEFAULT_BOOTSTRAP_PORT, EngineConfig, RouterConfig, ServerConfig, WorkerAddress,
-                               field_help)
+from splitserve.config import (DEFAULT_BOOTSTRAP_PORT, DiscoveryConfig, EngineConfig, RouterConfig, ServerConfig,
+                               WorkerAddress, field_help)
 from splitserve.launch import LaunchConfig
 
 
@@ -118,7 +118,7 @@ def _without_final_collection(rc: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command in ("serve", "router", "launch"):
-        _check_discovery_flag(args.command, args.discovery)
+        _check_discovery_flags(args)
     if args.command == "tiny-model":
         from splitserve.testing.tiny import build_tiny_model
 
@@ -211,18 +211,19 @@ def router_config_from(args: argparse.Namespace) -> RouterConfig:
     return dataclasses.replace(config, prefill=tuple(prefill), decode=tuple(decode))
 
 
-def _check_discovery_flag(command: str, value: str | None) -> None:
+def _check_discovery_flags(args: argparse.Namespace) -> None:
     """Exit 2 with one line for a ``--discovery`` given but empty, over-long or malformed
-    (``discovery.backends.check_url``), before anything starts; ``launch --discovery local`` is
-    launch's own etcd."""
-    if value is None or command == "launch" and value == "local":
-        return
-    from splitserve.discovery.backends import check_url
+    (``discovery.backends.check_url``), or a ``--discovery-*`` given empty, before anything
+    starts; ``launch --discovery local`` is launch's own etcd."""
+    from splitserve.discovery.backends import check_access, check_url
 
     try:
-        check_url(value)
+        if args.discovery is not None and not (args.command == "launch" and args.discovery == "local"):
+            check_url(args.discovery)
+        if hasattr(args, DiscoveryConfig.FLAGS + "user"):  # serve and router; launch has none
+            check_access(_config_from(DiscoveryConfig, args, DiscoveryConfig.FLAGS))
     except ValueError as exc:
-        _bad_option(command, exc)
+        _bad_option(args.command, exc)
 
 
 def _bad_option(command: str, exc: Exception) -> None:

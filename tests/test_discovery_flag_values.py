@@ -81,3 +81,16 @@ def test_the_help_of_both_flags_states_the_bounds():
     for cls in (ServerConfig, RouterConfig):
         text = " ".join(field_help(cls)["discovery"].split())
         assert f"At most {stores.MAX_URL_CHARS} characters" in text and f"at most {stores.MAX_HOST_CHARS}" in text
+
+
+def test_an_empty_ca_certs_is_refused_not_taken_for_plain_etcd():
+    result = subprocess.run([sys.executable, "-m", "splitserve.cli", "router", "--discovery", "etcds://h:2379/p",
+                             "--discovery-ca-certs", ""], capture_output=True, text=True, timeout=120)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and "--discovery-ca-certs: empty" in lines[0], result.stderr
+
+
+@pytest.mark.parametrize("name", stores.ACCESS_FIELDS)
+def test_every_discovery_access_flag_given_empty_is_refused_where_the_store_is_checked(name):
+    with pytest.raises(ValueError, match=f"^--discovery-{name.replace('_', '-')}: empty"):
+        stores.check("etcd://h:2379/p", DiscoveryConfig(**{name: ""}))

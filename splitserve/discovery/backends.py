@@ -118,6 +118,18 @@ def check_url(url: object, backends: Mapping[str, Union[str, type]] = BACKENDS) 
     return url
 
 
+ACCESS_FIELDS = ("ca_certs", "certfile", "keyfile", "user", "password_file")  # config.DiscoveryConfig's
+
+
+def check_access(access) -> None:
+    """ValueError naming a ``--discovery-*`` flag given empty (``access``: ``config.DiscoveryConfig``):
+    a mistake, never taken as the flag left out (an empty ``--discovery-ca-certs`` would quietly mean
+    no TLS)."""
+    for name in ACCESS_FIELDS:
+        if getattr(access, name, None) == "":
+            raise ValueError(f"--discovery-{name.replace('_', '-')}: empty; give a value or leave the flag out")
+
+
 def scheme_of(url: str) -> str:
     """``url``'s scheme in lower case (as ``urlsplit`` reads it); empty when it names none."""
     return url.split(":", 1)[0].lower() if ":" in url else ""
@@ -136,7 +148,9 @@ def backend_for(url: str, backends: Mapping[str, Union[str, type]] = BACKENDS) -
 def check(url: str, access, backends: Mapping[str, Union[str, type]] = BACKENDS) -> list[str]:
     """ValueError for a ``--discovery`` (and its access) no backend can use; else the warnings its
     backend has for it."""
-    return backend_for(url, backends).check(url, access)
+    found = backend_for(url, backends)
+    check_access(access)
+    return found.check(url, access)
 
 
 def register(url: str, access, record, ttl_s: float, seal,
