@@ -64,10 +64,10 @@ ROUTER = web.AppKey("splitserve_router", RouterState)
 
 def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web.Application:
     make_policy(config.policy)  # an unknown policy fails here, with the list of known ones
-    if (not config.prefill or not config.decode) and not config.discovery:
+    if (not config.prefill or not config.decode) and config.discovery is None:
         raise ValueError("the router needs at least one prefill and one decode worker, or --discovery")
     keys, said = RouterKeys.of(config), []
-    if config.discovery:
+    if config.discovery is not None:  # given empty is a mistake to name, not discovery left off
         from splitserve.discovery.backends import check
 
         said = check(config.discovery, config.discovery_access)  # an unknown scheme or bad URL: ValueError

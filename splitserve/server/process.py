@@ -37,7 +37,7 @@ from splitserve.http_util import bound_url, check_client_bounds, json_http_error
 from splitserve.server.app import create_app
 from splitserve.hosts import check_bind_host
 from splitserve.server.registration import check_discovery, register
-from splitserve.server.state import STATE, WorkerState
+from splitserve.server.state import STATE, WorkerState, check_identity
 from splitserve.tls import server_context
 
 log = logging.getLogger(__name__)
@@ -63,8 +63,9 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig, deadlin
         check_bootstrap_trust(server_config)
         check_control_plane(server_config)
         ssl_context = server_context(server_config.ssl_certfile, server_config.ssl_keyfile, server_config.ssl_ca_certs)
-        if server_config.discovery:  # likewise a bad --discovery
+        if server_config.discovery is not None:  # likewise a bad (or empty) --discovery
             check_discovery(server_config)
+        check_identity(server_config)
         if server_config.cluster_secret_file:  # read now: a bad file stops the worker at once
             from splitserve.disagg.control.curve import ClusterSecret
 
@@ -145,7 +146,7 @@ async def _serve(engine, server_config: ServerConfig, ssl_context=None, incarnat
         return 1
 
     print(_ready_line(runner, server_config, state.model_name), flush=True)
-    if server_config.discovery:
+    if server_config.discovery is not None:
         state.register = lambda: register(state, runner, ssl_context is not None)
         state.registration = state.register()
     await stop_wait

@@ -13,7 +13,7 @@ from splitserve.config import ServerConfig
 from splitserve.discovery import backends as stores
 from splitserve.discovery.record import check_url
 from splitserve.hosts import url_host
-from splitserve.server.state import WorkerState
+from splitserve.server.state import WorkerState, advertised_host
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ def check_discovery(config: ServerConfig, backends: Mapping = stores.BACKENDS) -
         raise ValueError("--discovery registers prefill and decode workers (--role prefill|decode)")
     if not config.discovery_ttl_s >= 2 or not config.discovery_grace_s >= 0:
         raise ValueError("--discovery-ttl-s must be at least 2 and --discovery-grace-s at least 0")
-    if (config.advertise_host or config.host) in ("0.0.0.0", "::", ""):
+    if advertised_host(config) in ("0.0.0.0", "::", ""):
         raise ValueError(f"--discovery: routers cannot reach {config.host}; give --advertise-host (on "
                          "Kubernetes the pod's IP, status.podIP)")
     url = advertised_url(config, config.port or 1, tls=False)
@@ -41,7 +41,7 @@ def check_discovery(config: ServerConfig, backends: Mapping = stores.BACKENDS) -
 
 def advertised_url(config: ServerConfig, port: int, tls: bool) -> str:
     """The URL this worker registers: its ``--advertise-host`` (else ``--host``) as a URL writes it."""
-    return f"{'https' if tls else 'http'}://{url_host(config.advertise_host or config.host)}:{port}"
+    return f"{'https' if tls else 'http'}://{url_host(advertised_host(config))}:{port}"
 
 
 def discovery_warnings(config: ServerConfig, backends: Mapping = stores.BACKENDS) -> list[str]:

@@ -19,6 +19,22 @@ from splitserve.server.tokenize_lanes import TokenizeLanes
 from splitserve.server.worker_metrics import WorkerMetrics
 
 
+def advertised_host(config: ServerConfig) -> str:
+    """The host routers and peers reach this worker at: ``--advertise-host``, else ``--host``."""
+    return config.advertise_host if config.advertise_host is not None else config.host
+
+
+def check_identity(config: ServerConfig) -> None:
+    """ValueError for a ``--worker-id`` or ``--advertise-host`` given but unusable (empty
+    included: a value left out means the default, an empty one is a mistake to name)."""
+    from splitserve.discovery.record import check_id
+
+    if config.worker_id is not None:
+        check_id(config.worker_id, "--worker-id")
+    if config.advertise_host is not None and not config.advertise_host.strip():
+        raise ValueError("--advertise-host: empty; give the host routers reach this worker at, or leave it out")
+
+
 class WorkerState:
     """Everything the handlers share: the engine, config, metrics and requests in flight."""
 
@@ -27,8 +43,8 @@ class WorkerState:
         from splitserve.discovery.record import check_id, default_worker_id
 
         self.engine = engine
-        self.worker_id = check_id(config.worker_id or default_worker_id(
-            config.role, config.advertise_host or config.host, config.port), "--worker-id")
+        self.worker_id = check_id(config.worker_id if config.worker_id is not None else default_worker_id(
+            config.role, advertised_host(config), config.port), "--worker-id")
         self.incarnation = incarnation or new_incarnation()
         """This process start's id: the one its control plane uses (``make_engine`` is given it)."""
         self.config = config
