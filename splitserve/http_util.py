@@ -10,7 +10,7 @@ import json
 import logging
 from typing import Callable, Optional
 
-from aiohttp import http_exceptions, web
+from aiohttp import hdrs, http_exceptions, web, web_urldispatcher
 
 from splitserve.errors import error_body
 
@@ -194,3 +194,30 @@ def json_http_errors(runner: web.AppRunner) -> None:
         made(handler, transport)
 
     server.connection_made = connection_made
+
+
+_AIOHTTP_EXPECT = web_urldispatcher._default_expect_handler  # what expect_continue hands 100-continue to
+
+
+async def expect_continue(request: web.Request) -> None:
+    """An ``Expect`` header's answer, before any middleware: ``100-continue`` as aiohttp answers
+    it; any other value a 417 with an OpenAI body that repeats nothing of it (aiohttp's own answer
+    echoes the value into plain text, and a value that is not UTF-8 made that a 500)."""
+    if request.headers.get(hdrs.EXPECT, "").lower() == "100-continue" or request.version != (1, 1):
+        return await _AIOHTTP_EXPECT(request)
+    body = error_body("the request's Expect header asks for what this server does not do (only 100-continue)",
+                      417, code="expectation_failed")
+    raise web.HTTPExpectationFailed(text=json.dumps(body), content_type="application/json")
+
+
+def answer_expect_in_json() -> None:
+    """Every route made after this call, and every 404/405 (made per request), answers ``Expect``
+    through :func:`expect_continue`. aiohttp takes a handler per route only, and none for the
+    routes it makes for 404 and 405: its module's default is the one place; a pinned aiohttp whose
+    default takes other parameters keeps its own (logged once). Each app calls it before adding
+    routes (idempotent)."""
+    names = tuple(inspect.signature(_AIOHTTP_EXPECT).parameters)
+    if names != ("request",):
+        log.warning("aiohttp's default Expect handler takes %s: its plain-text 417 stays", names)
+        return
+    web_urldispatcher._default_expect_handler = expect_continue

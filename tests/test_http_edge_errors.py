@@ -108,3 +108,37 @@ def test_the_pinned_aiohttp_has_the_error_hook_the_servers_override():
 
     assert tuple(inspect.signature(web.RequestHandler.handle_error).parameters) == HANDLE_ERROR_PARAMETERS
     assert JsonErrors.__slots__ == () and issubclass(JsonErrors, web.RequestHandler)
+    from splitserve.http_util import _AIOHTTP_EXPECT  # answer_expect_in_json's stand-in takes its place
+
+    assert tuple(inspect.signature(_AIOHTTP_EXPECT).parameters) == ("request",)
+
+
+EXPECTS = {"a script": b"<script>alert(1)</script>", "bytes that are not UTF-8": b"\xff\xfeqqq"}
+
+
+@pytest.mark.parametrize("target", ["router", "worker"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/no-such-path"])
+@pytest.mark.parametrize("expect", EXPECTS)
+def test_an_expect_header_other_than_100_continue_is_a_json_417_that_repeats_nothing(servers, target, path, expect):
+    """aiohttp answers ``Expect`` before any middleware, on every path (a 404's too): a value other
+    than ``100-continue`` is a 417 whose OpenAI body repeats nothing of it (aiohttp's echoed it in
+    plain text, and a value that is not UTF-8 was a 500)."""
+    got, headers, body = exchange(servers[target], post(path, b"Content-Length: 2\r\nExpect: " + EXPECTS[expect]
+                                                        + b"\r\n", b"{}"))
+    assert got == 417 and headers.get("content-type", "").startswith("application/json"), (got, headers, body)
+    assert json.loads(body)["error"]["code"] == "expectation_failed", body
+    assert b"script" not in body and b"qqq" not in body, body
+
+
+@pytest.mark.parametrize("target", ["router", "worker"])
+def test_expect_100_continue_is_still_answered(servers, target):
+    """A client that waits for ``100 Continue`` before its body still gets it."""
+    host, port = servers[target].rsplit("/", 1)[-1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(post("/v1/completions", b"Content-Length: 2\r\nExpect: 100-continue\r\n"))
+        received = b""
+        while b"\r\n\r\n" not in received:
+            chunk = sock.recv(4096)
+            assert chunk, received
+            received += chunk
+    assert received.startswith(b"HTTP/1.1 100 Continue\r\n"), received

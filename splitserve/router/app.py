@@ -35,7 +35,8 @@ from splitserve.client_writer import send
 from splitserve.config import RouterConfig
 from splitserve.discovery.record import loads_shallow
 from splitserve.errors import FLUSH_WAIT_S, error_body
-from splitserve.http_util import ConnectionCap, bound_url, check_client_bounds, json_http_errors, read_body
+from splitserve.http_util import (ConnectionCap, answer_expect_in_json, bound_url, check_client_bounds, json_http_errors,
+                                  read_body)
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.router import debug, membership
 from splitserve.router.answers import LARGE_ANSWER_BYTES, SMALL_ANSWER_BYTES, read_answer
@@ -94,6 +95,7 @@ def create_app(config: RouterConfig, registry: Optional[Registry] = None) -> web
     access = access_middlewares(config, registry, ROUTER_ROUTES, on_worker=False)
     middlewares = [_bounded_send, _error_middleware, *access]
     check_client_bounds(config)
+    answer_expect_in_json()  # before its routes: an Expect header's 417 repeats nothing of it
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     app[ROUTER] = RouterState(config, registry, keys)
     app[ROUTER].connections = ConnectionCap(config.max_connections, registry)

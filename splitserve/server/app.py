@@ -33,7 +33,7 @@ from splitserve.client_writer import send
 from splitserve.config import ServerConfig
 from splitserve.cpus import current_placement, format_cpu_list
 from splitserve.engine.io import FLUSH_WAIT_S, InvalidRequest
-from splitserve.http_util import ConnectionCap, check_client_bounds, read_body
+from splitserve.http_util import ConnectionCap, answer_expect_in_json, check_client_bounds, read_body
 from splitserve.metrics import CONTENT_TYPE, Registry
 from splitserve.server import abort_request, role_switch, tokenization
 from splitserve.server.generation import RID, engine_error_response, json_error, serve_generation
@@ -53,6 +53,7 @@ def create_app(engine, config: ServerConfig, registry: Optional[Registry] = None
     access = access_middlewares(config, registry, WORKER_ROUTES, on_worker=True)
     middlewares = [_bounded_send, _http_middleware, *access]
     check_client_bounds(config)
+    answer_expect_in_json()  # before its routes: an Expect header's 417 repeats nothing of it
     app = web.Application(middlewares=middlewares, client_max_size=config.max_body_bytes)
     state = WorkerState(engine, config, registry, incarnation)
     state.connections = ConnectionCap(config.max_connections, registry)
