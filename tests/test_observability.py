@@ -260,7 +260,9 @@ def test_every_metric_in_the_table_is_emitted(stack):
             if n.startswith('splitserve_requests_late{role="prefill",state="TRANSFERRING"}')]
     assert late and float(late[0].split()[-1]) >= 1, late
     resp, _ = call.outcome(STALL_FLOOR_S + 20)
-    assert "transfer_timeout" in resp.text, resp.text
+    assert '"code":"peer_failed"' in resp.text, resp.text  # the client reads words; the prefill's timeline why
+    ended = requests.get(stack.P2.url + "/debug/requests/table-stall", timeout=5, headers=ADMIN).json()
+    assert ended["ending"].startswith("FAILED(transfer_timeout)"), ended
     seen = union(during, wait_for("the failed transfer counted on both sides", lambda: (
         lambda s: s if s.get("splitserve_kv_transfer_failures_total", (0, 0, 0))[2] >= 2 else None)(scrape(stack)), 10))
     # ... and gone with the room: no series is left behind for a peer nothing depends on
