@@ -49,9 +49,26 @@ class WorkerView:
     rates: dict = field(default_factory=dict)  # (outcome, reason) -> per second since the last poll
 
 
-def _get(url: str, headers: Optional[dict] = None, timeout: float = ASK_TIMEOUT_S) -> bytes:
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
-        return resp.read()
+MAX_ANSWER_BYTES = 16 << 20  # a worker's /metrics and /debug/requests are far smaller
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """A 3xx is an answer, never followed: the operators' key goes to the URL asked and nowhere else."""
+
+    def redirect_request(self, *args, **kwargs):
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def _get(url: str, headers: Optional[dict] = None, timeout: float = ASK_TIMEOUT_S, opener=_OPENER) -> bytes:
+    """``url``'s body (a redirect is an HTTPError; more than ``MAX_ANSWER_BYTES`` a ValueError)."""
+    with opener.open(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
+        body = resp.read(MAX_ANSWER_BYTES + 1)
+    if len(body) > MAX_ANSWER_BYTES:
+        raise ValueError(f"its answer is larger than {MAX_ANSWER_BYTES} bytes")
+    return body
 
 
 def _describe(exc: BaseException) -> str:
