@@ -38,7 +38,7 @@ def still_serves(worker) -> None:
     assert len(generate(worker.url, [7] * 8, 4, ignore_eos=True)) == 4
 
 
-def ends_whole_at_the_deadline(worker) -> None:
+def assert_ends_whole_at_the_deadline(worker) -> None:
     """A whole answer: 504 ``request_timeout``, counted once, every page back, the worker serving."""
     before = timeouts(worker)
     r = requests.post(worker.url + "/generate", json=BODY, headers={DEADLINE: DEADLINE_S}, timeout=120)
@@ -48,7 +48,7 @@ def ends_whole_at_the_deadline(worker) -> None:
     still_serves(worker)
 
 
-def ends_stream_at_the_deadline(worker) -> None:
+def assert_ends_stream_at_the_deadline(worker) -> None:
     """A stream: the same error as its last event before ``[DONE]``, fewer tokens than asked."""
     before = timeouts(worker)
     r = requests.post(worker.url + "/generate", json={**BODY, "stream": True}, headers={DEADLINE: DEADLINE_S},
@@ -63,19 +63,19 @@ def ends_stream_at_the_deadline(worker) -> None:
 
 
 def test_a_whole_answer_ends_504_request_timeout_at_the_deadline(worker):
-    ends_whole_at_the_deadline(worker)
+    assert_ends_whole_at_the_deadline(worker)
 
 
 def test_a_stream_ends_with_the_request_timeout_error_event_at_the_deadline(worker):
-    ends_stream_at_the_deadline(worker)
+    assert_ends_stream_at_the_deadline(worker)
 
 
 @pytest.mark.long
 def test_a_decode_worker_serving_a_request_alone_ends_it_the_same_way():
     """The reference: a decode worker given no bootstrap fields (its lifecycle table's deadline)."""
     with ServerProcess("--role", "decode") as decode:
-        ends_whole_at_the_deadline(decode)
-        ends_stream_at_the_deadline(decode)
+        assert_ends_whole_at_the_deadline(decode)
+        assert_ends_stream_at_the_deadline(decode)
 
 
 @pytest.mark.parametrize("name, values", [(DEADLINE, ("30", "20")), (DEADLINE, ("30", "30")),

@@ -223,12 +223,6 @@ class Run(SupervisorRun):
         super().__init__(SCRIPT, [json.dumps([asdict(s) for s in specs]), json.dumps(asdict(policy)),
                                   str(ready_timeout_s)], "launch-restart-")
 
-    def pids(self) -> set[int]:
-        """Every child pid it named: in its summary and at each restart."""
-        text = self.out()
-        return {int(p) for p in re.findall(r"^  \S+\s+pid (\d+)", text, re.M) + re.findall(r"started again: pid (\d+)",
-                                                                                            text)}
-
 
 @pytest.fixture
 def run():

@@ -301,11 +301,6 @@ class Run(SupervisorRun):
         super().__init__(SCRIPT, [json.dumps([asdict(s) for s in specs]), json.dumps(asdict(restart)),
                                   json.dumps(asdict(health)), str(stop_timeout_s)], "launch-unhealthy-")
 
-    def pids(self) -> set[int]:
-        text = self.out()
-        return {int(p) for p in re.findall(r"^  \S+\s+pid (\d+)", text, re.M) + re.findall(r"started again: pid (\d+)",
-                                                                                            text)}
-
 
 @pytest.fixture
 def run():

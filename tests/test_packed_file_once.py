@@ -12,25 +12,10 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
+from conftest import CACHE_DIR
+from helpers.packed_models import IDENTITY, Tiny, sharing_on  # noqa: F401 (an autouse fixture)
 from splitserve.models import cache, packed_file
-from tests.conftest import CACHE_DIR
-
-IDENTITY = {"name": "tiny", "checkpoint": "test"}
-
-
-class Tiny(torch.nn.Module):
-    def __init__(self, seed: int = 0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.lin = torch.nn.Linear(64, 64)
-
-
-@pytest.fixture(autouse=True)
-def sharing_on(monkeypatch):
-    """Shared weights on, as a worker runs: conftest turns them off for other test files."""
-    monkeypatch.setenv(packed_file.ENV_SWITCH, "1")
 
 
 class Opens:

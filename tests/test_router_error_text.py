@@ -39,26 +39,24 @@ def closed_port() -> int:
         return sock.getsockname()[1]
 
 
-async def break_stream(request: web.Request) -> web.StreamResponse:
-    """SSE headers and one event, then the connection closes: the stream is cut off mid-answer."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-    await resp.prepare(request)
-    await resp.write(b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n')
-    await asyncio.sleep(0.1)
-    request.transport.close()
-    await asyncio.sleep(1)
-    return resp
+def cut_off(headers: dict, first: bytes):
+    """A handler that sends ``headers`` and ``first``, then closes the connection mid-answer."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers=headers)
+        await resp.prepare(request)
+        await resp.write(first)
+        await asyncio.sleep(0.1)
+        request.transport.close()
+        await asyncio.sleep(1)
+        return resp
+    return handler
 
 
-async def break_body(request: web.Request) -> web.StreamResponse:
-    """A whole answer's headers promise 1000 bytes; 10 come, then the connection closes."""
-    resp = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "1000"})
-    await resp.prepare(request)
-    await resp.write(b'{"id": "x"')
-    await asyncio.sleep(0.1)
-    request.transport.close()
-    await asyncio.sleep(1)
-    return resp
+# SSE headers and one event, then the stream is cut off mid-answer
+break_stream = cut_off({"Content-Type": "text/event-stream"},
+                       b'data: {"choices": [{"index": 0, "text": "a", "finish_reason": null}]}\n\n')
+# a whole answer's headers promise 1000 bytes; 10 come
+break_body = cut_off({"Content-Type": "application/json", "Content-Length": "1000"}, b'{"id": "x"')
 
 
 async def silent(request: web.Request) -> web.StreamResponse:

@@ -18,7 +18,7 @@ import torch
 from splitserve.models import packed_file
 from splitserve.models.loader import load_model
 from splitserve.models.make_model import make_model
-from tests.conftest import CACHE_DIR
+from conftest import CACHE_DIR
 
 CHILD = """
 import sys, torch

@@ -28,6 +28,12 @@ class SupervisorRun:
     def out(self) -> str:
         return (self.logdir / "out.log").read_text(errors="replace")
 
+    def pids(self) -> set[int]:
+        """Every child pid a launch supervisor named: in its summary and at each restart."""
+        text = self.out()
+        return {int(p) for p in re.findall(r"^  \S+\s+pid (\d+)", text, re.M) + re.findall(r"started again: pid (\d+)",
+                                                                                            text)}
+
     def err(self) -> str:
         return (self.logdir / "err.log").read_text(errors="replace")
 
